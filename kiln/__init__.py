@@ -1,0 +1,3 @@
+"""kiln: an ahead-of-time LLM compiler and a thin serving runtime."""
+
+__version__ = "0.1.0"

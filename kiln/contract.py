@@ -1,0 +1,48 @@
+"""The graph contract shared by the optimizer (which produces it) and the runtime (which feeds it).
+
+The optimized graph works on a *packed ragged batch*: the new tokens of every scheduled
+sequence are concatenated into one axis of length num_tokens, without padding.
+
+Inputs
+  input_ids        int64  [num_tokens]
+  position_ids     int64  [num_tokens]            absolute position of each token (RoPE)
+  query_start_loc  int32  [num_seqs + 1]          cumulative token offsets; [0] == 0
+  seq_lens         int32  [num_seqs]              context length of each sequence *after* this step
+  block_tables     int32  [num_seqs, max_blocks]  physical block ids of each sequence, row-padded
+  logits_indices   int64  [num_logits]            rows of the packed batch that need logits
+  kv_cache.{i}     kv dtype [num_blocks, 2, num_kv_heads, block_size, head_dim]   one pool per layer
+
+Outputs
+  logits           float32 [num_logits, vocab_size]
+  kv_cache_out.{i} the same buffer as kv_cache.{i}: the runtime binds one OrtValue to both,
+                   and kiln.PagedAttention writes the new tokens' K/V in place.
+
+The op itself (kiln.PagedAttention, domain "kiln", version 1) is specified, with its numpy
+reference implementation, in kiln/paged_attention.py.
+"""
+
+OP_DOMAIN = "kiln"
+OP_TYPE = "PagedAttention"
+OP_VERSION = 1
+# Bumped whenever the custom-op library's inputs, attributes or KV layout change.
+OP_LIBRARY_ABI = 1
+
+INPUT_IDS = "input_ids"
+POSITION_IDS = "position_ids"
+QUERY_START_LOC = "query_start_loc"
+SEQ_LENS = "seq_lens"
+BLOCK_TABLES = "block_tables"
+LOGITS_INDICES = "logits_indices"
+LOGITS = "logits"
+
+
+def kv_cache_input(layer: int) -> str:
+    return f"kv_cache.{layer}"
+
+
+def kv_cache_output(layer: int) -> str:
+    return f"kv_cache_out.{layer}"
+
+
+def kv_pool_shape(num_blocks: int, num_kv_heads: int, block_size: int, head_dim: int) -> tuple[int, ...]:
+    return (num_blocks, 2, num_kv_heads, block_size, head_dim)

@@ -1,0 +1,131 @@
+"""The engine directory contract: manifest.json, written at build time, checked first at load.
+
+Loading fails with one sentence for: no manifest, unknown format version, a missing or
+corrupted file (sha256), an unavailable backend, or an op-library ABI mismatch.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kiln import __version__
+from kiln.contract import OP_LIBRARY_ABI
+from kiln.spec import ModelSpec
+
+FORMAT_VERSION = 1
+MANIFEST_NAME = "manifest.json"
+BACKEND_ORT_CPU = "onnxruntime-cpu"
+BACKEND_TENSORRT = "tensorrt"
+
+
+class EngineLoadError(RuntimeError):
+    """An engine directory that cannot be served; the message is one sentence naming why."""
+
+
+@dataclass(frozen=True)
+class BuildOptions:
+    dtype: str = "float32"  # activation / weight dtype of unquantized matmuls
+    quantization: str = "none"  # "none" | "int8-weight-only" | "int4-rtn-g128" | "w8a8-smoothquant" | ...
+    kv_dtype: str = "float32"  # "float32" | "float16" | "int8"
+    block_size: int = 16
+    max_seq_len: int = 2048
+    max_num_tokens: int = 2048  # per-step token budget the graph was built and tested for
+
+
+@dataclass(frozen=True)
+class Manifest:
+    spec: ModelSpec
+    build: BuildOptions
+    backend: str
+    graph_inputs: tuple[str, ...]
+    graph_outputs: tuple[str, ...]
+    files: dict[str, str] = field(default_factory=dict)  # relative path -> sha256
+    format_version: int = FORMAT_VERSION
+    kiln_version: str = __version__
+    op_library_abi: int = OP_LIBRARY_ABI
+
+    def to_json(self) -> str:
+        data = {
+            "format_version": self.format_version,
+            "kiln_version": self.kiln_version,
+            "backend": self.backend,
+            "op_library_abi": self.op_library_abi,
+            "model_spec": self.spec.to_dict(),
+            "build": asdict(self.build),
+            "graph": {"inputs": list(self.graph_inputs), "outputs": list(self.graph_outputs)},
+            "files": self.files,
+        }
+        return json.dumps(data, indent=2, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> "Manifest":
+        data = json.loads(text)
+        version = data.get("format_version")
+        if version != FORMAT_VERSION:
+            raise EngineLoadError(
+                f"engine format version {version!r} is not supported by this kiln "
+                f"(it reads version {FORMAT_VERSION}); rebuild the engine with kiln {__version__}"
+            )
+        return cls(
+            spec=ModelSpec.from_dict(data["model_spec"]),
+            build=BuildOptions(**data["build"]),
+            backend=data["backend"],
+            graph_inputs=tuple(data["graph"]["inputs"]),
+            graph_outputs=tuple(data["graph"]["outputs"]),
+            files=dict(data["files"]),
+            format_version=version,
+            kiln_version=data["kiln_version"],
+            op_library_abi=data["op_library_abi"],
+        )
+
+
+def sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def write_manifest(engine_dir: Path, manifest: Manifest) -> Manifest:
+    """Checksum every file already in engine_dir and write manifest.json beside them."""
+    engine_dir = Path(engine_dir)
+    files = {
+        str(p.relative_to(engine_dir)): sha256_file(p)
+        for p in sorted(engine_dir.rglob("*"))
+        if p.is_file() and p.name != MANIFEST_NAME
+    }
+    final = Manifest(**{**manifest.__dict__, "files": files})
+    (engine_dir / MANIFEST_NAME).write_text(final.to_json())
+    return final
+
+
+def read_manifest(engine_dir: Path, verify_checksums: bool = True) -> Manifest:
+    """Read and check manifest.json; every problem is an EngineLoadError with one sentence."""
+    engine_dir = Path(engine_dir)
+    path = engine_dir / MANIFEST_NAME
+    if not engine_dir.is_dir():
+        raise EngineLoadError(f"engine directory {engine_dir} does not exist")
+    if not path.is_file():
+        raise EngineLoadError(f"{engine_dir} is not a kiln engine directory: it has no {MANIFEST_NAME}")
+    try:
+        manifest = Manifest.from_json(path.read_text())
+    except (KeyError, TypeError, json.JSONDecodeError) as exc:
+        raise EngineLoadError(f"{path} is malformed ({exc.__class__.__name__}: {exc})") from exc
+    if manifest.op_library_abi != OP_LIBRARY_ABI:
+        raise EngineLoadError(
+            f"engine was built for kiln op-library ABI {manifest.op_library_abi}, but this kiln "
+            f"provides ABI {OP_LIBRARY_ABI}; rebuild the engine"
+        )
+    if verify_checksums:
+        for name, expected in manifest.files.items():
+            file = engine_dir / name
+            if not file.is_file():
+                raise EngineLoadError(f"engine file {name} is missing from {engine_dir}")
+            if sha256_file(file) != expected:
+                raise EngineLoadError(f"engine file {name} is corrupted (sha256 does not match the manifest)")
+    return manifest
