@@ -1,0 +1,1 @@
+"""Calibration: activation statistics on real text, saved as an offline artifact."""
