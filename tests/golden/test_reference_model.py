@@ -1,0 +1,218 @@
+"""ReferenceModel numerics against transformers: tiny random models of every family, the
+GGUF path, and (slow) SmolLM2-135M-Instruct from its GGUF, tokenizer and chat template included."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kiln.export import ReferenceModel, default_model_path, load_checkpoint
+from helpers import make_tiny_gguf, make_tiny_hf_model
+
+LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                  "original_max_position_embeddings": 32}
+
+TINY_CASES = {
+    "llama-gqa-tied": ("llama", {}),
+    "llama-mha-untied": ("llama", dict(num_key_value_heads=4, tie_word_embeddings=False)),
+    "llama-mqa": ("llama", dict(num_key_value_heads=1)),
+    "llama3-rope-scaling": ("llama", dict(rope_scaling=LLAMA3_SCALING, rope_theta=500000.0)),
+    "llama-linear-rope": ("llama", dict(rope_scaling={"rope_type": "linear", "factor": 4.0})),
+    "llama-head-dim-32": ("llama", dict(head_dim=32)),
+    "mistral-sliding-window": ("mistral", dict(sliding_window=5, num_key_value_heads=1)),
+    "qwen2-bias-untied": ("qwen2", dict(tie_word_embeddings=False)),
+}
+
+
+def _hf_logits(folder, input_ids, position_ids):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(folder, attn_implementation="eager", dtype=torch.float32).eval()
+    with torch.no_grad():
+        return model(input_ids=input_ids, position_ids=position_ids).logits
+
+
+def _positions(batch: int, seq: int, offsets=(0, 9)) -> torch.Tensor:
+    return torch.stack([torch.arange(seq) + offsets[b % len(offsets)] for b in range(batch)])
+
+
+@pytest.mark.parametrize("case", list(TINY_CASES))
+def test_tiny_models_match_transformers(tmp_path, case):
+    family, overrides = TINY_CASES[case]
+    folder = make_tiny_hf_model(tmp_path, family, **overrides)
+    model = ReferenceModel.from_checkpoint(load_checkpoint(folder))
+    torch.manual_seed(0)
+    input_ids = torch.randint(0, model.spec.vocab_size, (2, 13))
+    position_ids = _positions(2, 13)
+    with torch.no_grad():
+        ours = model(input_ids, position_ids)
+    assert ours.shape == (2, 13, model.spec.vocab_size) and ours.dtype == torch.float32
+    torch.testing.assert_close(ours, _hf_logits(folder, input_ids, position_ids), atol=1e-4, rtol=1e-4)
+
+
+def test_causal_mask_follows_positions():
+    """mask[b, 0, i, j] = 0 iff pos[j] <= pos[i] (and pos[i] - pos[j] < window), else MASK_VALUE."""
+    from kiln.export.reference import MASK_VALUE, causal_mask
+
+    pos = torch.tensor([[0, 1, 2, 3], [5, 6, 7, 8]])
+    full = causal_mask(pos)
+    assert full.shape == (2, 1, 4, 4)
+    expected = torch.tril(torch.ones(4, 4, dtype=torch.bool))
+    assert torch.equal(full[:, 0] == 0, expected.expand(2, 4, 4))
+    assert torch.all(full[:, 0][~expected.expand(2, 4, 4)] == MASK_VALUE)
+    window = causal_mask(pos, sliding_window=2)[0, 0] == 0
+    assert window.tolist() == [[True, False, False, False], [True, True, False, False],
+                               [False, True, True, False], [False, False, True, True]]
+    # Order in the row does not matter, only the positions.
+    shuffled = causal_mask(torch.tensor([[2, 0, 1]]))[0, 0] == 0
+    assert shuffled.tolist() == [[True, True, True], [False, True, False], [False, True, True]]
+
+
+def test_single_token_and_continuation_positions(tmp_path):
+    """S=1 works, and the last row of a prefix equals a prefix run (causality)."""
+    folder = make_tiny_hf_model(tmp_path, "llama")
+    model = ReferenceModel.from_checkpoint(load_checkpoint(folder))
+    ids = torch.randint(0, 320, (1, 9))
+    with torch.no_grad():
+        full = model(ids, torch.arange(9)[None])
+        prefix = model(ids[:, :4], torch.arange(4)[None])
+        one = model(ids[:, :1], torch.zeros(1, 1, dtype=torch.long))
+    torch.testing.assert_close(full[:, :4], prefix, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(full[:, :1], one, atol=1e-5, rtol=1e-5)
+
+
+def test_parameters_carry_hf_names(tmp_path):
+    ckpt = load_checkpoint(make_tiny_hf_model(tmp_path, "qwen2", tie_word_embeddings=False))
+    model = ReferenceModel.from_checkpoint(ckpt)
+    assert set(model.state_dict()) == set(ckpt.weights)
+    # The checkpoint's tensors are shared, not copied.
+    assert model.model.embed_tokens.weight.data_ptr() == ckpt.weights["model.embed_tokens.weight"].data_ptr()
+
+
+GGUF_CASES = {
+    "mqa-untied": dict(num_key_value_heads=1, tie_word_embeddings=False),
+    "llama3-rope-freqs": dict(rope_scaling=LLAMA3_SCALING, num_key_value_heads=4),
+    "linear-rope": dict(rope_scaling={"rope_type": "linear", "factor": 4.0}),
+}
+
+
+@pytest.mark.parametrize("case", list(GGUF_CASES))
+def test_tiny_gguf_matches_transformers(tmp_path, case):
+    gguf_path, hf_dir = make_tiny_gguf(tmp_path, **GGUF_CASES[case])
+    ckpt = load_checkpoint(gguf_path)
+    assert ckpt.spec.rope_scaling == load_checkpoint(hf_dir).spec.rope_scaling or case == "llama3-rope-freqs"
+    model = ReferenceModel.from_checkpoint(ckpt)
+    input_ids = torch.randint(0, 320, (2, 11))
+    position_ids = _positions(2, 11, offsets=(0, 40))
+    with torch.no_grad():
+        ours = model(input_ids, position_ids)
+    torch.testing.assert_close(ours, _hf_logits(hf_dir, input_ids, position_ids), atol=1e-4, rtol=1e-4)
+
+
+# --- SmolLM2-135M-Instruct (GGUF) -------------------------------------------------------------
+
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):\n    if n < 2:\n        return n\n",
+    "Once upon a time, in a land far away, there lived a",
+]
+TOKENIZER_TEXTS = PROMPTS + [
+    "", " leading space and  double  spaces", "Ünïcödé ✓ 日本語 🤖", "<|im_start|>user\nHi!<|im_end|>\n",
+    "numbers 1234567 and 3.14159", "tabs\tand\nnewlines\r\n",
+]
+MESSAGES = [
+    [{"role": "user", "content": "What is the capital of France?"}],
+    [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+     {"role": "assistant", "content": "Hello!"}, {"role": "user", "content": "2+2?"}],
+]
+
+
+def _smollm2_path():
+    try:
+        return default_model_path()
+    except FileNotFoundError as exc:
+        pytest.skip(str(exc))
+
+
+@pytest.fixture(scope="session")
+def smollm2_checkpoint():
+    return load_checkpoint(_smollm2_path())
+
+
+@pytest.fixture(scope="session")
+def smollm2_hf():
+    """transformers' own GGUF path: its config, its tensor mapping and q/k un-permutation.
+    (from_pretrained(gguf_file=) would need accelerate; load_gguf_checkpoint does the same work.)"""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    path = _smollm2_path()
+    config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager", dtype=torch.float32).eval()
+    tensors = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=model)["tensors"]
+    result = model.load_state_dict(tensors, strict=False)
+    assert result.missing_keys == ["lm_head.weight"] and not result.unexpected_keys  # tied
+    model.tie_weights()
+    return model
+
+
+@pytest.fixture(scope="session")
+def smollm2_hf_tokenizer():
+    from transformers import AutoTokenizer
+
+    path = _smollm2_path()
+    return AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+
+
+@pytest.mark.slow
+def test_smollm2_spec(smollm2_checkpoint):
+    spec = smollm2_checkpoint.spec
+    assert (spec.num_layers, spec.hidden_size, spec.num_heads, spec.num_kv_heads, spec.head_dim) == (30, 576, 9, 3, 64)
+    assert (spec.vocab_size, spec.intermediate_size, spec.tie_word_embeddings) == (49152, 1536, True)
+    assert (spec.rope_theta, spec.rms_norm_eps, spec.max_position_embeddings) == (100000.0, 1e-5, 8192)
+    assert spec.bos_token_id == 1 and spec.eos_token_ids == (2,)
+
+
+@pytest.mark.slow
+def test_smollm2_logits_match_transformers(smollm2_checkpoint, smollm2_hf, smollm2_hf_tokenizer):
+    hf_model, tokenizer = smollm2_hf, smollm2_hf_tokenizer
+    model = ReferenceModel.from_checkpoint(smollm2_checkpoint)
+    for prompt in PROMPTS:
+        ids = torch.tensor([tokenizer(prompt)["input_ids"]])
+        pos = torch.arange(ids.shape[1])[None]
+        with torch.no_grad():
+            ours = model(ids, pos)
+            theirs = hf_model(input_ids=ids, position_ids=pos).logits
+        torch.testing.assert_close(ours, theirs, atol=1e-3, rtol=1e-3, msg=prompt)
+    ids = torch.tensor([tokenizer("The capital of France is")["input_ids"]])
+    with torch.no_grad():
+        top = model(ids, torch.arange(ids.shape[1])[None])[0, -1].argmax()
+    assert tokenizer.decode(top).strip() == "Paris"
+
+
+@pytest.mark.slow
+def test_smollm2_tokenizer_matches_transformers(smollm2_checkpoint, smollm2_hf_tokenizer):
+    from tokenizers import Tokenizer
+
+    reference = smollm2_hf_tokenizer
+    ours = Tokenizer.from_str(smollm2_checkpoint.tokenizer.tokenizer_json)
+    for text in TOKENIZER_TEXTS:
+        ids = ours.encode(text).ids
+        assert ids == reference(text)["input_ids"], text
+        assert ours.decode(ids, skip_special_tokens=False) == reference.decode(ids), text
+
+
+@pytest.mark.slow
+def test_smollm2_chat_template_renders(smollm2_checkpoint, smollm2_hf_tokenizer):
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    reference = smollm2_hf_tokenizer
+    config = smollm2_checkpoint.tokenizer.tokenizer_config
+    assert (config["bos_token"], config["eos_token"], config["add_bos_token"]) == ("<|im_start|>", "<|im_end|>", False)
+    # transformers renders chat templates with trim_blocks and lstrip_blocks.
+    template = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True).from_string(config["chat_template"])
+    for messages in MESSAGES:
+        text = template.render(messages=messages, add_generation_prompt=True,
+                               bos_token=config["bos_token"], eos_token=config["eos_token"])
+        assert text == reference.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        assert text.endswith("<|im_start|>assistant\n") and messages[-1]["content"] in text
