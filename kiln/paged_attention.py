@@ -1,0 +1,141 @@
+"""kiln.PagedAttention (domain "kiln", version 1): the contract and its executable spec.
+
+Both kernels (the ONNX Runtime CPU custom op in runtime/ops/paged_attention.cc and the
+TensorRT plugin) are tested against `paged_attention_ref` below.
+
+Inputs
+  query            float32 [T, H*D]       post-RoPE queries of the packed ragged batch
+  key              float32 [T, Hkv*D]     post-RoPE keys of the new tokens
+  value            float32 [T, Hkv*D]
+  kv_cache         f32|f16 [num_blocks, 2, Hkv, block_size, D]   one layer's pool; [:, 0] K, [:, 1] V
+  block_tables     int32   [S, max_blocks]  physical block of each logical block, row-padded
+  seq_lens         int32   [S]              context length of each sequence *after* this step
+  query_start_loc  int32   [S+1]            cumulative token offsets: qsl[0] == 0, qsl[S] == T
+Outputs
+  out              float32 [T, H*D]
+  kv_cache_out     the pool's dtype and shape; the runtime binds one OrtValue to both kv_cache
+                   and kv_cache_out, and the op then writes only the new tokens' slots.
+Attributes
+  num_heads (int), num_kv_heads (int, divides num_heads), scale (float; absent or 0 means
+  1/sqrt(D)), sliding_window (int, 0 = off)
+
+Semantics. Sequence s has q_len = qsl[s+1] - qsl[s] new tokens; its token i sits at the
+absolute position pos = seq_lens[s] - q_len + i. First the K/V of every new token of every
+sequence is written to block block_tables[s][pos // block_size], slot pos % block_size
+(rounded to the pool's dtype). Then query head h of that token attends, through KV head h // (H / Hkv), to every
+position p of its sequence with p <= pos (and p > pos - sliding_window when set), reading
+K/V from the updated pool: out = softmax(scale * q.K^T) V. Blocks other than the new
+tokens' slots are left untouched. A sequence with q_len == 0 is allowed and does nothing.
+Only the blocks a token can see are read (block-table entries before a sliding window or
+past seq_lens may hold anything, e.g. -1). Invalid inputs are errors, never out-of-bounds reads.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from kiln.contract import OP_DOMAIN, OP_TYPE, OP_VERSION
+
+INPUT_NAMES = ("query", "key", "value", "kv_cache", "block_tables", "seq_lens", "query_start_loc")
+OUTPUT_NAMES = ("out", "kv_cache_out")
+
+
+def token_positions(seq_lens: np.ndarray, query_start_loc: np.ndarray) -> np.ndarray:
+    """Absolute position of every token of the packed batch, int64 [T]."""
+    q_lens = np.diff(query_start_loc).tolist()
+    spans = [np.arange(L - n, L, dtype=np.int64) for L, n in zip(seq_lens.tolist(), q_lens)]
+    return np.concatenate(spans) if spans else np.zeros(0, np.int64)
+
+
+def paged_attention_ref(
+    query: np.ndarray,
+    key: np.ndarray,
+    value: np.ndarray,
+    kv_cache: np.ndarray,
+    block_tables: np.ndarray,
+    seq_lens: np.ndarray,
+    query_start_loc: np.ndarray,
+    num_heads: int,
+    num_kv_heads: int,
+    scale: float,
+    sliding_window: int = 0,
+) -> tuple[np.ndarray, np.ndarray]:
+    """The executable spec: returns (out float32 [T, H*D], the updated copy of kv_cache)."""
+    T = query.shape[0]
+    D = query.shape[1] // num_heads
+    group = num_heads // num_kv_heads
+    block_size = kv_cache.shape[3]
+    scale = scale or 1.0 / np.sqrt(D)
+    pool = kv_cache.copy()
+    out = np.zeros((T, num_heads * D), dtype=np.float32)
+    positions = token_positions(seq_lens, query_start_loc)
+    seq_of_token = np.repeat(np.arange(len(seq_lens)), np.diff(query_start_loc))
+    blocks, slots = block_tables[seq_of_token, positions // block_size], positions % block_size
+    pool[blocks, 0, :, slots, :] = key.reshape(T, num_kv_heads, D)  # all writes first, then all reads
+    pool[blocks, 1, :, slots, :] = value.reshape(T, num_kv_heads, D)
+    for s in range(len(seq_lens)):
+        t0, t1 = int(query_start_loc[s]), int(query_start_loc[s + 1])
+        q_len, L = t1 - t0, int(seq_lens[s])
+        if q_len == 0:
+            continue
+        new_pos = positions[t0:t1]
+        ctx = np.arange(L)
+        k = pool[block_tables[s, ctx // block_size], 0, :, ctx % block_size, :].astype(np.float64)  # [L, Hkv, D]
+        v = pool[block_tables[s, ctx // block_size], 1, :, ctx % block_size, :].astype(np.float64)
+        k, v = np.repeat(k, group, axis=1), np.repeat(v, group, axis=1)  # [L, H, D]
+        q = query[t0:t1].reshape(q_len, num_heads, D).astype(np.float64)
+        scores = np.einsum("qhd,khd->hqk", q, k) * scale
+        allowed = ctx[None, :] <= new_pos[:, None]
+        if sliding_window > 0:
+            allowed &= ctx[None, :] > new_pos[:, None] - sliding_window
+        scores = np.where(allowed[None], scores, -np.inf)
+        probs = np.exp(scores - scores.max(axis=-1, keepdims=True))
+        probs /= probs.sum(axis=-1, keepdims=True)
+        out[t0:t1] = np.einsum("hqk,khd->qhd", probs, v).reshape(q_len, num_heads * D)
+    return out, pool
+
+
+def make_single_op_model(
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    scale: float = 0.0,
+    sliding_window: int = 0,
+    kv_dtype=np.float32,
+):
+    """A one-node ONNX model (onnx.ModelProto) running kiln.PagedAttention, for tests and benchmarks.
+
+    Graph inputs and outputs carry the op's own input/output names; token, block and
+    sequence counts are symbolic dims.
+    """
+    from onnx import TensorProto, helper  # compile-time dependency only
+
+    kv_type = {np.dtype(np.float32): TensorProto.FLOAT, np.dtype(np.float16): TensorProto.FLOAT16}[np.dtype(kv_dtype)]
+    pool = ["num_blocks", 2, num_kv_heads, block_size, head_dim]
+    inputs = [
+        helper.make_tensor_value_info("query", TensorProto.FLOAT, ["T", num_heads * head_dim]),
+        helper.make_tensor_value_info("key", TensorProto.FLOAT, ["T", num_kv_heads * head_dim]),
+        helper.make_tensor_value_info("value", TensorProto.FLOAT, ["T", num_kv_heads * head_dim]),
+        helper.make_tensor_value_info("kv_cache", kv_type, pool),
+        helper.make_tensor_value_info("block_tables", TensorProto.INT32, ["S", "max_blocks"]),
+        helper.make_tensor_value_info("seq_lens", TensorProto.INT32, ["S"]),
+        helper.make_tensor_value_info("query_start_loc", TensorProto.INT32, ["S1"]),
+    ]
+    outputs = [
+        helper.make_tensor_value_info("out", TensorProto.FLOAT, ["T", num_heads * head_dim]),
+        helper.make_tensor_value_info("kv_cache_out", kv_type, pool),
+    ]
+    node = helper.make_node(
+        OP_TYPE,
+        list(INPUT_NAMES),
+        list(OUTPUT_NAMES),
+        domain=OP_DOMAIN,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        scale=float(scale),
+        sliding_window=sliding_window,
+    )
+    graph = helper.make_graph([node], "kiln_paged_attention", inputs, outputs)
+    opsets = [helper.make_opsetid("", 17), helper.make_opsetid(OP_DOMAIN, OP_VERSION)]
+    return helper.make_model(graph, opset_imports=opsets, ir_version=8)

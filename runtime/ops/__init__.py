@@ -1,0 +1,45 @@
+"""The kiln custom-op library for ONNX Runtime CPU (kiln.PagedAttention).
+
+`library_path()` is what a session registers:
+    so = onnxruntime.SessionOptions(); so.register_custom_ops_library(library_path())
+"""
+
+from __future__ import annotations
+
+import ctypes
+from pathlib import Path
+
+from kiln.contract import OP_LIBRARY_ABI
+
+LIBRARY_NAME = "libkiln_ops.so"
+_HERE = Path(__file__).resolve().parent
+
+
+class OpLibraryError(RuntimeError):
+    """The op library is missing or incompatible; the message says how to fix it."""
+
+
+def library_path() -> str:
+    """Absolute path of libkiln_ops.so, which the install compiles next to this file."""
+    path = _HERE / LIBRARY_NAME
+    if not path.is_file():
+        raise OpLibraryError(
+            f"{path} is missing: reinstall kiln (pip install -e . / make install) or build it with "
+            f"`python {_HERE / 'build_ops.py'}` (needs g++ and ONNX Runtime headers)"
+        )
+    return str(path)
+
+
+def check_abi() -> int:
+    """Load the library and check its ABI version against kiln.contract.OP_LIBRARY_ABI; returns it."""
+    path = library_path()
+    try:
+        found = int(ctypes.CDLL(path).kiln_ops_abi_version())
+    except (OSError, AttributeError) as exc:
+        raise OpLibraryError(f"{path} cannot be loaded as a kiln op library ({exc}); rebuild it") from exc
+    if found != OP_LIBRARY_ABI:
+        raise OpLibraryError(
+            f"{path} implements op-library ABI {found} but this kiln expects ABI {OP_LIBRARY_ABI}; rebuild it "
+            f"with `python {_HERE / 'build_ops.py'}`"
+        )
+    return found

@@ -1,0 +1,154 @@
+"""Compile libkiln_ops.so (the kiln.PagedAttention ONNX Runtime CPU kernel) with g++.
+
+Standard library only: setup.py loads this file by path at install time, and `make` or a
+developer can rerun it:  python runtime/ops/build_ops.py [-o OUT.so]
+
+ONNX Runtime's C/C++ headers are in no PyPI package. They are taken from, in order:
+$KILN_ORT_INCLUDE, the cache dir ~/.cache/kiln/ort-headers (or $KILN_CACHE_DIR/ort-headers),
+/usr/include/onnxruntime; otherwise Debian's libonnxruntime-dev is downloaded into the cache
+with a private apt sources list (the system's apt configuration is not touched).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+SOURCES = ("paged_attention.cc",)
+HEADERS = ("simd.h", "validate.h")
+LIBRARY_NAME = "libkiln_ops.so"
+MARKER_HEADER = "onnxruntime_lite_custom_op.h"
+DEBIAN_SUITE = "deb http://deb.debian.org/debian trixie main"
+DEBIAN_PACKAGE = "libonnxruntime-dev"
+CXXFLAGS = ("-std=c++17", "-O3", "-mavx2", "-mfma", "-mf16c", "-fPIC", "-shared", "-fvisibility=hidden", "-Wall")
+
+
+class BuildError(RuntimeError):
+    pass
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("KILN_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "kiln")
+    return Path(root) / "ort-headers"
+
+
+def _header_dir(root: Path) -> Path | None:
+    for candidate in (root, root / "onnxruntime", root / "usr" / "include" / "onnxruntime"):
+        if (candidate / MARKER_HEADER).is_file():
+            return candidate
+    return None
+
+
+def _apt_download(dest: Path) -> None:
+    if shutil.which("apt-get") is None or shutil.which("dpkg") is None:
+        raise BuildError(
+            f"ONNX Runtime headers not found and apt-get/dpkg are unavailable to fetch {DEBIAN_PACKAGE}; "
+            f"set KILN_ORT_INCLUDE to a directory holding {MARKER_HEADER}"
+        )
+    with tempfile.TemporaryDirectory(prefix="kiln-apt-") as tmp:
+        d = Path(tmp)
+        (d / "lists" / "partial").mkdir(parents=True)
+        (d / "cache" / "archives" / "partial").mkdir(parents=True)
+        (d / "sources.list").write_text(DEBIAN_SUITE + "\n")
+        opts = [
+            f"-oDir::Etc::SourceList={d / 'sources.list'}",
+            "-oDir::Etc::SourceParts=/dev/null",
+            f"-oDir::State::Lists={d / 'lists'}",
+            f"-oDir::Cache={d / 'cache'}",
+            "-qq",
+        ]
+        if os.geteuid() == 0:
+            opts.append("-oAPT::Sandbox::User=root")  # the _apt user cannot write into our private dirs
+        print(f"kiln: fetching {DEBIAN_PACKAGE} headers from the Debian archive", file=sys.stderr)
+        try:
+            subprocess.run(["apt-get", *opts, "update"], check=True, stdout=subprocess.DEVNULL)
+            subprocess.run(["apt-get", *opts, "download", DEBIAN_PACKAGE], check=True, cwd=d, stdout=subprocess.DEVNULL)
+            debs = sorted(d.glob(f"{DEBIAN_PACKAGE}_*.deb"))
+            if not debs:
+                raise BuildError(f"apt-get download {DEBIAN_PACKAGE} produced no .deb")
+            staging = d / "x"
+            subprocess.run(["dpkg", "-x", str(debs[-1]), str(staging)], check=True)
+        except subprocess.CalledProcessError as exc:
+            raise BuildError(
+                f"could not download {DEBIAN_PACKAGE} ({exc}); set KILN_ORT_INCLUDE to a directory holding {MARKER_HEADER}"
+            ) from exc
+        src = _header_dir(staging)
+        if src is None:
+            raise BuildError(f"{debs[-1].name} has no {MARKER_HEADER}")
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        tmp_dest = dest.with_name(dest.name + ".tmp")
+        shutil.rmtree(tmp_dest, ignore_errors=True)
+        shutil.copytree(src, tmp_dest)
+        shutil.rmtree(dest, ignore_errors=True)
+        tmp_dest.rename(dest)
+
+
+def find_ort_headers(fetch: bool = True) -> Path:
+    """The directory holding onnxruntime_lite_custom_op.h, downloading it into the cache if needed."""
+    env = os.environ.get("KILN_ORT_INCLUDE")
+    if env:
+        found = _header_dir(Path(env))
+        if found is None:
+            raise BuildError(f"KILN_ORT_INCLUDE={env} holds no {MARKER_HEADER}")
+        return found
+    for root in (cache_dir(), Path("/usr/include/onnxruntime")):
+        found = _header_dir(root)
+        if found is not None:
+            return found
+    if not fetch:
+        raise BuildError(f"no ONNX Runtime headers in KILN_ORT_INCLUDE, {cache_dir()} or /usr/include/onnxruntime")
+    _apt_download(cache_dir())
+    return find_ort_headers(fetch=False)
+
+
+def build(output: Path, include: Path | None = None, verbose: bool = True) -> Path:
+    """Compile the op library into `output` (a .so path); returns it."""
+    cxx = os.environ.get("CXX", "g++")
+    if shutil.which(cxx) is None:
+        raise BuildError(f"no C++ compiler ({cxx}) on PATH: install g++ to build {LIBRARY_NAME}")
+    include = include or find_ort_headers()
+    output = Path(output)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    tmp = output.with_name(output.name + ".tmp")
+    cmd = [cxx, *CXXFLAGS, f"-I{include}", f"-I{HERE}", *(str(HERE / s) for s in SOURCES), "-o", str(tmp)]
+    if verbose:
+        print("kiln:", " ".join(cmd), file=sys.stderr)
+    try:
+        subprocess.run(cmd, check=True)
+    except subprocess.CalledProcessError as exc:
+        raise BuildError(f"compiling {LIBRARY_NAME} failed (exit {exc.returncode})") from exc
+    os.replace(tmp, output)  # atomic: a loaded old library stays valid
+    return output
+
+
+def is_stale(output: Path) -> bool:
+    output = Path(output)
+    if not output.is_file():
+        return True
+    newest = max((HERE / f).stat().st_mtime for f in (*SOURCES, *HEADERS))
+    return output.stat().st_mtime < newest
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=f"compile {LIBRARY_NAME}")
+    parser.add_argument("-o", "--output", type=Path, default=HERE / LIBRARY_NAME)
+    parser.add_argument("--if-stale", action="store_true", help="only rebuild when a source is newer than the library")
+    args = parser.parse_args(argv)
+    if args.if_stale and not is_stale(args.output):
+        return 0
+    try:
+        print(build(args.output))
+    except BuildError as exc:
+        print(f"kiln: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

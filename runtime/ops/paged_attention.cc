@@ -1,0 +1,407 @@
+// kiln.PagedAttention (domain "kiln", version 1): the ONNX Runtime CPU kernel.
+//
+// The contract (inputs, outputs, attributes, semantics) is written once, with its numpy
+// reference implementation, in kiln/paged_attention.py; this file implements it.
+//
+//   1. validate every input against the others (no out-of-bounds read on bad input);
+//   2. if kv_cache_out is not the same buffer as kv_cache, copy the pool (slow fallback);
+//   3. write the new tokens' K/V into their slots of kv_cache_out;
+//   4. attention: work items (sequence, kv head, chunk of query tokens, context partition)
+//      run on ONNX Runtime's intra-op thread pool; each streams the (block, head) K/V
+//      tiles once for all query heads of its group, with a flash-style online softmax;
+//   5. items that split one long context (decode with few sequences) are merged.
+//
+// Built with -O3 -mavx2 -mfma -mf16c; RegisterCustomOps refuses to load without AVX2.
+#define ORT_API_MANUAL_INIT
+#include "onnxruntime_lite_custom_op.h"
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "simd.h"
+#include "validate.h"
+
+namespace kiln {
+
+constexpr int kAbiVersion = 1;  // kiln.contract.OP_LIBRARY_ABI
+constexpr int kTargetRowsPerItem = 64;  // query rows (tokens x heads of one group) per work item
+constexpr int kMinPartition = 128;      // smallest context partition worth a separate item
+
+struct WorkItem {
+  int32_t seq, kv_head, q_begin, q_end;  // query tokens [q_begin, q_end) of the sequence
+  int32_t ctx_begin, ctx_end;            // key positions [ctx_begin, ctx_end)
+  int64_t partial;                       // first partial row, or -1: write `out` directly
+  int64_t cost;
+};
+
+struct SplitGroup {  // one (sequence, kv head, query chunk) whose context was partitioned
+  int32_t seq, kv_head, q_begin, q_end, num_parts;
+  int64_t partial;
+};
+
+// Everything a work item reads; built once per Compute call after validation.
+template <typename KvT>
+struct Problem {
+  const float* q;
+  const float* k;
+  const float* v;
+  const int32_t* block_tables;
+  const int32_t* seq_lens;
+  const int32_t* qsl;
+  KvT* pool;
+  float* out;
+  float* partials;  // rows of [m, l, acc[D]]
+  int64_t num_tokens, H, Hkv, D, G, block_size, max_blocks;
+  float scale;
+  int64_t window;
+
+  int64_t first_pos(int32_t s) const { return seq_lens[s] - (qsl[s + 1] - qsl[s]); }
+  KvT* tile(int32_t s, int64_t logical_block, int kv, int32_t kv_head) const {
+    const int64_t phys = block_tables[s * max_blocks + logical_block];
+    return pool + ((phys * 2 + kv) * Hkv + kv_head) * block_size * D;
+  }
+};
+
+// ---------------------------------------------------------------- write new K/V
+
+template <typename KvT>
+void write_token(const Problem<KvT>& p, int32_t s, int64_t t) {
+  const int64_t pos = p.first_pos(s) + (t - p.qsl[s]);
+  const int64_t slot = pos % p.block_size;
+  for (int32_t g = 0; g < p.Hkv; ++g) {
+    store_row(p.tile(s, pos / p.block_size, 0, g) + slot * p.D, p.k + (t * p.Hkv + g) * p.D, p.D);
+    store_row(p.tile(s, pos / p.block_size, 1, g) + slot * p.D, p.v + (t * p.Hkv + g) * p.D, p.D);
+  }
+}
+
+// ---------------------------------------------------------------- attention
+
+struct RowState {
+  float* q;    // [D], pre-scaled
+  float* acc;  // [D]
+  float m, l;  // running max and softmax denominator
+};
+
+struct ActiveRow {
+  int row, lo, hi;  // keys [lo, hi) of the current block slice
+};
+
+constexpr int kGroup = 4;  // most rows sharing each K and V load
+
+// Up to kGroup rows against one block slice K/V (float, row stride D): scores over the union of
+// their key ranges, each row masked to its own range, online softmax, then one blocked P.V.
+inline void attend_group(RowState* st, const ActiveRow* act, int nr, const float* K, const float* V, int64_t D,
+                         float* sbuf, int ld) {
+  int a = act[0].lo, b = act[0].hi;
+  for (int r = 1; r < nr; ++r) a = std::min(a, act[r].lo), b = std::max(b, act[r].hi);
+  const int n = b - a;
+  const float* qs[kGroup];
+  float* ss[kGroup];
+  float* accs[kGroup];
+  for (int r = 0; r < nr; ++r) qs[r] = st[act[r].row].q, ss[r] = sbuf + r * ld, accs[r] = st[act[r].row].acc;
+  switch (nr) {
+    case 1: dot_rows<1>(qs, K + a * D, n, D, ss); break;
+    case 2: dot_rows<2>(qs, K + a * D, n, D, ss); break;
+    case 3: dot_rows<3>(qs, K + a * D, n, D, ss); break;
+    default: dot_rows<2>(qs, K + a * D, n, D, ss), dot_rows<2>(qs + 2, K + a * D, n, D, ss + 2); break;
+  }
+  for (int r = 0; r < nr; ++r) {
+    RowState& row = st[act[r].row];
+    float* s = ss[r];
+    const int lo = act[r].lo - a, hi = act[r].hi - a;
+    const float mx = max_of(s + lo, hi - lo);
+    if (mx > row.m) {
+      if (row.l > 0.f) {
+        const float corr = std::exp(row.m - mx);
+        row.l *= corr;
+        scale_row(row.acc, corr, D);
+      }
+      row.m = mx;
+    }
+    row.l += exp_shift_sum(s + lo, hi - lo, row.m);
+    if (lo > 0) std::fill(s, s + lo, 0.f);
+    if (hi < n) std::fill(s + hi, s + n, 0.f);
+  }
+  const float* const* ps = ss;
+  switch (nr) {
+    case 1: accumulate_rows<1>(accs, ps, V + a * D, n, D); break;
+    case 2: accumulate_rows<2>(accs, ps, V + a * D, n, D); break;
+    case 3: accumulate_rows<3>(accs, ps, V + a * D, n, D); break;
+    default: accumulate_rows<4>(accs, ps, V + a * D, n, D); break;
+  }
+}
+
+template <typename KvT>
+void run_item(const Problem<KvT>& p, const WorkItem& w) {
+  const int64_t D = p.D, G = p.G, bs = p.block_size;
+  const int nq = w.q_end - w.q_begin;
+  const int rows = nq * static_cast<int>(G);
+  thread_local std::vector<float> scratch;
+  const size_t need = static_cast<size_t>(rows) * (2 * D) + kGroup * bs + (is_f16<KvT>() ? 2 * bs * D : 0);
+  if (scratch.size() < need) scratch.resize(need);
+  float* qbuf = scratch.data();
+  float* accbuf = qbuf + rows * D;
+  float* scores = accbuf + rows * D;
+  float* kbuf = scores + kGroup * bs;
+  float* vbuf = kbuf + bs * D;
+
+  const int64_t first = p.first_pos(w.seq);
+  const int64_t tok0 = p.qsl[w.seq];
+  std::vector<RowState> st(rows);
+  std::vector<ActiveRow> act(rows);
+  // Rows of one token share their key range: groups of 3 keep G=3 (SmolLM2) groups unmasked.
+  const int group = (G % 3 == 0 && G % 4 != 0) ? 3 : kGroup;
+  for (int i = 0; i < nq; ++i) {
+    for (int64_t hh = 0; hh < G; ++hh) {
+      const int r = i * static_cast<int>(G) + static_cast<int>(hh);
+      const int64_t h = w.kv_head * G + hh;
+      st[r] = RowState{qbuf + r * D, accbuf + r * D, -std::numeric_limits<float>::infinity(), 0.f};
+      scaled_copy(st[r].q, p.q + ((tok0 + w.q_begin + i) * p.H + h) * D, p.scale, D);
+      std::fill(st[r].acc, st[r].acc + D, 0.f);
+    }
+  }
+
+  for (int64_t blk = w.ctx_begin / bs; blk * bs < w.ctx_end; ++blk) {
+    const int64_t base = blk * bs;
+    const int j0 = static_cast<int>(std::max<int64_t>(w.ctx_begin, base) - base);
+    const int j1 = static_cast<int>(std::min<int64_t>(w.ctx_end, base + bs) - base);
+    int nact = 0;
+    for (int i = 0; i < nq; ++i) {
+      const int64_t pos = first + w.q_begin + i;
+      int64_t lo = j0;
+      if (p.window > 0) lo = std::max<int64_t>(lo, pos - p.window + 1 - base);
+      const int64_t hi = std::min<int64_t>(j1, pos + 1 - base);
+      if (lo >= hi) continue;
+      for (int64_t hh = 0; hh < G; ++hh)
+        act[nact++] = ActiveRow{static_cast<int>(i * G + hh), static_cast<int>(lo - j0), static_cast<int>(hi - j0)};
+    }
+    if (nact == 0) continue;
+    const float* K = as_float(p.tile(w.seq, blk, 0, w.kv_head) + j0 * D, kbuf, (j1 - j0) * D);
+    const float* V = as_float(p.tile(w.seq, blk, 1, w.kv_head) + j0 * D, vbuf, (j1 - j0) * D);
+    for (int g = 0; g < nact; g += group)
+      attend_group(st.data(), act.data() + g, std::min(group, nact - g), K, V, D, scores, static_cast<int>(bs));
+  }
+
+  for (int i = 0; i < nq; ++i) {
+    for (int64_t hh = 0; hh < G; ++hh) {
+      const RowState& r = st[i * G + hh];
+      if (w.partial < 0) {
+        float* o = p.out + ((tok0 + w.q_begin + i) * p.H + w.kv_head * G + hh) * D;
+        const float inv = r.l > 0.f ? 1.f / r.l : 0.f;
+        for (int64_t d = 0; d < D; ++d) o[d] = r.acc[d] * inv;
+      } else {
+        float* pr = p.partials + (w.partial + i * G + hh) * (D + 2);
+        pr[0] = r.m;
+        pr[1] = r.l;
+        std::memcpy(pr + 2, r.acc, D * sizeof(float));
+      }
+    }
+  }
+}
+
+template <typename KvT>
+void merge_group(const Problem<KvT>& p, const SplitGroup& g) {
+  const int64_t D = p.D, G = p.G;
+  const int rows = (g.q_end - g.q_begin) * static_cast<int>(G);
+  for (int r = 0; r < rows; ++r) {
+    float m = -std::numeric_limits<float>::infinity();
+    for (int part = 0; part < g.num_parts; ++part) m = std::max(m, p.partials[(g.partial + part * rows + r) * (D + 2)]);
+    const int i = r / static_cast<int>(G), hh = r % static_cast<int>(G);
+    float* o = p.out + ((p.qsl[g.seq] + g.q_begin + i) * p.H + g.kv_head * G + hh) * D;
+    std::fill(o, o + D, 0.f);
+    float l = 0.f;
+    for (int part = 0; part < g.num_parts; ++part) {
+      const float* pr = p.partials + (g.partial + part * rows + r) * (D + 2);
+      if (pr[1] <= 0.f) continue;
+      const float w = std::exp(pr[0] - m);
+      l += w * pr[1];
+      for (int64_t d = 0; d < D; ++d) o[d] += w * pr[2 + d];
+    }
+    const float inv = l > 0.f ? 1.f / l : 0.f;
+    for (int64_t d = 0; d < D; ++d) o[d] *= inv;
+  }
+}
+
+// ---------------------------------------------------------------- planning
+
+// Splits the batch into work items. Long contexts are partitioned (flash-decoding) only
+// when there are too few items to keep every thread busy.
+template <typename KvT>
+int64_t plan(const Problem<KvT>& p, int64_t num_seqs, std::vector<WorkItem>& items, std::vector<SplitGroup>& groups) {
+  const int32_t qc = static_cast<int32_t>(std::max<int64_t>(1, kTargetRowsPerItem / p.G));
+  struct Chunk { int32_t seq, q_begin, q_end; int64_t lo, hi; };
+  std::vector<Chunk> chunks;
+  for (int32_t s = 0; s < num_seqs; ++s) {
+    const int32_t q_len = p.qsl[s + 1] - p.qsl[s];
+    for (int32_t b = 0; b < q_len; b += qc) {
+      const int32_t e = std::min(q_len, b + qc);
+      const int64_t hi = p.first_pos(s) + e;
+      const int64_t lo = p.window > 0 ? std::max<int64_t>(0, p.first_pos(s) + b - p.window + 1) : 0;
+      chunks.push_back({s, b, e, lo, hi});
+    }
+  }
+  const int64_t base_items = static_cast<int64_t>(chunks.size()) * p.Hkv;
+  static const int64_t threads = std::max(1u, std::thread::hardware_concurrency());  // reads /sys: once
+  const int64_t target = 8 * threads;
+  const int64_t max_split = base_items >= target ? 1 : (target + base_items - 1) / base_items;
+  int64_t partial_rows = 0;
+  for (const Chunk& c : chunks) {
+    const int64_t n = c.hi - c.lo;
+    const int rows = (c.q_end - c.q_begin) * static_cast<int>(p.G);
+    int64_t parts = std::min<int64_t>(max_split, n / kMinPartition);
+    int64_t part_len = n;
+    if (parts > 1) {
+      part_len = ((n + parts - 1) / parts + p.block_size - 1) / p.block_size * p.block_size;
+      parts = (n + part_len - 1) / part_len;
+    }
+    for (int32_t g = 0; g < p.Hkv; ++g) {
+      if (parts <= 1) {
+        items.push_back({c.seq, g, c.q_begin, c.q_end, (int32_t)c.lo, (int32_t)c.hi, -1, rows * n});
+        continue;
+      }
+      groups.push_back({c.seq, g, c.q_begin, c.q_end, (int32_t)parts, partial_rows});
+      for (int64_t part = 0; part < parts; ++part) {
+        const int64_t b = c.lo + part * part_len, e = std::min(c.hi, b + part_len);
+        items.push_back({c.seq, g, c.q_begin, c.q_end, (int32_t)b, (int32_t)e, partial_rows, rows * (e - b)});
+        partial_rows += rows;
+      }
+    }
+  }
+  std::stable_sort(items.begin(), items.end(), [](const WorkItem& a, const WorkItem& b) { return a.cost > b.cost; });
+  return partial_rows;
+}
+
+template <typename F>
+void parallel_for(OrtKernelContext* ctx, size_t n, F& f) {
+  if (n == 0) return;
+  if (n == 1) return f(0);
+  Ort::KernelContext(ctx).ParallelFor([](void* fn, size_t i) { (*static_cast<F*>(fn))(i); }, n, 0, &f);
+}
+
+// ---------------------------------------------------------------- the op
+
+template <typename KvT>
+struct PagedAttention {
+  PagedAttention(const OrtApi*, const OrtKernelInfo* info) {
+    Ort::ConstKernelInfo ki(info);
+    num_heads_ = ki.GetAttribute<int64_t>("num_heads");
+    num_kv_heads_ = ki.GetAttribute<int64_t>("num_kv_heads");
+    try { scale_ = ki.GetAttribute<float>("scale"); } catch (const Ort::Exception&) { scale_ = 0.f; }
+    try { window_ = ki.GetAttribute<int64_t>("sliding_window"); } catch (const Ort::Exception&) { window_ = 0; }
+  }
+
+  Ort::Status Compute(OrtKernelContext* ctx, const Ort::Custom::Tensor<float>& query, const Ort::Custom::Tensor<float>& key,
+                      const Ort::Custom::Tensor<float>& value, const Ort::Custom::Tensor<KvT>& kv_cache,
+                      const Ort::Custom::Tensor<int32_t>& block_tables, const Ort::Custom::Tensor<int32_t>& seq_lens,
+                      const Ort::Custom::Tensor<int32_t>& query_start_loc, Ort::Custom::Tensor<float>& out,
+                      Ort::Custom::Tensor<KvT>& kv_cache_out) {
+    try {
+      run(ctx, query, key, value, kv_cache, block_tables, seq_lens, query_start_loc, out, kv_cache_out);
+    } catch (const Ort::Exception& e) {
+      return Ort::Status(e.what(), e.GetOrtErrorCode());
+    } catch (const std::exception& e) {
+      return Ort::Status((std::string("kiln.PagedAttention: ") + e.what()).c_str(), ORT_FAIL);
+    }
+    return Ort::Status{nullptr};
+  }
+
+  void run(OrtKernelContext* ctx, const Ort::Custom::Tensor<float>& query, const Ort::Custom::Tensor<float>& key,
+           const Ort::Custom::Tensor<float>& value, const Ort::Custom::Tensor<KvT>& kv_cache,
+           const Ort::Custom::Tensor<int32_t>& block_tables, const Ort::Custom::Tensor<int32_t>& seq_lens,
+           const Ort::Custom::Tensor<int32_t>& query_start_loc, Ort::Custom::Tensor<float>& out,
+           Ort::Custom::Tensor<KvT>& kv_cache_out) const {
+    if (window_ < 0) fail("sliding_window must be >= 0");
+    const auto& pool_shape = kv_cache.Shape();
+    validate(query.Shape(), key.Shape(), value.Shape(), pool_shape, block_tables.Shape(), seq_lens.Shape(),
+             query_start_loc.Shape(), num_heads_, num_kv_heads_);
+    const int64_t T = query.Shape()[0], S = block_tables.Shape()[0], max_blocks = block_tables.Shape()[1];
+    const int64_t D = query.Shape()[1] / num_heads_, bs = pool_shape[3];
+    validate_values(block_tables.Data(), seq_lens.Data(), query_start_loc.Data(), S, max_blocks, T, pool_shape[0], bs, window_);
+
+    Problem<KvT> p{};
+    p.q = query.Data();
+    p.k = key.Data();
+    p.v = value.Data();
+    p.block_tables = block_tables.Data();
+    p.seq_lens = seq_lens.Data();
+    p.qsl = query_start_loc.Data();
+    p.num_tokens = T;
+    p.H = num_heads_;
+    p.Hkv = num_kv_heads_;
+    p.D = D;
+    p.G = num_heads_ / num_kv_heads_;
+    p.block_size = bs;
+    p.max_blocks = max_blocks;
+    p.scale = scale_ > 0.f ? scale_ : 1.f / std::sqrt(static_cast<float>(D));
+    p.window = window_;
+    p.out = out.Allocate({T, num_heads_ * D});
+    p.pool = kv_cache_out.Allocate(pool_shape);
+    if (static_cast<const void*>(p.pool) != static_cast<const void*>(kv_cache.Data()))
+      std::memcpy(p.pool, kv_cache.Data(), kv_cache.SizeInBytes());  // not aliased: correct but O(pool)
+    if (T == 0) return;
+
+    std::vector<int32_t> token_seq(T);
+    for (int64_t s = 0; s < S; ++s)
+      for (int32_t t = p.qsl[s]; t < p.qsl[s + 1]; ++t) token_seq[t] = static_cast<int32_t>(s);
+    auto write = [&](size_t t) { write_token(p, token_seq[t], static_cast<int64_t>(t)); };
+    if (T * p.Hkv * D >= 65536) parallel_for(ctx, T, write);
+    else for (int64_t t = 0; t < T; ++t) write(t);
+
+    std::vector<WorkItem> items;
+    std::vector<SplitGroup> groups;
+    std::vector<float> partials(static_cast<size_t>(plan(p, S, items, groups) * (D + 2)));
+    p.partials = partials.data();
+    auto attend = [&](size_t i) { run_item(p, items[i]); };
+    parallel_for(ctx, items.size(), attend);
+    auto merge = [&](size_t i) { merge_group(p, groups[i]); };
+    if (partials.size() >= 65536) parallel_for(ctx, groups.size(), merge);
+    else for (size_t i = 0; i < groups.size(); ++i) merge(i);  // cheaper than waking the pool
+  }
+
+  int64_t num_heads_ = 0, num_kv_heads_ = 0, window_ = 0;
+  float scale_ = 0.f;
+};
+
+}  // namespace kiln
+
+extern "C" {
+
+__attribute__((visibility("default"))) int kiln_ops_abi_version() { return kiln::kAbiVersion; }
+
+__attribute__((visibility("default"))) OrtStatus* ORT_API_CALL RegisterCustomOps(OrtSessionOptions* options,
+                                                                                 const OrtApiBase* api_base) {
+  const OrtApi* api = api_base->GetApi(ORT_API_VERSION);
+  if (api == nullptr) {
+    const std::string msg = std::string("libkiln_ops was built against ONNX Runtime API version ") +
+                            std::to_string(ORT_API_VERSION) + ", newer than this onnxruntime (" +
+                            api_base->GetVersionString() + "); upgrade onnxruntime";
+    return api_base->GetApi(1)->CreateStatus(ORT_FAIL, msg.c_str());
+  }
+  Ort::InitApi(api);
+  if (!__builtin_cpu_supports("avx2") || !__builtin_cpu_supports("fma") || !__builtin_cpu_supports("f16c"))
+    return api->CreateStatus(ORT_FAIL, "libkiln_ops needs a CPU with AVX2, FMA and F16C");
+  static std::mutex mu;
+  static Ort::CustomOpDomain* domain = nullptr;  // deliberately never freed: sessions keep pointers into it
+  try {
+    std::lock_guard<std::mutex> lock(mu);
+    if (domain == nullptr) {
+      domain = new Ort::CustomOpDomain("kiln");
+      domain->Add(Ort::Custom::CreateLiteCustomOp<kiln::PagedAttention<float>>("PagedAttention", "CPUExecutionProvider"));
+      domain->Add(Ort::Custom::CreateLiteCustomOp<kiln::PagedAttention<Ort::Float16_t>>("PagedAttention", "CPUExecutionProvider"));
+    }
+    Ort::UnownedSessionOptions(options).Add(*domain);
+  } catch (const std::exception& e) {
+    return api->CreateStatus(ORT_FAIL, e.what());
+  }
+  return nullptr;
+}
+
+}  // extern "C"

@@ -1,0 +1,69 @@
+// Input validation of kiln.PagedAttention: every inconsistency is an Ort::Exception naming
+// the input and the values involved, raised before the kernel reads anything out of bounds.
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "onnxruntime_cxx_api.h"
+
+namespace kiln {
+
+[[noreturn]] inline void fail(const std::string& msg) {
+  throw Ort::Exception("kiln.PagedAttention: " + msg, ORT_INVALID_ARGUMENT);
+}
+
+// Shapes and attributes.
+inline void validate(const std::vector<int64_t>& qs, const std::vector<int64_t>& ks, const std::vector<int64_t>& vs,
+                     const std::vector<int64_t>& pool, const std::vector<int64_t>& bts, const std::vector<int64_t>& sls,
+                     const std::vector<int64_t>& qsls, int64_t H, int64_t Hkv) {
+  auto shape = [](const std::vector<int64_t>& s) {
+    std::string r = "[";
+    for (size_t i = 0; i < s.size(); ++i) r += (i ? ", " : "") + std::to_string(s[i]);
+    return r + "]";
+  };
+  if (H <= 0 || Hkv <= 0 || H % Hkv != 0)
+    fail("num_heads (" + std::to_string(H) + ") must be a positive multiple of num_kv_heads (" + std::to_string(Hkv) + ")");
+  if (qs.size() != 2 || qs[1] % H != 0 || qs[1] == 0)
+    fail("query must be [num_tokens, num_heads*head_dim], got " + shape(qs) + " with num_heads=" + std::to_string(H));
+  const int64_t D = qs[1] / H;
+  if (ks.size() != 2 || ks[0] != qs[0] || ks[1] != Hkv * D)
+    fail("key must be [num_tokens, num_kv_heads*head_dim] = [" + std::to_string(qs[0]) + ", " + std::to_string(Hkv * D) + "], got " + shape(ks));
+  if (vs != ks) fail("value must have the shape of key " + shape(ks) + ", got " + shape(vs));
+  if (pool.size() != 5 || pool[1] != 2 || pool[2] != Hkv || pool[3] <= 0 || pool[4] != D)
+    fail("kv_cache must be [num_blocks, 2, num_kv_heads=" + std::to_string(Hkv) + ", block_size, head_dim=" + std::to_string(D) + "], got " + shape(pool));
+  if (bts.size() != 2) fail("block_tables must be [num_seqs, max_blocks], got " + shape(bts));
+  if (sls.size() != 1 || sls[0] != bts[0]) fail("seq_lens must be [num_seqs=" + std::to_string(bts[0]) + "], got " + shape(sls));
+  if (qsls.size() != 1 || qsls[0] != bts[0] + 1) fail("query_start_loc must be [num_seqs+1=" + std::to_string(bts[0] + 1) + "], got " + shape(qsls));
+}
+
+// Values: offsets, lengths, and every block id a token can read.
+inline void validate_values(const int32_t* bt, const int32_t* sl, const int32_t* qsl, int64_t S, int64_t max_blocks,
+                            int64_t num_tokens, int64_t num_blocks, int64_t bs, int64_t window) {
+  if (qsl[0] != 0) fail("query_start_loc[0] must be 0, got " + std::to_string(qsl[0]));
+  if (qsl[S] != num_tokens)
+    fail("query_start_loc[-1] (" + std::to_string(qsl[S]) + ") must equal num_tokens (" + std::to_string(num_tokens) + ")");
+  for (int64_t s = 0; s < S; ++s) {
+    const std::string seq = "sequence " + std::to_string(s) + ": ";
+    const int64_t q_len = static_cast<int64_t>(qsl[s + 1]) - qsl[s];
+    if (q_len < 0) fail(seq + "query_start_loc must be non-decreasing");
+    if (sl[s] < q_len)
+      fail(seq + "seq_lens (" + std::to_string(sl[s]) + ") is smaller than its number of new tokens (" + std::to_string(q_len) + ")");
+    if (sl[s] > max_blocks * bs)
+      fail(seq + "seq_lens (" + std::to_string(sl[s]) + ") needs more blocks than block_tables has columns (" +
+           std::to_string(max_blocks) + " x block_size " + std::to_string(bs) + ")");
+    if (q_len == 0) continue;
+    const int64_t first = sl[s] - q_len;
+    const int64_t lo = window > 0 ? std::max<int64_t>(0, first - window + 1) : 0;
+    for (int64_t b = lo / bs; b * bs < sl[s]; ++b) {
+      const int32_t id = bt[s * max_blocks + b];
+      if (id < 0 || id >= num_blocks)
+        fail(seq + "block_tables[" + std::to_string(s) + "][" + std::to_string(b) + "] = " + std::to_string(id) +
+             " is outside the pool of " + std::to_string(num_blocks) + " blocks");
+    }
+  }
+}
+
+}  // namespace kiln

@@ -1,0 +1,287 @@
+"""kiln.PagedAttention: the numpy reference against dense attention, and the ONNX Runtime CPU
+kernel (libkiln_ops.so) against the reference: ragged batches, GQA, fp16 KV, sliding window,
+in-place KV writes through IOBinding, and clear errors on bad inputs."""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+import numpy as np
+import pytest
+
+from kiln.paged_attention import INPUT_NAMES, make_single_op_model, paged_attention_ref
+
+ort = pytest.importorskip("onnxruntime")
+ops = pytest.importorskip("kiln.runtime.ops")
+
+try:
+    LIBRARY = ops.library_path()
+except ops.OpLibraryError as exc:  # pragma: no cover - the install builds it
+    pytest.skip(str(exc), allow_module_level=True)
+
+
+@lru_cache(maxsize=None)
+def session(num_heads, num_kv_heads, head_dim, block_size, window=0, kv_dtype="float32", symbolic=False):
+    model = make_single_op_model(num_heads, num_kv_heads, head_dim, block_size, 0.0, window, np.dtype(kv_dtype))
+    if symbolic:  # let shapes through to the kernel's own validation
+        for i, value_info in enumerate(model.graph.input):
+            for j, dim in enumerate(value_info.type.tensor_type.shape.dim):
+                dim.dim_param = f"d{i}_{j}"
+    so = ort.SessionOptions()
+    so.register_custom_ops_library(LIBRARY)
+    so.intra_op_num_threads = 2
+    return ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+
+
+def make_case(rng, seqs, num_heads, num_kv_heads, head_dim, block_size, kv_dtype="float32", spare_blocks=5):
+    """Feeds for sequences given as (cached tokens, new tokens); blocks scattered in a larger pool."""
+    blocks = [-(-(c + n) // block_size) for c, n in seqs]
+    num_blocks = sum(blocks) + spare_blocks
+    perm = rng.permutation(num_blocks).astype(np.int32)
+    tables = np.full((len(seqs), max(blocks + [0]) + 1), -1, np.int32)  # padding column of -1
+    start = 0
+    for s, n in enumerate(blocks):
+        tables[s, :n] = perm[start : start + n]
+        start += n
+    new = [n for _, n in seqs]
+    T = sum(new)
+    return {
+        "query": rng.standard_normal((T, num_heads * head_dim), dtype=np.float32),
+        "key": rng.standard_normal((T, num_kv_heads * head_dim), dtype=np.float32),
+        "value": rng.standard_normal((T, num_kv_heads * head_dim), dtype=np.float32),
+        "kv_cache": rng.standard_normal((num_blocks, 2, num_kv_heads, block_size, head_dim), dtype=np.float32).astype(kv_dtype),
+        "block_tables": tables,
+        "seq_lens": np.array([c + n for c, n in seqs], np.int32),
+        "query_start_loc": np.concatenate([[0], np.cumsum(new)]).astype(np.int32),
+    }
+
+
+def reference(feeds, num_heads, num_kv_heads, window=0):
+    return paged_attention_ref(*(feeds[n] for n in INPUT_NAMES), num_heads, num_kv_heads, 0.0, window)
+
+
+def check(out, pool, ref_out, ref_pool):
+    np.testing.assert_allclose(out, ref_out, rtol=1e-4, atol=3e-5)
+    assert np.array_equal(pool, ref_pool), "the pool differs: a new slot is wrong or another slot was touched"
+
+
+# ------------------------------------------------------------------ the reference itself
+
+
+def dense_attention(q, k, v, positions, window):
+    """Naive causal attention of one sequence: q [n, H, D] at `positions`, k/v [L, Hkv, D]."""
+    n, H, D = q.shape
+    group = H // k.shape[1]
+    out = np.zeros((n, H, D))
+    for i in range(n):
+        for h in range(H):
+            keys = [p for p in range(positions[i] + 1) if window == 0 or p > positions[i] - window]
+            s = np.array([q[i, h] @ k[p, h // group] for p in keys]) / np.sqrt(D)
+            w = np.exp(s - s.max())
+            out[i, h] = (w / w.sum()) @ v[keys, h // group]
+    return out
+
+
+@pytest.mark.parametrize("group", [1, 3])
+@pytest.mark.parametrize("window", [0, 5])
+@pytest.mark.parametrize("kv_dtype", ["float32", "float16"])
+def test_reference_matches_dense_attention(group, window, kv_dtype):
+    rng = np.random.default_rng(1)
+    Hkv, D, bs = 2, 8, 4
+    H = Hkv * group
+    seqs = [(0, 6), (9, 1), (5, 4)]
+    feeds = make_case(rng, seqs, H, Hkv, D, bs, kv_dtype)
+    out, pool = reference(feeds, H, Hkv, window)
+    for s, (cached, new) in enumerate(seqs):
+        t0 = feeds["query_start_loc"][s]
+        L = cached + new
+        k = np.zeros((L, Hkv, D))
+        v = np.zeros((L, Hkv, D))
+        for p in range(L):  # history: cached tokens from the input pool, new ones from key/value
+            blk, slot = feeds["block_tables"][s, p // bs], p % bs
+            if p < cached:
+                k[p], v[p] = feeds["kv_cache"][blk, 0, :, slot], feeds["kv_cache"][blk, 1, :, slot]
+            else:
+                row = t0 + p - cached
+                k[p] = feeds["key"][row].reshape(Hkv, D).astype(kv_dtype)
+                v[p] = feeds["value"][row].reshape(Hkv, D).astype(kv_dtype)
+                assert np.array_equal(pool[blk, 0, :, slot], k[p]) and np.array_equal(pool[blk, 1, :, slot], v[p])
+        q = feeds["query"][t0 : t0 + new].reshape(new, H, D)
+        expected = dense_attention(q, k, v, list(range(cached, L)), window)
+        np.testing.assert_allclose(out[t0 : t0 + new].reshape(new, H, D), expected, rtol=1e-5, atol=1e-6)
+
+
+# ------------------------------------------------------------------ the kernel vs the reference
+
+MIXED = [(0, 37), (100, 1), (16, 16), (0, 1), (250, 23), (31, 1), (7, 0)]  # prefill, chunks, decode, idle
+
+
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("heads", [(4, 4), (9, 3), (16, 2)], ids=["mha", "gqa3", "gqa8"])
+@pytest.mark.parametrize("kv_dtype", ["float32", "float16"])
+def test_kernel_mixed_batch(block_size, heads, kv_dtype):
+    H, Hkv = heads
+    rng = np.random.default_rng(block_size + H)
+    feeds = make_case(rng, MIXED, H, Hkv, 64, block_size, kv_dtype)
+    out, pool = session(H, Hkv, 64, block_size, 0, kv_dtype).run(None, feeds)
+    check(out, pool, *reference(feeds, H, Hkv))
+
+
+@pytest.mark.parametrize(
+    "seqs",
+    [[(4095, 1)], [(4000, 96)], [(2047, 1), (1024, 1), (3000, 1), (511, 1)], [(0, 300)]],
+    ids=["decode-4096", "chunk-at-4000", "decode-batch", "prefill-300"],
+)
+@pytest.mark.parametrize("kv_dtype", ["float32", "float16"])
+def test_kernel_long_contexts(seqs, kv_dtype):
+    rng = np.random.default_rng(7)
+    feeds = make_case(rng, seqs, 9, 3, 64, 16, kv_dtype, spare_blocks=40)
+    out, pool = session(9, 3, 64, 16, 0, kv_dtype).run(None, feeds)
+    check(out, pool, *reference(feeds, 9, 3))
+
+
+@pytest.mark.parametrize("window", [1, 20, 100])
+def test_kernel_sliding_window(window):
+    rng = np.random.default_rng(window)
+    feeds = make_case(rng, [(0, 45), (300, 1), (130, 30)], 8, 2, 32, 16)
+    # Blocks wholly outside every token's window may be freed: the kernel must not read them.
+    feeds["block_tables"][1, : (300 - window + 1) // 16] = -1
+    out, pool = session(8, 2, 32, 16, window).run(None, feeds)
+    check(out, pool, *reference(feeds, 8, 2, window))
+
+
+@pytest.mark.parametrize("head_dim", [12, 128])
+def test_kernel_head_dims(head_dim):
+    rng = np.random.default_rng(head_dim)
+    feeds = make_case(rng, [(0, 9), (40, 1), (17, 5)], 6, 2, head_dim, 16, "float16")
+    out, pool = session(6, 2, head_dim, 16, 0, "float16").run(None, feeds)
+    check(out, pool, *reference(feeds, 6, 2))
+
+
+@pytest.mark.parametrize("seqs", [[], [(5, 0), (0, 0)]], ids=["no-sequences", "no-new-tokens"])
+def test_kernel_empty_batch(seqs):
+    feeds = make_case(np.random.default_rng(8), seqs, 4, 2, 16, 16)
+    out, pool = session(4, 2, 16, 16).run(None, feeds)
+    assert out.shape == (0, 64)
+    check(out, pool, *reference(feeds, 4, 2))
+
+
+# ------------------------------------------------------------------ in place through IOBinding
+
+
+def run_in_place(sess, feeds):
+    """One OrtValue over feeds['kv_cache'] bound as kv_cache and kv_cache_out; returns `out`."""
+    pool_value = ort.OrtValue.ortvalue_from_numpy(feeds["kv_cache"])
+    assert pool_value.data_ptr() == feeds["kv_cache"].ctypes.data
+    binding = sess.io_binding()
+    for name in INPUT_NAMES:
+        if name != "kv_cache":
+            binding.bind_cpu_input(name, feeds[name])
+    binding.bind_ortvalue_input("kv_cache", pool_value)
+    binding.bind_output("out", "cpu")
+    binding.bind_ortvalue_output("kv_cache_out", pool_value)
+    sess.run_with_iobinding(binding)
+    return binding.copy_outputs_to_cpu()[0]
+
+
+@pytest.mark.parametrize("kv_dtype", ["float32", "float16"])
+def test_in_place_prefill_then_decode_steps(kv_dtype):
+    rng = np.random.default_rng(3)
+    H, Hkv, D, bs = 9, 3, 64, 16
+    sess = session(H, Hkv, D, bs, 0, kv_dtype)
+    feeds = make_case(rng, [(0, 40), (0, 16), (0, 17)], H, Hkv, D, bs, kv_dtype, spare_blocks=50)
+    feeds["block_tables"] = np.concatenate([feeds["block_tables"], np.full((3, 2), -1, np.int32)], axis=1)
+    free = sorted(set(range(len(feeds["kv_cache"]))) - set(feeds["block_tables"].ravel().tolist()))
+    pool = feeds["kv_cache"]  # the one buffer every step writes into
+    expected_pool = pool.copy()
+    for step in range(4):
+        expected_out, expected_pool = reference({**feeds, "kv_cache": expected_pool}, H, Hkv)
+        out = run_in_place(sess, feeds)
+        check(out, pool, expected_out, expected_pool)
+        # next step: one decode token per sequence, a new block when one fills up
+        lens = feeds["seq_lens"] + 1
+        for s, L in enumerate(lens):
+            if (L - 1) % bs == 0:
+                feeds["block_tables"][s, (L - 1) // bs] = free.pop()
+        feeds = {
+            **make_case(rng, [(0, 1)] * 3, H, Hkv, D, bs, kv_dtype),
+            "kv_cache": pool,
+            "block_tables": feeds["block_tables"],
+            "seq_lens": lens.astype(np.int32),
+            "query_start_loc": np.arange(4, dtype=np.int32),
+        }
+
+
+def test_in_place_touches_only_new_slots():
+    rng = np.random.default_rng(4)
+    feeds = make_case(rng, [(33, 2), (0, 5)], 4, 2, 16, 16, spare_blocks=200)
+    before = feeds["kv_cache"].copy()
+    run_in_place(session(4, 2, 16, 16), feeds)
+    changed = np.argwhere((feeds["kv_cache"] != before).any(axis=(1, 2, 4)))  # (block, slot) pairs
+    expected = {(feeds["block_tables"][0, p // 16], p % 16) for p in (33, 34)}
+    expected |= {(feeds["block_tables"][1, 0], p) for p in range(5)}
+    assert {tuple(x) for x in changed.tolist()} == {(int(b), int(s)) for b, s in expected}
+
+
+# ------------------------------------------------------------------ errors
+
+
+def corrupt(feeds, what):
+    f = {k: v.copy() for k, v in feeds.items()}
+    if what == "qsl-decreasing":
+        f["query_start_loc"][1:3] = f["query_start_loc"][2:0:-1]
+    elif what == "qsl-total":
+        f["query_start_loc"][-1] -= 1
+    elif what == "qsl-start":
+        f["query_start_loc"][0] = 1
+    elif what == "seq-shorter-than-new":
+        f["seq_lens"][0] = 1
+    elif what == "seq-beyond-table":
+        f["seq_lens"][1] = f["block_tables"].shape[1] * 16 + 1
+    elif what == "block-out-of-pool":
+        f["block_tables"][1, 0] = len(f["kv_cache"])
+    elif what == "block-negative":
+        f["block_tables"][0, 0] = -1
+    elif what == "key-width":
+        f["key"] = f["key"][:, :-16]
+    elif what == "pool-heads":
+        f["kv_cache"] = f["kv_cache"][:, :, :1]
+    elif what == "seq-lens-count":
+        f["seq_lens"] = f["seq_lens"][:1]
+    return f
+
+
+ERRORS = {
+    "qsl-decreasing": "query_start_loc must be non-decreasing",
+    "qsl-total": r"query_start_loc\[-1\] \(\d+\) must equal num_tokens",
+    "qsl-start": r"query_start_loc\[0\] must be 0",
+    "seq-shorter-than-new": "smaller than its number of new tokens",
+    "seq-beyond-table": "needs more blocks than block_tables has columns",
+    "block-out-of-pool": "is outside the pool",
+    "block-negative": "is outside the pool",
+    "key-width": "key must be",
+    "pool-heads": "kv_cache must be",
+    "seq-lens-count": "seq_lens must be",
+}
+
+
+@pytest.mark.parametrize("what", sorted(ERRORS))
+def test_bad_inputs_raise_clear_errors(what):
+    rng = np.random.default_rng(5)
+    feeds = make_case(rng, [(3, 4), (20, 1), (0, 2)], 4, 2, 16, 16)
+    with pytest.raises(Exception, match="kiln.PagedAttention: .*" + ERRORS[what]):
+        session(4, 2, 16, 16, symbolic=True).run(None, corrupt(feeds, what))
+
+
+def test_heads_not_divisible_raise():
+    rng = np.random.default_rng(6)
+    feeds = make_case(rng, [(0, 3)], 4, 3, 16, 16)
+    feeds["query"] = feeds["query"][:, : 4 * 16]
+    with pytest.raises(Exception, match="num_heads \\(4\\) must be a positive multiple of num_kv_heads \\(3\\)"):
+        session(4, 3, 16, 16).run(None, feeds)
+
+
+def test_abi_version_matches_contract():
+    from kiln.contract import OP_LIBRARY_ABI
+
+    assert ops.check_abi() == OP_LIBRARY_ABI
