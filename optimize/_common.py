@@ -1,0 +1,62 @@
+"""Small graph helpers shared by the fusions."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx_ir as ir
+
+
+def const_ints(value: ir.Value | None) -> list[int] | None:
+    """The integer contents of a constant value (initializer or folded Constant), else None."""
+    if value is None:
+        return None
+    tensor = ir.convenience.get_const_tensor(value)
+    if tensor is None:
+        return None
+    return [int(x) for x in np.asarray(tensor.numpy()).reshape(-1)]
+
+
+def const_float(value: ir.Value | None) -> float | None:
+    """The value of a constant holding exactly one number, else None."""
+    if value is None:
+        return None
+    tensor = ir.convenience.get_const_tensor(value)
+    if tensor is None:
+        return None
+    array = np.asarray(tensor.numpy())
+    return float(array.reshape(-1)[0]) if array.size == 1 else None
+
+
+def static_dim(value: ir.Value, axis: int) -> int | None:
+    if value.shape is None or len(value.shape) <= abs(axis):
+        return None
+    dim = value.shape[axis]
+    return dim if isinstance(dim, int) else None
+
+
+def producer_op(value: ir.Value | None, op_type: str) -> ir.Node | None:
+    """The node producing value if it is a default-domain op_type, else None."""
+    if value is None:
+        return None
+    node = value.producer()
+    if node is None or node.op_type != op_type or node.domain not in ("", "ai.onnx"):
+        return None
+    return node
+
+
+def look_through_repeat_kv(value: ir.Value) -> ir.Value:
+    """Undo Hugging Face's repeat_kv: Reshape(Expand(Unsqueeze(x, 2))) -> x ([B, Hkv, S, D])."""
+    reshape = producer_op(value, "Reshape")
+    expand = producer_op(reshape.inputs[0], "Expand") if reshape else None
+    if expand is None:
+        return value
+    source = expand.inputs[0]
+    unsqueeze = producer_op(source, "Unsqueeze")
+    if unsqueeze is not None and const_ints(unsqueeze.inputs[1]) == [2]:
+        return unsqueeze.inputs[0]
+    return value
+
+
+def add_opset(model: ir.Model, domain: str, version: int) -> None:
+    model.opset_imports.setdefault(domain, version)
+    model.graph.opset_imports.setdefault(domain, version)

@@ -1,0 +1,157 @@
+"""build_engine: checkpoint -> raw.onnx -> optimized graph -> engine directory + manifest.
+
+    kiln build MODEL -o DIR      (kiln/cli.py)
+
+Stages report to stderr with their elapsed time; the optimizer passes print how often each
+fired. The result is loaded once in ONNX Runtime with the kiln op library before returning.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+import tempfile
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Callable
+
+import onnx_ir as ir
+
+from kiln import contract
+from kiln.manifest import BACKEND_ORT_CPU, MANIFEST_NAME, BuildOptions, Manifest, write_manifest
+from kiln.optimize.fuse_attention import AttentionConfig
+from kiln.optimize.pipeline import optimize_model
+from kiln.optimize.quantize import QuantizationError, prepare_checkpoint, quantize_model
+from kiln.optimize.quantize import check_options as check_quantization
+
+Progress = Callable[[str], None]
+MODEL_FILE = "model.onnx"
+DATA_FILE = "model.onnx.data"
+_KV_DTYPES = ("float32", "float16")
+
+
+class BuildError(RuntimeError):
+    """The model cannot be built into an engine; the message says why."""
+
+
+def stderr_progress(message: str) -> None:
+    print(f"[kiln build] {message}", file=sys.stderr, flush=True)
+
+
+def build_engine(
+    model_path: str | Path, out_dir: str | Path, options: BuildOptions = BuildOptions(), progress: Progress | None = None
+) -> Manifest:
+    """Build the engine directory out_dir from an HF dir, a .gguf file or "default"."""
+    say = progress or stderr_progress
+    _check_options(options)
+    out_dir = Path(out_dir)
+    _check_out_dir(out_dir)
+    from kiln.export.checkpoint import load_checkpoint
+    from kiln.export.onnx_export import export_onnx
+
+    with _stage(say, "load checkpoint"):
+        checkpoint = load_checkpoint(model_path)
+        checkpoint = prepare_checkpoint(checkpoint, options.quantization, options.calibration, say)
+    spec = checkpoint.spec
+    say(f"model: {spec.family}, {spec.num_layers} layers, hidden {spec.hidden_size}, vocab {spec.vocab_size}")
+    with tempfile.TemporaryDirectory(prefix="kiln-build-") as work:
+        raw_path = Path(work) / "raw.onnx"
+        with _stage(say, "export onnx"):
+            export_onnx(checkpoint, raw_path, say)
+        with _stage(say, "optimize"):
+            model = ir.load(raw_path)
+            attention = AttentionConfig(options.kv_dtype, options.block_size, spec.sliding_window)
+            counts = optimize_model(model, attention)
+            for name, count in counts.items():
+                say(f"  {name}: fired {count}x")
+            _check_counts(counts, spec.num_layers)
+        if options.quantization != "none":
+            with _stage(say, f"quantize {options.quantization}"):
+                _quantize(model, options, say)
+        with _stage(say, "write engine"):
+            _prepare_dir(out_dir)
+            ir.save(model, out_dir / MODEL_FILE, external_data=DATA_FILE)
+            _write_tokenizer(checkpoint, out_dir)
+    graph_inputs = tuple(v.name for v in model.graph.inputs)
+    graph_outputs = tuple(v.name for v in model.graph.outputs)
+    del model
+    manifest = Manifest(
+        spec=spec, build=options, backend=BACKEND_ORT_CPU, graph_inputs=graph_inputs, graph_outputs=graph_outputs
+    )
+    with _stage(say, "manifest"):
+        manifest = write_manifest(out_dir, manifest)
+    with _stage(say, "verify (load in onnxruntime)"):
+        verify_engine(out_dir)
+    return manifest
+
+
+def verify_engine(engine_dir: str | Path) -> None:
+    """Create an ONNX Runtime session on the engine graph with the kiln op library registered."""
+    import onnxruntime as ort
+
+    from kiln.runtime.ops import library_path
+
+    session_options = ort.SessionOptions()
+    session_options.register_custom_ops_library(library_path())
+    session = ort.InferenceSession(str(Path(engine_dir) / MODEL_FILE), session_options, providers=["CPUExecutionProvider"])
+    names = {i.name for i in session.get_inputs()}
+    missing = {contract.INPUT_IDS, contract.POSITION_IDS, contract.LOGITS_INDICES} - names
+    if missing:
+        raise BuildError(f"the built graph lacks the inputs {sorted(missing)}")
+
+
+@contextmanager
+def _stage(say: Progress, name: str):
+    start = time.perf_counter()
+    say(f"{name} ...")
+    yield
+    say(f"{name} done in {time.perf_counter() - start:.1f}s")
+
+
+def _check_options(options: BuildOptions) -> None:
+    try:
+        check_quantization(options.quantization, options.calibration)
+    except QuantizationError as exc:
+        raise BuildError(str(exc)) from exc
+    if options.kv_dtype not in _KV_DTYPES:
+        raise BuildError(f"kv dtype {options.kv_dtype!r} is not supported; choose one of {list(_KV_DTYPES)}")
+    if options.dtype != "float32":
+        raise BuildError(f"dtype {options.dtype!r} is not supported; the ONNX Runtime CPU engine computes in float32")
+    if options.block_size <= 0 or options.max_seq_len <= 0 or options.max_num_tokens <= 0:
+        raise BuildError("block size, max sequence length and max tokens per step must be positive")
+
+
+def _check_counts(counts: dict[str, int], num_layers: int) -> None:
+    if counts["fuse_attention"] != num_layers:
+        raise BuildError(
+            f"attention fused in {counts['fuse_attention']} of {num_layers} layers; the exported graph's "
+            f"attention did not match the PagedAttention pattern"
+        )
+    if counts["select_logits"] != 1:
+        raise BuildError("could not find the LM head (the graph's logits are not produced by a MatMul)")
+
+
+def _quantize(model: ir.Model, options: BuildOptions, say: Progress) -> None:
+    quantize_model(model, options.quantization, say)
+
+
+def _check_out_dir(out_dir: Path) -> None:
+    """An existing engine dir may be replaced; any other non-empty path is refused."""
+    if out_dir.exists() and (not out_dir.is_dir() or (any(out_dir.iterdir()) and not (out_dir / MANIFEST_NAME).is_file())):
+        raise BuildError(f"{out_dir} exists, is not empty and is not a kiln engine directory; refusing to overwrite it")
+
+
+def _prepare_dir(out_dir: Path) -> None:
+    _check_out_dir(out_dir)
+    if out_dir.exists():
+        shutil.rmtree(out_dir)
+    out_dir.mkdir(parents=True)
+
+
+def _write_tokenizer(checkpoint, out_dir: Path) -> None:
+    if checkpoint.tokenizer is None:
+        raise BuildError(f"{checkpoint.source} carries no tokenizer (tokenizer.json); an engine needs one")
+    (out_dir / "tokenizer.json").write_text(checkpoint.tokenizer.tokenizer_json)
+    (out_dir / "tokenizer_config.json").write_text(json.dumps(checkpoint.tokenizer.tokenizer_config, indent=2))

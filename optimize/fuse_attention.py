@@ -1,0 +1,164 @@
+"""Attention subgraph -> kiln.PagedAttention.
+
+Matches scaled dot-product attention as exporters write it,
+
+    Softmax((Q * sq) @ (K^T * sk) * s + mask) @ V      (each scale and the mask optional)
+
+with K^T as Transpose(K, [0,1,3,2]), Reshape-Transpose-Reshape (torch's SDPA decomposition),
+or Transpose(K_bshd, [0,2,3,1]), an optional Where(IsNaN(p), 0, p) after the Softmax, and K/V
+possibly expanded by repeat_kv (looked through to the un-repeated [1, Hkv, T, D] tensors).
+The mask (causal, from position_ids) is dropped: the op masks by absolute position itself,
+so the mask computation becomes dead code and is removed by the cleanup.
+
+The replacement feeds the op Q/K/V as [T, H*D] / [T, Hkv*D], reshapes its [T, H*D] output
+back to [1, H, T, D], and adds the graph inputs kv_cache.{i} (+ the shared query_start_loc,
+seq_lens, block_tables) and outputs kv_cache_out.{i}, i counting fused layers in graph order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import onnx_ir as ir
+from onnxscript.rewriter import pattern
+
+from kiln import contract
+from kiln.optimize._common import add_opset, const_float, look_through_repeat_kv, static_dim
+
+_KV_DTYPES = {"float32": ir.DataType.FLOAT, "float16": ir.DataType.FLOAT16}
+
+
+@dataclass(frozen=True)
+class AttentionConfig:
+    kv_dtype: str = "float32"
+    block_size: int = 16
+    sliding_window: int = 0
+
+
+@dataclass
+class _Layer:
+    kv_cache: ir.Value
+    kv_cache_out: ir.Value
+
+
+class PagedAttentionFusion(pattern.RewriteRuleClassBase):
+    def __init__(self, config: AttentionConfig, shared: dict[str, ir.Value], layers: list[_Layer]):
+        super().__init__("PagedAttentionFusion")
+        self._config = config
+        self._shared = shared
+        self._layers = layers
+
+    def pattern(self, op, query, key, value, mask, query_scale, key_scale, qk_scale):
+        key_t = pattern.OrValue(
+            [
+                op.Transpose(key, perm=[0, 1, 3, 2]),
+                op.Reshape(op.Transpose(op.Reshape(key, pattern.ANY_VALUE), perm=[0, 2, 1]), pattern.ANY_VALUE),
+                op.Transpose(key, perm=[0, 2, 3, 1]),
+            ],
+            tag_var="key_format",
+            tag_values=["BHSd", "BHSd", "BSHd"],
+        )
+        query = pattern.OrValue(
+            [op.Mul(query, query_scale), op.Div(query, query_scale), query],
+            tag_var="query_scaling", tag_values=["Mul", "Div", "None"],
+        )
+        key_t = pattern.OrValue(
+            [op.Mul(key_t, key_scale), op.Div(key_t, key_scale), key_t],
+            tag_var="key_scaling", tag_values=["Mul", "Div", "None"],
+        )
+        scores = op.MatMul(query, key_t)
+        scores = pattern.OrValue(
+            [op.Mul(scores, qk_scale), op.Div(scores, qk_scale), scores],
+            tag_var="qk_scaling", tag_values=["Mul", "Div", "None"],
+        )
+        scores = pattern.OrValue([op.Add(scores, mask), scores])
+        probs = op.Softmax(scores, axis=-1)
+        probs = pattern.OrValue([op.Where(op.IsNaN(probs), 0.0, probs), probs])
+        return op.MatMul(probs, value)
+
+    def check(self, context, query, key, value, key_format, **bindings) -> pattern.MatchResult:
+        result = pattern.MatchResult()
+        bindings["key"] = key
+        if key_format != "BHSd":
+            key = None  # BSHd keys are not repeated; shapes checked below
+        heads, head_dim = static_dim(query, 1), static_dim(query, 3)
+        if heads is None or head_dim is None or len(query.shape) != 4:
+            return result.fail("query is not [B, H, T, D] with static H and D", query)
+        if static_dim(query, 0) != 1:
+            return result.fail("batch is not 1 (kiln traces a packed batch of one)", query)
+        k = look_through_repeat_kv(key) if key is not None else None
+        v = look_through_repeat_kv(value)
+        kv_heads = static_dim(v, 1)
+        if kv_heads is None or static_dim(v, 3) != head_dim:
+            return result.fail("value is not [B, Hkv, T, D] with static Hkv and the query's D", v)
+        if k is not None and (static_dim(k, 1) != kv_heads or static_dim(k, 3) != head_dim):
+            return result.fail("key and value disagree on [Hkv, D] after looking through repeat_kv", k)
+        if key is None and (static_dim(bindings["key"], 2) != kv_heads or static_dim(bindings["key"], 3) != head_dim):
+            return result.fail("a [B, S, Hkv, D] key does not match the value's [Hkv, D]", bindings["key"])
+        if heads % kv_heads:
+            return result.fail(f"{heads} query heads are not a multiple of {kv_heads} kv heads")
+        scale = 1.0
+        for tag, name in (("query_scaling", "query_scale"), ("key_scaling", "key_scale"), ("qk_scaling", "qk_scale")):
+            kind = bindings.get(tag, "None")
+            if kind == "None":
+                continue
+            number = const_float(bindings.get(name))
+            if number is None:
+                return result.fail(f"{name} is not a constant scalar", bindings.get(name))
+            scale *= number if kind == "Mul" else 1.0 / number
+        self._match = (heads, kv_heads, head_dim, scale)
+        return result
+
+    def rewrite(self, op, query, key, value, key_format, **_):
+        heads, kv_heads, head_dim, scale = self._match
+        if key_format == "BHSd":
+            key = _to_tokens(op, look_through_repeat_kv(key), kv_heads * head_dim)
+        else:  # [B, S, Hkv, D]
+            key = op.Reshape(key, op.Constant(value_ints=[-1, kv_heads * head_dim]))
+        value = _to_tokens(op, look_through_repeat_kv(value), kv_heads * head_dim)
+        query = _to_tokens(op, query, heads * head_dim)
+
+        layer = len(self._layers)
+        cfg = self._config
+        kv_cache = ir.Value(
+            name=contract.kv_cache_input(layer),
+            type=ir.TensorType(_KV_DTYPES[cfg.kv_dtype]),
+            shape=ir.Shape(["num_blocks", 2, kv_heads, cfg.block_size, head_dim]),
+        )
+        out, kv_cache_out = op.PagedAttention(
+            query, key, value, kv_cache,
+            self._shared[contract.BLOCK_TABLES], self._shared[contract.SEQ_LENS], self._shared[contract.QUERY_START_LOC],
+            num_heads=heads, num_kv_heads=kv_heads, scale=float(scale), sliding_window=int(cfg.sliding_window),
+            _domain=contract.OP_DOMAIN, _version=contract.OP_VERSION, _outputs=2,
+        )
+        kv_cache_out.name = contract.kv_cache_output(layer)
+        kv_cache_out.type = kv_cache.type
+        kv_cache_out.shape = kv_cache.shape
+        self._layers.append(_Layer(kv_cache, kv_cache_out))
+        out = op.Reshape(out, op.Constant(value_ints=[1, -1, heads, head_dim]))
+        return op.Transpose(out, perm=[0, 2, 1, 3])
+
+
+def _to_tokens(op, x, width: int):
+    """[1, H, T, D] -> [T, H*D]."""
+    return op.Reshape(op.Transpose(x, perm=[0, 2, 1, 3]), op.Constant(value_ints=[-1, width]))
+
+
+def fuse_attention(model: ir.Model, config: AttentionConfig = AttentionConfig()) -> int:
+    """Replace every attention subgraph; add the paged-KV graph inputs/outputs. Returns the count."""
+    graph = model.graph
+    int32 = ir.TensorType(ir.DataType.INT32)
+    shared = {
+        contract.QUERY_START_LOC: ir.Value(name=contract.QUERY_START_LOC, type=int32, shape=ir.Shape(["num_seqs_plus_1"])),
+        contract.SEQ_LENS: ir.Value(name=contract.SEQ_LENS, type=int32, shape=ir.Shape(["num_seqs"])),
+        contract.BLOCK_TABLES: ir.Value(name=contract.BLOCK_TABLES, type=int32, shape=ir.Shape(["num_seqs", "max_blocks"])),
+    }
+    layers: list[_Layer] = []
+    rule = PagedAttentionFusion.rule(config, shared, layers)
+    count = pattern.RewriteRuleSet([rule]).apply_to_model(model)
+    if count:
+        add_opset(model, contract.OP_DOMAIN, contract.OP_VERSION)
+        graph.inputs.extend([shared[contract.QUERY_START_LOC], shared[contract.SEQ_LENS], shared[contract.BLOCK_TABLES]])
+        graph.inputs.extend(layer.kv_cache for layer in layers)
+        graph.outputs.extend(layer.kv_cache_out for layer in layers)
+    return count

@@ -1,0 +1,62 @@
+"""The optimizer pipeline: raw exported graph -> engine graph (kiln/contract.py)."""
+
+from __future__ import annotations
+
+import onnx_ir as ir
+import onnxscript
+from onnxscript.rewriter import rewrite
+from onnxscript.rewriter.rules.common import (
+    no_op_transpose_rule,
+    reshape_reshape_rule,
+    transpose_transpose_rule,
+)
+
+from kiln import contract
+from kiln.optimize.flatten_inputs import flatten_inputs
+from kiln.optimize.fuse_attention import AttentionConfig, fuse_attention
+from kiln.optimize.fuse_rmsnorm import fuse_rmsnorm
+from kiln.optimize.fuse_skip_rmsnorm import fuse_skip_rmsnorm
+from kiln.optimize.select_logits import select_logits
+
+_CLEANUP_RULES = [transpose_transpose_rule, no_op_transpose_rule, reshape_reshape_rule]
+
+
+def optimize_model(model: ir.Model, attention: AttentionConfig = AttentionConfig()) -> dict[str, int]:
+    """Run every pass in order on model (in place); returns how often each fired."""
+    counts = {
+        "flatten_inputs": flatten_inputs(model),
+        "fuse_attention": fuse_attention(model, attention),
+        "fuse_rmsnorm": fuse_rmsnorm(model),
+        "select_logits": select_logits(model),
+        "fuse_skip_rmsnorm": fuse_skip_rmsnorm(model),
+    }
+    cleanup(model)
+    _order_io(model)
+    return counts
+
+
+def cleanup(model: ir.Model) -> None:
+    """Drop dead code (the old mask computation) and the transposes the fusions cancelled."""
+    onnxscript.optimizer.remove_unused_nodes(model)
+    rewrite(model, pattern_rewrite_rules=_CLEANUP_RULES)
+    onnxscript.optimizer.remove_unused_nodes(model)
+
+
+def _order_io(model: ir.Model) -> None:
+    """Graph inputs/outputs in kiln/contract.py order (the layers' pools last, by layer)."""
+    order = [contract.INPUT_IDS, contract.POSITION_IDS, contract.QUERY_START_LOC, contract.SEQ_LENS,
+             contract.BLOCK_TABLES, contract.LOGITS_INDICES]
+
+    def key(value: ir.Value):
+        name = value.name or ""
+        if name in order:
+            return (order.index(name), 0)
+        if name == contract.LOGITS:
+            return (-1, 0)
+        layer = name.rsplit(".", 1)[-1]
+        return (len(order), int(layer) if layer.isdigit() else 1 << 30)
+
+    for values in (model.graph.inputs, model.graph.outputs):
+        ordered = sorted(values, key=key)
+        values.clear()
+        values.extend(ordered)

@@ -1,0 +1,75 @@
+"""Shared fixtures: engines built once per session (tiny) or once per kiln source (SmolLM2)."""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+ENGINE_CACHE = REPO / ".cache" / "engines"
+# The sources that decide what `kiln build` writes; a change to any of them rebuilds cached engines.
+_BUILD_SOURCES = ("kiln", "export", "optimize")
+
+
+def kiln_source_hash() -> str:
+    digest = hashlib.sha256()
+    for folder in _BUILD_SOURCES:
+        for path in sorted((REPO / folder).rglob("*.py")):
+            digest.update(str(path.relative_to(REPO)).encode() + b"\0" + path.read_bytes() + b"\0")
+    return digest.hexdigest()
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> Path:
+    """A tiny random llama checkpoint (HF format + tokenizer)."""
+    from helpers import make_tiny_hf_model
+
+    return make_tiny_hf_model(tmp_path_factory.mktemp("tiny-model"), family="llama")
+
+
+@pytest.fixture(scope="session")
+def tiny_engine(tmp_path_factory, tiny_model_dir) -> Path:
+    """The tiny llama built into an engine dir (fp32, block size 16)."""
+    from kiln.optimize.build import build_engine
+
+    out = tmp_path_factory.mktemp("tiny-engine") / "engine"
+    build_engine(tiny_model_dir, out, progress=lambda _msg: None)
+    return out
+
+
+@pytest.fixture(scope="session")
+def smollm2_engine() -> Path:
+    """SmolLM2-135M-Instruct fp32, built once into .cache/engines/smollm2-fp32 and reused while the
+    kiln build sources are unchanged (a file lock keeps concurrent test runs from racing)."""
+    from kiln.export.checkpoint import default_model_path
+
+    try:
+        default_model_path()
+    except FileNotFoundError as exc:
+        pytest.skip(str(exc))
+    return cached_engine("smollm2-fp32", "default")
+
+
+def cached_engine(name: str, model: str, options=None) -> Path:
+    from kiln.manifest import BuildOptions, EngineLoadError, read_manifest
+    from kiln.optimize.build import build_engine
+
+    ENGINE_CACHE.mkdir(parents=True, exist_ok=True)
+    engine = ENGINE_CACHE / name
+    stamp = ENGINE_CACHE / f"{name}.source-sha256"
+    source = kiln_source_hash()
+    with open(ENGINE_CACHE / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if stamp.is_file() and stamp.read_text() == source:
+            try:
+                read_manifest(engine, verify_checksums=False)
+                return engine
+            except EngineLoadError:
+                pass
+        stamp.unlink(missing_ok=True)
+        build_engine(model, engine, options or BuildOptions())
+        stamp.write_text(source)
+    return engine

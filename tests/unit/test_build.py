@@ -1,0 +1,66 @@
+"""kiln build: engine directory layout, manifest, CLI, and option errors (tiny model)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from kiln import contract
+from kiln.manifest import BACKEND_ORT_CPU, BuildOptions, read_manifest
+from kiln.optimize.build import BuildError, build_engine
+
+
+def test_engine_dir_and_manifest(tiny_engine):
+    manifest = read_manifest(tiny_engine)  # verifies every checksum
+    assert set(manifest.files) == {"model.onnx", "model.onnx.data", "tokenizer.json", "tokenizer_config.json"}
+    assert manifest.backend == BACKEND_ORT_CPU
+    assert manifest.spec.num_layers == 2
+    layers = range(manifest.spec.num_layers)
+    assert manifest.graph_inputs == (
+        contract.INPUT_IDS, contract.POSITION_IDS, contract.QUERY_START_LOC, contract.SEQ_LENS,
+        contract.BLOCK_TABLES, contract.LOGITS_INDICES, *(contract.kv_cache_input(i) for i in layers))
+    assert manifest.graph_outputs == (contract.LOGITS, *(contract.kv_cache_output(i) for i in layers))
+    assert "chat_template" in json.loads((tiny_engine / "tokenizer_config.json").read_text())
+
+
+def test_cli_build_float16_kv(tmp_path, tiny_model_dir, tiny_engine):
+    """`kiln build` with an fp16 pool: same logits as the fp32 engine within fp16 rounding."""
+    from click.testing import CliRunner
+    from engine_driver import PagedDriver, make_session
+
+    from kiln.cli import main
+
+    out = tmp_path / "engine16"
+    result = CliRunner().invoke(main, ["build", str(tiny_model_dir), "-o", str(out), "--kv-dtype", "float16",
+                                       "--block-size", "8", "--max-seq-len", "256"])
+    assert result.exit_code == 0, result.output
+    manifest = read_manifest(out)
+    assert (manifest.build.kv_dtype, manifest.build.block_size, manifest.build.max_seq_len) == ("float16", 8, 256)
+    tokens = np.random.default_rng(0).integers(0, manifest.spec.vocab_size, 30).tolist()
+    logits = []
+    for engine in (tiny_engine, out):
+        driver = PagedDriver(make_session(engine / "model.onnx"), num_blocks=8)
+        logits.append(np.concatenate([driver.step([(0, tokens[:25])], all_rows=True)]
+                                     + [driver.step([(0, [t])]) for t in tokens[25:]]))
+    np.testing.assert_allclose(logits[1], logits[0], atol=2e-2, rtol=0)
+
+
+@pytest.mark.parametrize("options, message", [
+    (BuildOptions(kv_dtype="int3"), "kv dtype"),
+    (BuildOptions(dtype="bfloat16"), "dtype"),
+    (BuildOptions(block_size=0), "positive"),
+])
+def test_bad_options_fail_before_any_work(tmp_path, options, message):
+    with pytest.raises(BuildError, match=message):
+        build_engine(tmp_path / "no-such-model", tmp_path / "out", options)
+
+
+def test_refuses_to_overwrite_a_non_engine_dir(tmp_path, tiny_model_dir):
+    out = tmp_path / "precious"
+    out.mkdir()
+    (out / "notes.txt").write_text("keep me")
+    with pytest.raises(BuildError, match="not a kiln engine directory"):
+        build_engine(tiny_model_dir, out, progress=lambda _msg: None)
+    assert (out / "notes.txt").read_text() == "keep me"

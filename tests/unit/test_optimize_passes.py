@@ -1,0 +1,225 @@
+"""Each optimizer pass, before vs after in onnxruntime, on kiln's export and on transformers'.
+
+Graphs: kiln's own export of a tiny llama (ReferenceModel traced), and the graph
+torch.onnx.export(dynamo=True) makes of transformers' LlamaForCausalLM with sdpa (transformers'
+default attention) and eager attention.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import numpy as np
+import onnx_ir as ir
+import onnxruntime as ort
+import pytest
+import torch
+
+from kiln import contract
+from kiln.optimize.flatten_inputs import flatten_inputs
+from kiln.optimize.fuse_attention import fuse_attention
+from kiln.optimize.fuse_rmsnorm import fuse_rmsnorm
+from kiln.optimize.fuse_skip_rmsnorm import fuse_skip_rmsnorm
+from kiln.optimize.pipeline import optimize_model
+from kiln.optimize.select_logits import select_logits
+
+LAYERS = 2
+T = 13
+
+
+@pytest.fixture(scope="module")
+def kiln_raw(tmp_path_factory, tiny_model_dir):
+    from kiln.export.checkpoint import load_checkpoint
+    from kiln.export.onnx_export import export_onnx
+
+    return export_onnx(load_checkpoint(tiny_model_dir), tmp_path_factory.mktemp("raw") / "raw.onnx")
+
+
+def export_hf(path, attn_implementation: str):
+    from helpers import tiny_hf_config
+    from transformers import AutoModelForCausalLM
+
+    config = tiny_hf_config("llama", num_hidden_layers=LAYERS)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation).eval()
+
+    class Logits(torch.nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, input_ids, position_ids):
+            return self.inner(input_ids=input_ids, position_ids=position_ids, use_cache=False).logits
+
+    tokens = torch.export.Dim("T", min=1, max=512)
+    ids, pos = torch.zeros((1, 8), dtype=torch.int64), torch.arange(8)[None]
+    program = torch.onnx.export(
+        Logits(model).eval(), (ids, pos), input_names=["input_ids", "position_ids"], output_names=["logits"],
+        dynamic_shapes={"input_ids": {1: tokens}, "position_ids": {1: tokens}}, dynamo=True, optimize=True,
+    )
+    program.save(str(path))
+    return path
+
+
+@pytest.fixture(scope="module", params=["kiln", "hf-sdpa", "hf-eager"])
+def raw_graph(request, tmp_path_factory, kiln_raw):
+    if request.param == "kiln":
+        return kiln_raw
+    impl = request.param.split("-")[1]
+    return export_hf(tmp_path_factory.mktemp(request.param) / "raw.onnx", impl)
+
+
+def run(model: ir.Model, feeds: dict, output: int = 0) -> np.ndarray:
+    ir.external_data.load_to_model(model)
+    session = ort.InferenceSession(ir.to_proto(model).SerializeToString(), providers=["CPUExecutionProvider"])
+    return session.run(None, feeds)[output]
+
+
+def feeds_2d(vocab: int, length: int = T, seed: int = 0) -> dict:
+    ids = np.random.default_rng(seed).integers(0, vocab, length)
+    return {"input_ids": ids[None], "position_ids": np.arange(length)[None]}
+
+
+def vocab_of(model: ir.Model) -> int:
+    return model.graph.outputs[0].shape[-1]
+
+
+def op_counts(model: ir.Model) -> Counter:
+    return Counter(node.op_type for node in model.graph)
+
+
+def is_weight(value: ir.Value) -> bool:
+    """A constant, or a constant seen through Transpose (the tied LM head)."""
+    node = value.producer()
+    if node is not None and node.op_type == "Transpose":
+        return is_weight(node.inputs[0])
+    return ir.convenience.get_const_tensor(value) is not None or value.is_initializer()
+
+
+def test_flatten_inputs(raw_graph):
+    before, after = ir.load(raw_graph), ir.load(raw_graph)
+    assert flatten_inputs(after) == 2
+    assert [v.shape.rank() for v in after.graph.inputs[:2]] == [1, 1]
+    feeds = feeds_2d(vocab_of(before))
+    flat = {name: value[0] for name, value in feeds.items()}
+    np.testing.assert_allclose(run(after, flat), run(before, feeds), atol=1e-5, rtol=0)
+
+
+def test_fuse_rmsnorm(raw_graph):
+    before, after = ir.load(raw_graph), ir.load(raw_graph)
+    assert fuse_rmsnorm(after) == 2 * LAYERS + 1
+    counts = op_counts(after)
+    assert counts["SimplifiedLayerNormalization"] == 2 * LAYERS + 1
+    assert counts["ReduceMean"] == 0 and counts["Sqrt"] == 0
+    feeds = feeds_2d(vocab_of(before))
+    np.testing.assert_allclose(run(after, feeds), run(before, feeds), atol=1e-4, rtol=0)
+
+
+def test_fuse_skip_rmsnorm(raw_graph):
+    before, after = ir.load(raw_graph), ir.load(raw_graph)
+    fuse_rmsnorm(after)
+    # every norm but the first (it reads the embedding, not a residual sum) takes its Add along
+    assert fuse_skip_rmsnorm(after) == 2 * LAYERS
+    assert op_counts(after)["SkipSimplifiedLayerNormalization"] == 2 * LAYERS
+    feeds = feeds_2d(vocab_of(before))
+    np.testing.assert_allclose(run(after, feeds), run(before, feeds), atol=1e-4, rtol=0)
+
+
+def test_select_logits(raw_graph):
+    before, after = ir.load(raw_graph), ir.load(raw_graph)
+    fuse_rmsnorm(after)
+    assert select_logits(after) == 1
+    assert after.graph.outputs[0].name == contract.LOGITS
+    # the gather sits before the final norm, so the norm and the LM head see only those rows
+    final_norm = after.graph.outputs[0].producer().inputs[0].producer().inputs[0].producer()
+    assert final_norm.op_type == "SimplifiedLayerNormalization"
+    assert final_norm.inputs[0].producer().op_type == "Gather"
+    feeds = feeds_2d(vocab_of(before))
+    rows = np.array([T - 1, 0, 5], dtype=np.int64)
+    full = run(before, feeds)[0]
+    selected = run(after, {**feeds, contract.LOGITS_INDICES: rows})
+    assert selected.shape == (3, vocab_of(before))
+    np.testing.assert_allclose(selected, full[rows], atol=1e-4, rtol=0)
+
+
+def test_optimized_graph_structure(raw_graph):
+    model = ir.load(raw_graph)
+    counts = optimize_model(model)
+    assert counts["fuse_attention"] == LAYERS
+    ops = op_counts(model)
+    assert ops["PagedAttention"] == LAYERS
+    assert ops["Softmax"] == 0
+    # no matmul between two activations (Q.K^T, P.V): every MatMul has a constant weight
+    for node in model.graph:
+        if node.op_type == "MatMul":
+            assert any(is_weight(v) for v in node.inputs), f"activation x activation MatMul {node.name} survived"
+    attention = [n for n in model.graph if n.op_type == "PagedAttention"]
+    assert all(n.domain == contract.OP_DOMAIN for n in attention)
+    for layer, node in enumerate(attention):
+        assert node.attributes["num_heads"].as_int() == 4
+        assert node.attributes["num_kv_heads"].as_int() == 2
+        assert node.attributes["scale"].as_float() == pytest.approx(16**-0.5, rel=1e-6)
+        assert node.inputs[3].name == contract.kv_cache_input(layer)
+        assert node.outputs[1].name == contract.kv_cache_output(layer)
+    inputs = [v.name for v in model.graph.inputs]
+    assert inputs == [contract.INPUT_IDS, contract.POSITION_IDS, contract.QUERY_START_LOC, contract.SEQ_LENS,
+                      contract.BLOCK_TABLES, contract.LOGITS_INDICES] + [contract.kv_cache_input(i) for i in range(LAYERS)]
+    assert [v.name for v in model.graph.outputs] == [contract.LOGITS] + [contract.kv_cache_output(i) for i in range(LAYERS)]
+
+
+def test_fuse_attention_numerics(raw_graph, tmp_path):
+    """Whole pipeline vs the raw graph: three sequences prefilled in one packed step (one in two
+    chunks), then decode steps with all in flight; every step's logits match the full recompute."""
+    from engine_driver import PagedDriver, make_session
+
+    before, after = ir.load(raw_graph), ir.load(raw_graph)
+    optimize_model(after)
+    ir.save(after, tmp_path / "model.onnx", external_data="model.onnx.data")
+    driver = PagedDriver(make_session(tmp_path / "model.onnx"), num_blocks=32)
+    vocab = vocab_of(before)
+    rng = np.random.default_rng(1)
+    seqs = {s: rng.integers(0, vocab, n).tolist() for s, n in {0: 5, 1: 40, 2: 19}.items()}
+    full = {s: run(before, {"input_ids": np.array([t]), "position_ids": np.arange(len(t))[None]})[0]
+            for s, t in seqs.items()}
+
+    out = driver.step([(0, seqs[0][:4]), (1, seqs[1][:17]), (2, seqs[2][:19])], all_rows=True)
+    np.testing.assert_allclose(out, np.concatenate([full[0][:4], full[1][:17], full[2][:19]]), atol=1e-4, rtol=0)
+    out = driver.step([(0, seqs[0][4:5]), (1, seqs[1][17:36])])  # a decode and a prefill chunk together
+    np.testing.assert_allclose(out, np.stack([full[0][4], full[1][35]]), atol=1e-4, rtol=0)
+    for i in range(36, 40):
+        out = driver.step([(1, seqs[1][i:i + 1])])
+        np.testing.assert_allclose(out[0], full[1][i], atol=1e-4, rtol=0)
+
+
+def test_fuse_attention_fires_zero_times_without_attention(kiln_raw):
+    model = ir.load(kiln_raw)
+    fuse_attention(model)  # fuse once: nothing is left to match a second time
+    assert fuse_attention(model) == 0
+
+
+def _attention_graph(scale_is_input: bool) -> ir.Model:
+    """softmax(Q K^T * s) V on [1, 4, T, 16] graph inputs; s a constant or a graph input."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    qkv = [helper.make_tensor_value_info(n, TensorProto.FLOAT, [1, 4, "T", 16]) for n in ("q", "k", "v")]
+    scale = helper.make_tensor_value_info("s", TensorProto.FLOAT, [])
+    nodes = [
+        helper.make_node("Transpose", ["k"], ["kt"], perm=[0, 1, 3, 2]),
+        helper.make_node("MatMul", ["q", "kt"], ["scores"]),
+        helper.make_node("Mul", ["scores", "s"], ["scaled"]),
+        helper.make_node("Softmax", ["scaled"], ["p"], axis=-1),
+        helper.make_node("MatMul", ["p", "v"], ["out"]),
+    ]
+    inits = [] if scale_is_input else [numpy_helper.from_array(np.array(0.25, np.float32), "s")]
+    graph = helper.make_graph(nodes, "attn", qkv + ([scale] if scale_is_input else []),
+                              [helper.make_tensor_value_info("out", TensorProto.FLOAT, [1, 4, "T", 16])], inits)
+    return ir.from_proto(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)]))
+
+
+def test_fuse_attention_needs_a_constant_scale():
+    assert fuse_attention(_attention_graph(scale_is_input=True)) == 0
+    model = _attention_graph(scale_is_input=False)
+    assert fuse_attention(model) == 1
+    node = next(n for n in model.graph if n.op_type == contract.OP_TYPE)
+    assert node.attributes["scale"].as_float() == 0.25
+    assert node.attributes["num_kv_heads"].as_int() == 4  # no repeat_kv: Hkv == H
