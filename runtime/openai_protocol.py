@@ -1,0 +1,273 @@
+"""The OpenAI-compatible wire format: request models (validated, so /openapi.json is the
+contract the server enforces), their mapping onto SamplingParams, and the response pieces.
+
+Requests ignore fields they do not know (OpenAI clients send e.g. ``user``); every field
+they do know is type-checked strictly (no "1" for 1) and range-checked here, before the
+engine sees it.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from kiln.runtime.outputs import CompletionOutput, Logprob, RequestOutput
+from kiln.runtime.params import SamplingParams
+
+MAX_LOGPROBS = 20
+MAX_N = 16
+MAX_SEED = 2**63 - 1
+
+TokenId = Annotated[int, Field(ge=0, le=2**31 - 1)]
+StopString = Annotated[str, Field(min_length=1)]
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+    include_usage: bool = False
+
+
+class _SamplingRequest(BaseModel):
+    """Fields shared by /v1/completions and /v1/chat/completions (None: the default)."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    model: str | None = Field(None, description="The served model's name; omitted: that model.")
+    n: int = Field(1, ge=1, le=MAX_N)
+    temperature: float | None = Field(None, ge=0, le=2, description="0 is greedy; default 1.")
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=-1, description="0 or -1: off.")
+    min_p: float | None = Field(None, ge=0, le=1)
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    repetition_penalty: float | None = Field(None, gt=0, le=10)
+    seed: int | None = Field(None, ge=0, le=MAX_SEED)
+    stop: StopString | list[StopString] | None = None
+    stop_token_ids: list[TokenId] | None = None
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+
+    def _sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+        """Raises ValueError naming the field when the engine's rules reject a value."""
+        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+        return SamplingParams(
+            n=self.n,
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p,
+            top_k=max(self.top_k or 0, 0),
+            min_p=self.min_p or 0.0,
+            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            presence_penalty=self.presence_penalty or 0.0,
+            frequency_penalty=self.frequency_penalty or 0.0,
+            seed=self.seed,
+            max_tokens=max_tokens,
+            stop=stop,
+            stop_token_ids=tuple(self.stop_token_ids or ()),
+            ignore_eos=self.ignore_eos,
+            logprobs=logprobs,
+            skip_special_tokens=self.skip_special_tokens,
+        )
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(_SamplingRequest):
+    prompt: (
+        Annotated[str, Field(min_length=1)]
+        | Annotated[list[TokenId], Field(min_length=1)]
+        | Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1, max_length=64)]
+        | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1, max_length=64)]
+    ) = Field(description="A string, a list of token ids, or a batch of either.")
+    max_tokens: int | None = Field(16, ge=1, description="null: up to the model's context length.")
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="Top logprobs per token.")
+
+    def prompts(self) -> list[str | list[int]]:
+        """The batch of prompts: one for a string or a flat token list."""
+        p = self.prompt
+        if isinstance(p, str) or isinstance(p[0], int):
+            return [p]
+        return list(p)
+
+    def sampling_params(self) -> SamplingParams:
+        return self._sampling_params(self.max_tokens, self.logprobs)
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def as_dict(self) -> dict[str, str]:
+        content = self.content
+        if isinstance(content, list):
+            content = "".join(part.text for part in content)
+        return {"role": "system" if self.role == "developer" else self.role, "content": content or ""}
+
+
+class ChatCompletionRequest(_SamplingRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1, description="Deprecated alias of max_completion_tokens.")
+    max_completion_tokens: int | None = Field(None, ge=1, description="null: up to the context length.")
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="Needs logprobs: true.")
+
+    def sampling_params(self) -> SamplingParams:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs requires logprobs to be true")
+        max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        return self._sampling_params(max_tokens, (self.top_logprobs or 0) if self.logprobs else None)
+
+
+# ---- errors ---------------------------------------------------------------------------
+
+ERROR_TYPES = {400: "invalid_request_error", 404: "not_found_error", 405: "invalid_request_error",
+               500: "internal_server_error", 503: "service_unavailable"}
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorDetail
+
+
+def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": ERROR_TYPES.get(status, "api_error"),
+                      "param": param, "code": code}}
+
+
+# ---- logprobs ---------------------------------------------------------------------------
+
+def _top(step: dict[int, Logprob], k: int) -> list[tuple[int, Logprob]]:
+    ranked = sorted(((t, lp) for t, lp in step.items() if lp.rank is not None), key=lambda x: x[1].rank)
+    return ranked[:k]
+
+
+def _token_text(lp: Logprob) -> str:
+    return lp.decoded_token or ""
+
+
+def completion_logprobs(out: CompletionOutput, start: int, k: int, text_offset: int) -> dict:
+    """The completions API's logprobs object for generated tokens [start:]."""
+    tokens, token_logprobs, top_logprobs, offsets = [], [], [], []
+    for token_id, step in zip(out.token_ids[start:], (out.logprobs or [])[start:]):
+        sampled = step.get(token_id)
+        text = _token_text(sampled) if sampled else ""
+        tokens.append(text)
+        token_logprobs.append(sampled.logprob if sampled else None)
+        top = {_token_text(lp): lp.logprob for _, lp in _top(step, k)}
+        if sampled is not None:
+            top.setdefault(text, sampled.logprob)
+        top_logprobs.append(top)
+        offsets.append(text_offset)
+        text_offset += len(text)
+    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs,
+            "text_offset": offsets}
+
+
+def _entry(lp: Logprob | None) -> dict[str, Any]:
+    text = _token_text(lp) if lp else ""
+    return {"token": text, "logprob": lp.logprob if lp else -9999.0, "bytes": list(text.encode())}
+
+
+def chat_logprobs(out: CompletionOutput, start: int, k: int) -> dict:
+    """The chat API's logprobs object for generated tokens [start:]."""
+    content = []
+    for token_id, step in zip(out.token_ids[start:], (out.logprobs or [])[start:]):
+        item = _entry(step.get(token_id))
+        item["top_logprobs"] = [_entry(lp) for _, lp in _top(step, k)]
+        content.append(item)
+    return {"content": content}
+
+
+# ---- responses ---------------------------------------------------------------------------
+
+class ResponseFormatter:
+    """Builds OpenAI response bodies and stream chunks from cumulative RequestOutputs."""
+
+    def __init__(self, chat: bool, request_id: str, model: str, params: SamplingParams):
+        self.chat, self.id, self.model, self.params = chat, request_id, model, params
+        self.created = int(time.time())
+        self.object = "chat.completion" if chat else "text_completion"
+        self.sent: dict[int, tuple[int, int]] = {}  # choice index -> (chars, tokens) streamed
+
+    def _logprobs(self, out, start_tok: int, start_char: int):
+        if self.params.logprobs is None:
+            return None
+        if self.chat:
+            return chat_logprobs(out, start_tok, self.params.logprobs)
+        return completion_logprobs(out, start_tok, self.params.logprobs, start_char)
+
+    def _head(self, obj: str) -> dict:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
+
+    def chunks(self, prompt_index: int, ro: RequestOutput, include_usage: bool) -> list[dict]:
+        """Stream chunks carrying what each choice of this output adds since the last call."""
+        chunks = []
+        for out in ro.outputs:
+            index = prompt_index * self.params.n + out.index
+            chars, toks = self.sent.get(index, (0, 0))
+            delta = out.text[chars:]
+            if not delta and out.finish_reason is None and index in self.sent:
+                continue
+            choice: dict[str, Any] = {"index": index}
+            if self.chat:
+                choice["delta"] = {"content": delta} if index in self.sent else {"role": "assistant", "content": delta}
+            else:
+                choice["text"] = delta
+            choice["logprobs"] = self._logprobs(out, toks, chars)
+            choice["finish_reason"] = out.finish_reason
+            self.sent[index] = (len(out.text), len(out.token_ids))
+            chunk = self._head(self.object + ".chunk" if self.chat else self.object)
+            chunk["choices"] = [choice]
+            if include_usage:
+                chunk["usage"] = None
+            chunks.append(chunk)
+        return chunks
+
+    def usage_chunk(self, finals: dict[int, RequestOutput]) -> dict:
+        chunk = self._head(self.object + ".chunk" if self.chat else self.object)
+        chunk.update(choices=[], usage=_usage(finals))
+        return chunk
+
+    def response(self, finals: dict[int, RequestOutput]) -> dict:
+        choices = []
+        for i in sorted(finals):
+            for out in finals[i].outputs:
+                choice: dict[str, Any] = {"index": i * self.params.n + out.index}
+                if self.chat:
+                    choice["message"] = {"role": "assistant", "content": out.text}
+                else:
+                    choice["text"] = out.text
+                choice["logprobs"] = self._logprobs(out, 0, 0)
+                choice["finish_reason"] = out.finish_reason
+                choice["stop_reason"] = out.stop_reason
+                choices.append(choice)
+        body = self._head(self.object)
+        body.update(choices=choices, usage=_usage(finals))
+        return body
+
+
+def _usage(finals: dict[int, RequestOutput]) -> dict:
+    prompt = sum(len(ro.prompt_token_ids) for ro in finals.values())
+    completion = sum(len(o.token_ids) for ro in finals.values() for o in ro.outputs)
+    cached = sum(ro.num_cached_tokens for ro in finals.values())
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}

@@ -1,0 +1,97 @@
+"""A fake AsyncLLM with the real one's interface, for fast tests of the HTTP layer.
+
+Tokens are characters: a string prompt is its code points; generated token k of a request
+is the letter ``"abcdefghij"[k % 10]``; a prompt containing "CRASH" raises a RuntimeError
+inside the engine. Each token takes ``token_delay`` seconds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from kiln.runtime.outputs import CompletionOutput, EngineStats, Logprob, RequestOutput
+from kiln.runtime.params import SamplingParams
+
+LETTERS = "abcdefghij"
+
+
+class FakeAsyncLLM:
+    model_name = "fake-model"
+    max_seq_len = 64
+
+    def __init__(self, token_delay: float = 0.0, kv_blocks_total: int = 32):
+        self.token_delay = token_delay
+        self.num_waiting = 0
+        self.running: set[str] = set()
+        self.aborted: list[str] = []
+        self.finished: list[str] = []
+        self.generated = 0
+        self.kv_blocks_total = kv_blocks_total
+        self.shut_down = False
+        self.requests: list[tuple[object, SamplingParams]] = []
+
+    def apply_chat_template(self, messages: list[dict]) -> str:
+        if messages[-1]["role"] == "assistant" and messages[-1]["content"] == "REJECT":
+            raise ValueError("template rejects this conversation")
+        return "".join(f"<{m['role']}>{m['content']}" for m in messages) + "<assistant>"
+
+    async def generate(self, prompt, params: SamplingParams, request_id: str):
+        ids = [ord(c) for c in prompt] if isinstance(prompt, str) else list(prompt)
+        max_tokens = params.max_tokens or (self.max_seq_len - len(ids))
+        if len(ids) + max_tokens > self.max_seq_len:
+            raise ValueError(f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) exceeds "
+                             f"max_seq_len ({self.max_seq_len})")
+        if isinstance(prompt, str) and "CRASH" in prompt:
+            raise RuntimeError("engine exploded")
+        self.requests.append((prompt, params))
+        self.running.add(request_id)
+        texts = [""] * params.n
+        toks: list[list[int]] = [[] for _ in range(params.n)]
+        lps: list[list[dict]] = [[] for _ in range(params.n)]
+        reasons: list[str | None] = [None] * params.n
+        try:
+            while any(r is None for r in reasons):
+                await asyncio.sleep(self.token_delay)
+                if request_id not in self.running:
+                    return
+                for j in range(params.n):
+                    if reasons[j] is not None:
+                        continue
+                    k = len(toks[j])
+                    ch = LETTERS[(k + j) % 10]
+                    toks[j].append(ord(ch))
+                    texts[j] += ch
+                    self.generated += 1
+                    if params.logprobs is not None:
+                        step = {ord(ch): Logprob(-0.5, 1, ch)}
+                        for r in range(1, params.logprobs):
+                            alt = LETTERS[(k + j + r) % 10]
+                            step[ord(alt)] = Logprob(-1.0 - r, r + 1, alt)
+                        lps[j].append(step)
+                    if any(s in texts[j] for s in params.stop):
+                        stop = next(s for s in params.stop if s in texts[j])
+                        texts[j] = texts[j][: texts[j].index(stop)]
+                        reasons[j] = "stop"
+                    elif len(toks[j]) >= max_tokens:
+                        reasons[j] = "length"
+                outs = [CompletionOutput(j, texts[j], list(toks[j]), -0.5 * len(toks[j]),
+                                         [dict(s) for s in lps[j]] if params.logprobs is not None else None,
+                                         reasons[j]) for j in range(params.n)]
+                done = all(r is not None for r in reasons)
+                yield RequestOutput(request_id, prompt if isinstance(prompt, str) else None, ids, outs, done, 0)
+            self.finished.append(request_id)
+        finally:
+            self.running.discard(request_id)
+
+    async def abort(self, request_id: str) -> None:
+        self.aborted.append(request_id)
+        self.running.discard(request_id)
+
+    def stats(self) -> EngineStats:
+        used = len(self.running)
+        return EngineStats(num_running=used, num_waiting=self.num_waiting, kv_blocks_total=self.kv_blocks_total,
+                           kv_blocks_used=used, prefix_cache_queries=10, prefix_cache_hits=4,
+                           num_generated_tokens=self.generated)
+
+    async def shutdown(self) -> None:
+        self.shut_down = True
