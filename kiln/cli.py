@@ -27,10 +27,13 @@ def build(model: str, output: Path, kv_dtype: str, block_size: int, max_seq_len:
           calibration: str) -> None:
     """Compile MODEL (an HF checkpoint dir, a .gguf file, or `default` for SmolLM2) into an engine dir."""
     from kiln.manifest import BuildOptions
-    from kiln.optimize.build import build_engine
+    from kiln.optimize.build import BuildError, build_engine
 
-    build_engine(model, output, BuildOptions(kv_dtype=kv_dtype, block_size=block_size, max_seq_len=max_seq_len,
-                                             quantization=quantization, calibration=str(calibration or "")))
+    try:
+        build_engine(model, output, BuildOptions(kv_dtype=kv_dtype, block_size=block_size, max_seq_len=max_seq_len,
+                                                 quantization=quantization, calibration=str(calibration or "")))
+    except BuildError as exc:
+        raise click.ClickException(str(exc)) from exc
 
 
 @main.command()

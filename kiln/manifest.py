@@ -34,6 +34,7 @@ class BuildOptions:
     block_size: int = 16
     max_seq_len: int = 2048
     max_num_tokens: int = 2048  # per-step token budget the graph was built and tested for
+    calibration: str = ""  # calibration artifact dir whose scales were folded in (SmoothQuant / AWQ)
 
 
 @dataclass(frozen=True)

@@ -53,7 +53,10 @@ def build_engine(
 
     with _stage(say, "load checkpoint"):
         checkpoint = load_checkpoint(model_path)
-        checkpoint = prepare_checkpoint(checkpoint, options.quantization, options.calibration, say)
+        try:
+            checkpoint = prepare_checkpoint(checkpoint, options.quantization, options.calibration, say)
+        except QuantizationError as exc:
+            raise BuildError(str(exc)) from exc
     spec = checkpoint.spec
     say(f"model: {spec.family}, {spec.num_layers} layers, hidden {spec.hidden_size}, vocab {spec.vocab_size}")
     with tempfile.TemporaryDirectory(prefix="kiln-build-") as work:

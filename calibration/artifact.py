@@ -1,0 +1,88 @@
+"""The calibration artifact: ``scales.safetensors`` + ``calibration.json`` in one directory.
+
+    scales.safetensors   "<group name>": smoothing scales s [K] (see smoothing.py), and
+                         "kv.k_absmax" / "kv.v_absmax" [num_layers, num_kv_heads] (KV int8)
+    calibration.json     format, method, hyperparameters, the model's fingerprint and source,
+                         the corpus split and token count, a per-group search report
+
+Made offline by ``kiln calibrate``; ``apply_artifact`` is the small conversion step the build
+runs before export: it checks the fingerprint and folds the scales into the weights.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from .smoothing import fold, smooth_groups
+
+FORMAT = "kiln-calibration"
+VERSION = 1
+SCALES_FILE = "scales.safetensors"
+META_FILE = "calibration.json"
+METHODS = ("smoothquant", "awq")
+
+
+class CalibrationError(RuntimeError):
+    """A calibration artifact that cannot be used; the message says why in one sentence."""
+
+
+@dataclass(frozen=True)
+class CalibrationArtifact:
+    method: str
+    model_fingerprint: str
+    hyperparameters: dict[str, Any]
+    scales: dict[str, torch.Tensor] = field(repr=False)
+    info: dict[str, Any] = field(default_factory=dict, repr=False)  # source, corpus, tokens, report
+
+    def save(self, path: str | Path) -> Path:
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        save_file({k: v.contiguous().float() for k, v in self.scales.items()}, str(path / SCALES_FILE))
+        meta = {"format": FORMAT, "version": VERSION, "method": self.method,
+                "model_fingerprint": self.model_fingerprint, "hyperparameters": self.hyperparameters, **self.info}
+        (path / META_FILE).write_text(json.dumps(meta, indent=2, sort_keys=True))
+        return path
+
+    @classmethod
+    def load(cls, path: str | Path) -> "CalibrationArtifact":
+        path = Path(path)
+        if not (path / META_FILE).is_file() or not (path / SCALES_FILE).is_file():
+            raise CalibrationError(f"{path} is not a calibration artifact (it needs {META_FILE} and {SCALES_FILE}); "
+                                   f"make one with `kiln calibrate MODEL --method ... -o {path}`")
+        meta = json.loads((path / META_FILE).read_text())
+        if meta.get("format") != FORMAT or meta.get("version") != VERSION:
+            raise CalibrationError(f"{path / META_FILE} is not a version-{VERSION} kiln calibration artifact")
+        info = {k: v for k, v in meta.items()
+                if k not in ("format", "version", "method", "model_fingerprint", "hyperparameters")}
+        return cls(meta["method"], meta["model_fingerprint"], meta["hyperparameters"], load_file(str(path / SCALES_FILE)), info)
+
+    def kv_scales(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-layer, per-KV-head int8 scales (absmax / 127) for K and V: [num_layers, Hkv] each."""
+        return self.scales["kv.k_absmax"] / 127.0, self.scales["kv.v_absmax"] / 127.0
+
+
+def check_fingerprint(artifact: CalibrationArtifact, checkpoint) -> None:
+    actual = checkpoint.fingerprint()
+    if artifact.model_fingerprint != actual:
+        raise CalibrationError(
+            f"the calibration artifact was made for another model (fingerprint {artifact.model_fingerprint[:12]}, "
+            f"from {artifact.info.get('model_source', '?')}) but {checkpoint.source} has fingerprint {actual[:12]}; "
+            f"rerun `kiln calibrate` on this model"
+        )
+
+
+def apply_artifact(checkpoint, artifact: CalibrationArtifact):
+    """A Checkpoint whose weights have the artifact's smoothing scales folded in (function unchanged)."""
+    from kiln.export.checkpoint import Checkpoint
+
+    check_fingerprint(artifact, checkpoint)
+    groups = smooth_groups(checkpoint.spec)
+    weights = fold(checkpoint.weights, groups, artifact.scales)
+    return Checkpoint(spec=checkpoint.spec, weights=weights, tokenizer=checkpoint.tokenizer,
+                      source=f"{checkpoint.source} + {artifact.method} scales")

@@ -1,0 +1,79 @@
+"""calibrate(): checkpoint + calibration text -> CalibrationArtifact (``kiln calibrate``)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from . import awq, smoothquant
+from .artifact import METHODS, CalibrationArtifact, CalibrationError
+from .collect import collect, token_windows
+from .smoothing import smooth_groups
+
+Progress = Callable[[str], None]
+
+
+@dataclass(frozen=True)
+class CalibrationConfig:
+    method: str  # "smoothquant" | "awq"
+    num_windows: int = 16
+    window: int = 512  # tokens per window
+    rows_per_window: int = 64  # input rows kept per linear per window for the scale searches
+    alpha: float | None = None  # SmoothQuant migration strength; None: searched per group
+    group_size: int = 128  # AWQ: the int4 group size the scales are searched for
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise CalibrationError(f"unknown calibration method {self.method!r}; choose one of {list(METHODS)}")
+        if self.alpha is not None and not 0.0 <= self.alpha <= 1.0:
+            raise CalibrationError(f"SmoothQuant alpha must be in [0, 1], not {self.alpha}")
+
+    def hyperparameters(self) -> dict:
+        hp = {"num_windows": self.num_windows, "window": self.window, "rows_per_window": self.rows_per_window}
+        if self.method == "smoothquant":
+            hp["alpha"] = "searched" if self.alpha is None else self.alpha
+            hp["alpha_grid"] = list(smoothquant.ALPHA_GRID)
+        else:
+            hp["group_size"] = self.group_size
+            hp["ratio_grid"] = list(awq.RATIO_GRID)
+        return hp
+
+
+def tokenize(checkpoint, text: str) -> list[int]:
+    if checkpoint.tokenizer is None:
+        raise CalibrationError(f"{checkpoint.source} carries no tokenizer; calibration needs one to read text")
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_str(checkpoint.tokenizer.tokenizer_json).encode(text, add_special_tokens=False).ids
+
+
+def calibrate(checkpoint, token_ids: list[int], config: CalibrationConfig,
+              progress: Progress | None = None, corpus: str = "") -> CalibrationArtifact:
+    from kiln.export.reference import ReferenceModel
+
+    say = progress or (lambda _m: None)
+    start = time.perf_counter()
+    model = ReferenceModel.from_checkpoint(checkpoint)
+    windows = token_windows(token_ids, config.window, config.num_windows)
+    stats = collect(model, windows, config.rows_per_window, say)
+    say(f"collected statistics on {stats.num_tokens} tokens in {time.perf_counter() - start:.1f}s")
+    groups = smooth_groups(checkpoint.spec)
+    weights = {k: v.float() for k, v in checkpoint.weights.items()}
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the searches are many small ops: one thread is faster than two
+    try:
+        with torch.no_grad():
+            if config.method == "smoothquant":
+                scales, report = smoothquant.search(groups, stats, weights, config.alpha)
+            else:
+                scales, report = awq.search(groups, stats, weights, config.group_size)
+    finally:
+        torch.set_num_threads(threads)
+    say(f"{config.method} scales for {len(scales)} groups in {time.perf_counter() - start:.1f}s")
+    scales["kv.k_absmax"] = stats.k_absmax
+    scales["kv.v_absmax"] = stats.v_absmax
+    info = {"model_source": checkpoint.source, "corpus": corpus, "num_tokens": stats.num_tokens, "groups": report}
+    return CalibrationArtifact(config.method, checkpoint.fingerprint(), config.hyperparameters(), scales, info)

@@ -1,0 +1,60 @@
+"""``kiln calibrate`` and ``kiln eval`` (registered on the kiln click group in kiln/cli.py).
+
+Heavy imports (torch, the exporter) happen inside the commands: ``kiln --help`` stays light.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import click
+
+
+def _say(message: str) -> None:
+    print(f"[kiln] {message}", file=sys.stderr, flush=True)
+
+
+@click.command()
+@click.argument("model")
+@click.option("--method", type=click.Choice(["smoothquant", "awq"]), required=True)
+@click.option("-o", "--output", required=True, type=click.Path(path_type=Path), help="artifact directory to write")
+@click.option("--alpha", type=float, default=None, help="SmoothQuant migration strength (default: searched per layer)")
+@click.option("--group-size", type=click.Choice(["32", "64", "128"]), default="128", show_default=True,
+              help="AWQ: the int4 group size to search scales for")
+@click.option("--windows", type=int, default=16, show_default=True, help="calibration windows")
+@click.option("--window-tokens", type=int, default=512, show_default=True, help="tokens per window")
+def calibrate(model: str, method: str, output: Path, alpha: float | None, group_size: str, windows: int,
+              window_tokens: int) -> None:
+    """Collect activation statistics of MODEL on the calibration split and write scales to OUTPUT."""
+    from kiln.calibration.calibrate import CalibrationConfig, calibrate as run, tokenize
+    from kiln.calibration.corpus import CALIBRATION_BOOK, CorpusNotFound, calibration_text
+    from kiln.export.checkpoint import load_checkpoint
+
+    config = CalibrationConfig(method, windows, window_tokens, alpha=alpha, group_size=int(group_size))
+    try:
+        text = calibration_text()
+    except CorpusNotFound as exc:
+        raise click.ClickException(str(exc)) from exc
+    checkpoint = load_checkpoint(model)
+    artifact = run(checkpoint, tokenize(checkpoint, text), config, _say, corpus=f"janeaustenr:{CALIBRATION_BOOK}")
+    _say(f"wrote {artifact.save(output)}")
+
+
+@click.command(name="eval")
+@click.argument("engine_dir", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.option("--reference", type=click.Path(exists=True, file_okay=False, path_type=Path), default=None,
+              help="fp32 engine of the same model, for greedy agreement")
+@click.option("--windows", type=int, default=8, show_default=True, help="evaluation windows of --window-tokens")
+@click.option("--window-tokens", type=int, default=512, show_default=True)
+@click.option("--threads", type=int, default=None, help="onnxruntime intra-op threads (default: all cores)")
+def evaluate(engine_dir: Path, reference: Path | None, windows: int, window_tokens: int, threads: int | None) -> None:
+    """Perplexity on the evaluation split, greedy agreement with --reference, decode tok/s, size."""
+    from kiln.calibration.corpus import CorpusNotFound
+    from kiln.calibration.evaluate import evaluate as run
+
+    try:
+        report = run(engine_dir, reference, windows, window_tokens, threads, _say)
+    except CorpusNotFound as exc:
+        raise click.ClickException(str(exc)) from exc
+    click.echo(report.to_json())

@@ -1,0 +1,115 @@
+"""Run the PyTorch reference model on calibration text and record what the linear layers see.
+
+For every nn.Linear inside the decoder layers: per-input-channel abs-max (SmoothQuant) and
+mean |x| (AWQ), plus a fixed subsample of input rows (the scale searches of both methods).
+For every layer's KV: a per-KV-head bound on |K| after RoPE (the max over each rotary pair's
+norm, which RoPE preserves, so the bound holds at every position) and on |V| (KV int8).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+from torch import nn
+
+Progress = Callable[[str], None]
+
+
+@dataclass
+class LinearStats:
+    absmax: torch.Tensor  # [K]
+    abs_sum: torch.Tensor  # [K] float64
+    count: int = 0
+    samples: list[torch.Tensor] = field(default_factory=list)  # rows [n, K]
+
+    @property
+    def mean_abs(self) -> torch.Tensor:
+        return (self.abs_sum / max(self.count, 1)).float()
+
+    def sample_rows(self) -> torch.Tensor:
+        return torch.cat(self.samples) if self.samples else torch.empty(0, self.absmax.numel())
+
+
+@dataclass(frozen=True)
+class ActivationStats:
+    linears: dict[str, LinearStats]  # module name, e.g. "model.layers.0.self_attn.q_proj"
+    k_absmax: torch.Tensor  # [num_layers, Hkv]
+    v_absmax: torch.Tensor  # [num_layers, Hkv]
+    num_tokens: int
+
+
+def token_windows(token_ids: list[int], window: int, count: int) -> list[torch.Tensor]:
+    """The first `count` consecutive, non-overlapping windows of `window` tokens."""
+    n = min(count, len(token_ids) // window)
+    if n == 0:
+        raise ValueError(f"calibration text has {len(token_ids)} tokens, fewer than one window of {window}")
+    return [torch.tensor(token_ids[i * window:(i + 1) * window], dtype=torch.int64) for i in range(n)]
+
+
+@torch.no_grad()
+def collect(model: nn.Module, windows: list[torch.Tensor], rows_per_window: int = 64,
+            progress: Progress | None = None) -> ActivationStats:
+    """Run each window (one sequence, positions 0..W-1) through model, gathering statistics."""
+    say = progress or (lambda _m: None)
+    spec = model.spec
+    stats: dict[str, LinearStats] = {}
+    k_max = torch.zeros(spec.num_layers, spec.num_kv_heads)
+    v_max = torch.zeros(spec.num_layers, spec.num_kv_heads)
+    gen = torch.Generator().manual_seed(0)
+    hooks = []
+
+    def linear_hook(name):
+        def hook(_module, args, _out):
+            x = args[0].reshape(-1, args[0].shape[-1]).float()
+            s = stats.get(name)
+            if s is None:
+                s = stats[name] = LinearStats(torch.zeros(x.shape[1]), torch.zeros(x.shape[1], dtype=torch.float64))
+            a = x.abs()
+            torch.maximum(s.absmax, a.amax(0), out=s.absmax)
+            s.abs_sum += a.sum(0, dtype=torch.float64)
+            s.count += x.shape[0]
+            if rows_per_window:
+                idx = torch.randperm(x.shape[0], generator=gen)[:rows_per_window]
+                s.samples.append(x[idx].clone())
+        return hook
+
+    def kv_hook(layer, is_key):
+        def hook(_module, _args, out):
+            h = out.reshape(-1, spec.num_kv_heads, spec.head_dim).float()
+            if is_key:  # RoPE rotates (d, d + D/2) pairs: their norm bounds |K| at any position
+                half = spec.head_dim // 2
+                h = torch.sqrt(h[..., :half] ** 2 + h[..., half:] ** 2)
+                torch.maximum(k_max[layer], h.abs().amax((0, 2)), out=k_max[layer])
+            else:
+                torch.maximum(v_max[layer], h.abs().amax((0, 2)), out=v_max[layer])
+        return hook
+
+    for name, module in model.named_modules():
+        if isinstance(module, nn.Linear) and ".layers." in name:
+            hooks.append(module.register_forward_hook(linear_hook(name)))
+    for i, layer in enumerate(model.model.layers):
+        hooks.append(layer.self_attn.k_proj.register_forward_hook(kv_hook(i, True)))
+        hooks.append(layer.self_attn.v_proj.register_forward_hook(kv_hook(i, False)))
+    try:
+        tokens = 0
+        for i, ids in enumerate(windows):
+            _run_layers(model, ids[None], torch.arange(ids.numel(), dtype=torch.int64)[None])
+            tokens += ids.numel()
+            say(f"calibration window {i + 1}/{len(windows)} ({tokens} tokens)")
+    finally:
+        for h in hooks:
+            h.remove()
+    return ActivationStats(stats, k_max, v_max, tokens)
+
+
+def _run_layers(model: nn.Module, input_ids: torch.Tensor, position_ids: torch.Tensor) -> None:
+    """ReferenceModel.forward without the final norm and LM head (half the FLOPs of a small model)."""
+    from kiln.export.reference import causal_mask
+
+    x = model.model.embed_tokens(input_ids)
+    cos, sin = model.rope_cos_sin(position_ids)
+    mask = causal_mask(position_ids, model.spec.sliding_window)
+    for layer in model.model.layers:
+        x = layer(x, cos, sin, mask)

@@ -1,0 +1,173 @@
+"""``kiln eval ENGINE``: perplexity on the evaluation split, greedy agreement with a reference
+(fp32) engine, decode speed and engine size.
+
+The engine runs through kiln.runtime's ONNX Runtime model runner (the same session, op library
+and in-place KV pools as serving), one sequence at a time:
+  * perplexity: non-overlapping windows of the evaluation book, each a fresh sequence from
+    position 0, prefilled in chunks with logits on every row;
+  * greedy agreement: the reference engine continues each fixed prompt greedily; the engine
+    under test is teacher-forced on that continuation and its argmax compared token by token;
+  * decode tok/s: single-stream, one token per step after a short prompt (median step time).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+Progress = Callable[[str], None]
+
+
+class EngineSession:
+    """One engine dir, driven one sequence at a time (blocks 0.. reused by every sequence)."""
+
+    def __init__(self, engine_dir: str | Path, max_tokens: int = 2048, threads: int | None = None):
+        from tokenizers import Tokenizer
+
+        from kiln.manifest import read_manifest
+        from kiln.runtime.ops import library_path
+        from kiln.runtime.ort_runner import OrtModelRunner
+        from kiln.runtime.params import RuntimeConfig
+
+        self.engine_dir = Path(engine_dir)
+        self.manifest = read_manifest(self.engine_dir)
+        build = self.manifest.build
+        blocks = -(-max_tokens // build.block_size)
+        spec = self.manifest.spec
+        itemsize = 2 if build.kv_dtype == "float16" else 4
+        pool_bytes = blocks * spec.num_layers * 2 * spec.num_kv_heads * build.block_size * spec.head_dim * itemsize
+        config = RuntimeConfig(kv_cache_bytes=pool_bytes, max_num_seqs=1, num_threads=threads)
+        self.runner = OrtModelRunner(self.engine_dir, self.manifest, config, library_path())
+        self.tokenizer = Tokenizer.from_file(str(self.engine_dir / "tokenizer.json"))
+        self.max_tokens = min(max_tokens, self.runner.num_blocks * build.block_size)
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False).ids
+
+    def run(self, tokens: list[int], start: int, all_rows: bool) -> np.ndarray:
+        """Feed tokens at positions start.. of the current sequence; logits of every row or the last."""
+        from kiln.runtime.model_runner import BatchInput
+
+        n = len(tokens)
+        end = start + n
+        if end > self.max_tokens:
+            raise ValueError(f"sequence of {end} tokens exceeds the evaluation KV pool ({self.max_tokens})")
+        block_size = self.manifest.build.block_size
+        rows = np.arange(n, dtype=np.int64) if all_rows else np.array([n - 1], dtype=np.int64)
+        batch = BatchInput(
+            input_ids=np.asarray(tokens, dtype=np.int64),
+            position_ids=np.arange(start, end, dtype=np.int64),
+            query_start_loc=np.array([0, n], dtype=np.int32),
+            seq_lens=np.array([end], dtype=np.int32),
+            block_tables=np.arange(-(-end // block_size), dtype=np.int32)[None],
+            logits_indices=rows,
+            num_logits=len(rows),
+        )
+        return self.runner.execute(batch)
+
+    def prefill(self, tokens: list[int], chunk: int = 128) -> np.ndarray:
+        """All-row logits of a fresh sequence, prefilled chunk by chunk."""
+        return np.concatenate([self.run(tokens[i:i + chunk], i, True) for i in range(0, len(tokens), chunk)])
+
+    def greedy(self, prompt: list[int], new_tokens: int) -> list[int]:
+        out = []
+        logits = self.run(prompt, 0, False)
+        for i in range(new_tokens):
+            out.append(int(logits[-1].argmax()))
+            if i + 1 < new_tokens:
+                logits = self.run(out[-1:], len(prompt) + i, False)
+        return out
+
+    def size_bytes(self) -> int:
+        return sum(p.stat().st_size for p in self.engine_dir.rglob("*") if p.is_file())
+
+
+def _nll(logits: np.ndarray, targets: np.ndarray) -> np.ndarray:
+    z = logits.astype(np.float64)
+    z -= z.max(-1, keepdims=True)
+    logsumexp = np.log(np.exp(z).sum(-1))
+    return logsumexp - z[np.arange(len(targets)), targets]
+
+
+def perplexity(session: EngineSession, token_ids: list[int], window: int = 512, num_windows: int = 8,
+               progress: Progress | None = None) -> tuple[float, int]:
+    """(perplexity, number of predicted tokens) over the first num_windows windows."""
+    total, count = 0.0, 0
+    n = min(num_windows, len(token_ids) // window)
+    for w in range(n):
+        tokens = token_ids[w * window:(w + 1) * window]
+        logits = session.prefill(tokens)
+        nll = _nll(logits[:-1], np.asarray(tokens[1:]))
+        total += float(nll.sum())
+        count += len(nll)
+        if progress:
+            progress(f"perplexity window {w + 1}/{n}: running ppl {np.exp(total / count):.3f}")
+    return float(np.exp(total / count)), count
+
+
+def prompt_set(text: str, session: EngineSession, count: int = 8, length: int = 32) -> list[list[int]]:
+    """Fixed prompts: the first `length` tokens of every 25th paragraph of the evaluation text."""
+    paragraphs = [p for p in text.split("\n\n") if len(p) > 200]
+    return [session.encode(p)[:length] for p in paragraphs[::25][:count]]
+
+
+def greedy_agreement(session: EngineSession, reference: EngineSession, prompts: list[list[int]],
+                     new_tokens: int = 32) -> float:
+    """Fraction of positions where session's argmax equals reference's greedy token (teacher-forced)."""
+    agree, total = 0, 0
+    for prompt in prompts:
+        continuation = reference.greedy(prompt, new_tokens)
+        logits = session.prefill(prompt + continuation[:-1])[len(prompt) - 1:]
+        agree += int((logits.argmax(-1) == np.asarray(continuation)).sum())
+        total += len(continuation)
+    return agree / total
+
+
+def decode_speed(session: EngineSession, prompt: list[int], new_tokens: int = 64) -> float:
+    """Single-stream decode tokens/s: 1 / the median step time (robust to a busy machine)."""
+    session.run(prompt, 0, False)
+    token = prompt[-1]
+    times = []
+    for i in range(new_tokens):
+        start = time.perf_counter()
+        token = int(session.run([token], len(prompt) + i, False)[-1].argmax())
+        times.append(time.perf_counter() - start)
+    return float(1.0 / np.median(times))
+
+
+@dataclass(frozen=True)
+class EvalReport:
+    engine: str
+    quantization: str
+    kv_dtype: str
+    perplexity: float
+    eval_tokens: int
+    greedy_agreement: float | None  # vs the reference engine; None without one
+    decode_tok_s: float
+    engine_mb: float
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=2)
+
+
+def evaluate(engine_dir: str | Path, reference_dir: str | Path | None = None, num_windows: int = 8,
+             window: int = 512, threads: int | None = None, progress: Progress | None = None) -> EvalReport:
+    from .corpus import evaluation_text
+
+    text = evaluation_text()
+    session = EngineSession(engine_dir, max_tokens=max(window, 1024), threads=threads)
+    ppl, count = perplexity(session, session.encode(text), window, num_windows, progress)
+    prompts = prompt_set(text, session)
+    agreement = None
+    if reference_dir is not None:
+        reference = EngineSession(reference_dir, max_tokens=1024, threads=threads)
+        agreement = greedy_agreement(session, reference, prompts)
+    speed = decode_speed(session, prompts[0])
+    build = session.manifest.build
+    return EvalReport(str(engine_dir), build.quantization, build.kv_dtype, ppl, count, agreement, speed,
+                      session.size_bytes() / 2**20)

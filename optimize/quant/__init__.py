@@ -1,0 +1,1 @@
+"""Shared pieces of the weight-quantization passes: reference quantizers, packing, graph matching."""

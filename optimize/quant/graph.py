@@ -1,0 +1,140 @@
+"""Finding the linear layers of an ONNX graph (onnx_ir) and swapping them for quantized nodes.
+
+A linear layer is ``MatMul(activation, B)`` where B is a constant 2-D float weight:
+  * an initializer ``W^T [K, N]`` (what the kiln exporter emits), or
+  * ``Transpose(perm=[1, 0])`` of an initializer ``W [N, K]``: a tied LM head reading the
+    embedding table. The Gather keeps the fp32 table; the head gets its own quantized copy.
+An ``Add`` of a constant ``[N]`` bias that is the MatMul's only consumer is folded in.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import onnx_ir as ir
+from onnx_ir.passes.common import RemoveUnusedNodesPass
+
+
+@dataclass(frozen=True)
+class Linear:
+    matmul: ir.Node
+    activation: ir.Value
+    output: ir.Value  # what the replacement must produce (the bias Add's output if folded)
+    weight: np.ndarray  # float32 [N, K], nn.Linear orientation
+    weight_name: str  # the initializer the weight came from
+    bias_add: ir.Node | None
+    bias: ir.Value | None
+
+    @property
+    def name(self) -> str:
+        return self.matmul.name or self.matmul.outputs[0].name
+
+
+def _is_default(node: ir.Node, op_type: str) -> bool:
+    return node.op_type == op_type and node.domain in ("", "ai.onnx")
+
+
+def _float_matrix(value: ir.Value | None) -> np.ndarray | None:
+    if value is None or value.const_value is None:
+        return None
+    array = value.const_value.numpy()
+    if array.ndim != 2 or array.dtype != np.float32:
+        return None
+    return array
+
+
+def _weight(b: ir.Value) -> tuple[np.ndarray, str] | None:
+    """The [N, K] weight behind MatMul input B, or None when B is not a constant."""
+    direct = _float_matrix(b)
+    if direct is not None:
+        return np.ascontiguousarray(direct.T), b.name
+    producer = b.producer()
+    if producer is None or not _is_default(producer, "Transpose"):
+        return None
+    perm = producer.attributes.get("perm")
+    if perm is not None and list(perm.as_ints()) != [1, 0]:
+        return None
+    source = _float_matrix(producer.inputs[0])
+    if source is None:
+        return None
+    return np.ascontiguousarray(source), producer.inputs[0].name
+
+
+def find_linears(model: ir.Model, min_size: int = 16) -> list[Linear]:
+    """Every MatMul with a constant 2-D float weight (both dims >= min_size), in graph order."""
+    found = []
+    for node in model.graph:
+        if not _is_default(node, "MatMul"):
+            continue
+        weight = _weight(node.inputs[1])
+        if weight is None or min(weight[0].shape) < min_size:
+            continue
+        w, source = weight
+        bias_add, bias = _bias_add(node, w.shape[0])
+        output = bias_add.outputs[0] if bias_add is not None else node.outputs[0]
+        found.append(Linear(node, node.inputs[0], output, w.astype(np.float32), source, bias_add, bias))
+    return found
+
+
+_PASS_THROUGH = ("Squeeze", "Unsqueeze", "Reshape", "Identity", "Flatten")
+
+
+def is_lm_head(lin: Linear) -> bool:
+    """True when the linear's output reaches a graph output through shape-only ops (the LM head)."""
+    value = lin.output
+    while True:
+        if value.is_graph_output():
+            return True
+        uses = list(value.uses())
+        if len(uses) != 1 or uses[0].node.op_type not in _PASS_THROUGH:
+            return False
+        value = uses[0].node.outputs[0]
+
+
+def _bias_add(matmul: ir.Node, n: int) -> tuple[ir.Node | None, ir.Value | None]:
+    out = matmul.outputs[0]
+    uses = list(out.uses())
+    if len(uses) != 1 or out.is_graph_output():
+        return None, None
+    add = uses[0].node
+    if not _is_default(add, "Add"):
+        return None, None
+    other = add.inputs[1] if add.inputs[0] is out else add.inputs[0]
+    if other is not None and other.const_value is not None and tuple(other.const_value.shape) == (n,):
+        return add, other
+    return None, None
+
+
+def initializer(model: ir.Model, name: str, array: np.ndarray) -> ir.Value:
+    """Register a new initializer (name made unique) and return its value."""
+    existing = model.graph.initializers
+    unique, i = name, 1
+    while unique in existing:
+        unique, i = f"{name}.{i}", i + 1
+    value = ir.Value(name=unique, shape=ir.Shape(array.shape), type=ir.TensorType(ir.DataType.from_numpy(array.dtype)),
+                     const_value=ir.tensor(array, name=unique))
+    model.graph.register_initializer(value)
+    return value
+
+
+def replace_linear(model: ir.Model, lin: Linear, nodes: list[ir.Node], output: ir.Value) -> None:
+    """Put nodes in place of the MatMul (and its folded bias Add); output takes over lin.output."""
+    old_nodes = [lin.matmul] + ([lin.bias_add] if lin.bias_add is not None else [])
+    ir.convenience.replace_nodes_and_values(
+        model.graph, lin.matmul, old_nodes, nodes, [lin.output], [output]
+    )
+
+
+def prune(model: ir.Model) -> None:
+    """Drop nodes and initializers nothing reads any more (old weights, orphaned Transposes)."""
+    RemoveUnusedNodesPass()(model)
+
+
+def ensure_opset(model: ir.Model, domain: str, version: int = 1) -> None:
+    model.opset_imports.setdefault(domain, version)
+    model.graph.opset_imports.setdefault(domain, version)
+
+
+def onnx_opset(model: ir.Model) -> int:
+    return model.opset_imports.get("", 0)

@@ -1,0 +1,74 @@
+"""Reference numpy quantizers: the executable spec every ONNX quantization pass is tested against.
+
+All weights are in the nn.Linear orientation ``w [N, K]`` (out_features, in_features); groups
+run along K (the reduction axis), which is what ``com.microsoft::MatMulNBits`` expects.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class GroupQuantized:
+    """``w ≈ (q - zero_points) * scales`` group-wise along K. q is padded to whole groups."""
+
+    q: np.ndarray  # uint8 [N, n_groups * group_size], values in [0, 2**bits - 1]
+    scales: np.ndarray  # float32 [N, n_groups]
+    zero_points: np.ndarray  # uint8 [N, n_groups]
+    bits: int
+    group_size: int
+    k: int  # the real (unpadded) K
+
+    def dequantize(self) -> np.ndarray:
+        n, _ = self.q.shape
+        groups = self.q.reshape(n, -1, self.group_size).astype(np.float32)
+        w = (groups - self.zero_points[..., None].astype(np.float32)) * self.scales[..., None]
+        return w.reshape(n, -1)[:, : self.k]
+
+
+def quantize_groupwise(w: np.ndarray, bits: int, group_size: int) -> GroupQuantized:
+    """Asymmetric round-to-nearest with zero points; each group's range always includes 0."""
+    w = np.asarray(w, dtype=np.float32)
+    n, k = w.shape
+    qmax = (1 << bits) - 1
+    n_groups = -(-k // group_size)
+    pad = n_groups * group_size - k
+    # Pad with zeros: they never widen the range since every range includes 0.
+    groups = np.pad(w, ((0, 0), (0, pad))).reshape(n, n_groups, group_size)
+    lo = np.minimum(groups.min(axis=-1), 0.0)
+    hi = np.maximum(groups.max(axis=-1), 0.0)
+    scales = (hi - lo) / qmax
+    scales = np.where(scales == 0, 1.0, scales).astype(np.float32)
+    zero_points = np.clip(np.round(-lo / scales), 0, qmax).astype(np.uint8)
+    q = np.clip(np.round(groups / scales[..., None]) + zero_points[..., None], 0, qmax).astype(np.uint8)
+    return GroupQuantized(q.reshape(n, -1), scales, zero_points, bits, group_size, k)
+
+
+def quantize_per_channel_int8(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Symmetric int8 per output channel: ``w ≈ q * scale[:, None]``, q in [-127, 127]."""
+    w = np.asarray(w, dtype=np.float32)
+    scale = np.abs(w).max(axis=1) / 127.0
+    scale = np.where(scale == 0, 1.0, scale).astype(np.float32)
+    q = np.clip(np.round(w / scale[:, None]), -127, 127).astype(np.int8)
+    return q, scale
+
+
+def per_channel_as_groups(w: np.ndarray, group_size: int) -> GroupQuantized:
+    """Per-output-channel symmetric int8, laid out as 8-bit groups that all share the row's scale.
+
+    MatMulNBits only knows group-wise scales; repeating one scale (zero point 128) over every
+    group of a row is exactly per-channel quantization in its layout. The group size is only a
+    layout choice: the largest of group_size, 64, 32, 16 that divides K (no padding) is used.
+    """
+    q, scale = quantize_per_channel_int8(w)
+    n, k = q.shape
+    group_size = next((g for g in (group_size, 64, 32, 16) if g <= group_size and k % g == 0), group_size)
+    n_groups = -(-k // group_size)
+    pad = n_groups * group_size - k
+    q_u8 = (np.pad(q.astype(np.int16), ((0, 0), (0, pad))) + 128).astype(np.uint8)
+    scales = np.repeat(scale[:, None], n_groups, axis=1)
+    zero_points = np.full((n, n_groups), 128, dtype=np.uint8)
+    return GroupQuantized(q_u8, scales, zero_points, 8, group_size, k)

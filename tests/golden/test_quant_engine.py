@@ -1,0 +1,83 @@
+"""Quantized engines: each scheme's pass on the tiny engine graph runs with the kiln op library
+and stays close to the fp32 engine; a calibrated build folds its artifact; a foreign one is refused."""
+
+from __future__ import annotations
+
+import shutil
+
+import numpy as np
+import onnx_ir as ir
+import pytest
+import torch
+
+from engine_driver import PagedDriver, make_session
+from kiln.manifest import BuildOptions, read_manifest
+from kiln.optimize.quantize import quantize_model
+
+PROMPT = [5, 77, 190, 33, 250, 12, 8, 99, 140, 201, 64, 3, 17, 222, 180, 45, 71, 300, 9, 128] * 2
+
+
+def engine_logits(model_path) -> np.ndarray:
+    driver = PagedDriver(make_session(model_path, threads=1), num_blocks=16)
+    first = driver.step([(0, PROMPT[:25])], all_rows=True)  # a prefill chunk, then the rest
+    rest = driver.step([(0, PROMPT[25:])], all_rows=True)
+    return np.concatenate([first, rest])
+
+
+def quantized_copy(engine, tmp_path, scheme: str):
+    model = ir.load(engine / "model.onnx")
+    count = quantize_model(model, scheme)
+    out = tmp_path / scheme
+    out.mkdir()
+    ir.save(model, out / "model.onnx", external_data="model.onnx.data")
+    return out / "model.onnx", count
+
+
+@pytest.mark.parametrize("scheme,tolerance,agreement", [
+    ("int8-weight-only", 0.05, 0.95),
+    ("int4-rtn-g32", 0.3, 0.75),
+    ("int4-rtn-g128", 0.35, 0.65),
+    ("w8a8-smoothquant", 0.05, 0.95),  # the W8A8 pass alone (no scales: the graph is the fp32 one)
+])
+def test_quantized_engine_graph_runs_and_stays_close(tiny_engine, tmp_path, scheme, tolerance, agreement):
+    fp32 = engine_logits(tiny_engine / "model.onnx")
+    path, count = quantized_copy(tiny_engine, tmp_path, scheme)
+    assert count == 2 * 7 + 1  # q k v o gate up down per layer + the tied LM head
+    out = engine_logits(path)
+    rel = np.abs(out - fp32).max() / np.abs(fp32).max()
+    assert rel < tolerance, rel
+    assert (out.argmax(-1) == fp32.argmax(-1)).mean() >= agreement
+    assert path.stat().st_size + (path.parent / "model.onnx.data").stat().st_size > 0
+
+
+def test_calibrated_build_folds_scales_and_refuses_foreign_artifacts(tiny_model_dir, tiny_engine, tmp_path):
+    from helpers import make_tiny_hf_model
+    from kiln.calibration.calibrate import CalibrationConfig, calibrate
+    from kiln.export.checkpoint import load_checkpoint
+    from kiln.optimize.build import BuildError, build_engine
+
+    ck = load_checkpoint(tiny_model_dir)
+    ids = torch.randint(3, 320, (512,), generator=torch.Generator().manual_seed(0)).tolist()
+    art = calibrate(ck, ids, CalibrationConfig("smoothquant", num_windows=4, window=128, rows_per_window=32))
+    art_dir = art.save(tmp_path / "sq")
+
+    other = make_tiny_hf_model(tmp_path / "other", "llama", seed=7)
+    with pytest.raises(BuildError, match="made for another model"):
+        build_engine(other, tmp_path / "bad", BuildOptions(quantization="w8a8-smoothquant", calibration=str(art_dir)),
+                     progress=lambda _m: None)
+    with pytest.raises(BuildError, match="needs awq scales, but .* holds smoothquant scales"):
+        build_engine(tiny_model_dir, tmp_path / "bad", BuildOptions(quantization="int4-awq-g128", calibration=str(art_dir)),
+                     progress=lambda _m: None)
+    with pytest.raises(BuildError, match="needs the scales of `kiln calibrate MODEL --method smoothquant"):
+        build_engine(tiny_model_dir, tmp_path / "bad", BuildOptions(quantization="w8a8-smoothquant"), progress=lambda _m: None)
+
+    engine = tmp_path / "w8a8"
+    build_engine(tiny_model_dir, engine, BuildOptions(quantization="w8a8-smoothquant", calibration=str(art_dir)),
+                 progress=lambda _m: None)
+    manifest = read_manifest(engine)
+    assert manifest.build.quantization == "w8a8-smoothquant" and manifest.build.calibration == str(art_dir)
+    fp32 = engine_logits(tiny_engine / "model.onnx")
+    out = engine_logits(engine / "model.onnx")
+    assert np.abs(out - fp32).max() / np.abs(fp32).max() < 0.08
+    assert (out.argmax(-1) == fp32.argmax(-1)).mean() >= 0.9
+    shutil.rmtree(engine)

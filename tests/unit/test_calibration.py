@@ -1,0 +1,142 @@
+"""Calibration: exact scale folding, SmoothQuant / AWQ searches, the artifact and its fingerprint check."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from helpers import make_tiny_hf_model
+from kiln.calibration import fake_quant
+from kiln.calibration.artifact import CalibrationArtifact, CalibrationError, apply_artifact
+from kiln.calibration.calibrate import CalibrationConfig, calibrate
+from kiln.calibration.smoothing import fold, smooth_groups
+from kiln.export.checkpoint import load_checkpoint
+from kiln.export.reference import ReferenceModel
+from kiln.optimize.quant import rtn
+
+
+def logits(checkpoint, ids):
+    model = ReferenceModel(checkpoint.spec, checkpoint.weights)
+    with torch.no_grad():
+        return model(ids[None], torch.arange(ids.numel())[None])[0]
+
+
+def random_ids(n, vocab=320, seed=0):
+    return torch.randint(3, vocab, (n,), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("family,overrides", [
+    ("llama", {}),                                   # GQA: no o_proj group
+    ("llama", {"num_key_value_heads": 4}),           # MHA: o_proj smoothed through v_proj
+    ("qwen2", {"num_key_value_heads": 4}),           # q/k/v biases
+])
+def test_folding_any_scales_is_exact(tmp_path, family, overrides):
+    ck = load_checkpoint(make_tiny_hf_model(tmp_path, family, **overrides))
+    groups = smooth_groups(ck.spec)
+    assert any(g.name.endswith("self_attn.o") for g in groups) == (ck.spec.num_heads == ck.spec.num_kv_heads)
+    gen = torch.Generator().manual_seed(1)
+    scales = {}
+    for g in groups:
+        k = ck.weights[f"{g.linears[0]}.weight"].shape[1]
+        scales[g.name] = torch.exp(torch.randn(k, generator=gen))  # factors ~ e^±2
+    folded = fold(ck.weights, groups, scales)
+    assert folded.keys() == ck.weights.keys()
+    ids = random_ids(40)
+    ref = logits(ck, ids)
+    out = logits(type(ck)(spec=ck.spec, weights=folded, tokenizer=None, source="folded"), ids)
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+    # the weights really changed, and the embedding / LM head did not
+    assert not torch.equal(folded["model.layers.0.self_attn.q_proj.weight"], ck.weights["model.layers.0.self_attn.q_proj.weight"])
+    assert torch.equal(folded["model.embed_tokens.weight"], ck.weights["model.embed_tokens.weight"])
+
+
+def test_fake_quant_matches_the_numpy_reference():
+    w = torch.randn(48, 200, generator=torch.Generator().manual_seed(0))
+    for group in (32, 64, 128):
+        ref = rtn.quantize_groupwise(w.numpy(), 4, group).dequantize()
+        np.testing.assert_allclose(fake_quant.int4_groupwise(w, group).numpy(), ref, rtol=0, atol=1e-5)
+    q, s = rtn.quantize_per_channel_int8(w.numpy())
+    np.testing.assert_allclose(fake_quant.int8_per_channel(w).numpy(), q * s[:, None], rtol=0, atol=1e-6)
+
+
+@pytest.fixture
+def outlier_checkpoint(tmp_path):
+    """A tiny model whose first RMSNorm amplifies two channels 40x (LLM-style activation outliers)."""
+    ck = load_checkpoint(make_tiny_hf_model(tmp_path, "llama"))
+    weights = dict(ck.weights)
+    for i in range(ck.spec.num_layers):
+        for norm in ("input_layernorm", "post_attention_layernorm"):
+            w = weights[f"model.layers.{i}.{norm}.weight"].clone()
+            w[[3, 17]] *= 40.0
+            weights[f"model.layers.{i}.{norm}.weight"] = w
+    return type(ck)(spec=ck.spec, weights=weights, tokenizer=ck.tokenizer, source=ck.source)
+
+
+def test_smoothquant_artifact_roundtrip_and_exact_apply(outlier_checkpoint, tmp_path):
+    ck = outlier_checkpoint
+    config = CalibrationConfig("smoothquant", num_windows=4, window=64, rows_per_window=32)
+    messages = []
+    artifact = calibrate(ck, random_ids(400).tolist(), config, messages.append, corpus="random ids")
+    assert messages and "window 4/4" in " ".join(messages)
+    report = artifact.info["groups"]
+    qkv = report["model.layers.0.self_attn.qkv"]
+    assert qkv["alpha"] is not None and qkv["error"] < 0.5 * qkv["error_unsmoothed"]
+    assert artifact.scales["kv.k_absmax"].shape == (ck.spec.num_layers, ck.spec.num_kv_heads)
+    path = artifact.save(tmp_path / "sq")
+    loaded = CalibrationArtifact.load(path)
+    assert loaded.method == "smoothquant" and loaded.model_fingerprint == ck.fingerprint()
+    assert loaded.info["groups"] == report
+    for k, v in artifact.scales.items():
+        torch.testing.assert_close(loaded.scales[k], v)
+    smoothed = apply_artifact(ck, loaded)
+    ids = random_ids(50, seed=3)
+    torch.testing.assert_close(logits(smoothed, ids), logits(ck, ids), rtol=1e-4, atol=1e-4)
+    # the outliers moved into the weights: the smoothed norm weight is much flatter
+    norm = smoothed.weights["model.layers.0.input_layernorm.weight"].abs()
+    assert norm.max() / norm.median() < 10
+
+
+def test_kv_bounds_hold_after_rope(tmp_path):
+    ck = load_checkpoint(make_tiny_hf_model(tmp_path, "llama"))
+    artifact = calibrate(ck, random_ids(256).tolist(), CalibrationConfig("smoothquant", 2, 128, 8, alpha=0.5))
+    model = ReferenceModel(ck.spec, ck.weights)
+    seen = []
+    hook = model.model.layers[0].self_attn.k_proj.register_forward_hook(lambda m, a, o: seen.append(o))
+    ids = random_ids(256)[:128]
+    with torch.no_grad():
+        model(ids[None], torch.arange(128)[None])
+    hook.remove()
+    k = seen[0].reshape(1, 128, ck.spec.num_kv_heads, ck.spec.head_dim).transpose(1, 2)
+    cos, sin = model.rope_cos_sin(torch.arange(128)[None])
+    from kiln.export.reference import apply_rope
+    k_rot = apply_rope(k, cos, sin)[0]  # [Hkv, S, D]
+    bound = artifact.scales["kv.k_absmax"][0]
+    assert torch.all(k_rot.abs().amax((1, 2)) <= bound * (1 + 1e-5))
+    assert torch.all(bound > 0)
+
+
+def test_awq_never_worse_than_rtn_on_calibration_rows(outlier_checkpoint):
+    artifact = calibrate(outlier_checkpoint, random_ids(400).tolist(),
+                         CalibrationConfig("awq", num_windows=4, window=64, rows_per_window=32, group_size=32))
+    assert artifact.hyperparameters["group_size"] == 32
+    report = artifact.info["groups"]
+    assert all(r["error"] <= r["error_rtn"] for r in report.values())
+    assert report["model.layers.0.self_attn.qkv"]["ratio"] > 0  # outliers make AWQ pick real scales
+    assert report["model.layers.0.self_attn.qkv"]["error"] < report["model.layers.0.self_attn.qkv"]["error_rtn"]
+
+
+def test_artifact_for_another_model_is_refused(tmp_path, outlier_checkpoint):
+    artifact = calibrate(outlier_checkpoint, random_ids(200).tolist(), CalibrationConfig("awq", 2, 64, 8))
+    other = load_checkpoint(make_tiny_hf_model(tmp_path / "other", "llama", seed=5))
+    with pytest.raises(CalibrationError, match="made for another model"):
+        apply_artifact(other, artifact)
+
+
+def test_bad_config_and_missing_artifact(tmp_path):
+    with pytest.raises(CalibrationError, match="unknown calibration method"):
+        CalibrationConfig("gptq")
+    with pytest.raises(CalibrationError, match="alpha"):
+        CalibrationConfig("smoothquant", alpha=1.5)
+    with pytest.raises(CalibrationError, match="not a calibration artifact"):
+        CalibrationArtifact.load(tmp_path)

@@ -1,0 +1,196 @@
+"""Weight-quantization passes on a tiny ONNX graph shaped like kiln's (tied LM head included)."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import onnx_ir as ir
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from kiln.optimize.quant import nbits, rtn
+from kiln.optimize.quant.graph import find_linears
+from kiln.optimize.quantize_int4 import quantize_int4
+from kiln.optimize.quantize_int8 import quantize_int8_weight_only
+from kiln.optimize.quantize_w8a8 import quantize_w8a8
+
+V, H, F = 96, 64, 160  # vocab, hidden (not a multiple of 128: a padded last group), ffn
+
+
+def tiny_graph(opset: int = 18, seed: int = 0) -> tuple[ir.Model, dict[str, np.ndarray]]:
+    rng = np.random.default_rng(seed)
+    w = {
+        "embed": rng.standard_normal((V, H)).astype(np.float32),
+        "up": (rng.standard_normal((F, H)) / np.sqrt(H)).astype(np.float32),
+        "up_bias": (0.1 * rng.standard_normal(F)).astype(np.float32),
+        "down": (rng.standard_normal((H, F)) / np.sqrt(F)).astype(np.float32),
+    }
+    inits = [
+        numpy_helper.from_array(w["embed"], "embed"),
+        numpy_helper.from_array(np.ascontiguousarray(w["up"].T), "up_t"),
+        numpy_helper.from_array(w["up_bias"], "up_bias"),
+        numpy_helper.from_array(np.ascontiguousarray(w["down"].T), "down_t"),
+    ]
+    nodes = [
+        helper.make_node("Gather", ["embed", "ids"], ["h"]),
+        helper.make_node("MatMul", ["h", "up_t"], ["u0"], name="up"),
+        helper.make_node("Add", ["u0", "up_bias"], ["u"]),
+        helper.make_node("Relu", ["u"], ["a"]),
+        helper.make_node("MatMul", ["a", "down_t"], ["d"], name="down"),
+        helper.make_node("Add", ["d", "h"], ["r"]),
+        helper.make_node("Transpose", ["embed"], ["embed_t"], perm=[1, 0]),
+        helper.make_node("MatMul", ["r", "embed_t"], ["logits"], name="lm_head"),
+    ]
+    graph = helper.make_graph(
+        nodes, "tiny",
+        [helper.make_tensor_value_info("ids", TensorProto.INT64, ["T"])],
+        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["T", V])],
+        inits,
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
+    model.ir_version = 8
+    return ir.from_proto(model), w
+
+
+def to_proto(model: ir.Model) -> onnx.ModelProto:
+    proto = ir.to_proto(model)
+    onnx.checker.check_model(proto)
+    return proto
+
+
+def run(model: ir.Model, ids: np.ndarray) -> np.ndarray:
+    sess = ort.InferenceSession(to_proto(model).SerializeToString(), providers=["CPUExecutionProvider"])
+    return sess.run(None, {"ids": ids})[0]
+
+
+IDS = np.arange(0, V, 3, dtype=np.int64)
+
+
+def rel_err(a: np.ndarray, b: np.ndarray) -> float:
+    return float(np.abs(a - b).max() / np.abs(b).max())
+
+
+def nbits_weights(model: ir.Model) -> dict[str, np.ndarray]:
+    """Dequantize every MatMulNBits of the graph, keyed by the node's input activation."""
+    model = to_proto(model)
+    inits = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
+    out = {}
+    for node in model.graph.node:
+        if node.op_type == "MatMulNBits":
+            attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+            assert attrs["accuracy_level"] == 4
+            out[node.input[0]] = nbits.unpack(inits[node.input[1]], inits[node.input[2]],
+                                              inits[node.input[3]], attrs["bits"], attrs["K"])
+    return out
+
+
+def test_find_linears_sees_tied_head_and_bias():
+    model, w = tiny_graph()
+    linears = {lin.name: lin for lin in find_linears(model)}
+    assert set(linears) == {"up", "down", "lm_head"}
+    assert linears["up"].bias.name == "up_bias" and linears["up"].output.name == "u"
+    np.testing.assert_array_equal(linears["lm_head"].weight, w["embed"])
+    assert linears["lm_head"].weight_name == "embed"
+
+
+@pytest.mark.parametrize("group", [32, 64, 128])
+def test_int4_matches_reference_quantizer_and_runs(group):
+    model, w = tiny_graph()
+    fp32 = run(model, IDS)
+    assert quantize_int4(model, group_size=group) == 3
+    ops = [n.op_type for n in model.graph]
+    assert ops.count("MatMulNBits") == 3 and "MatMul" not in ops and "Transpose" not in ops
+    # the Gather keeps its fp32 table; the LM head has its own int4 copy
+    gather = next(n for n in model.graph if n.op_type == "Gather")
+    assert gather.inputs[0].name == "embed"
+    assert model.graph.initializers["embed"].const_value.dtype == ir.DataType.FLOAT
+    assert "up_t" not in model.graph.initializers and "down_t" not in model.graph.initializers
+    deq = nbits_weights(model)
+    for act, name in (("h", "up"), ("a", "down")):
+        ref = rtn.quantize_groupwise(w[name], 4, group).dequantize()
+        np.testing.assert_allclose(deq[act], ref, rtol=0, atol=1e-6)
+        assert rel_err(ref, w[name]) < 0.2
+    # the LM head is int8 per channel unless asked for int4
+    np.testing.assert_allclose(deq["r"], rtn.per_channel_as_groups(w["embed"], group).dequantize(), rtol=0, atol=1e-6)
+    out = run(model, IDS)
+    assert rel_err(out, fp32) < 0.1
+
+
+def test_int4_lm_head_on_request():
+    model, w = tiny_graph()
+    assert quantize_int4(model, group_size=32, int4_lm_head=True) == 3
+    ref = rtn.quantize_groupwise(w["embed"], 4, 32).dequantize()
+    np.testing.assert_allclose(nbits_weights(model)["r"], ref, rtol=0, atol=1e-6)
+
+
+def test_int8_weight_only_is_per_channel_and_close():
+    model, w = tiny_graph()
+    fp32 = run(model, IDS)
+    assert quantize_int8_weight_only(model) == 3
+    deq = nbits_weights(model)
+    for act, name in (("h", "up"), ("a", "down"), ("r", "embed")):
+        q, scale = rtn.quantize_per_channel_int8(w[name])
+        np.testing.assert_allclose(deq[act], q.astype(np.float32) * scale[:, None], rtol=0, atol=1e-6)
+    assert rel_err(run(model, IDS), fp32) < 0.02
+
+
+@pytest.mark.parametrize("opset", [17, 18])
+def test_w8a8_per_token_matches_numpy_reference(opset):
+    model, w = tiny_graph(opset)
+    fp32 = run(model, IDS)
+    assert quantize_w8a8(model) == 3
+    ops = [n.op_type for n in model.graph]
+    assert ops.count("MatMulIntegerToFloat") == 3
+    assert ops.count("QuantizeLinear") == 3  # one per distinct activation
+    out = run(model, IDS)
+    assert rel_err(out, fp32) < 0.03
+
+    # numpy reference of the same arithmetic: per-token symmetric int8 x per-channel int8
+    def lin(x, wt, bias=None):
+        r = np.maximum(np.abs(x).max(-1, keepdims=True), 1e-8) / 127
+        xq = np.clip(np.round(x / r), -127, 127)
+        q, s = rtn.quantize_per_channel_int8(wt)
+        y = (xq @ q.T.astype(np.float32)) * s * r
+        return y if bias is None else y + bias
+
+    h = w["embed"][IDS]
+    a = np.maximum(lin(h, w["up"], w["up_bias"]), 0)
+    r = lin(a, w["down"]) + h
+    np.testing.assert_allclose(out, lin(r, w["embed"]), rtol=1e-4, atol=1e-3)
+
+
+def test_passes_skip_graphs_without_linears():
+    # a graph whose only weight is tiny is left alone
+    small = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "w"], ["y"])], "s",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 4])],
+        [numpy_helper.from_array(np.eye(4, dtype=np.float32), "w")],
+    )
+    m = ir.from_proto(helper.make_model(small))
+    assert quantize_int4(m) == 0 and quantize_int8_weight_only(m) == 0 and quantize_w8a8(m) == 0
+    assert [n.op_type for n in m.graph] == ["MatMul"]
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_embedding_table_becomes_gather_block_quantized(bits):
+    from kiln.optimize.quantize_embedding import quantize_embedding
+
+    model, w = tiny_graph()
+    fp32 = run(model, IDS)
+    assert quantize_int8_weight_only(model) == 3
+    assert quantize_embedding(model, bits=bits) == 1
+    ops = [n.op_type for n in model.graph]
+    assert "Gather" not in ops and "GatherBlockQuantized" in ops
+    assert "embed" not in model.graph.initializers  # the fp32 table is gone
+    out = run(model, IDS)
+    assert rel_err(out, fp32) < (0.03 if bits == 8 else 0.15)
+    # the Gather output is exactly the reference quantizer's dequantized rows
+    h_ref = rtn.quantize_groupwise(w["embed"], bits, 32).dequantize()[IDS]
+    m = ir.from_proto(to_proto(model))
+    hidden = next(n for n in m.graph if n.op_type == "GatherBlockQuantized").outputs[0]
+    hidden.type, hidden.shape = ir.TensorType(ir.DataType.FLOAT), ir.Shape(["T", H])
+    m.graph.outputs.append(hidden)
+    sess = ort.InferenceSession(to_proto(m).SerializeToString(), providers=["CPUExecutionProvider"])
+    np.testing.assert_allclose(sess.run(None, {"ids": IDS})[1], h_ref, rtol=0, atol=1e-6)
