@@ -1,0 +1,20 @@
+"""kiln.runtime: serve an engine directory (never imports torch or the compile-time stages)."""
+
+from kiln.runtime.outputs import CompletionOutput, EngineStats, Logprob, RequestOutput
+from kiln.runtime.params import RuntimeConfig, SamplingParams
+
+__all__ = [
+    "AsyncLLM", "CompletionOutput", "EngineStats", "LLM", "Logprob", "RequestOutput", "RuntimeConfig",
+    "SamplingParams",
+]
+
+
+def __getattr__(name: str):
+    # LLM / AsyncLLM pull in onnxruntime and tokenizers; load them on first use.
+    if name == "LLM":
+        from kiln.runtime.llm import LLM
+        return LLM
+    if name == "AsyncLLM":
+        from kiln.runtime.async_llm import AsyncLLM
+        return AsyncLLM
+    raise AttributeError(f"module 'kiln.runtime' has no attribute {name!r}")

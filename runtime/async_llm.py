@@ -1,0 +1,193 @@
+"""AsyncLLM: streaming generation for asyncio callers (the HTTP server sits on it).
+
+The engine runs on its own thread; the event loop only validates input, posts commands to
+that thread and awaits per-request queues, so it never blocks on a model step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import queue
+import threading
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from kiln.runtime.engine import Engine
+from kiln.runtime.outputs import EngineStats, RequestOutput
+from kiln.runtime.params import RuntimeConfig, SamplingParams
+
+
+@dataclass
+class _Add:
+    request_id: str
+    prompt: str | list[int]
+    params: SamplingParams
+
+
+@dataclass
+class _Abort:
+    request_id: str
+    done: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
+
+
+_STOP = object()
+
+
+class _Stream:
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.queue: asyncio.Queue = asyncio.Queue()
+
+    def put(self, item) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        except RuntimeError:  # the loop is closed: nobody is listening any more
+            pass
+
+
+class AsyncLLM:
+    def __init__(self, engine_dir: str | Path, config: RuntimeConfig | None = None) -> None:
+        self._start(Engine.from_engine_dir(engine_dir, config))
+
+    @classmethod
+    def from_engine(cls, engine: Engine) -> "AsyncLLM":
+        """Wrap an already built Engine (e.g. one with a fake runner, in tests)."""
+        llm = cls.__new__(cls)
+        llm._start(engine)
+        return llm
+
+    def _start(self, engine: Engine) -> None:
+        self.engine = engine
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._streams: dict[str, _Stream] = {}
+        self._lock = threading.Lock()
+        self._pending_adds = 0
+        self._closed = False
+        self._thread = threading.Thread(target=self._loop, name="kiln-engine", daemon=True)
+        self._thread.start()
+
+    # -- properties -------------------------------------------------------------------------
+
+    @property
+    def max_seq_len(self) -> int:
+        return self.engine.max_seq_len
+
+    @property
+    def model_name(self) -> str:
+        return self.engine.model_name
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests accepted but not yet running (for queue bounds)."""
+        return self._pending_adds + len(self.engine.scheduler.waiting)
+
+    def stats(self) -> EngineStats:
+        stats = self.engine.stats()
+        stats.num_waiting += self._pending_adds
+        return stats
+
+    def apply_chat_template(self, messages: list[dict]) -> str:
+        return self.engine.tokenizer.apply_chat_template(messages)
+
+    # -- requests ---------------------------------------------------------------------------
+
+    async def generate(
+        self, prompt: str | list[int], params: SamplingParams, request_id: str,
+    ) -> AsyncIterator[RequestOutput]:
+        """Yield cumulative RequestOutputs as tokens arrive; ValueError at once for bad input."""
+        if self._closed:
+            raise RuntimeError("AsyncLLM has been shut down")
+        _, ids = self.engine.validate(prompt, params)
+        stream = _Stream(asyncio.get_running_loop())
+        with self._lock:
+            if request_id in self._streams:
+                raise ValueError(f"request_id {request_id!r} is already in use")
+            self._streams[request_id] = stream
+            self._pending_adds += 1
+        self._inbox.put(_Add(request_id, prompt if isinstance(prompt, str) else ids, params))
+        finished = False
+        try:
+            while True:
+                item = await stream.queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            if not finished:
+                self._inbox.put(_Abort(request_id))  # the client went away: free its blocks
+            with self._lock:
+                self._streams.pop(request_id, None)
+
+    async def abort(self, request_id: str) -> None:
+        """Abort a request (its stream ends with finish_reason "abort") and free its blocks."""
+        command = _Abort(request_id)
+        self._inbox.put(command)
+        await asyncio.wrap_future(command.done)
+
+    async def shutdown(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._inbox.put(_STOP)
+        await asyncio.get_running_loop().run_in_executor(None, self._thread.join)
+        self.engine.runner.close()
+
+    # -- the engine thread ------------------------------------------------------------------
+
+    def _deliver(self, request_id: str, item) -> None:
+        with self._lock:
+            stream = self._streams.get(request_id)
+        if stream is not None:
+            stream.put(item)
+
+    def _handle(self, command) -> bool:
+        if command is _STOP:
+            return False
+        if isinstance(command, _Add):
+            with self._lock:
+                self._pending_adds -= 1
+                alive = command.request_id in self._streams
+            if alive:
+                try:
+                    self.engine.add_request(command.request_id, command.prompt, command.params)
+                except ValueError as exc:
+                    self._deliver(command.request_id, exc)
+        else:
+            output = self.engine.abort(command.request_id)
+            if output is not None:
+                self._deliver(command.request_id, output)
+            command.done.set_result(None)
+        return True
+
+    def _loop(self) -> None:
+        running = True
+        while running:
+            try:
+                block = not self.engine.has_unfinished()
+                command = self._inbox.get(block=block)
+                running = self._handle(command)
+                while running:
+                    running = self._handle(self._inbox.get_nowait())
+            except queue.Empty:
+                pass
+            if not running:
+                break
+            try:
+                for output in self.engine.step():
+                    self._deliver(output.request_id, output)
+            except Exception as exc:  # noqa: BLE001 - fail every request, keep serving
+                for request_id in list(self.engine.requests):
+                    self.engine.abort(request_id)
+                    self._deliver(request_id, RuntimeError(f"engine step failed: {exc!r}"))
+        for request_id in list(self.engine.requests):
+            output = self.engine.abort(request_id)
+            self._deliver(request_id, output)

@@ -1,0 +1,192 @@
+"""kiln bench: offline throughput and latency over a synthetic workload, plus the memory-bandwidth floor.
+
+Requests of input_len random tokens each generate exactly output_len tokens (ignore_eos).
+They arrive all at once or as a Poisson process (request_rate), and at most `concurrency`
+are in flight. Reported: requests/s, output tok/s, TTFT and inter-token latency percentiles,
+peak KV pool use; and separately single-stream decode tok/s next to the bound set by memory
+bandwidth / weight bytes per token (every decoded token streams all weights once).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+
+from kiln.runtime.engine import Engine
+from kiln.runtime.params import RuntimeConfig, SamplingParams
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    num_requests: int = 32
+    input_len: int = 128
+    output_len: int = 64
+    concurrency: int | None = None  # max requests in flight (None: all)
+    request_rate: float | None = None  # Poisson arrivals per second (None: all at t=0)
+    seed: int = 0
+
+
+def percentiles(values: list[float]) -> dict[str, float]:
+    if not values:
+        return {"p50": float("nan"), "p90": float("nan"), "p99": float("nan")}
+    p = np.percentile(np.asarray(values) * 1000.0, [50, 90, 99])
+    return {"p50": round(float(p[0]), 2), "p90": round(float(p[1]), 2), "p99": round(float(p[2]), 2)}
+
+
+def memory_bandwidth_gbps(size_mb: int = 256, repeats: int = 5) -> dict[str, float]:
+    """Best-of-n read bandwidth (numpy max, one slice per core, as the model's threads read
+    weights) and single-thread copy bandwidth (read + write), GB/s."""
+    a = np.ones(size_mb * (1 << 20) // 4, dtype=np.float32)
+    b = np.empty_like(a)
+    workers = os.cpu_count() or 1
+    parts = np.array_split(a, workers)
+    read, copy = [], []
+    with ThreadPoolExecutor(workers) as pool:
+        for _ in range(repeats):
+            t = time.perf_counter()
+            list(pool.map(np.max, parts))  # reductions release the GIL
+            read.append(a.nbytes / (time.perf_counter() - t) / 1e9)
+            t = time.perf_counter()
+            np.copyto(b, a)
+            copy.append(2 * a.nbytes / (time.perf_counter() - t) / 1e9)
+    return {"read_gbps": round(max(read), 2), "copy_gbps": round(max(copy), 2)}
+
+
+def weight_bytes(engine_dir: Path) -> int:
+    return sum(p.stat().st_size for p in Path(engine_dir).glob("model.onnx*"))
+
+
+def _prompts(cfg: BenchConfig, vocab: int) -> list[list[int]]:
+    rng = np.random.default_rng(cfg.seed)
+    return [rng.integers(100, vocab - 100, size=cfg.input_len).tolist() for _ in range(cfg.num_requests)]
+
+
+def run_workload(engine: Engine, cfg: BenchConfig, progress=None) -> dict:
+    """Drive the engine over the workload; returns the measurements as a dict."""
+    prompts = _prompts(cfg, engine.runner.vocab_size)
+    params = SamplingParams(temperature=0, max_tokens=cfg.output_len, ignore_eos=True)
+    rng = np.random.default_rng(cfg.seed + 1)
+    gaps = rng.exponential(1.0 / cfg.request_rate, cfg.num_requests) if cfg.request_rate else np.zeros(cfg.num_requests)
+    arrivals = np.cumsum(gaps) - gaps[0]
+    limit = cfg.concurrency or cfg.num_requests
+    first, last, itl, done = {}, {}, [], 0
+    start_of: dict[str, float] = {}
+    next_req, peak_blocks, steps = 0, 0, 0
+    t0 = time.perf_counter()
+    last_report = t0
+    preempt0 = engine.stats().num_preemptions
+    while done < cfg.num_requests:
+        now = time.perf_counter() - t0
+        while next_req < cfg.num_requests and arrivals[next_req] <= now and len(start_of) - done < limit:
+            rid = f"bench-{next_req}"
+            engine.add_request(rid, prompts[next_req], params)
+            start_of[rid] = time.perf_counter()  # TTFT counts from submission (after the client's wait)
+            next_req += 1
+        if not engine.has_unfinished():
+            time.sleep(min(0.01, max(0.0, arrivals[next_req] - now)))
+            continue
+        outputs = engine.step()
+        steps += 1
+        peak_blocks = max(peak_blocks, engine.block_manager.num_used_blocks)
+        t = time.perf_counter()
+        for out in outputs:
+            rid = out.request_id
+            if rid not in first:
+                first[rid] = t - start_of[rid]
+            elif rid in last:
+                itl.append(t - last[rid])
+            last[rid] = t
+            if out.finished:
+                done += 1
+        if progress and t - last_report > 1.0:
+            last_report = t
+            progress(f"{done}/{cfg.num_requests} requests done, {engine.num_generated_tokens} tokens, "
+                     f"{t - t0:.1f}s")
+    elapsed = time.perf_counter() - t0
+    total_out = cfg.num_requests * cfg.output_len
+    return {
+        "config": asdict(cfg),
+        "elapsed_s": round(elapsed, 3),
+        "steps": steps,
+        "requests_per_s": round(cfg.num_requests / elapsed, 3),
+        "output_tok_per_s": round(total_out / elapsed, 2),
+        "total_tok_per_s": round((total_out + cfg.num_requests * cfg.input_len) / elapsed, 2),
+        "ttft_ms": percentiles(list(first.values())),
+        "itl_ms": percentiles(itl),
+        "kv_blocks_total": engine.block_manager.num_blocks,
+        "kv_blocks_peak": peak_blocks,
+        "kv_peak_fraction": round(peak_blocks / engine.block_manager.num_blocks, 4),
+        "num_preemptions": engine.stats().num_preemptions - preempt0,
+    }
+
+
+def single_stream(engine: Engine, input_len: int = 16, output_len: int = 64) -> dict:
+    """Decode speed of one sequence: (output_len - 1) tokens over the time after the first one."""
+    prompt = _prompts(BenchConfig(num_requests=1, input_len=input_len), engine.runner.vocab_size)[0]
+    engine.add_request("single", prompt, SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True))
+    times = []
+    t0 = time.perf_counter()
+    while engine.has_unfinished():
+        if engine.step():
+            times.append(time.perf_counter())
+    return {
+        "prefill_tok_per_s": round(input_len / (times[0] - t0), 2),
+        "decode_tok_per_s": round((len(times) - 1) / (times[-1] - times[0]), 2),
+    }
+
+
+def prefill_throughput(engine: Engine, input_len: int = 512) -> float:
+    prompt = _prompts(BenchConfig(num_requests=1, input_len=input_len, seed=7), engine.runner.vocab_size)[0]
+    engine.add_request("prefill", prompt, SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
+    t0 = time.perf_counter()
+    while engine.has_unfinished():
+        engine.step()
+    return round(input_len / (time.perf_counter() - t0), 2)
+
+
+def bench(engine_dir: str, cfg: BenchConfig, concurrencies: tuple[int | None, ...] = (None,),
+          config: RuntimeConfig | None = None, json_path: str | None = None) -> dict:
+    say = lambda msg: print(f"[kiln bench] {msg}", file=sys.stderr, flush=True)  # noqa: E731
+    engine = Engine.from_engine_dir(engine_dir, config or RuntimeConfig(enable_prefix_caching=False))
+    say(f"engine {engine.model_name}: {engine.block_manager.num_blocks} KV blocks of "
+        f"{engine.runner.block_size} tokens, max_num_tokens {engine.scheduler.max_num_tokens}")
+    run_workload(engine, BenchConfig(num_requests=2, input_len=16, output_len=4))  # warm-up
+    bandwidth = memory_bandwidth_gbps()
+    wbytes = weight_bytes(Path(engine_dir))
+    single = single_stream(engine)
+    single["prefill_512_tok_per_s"] = prefill_throughput(engine)
+    floor = bandwidth["read_gbps"] * 1e9 / wbytes
+    say(f"single stream: decode {single['decode_tok_per_s']} tok/s (bandwidth bound {floor:.1f} tok/s: "
+        f"{bandwidth['read_gbps']} GB/s / {wbytes / 1e6:.1f} MB of weights), "
+        f"prefill {single['prefill_512_tok_per_s']} tok/s")
+    runs = []
+    for conc in concurrencies:
+        run_cfg = BenchConfig(**{**asdict(cfg), "concurrency": conc})
+        say(f"workload: {run_cfg.num_requests} requests x ({run_cfg.input_len} in, {run_cfg.output_len} out), "
+            f"concurrency {conc or 'all'}, rate {run_cfg.request_rate or 'inf'}")
+        result = run_workload(engine, run_cfg, say)
+        say(f"  {result['requests_per_s']} req/s, {result['output_tok_per_s']} output tok/s, "
+            f"TTFT p50 {result['ttft_ms']['p50']} ms, ITL p50 {result['itl_ms']['p50']} ms, "
+            f"KV peak {result['kv_blocks_peak']}/{result['kv_blocks_total']} blocks")
+        runs.append(result)
+    report = {
+        "engine": str(engine_dir),
+        "memory_bandwidth": bandwidth,
+        "weight_bytes_per_token": wbytes,
+        "bandwidth_bound_decode_tok_per_s": round(floor, 2),
+        "single_stream": single,
+        "runs": runs,
+    }
+    text = json.dumps(report, indent=2)
+    if json_path:
+        Path(json_path).write_text(text)
+    print(text)
+    engine.runner.close()
+    return report

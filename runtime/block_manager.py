@@ -1,0 +1,177 @@
+"""BlockManager: ref-counted KV blocks with prefix caching and LRU eviction.
+
+A block holds block_size tokens' K/V in every layer's pool. A *full, computed* block is
+identified by a chained hash, hash((previous block's hash, its token ids)), so a hash names
+the whole prefix up to and including that block. Cached blocks stay findable after their
+last owner frees them; they are evicted (reused for new content) only when a fresh block is
+needed, least recently freed first. Within one sequence the tail is freed first, so it is
+evicted before the sequence's earlier (more shareable) blocks.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+from kiln.runtime.sequence import Sequence
+
+NO_HASH = None
+
+
+class Block:
+    __slots__ = ("block_id", "ref_count", "hash", "token_ids")
+
+    def __init__(self, block_id: int) -> None:
+        self.block_id = block_id
+        self.ref_count = 0
+        self.hash: int | None = NO_HASH
+        self.token_ids: tuple[int, ...] = ()
+
+    def __repr__(self) -> str:
+        return f"Block({self.block_id}, ref={self.ref_count}, hash={self.hash})"
+
+
+def chain_hash(prev: int | None, token_ids: tuple[int, ...]) -> int:
+    return hash((prev, token_ids))
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+        if num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.free_ids: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))  # LRU first
+        self.hash_to_block: dict[int, int] = {}
+        self.owners: dict[int, Sequence] = {}  # seq_id -> sequences holding blocks
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_ids)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return len(self.blocks) - len(self.free_ids)
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    # -- allocation -------------------------------------------------------------------------
+
+    def match_prefix(self, seq: Sequence) -> int:
+        """Give a sequence with no blocks the longest cached prefix of its tokens; returns its length.
+
+        At least one token is always left to compute, so the step produces logits for it.
+        """
+        assert not seq.block_table and seq.num_computed_tokens == 0, seq
+        bs = self.block_size
+        max_blocks = (len(seq) - 1) // bs
+        if not self.enable_prefix_caching:
+            return 0
+        prev = None
+        for i in range(max_blocks):
+            tokens = tuple(seq.token_ids[i * bs:(i + 1) * bs])
+            h = chain_hash(prev, tokens)
+            block_id = self.hash_to_block.get(h)
+            if block_id is None or self.blocks[block_id].token_ids != tokens:
+                break
+            self._take(block_id)
+            seq.block_table.append(block_id)
+            seq.block_hashes.append(h)
+            prev = h
+        if seq.block_table:
+            self.owners[seq.seq_id] = seq
+        seq.num_computed_tokens = len(seq.block_table) * bs
+        return seq.num_computed_tokens
+
+    def can_fit(self, seq: Sequence, num_tokens: int) -> int:
+        """How many of num_tokens more tokens (beyond those computed) fit in seq's blocks + free ones."""
+        capacity = (len(seq.block_table) + len(self.free_ids)) * self.block_size
+        return max(0, min(num_tokens, capacity - seq.num_computed_tokens))
+
+    def allocate(self, seq: Sequence, num_tokens: int) -> bool:
+        """Grow seq's block table to hold its first num_tokens tokens; False (and no change) if it can't."""
+        need = self.blocks_needed(num_tokens) - len(seq.block_table)
+        if need > len(self.free_ids):
+            return False
+        for _ in range(max(need, 0)):
+            block_id, _ = self.free_ids.popitem(last=False)
+            block = self.blocks[block_id]
+            if block.hash is not NO_HASH and self.hash_to_block.get(block.hash) == block_id:
+                del self.hash_to_block[block.hash]  # evict
+            block.hash, block.token_ids, block.ref_count = NO_HASH, (), 1
+            seq.block_table.append(block_id)
+        if seq.block_table:
+            self.owners[seq.seq_id] = seq
+        return True
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """Share parent's full computed blocks with child (a new sample of the same prompt)."""
+        assert not child.block_table and child.token_ids[: len(parent)] == parent.token_ids[: len(child)]
+        shared = min(parent.num_computed_tokens, len(child) - 1) // self.block_size
+        for block_id in parent.block_table[:shared]:
+            self.blocks[block_id].ref_count += 1
+        child.block_table = parent.block_table[:shared]
+        child.block_hashes = parent.block_hashes[:shared]
+        child.num_computed_tokens = shared * self.block_size
+        if shared:
+            self.owners[child.seq_id] = child
+
+    def free(self, seq: Sequence) -> None:
+        """Release seq's blocks (tail first into the LRU queue) and forget its computed state."""
+        for block_id in reversed(seq.block_table):
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self.free_ids[block_id] = None
+        seq.block_table = []
+        seq.block_hashes = []
+        seq.num_computed_tokens = 0
+        self.owners.pop(seq.seq_id, None)
+
+    def commit(self, seq: Sequence) -> None:
+        """Hash the blocks a step has just filled, making them findable by later prefixes."""
+        bs = self.block_size
+        for i in range(len(seq.block_hashes), seq.num_computed_tokens // bs):
+            tokens = tuple(seq.token_ids[i * bs:(i + 1) * bs])
+            h = chain_hash(seq.block_hashes[-1] if seq.block_hashes else None, tokens)
+            seq.block_hashes.append(h)
+            block = self.blocks[seq.block_table[i]]
+            if self.enable_prefix_caching and h not in self.hash_to_block and block.hash is NO_HASH:
+                block.hash, block.token_ids = h, tokens
+                self.hash_to_block[h] = block.block_id
+
+    def _take(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        if block.ref_count == 0:
+            del self.free_ids[block_id]
+        block.ref_count += 1
+
+    # -- invariants -------------------------------------------------------------------------
+
+    def check(self) -> None:
+        """Assert the allocator's invariants (used by tests after every step)."""
+        refs = [0] * len(self.blocks)
+        for seq in self.owners.values():
+            assert seq.block_table, f"{seq} is an owner without blocks"
+            assert seq.num_computed_tokens <= min(len(seq), len(seq.block_table) * self.block_size), seq
+            assert len(seq.block_table) <= self.blocks_needed(len(seq)), seq
+            assert len(seq.block_hashes) <= seq.num_computed_tokens // self.block_size, seq
+            for block_id in seq.block_table:
+                refs[block_id] += 1
+        for block in self.blocks:
+            assert block.ref_count == refs[block.block_id], f"{block} has {refs[block.block_id]} owners"
+            assert (block.ref_count == 0) == (block.block_id in self.free_ids), block
+            if block.hash is not NO_HASH:
+                assert len(block.token_ids) == self.block_size, block
+        for h, block_id in self.hash_to_block.items():
+            assert self.blocks[block_id].hash == h, (h, self.blocks[block_id])
+        assert len(self.free_ids) + sum(1 for r in refs if r) == len(self.blocks)
+        for seq in self.owners.values():  # a shared block holds the same prefix in every owner
+            for i, h in enumerate(seq.block_hashes):
+                block = self.blocks[seq.block_table[i]]
+                assert block.hash in (NO_HASH, h), (seq, i, block)

@@ -1,0 +1,72 @@
+"""A deterministic stand-in model for tests of the policy core (no ONNX, no weights).
+
+Its "KV pool" stores token ids: a step writes each new token into its slot through the
+block table, exactly as kiln.PagedAttention writes K/V, and the logits of a row are a
+function of the whole context read back through the block table. A scheduler or block
+manager bug that loses, overwrites or misplaces cached tokens therefore changes the output.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from kiln.runtime.model_runner import BatchInput, ModelRunner
+
+
+class FakeModelRunner(ModelRunner):
+    def __init__(self, num_blocks: int, block_size: int = 4, vocab_size: int = 64) -> None:
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.vocab_size = vocab_size
+        self.pool = np.full((num_blocks, block_size), -1, dtype=np.int64)
+        self.steps: list[BatchInput] = []
+
+    def execute(self, batch: BatchInput) -> np.ndarray:
+        self.steps.append(batch)
+        bs = self.block_size
+        qsl, lens, tables = batch.query_start_loc, batch.seq_lens, batch.block_tables
+        row_of_token = np.repeat(np.arange(len(lens)), np.diff(qsl))
+        for t in range(batch.num_tokens):
+            s, pos = row_of_token[t], int(batch.position_ids[t])
+            assert pos == lens[s] - (qsl[s + 1] - t), (pos, lens[s], qsl[s + 1], t)
+            self.pool[tables[s, pos // bs], pos % bs] = batch.input_ids[t]
+        logits = np.empty((len(batch.logits_indices), self.vocab_size), dtype=np.float32)
+        for r, t in enumerate(batch.logits_indices.tolist()):
+            s, pos = row_of_token[t], int(batch.position_ids[t])
+            ctx = np.arange(pos + 1)
+            tokens = self.pool[tables[s, ctx // bs], ctx % bs]
+            assert (tokens >= 0).all(), f"row {r} reads an unwritten slot"
+            logits[r] = self.logits_for(tokens)
+        return logits
+
+    def logits_for(self, tokens: np.ndarray) -> np.ndarray:
+        """The model: a smooth, context-dependent score over the vocabulary."""
+        h = int((tokens * (np.arange(len(tokens)) % 7 + 1)).sum() * 2654435761 % 1000003)
+        v = np.arange(self.vocab_size)
+        return (3.0 * np.cos(v * (h % 89 + 1) * 0.37 + h) + (v == h % self.vocab_size) * 2.0).astype(np.float32)
+
+
+class CharTokenizer:
+    """Token t <-> one printable character; enough for the engine's text paths in tests."""
+
+    ALPHABET = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789 .,;:!?-_+=*/()[]{}<>'\"@#$%^&|~`\\"
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return [self.ALPHABET.index(c) for c in text]
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return "".join(self.ALPHABET[i % len(self.ALPHABET)] for i in ids)
+
+    def apply_chat_template(self, messages: list[dict]) -> str:
+        return "".join(f"{m['role']}:{m['content']};" for m in messages) + "assistant:"
+
+
+def make_fake_engine(num_blocks: int, block_size: int = 4, vocab_size: int = 64, max_seq_len: int = 64,
+                     max_num_tokens: int = 32, config=None):
+    """An Engine over FakeModelRunner and CharTokenizer (eos: token 0)."""
+    from kiln.runtime.engine import Engine, EngineLimits
+    from kiln.runtime.params import RuntimeConfig
+
+    runner = FakeModelRunner(num_blocks, block_size, vocab_size)
+    limits = EngineLimits(max_seq_len=max_seq_len, max_num_tokens=max_num_tokens, eos_token_ids=(0,))
+    return Engine(runner, CharTokenizer(), config or RuntimeConfig(), limits, model_name="fake")

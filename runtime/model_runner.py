@@ -1,0 +1,113 @@
+"""The seam between policy and mechanism: BatchInput (numpy, per kiln/contract.py) and ModelRunner.
+
+The scheduler's output becomes one packed ragged batch; a ModelRunner (ONNX Runtime here,
+TensorRT elsewhere, a fake in tests) turns it into logits for the rows that need them.
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass
+
+import numpy as np
+
+from kiln import contract
+from kiln.runtime.sequence import Sequence
+
+KV_DTYPES = {"float32": np.float32, "float16": np.float16, "int8": np.int8}  # int8: scales live in the graph
+
+
+@dataclass(frozen=True)
+class BatchInput:
+    input_ids: np.ndarray  # int64 [T]
+    position_ids: np.ndarray  # int64 [T]
+    query_start_loc: np.ndarray  # int32 [S+1]
+    seq_lens: np.ndarray  # int32 [S], context length after this step
+    block_tables: np.ndarray  # int32 [S, max_blocks]
+    logits_indices: np.ndarray  # int64 [L]
+    num_logits: int  # rows of the result that are real (logits_indices may carry one dummy row)
+
+    FEEDS = (contract.INPUT_IDS, contract.POSITION_IDS, contract.QUERY_START_LOC, contract.SEQ_LENS,
+             contract.BLOCK_TABLES, contract.LOGITS_INDICES)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    def feeds(self) -> dict[str, np.ndarray]:
+        return {
+            contract.INPUT_IDS: self.input_ids,
+            contract.POSITION_IDS: self.position_ids,
+            contract.QUERY_START_LOC: self.query_start_loc,
+            contract.SEQ_LENS: self.seq_lens,
+            contract.BLOCK_TABLES: self.block_tables,
+            contract.LOGITS_INDICES: self.logits_indices,
+        }
+
+
+def build_batch(scheduled: list[tuple[Sequence, int]]) -> BatchInput:
+    """Pack the new tokens of each scheduled sequence (from its num_computed_tokens on)."""
+    starts = [seq.num_computed_tokens for seq, _ in scheduled]
+    counts = [n for _, n in scheduled]
+    input_ids = np.fromiter(
+        (t for (seq, n), c in zip(scheduled, starts) for t in seq.token_ids[c:c + n]), dtype=np.int64,
+        count=sum(counts),
+    )
+    position_ids = np.concatenate([np.arange(c, c + n, dtype=np.int64) for c, n in zip(starts, counts)])
+    qsl = np.zeros(len(scheduled) + 1, dtype=np.int32)
+    np.cumsum(counts, out=qsl[1:])
+    seq_lens = np.array([c + n for c, n in zip(starts, counts)], dtype=np.int32)
+    width = max(len(seq.block_table) for seq, _ in scheduled)
+    tables = np.zeros((len(scheduled), width), dtype=np.int32)
+    for row, (seq, _) in enumerate(scheduled):
+        tables[row, : len(seq.block_table)] = seq.block_table
+    rows = [qsl[i + 1] - 1 for i, (seq, _) in enumerate(scheduled) if seq_lens[i] == len(seq)]
+    num_logits = len(rows)
+    # A step of prefill chunks only still asks for one (ignored) row: some backends dislike empty gathers.
+    logits_indices = np.array(rows or [qsl[-1] - 1], dtype=np.int64)
+    return BatchInput(input_ids, position_ids, qsl, seq_lens, tables, logits_indices, num_logits)
+
+
+class ModelRunner(abc.ABC):
+    """Runs one packed batch through the model, writing K/V into its paged pools in place."""
+
+    num_blocks: int
+    block_size: int
+    vocab_size: int
+
+    @abc.abstractmethod
+    def execute(self, batch: BatchInput) -> np.ndarray:
+        """float32 logits [len(batch.logits_indices), vocab_size]."""
+
+    def close(self) -> None:  # noqa: B027 - optional
+        pass
+
+
+def kv_bytes_per_block(num_layers: int, num_kv_heads: int, block_size: int, head_dim: int, itemsize: int) -> int:
+    return num_layers * 2 * num_kv_heads * block_size * head_dim * itemsize
+
+
+def available_memory_bytes() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 4 << 30
+
+
+def choose_num_blocks(
+    bytes_per_block: int, kv_cache_bytes: int | None, kv_cache_fraction: float | None, max_useful_blocks: int,
+) -> int:
+    """Blocks in each layer's pool: an explicit byte budget, or a fraction of available memory.
+
+    The default (neither given) is 10% of available memory, capped at what max_num_seqs
+    sequences of max_seq_len tokens could ever use.
+    """
+    if kv_cache_bytes is not None:
+        return max(1, kv_cache_bytes // bytes_per_block)
+    budget = int(available_memory_bytes() * (kv_cache_fraction if kv_cache_fraction is not None else 0.1))
+    blocks = max(1, budget // bytes_per_block)
+    return blocks if kv_cache_fraction is not None else min(blocks, max_useful_blocks)

@@ -1,0 +1,94 @@
+"""Frozen, validated configuration: per-request SamplingParams and per-engine RuntimeConfig."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+def _require(ok: bool, field: str, rule: str, value: object) -> None:
+    if not ok:
+        raise ValueError(f"{field} must be {rule}, got {value!r}")
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How one request samples. temperature 0 is greedy; top_k 0 and top_p 1 are off.
+
+    Order of logit processing (as in vLLM): repetition/frequency/presence penalties on the
+    raw logits, then temperature, then min_p, then top_k and top_p. Logprobs are those of
+    the raw model distribution (log_softmax of the unprocessed logits).
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    max_tokens: int | None = 16  # None: up to the engine's max_seq_len
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: int | None = None  # number of top logprobs per token; 0: only the sampled token's
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        # Accept lists / single strings from callers, store tuples (hashable, immutable).
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        object.__setattr__(self, "stop", tuple(self.stop))
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        _require(isinstance(self.n, int) and self.n >= 1, "n", ">= 1", self.n)
+        _require(self.temperature >= 0, "temperature", ">= 0", self.temperature)
+        _require(0 < self.top_p <= 1, "top_p", "in (0, 1]", self.top_p)
+        _require(isinstance(self.top_k, int) and self.top_k >= 0, "top_k", ">= 0 (0 = off)", self.top_k)
+        _require(0 <= self.min_p <= 1, "min_p", "in [0, 1]", self.min_p)
+        _require(self.repetition_penalty > 0, "repetition_penalty", "> 0", self.repetition_penalty)
+        _require(-2 <= self.presence_penalty <= 2, "presence_penalty", "in [-2, 2]", self.presence_penalty)
+        _require(-2 <= self.frequency_penalty <= 2, "frequency_penalty", "in [-2, 2]", self.frequency_penalty)
+        _require(self.seed is None or isinstance(self.seed, int), "seed", "an int or None", self.seed)
+        _require(
+            self.max_tokens is None or (isinstance(self.max_tokens, int) and self.max_tokens >= 1),
+            "max_tokens", ">= 1 or None", self.max_tokens,
+        )
+        _require(all(isinstance(s, str) and s for s in self.stop), "stop", "non-empty strings", self.stop)
+        _require(all(t >= 0 for t in self.stop_token_ids), "stop_token_ids", "non-negative", self.stop_token_ids)
+        _require(
+            self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20),
+            "logprobs", "None or in [0, 20]", self.logprobs,
+        )
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+@dataclass(frozen=True)
+class RuntimeConfig:
+    """Engine-wide settings chosen at load time (the graph does not fix them)."""
+
+    kv_cache_bytes: int | None = None
+    kv_cache_fraction: float | None = None  # of available memory; default 0.1, capped
+    max_num_seqs: int = 64
+    max_num_tokens: int | None = None  # per-step token budget; default: the manifest's
+    enable_prefix_caching: bool = True
+    num_threads: int | None = None
+    max_queue: int | None = None  # AsyncLLM: bound on waiting requests (None: unbounded)
+
+    def __post_init__(self) -> None:
+        _require(self.kv_cache_bytes is None or self.kv_cache_bytes > 0, "kv_cache_bytes", "> 0", self.kv_cache_bytes)
+        _require(
+            self.kv_cache_fraction is None or 0 < self.kv_cache_fraction <= 0.95,
+            "kv_cache_fraction", "in (0, 0.95]", self.kv_cache_fraction,
+        )
+        _require(
+            not (self.kv_cache_bytes is not None and self.kv_cache_fraction is not None),
+            "kv_cache_bytes", "unset when kv_cache_fraction is set", self.kv_cache_bytes,
+        )
+        _require(self.max_num_seqs >= 1, "max_num_seqs", ">= 1", self.max_num_seqs)
+        _require(self.max_num_tokens is None or self.max_num_tokens >= 1, "max_num_tokens", ">= 1", self.max_num_tokens)
+        _require(self.num_threads is None or self.num_threads >= 1, "num_threads", ">= 1", self.num_threads)
+        _require(self.max_queue is None or self.max_queue >= 0, "max_queue", ">= 0", self.max_queue)

@@ -1,0 +1,132 @@
+"""BlockManager: exact block ids, prefix hits, LRU eviction order, fork, invariants."""
+
+import pytest
+
+from kiln.runtime.block_manager import BlockManager
+from kiln.runtime.params import SamplingParams
+from kiln.runtime.sequence import Sequence
+
+P = SamplingParams(temperature=0)
+
+
+def seq(tokens) -> Sequence:
+    return Sequence(list(tokens), P)
+
+
+def run(bm: BlockManager, s: Sequence, num_tokens: int | None = None) -> None:
+    """Allocate and 'compute' the first num_tokens tokens (default: all), as a step would."""
+    n = len(s) if num_tokens is None else num_tokens
+    assert bm.allocate(s, n)
+    s.num_computed_tokens = n
+    bm.commit(s)
+    bm.check()
+
+
+def test_allocation_takes_lowest_free_ids_in_order():
+    bm = BlockManager(6, block_size=4)
+    a = seq(range(10))
+    assert bm.match_prefix(a) == 0
+    run(bm, a)
+    assert a.block_table == [0, 1, 2]
+    assert list(bm.free_ids) == [3, 4, 5]
+    assert len(a.block_hashes) == 2  # only full blocks are hashed
+    assert bm.blocks[2].hash is None
+
+
+def test_free_puts_tail_first_and_prefix_hit_reuses_blocks():
+    bm = BlockManager(6, block_size=4)
+    a = seq(range(10))
+    run(bm, a)
+    bm.free(a)
+    assert list(bm.free_ids) == [3, 4, 5, 2, 1, 0]  # LRU order: tail of a evicted before its head
+    b = seq(list(range(8)) + [50, 51, 52])
+    assert bm.match_prefix(b) == 8
+    assert b.block_table == [0, 1] and b.num_computed_tokens == 8
+    run(bm, b)
+    assert b.block_table == [0, 1, 3]
+    assert list(bm.free_ids) == [4, 5, 2]
+
+
+def test_lru_eviction_order_and_partial_prefix_survival():
+    bm = BlockManager(6, block_size=4)
+    a = seq(range(10))
+    run(bm, a)
+    bm.free(a)  # free: [3, 4, 5, 2, 1, 0]; cached: blocks 0, 1
+    c = seq(range(100, 112))
+    run(bm, c)
+    assert c.block_table == [3, 4, 5]
+    d = seq(range(200, 208))
+    run(bm, d)
+    assert d.block_table == [2, 1]  # block 1 (a's second block) evicted, block 0 still cached
+    assert bm.blocks[1].hash == d.block_hashes[1]
+    e = seq(list(range(8)) + [9])
+    assert bm.match_prefix(e) == 4 and e.block_table == [0]
+    bm.check()
+
+
+def test_at_least_one_token_is_left_to_compute():
+    bm = BlockManager(4, block_size=4)
+    a = seq(range(8))
+    run(bm, a)
+    b = seq(range(8))  # identical, block-aligned
+    assert bm.match_prefix(b) == 4
+    assert b.block_table == [0]
+    assert bm.blocks[0].ref_count == 2
+
+
+def test_allocate_fails_without_side_effects():
+    bm = BlockManager(2, block_size=4)
+    a = seq(range(12))
+    assert not bm.allocate(a, 12)
+    assert a.block_table == [] and list(bm.free_ids) == [0, 1]
+    assert bm.can_fit(a, 12) == 8
+    bm.check()
+
+
+def test_duplicate_content_is_hashed_once():
+    bm = BlockManager(4, block_size=4)
+    a, b = seq(range(4)), seq(range(4))
+    run(bm, a)
+    run(bm, b)
+    assert a.block_hashes == b.block_hashes
+    assert bm.hash_to_block[a.block_hashes[0]] == 0
+    assert bm.blocks[1].hash is None  # b's copy stays unregistered; freeing it just recycles it
+    bm.free(a)
+    bm.free(b)
+    bm.check()
+
+
+def test_fork_shares_full_computed_blocks_only():
+    bm = BlockManager(8, block_size=4)
+    parent = seq(range(10))
+    run(bm, parent)
+    child = seq(range(10))
+    bm.fork(parent, child)
+    assert child.block_table == [0, 1] and child.num_computed_tokens == 8
+    assert [bm.blocks[i].ref_count for i in (0, 1, 2)] == [2, 2, 1]
+    run(bm, child)
+    assert child.block_table == [0, 1, 3]
+    bm.free(parent)
+    assert bm.blocks[0].ref_count == 1 and 2 in bm.free_ids
+    bm.free(child)
+    assert bm.num_free_blocks == 8
+    bm.check()
+
+
+def test_prefix_caching_disabled_never_hits():
+    bm = BlockManager(6, block_size=4, enable_prefix_caching=False)
+    a = seq(range(10))
+    run(bm, a)
+    bm.free(a)
+    b = seq(range(10))
+    assert bm.match_prefix(b) == 0
+    assert bm.hash_to_block == {}
+
+
+def test_check_catches_a_broken_ref_count():
+    bm = BlockManager(4, block_size=4)
+    a = seq(range(5))
+    run(bm, a)
+    bm.blocks[0].ref_count = 2
+    with pytest.raises(AssertionError):
+        bm.check()

@@ -1,0 +1,160 @@
+"""Scheduler: token budget, decode-first chunked prefill, FCFS, preemption by recompute.
+
+The randomized test drives the whole engine (scheduler + block manager + a fake model that
+stores tokens in its paged pool) and calls BlockManager.check() after every step.
+"""
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kiln.runtime.block_manager import BlockManager
+from kiln.runtime.fake_runner import make_fake_engine
+from kiln.runtime.params import RuntimeConfig, SamplingParams
+from kiln.runtime.scheduler import Scheduler
+from kiln.runtime.sequence import Sequence
+
+P = SamplingParams(temperature=0)
+
+
+def make(num_blocks=32, block_size=4, max_num_tokens=8, max_num_seqs=8):
+    bm = BlockManager(num_blocks, block_size)
+    return bm, Scheduler(bm, max_num_seqs, max_num_tokens)
+
+
+def add(s: Scheduler, n: int, arrival: float) -> Sequence:
+    start = int(arrival * 100) + 1  # distinct prompts: no accidental prefix sharing
+    seq = Sequence(list(range(start, start + n)), P, arrival=arrival)
+    s.add(seq)
+    return seq
+
+
+def step(s: Scheduler, token: int = 7):
+    """Schedule, 'run', and append a token to every sequence that reached its end."""
+    out = s.schedule()
+    plan = [(seq, n) for seq, n in out.scheduled]
+    for seq in s.update(out):
+        seq.append(token)
+    s.bm.check()
+    return plan, out
+
+
+def test_budget_and_fcfs_chunking():
+    _, s = make(max_num_tokens=8)
+    a, b = add(s, 10, 0), add(s, 3, 1)
+    plan, _ = step(s)
+    assert plan == [(a, 8)]  # a takes the whole budget; b waits (FCFS, no skipping)
+    plan, _ = step(s)
+    assert plan == [(a, 2), (b, 3)]
+    plan, _ = step(s)
+    assert plan == [(a, 1), (b, 1)]
+    assert a.block_table == [0, 1, 2] and b.block_table == [3]
+
+
+def test_decodes_go_before_prefill_chunks():
+    _, s = make(max_num_tokens=4)
+    a = add(s, 2, 0)
+    step(s)
+    b = add(s, 20, 1)
+    for _ in range(5):
+        plan, _ = step(s)
+        assert plan[0] == (a, 1)  # a long prompt never stalls a running decode
+        assert plan[1] == (b, 3)
+    c = add(s, 2, 2)  # arrives while b is still catching up: waits for the budget
+    plan, _ = step(s)
+    assert plan == [(a, 1), (b, 3)]
+    assert c.status.value == "waiting"
+
+
+def test_max_num_seqs_bounds_admission():
+    _, s = make(max_num_tokens=64, max_num_seqs=2)
+    a, b, c = add(s, 3, 0), add(s, 3, 1), add(s, 3, 2)
+    plan, _ = step(s)
+    assert [q for q, _ in plan] == [a, b]
+    s.finish(a, "stop")
+    plan, _ = step(s)
+    assert plan == [(b, 1), (c, 3)]
+
+
+def test_preempts_latest_arrival_and_resumes_from_cache():
+    bm, s = make(num_blocks=4, block_size=4, max_num_tokens=16)
+    a, b = add(s, 6, 0), add(s, 6, 1)
+    step(s)
+    assert a.block_table == [0, 1] and b.block_table == [2, 3]
+    step(s)
+    step(s)  # both have 8 tokens computed: pool full
+    plan, out = step(s)  # a needs a 3rd block: b (latest) is preempted
+    assert out.preempted == [b]
+    assert plan == [(a, 1)]
+    assert a.block_table == [0, 1, 3]  # b's tail block (3) was freed first and is reused first
+    assert b.status.value == "waiting" and b.num_computed_tokens == 0 and b.block_table == []
+    assert s.num_preemptions == 1
+    s.finish(a, "stop")
+    plan, _ = step(s)  # b resumes: its first block survived in the prefix cache
+    assert plan == [(b, 5)]
+    assert b.block_table[0] == 2 and s.prefix_cache_hits == 4
+    bm.check()
+
+
+def test_catching_up_sequence_shrinks_its_chunk_to_free_blocks():
+    _, s = make(num_blocks=3, block_size=4, max_num_tokens=64)
+    a = add(s, 3, 0)
+    step(s)
+    b = add(s, 20, 1)
+    # b can only be admitted with its whole first chunk; 20 tokens need 5 blocks > 2 free
+    plan, _ = step(s)
+    assert plan == [(a, 1)]
+    assert b.status.value == "waiting"
+
+
+# -- randomized schedules on the full engine ------------------------------------------------
+
+ops = st.lists(
+    st.one_of(
+        st.tuples(st.just("add"), st.integers(1, 40), st.integers(1, 12), st.integers(0, 24)),
+        st.tuples(st.just("abort"), st.integers(0, 20), st.just(0), st.just(0)),
+        st.tuples(st.just("step"), st.integers(1, 4), st.just(0), st.just(0)),
+    ),
+    min_size=4, max_size=40,
+)
+SHARED = [(7 * j) % 61 + 1 for j in range(40)]  # a common prefix, so requests hit the prefix cache
+
+
+def _run(engine, schedule, abort=True):
+    finals, ids = {}, []
+    for op, x, y, shared in schedule:
+        if op == "add":
+            rid = f"r{len(ids)}"
+            prompt = (SHARED[:shared] + [(len(ids) * 13 + 5 * j) % 63 + 1 for j in range(x)])[:40]
+            engine.add_request(rid, prompt, SamplingParams(temperature=0, max_tokens=y, ignore_eos=True))
+            ids.append(rid)
+        elif op == "abort" and abort and ids:
+            out = engine.abort(ids[x % len(ids)])
+            if out is not None:
+                finals[out.request_id] = "aborted"
+        else:
+            for _ in range(x):
+                for out in engine.step():
+                    if out.finished:
+                        finals[out.request_id] = out.outputs[0].token_ids
+                engine.block_manager.check()
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                finals[out.request_id] = out.outputs[0].token_ids
+        engine.block_manager.check()
+    return finals
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(schedule=ops, num_blocks=st.integers(13, 20), max_num_tokens=st.integers(1, 24),
+       caching=st.booleans())
+def test_random_schedules_keep_invariants_and_outputs(schedule, num_blocks, max_num_tokens, caching):
+    config = RuntimeConfig(max_num_seqs=6, enable_prefix_caching=caching)
+    small = make_fake_engine(num_blocks, max_seq_len=52, max_num_tokens=max_num_tokens, config=config)
+    finals = _run(small, schedule)
+    bm = small.block_manager
+    assert bm.num_free_blocks == bm.num_blocks and not bm.owners
+    reference = _run(make_fake_engine(256, max_seq_len=52, max_num_tokens=64), schedule, abort=False)
+    for rid, tokens in finals.items():
+        if tokens != "aborted":
+            assert tokens == reference[rid], rid
