@@ -71,7 +71,11 @@ def kiln_decode(sess, batch: int, ctx: int, num_blocks: int, kv_dtype, rng, in_p
         "query_start_loc": np.arange(batch + 1, dtype=np.int32),
     }
     pool = np.zeros((num_blocks, 2, HKV, BLOCK, D), kv_dtype)  # calloc: untouched pages stay virtual
-    pool[tables] = rng.standard_normal((len(tables), 2, HKV, BLOCK, D), dtype=np.float32).astype(kv_dtype)
+    if np.dtype(kv_dtype) == np.int8:  # int8: random codes, steps of ~3 sigma / 127
+        pool[tables] = rng.integers(-127, 128, (len(tables), 2, HKV, BLOCK, D), dtype=np.int8)
+        feeds["kv_scale"] = np.full((2, HKV), 3.0 / 127, np.float32)
+    else:
+        pool[tables] = rng.standard_normal((len(tables), 2, HKV, BLOCK, D), dtype=np.float32).astype(kv_dtype)
     pool_value = ort.OrtValue.ortvalue_from_numpy(pool)
     binding = sess.io_binding()
     for name, arr in feeds.items():
@@ -141,7 +145,7 @@ def gqa_decode(sess, batch: int, ctx: int, rng):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--kv-dtype", choices=["float32", "float16"], default="float32")
+    parser.add_argument("--kv-dtype", choices=["float32", "float16", "int8"], default="float32")
     args = parser.parse_args()
     kv_dtype = np.dtype(args.kv_dtype)
     rng = np.random.default_rng(0)

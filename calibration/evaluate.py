@@ -39,7 +39,7 @@ class EngineSession:
         build = self.manifest.build
         blocks = -(-max_tokens // build.block_size)
         spec = self.manifest.spec
-        itemsize = 2 if build.kv_dtype == "float16" else 4
+        itemsize = {"float16": 2, "int8": 1}.get(build.kv_dtype, 4)
         pool_bytes = blocks * spec.num_layers * 2 * spec.num_kv_heads * build.block_size * spec.head_dim * itemsize
         config = RuntimeConfig(kv_cache_bytes=pool_bytes, max_num_seqs=1, num_threads=threads)
         self.runner = OrtModelRunner(self.engine_dir, self.manifest, config, library_path())

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from kiln import __version__
-from kiln.contract import OP_LIBRARY_ABI
+from kiln.contract import OP_LIBRARY_ABI, OP_LIBRARY_MIN_ABI
 from kiln.spec import ModelSpec
 
 FORMAT_VERSION = 1
@@ -34,7 +34,7 @@ class BuildOptions:
     block_size: int = 16
     max_seq_len: int = 2048
     max_num_tokens: int = 2048  # per-step token budget the graph was built and tested for
-    calibration: str = ""  # calibration artifact dir whose scales were folded in (SmoothQuant / AWQ)
+    calibration: str = ""  # calibration artifact dir: scales folded in (SmoothQuant / AWQ), int8 KV steps
 
 
 @dataclass(frozen=True)
@@ -117,10 +117,10 @@ def read_manifest(engine_dir: Path, verify_checksums: bool = True) -> Manifest:
         manifest = Manifest.from_json(path.read_text())
     except (KeyError, TypeError, json.JSONDecodeError) as exc:
         raise EngineLoadError(f"{path} is malformed ({exc.__class__.__name__}: {exc})") from exc
-    if manifest.op_library_abi != OP_LIBRARY_ABI:
+    if not OP_LIBRARY_MIN_ABI <= manifest.op_library_abi <= OP_LIBRARY_ABI:
         raise EngineLoadError(
             f"engine was built for kiln op-library ABI {manifest.op_library_abi}, but this kiln "
-            f"provides ABI {OP_LIBRARY_ABI}; rebuild the engine"
+            f"provides ABI {OP_LIBRARY_ABI} (and runs engines of ABI {OP_LIBRARY_MIN_ABI} to {OP_LIBRARY_ABI}); rebuild the engine"
         )
     if verify_checksums:
         for name, expected in manifest.files.items():

@@ -7,10 +7,13 @@ Inputs
   query            float32 [T, H*D]       post-RoPE queries of the packed ragged batch
   key              float32 [T, Hkv*D]     post-RoPE keys of the new tokens
   value            float32 [T, Hkv*D]
-  kv_cache         f32|f16 [num_blocks, 2, Hkv, block_size, D]   one layer's pool; [:, 0] K, [:, 1] V
+  kv_cache         f32|f16|int8 [num_blocks, 2, Hkv, block_size, D]   one layer's pool; [:, 0] K, [:, 1] V
   block_tables     int32   [S, max_blocks]  physical block of each logical block, row-padded
   seq_lens         int32   [S]              context length of each sequence *after* this step
   query_start_loc  int32   [S+1]            cumulative token offsets: qsl[0] == 0, qsl[S] == T
+  kv_scale         float32 [2, Hkv]         optional 8th input, present iff kv_cache is int8: the
+                                            quantization step of each KV head, row 0 K, row 1 V
+                                            (positive, finite; kiln's build uses calibrated absmax/127)
 Outputs
   out              float32 [T, H*D]
   kv_cache_out     the pool's dtype and shape; the runtime binds one OrtValue to both kv_cache
@@ -22,9 +25,12 @@ Attributes
 Semantics. Sequence s has q_len = qsl[s+1] - qsl[s] new tokens; its token i sits at the
 absolute position pos = seq_lens[s] - q_len + i. First the K/V of every new token of every
 sequence is written to block block_tables[s][pos // block_size], slot pos % block_size
-(rounded to the pool's dtype). Then query head h of that token attends, through KV head h // (H / Hkv), to every
+(rounded to the pool's dtype; int8 pools store q = clamp(round_half_even(x / kv_scale[0|1][g]),
+-127, 127) in float32 arithmetic, K post-RoPE). Then query head h of that token attends, through KV head h // (H / Hkv), to every
 position p of its sequence with p <= pos (and p > pos - sliding_window when set), reading
-K/V from the updated pool: out = softmax(scale * q.K^T) V. Blocks other than the new
+K/V from the updated pool: out = softmax(scale * q.K^T) V. For an int8 pool the steps factor
+out of the sums: scores = scale * kv_scale[0][g] * (q . float(k_i8)), and
+out = kv_scale[1][g] * sum_j p_j float(v_i8_j) (i.e. attention over the dequantized K/V). Blocks other than the new
 tokens' slots are left untouched. A sequence with q_len == 0 is allowed and does nothing.
 Only the blocks a token can see are read (block-table entries before a sliding window or
 past seq_lens may hold anything, e.g. -1). Invalid inputs are errors, never out-of-bounds reads.
@@ -37,7 +43,15 @@ import numpy as np
 from kiln.contract import OP_DOMAIN, OP_TYPE, OP_VERSION
 
 INPUT_NAMES = ("query", "key", "value", "kv_cache", "block_tables", "seq_lens", "query_start_loc")
+KV_SCALE = "kv_scale"  # the optional 8th input (int8 pools only)
 OUTPUT_NAMES = ("out", "kv_cache_out")
+INT8_MAX = 127
+
+
+def quantize_kv(x: np.ndarray, step: np.ndarray) -> np.ndarray:
+    """int8 KV of x [..., Hkv, D] with per-head steps [Hkv]: clamp(round_half_even(x / step), -127, 127)."""
+    q = np.rint(x.astype(np.float32) / step.astype(np.float32)[:, None])
+    return np.clip(q, -INT8_MAX, INT8_MAX).astype(np.int8)
 
 
 def token_positions(seq_lens: np.ndarray, query_start_loc: np.ndarray) -> np.ndarray:
@@ -59,8 +73,16 @@ def paged_attention_ref(
     num_kv_heads: int,
     scale: float,
     sliding_window: int = 0,
+    kv_scale: np.ndarray | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """The executable spec: returns (out float32 [T, H*D], the updated copy of kv_cache)."""
+    int8 = kv_cache.dtype == np.int8
+    if int8 != (kv_scale is not None):
+        raise ValueError("kv_scale [2, num_kv_heads] is required with an int8 kv_cache and only then")
+    if int8:
+        kv_scale = np.asarray(kv_scale, np.float32)
+        if kv_scale.shape != (2, num_kv_heads) or not (np.isfinite(kv_scale).all() and (kv_scale > 0).all()):
+            raise ValueError(f"kv_scale must be positive finite [2, {num_kv_heads}], got {kv_scale.shape}")
     T = query.shape[0]
     D = query.shape[1] // num_heads
     group = num_heads // num_kv_heads
@@ -71,8 +93,11 @@ def paged_attention_ref(
     positions = token_positions(seq_lens, query_start_loc)
     seq_of_token = np.repeat(np.arange(len(seq_lens)), np.diff(query_start_loc))
     blocks, slots = block_tables[seq_of_token, positions // block_size], positions % block_size
-    pool[blocks, 0, :, slots, :] = key.reshape(T, num_kv_heads, D)  # all writes first, then all reads
-    pool[blocks, 1, :, slots, :] = value.reshape(T, num_kv_heads, D)
+    new_k, new_v = key.reshape(T, num_kv_heads, D), value.reshape(T, num_kv_heads, D)
+    if int8:
+        new_k, new_v = quantize_kv(new_k, kv_scale[0]), quantize_kv(new_v, kv_scale[1])
+    pool[blocks, 0, :, slots, :] = new_k  # all writes first, then all reads
+    pool[blocks, 1, :, slots, :] = new_v
     for s in range(len(seq_lens)):
         t0, t1 = int(query_start_loc[s]), int(query_start_loc[s + 1])
         q_len, L = t1 - t0, int(seq_lens[s])
@@ -82,6 +107,8 @@ def paged_attention_ref(
         ctx = np.arange(L)
         k = pool[block_tables[s, ctx // block_size], 0, :, ctx % block_size, :].astype(np.float64)  # [L, Hkv, D]
         v = pool[block_tables[s, ctx // block_size], 1, :, ctx % block_size, :].astype(np.float64)
+        if int8:  # == scaling the scores by the K step and the output by the V step
+            k, v = k * kv_scale[0, None, :, None], v * kv_scale[1, None, :, None]
         k, v = np.repeat(k, group, axis=1), np.repeat(v, group, axis=1)  # [L, H, D]
         q = query[t0:t1].reshape(q_len, num_heads, D).astype(np.float64)
         scores = np.einsum("qhd,khd->hqk", q, k) * scale
@@ -106,12 +133,15 @@ def make_single_op_model(
 ):
     """A one-node ONNX model (onnx.ModelProto) running kiln.PagedAttention, for tests and benchmarks.
 
+    An int8 kv_dtype adds the graph input kv_scale [2, num_kv_heads] feeding the op's 8th input.
     Graph inputs and outputs carry the op's own input/output names; token, block and
     sequence counts are symbolic dims.
     """
     from onnx import TensorProto, helper  # compile-time dependency only
 
-    kv_type = {np.dtype(np.float32): TensorProto.FLOAT, np.dtype(np.float16): TensorProto.FLOAT16}[np.dtype(kv_dtype)]
+    kv_type = {np.dtype(np.float32): TensorProto.FLOAT, np.dtype(np.float16): TensorProto.FLOAT16,
+               np.dtype(np.int8): TensorProto.INT8}[np.dtype(kv_dtype)]
+    int8 = kv_type == TensorProto.INT8
     pool = ["num_blocks", 2, num_kv_heads, block_size, head_dim]
     inputs = [
         helper.make_tensor_value_info("query", TensorProto.FLOAT, ["T", num_heads * head_dim]),
@@ -122,13 +152,15 @@ def make_single_op_model(
         helper.make_tensor_value_info("seq_lens", TensorProto.INT32, ["S"]),
         helper.make_tensor_value_info("query_start_loc", TensorProto.INT32, ["S1"]),
     ]
+    if int8:
+        inputs.append(helper.make_tensor_value_info(KV_SCALE, TensorProto.FLOAT, [2, num_kv_heads]))
     outputs = [
         helper.make_tensor_value_info("out", TensorProto.FLOAT, ["T", num_heads * head_dim]),
         helper.make_tensor_value_info("kv_cache_out", kv_type, pool),
     ]
     node = helper.make_node(
         OP_TYPE,
-        list(INPUT_NAMES),
+        list(INPUT_NAMES) + ([KV_SCALE] if int8 else []),
         list(OUTPUT_NAMES),
         domain=OP_DOMAIN,
         num_heads=num_heads,

@@ -25,11 +25,12 @@ from kiln.optimize.fuse_attention import AttentionConfig
 from kiln.optimize.pipeline import optimize_model
 from kiln.optimize.quantize import QuantizationError, prepare_checkpoint, quantize_model
 from kiln.optimize.quantize import check_options as check_quantization
+from kiln.optimize.quantize import parse_scheme
 
 Progress = Callable[[str], None]
 MODEL_FILE = "model.onnx"
 DATA_FILE = "model.onnx.data"
-_KV_DTYPES = ("float32", "float16")
+_KV_DTYPES = ("float32", "float16", "int8")
 
 
 class BuildError(RuntimeError):
@@ -54,9 +55,10 @@ def build_engine(
     with _stage(say, "load checkpoint"):
         checkpoint = load_checkpoint(model_path)
         try:
-            checkpoint = prepare_checkpoint(checkpoint, options.quantization, options.calibration, say)
+            checkpoint = prepare_checkpoint(checkpoint, options.quantization, _quant_calibration(options), say)
         except QuantizationError as exc:
             raise BuildError(str(exc)) from exc
+        kv_scales = _kv_scales(checkpoint, options.calibration, say) if options.kv_dtype == "int8" else None
     spec = checkpoint.spec
     say(f"model: {spec.family}, {spec.num_layers} layers, hidden {spec.hidden_size}, vocab {spec.vocab_size}")
     with tempfile.TemporaryDirectory(prefix="kiln-build-") as work:
@@ -65,7 +67,7 @@ def build_engine(
             export_onnx(checkpoint, raw_path, say)
         with _stage(say, "optimize"):
             model = ir.load(raw_path)
-            attention = AttentionConfig(options.kv_dtype, options.block_size, spec.sliding_window)
+            attention = AttentionConfig(options.kv_dtype, options.block_size, spec.sliding_window, kv_scales)
             counts = optimize_model(model, attention)
             for name, count in counts.items():
                 say(f"  {name}: fired {count}x")
@@ -113,13 +115,54 @@ def _stage(say: Progress, name: str):
     say(f"{name} done in {time.perf_counter() - start:.1f}s")
 
 
+def _quant_calibration(options: BuildOptions) -> str:
+    """The artifact the quantization scheme folds in: with an int8 KV cache the artifact may serve
+    the KV scales alone (a scheme that needs no calibration then ignores it)."""
+    if options.kv_dtype == "int8" and options.calibration:
+        try:
+            return options.calibration if parse_scheme(options.quantization).calibration else ""
+        except QuantizationError:
+            return options.calibration  # let check_options name the unknown scheme
+    return options.calibration
+
+
+def _kv_scales(checkpoint, calibration: str, say: Progress):
+    """float32 [num_layers, 2, Hkv]: the artifact's per-head K and V int8 steps (absmax / 127)."""
+    import numpy as np
+
+    from kiln.calibration.artifact import CalibrationArtifact, CalibrationError, check_fingerprint
+
+    try:
+        artifact = CalibrationArtifact.load(calibration)
+        check_fingerprint(artifact, checkpoint)
+        k, v = artifact.kv_scales()
+    except CalibrationError as exc:
+        raise BuildError(str(exc)) from exc
+    except KeyError as exc:
+        raise BuildError(f"the calibration artifact {calibration} holds no KV statistics ({exc.args[0]}); "
+                         f"rerun `kiln calibrate` to make one that does") from exc
+    spec = checkpoint.spec
+    scales = np.stack([k.numpy(), v.numpy()], axis=1).astype(np.float32)
+    if scales.shape != (spec.num_layers, 2, spec.num_kv_heads):
+        raise BuildError(f"the calibration artifact {calibration} has KV scales of shape {list(scales.shape[::2])}, "
+                         f"not [{spec.num_layers}, {spec.num_kv_heads}] (layers, KV heads) as this model needs")
+    # an all-zero head would give step 0: any positive step stores its zeros exactly
+    scales = np.maximum(scales, np.float32(1e-8))
+    say(f"int8 KV cache: K steps {scales[:, 0].min():.3g}..{scales[:, 0].max():.3g}, "
+        f"V steps {scales[:, 1].min():.3g}..{scales[:, 1].max():.3g} from {calibration}")
+    return scales
+
+
 def _check_options(options: BuildOptions) -> None:
     try:
-        check_quantization(options.quantization, options.calibration)
+        check_quantization(options.quantization, _quant_calibration(options))
     except QuantizationError as exc:
         raise BuildError(str(exc)) from exc
     if options.kv_dtype not in _KV_DTYPES:
         raise BuildError(f"kv dtype {options.kv_dtype!r} is not supported; choose one of {list(_KV_DTYPES)}")
+    if options.kv_dtype == "int8" and not options.calibration:
+        raise BuildError("an int8 KV cache needs the per-head K/V scales of a calibration artifact: run "
+                         "`kiln calibrate MODEL --method smoothquant -o DIR` (any method) and pass --calibration DIR")
     if options.dtype != "float32":
         raise BuildError(f"dtype {options.dtype!r} is not supported; the ONNX Runtime CPU engine computes in float32")
     if options.block_size <= 0 or options.max_seq_len <= 0 or options.max_num_tokens <= 0:

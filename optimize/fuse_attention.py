@@ -13,19 +13,27 @@ so the mask computation becomes dead code and is removed by the cleanup.
 The replacement feeds the op Q/K/V as [T, H*D] / [T, Hkv*D], reshapes its [T, H*D] output
 back to [1, H, T, D], and adds the graph inputs kv_cache.{i} (+ the shared query_start_loc,
 seq_lens, block_tables) and outputs kv_cache_out.{i}, i counting fused layers in graph order.
+With an int8 KV cache each op also reads an initializer kv_scale.{i} [2, Hkv] (the per-head K and
+V quantization steps of layer i, from AttentionConfig.kv_scales) as its 8th input.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
+import numpy as np
 import onnx_ir as ir
 from onnxscript.rewriter import pattern
 
 from kiln import contract
 from kiln.optimize._common import add_opset, const_float, look_through_repeat_kv, static_dim
 
-_KV_DTYPES = {"float32": ir.DataType.FLOAT, "float16": ir.DataType.FLOAT16}
+_KV_DTYPES = {"float32": ir.DataType.FLOAT, "float16": ir.DataType.FLOAT16, "int8": ir.DataType.INT8}
+
+
+def kv_scale_name(layer: int) -> str:
+    return f"kv_scale.{layer}"
 
 
 @dataclass(frozen=True)
@@ -33,12 +41,15 @@ class AttentionConfig:
     kv_dtype: str = "float32"
     block_size: int = 16
     sliding_window: int = 0
+    # int8 KV only: float32 [num_layers, 2, Hkv], the K (row 0) and V (row 1) steps of each layer
+    kv_scales: Any = None
 
 
 @dataclass
 class _Layer:
     kv_cache: ir.Value
     kv_cache_out: ir.Value
+    kv_scale: ir.Value | None = None
 
 
 class PagedAttentionFusion(pattern.RewriteRuleClassBase):
@@ -75,6 +86,18 @@ class PagedAttentionFusion(pattern.RewriteRuleClassBase):
         probs = op.Softmax(scores, axis=-1)
         probs = pattern.OrValue([op.Where(op.IsNaN(probs), 0.0, probs), probs])
         return op.MatMul(probs, value)
+
+    def _kv_scale(self, layer: int, kv_heads: int) -> ir.Value:
+        """The initializer kv_scale.{layer} [2, Hkv] (registered on the graph after the rewrite)."""
+        scales = self._config.kv_scales
+        if scales is None or layer >= len(scales):
+            raise ValueError(f"an int8 KV cache needs kv_scales for layer {layer}")
+        steps = np.ascontiguousarray(np.asarray(scales[layer], np.float32))
+        if steps.shape != (2, kv_heads):
+            raise ValueError(f"kv_scales[{layer}] must be [2, {kv_heads}], got {list(steps.shape)}")
+        tensor = ir.tensor(steps, name=kv_scale_name(layer))
+        return ir.Value(name=kv_scale_name(layer), type=ir.TensorType(ir.DataType.FLOAT), shape=ir.Shape([2, kv_heads]),
+                        const_value=tensor)
 
     def check(self, context, query, key, value, key_format, **bindings) -> pattern.MatchResult:
         result = pattern.MatchResult()
@@ -125,16 +148,20 @@ class PagedAttentionFusion(pattern.RewriteRuleClassBase):
             type=ir.TensorType(_KV_DTYPES[cfg.kv_dtype]),
             shape=ir.Shape(["num_blocks", 2, kv_heads, cfg.block_size, head_dim]),
         )
+        extra = []
+        if cfg.kv_dtype == "int8":
+            extra.append(self._kv_scale(layer, kv_heads))
         out, kv_cache_out = op.PagedAttention(
             query, key, value, kv_cache,
             self._shared[contract.BLOCK_TABLES], self._shared[contract.SEQ_LENS], self._shared[contract.QUERY_START_LOC],
+            *extra,
             num_heads=heads, num_kv_heads=kv_heads, scale=float(scale), sliding_window=int(cfg.sliding_window),
             _domain=contract.OP_DOMAIN, _version=contract.OP_VERSION, _outputs=2,
         )
         kv_cache_out.name = contract.kv_cache_output(layer)
         kv_cache_out.type = kv_cache.type
         kv_cache_out.shape = kv_cache.shape
-        self._layers.append(_Layer(kv_cache, kv_cache_out))
+        self._layers.append(_Layer(kv_cache, kv_cache_out, extra[0] if extra else None))
         out = op.Reshape(out, op.Constant(value_ints=[1, -1, heads, head_dim]))
         return op.Transpose(out, perm=[0, 2, 1, 3])
 
@@ -161,4 +188,9 @@ def fuse_attention(model: ir.Model, config: AttentionConfig = AttentionConfig())
         graph.inputs.extend([shared[contract.QUERY_START_LOC], shared[contract.SEQ_LENS], shared[contract.BLOCK_TABLES]])
         graph.inputs.extend(layer.kv_cache for layer in layers)
         graph.outputs.extend(layer.kv_cache_out for layer in layers)
+        for layer in layers:
+            if layer.kv_scale is not None:
+                graph.register_initializer(layer.kv_scale)
+        if config.kv_dtype == "int8" and config.kv_scales is not None and len(config.kv_scales) != count:
+            raise ValueError(f"kv_scales has {len(config.kv_scales)} layers but {count} attention layers were fused")
     return count

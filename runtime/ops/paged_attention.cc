@@ -5,7 +5,8 @@
 //
 //   1. validate every input against the others (no out-of-bounds read on bad input);
 //   2. if kv_cache_out is not the same buffer as kv_cache, copy the pool (slow fallback);
-//   3. write the new tokens' K/V into their slots of kv_cache_out;
+//   3. write the new tokens' K/V into their slots of kv_cache_out (int8 pools: quantized with
+//      the per-KV-head steps of kv_scale [2, Hkv]);
 //   4. attention: work items (sequence, kv head, chunk of query tokens, context partition)
 //      run on ONNX Runtime's intra-op thread pool; each streams the (block, head) K/V
 //      tiles once for all query heads of its group, with a flash-style online softmax;
@@ -22,6 +23,7 @@
 #include <cstring>
 #include <limits>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -31,7 +33,7 @@
 
 namespace kiln {
 
-constexpr int kAbiVersion = 1;  // kiln.contract.OP_LIBRARY_ABI
+constexpr int kAbiVersion = 2;  // kiln.contract.OP_LIBRARY_ABI
 constexpr int kTargetRowsPerItem = 64;  // query rows (tokens x heads of one group) per work item
 constexpr int kMinPartition = 128;      // smallest context partition worth a separate item
 
@@ -59,11 +61,14 @@ struct Problem {
   KvT* pool;
   float* out;
   float* partials;  // rows of [m, l, acc[D]]
+  const float* kv_scale;  // int8 pools: [2, Hkv] (row 0 K, row 1 V); nullptr for float pools
   int64_t num_tokens, H, Hkv, D, G, block_size, max_blocks;
   float scale;
   int64_t window;
 
   int64_t first_pos(int32_t s) const { return seq_lens[s] - (qsl[s + 1] - qsl[s]); }
+  // Quantization step of K (kv = 0) or V (kv = 1) of a KV head; 1 for float pools.
+  float step(int kv, int64_t kv_head) const { return kv_scale ? kv_scale[kv * Hkv + kv_head] : 1.f; }
   KvT* tile(int32_t s, int64_t logical_block, int kv, int32_t kv_head) const {
     const int64_t phys = block_tables[s * max_blocks + logical_block];
     return pool + ((phys * 2 + kv) * Hkv + kv_head) * block_size * D;
@@ -77,8 +82,8 @@ void write_token(const Problem<KvT>& p, int32_t s, int64_t t) {
   const int64_t pos = p.first_pos(s) + (t - p.qsl[s]);
   const int64_t slot = pos % p.block_size;
   for (int32_t g = 0; g < p.Hkv; ++g) {
-    store_row(p.tile(s, pos / p.block_size, 0, g) + slot * p.D, p.k + (t * p.Hkv + g) * p.D, p.D);
-    store_row(p.tile(s, pos / p.block_size, 1, g) + slot * p.D, p.v + (t * p.Hkv + g) * p.D, p.D);
+    store_row(p.tile(s, pos / p.block_size, 0, g) + slot * p.D, p.k + (t * p.Hkv + g) * p.D, p.D, p.step(0, g));
+    store_row(p.tile(s, pos / p.block_size, 1, g) + slot * p.D, p.v + (t * p.Hkv + g) * p.D, p.D, p.step(1, g));
   }
 }
 
@@ -145,7 +150,7 @@ void run_item(const Problem<KvT>& p, const WorkItem& w) {
   const int nq = w.q_end - w.q_begin;
   const int rows = nq * static_cast<int>(G);
   thread_local std::vector<float> scratch;
-  const size_t need = static_cast<size_t>(rows) * (2 * D) + kGroup * bs + (is_f16<KvT>() ? 2 * bs * D : 0);
+  const size_t need = static_cast<size_t>(rows) * (2 * D) + kGroup * bs + (std::is_same<KvT, float>::value ? 0 : 2 * bs * D);
   if (scratch.size() < need) scratch.resize(need);
   float* qbuf = scratch.data();
   float* accbuf = qbuf + rows * D;
@@ -155,6 +160,9 @@ void run_item(const Problem<KvT>& p, const WorkItem& w) {
 
   const int64_t first = p.first_pos(w.seq);
   const int64_t tok0 = p.qsl[w.seq];
+  // int8 pools: scores = scale * k_step * (q . k_i8), out = v_step * sum p_j v_i8_j; both steps
+  // factor out of the inner loops (k_step into the pre-scaled q, v_step into the final rows).
+  const float q_scale = p.scale * p.step(0, w.kv_head), v_step = p.step(1, w.kv_head);
   std::vector<RowState> st(rows);
   std::vector<ActiveRow> act(rows);
   // Rows of one token share their key range: groups of 3 keep G=3 (SmolLM2) groups unmasked.
@@ -164,7 +172,7 @@ void run_item(const Problem<KvT>& p, const WorkItem& w) {
       const int r = i * static_cast<int>(G) + static_cast<int>(hh);
       const int64_t h = w.kv_head * G + hh;
       st[r] = RowState{qbuf + r * D, accbuf + r * D, -std::numeric_limits<float>::infinity(), 0.f};
-      scaled_copy(st[r].q, p.q + ((tok0 + w.q_begin + i) * p.H + h) * D, p.scale, D);
+      scaled_copy(st[r].q, p.q + ((tok0 + w.q_begin + i) * p.H + h) * D, q_scale, D);
       std::fill(st[r].acc, st[r].acc + D, 0.f);
     }
   }
@@ -195,13 +203,13 @@ void run_item(const Problem<KvT>& p, const WorkItem& w) {
       const RowState& r = st[i * G + hh];
       if (w.partial < 0) {
         float* o = p.out + ((tok0 + w.q_begin + i) * p.H + w.kv_head * G + hh) * D;
-        const float inv = r.l > 0.f ? 1.f / r.l : 0.f;
+        const float inv = r.l > 0.f ? v_step / r.l : 0.f;
         for (int64_t d = 0; d < D; ++d) o[d] = r.acc[d] * inv;
       } else {
         float* pr = p.partials + (w.partial + i * G + hh) * (D + 2);
         pr[0] = r.m;
         pr[1] = r.l;
-        std::memcpy(pr + 2, r.acc, D * sizeof(float));
+        for (int64_t d = 0; d < D; ++d) pr[2 + d] = r.acc[d] * v_step;
       }
     }
   }
@@ -301,10 +309,12 @@ struct PagedAttention {
   Ort::Status Compute(OrtKernelContext* ctx, const Ort::Custom::Tensor<float>& query, const Ort::Custom::Tensor<float>& key,
                       const Ort::Custom::Tensor<float>& value, const Ort::Custom::Tensor<KvT>& kv_cache,
                       const Ort::Custom::Tensor<int32_t>& block_tables, const Ort::Custom::Tensor<int32_t>& seq_lens,
-                      const Ort::Custom::Tensor<int32_t>& query_start_loc, Ort::Custom::Tensor<float>& out,
+                      const Ort::Custom::Tensor<int32_t>& query_start_loc,
+                      std::optional<const Ort::Custom::Tensor<float>*> kv_scale, Ort::Custom::Tensor<float>& out,
                       Ort::Custom::Tensor<KvT>& kv_cache_out) {
     try {
-      run(ctx, query, key, value, kv_cache, block_tables, seq_lens, query_start_loc, out, kv_cache_out);
+      run(ctx, query, key, value, kv_cache, block_tables, seq_lens, query_start_loc, kv_scale.value_or(nullptr), out,
+          kv_cache_out);
     } catch (const Ort::Exception& e) {
       return Ort::Status(e.what(), e.GetOrtErrorCode());
     } catch (const std::exception& e) {
@@ -316,8 +326,8 @@ struct PagedAttention {
   void run(OrtKernelContext* ctx, const Ort::Custom::Tensor<float>& query, const Ort::Custom::Tensor<float>& key,
            const Ort::Custom::Tensor<float>& value, const Ort::Custom::Tensor<KvT>& kv_cache,
            const Ort::Custom::Tensor<int32_t>& block_tables, const Ort::Custom::Tensor<int32_t>& seq_lens,
-           const Ort::Custom::Tensor<int32_t>& query_start_loc, Ort::Custom::Tensor<float>& out,
-           Ort::Custom::Tensor<KvT>& kv_cache_out) const {
+           const Ort::Custom::Tensor<int32_t>& query_start_loc, const Ort::Custom::Tensor<float>* kv_scale,
+           Ort::Custom::Tensor<float>& out, Ort::Custom::Tensor<KvT>& kv_cache_out) const {
     if (window_ < 0) fail("sliding_window must be >= 0");
     const auto& pool_shape = kv_cache.Shape();
     validate(query.Shape(), key.Shape(), value.Shape(), pool_shape, block_tables.Shape(), seq_lens.Shape(),
@@ -325,6 +335,18 @@ struct PagedAttention {
     const int64_t T = query.Shape()[0], S = block_tables.Shape()[0], max_blocks = block_tables.Shape()[1];
     const int64_t D = query.Shape()[1] / num_heads_, bs = pool_shape[3];
     validate_values(block_tables.Data(), seq_lens.Data(), query_start_loc.Data(), S, max_blocks, T, pool_shape[0], bs, window_);
+    const float* steps = nullptr;
+    if (kv_scale != nullptr && kv_scale->Shape().size() == 1 && kv_scale->Shape()[0] == 0)
+      kv_scale = nullptr;  // an empty tensor stands for an absent optional input
+    if (is_int8<KvT>()) {
+      if (kv_scale == nullptr)
+        fail("an int8 kv_cache needs the 8th input kv_scale float32 [2, num_kv_heads=" + std::to_string(num_kv_heads_) +
+             "] (row 0 K steps, row 1 V steps)");
+      validate_kv_scale(kv_scale->Shape(), kv_scale->Data(), num_kv_heads_);
+      steps = kv_scale->Data();
+    } else if (kv_scale != nullptr) {
+      fail("kv_scale is only for an int8 kv_cache; this kv_cache is " + std::string(is_f16<KvT>() ? "float16" : "float32"));
+    }
 
     Problem<KvT> p{};
     p.q = query.Data();
@@ -342,6 +364,7 @@ struct PagedAttention {
     p.max_blocks = max_blocks;
     p.scale = scale_ > 0.f ? scale_ : 1.f / std::sqrt(static_cast<float>(D));
     p.window = window_;
+    p.kv_scale = steps;
     p.out = out.Allocate({T, num_heads_ * D});
     p.pool = kv_cache_out.Allocate(pool_shape);
     if (static_cast<const void*>(p.pool) != static_cast<const void*>(kv_cache.Data()))
@@ -396,6 +419,7 @@ __attribute__((visibility("default"))) OrtStatus* ORT_API_CALL RegisterCustomOps
       domain = new Ort::CustomOpDomain("kiln");
       domain->Add(Ort::Custom::CreateLiteCustomOp<kiln::PagedAttention<float>>("PagedAttention", "CPUExecutionProvider"));
       domain->Add(Ort::Custom::CreateLiteCustomOp<kiln::PagedAttention<Ort::Float16_t>>("PagedAttention", "CPUExecutionProvider"));
+      domain->Add(Ort::Custom::CreateLiteCustomOp<kiln::PagedAttention<int8_t>>("PagedAttention", "CPUExecutionProvider"));
     }
     Ort::UnownedSessionOptions(options).Add(*domain);
   } catch (const std::exception& e) {

@@ -6,6 +6,7 @@
 
 #include <cstdint>
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <type_traits>
 
@@ -15,6 +16,9 @@ namespace kiln {
 
 template <typename KvT>
 constexpr bool is_f16() { return std::is_same<KvT, Ort::Float16_t>::value; }
+
+template <typename KvT>
+constexpr bool is_int8() { return std::is_same<KvT, int8_t>::value; }
 
 inline float hsum(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -48,9 +52,10 @@ inline __m256 exp256(__m256 x) {
 
 // ---- KV element conversion
 
-inline void store_row(float* dst, const float* src, int64_t n) { std::memcpy(dst, src, n * sizeof(float)); }
+// store_row(dst, src, n, scale): `scale` is the int8 pool's quantization step; float pools ignore it.
+inline void store_row(float* dst, const float* src, int64_t n, float) { std::memcpy(dst, src, n * sizeof(float)); }
 
-inline void store_row(Ort::Float16_t* dst, const float* src, int64_t n) {
+inline void store_row(Ort::Float16_t* dst, const float* src, int64_t n, float) {
   uint16_t* d = reinterpret_cast<uint16_t*>(dst);
   int64_t i = 0;
   for (; i + 8 <= n; i += 8)
@@ -58,7 +63,21 @@ inline void store_row(Ort::Float16_t* dst, const float* src, int64_t n) {
   for (; i < n; ++i) d[i] = _cvtss_sh(src[i], _MM_FROUND_TO_NEAREST_INT);
 }
 
-// A float view of n pool elements: the pool itself for fp32, `buf` converted for fp16.
+// int8: q = clamp(round_half_even(x / scale), -127, 127) (x / scale divided, as the numpy reference does).
+inline void store_row(int8_t* dst, const float* src, int64_t n, float scale) {
+  const __m256 vs = _mm256_set1_ps(scale), lo = _mm256_set1_ps(-127.f), hi = _mm256_set1_ps(127.f);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    __m256 x = _mm256_round_ps(_mm256_div_ps(_mm256_loadu_ps(src + i), vs), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m256i q = _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(x, lo), hi));
+    const __m128i w = _mm_packs_epi32(_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1));
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(dst + i), _mm_packs_epi16(w, w));
+  }
+  for (; i < n; ++i) dst[i] = static_cast<int8_t>(std::min(127.f, std::max(-127.f, std::nearbyint(src[i] / scale))));
+}
+
+// A float view of n pool elements: the pool itself for fp32, `buf` converted for fp16 and int8
+// (int8 values as they are: the per-head scales are applied by the caller, outside the loops).
 inline const float* as_float(const float* src, float*, int64_t) { return src; }
 
 inline const float* as_float(const Ort::Float16_t* src, float* buf, int64_t n) {
@@ -67,6 +86,19 @@ inline const float* as_float(const Ort::Float16_t* src, float* buf, int64_t n) {
   for (; i + 8 <= n; i += 8)
     _mm256_storeu_ps(buf + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s + i))));
   for (; i < n; ++i) buf[i] = _cvtsh_ss(s[i]);
+  return buf;
+}
+
+inline const float* as_float(const int8_t* src, float* buf, int64_t n) {
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i));
+    _mm256_storeu_ps(buf + i, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b)));
+    _mm256_storeu_ps(buf + i + 8, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(b, 8))));
+  }
+  for (; i + 8 <= n; i += 8)
+    _mm256_storeu_ps(buf + i, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(src + i)))));
+  for (; i < n; ++i) buf[i] = static_cast<float>(src[i]);
   return buf;
 }
 

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -37,6 +38,19 @@ inline void validate(const std::vector<int64_t>& qs, const std::vector<int64_t>&
   if (bts.size() != 2) fail("block_tables must be [num_seqs, max_blocks], got " + shape(bts));
   if (sls.size() != 1 || sls[0] != bts[0]) fail("seq_lens must be [num_seqs=" + std::to_string(bts[0]) + "], got " + shape(sls));
   if (qsls.size() != 1 || qsls[0] != bts[0] + 1) fail("query_start_loc must be [num_seqs+1=" + std::to_string(bts[0] + 1) + "], got " + shape(qsls));
+}
+
+// kv_scale of an int8 pool: [2, Hkv] of positive finite steps.
+inline void validate_kv_scale(const std::vector<int64_t>& shape, const float* data, int64_t Hkv) {
+  if (shape.size() != 2 || shape[0] != 2 || shape[1] != Hkv) {
+    std::string r = "[";
+    for (size_t i = 0; i < shape.size(); ++i) r += (i ? ", " : "") + std::to_string(shape[i]);
+    fail("kv_scale must be [2, num_kv_heads=" + std::to_string(Hkv) + "], got " + r + "]");
+  }
+  for (int64_t i = 0; i < 2 * Hkv; ++i)
+    if (!(data[i] > 0.f) || data[i] == std::numeric_limits<float>::infinity())
+      fail("kv_scale[" + std::to_string(i / Hkv) + "][" + std::to_string(i % Hkv) + "] = " + std::to_string(data[i]) +
+           " must be positive and finite");
 }
 
 // Values: offsets, lengths, and every block id a token can read.

@@ -1,6 +1,6 @@
 """kiln.PagedAttention: the numpy reference against dense attention, and the ONNX Runtime CPU
-kernel (libkiln_ops.so) against the reference: ragged batches, GQA, fp16 KV, sliding window,
-in-place KV writes through IOBinding, and clear errors on bad inputs."""
+kernel (libkiln_ops.so) against the reference: ragged batches, GQA, fp16 and int8 KV (per-head
+scales), sliding window, in-place KV writes through IOBinding, and clear errors on bad inputs."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from functools import lru_cache
 import numpy as np
 import pytest
 
-from kiln.paged_attention import INPUT_NAMES, make_single_op_model, paged_attention_ref
+from kiln.paged_attention import INPUT_NAMES, KV_SCALE, make_single_op_model, paged_attention_ref
 
 ort = pytest.importorskip("onnxruntime")
 ops = pytest.importorskip("kiln.runtime.ops")
@@ -45,19 +45,29 @@ def make_case(rng, seqs, num_heads, num_kv_heads, head_dim, block_size, kv_dtype
         start += n
     new = [n for _, n in seqs]
     T = sum(new)
-    return {
+    pool_shape = (num_blocks, 2, num_kv_heads, block_size, head_dim)
+    if kv_dtype == "int8":  # random int8 history; steps around 3 sigma / 127 (so some new K/V clamp)
+        pool = rng.integers(-127, 128, pool_shape).astype(np.int8)
+    else:
+        pool = rng.standard_normal(pool_shape, dtype=np.float32).astype(kv_dtype)
+    feeds = {
         "query": rng.standard_normal((T, num_heads * head_dim), dtype=np.float32),
         "key": rng.standard_normal((T, num_kv_heads * head_dim), dtype=np.float32),
         "value": rng.standard_normal((T, num_kv_heads * head_dim), dtype=np.float32),
-        "kv_cache": rng.standard_normal((num_blocks, 2, num_kv_heads, block_size, head_dim), dtype=np.float32).astype(kv_dtype),
+        "kv_cache": pool,
         "block_tables": tables,
         "seq_lens": np.array([c + n for c, n in seqs], np.int32),
         "query_start_loc": np.concatenate([[0], np.cumsum(new)]).astype(np.int32),
     }
+    if kv_dtype == "int8":
+        feeds[KV_SCALE] = rng.uniform(2.0, 4.0, (2, num_kv_heads)).astype(np.float32) / 127
+    return feeds
 
 
 def reference(feeds, num_heads, num_kv_heads, window=0):
-    return paged_attention_ref(*(feeds[n] for n in INPUT_NAMES), num_heads, num_kv_heads, 0.0, window)
+    return paged_attention_ref(
+        *(feeds[n] for n in INPUT_NAMES), num_heads, num_kv_heads, 0.0, window, kv_scale=feeds.get(KV_SCALE)
+    )
 
 
 def check(out, pool, ref_out, ref_pool):
@@ -111,6 +121,48 @@ def test_reference_matches_dense_attention(group, window, kv_dtype):
         np.testing.assert_allclose(out[t0 : t0 + new].reshape(new, H, D), expected, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("group", [1, 3])
+def test_reference_int8_close_to_dense_fp32(group):
+    """int8 KV with absmax/127 steps: a prefill, then decode steps reading the quantized history,
+    stay within quantization error of fp32 attention (and the int8 pool dequantizes to within
+    half a step of the fp32 one)."""
+    rng = np.random.default_rng(11)
+    Hkv, D, bs = 2, 64, 16
+    H = Hkv * group
+    seqs = [(0, 40), (0, 7), (0, 1)]
+    f32 = make_case(rng, seqs, H, Hkv, D, bs)
+    f32["kv_cache"][:] = 0
+    f32["key"] *= np.repeat(rng.uniform(0.5, 3.0, Hkv), D).astype(np.float32)  # heads of different ranges
+    steps = np.stack([np.abs(f32[n]).reshape(-1, Hkv, D).max(axis=(0, 2)) / 127 for n in ("key", "value")])
+    i8 = {**f32, "kv_cache": np.zeros(f32["kv_cache"].shape, np.int8), KV_SCALE: steps.astype(np.float32)}
+    pool32, pool8 = f32["kv_cache"], i8["kv_cache"]
+    for step in range(3):
+        out32, pool32 = reference({**f32, "kv_cache": pool32}, H, Hkv)
+        out8, pool8 = reference({**i8, "kv_cache": pool8}, H, Hkv)
+        deq = pool8.astype(np.float32) * np.stack([steps[0], steps[1]])[None, :, :, None, None]
+        assert np.abs(deq - pool32).max() <= 0.5 * steps.max() * (1 + 1e-5)
+        err = np.abs(out8 - out32)
+        # |K| up to ~10 (steps ~0.08): about 1% mean error, the size of int8 rounding; a wrong step is far off
+        assert err.max() < 0.1 and err.mean() < 0.02 * np.abs(out32).mean(), (step, err.max(), err.mean())
+        # next: one decode token per sequence, within the calibrated range
+        T = len(seqs)
+        new = make_case(rng, [(0, 1)] * T, H, Hkv, D, bs)
+        for n in ("key", "value"):
+            bound = 127 * steps[int(n == "value")].min()
+            new[n] = np.clip(new[n], -bound, bound)
+        f32 = {**f32, **{n: new[n] for n in ("query", "key", "value")},
+               "seq_lens": f32["seq_lens"] + 1, "query_start_loc": np.arange(T + 1, dtype=np.int32)}
+        i8 = {**i8, **{n: f32[n] for n in ("query", "key", "value", "seq_lens", "query_start_loc")}}
+
+
+def test_reference_int8_needs_kv_scale():
+    feeds = make_case(np.random.default_rng(12), [(0, 3)], 4, 2, 16, 16, "int8")
+    with pytest.raises(ValueError, match="kv_scale"):
+        paged_attention_ref(*(feeds[n] for n in INPUT_NAMES), 4, 2, 0.0)
+    with pytest.raises(ValueError, match="kv_scale"):
+        paged_attention_ref(*(feeds[n] for n in INPUT_NAMES), 4, 2, 0.0, kv_scale=feeds[KV_SCALE][:, :1])
+
+
 # ------------------------------------------------------------------ the kernel vs the reference
 
 MIXED = [(0, 37), (100, 1), (16, 16), (0, 1), (250, 23), (31, 1), (7, 0)]  # prefill, chunks, decode, idle
@@ -118,7 +170,7 @@ MIXED = [(0, 37), (100, 1), (16, 16), (0, 1), (250, 23), (31, 1), (7, 0)]  # pre
 
 @pytest.mark.parametrize("block_size", [16, 32])
 @pytest.mark.parametrize("heads", [(4, 4), (9, 3), (16, 2)], ids=["mha", "gqa3", "gqa8"])
-@pytest.mark.parametrize("kv_dtype", ["float32", "float16"])
+@pytest.mark.parametrize("kv_dtype", ["float32", "float16", "int8"])
 def test_kernel_mixed_batch(block_size, heads, kv_dtype):
     H, Hkv = heads
     rng = np.random.default_rng(block_size + H)
@@ -132,7 +184,7 @@ def test_kernel_mixed_batch(block_size, heads, kv_dtype):
     [[(4095, 1)], [(4000, 96)], [(2047, 1), (1024, 1), (3000, 1), (511, 1)], [(0, 300)]],
     ids=["decode-4096", "chunk-at-4000", "decode-batch", "prefill-300"],
 )
-@pytest.mark.parametrize("kv_dtype", ["float32", "float16"])
+@pytest.mark.parametrize("kv_dtype", ["float32", "float16", "int8"])
 def test_kernel_long_contexts(seqs, kv_dtype):
     rng = np.random.default_rng(7)
     feeds = make_case(rng, seqs, 9, 3, 64, 16, kv_dtype, spare_blocks=40)
@@ -141,20 +193,22 @@ def test_kernel_long_contexts(seqs, kv_dtype):
 
 
 @pytest.mark.parametrize("window", [1, 20, 100])
-def test_kernel_sliding_window(window):
+@pytest.mark.parametrize("kv_dtype", ["float32", "int8"])
+def test_kernel_sliding_window(window, kv_dtype):
     rng = np.random.default_rng(window)
-    feeds = make_case(rng, [(0, 45), (300, 1), (130, 30)], 8, 2, 32, 16)
+    feeds = make_case(rng, [(0, 45), (300, 1), (130, 30)], 8, 2, 32, 16, kv_dtype)
     # Blocks wholly outside every token's window may be freed: the kernel must not read them.
     feeds["block_tables"][1, : (300 - window + 1) // 16] = -1
-    out, pool = session(8, 2, 32, 16, window).run(None, feeds)
+    out, pool = session(8, 2, 32, 16, window, kv_dtype).run(None, feeds)
     check(out, pool, *reference(feeds, 8, 2, window))
 
 
-@pytest.mark.parametrize("head_dim", [12, 128])
-def test_kernel_head_dims(head_dim):
+@pytest.mark.parametrize("head_dim", [12, 20, 128])
+@pytest.mark.parametrize("kv_dtype", ["float16", "int8"])
+def test_kernel_head_dims(head_dim, kv_dtype):
     rng = np.random.default_rng(head_dim)
-    feeds = make_case(rng, [(0, 9), (40, 1), (17, 5)], 6, 2, head_dim, 16, "float16")
-    out, pool = session(6, 2, head_dim, 16, 0, "float16").run(None, feeds)
+    feeds = make_case(rng, [(0, 9), (40, 1), (17, 5)], 6, 2, head_dim, 16, kv_dtype)
+    out, pool = session(6, 2, head_dim, 16, 0, kv_dtype).run(None, feeds)
     check(out, pool, *reference(feeds, 6, 2))
 
 
@@ -174,7 +228,7 @@ def run_in_place(sess, feeds):
     pool_value = ort.OrtValue.ortvalue_from_numpy(feeds["kv_cache"])
     assert pool_value.data_ptr() == feeds["kv_cache"].ctypes.data
     binding = sess.io_binding()
-    for name in INPUT_NAMES:
+    for name in INPUT_NAMES + ((KV_SCALE,) if KV_SCALE in feeds else ()):
         if name != "kv_cache":
             binding.bind_cpu_input(name, feeds[name])
     binding.bind_ortvalue_input("kv_cache", pool_value)
@@ -184,7 +238,7 @@ def run_in_place(sess, feeds):
     return binding.copy_outputs_to_cpu()[0]
 
 
-@pytest.mark.parametrize("kv_dtype", ["float32", "float16"])
+@pytest.mark.parametrize("kv_dtype", ["float32", "float16", "int8"])
 def test_in_place_prefill_then_decode_steps(kv_dtype):
     rng = np.random.default_rng(3)
     H, Hkv, D, bs = 9, 3, 64, 16
@@ -205,6 +259,7 @@ def test_in_place_prefill_then_decode_steps(kv_dtype):
                 feeds["block_tables"][s, (L - 1) // bs] = free.pop()
         feeds = {
             **make_case(rng, [(0, 1)] * 3, H, Hkv, D, bs, kv_dtype),
+            **({KV_SCALE: feeds[KV_SCALE]} if KV_SCALE in feeds else {}),
             "kv_cache": pool,
             "block_tables": feeds["block_tables"],
             "seq_lens": lens.astype(np.int32),
@@ -271,6 +326,76 @@ def test_bad_inputs_raise_clear_errors(what):
     feeds = make_case(rng, [(3, 4), (20, 1), (0, 2)], 4, 2, 16, 16)
     with pytest.raises(Exception, match="kiln.PagedAttention: .*" + ERRORS[what]):
         session(4, 2, 16, 16, symbolic=True).run(None, corrupt(feeds, what))
+
+
+def _retype(model, drop_kv_scale=False, add_kv_scale=False):
+    """The single-op model without (int8) or with (float) the kv_scale input."""
+    from onnx import TensorProto, helper
+
+    node = model.graph.node[0]
+    if drop_kv_scale:
+        del node.input[-1]
+        del model.graph.input[-1]
+    if add_kv_scale:
+        node.input.append(KV_SCALE)
+        model.graph.input.append(helper.make_tensor_value_info(KV_SCALE, TensorProto.FLOAT, ["two", "hkv"]))
+    return model
+
+
+def int8_session(model):
+    so = ort.SessionOptions()
+    so.register_custom_ops_library(LIBRARY)
+    return ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+
+
+KV_SCALE_ERRORS = {
+    "wrong-shape": (lambda s: s[:, :1], r"kv_scale must be \[2, num_kv_heads=2\], got \[2, 1\]"),
+    "rows": (lambda s: np.concatenate([s, s]), r"kv_scale must be \[2, num_kv_heads=2\], got \[4, 2\]"),
+    "zero": (lambda s: np.where(np.arange(4).reshape(2, 2) == 3, 0, s).astype(np.float32), r"kv_scale\[1\]\[1\] = 0.0+ must be positive"),
+    "nan": (lambda s: np.full_like(s, np.nan), r"kv_scale\[0\]\[0\] = nan must be positive and finite"),
+}
+
+
+@pytest.mark.parametrize("what", sorted(KV_SCALE_ERRORS))
+def test_int8_bad_kv_scale_raises(what):
+    rng = np.random.default_rng(13)
+    feeds = make_case(rng, [(3, 4), (20, 1)], 4, 2, 16, 16, "int8")
+    model = make_single_op_model(4, 2, 16, 16, kv_dtype=np.int8)
+    model.graph.input[-1].type.tensor_type.shape.dim[0].dim_param = "two"
+    model.graph.input[-1].type.tensor_type.shape.dim[1].dim_param = "hkv"
+    change, message = KV_SCALE_ERRORS[what]
+    with pytest.raises(Exception, match="kiln.PagedAttention: " + message):
+        int8_session(model).run(None, {**feeds, KV_SCALE: change(feeds[KV_SCALE])})
+
+
+def test_int8_without_kv_scale_raises():
+    rng = np.random.default_rng(14)
+    feeds = make_case(rng, [(3, 4)], 4, 2, 16, 16, "int8")
+    del feeds[KV_SCALE]
+    sess = int8_session(_retype(make_single_op_model(4, 2, 16, 16, kv_dtype=np.int8), drop_kv_scale=True))
+    with pytest.raises(Exception, match="kiln.PagedAttention: an int8 kv_cache needs the 8th input kv_scale"):
+        sess.run(None, feeds)
+
+
+def test_float_pool_with_kv_scale_raises():
+    rng = np.random.default_rng(15)
+    feeds = make_case(rng, [(3, 4)], 4, 2, 16, 16)
+    sess = int8_session(_retype(make_single_op_model(4, 2, 16, 16), add_kv_scale=True))
+    with pytest.raises(Exception, match="kiln.PagedAttention: kv_scale is only for an int8 kv_cache"):
+        sess.run(None, {**feeds, KV_SCALE: np.ones((2, 2), np.float32)})
+
+
+def test_int8_in_place_touches_only_new_slots():
+    rng = np.random.default_rng(16)
+    feeds = make_case(rng, [(33, 2), (0, 5)], 4, 2, 16, 16, "int8", spare_blocks=50)
+    before = feeds["kv_cache"].copy()
+    _, expected_pool = reference(feeds, 4, 2)
+    run_in_place(session(4, 2, 16, 16, 0, "int8"), feeds)
+    assert np.array_equal(feeds["kv_cache"], expected_pool)
+    changed = {tuple(x) for x in np.argwhere((feeds["kv_cache"] != before).any(axis=(1, 2, 4))).tolist()}
+    allowed = {(int(feeds["block_tables"][0, p // 16]), p % 16) for p in (33, 34)}
+    allowed |= {(int(feeds["block_tables"][1, 0]), p) for p in range(5)}
+    assert changed <= allowed and changed
 
 
 def test_heads_not_divisible_raise():

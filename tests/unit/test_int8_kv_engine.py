@@ -1,0 +1,160 @@
+"""An int8 KV cache end to end on a tiny random llama: `kiln build --kv-dtype int8 --calibration`
+wires one kv_scale.{i} initializer (the artifact's per-head steps) into each layer's
+kiln.PagedAttention, the manifest says int8, the runtime allocates int8 pools, and the engine
+generates through kiln.runtime.LLM with logits close to the fp32 engine's."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+pytest.importorskip("torch")
+
+from kiln.manifest import BuildOptions, read_manifest  # noqa: E402
+from kiln.optimize.build import BuildError, build_engine  # noqa: E402
+from kiln.runtime import LLM, RuntimeConfig, SamplingParams  # noqa: E402
+from kiln.runtime.model_runner import BatchInput  # noqa: E402
+
+QUIET = dict(progress=lambda _msg: None)
+
+
+@pytest.fixture(scope="module")
+def artifact_dir(tiny_model_dir, tmp_path_factory):
+    import torch
+
+    from kiln.calibration.calibrate import CalibrationConfig, calibrate
+    from kiln.export.checkpoint import load_checkpoint
+
+    ck = load_checkpoint(tiny_model_dir)
+    ids = torch.randint(3, 300, (1024,), generator=torch.Generator().manual_seed(0)).tolist()
+    artifact = calibrate(ck, ids, CalibrationConfig("smoothquant", num_windows=8, window=128, rows_per_window=8, alpha=0.5))
+    return artifact.save(tmp_path_factory.mktemp("calib") / "artifact")
+
+
+@pytest.fixture(scope="module")
+def int8_engine(tiny_model_dir, artifact_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("int8-engine") / "engine"
+    build_engine(tiny_model_dir, out, BuildOptions(kv_dtype="int8", calibration=str(artifact_dir)), **QUIET)
+    return out
+
+
+def test_graph_carries_per_layer_kv_scales(int8_engine, artifact_dir):
+    import onnx
+    from onnx import numpy_helper
+
+    from kiln.calibration.artifact import CalibrationArtifact
+
+    manifest = read_manifest(int8_engine)
+    assert manifest.build.kv_dtype == "int8" and manifest.build.calibration == str(artifact_dir)
+    model = onnx.load(str(int8_engine / "model.onnx"))
+    inits = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
+    k, v = CalibrationArtifact.load(artifact_dir).kv_scales()
+    nodes = [n for n in model.graph.node if n.op_type == "PagedAttention" and n.domain == "kiln"]
+    assert len(nodes) == manifest.spec.num_layers
+    for node in nodes:
+        layer = int(node.input[3].rsplit(".", 1)[1])
+        assert node.input[3] == f"kv_cache.{layer}" and node.input[7] == f"kv_scale.{layer}"
+        expected = np.stack([k[layer].numpy(), v[layer].numpy()]).astype(np.float32)
+        np.testing.assert_array_equal(inits[f"kv_scale.{layer}"], expected)
+    pool = next(i for i in model.graph.input if i.name == "kv_cache.0")
+    assert pool.type.tensor_type.elem_type == onnx.TensorProto.INT8
+
+
+def _prefill_then_decode(llm, prompt, next_token):
+    """All-row logits of a prefill of `prompt` into blocks 0.., then of one decode step."""
+    runner = llm.engine.runner
+    n, bs = len(prompt), runner.block_size
+    table = np.arange(-(-(n + 1) // bs), dtype=np.int32)[None]
+    prefill = BatchInput(np.array(prompt, np.int64), np.arange(n, dtype=np.int64), np.array([0, n], np.int32),
+                         np.array([n], np.int32), table, np.arange(n, dtype=np.int64), n)
+    decode = BatchInput(np.array([next_token], np.int64), np.array([n], np.int64), np.array([0, 1], np.int32),
+                        np.array([n + 1], np.int32), table, np.array([0], np.int64), 1)
+    return np.concatenate([runner.execute(prefill), runner.execute(decode)])
+
+
+def test_int8_engine_generates_close_to_fp32(int8_engine, tiny_engine):
+    config = RuntimeConfig(kv_cache_bytes=1 << 20)
+    fp32, int8 = LLM(tiny_engine, config), LLM(int8_engine, config)
+    assert all(p.dtype == np.int8 for p in int8.engine.runner.pools)
+    assert int8.engine.runner.bytes_per_block * 4 == fp32.engine.runner.bytes_per_block
+    assert int8.engine.runner.num_blocks == 4 * fp32.engine.runner.num_blocks  # same bytes, 4x the tokens
+
+    prompt = [(37 * j) % 290 + 3 for j in range(45)]
+    ref, got = _prefill_then_decode(fp32, prompt, 7), _prefill_then_decode(int8, prompt, 7)
+    err = np.abs(got - ref)
+    assert err.max() < 0.03 * np.abs(ref).max(), (err.max(), np.abs(ref).max())  # ~0.9% seen
+    assert (got.argmax(-1) == ref.argmax(-1)).mean() >= 0.9
+
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    prompts = [[(17 * i + 5 * j) % 290 + 3 for j in range(8 + 9 * i)] for i in range(4)]
+    outs = int8.generate(prompts, greedy)
+    assert all(len(o.outputs[0].token_ids) == 12 for o in outs)
+    text = int8.generate("hello world", SamplingParams(temperature=0, max_tokens=6))[0].outputs[0]
+    assert isinstance(text.text, str)
+
+
+def test_int8_kv_needs_a_calibration_artifact(tiny_model_dir, tmp_path):
+    with pytest.raises(BuildError, match="an int8 KV cache needs the per-head K/V scales of a calibration artifact"):
+        build_engine(tiny_model_dir, tmp_path / "e", BuildOptions(kv_dtype="int8"), **QUIET)
+    assert not (tmp_path / "e").exists()
+
+
+def test_int8_kv_refuses_another_models_artifact(tmp_path, artifact_dir):
+    from helpers import make_tiny_hf_model
+
+    other = make_tiny_hf_model(tmp_path / "other", "llama", seed=5)
+    with pytest.raises(BuildError, match="made for another model"):
+        build_engine(other, tmp_path / "e", BuildOptions(kv_dtype="int8", calibration=str(artifact_dir)), **QUIET)
+
+
+def test_cli_int8_without_calibration_is_one_sentence(tiny_model_dir, tmp_path):
+    from click.testing import CliRunner
+
+    from kiln.cli import main
+
+    result = CliRunner().invoke(main, ["build", str(tiny_model_dir), "-o", str(tmp_path / "e"), "--kv-dtype", "int8"])
+    assert result.exit_code != 0 and "needs the per-head K/V scales" in result.output
+
+
+@pytest.mark.parametrize("abi, loads", [(1, True), (2, True), (0, False), (3, False)])
+def test_engines_of_older_compatible_abis_still_load(tiny_engine, tmp_path, abi, loads):
+    """ABI 2 only added int8 pools and an optional input: an ABI-1 (float KV) engine still runs."""
+    import json
+    import shutil
+
+    from kiln.manifest import EngineLoadError
+
+    engine = tmp_path / "engine"
+    shutil.copytree(tiny_engine, engine)
+    manifest = json.loads((engine / "manifest.json").read_text())
+    manifest["op_library_abi"] = abi
+    (engine / "manifest.json").write_text(json.dumps(manifest))
+    if loads:
+        assert read_manifest(engine).op_library_abi == abi
+    else:
+        with pytest.raises(EngineLoadError, match=f"engine was built for kiln op-library ABI {abi}"):
+            read_manifest(engine)
+
+
+def test_int8_kv_with_a_weight_scheme_that_needs_no_calibration(tiny_model_dir, artifact_dir, tmp_path):
+    """The artifact then serves the KV steps alone: int8-weight-only folds no smoothing scales."""
+    messages = []
+    options = BuildOptions(kv_dtype="int8", quantization="int8-weight-only", calibration=str(artifact_dir))
+    manifest = build_engine(tiny_model_dir, tmp_path / "e", options, progress=messages.append)
+    assert manifest.build.kv_dtype == "int8" and manifest.build.quantization == "int8-weight-only"
+    assert not any("folded" in m for m in messages) and any("int8 KV cache" in m for m in messages)
+    out = LLM(tmp_path / "e", RuntimeConfig(kv_cache_bytes=1 << 20)).generate(
+        [[5, 6, 7, 8]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    assert len(out[0].outputs[0].token_ids) == 4
+
+
+def test_eval_driver_sizes_int8_pools(int8_engine, tiny_engine):
+    """`kiln eval`'s engine session on an int8-KV engine: perplexity within 1% of the fp32 engine's."""
+    from kiln.calibration.evaluate import EngineSession, perplexity
+
+    ids = [(37 * j + j // 7) % 290 + 3 for j in range(200)]
+    sessions = [EngineSession(e, max_tokens=256, threads=1) for e in (tiny_engine, int8_engine)]
+    assert sessions[1].runner.pools[0].dtype == np.int8
+    assert sessions[1].runner.num_blocks == sessions[0].runner.num_blocks == 256 // 16  # bytes sized per dtype
+    ppl32, ppl8 = (perplexity(s, ids, window=100, num_windows=2)[0] for s in sessions)
+    assert ppl8 == pytest.approx(ppl32, rel=0.01)
