@@ -2,12 +2,33 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import click
 
 
-@click.group()
+class _Group(click.Group):
+    """Turns the errors a user can act on (bad model path, broken engine dir, bad option) into one
+    line instead of a traceback; KILN_DEBUG=1 keeps the traceback."""
+
+    def invoke(self, ctx: click.Context):
+        try:
+            return super().invoke(ctx)
+        except (FileNotFoundError, ValueError, RuntimeError) as exc:
+            if os.environ.get("KILN_DEBUG") or not _is_user_error(exc):
+                raise
+            raise click.ClickException(str(exc)) from exc
+
+
+def _is_user_error(exc: Exception) -> bool:
+    from kiln.manifest import EngineLoadError
+
+    # RuntimeError subclasses are only ours (engine load, op library, build); a bare one is a bug.
+    return not isinstance(exc, RuntimeError) or isinstance(exc, EngineLoadError) or type(exc).__module__.startswith("kiln")
+
+
+@click.group(cls=_Group)
 @click.version_option(package_name="kiln")
 def main() -> None:
     """kiln: an ahead-of-time LLM compiler and a thin serving runtime."""
@@ -28,13 +49,10 @@ def build(model: str, output: Path, kv_dtype: str, block_size: int, max_seq_len:
           calibration: str) -> None:
     """Compile MODEL (an HF checkpoint dir, a .gguf file, or `default` for SmolLM2) into an engine dir."""
     from kiln.manifest import BuildOptions
-    from kiln.optimize.build import BuildError, build_engine
+    from kiln.optimize.build import build_engine
 
-    try:
-        build_engine(model, output, BuildOptions(kv_dtype=kv_dtype, block_size=block_size, max_seq_len=max_seq_len,
-                                                 quantization=quantization, calibration=str(calibration or "")))
-    except BuildError as exc:
-        raise click.ClickException(str(exc)) from exc
+    build_engine(model, output, BuildOptions(kv_dtype=kv_dtype, block_size=block_size, max_seq_len=max_seq_len,
+                                             quantization=quantization, calibration=str(calibration or "")))
 
 
 @main.command()

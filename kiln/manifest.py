@@ -10,7 +10,6 @@ import hashlib
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
 
 from kiln import __version__
 from kiln.contract import OP_LIBRARY_ABI, OP_LIBRARY_MIN_ABI

@@ -63,14 +63,14 @@ def weight_bytes(engine_dir: Path) -> int:
     return sum(p.stat().st_size for p in Path(engine_dir).glob("model.onnx*"))
 
 
-def _prompts(cfg: BenchConfig, vocab: int) -> list[list[int]]:
+def synthetic_prompts(cfg: BenchConfig, vocab: int) -> list[list[int]]:
     rng = np.random.default_rng(cfg.seed)
     return [rng.integers(100, vocab - 100, size=cfg.input_len).tolist() for _ in range(cfg.num_requests)]
 
 
 def run_workload(engine: Engine, cfg: BenchConfig, progress=None) -> dict:
     """Drive the engine over the workload; returns the measurements as a dict."""
-    prompts = _prompts(cfg, engine.runner.vocab_size)
+    prompts = synthetic_prompts(cfg, engine.runner.vocab_size)
     params = SamplingParams(temperature=0, max_tokens=cfg.output_len, ignore_eos=True)
     rng = np.random.default_rng(cfg.seed + 1)
     gaps = rng.exponential(1.0 / cfg.request_rate, cfg.num_requests) if cfg.request_rate else np.zeros(cfg.num_requests)
@@ -129,7 +129,7 @@ def run_workload(engine: Engine, cfg: BenchConfig, progress=None) -> dict:
 
 def single_stream(engine: Engine, input_len: int = 16, output_len: int = 64) -> dict:
     """Decode speed of one sequence: (output_len - 1) tokens over the time after the first one."""
-    prompt = _prompts(BenchConfig(num_requests=1, input_len=input_len), engine.runner.vocab_size)[0]
+    prompt = synthetic_prompts(BenchConfig(num_requests=1, input_len=input_len), engine.runner.vocab_size)[0]
     engine.add_request("single", prompt, SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True))
     times = []
     t0 = time.perf_counter()
@@ -143,7 +143,7 @@ def single_stream(engine: Engine, input_len: int = 16, output_len: int = 64) -> 
 
 
 def prefill_throughput(engine: Engine, input_len: int = 512) -> float:
-    prompt = _prompts(BenchConfig(num_requests=1, input_len=input_len, seed=7), engine.runner.vocab_size)[0]
+    prompt = synthetic_prompts(BenchConfig(num_requests=1, input_len=input_len, seed=7), engine.runner.vocab_size)[0]
     engine.add_request("prefill", prompt, SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
     t0 = time.perf_counter()
     while engine.has_unfinished():

@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from kiln.runtime.bench import BenchConfig, percentiles
-from kiln.runtime.bench import _prompts as bench_prompts  # the very same prompts as the offline run
+from kiln.runtime.bench import synthetic_prompts as bench_prompts  # the very same prompts as the offline run
 
 
 @dataclass

@@ -140,3 +140,60 @@ def test_bad_config_and_missing_artifact(tmp_path):
         CalibrationConfig("smoothquant", alpha=1.5)
     with pytest.raises(CalibrationError, match="not a calibration artifact"):
         CalibrationArtifact.load(tmp_path)
+
+
+def test_awq_clip_search_lowers_a_tiny_layers_int4_error():
+    from kiln.calibration import awq
+
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(512, 96, generator=gen)
+    w = 0.05 * torch.randn(24, 96, generator=gen)
+    w[torch.rand(w.shape, generator=gen) < 0.03] *= 6  # a few large weights stretch their groups' range
+    ratio, report = awq.clip_search(x[:256], w, 32)
+    assert ratio.shape == (24, 3)
+    assert ratio.min() >= min(awq.CLIP_GRID) and ratio.max() <= 1.0 and (ratio < 1).any()
+    assert report["error"] < report["error_noclip"]
+
+    def error(rows, clip):
+        q = fake_quant.int4_groupwise(awq.apply_clip(w, clip, 32), 32)
+        return float(((rows @ (q - w).T) ** 2).sum())
+
+    assert error(x[:256], ratio) == pytest.approx(report["error"], rel=1e-5)
+    assert error(x[256:], ratio) < error(x[256:], torch.ones_like(ratio))  # held-out rows too
+    # the clip is a per-(row, group) clamp at ratio * the group's max |w|
+    clipped = awq.apply_clip(w, ratio, 32).reshape(24, 3, 32)
+    bound = w.reshape(24, 3, 32).abs().amax(-1) * ratio
+    assert torch.all(clipped.abs().amax(-1) <= bound * (1 + 1e-6))
+    # a K that is not a multiple of the group (the int4 pass pads the last group with zeros)
+    ratio_pad, rep_pad = awq.clip_search(x[:256, :80], w[:, :80], 32)
+    assert ratio_pad.shape == (24, 3) and rep_pad["error"] <= rep_pad["error_noclip"]
+    assert awq.apply_clip(w[:, :80], ratio_pad, 32).shape == (24, 80)
+
+
+def test_awq_clips_are_recorded_round_trip_and_applied_at_build(outlier_checkpoint, tmp_path):
+    from kiln.calibration import awq
+
+    ck = outlier_checkpoint
+    config = CalibrationConfig("awq", num_windows=4, window=64, rows_per_window=32, group_size=32)
+    artifact = calibrate(ck, random_ids(400).tolist(), config)
+    clips = {k: v for k, v in artifact.scales.items() if k.startswith(awq.CLIP_PREFIX)}
+    assert clips and artifact.hyperparameters["clip_grid"] == list(awq.CLIP_GRID)
+    assert not any(k.endswith(("q_proj", "k_proj")) for k in clips)  # not clipped, as in AWQ
+    assert f"{awq.CLIP_PREFIX}model.layers.0.mlp.down_proj" in clips
+    for name, rep in artifact.info["clips"].items():
+        assert rep["error"] <= rep["error_noclip"]
+    loaded = CalibrationArtifact.load(artifact.save(tmp_path / "awq"))
+    assert loaded.info["clips"] == artifact.info["clips"]
+    for k, v in clips.items():
+        torch.testing.assert_close(loaded.scales[k], v, rtol=0, atol=0)
+    applied = apply_artifact(ck, loaded)
+    groups = smooth_groups(ck.spec)
+    folded = fold(ck.weights, groups, loaded.scales)
+    for key, ratio in clips.items():
+        name = f"{key[len(awq.CLIP_PREFIX):]}.weight"
+        torch.testing.assert_close(applied.weights[name], awq.apply_clip(folded[name], ratio, 32))
+    q = "model.layers.0.self_attn.q_proj.weight"
+    torch.testing.assert_close(applied.weights[q], folded[q])
+    # without the clip search the artifact holds no clips and the fold stays exact
+    plain = calibrate(ck, random_ids(400).tolist(), CalibrationConfig("awq", 4, 64, 32, group_size=32, clip=False))
+    assert not any(k.startswith(awq.CLIP_PREFIX) for k in plain.scales) and "clips" not in plain.info

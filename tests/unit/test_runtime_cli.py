@@ -17,7 +17,7 @@ def test_generate_streams_the_same_text_as_llm(tiny_engine):
 
 def test_generate_needs_exactly_one_prompt(tiny_engine):
     result = CliRunner().invoke(main, ["generate", str(tiny_engine)])
-    assert result.exit_code != 0 and "exactly one of PROMPT or --chat" in str(result.exception)
+    assert result.exit_code == 1 and "Error: give exactly one of PROMPT or --chat" in result.output
 
 
 def test_chat_repl_keeps_history(tiny_engine):
