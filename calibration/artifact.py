@@ -1,12 +1,14 @@
 """The calibration artifact: ``scales.safetensors`` + ``calibration.json`` in one directory.
 
     scales.safetensors   "<group name>": smoothing scales s [K] (see smoothing.py), and
-                         "kv.k_absmax" / "kv.v_absmax" [num_layers, num_kv_heads] (KV int8)
+                         "kv.k_absmax" / "kv.v_absmax" [num_layers, num_kv_heads] (KV int8),
+                         AWQ only: "clip.<linear>" [N, n_groups] weight clip ratios (awq.py)
     calibration.json     format, method, hyperparameters, the model's fingerprint and source,
                          the corpus split and token count, a per-group search report
 
 Made offline by ``kiln calibrate``; ``apply_artifact`` is the small conversion step the build
-runs before export: it checks the fingerprint and folds the scales into the weights.
+runs before export: it checks the fingerprint and folds the scales into the weights (exact), then
+clamps the AWQ-clipped linears (the one step that changes the fp32 function, on purpose).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
+from .awq import CLIP_PREFIX, apply_clips
 from .smoothing import fold, smooth_groups
 
 FORMAT = "kiln-calibration"
@@ -78,11 +81,24 @@ def check_fingerprint(artifact: CalibrationArtifact, checkpoint) -> None:
 
 
 def apply_artifact(checkpoint, artifact: CalibrationArtifact):
-    """A Checkpoint whose weights have the artifact's smoothing scales folded in (function unchanged)."""
+    """A Checkpoint whose weights have the artifact's smoothing scales folded in (function unchanged)
+    and, for AWQ, its per-group weight clips applied."""
     from kiln.export.checkpoint import Checkpoint
 
     check_fingerprint(artifact, checkpoint)
-    groups = smooth_groups(checkpoint.spec)
-    weights = fold(checkpoint.weights, groups, artifact.scales)
+    groups = smooth_groups(checkpoint.spec, gqa_o=True)  # groups without scales in the artifact are skipped
+    try:
+        weights = fold(checkpoint.weights, groups, artifact.scales)
+    except ValueError as exc:
+        raise CalibrationError(f"the calibration artifact cannot be folded into this model: {exc}") from exc
+    if any(k.startswith(CLIP_PREFIX) for k in artifact.scales):
+        group_size = artifact.hyperparameters.get("group_size")
+        if not group_size:
+            raise CalibrationError("the calibration artifact holds weight clips but no group size; rerun `kiln calibrate`")
+        try:
+            weights = apply_clips(weights, artifact.scales, int(group_size))
+        except (KeyError, RuntimeError) as exc:
+            raise CalibrationError(f"the calibration artifact's weight clips do not fit this model ({exc}); "
+                                   f"rerun `kiln calibrate`") from exc
     return Checkpoint(spec=checkpoint.spec, weights=weights, tokenizer=checkpoint.tokenizer,
                       source=f"{checkpoint.source} + {artifact.method} scales")

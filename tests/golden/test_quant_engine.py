@@ -81,3 +81,28 @@ def test_calibrated_build_folds_scales_and_refuses_foreign_artifacts(tiny_model_
     assert np.abs(out - fp32).max() / np.abs(fp32).max() < 0.08
     assert (out.argmax(-1) == fp32.argmax(-1)).mean() >= 0.9
     shutil.rmtree(engine)
+
+
+def test_awq_build_applies_scales_and_clips(tiny_model_dir, tiny_engine, tmp_path):
+    from kiln.calibration import awq
+    from kiln.calibration.artifact import apply_artifact
+    from kiln.calibration.calibrate import CalibrationConfig, calibrate
+    from kiln.export.checkpoint import load_checkpoint
+    from kiln.optimize.build import build_engine
+
+    ck = load_checkpoint(tiny_model_dir)
+    ids = torch.randint(3, 320, (512,), generator=torch.Generator().manual_seed(0)).tolist()
+    art = calibrate(ck, ids, CalibrationConfig("awq", num_windows=4, window=128, rows_per_window=32, group_size=32))
+    assert any(k.startswith(awq.CLIP_PREFIX) for k in art.scales)
+    art_dir = art.save(tmp_path / "awq")
+    engine = tmp_path / "awq-g32"
+    build_engine(tiny_model_dir, engine, BuildOptions(quantization="int4-awq-g32", calibration=str(art_dir)),
+                 progress=lambda _m: None)
+    # the build's conversion step (apply_artifact) really clips o_proj, and the engine stays close to fp32
+    clipped = apply_artifact(ck, art).weights["model.layers.0.self_attn.o_proj.weight"].numpy()
+    assert not np.array_equal(clipped, ck.weights["model.layers.0.self_attn.o_proj.weight"].numpy())
+    fp32 = engine_logits(tiny_engine / "model.onnx")
+    out = engine_logits(engine / "model.onnx")
+    assert np.abs(out - fp32).max() / np.abs(fp32).max() < 0.3
+    assert (out.argmax(-1) == fp32.argmax(-1)).mean() >= 0.75
+    assert read_manifest(engine).build.quantization == "int4-awq-g32"

@@ -33,13 +33,14 @@ def random_ids(n, vocab=320, seed=0):
 ])
 def test_folding_any_scales_is_exact(tmp_path, family, overrides):
     ck = load_checkpoint(make_tiny_hf_model(tmp_path, family, **overrides))
-    groups = smooth_groups(ck.spec)
-    assert any(g.name.endswith("self_attn.o") for g in groups) == (ck.spec.num_heads == ck.spec.num_kv_heads)
+    assert any(g.name.endswith("self_attn.o") for g in smooth_groups(ck.spec)) == (ck.spec.num_heads == ck.spec.num_kv_heads)
+    groups = smooth_groups(ck.spec, gqa_o=True)  # AWQ's: o_proj through v_proj under GQA too, scales tied
+    assert any(g.name.endswith("self_attn.o") for g in groups)
     gen = torch.Generator().manual_seed(1)
     scales = {}
     for g in groups:
         k = ck.weights[f"{g.linears[0]}.weight"].shape[1]
-        scales[g.name] = torch.exp(torch.randn(k, generator=gen))  # factors ~ e^±2
+        scales[g.name] = g.tie(torch.exp(torch.randn(k, generator=gen)))  # factors ~ e^±2
     folded = fold(ck.weights, groups, scales)
     assert folded.keys() == ck.weights.keys()
     ids = random_ids(40)
@@ -49,6 +50,10 @@ def test_folding_any_scales_is_exact(tmp_path, family, overrides):
     # the weights really changed, and the embedding / LM head did not
     assert not torch.equal(folded["model.layers.0.self_attn.q_proj.weight"], ck.weights["model.layers.0.self_attn.q_proj.weight"])
     assert torch.equal(folded["model.embed_tokens.weight"], ck.weights["model.embed_tokens.weight"])
+    o = next(g for g in groups if g.name.endswith("self_attn.o"))
+    if o.heads_per_kv > 1:  # untied o scales cannot be folded through v_proj
+        with pytest.raises(ValueError, match="not tied"):
+            fold(ck.weights, [o], {o.name: torch.exp(torch.randn(ck.spec.num_heads * ck.spec.head_dim, generator=gen))})
 
 
 def test_fake_quant_matches_the_numpy_reference():
@@ -178,8 +183,8 @@ def test_awq_clips_are_recorded_round_trip_and_applied_at_build(outlier_checkpoi
     artifact = calibrate(ck, random_ids(400).tolist(), config)
     clips = {k: v for k, v in artifact.scales.items() if k.startswith(awq.CLIP_PREFIX)}
     assert clips and artifact.hyperparameters["clip_grid"] == list(awq.CLIP_GRID)
-    assert not any(k.endswith(("q_proj", "k_proj")) for k in clips)  # not clipped, as in AWQ
-    assert f"{awq.CLIP_PREFIX}model.layers.0.mlp.down_proj" in clips
+    assert all(k.endswith(awq.CLIP_LINEARS) for k in clips)  # v/o only (q/k as in AWQ; MLP measured worse)
+    assert f"{awq.CLIP_PREFIX}model.layers.0.self_attn.o_proj" in clips
     for name, rep in artifact.info["clips"].items():
         assert rep["error"] <= rep["error_noclip"]
     loaded = CalibrationArtifact.load(artifact.save(tmp_path / "awq"))
@@ -187,8 +192,7 @@ def test_awq_clips_are_recorded_round_trip_and_applied_at_build(outlier_checkpoi
     for k, v in clips.items():
         torch.testing.assert_close(loaded.scales[k], v, rtol=0, atol=0)
     applied = apply_artifact(ck, loaded)
-    groups = smooth_groups(ck.spec)
-    folded = fold(ck.weights, groups, loaded.scales)
+    folded = fold(ck.weights, smooth_groups(ck.spec, gqa_o=True), loaded.scales)
     for key, ratio in clips.items():
         name = f"{key[len(awq.CLIP_PREFIX):]}.weight"
         torch.testing.assert_close(applied.weights[name], awq.apply_clip(folded[name], ratio, 32))
