@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from kiln.runtime.outputs import CompletionOutput, Logprob, RequestOutput
 from kiln.runtime.params import SamplingParams
@@ -50,6 +50,32 @@ class _SamplingRequest(BaseModel):
     skip_special_tokens: bool = True
     stream: bool = False
     stream_options: StreamOptions | None = None
+    # OpenAI fields kiln does not implement: setting one is a 400 naming it, never silently ignored.
+    logit_bias: dict[str, float] | None = Field(None, description="Not supported: null or {} only.")
+    tools: list[Any] | None = Field(None, description="Not supported: null or [] only.")
+    tool_choice: Any = Field(None, description="Not supported: null or 'none' only.")
+    response_format: dict[str, Any] | None = Field(None, description="Only {'type': 'text'} is supported.")
+
+    @field_validator("logit_bias", "tools")
+    @classmethod
+    def _empty_only(cls, value: Any) -> Any:
+        if value:
+            raise ValueError("is not supported by kiln")
+        return value
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _no_tool_choice(cls, value: Any) -> Any:
+        if value not in (None, "none"):
+            raise ValueError("is not supported by kiln (no tool calling)")
+        return value
+
+    @field_validator("response_format")
+    @classmethod
+    def _text_format_only(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        if value is not None and value.get("type") != "text":
+            raise ValueError("only {'type': 'text'} is supported by kiln")
+        return value
 
     def _sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         """Raises ValueError naming the field when the engine's rules reject a value."""
@@ -86,6 +112,23 @@ class CompletionRequest(_SamplingRequest):
     ) = Field(description="A string, a list of token ids, or a batch of either.")
     max_tokens: int | None = Field(16, ge=1, description="null: up to the model's context length.")
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="Top logprobs per token.")
+    echo: bool = Field(False, description="Not supported: false only.")
+    suffix: str | None = Field(None, description="Not supported: null or empty only.")
+    best_of: int | None = Field(None, ge=1, description="Not supported beyond 1 (use n).")
+
+    @field_validator("echo", "suffix")
+    @classmethod
+    def _off_only(cls, value: Any) -> Any:
+        if value:
+            raise ValueError("is not supported by kiln")
+        return value
+
+    @field_validator("best_of")
+    @classmethod
+    def _best_of_one(cls, value: int | None) -> int | None:
+        if value not in (None, 1):
+            raise ValueError("is not supported by kiln beyond 1 (use n for several samples)")
+        return value
 
     def prompts(self) -> list[str | list[int]]:
         """The batch of prompts: one for a string or a flat token list."""

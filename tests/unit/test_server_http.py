@@ -151,6 +151,29 @@ def test_bad_parameter_is_400_naming_field(client, payload, param):
     assert err["type"] == "invalid_request_error"
 
 
+@pytest.mark.parametrize("payload,param", [
+    ({"prompt": "x", "logit_bias": {"5": 10}}, "logit_bias"),
+    ({"prompt": "x", "echo": True}, "echo"),
+    ({"prompt": "x", "suffix": "end"}, "suffix"),
+    ({"prompt": "x", "best_of": 3}, "best_of"),
+])
+def test_unsupported_openai_fields_are_rejected_not_ignored(client, payload, param):
+    err = assert_error(client.post("/v1/completions", json=payload), 400)
+    assert err["param"] == param and "not supported" in err["message"]
+
+
+def test_unsupported_chat_fields_are_rejected_and_defaults_pass(client):
+    chat = {"messages": [{"role": "user", "content": "hi"}]}
+    tool = {"type": "function", "function": {"name": "f"}}
+    assert_error(client.post("/v1/chat/completions", json={**chat, "tools": [tool]}), 400, "tools")
+    assert_error(client.post("/v1/chat/completions", json={**chat, "tool_choice": "auto"}), 400, "tool_choice")
+    assert_error(client.post("/v1/chat/completions", json={**chat, "response_format": {"type": "json_object"}}),
+                 400, "response_format")
+    ok = {**chat, "logit_bias": {}, "tools": [], "tool_choice": "none", "response_format": {"type": "text"}}
+    assert client.post("/v1/chat/completions", json=ok).status_code == 200
+    assert client.post("/v1/completions", json={"prompt": "x", "echo": False, "best_of": 1}).status_code == 200
+
+
 def test_chat_parameter_errors(client):
     assert_error(client.post("/v1/chat/completions", json={"messages": []}), 400, "messages")
     assert_error(client.post("/v1/chat/completions", json={
