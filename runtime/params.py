@@ -76,7 +76,6 @@ class RuntimeConfig:
     max_num_tokens: int | None = None  # per-step token budget; default: the manifest's
     enable_prefix_caching: bool = True
     num_threads: int | None = None
-    max_queue: int | None = None  # AsyncLLM: bound on waiting requests (None: unbounded)
 
     def __post_init__(self) -> None:
         _require(self.kv_cache_bytes is None or self.kv_cache_bytes > 0, "kv_cache_bytes", "> 0", self.kv_cache_bytes)
@@ -91,4 +90,3 @@ class RuntimeConfig:
         _require(self.max_num_seqs >= 1, "max_num_seqs", ">= 1", self.max_num_seqs)
         _require(self.max_num_tokens is None or self.max_num_tokens >= 1, "max_num_tokens", ">= 1", self.max_num_tokens)
         _require(self.num_threads is None or self.num_threads >= 1, "num_threads", ">= 1", self.num_threads)
-        _require(self.max_queue is None or self.max_queue >= 0, "max_queue", ">= 0", self.max_queue)
