@@ -22,10 +22,8 @@ class _Group(click.Group):
 
 
 def _is_user_error(exc: Exception) -> bool:
-    from kiln.manifest import EngineLoadError
-
     # RuntimeError subclasses are only ours (engine load, op library, build); a bare one is a bug.
-    return not isinstance(exc, RuntimeError) or isinstance(exc, EngineLoadError) or type(exc).__module__.startswith("kiln")
+    return not isinstance(exc, RuntimeError) or type(exc).__module__.startswith("kiln.")
 
 
 @click.group(cls=_Group)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
 
 from kiln.runtime.outputs import CompletionOutput, Logprob, RequestOutput
 from kiln.runtime.params import SamplingParams
@@ -22,6 +22,16 @@ MAX_SEED = 2**63 - 1
 
 TokenId = Annotated[int, Field(ge=0, le=2**31 - 1)]
 StopString = Annotated[str, Field(min_length=1)]
+
+
+def _reject_if_set(value: Any) -> Any:
+    if value:
+        raise ValueError("is not supported by kiln")
+    return value
+
+
+# An OpenAI field kiln does not implement: only its empty value passes; anything else is a 400 naming it.
+Unsupported = AfterValidator(_reject_if_set)
 
 
 class StreamOptions(BaseModel):
@@ -51,17 +61,10 @@ class _SamplingRequest(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     # OpenAI fields kiln does not implement: setting one is a 400 naming it, never silently ignored.
-    logit_bias: dict[str, float] | None = Field(None, description="Not supported: null or {} only.")
-    tools: list[Any] | None = Field(None, description="Not supported: null or [] only.")
+    logit_bias: Annotated[dict[str, float] | None, Unsupported] = Field(None, description="Not supported: null or {} only.")
+    tools: Annotated[list[Any] | None, Unsupported] = Field(None, description="Not supported: null or [] only.")
     tool_choice: Any = Field(None, description="Not supported: null or 'none' only.")
     response_format: dict[str, Any] | None = Field(None, description="Only {'type': 'text'} is supported.")
-
-    @field_validator("logit_bias", "tools")
-    @classmethod
-    def _empty_only(cls, value: Any) -> Any:
-        if value:
-            raise ValueError("is not supported by kiln")
-        return value
 
     @field_validator("tool_choice")
     @classmethod
@@ -112,16 +115,9 @@ class CompletionRequest(_SamplingRequest):
     ) = Field(description="A string, a list of token ids, or a batch of either.")
     max_tokens: int | None = Field(16, ge=1, description="null: up to the model's context length.")
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="Top logprobs per token.")
-    echo: bool = Field(False, description="Not supported: false only.")
-    suffix: str | None = Field(None, description="Not supported: null or empty only.")
+    echo: Annotated[bool, Unsupported] = Field(False, description="Not supported: false only.")
+    suffix: Annotated[str | None, Unsupported] = Field(None, description="Not supported: null or empty only.")
     best_of: int | None = Field(None, ge=1, description="Not supported beyond 1 (use n).")
-
-    @field_validator("echo", "suffix")
-    @classmethod
-    def _off_only(cls, value: Any) -> Any:
-        if value:
-            raise ValueError("is not supported by kiln")
-        return value
 
     @field_validator("best_of")
     @classmethod
