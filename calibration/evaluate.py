@@ -7,13 +7,16 @@ and in-place KV pools as serving), one sequence at a time:
     position 0, prefilled in chunks with logits on every row;
   * greedy agreement: the reference engine continues each fixed prompt greedily; the engine
     under test is teacher-forced on that continuation and its argmax compared token by token;
-  * decode tok/s: single-stream, one token per step after a short prompt (median step time).
+  * decode tok/s: single-stream, one token per step after a short prompt (median step time);
+  * chat answers: greedy answers to fixed chat questions through kiln.runtime.LLM (the serving
+    path: chat template, scheduler, sampler), each flagged when it repeats itself.
 """
 
 from __future__ import annotations
 
 import json
 import time
+from collections import Counter
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable
@@ -140,6 +143,32 @@ def decode_speed(session: EngineSession, prompt: list[int], new_tokens: int = 64
     return float(1.0 / np.median(times))
 
 
+CHAT_QUESTIONS = (
+    "What is the capital of France?",
+    "Name three rivers in Europe.",
+    "Explain in two sentences what a noun is.",
+    "Write a short sentence about the sea.",
+)
+
+
+def repeats_itself(tokens: list[int], n: int = 4, times: int = 3) -> bool:
+    """Degenerate repetition: some n-gram occurs `times` times or more (a loop, not a phrase reused once)."""
+    counts = Counter(tuple(tokens[i:i + n]) for i in range(len(tokens) - n + 1))
+    return max(counts.values(), default=0) >= times
+
+
+def chat_answers(engine_dir: str | Path, max_tokens: int = 64, threads: int | None = None) -> list[dict]:
+    """[{question, answer, degenerate}] for CHAT_QUESTIONS, greedy, through the serving runtime."""
+    from kiln.runtime import LLM, SamplingParams
+    from kiln.runtime.params import RuntimeConfig
+
+    llm = LLM(engine_dir, RuntimeConfig(kv_cache_bytes=64 << 20, num_threads=threads))
+    params = SamplingParams(temperature=0, max_tokens=max_tokens)
+    outputs = llm.chat([[{"role": "user", "content": q}] for q in CHAT_QUESTIONS], params)
+    return [{"question": q, "answer": o.outputs[0].text, "degenerate": repeats_itself(list(o.outputs[0].token_ids))}
+            for q, o in zip(CHAT_QUESTIONS, outputs)]
+
+
 @dataclass(frozen=True)
 class EvalReport:
     engine: str
@@ -150,6 +179,8 @@ class EvalReport:
     greedy_agreement: float | None  # vs the reference engine; None without one
     decode_tok_s: float
     engine_mb: float
+    degenerate_answers: int  # of len(CHAT_QUESTIONS)
+    chat: list[dict]
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2)
@@ -168,6 +199,8 @@ def evaluate(engine_dir: str | Path, reference_dir: str | Path | None = None, nu
         reference = EngineSession(reference_dir, max_tokens=1024, threads=threads)
         agreement = greedy_agreement(session, reference, prompts)
     speed = decode_speed(session, prompts[0])
-    build = session.manifest.build
-    return EvalReport(str(engine_dir), build.quantization, build.kv_dtype, ppl, count, agreement, speed,
-                      session.size_bytes() / 2**20)
+    build, size_mb = session.manifest.build, session.size_bytes() / 2**20
+    del session
+    answers = chat_answers(engine_dir, threads=threads)
+    return EvalReport(str(engine_dir), build.quantization, build.kv_dtype, ppl, count, agreement, speed, size_mb,
+                      sum(a["degenerate"] for a in answers), answers)

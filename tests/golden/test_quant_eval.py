@@ -31,3 +31,23 @@ def test_engine_perplexity_matches_the_reference_model(tiny_engine, tiny_model_d
     assert greedy_agreement(session, session, prompts, new_tokens=8) == 1.0
     assert decode_speed(session, ids[:10], new_tokens=4) > 0
     assert np.isfinite(ppl)
+
+
+def test_repetition_check_flags_loops_not_a_reused_phrase():
+    from kiln.calibration.evaluate import repeats_itself
+
+    assert repeats_itself([7, 1, 2, 3, 4] * 3)
+    assert not repeats_itself([1, 2, 3, 4, 5, 1, 2, 3, 4, 6])  # a phrase said twice is not a loop
+    assert not repeats_itself(list(range(64)))
+
+
+def test_chat_answers_run_through_the_serving_runtime(tiny_engine):
+    from kiln.calibration.evaluate import CHAT_QUESTIONS, chat_answers, repeats_itself
+    from kiln.runtime import LLM, SamplingParams
+
+    answers = chat_answers(tiny_engine, max_tokens=12, threads=1)
+    assert [a["question"] for a in answers] == list(CHAT_QUESTIONS)
+    expected = LLM(tiny_engine).chat([{"role": "user", "content": CHAT_QUESTIONS[1]}],
+                                     SamplingParams(temperature=0, max_tokens=12))[0].outputs[0]
+    assert answers[1]["answer"] == expected.text
+    assert answers[1]["degenerate"] == repeats_itself(list(expected.token_ids))
