@@ -48,7 +48,7 @@ def calibrate(model: str, method: str, output: Path, alpha: float | None, group_
 @click.argument("engine_dir", type=click.Path(exists=True, file_okay=False, path_type=Path))
 @click.option("--reference", type=click.Path(exists=True, file_okay=False, path_type=Path), default=None,
               help="fp32 engine of the same model, for greedy agreement")
-@click.option("--windows", type=int, default=8, show_default=True, help="evaluation windows of --window-tokens")
+@click.option("--windows", type=int, default=16, show_default=True, help="evaluation windows of --window-tokens")
 @click.option("--window-tokens", type=int, default=512, show_default=True)
 @click.option("--threads", type=int, default=None, help="onnxruntime intra-op threads (default: all cores)")
 def evaluate(engine_dir: Path, reference: Path | None, windows: int, window_tokens: int, threads: int | None) -> None:

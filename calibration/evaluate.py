@@ -186,7 +186,7 @@ class EvalReport:
         return json.dumps(asdict(self), indent=2)
 
 
-def evaluate(engine_dir: str | Path, reference_dir: str | Path | None = None, num_windows: int = 8,
+def evaluate(engine_dir: str | Path, reference_dir: str | Path | None = None, num_windows: int = 16,
              window: int = 512, threads: int | None = None, progress: Progress | None = None) -> EvalReport:
     from .corpus import evaluation_text
 

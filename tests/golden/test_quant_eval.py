@@ -51,3 +51,20 @@ def test_chat_answers_run_through_the_serving_runtime(tiny_engine):
                                      SamplingParams(temperature=0, max_tokens=12))[0].outputs[0]
     assert answers[1]["answer"] == expected.text
     assert answers[1]["degenerate"] == repeats_itself(list(expected.token_ids))
+
+
+def test_kiln_eval_report_on_the_tiny_engine(tiny_engine):
+    import json
+
+    from click.testing import CliRunner
+
+    from kiln.cli import main
+
+    result = CliRunner().invoke(main, ["eval", str(tiny_engine), "--reference", str(tiny_engine),
+                                       "--windows", "2", "--window-tokens", "64", "--threads", "1"])
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.output[result.output.index("{"):])
+    assert report["eval_tokens"] == 2 * 63 and np.isfinite(report["perplexity"])
+    assert report["greedy_agreement"] == 1.0  # the engine against itself
+    assert len(report["chat"]) == 4 and report["degenerate_answers"] == sum(a["degenerate"] for a in report["chat"])
+    assert report["engine_mb"] > 0 and report["decode_tok_s"] > 0
