@@ -40,7 +40,7 @@ def main() -> None:
 @click.option("--block-size", type=int, default=16, show_default=True, help="tokens per KV-cache block")
 @click.option("--max-seq-len", type=int, default=2048, show_default=True)
 @click.option("--quantization", default="none", show_default=True,
-              help="none | int8-weight-only | int4-rtn-g{32,64,128} | int4-awq-g{32,64,128} | w8a8-smoothquant")
+              help="none | int8-weight-only | int4-rtn-g{32,64,128} | int4-awq-g{32,64,128} | int4-q4_1 | w8a8-smoothquant")
 @click.option("--calibration", type=click.Path(exists=True, file_okay=False), default=None,
               help="artifact of `kiln calibrate` (needed by int4-awq-*, w8a8-smoothquant and --kv-dtype int8)")
 def build(model: str, output: Path, kv_dtype: str, block_size: int, max_seq_len: int, quantization: str,

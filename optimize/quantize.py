@@ -4,6 +4,8 @@
     int8-weight-only       int8 per output channel, MatMulNBits bits=8          (quantize_int8.py)
     int4-rtn-g{32,64,128}  int4 round-to-nearest, group-wise, zero points       (quantize_int4.py)
     int4-awq-g{32,64,128}  AWQ scales folded in, then the int4 pass; needs an awq artifact
+    int4-q4_1              llama.cpp's Q4_1 (groups of 32, exact minimum): lossless on Q4_1 GGUFs
+                                                                                (quantize_q4_1.py)
     w8a8-smoothquant       SmoothQuant scales folded in, then W8A8 per-token    (quantize_w8a8.py);
                            needs a smoothquant artifact
 
@@ -23,6 +25,7 @@ import onnx_ir as ir
 from .quantize_embedding import quantize_embedding
 from .quantize_int4 import GROUP_SIZES, quantize_int4
 from .quantize_int8 import quantize_int8_weight_only
+from .quantize_q4_1 import quantize_q4_1_pass
 from .quantize_w8a8 import quantize_w8a8
 
 Progress = Callable[[str], None]
@@ -35,14 +38,14 @@ class QuantizationError(ValueError):
 @dataclass(frozen=True)
 class QuantScheme:
     name: str
-    kind: str  # "none" | "int8" | "int4" | "w8a8"
+    kind: str  # "none" | "int8" | "int4" | "q4_1" | "w8a8"
     group_size: int = 0
     calibration: str | None = None  # the calibration method whose artifact the scheme needs
 
 
 def _schemes() -> dict[str, QuantScheme]:
     schemes = [QuantScheme("none", "none"), QuantScheme("int8-weight-only", "int8"),
-               QuantScheme("w8a8-smoothquant", "w8a8", calibration="smoothquant")]
+               QuantScheme("w8a8-smoothquant", "w8a8", calibration="smoothquant"), QuantScheme("int4-q4_1", "q4_1", 32)]
     for g in GROUP_SIZES:
         schemes.append(QuantScheme(f"int4-rtn-g{g}", "int4", g))
         schemes.append(QuantScheme(f"int4-awq-g{g}", "int4", g, calibration="awq"))
@@ -110,6 +113,8 @@ def quantize_model(model: ir.Model, quantization: str, progress: Progress | None
         count = quantize_int8_weight_only(model)
     elif scheme.kind == "int4":
         count = quantize_int4(model, scheme.group_size)
+    elif scheme.kind == "q4_1":
+        count = quantize_q4_1_pass(model)
     else:
         count = quantize_w8a8(model)
     if progress:

@@ -72,3 +72,35 @@ def per_channel_as_groups(w: np.ndarray, group_size: int) -> GroupQuantized:
     scales = np.repeat(scale[:, None], n_groups, axis=1)
     zero_points = np.full((n, n_groups), 128, dtype=np.uint8)
     return GroupQuantized(q_u8, scales, zero_points, 8, group_size, k)
+
+
+@dataclass(frozen=True)
+class OffsetQuantized:
+    """llama.cpp's Q4_1 in MatMulNBits terms: ``w ≈ (q - zero_points) * scales + offsets`` per group.
+
+    Q4_1 stores a block's minimum m and step d, ``w = m + q * d``. MatMulNBits' zero points are
+    integers here (float ones make ORT dequantize on every call), so the part of m an integer zero
+    point z cannot express, ``m + z * d``, is kept as a per-(row, group) offset.
+    """
+
+    ints: GroupQuantized
+    offsets: np.ndarray  # float32 [N, n_groups]
+
+    def dequantize(self) -> np.ndarray:
+        return self.ints.dequantize() + np.repeat(self.offsets, self.ints.group_size, axis=1)[:, : self.ints.k]
+
+
+def quantize_q4_1(w: np.ndarray, group_size: int = 32) -> OffsetQuantized:
+    """Min/max 4-bit groups with the minimum kept exactly (Q4_1); lossless on Q4_1 GGUF weights."""
+    w = np.asarray(w, dtype=np.float32)
+    n, k = w.shape
+    if k % group_size:
+        raise ValueError(f"Q4_1 groups of {group_size} need K divisible by {group_size}, not {k}")
+    groups = w.reshape(n, -1, group_size)
+    lo, hi = groups.min(axis=-1), groups.max(axis=-1)
+    step = (hi - lo) / 15.0
+    step = np.where(step == 0, 1.0, step).astype(np.float32)
+    q = np.clip(np.round((groups - lo[..., None]) / step[..., None]), 0, 15).astype(np.uint8)
+    zero_points = np.clip(np.round(-lo / step), 0, 15).astype(np.uint8)
+    offsets = (lo + zero_points * step).astype(np.float32)
+    return OffsetQuantized(GroupQuantized(q.reshape(n, -1), step, zero_points, 4, group_size, k), offsets)

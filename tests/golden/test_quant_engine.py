@@ -37,6 +37,7 @@ def quantized_copy(engine, tmp_path, scheme: str):
     ("int8-weight-only", 0.05, 0.95),
     ("int4-rtn-g32", 0.3, 0.75),
     ("int4-rtn-g128", 0.35, 0.65),
+    ("int4-q4_1", 0.3, 0.75),
     ("w8a8-smoothquant", 0.05, 0.95),  # the W8A8 pass alone (no scales: the graph is the fp32 one)
 ])
 def test_quantized_engine_graph_runs_and_stays_close(tiny_engine, tmp_path, scheme, tolerance, agreement):
@@ -106,3 +107,32 @@ def test_awq_build_applies_scales_and_clips(tiny_model_dir, tiny_engine, tmp_pat
     assert np.abs(out - fp32).max() / np.abs(fp32).max() < 0.3
     assert (out.argmax(-1) == fp32.argmax(-1)).mean() >= 0.75
     assert read_manifest(engine).build.quantization == "int4-awq-g32"
+
+
+def test_q4_1_engine_reproduces_q4_1_weights(tiny_engine, tmp_path):
+    """On weights already on a Q4_1 grid (a Q4_1 GGUF) the int4-q4_1 engine matches fp32 up to its
+    int8 activations, where int4-rtn-g32 rounds them a second time."""
+    from kiln.optimize.quant.graph import find_linears, is_lm_head
+    from kiln.optimize.quant.rtn import quantize_q4_1
+
+    model = ir.load(tiny_engine / "model.onnx")
+    snapped = 0
+    for lin in find_linears(model):
+        if is_lm_head(lin):
+            continue
+        value = lin.matmul.inputs[1]
+        assert value.const_value is not None  # [K, N] initializer
+        value.const_value = ir.tensor(np.ascontiguousarray(quantize_q4_1(lin.weight).dequantize().T), name=value.name)
+        snapped += 1
+    assert snapped == 2 * 7
+    q4 = tmp_path / "q4_1-source"
+    shutil.copytree(tiny_engine, q4)
+    ir.save(model, q4 / "model.onnx", external_data="model.onnx.data")
+    fp32 = engine_logits(q4 / "model.onnx")
+    errors = {}
+    for scheme in ("int4-q4_1", "int4-rtn-g32"):
+        path, _ = quantized_copy(q4, tmp_path, scheme)
+        out = engine_logits(path)
+        errors[scheme] = np.abs(out - fp32).max() / np.abs(fp32).max()
+    assert errors["int4-q4_1"] < 0.05, errors
+    assert errors["int4-q4_1"] < 0.5 * errors["int4-rtn-g32"], errors

@@ -13,6 +13,7 @@ from kiln.optimize.quant import nbits, rtn
 from kiln.optimize.quant.graph import find_linears
 from kiln.optimize.quantize_int4 import quantize_int4
 from kiln.optimize.quantize_int8 import quantize_int8_weight_only
+from kiln.optimize.quantize_q4_1 import quantize_q4_1_pass
 from kiln.optimize.quantize_w8a8 import quantize_w8a8
 
 V, H, F = 96, 64, 160  # vocab, hidden (not a multiple of 128: a padded last group), ffn
@@ -115,6 +116,44 @@ def test_int4_matches_reference_quantizer_and_runs(group):
     np.testing.assert_allclose(deq["r"], rtn.per_channel_as_groups(w["embed"], group).dequantize(), rtol=0, atol=1e-6)
     out = run(model, IDS)
     assert rel_err(out, fp32) < 0.1
+
+
+def q4_1_weights(rng, n, k):
+    """What a Q4_1 GGUF dequantizes to: per block of 32, fp16 step d and minimum m, w = m + q * d."""
+    d = rng.uniform(0.005, 0.05, (n, k // 32, 1)).astype(np.float16).astype(np.float32)
+    m = rng.uniform(-0.4, 0.05, (n, k // 32, 1)).astype(np.float16).astype(np.float32)
+    q = rng.integers(0, 16, (n, k // 32, 32))
+    q[..., 0], q[..., 1] = 0, 15  # Q4_1 maps a block's min to 0 and its max to 15
+    return (m + q * d).reshape(n, k).astype(np.float32)
+
+
+def test_q4_1_reference_is_exact_on_q4_1_weights():
+    rng = np.random.default_rng(1)
+    w = q4_1_weights(rng, 48, 96)
+    qw = rtn.quantize_q4_1(w)
+    np.testing.assert_allclose(qw.dequantize(), w, rtol=0, atol=1e-6)
+    spans_zero = (w.reshape(48, 3, 32).min(-1) <= 0) & (w.reshape(48, 3, 32).max(-1) >= 0)
+    assert np.all(np.abs(qw.offsets)[spans_zero] <= qw.ints.scales[spans_zero] / 2 + 1e-7)  # z takes the rest
+    other = rng.standard_normal((8, 64)).astype(np.float32)  # any weights: min/max RTN, half a step at most
+    err = np.abs(rtn.quantize_q4_1(other).dequantize() - other)
+    assert np.all(err <= np.repeat(rtn.quantize_q4_1(other).ints.scales, 32, axis=1) / 2 + 1e-6)
+    with pytest.raises(ValueError, match="divisible by 32"):
+        rtn.quantize_q4_1(other[:, :40])
+
+
+def test_q4_1_pass_runs_and_keeps_q4_1_weights():
+    model, w = tiny_graph()
+    rng = np.random.default_rng(2)
+    w["up"], w["down"] = q4_1_weights(rng, F, H), q4_1_weights(rng, H, F)
+    model.graph.initializers["up_t"].const_value = ir.tensor(np.ascontiguousarray(w["up"].T), name="up_t")
+    model.graph.initializers["down_t"].const_value = ir.tensor(np.ascontiguousarray(w["down"].T), name="down_t")
+    fp32 = run(model, IDS)
+    assert quantize_q4_1_pass(model) == 3
+    ops = [n.op_type for n in model.graph]
+    assert ops.count("MatMulNBits") == 3 and ops.count("MatMul") == 2 and ops.count("ReduceSum") == 2
+    out = run(model, IDS)
+    # only the int8 LM head and MatMulNBits' int8 activations differ from fp32
+    assert rel_err(out, fp32) < 0.02
 
 
 def test_int4_lm_head_on_request():
