@@ -9,7 +9,7 @@ and in-place KV pools as serving), one sequence at a time:
     under test is teacher-forced on that continuation and its argmax compared token by token;
   * decode tok/s: single-stream, one token per step after a short prompt (median step time);
   * chat answers: greedy answers to fixed chat questions through kiln.runtime.LLM (the serving
-    path: chat template, scheduler, sampler), each flagged when it repeats itself.
+    path: chat template, scheduler, sampler), each flagged when it ends in a loop.
 """
 
 from __future__ import annotations
@@ -151,10 +151,12 @@ CHAT_QUESTIONS = (
 )
 
 
-def repeats_itself(tokens: list[int], n: int = 4, times: int = 3) -> bool:
-    """Degenerate repetition: some n-gram occurs `times` times or more (a loop, not a phrase reused once)."""
-    counts = Counter(tuple(tokens[i:i + n]) for i in range(len(tokens) - n + 1))
-    return max(counts.values(), default=0) >= times
+def loops(tokens: list[int], repeats: int = 3) -> bool:
+    """Degenerate repetition: the answer ends in some span said `repeats` times in a row
+    ("la femme, la femme, la femme, ..."); a list whose items share a template does not."""
+    n = len(tokens)
+    return any(all(tokens[i] == tokens[i + p] for i in range(n - repeats * p, n - p))
+               for p in range(1, n // repeats + 1))
 
 
 def chat_answers(engine_dir: str | Path, max_tokens: int = 64, threads: int | None = None) -> list[dict]:
@@ -165,7 +167,7 @@ def chat_answers(engine_dir: str | Path, max_tokens: int = 64, threads: int | No
     llm = LLM(engine_dir, RuntimeConfig(kv_cache_bytes=64 << 20, num_threads=threads))
     params = SamplingParams(temperature=0, max_tokens=max_tokens)
     outputs = llm.chat([[{"role": "user", "content": q}] for q in CHAT_QUESTIONS], params)
-    return [{"question": q, "answer": o.outputs[0].text, "degenerate": repeats_itself(list(o.outputs[0].token_ids))}
+    return [{"question": q, "answer": o.outputs[0].text, "degenerate": loops(list(o.outputs[0].token_ids))}
             for q, o in zip(CHAT_QUESTIONS, outputs)]
 
 

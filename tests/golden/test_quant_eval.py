@@ -33,16 +33,18 @@ def test_engine_perplexity_matches_the_reference_model(tiny_engine, tiny_model_d
     assert np.isfinite(ppl)
 
 
-def test_repetition_check_flags_loops_not_a_reused_phrase():
-    from kiln.calibration.evaluate import repeats_itself
+def test_loop_check_flags_a_looping_tail_not_a_template():
+    from kiln.calibration.evaluate import loops
 
-    assert repeats_itself([7, 1, 2, 3, 4] * 3)
-    assert not repeats_itself([1, 2, 3, 4, 5, 1, 2, 3, 4, 6])  # a phrase said twice is not a loop
-    assert not repeats_itself(list(range(64)))
+    assert loops([9, 8] + [7, 1, 2, 3, 4] * 3 + [7, 1])  # cut anywhere inside the cycle
+    assert loops([5] * 3)
+    assert not loops([1, 2, 3, 4, 5, 1, 2, 3, 4, 6])  # a phrase said twice is not a loop
+    assert not loops([1, 10, 2, 3, 1, 11, 2, 3, 1, 12, 2, 3])  # list items sharing a template
+    assert not loops(list(range(64))) and not loops([])
 
 
 def test_chat_answers_run_through_the_serving_runtime(tiny_engine):
-    from kiln.calibration.evaluate import CHAT_QUESTIONS, chat_answers, repeats_itself
+    from kiln.calibration.evaluate import CHAT_QUESTIONS, chat_answers, loops
     from kiln.runtime import LLM, SamplingParams
 
     answers = chat_answers(tiny_engine, max_tokens=12, threads=1)
@@ -50,7 +52,7 @@ def test_chat_answers_run_through_the_serving_runtime(tiny_engine):
     expected = LLM(tiny_engine).chat([{"role": "user", "content": CHAT_QUESTIONS[1]}],
                                      SamplingParams(temperature=0, max_tokens=12))[0].outputs[0]
     assert answers[1]["answer"] == expected.text
-    assert answers[1]["degenerate"] == repeats_itself(list(expected.token_ids))
+    assert answers[1]["degenerate"] == loops(list(expected.token_ids))
 
 
 def test_kiln_eval_report_on_the_tiny_engine(tiny_engine):
