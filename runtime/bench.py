@@ -113,7 +113,7 @@ def run_workload(engine: Engine, cfg: BenchConfig, progress=None) -> dict:
     total_out = cfg.num_requests * cfg.output_len
     return {
         "config": asdict(cfg),
-        "elapsed_s": round(elapsed, 3),
+        "elapsed_s": round(elapsed, 4),
         "steps": steps,
         "requests_per_s": round(cfg.num_requests / elapsed, 3),
         "output_tok_per_s": round(total_out / elapsed, 2),

@@ -107,7 +107,7 @@ async def run_server_workload(url: str, cfg: BenchConfig, prompts: list[list[int
     total_out = sum(t.output_tokens for t in ok)
     return {
         "config": asdict(cfg),
-        "elapsed_s": round(elapsed, 3),
+        "elapsed_s": round(elapsed, 4),
         "num_errors": len(errors),
         "first_error": errors[0] if errors else None,
         "requests_per_s": round(len(ok) / elapsed, 3),
