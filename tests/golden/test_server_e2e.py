@@ -163,8 +163,13 @@ def test_64_streams_16_disconnect(server, reference):
     for i, text in enumerate(results):
         if text is not None:
             assert text == want[i % 16], i
+
+    def settled():
+        done = sum(server.finished().values()) - sum(before.values())
+        return server.metric("kiln_kv_cache_blocks_used") == 0 and done == 64
+
     deadline = time.monotonic() + 10
-    while server.metric("kiln_kv_cache_blocks_used") != 0 and time.monotonic() < deadline:
+    while not settled() and time.monotonic() < deadline:
         time.sleep(0.1)
     assert server.metric("kiln_kv_cache_blocks_used") == 0
     assert server.metric("kiln_num_requests_running") == 0
