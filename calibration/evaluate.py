@@ -33,6 +33,7 @@ class EngineSession:
         from tokenizers import Tokenizer
 
         from kiln.manifest import read_manifest
+        from kiln.runtime.model_runner import KV_DTYPES, kv_bytes_per_block
         from kiln.runtime.ops import library_path
         from kiln.runtime.ort_runner import OrtModelRunner
         from kiln.runtime.params import RuntimeConfig
@@ -42,8 +43,8 @@ class EngineSession:
         build = self.manifest.build
         blocks = -(-max_tokens // build.block_size)
         spec = self.manifest.spec
-        itemsize = {"float16": 2, "int8": 1}.get(build.kv_dtype, 4)
-        pool_bytes = blocks * spec.num_layers * 2 * spec.num_kv_heads * build.block_size * spec.head_dim * itemsize
+        pool_bytes = blocks * kv_bytes_per_block(spec.num_layers, spec.num_kv_heads, build.block_size, spec.head_dim,
+                                                 np.dtype(KV_DTYPES[build.kv_dtype]).itemsize)
         config = RuntimeConfig(kv_cache_bytes=pool_bytes, max_num_seqs=1, num_threads=threads)
         self.runner = OrtModelRunner(self.engine_dir, self.manifest, config, library_path())
         self.tokenizer = Tokenizer.from_file(str(self.engine_dir / "tokenizer.json"))

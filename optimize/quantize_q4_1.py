@@ -4,7 +4,8 @@
 input channels (shared by the linears reading the same x) and offsets [N, K/32] holds what the
 integer zero point leaves of each block's minimum (quant.rtn.quantize_q4_1). On a GGUF whose
 weights are Q4_1 (the default SmolLM2) this reproduces them exactly, where any other int4 grid
-rounds them a second time. The LM head is int8 per channel as in the int4 schemes.
+rounds them a second time. The LM head, and any linear whose K is not a multiple of 32, is int8
+per channel as in the int4 schemes.
 """
 
 from __future__ import annotations
