@@ -3,12 +3,14 @@
     scales.safetensors   "<group name>": smoothing scales s [K] (see smoothing.py), and
                          "kv.k_absmax" / "kv.v_absmax" [num_layers, num_kv_heads] (KV int8),
                          AWQ only: "clip.<linear>" [N, n_groups] weight clip ratios (awq.py)
+                         and "norm_gain.<norm>" [hidden] tuned norm gains (norm_tuning.py)
     calibration.json     format, method, hyperparameters, the model's fingerprint and source,
                          the corpus split and token count, a per-group search report
 
 Made offline by ``kiln calibrate``; ``apply_artifact`` is the small conversion step the build
 runs before export: it checks the fingerprint and folds the scales into the weights (exact), then
-clamps the AWQ-clipped linears (the one step that changes the fp32 function, on purpose).
+clamps the AWQ-clipped linears and multiplies the tuned norm gains in (the two steps that change the
+fp32 function, on purpose: both were fitted to the int4 rounding the build applies).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from .awq import CLIP_PREFIX, apply_clips
+from .norm_tuning import GAIN_PREFIX, apply_gains
 from .smoothing import fold, smooth_groups
 
 FORMAT = "kiln-calibration"
@@ -82,7 +85,7 @@ def check_fingerprint(artifact: CalibrationArtifact, checkpoint) -> None:
 
 def apply_artifact(checkpoint, artifact: CalibrationArtifact):
     """A Checkpoint whose weights have the artifact's smoothing scales folded in (function unchanged)
-    and, for AWQ, its per-group weight clips applied."""
+    and, for AWQ, its per-group weight clips and tuned norm gains applied."""
     from kiln.export.checkpoint import Checkpoint
 
     check_fingerprint(artifact, checkpoint)
@@ -100,5 +103,11 @@ def apply_artifact(checkpoint, artifact: CalibrationArtifact):
         except (KeyError, RuntimeError) as exc:
             raise CalibrationError(f"the calibration artifact's weight clips do not fit this model ({exc}); "
                                    f"rerun `kiln calibrate`") from exc
+    if any(k.startswith(GAIN_PREFIX) for k in artifact.scales):
+        try:
+            weights = apply_gains(weights, artifact.scales)
+        except KeyError as exc:
+            raise CalibrationError(f"the calibration artifact's norm gains do not fit this model (no {exc}); "
+                                   f"rerun `kiln calibrate`") from None
     return Checkpoint(spec=checkpoint.spec, weights=weights, tokenizer=checkpoint.tokenizer,
                       source=f"{checkpoint.source} + {artifact.method} scales")

@@ -8,8 +8,8 @@ from typing import Callable
 
 import torch
 
-from . import awq, smoothquant
-from .artifact import METHODS, CalibrationArtifact, CalibrationError
+from . import awq, norm_tuning, smoothquant
+from .artifact import METHODS, CalibrationArtifact, CalibrationError, apply_artifact
 from .collect import collect, token_windows
 from .smoothing import smooth_groups
 
@@ -25,6 +25,7 @@ class CalibrationConfig:
     alpha: float | None = None  # SmoothQuant migration strength; None: searched per group
     group_size: int = 128  # AWQ: the int4 group size the scales are searched for
     clip: bool = True  # AWQ: search per-(channel, group) weight clip ratios after the scales
+    tune_norms: bool = True  # AWQ: then train the norm gains of the int4-simulated model (norm_tuning.py)
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -41,6 +42,8 @@ class CalibrationConfig:
             hp["group_size"] = self.group_size
             hp["ratio_grid"] = list(awq.RATIO_GRID)
             hp["clip_grid"] = list(awq.CLIP_GRID) if self.clip else []
+            hp["norm_tuning"] = ({"epochs": norm_tuning.EPOCHS, "learning_rate": norm_tuning.LEARNING_RATE}
+                                 if self.tune_norms else None)
         return hp
 
 
@@ -87,4 +90,14 @@ def calibrate(checkpoint, token_ids: list[int], config: CalibrationConfig,
     info = {"model_source": checkpoint.source, "corpus": corpus, "num_tokens": stats.num_tokens, "groups": report}
     if config.method == "awq" and config.clip:
         info["clips"] = clip_report
-    return CalibrationArtifact(config.method, checkpoint.fingerprint(), config.hyperparameters(), scales, info)
+    artifact = CalibrationArtifact(config.method, checkpoint.fingerprint(), config.hyperparameters(), scales, info)
+    if config.method == "awq" and config.tune_norms:
+        del model, stats
+        # the weights exactly as the build will see them: scales folded, clips applied
+        quant_weights = {k: v.float() for k, v in apply_artifact(checkpoint, artifact).weights.items()}
+        gains, tuning_report = norm_tuning.tune_norms(checkpoint.spec, weights, quant_weights, windows,
+                                                      config.group_size, progress=say)
+        gains = {f"{norm_tuning.GAIN_PREFIX}{name}": g for name, g in gains.items()}
+        artifact = CalibrationArtifact(config.method, artifact.model_fingerprint, artifact.hyperparameters,
+                                       {**scales, **gains}, {**info, "norm_tuning": tuning_report})
+    return artifact

@@ -24,17 +24,19 @@ def _say(message: str) -> None:
               help="AWQ: the int4 group size to search scales for")
 @click.option("--clip/--no-clip", default=True, show_default=True,
               help="AWQ: also search per-group weight clip ratios (AWQ's auto_clip)")
+@click.option("--tune-norms/--no-tune-norms", default=True, show_default=True,
+              help="AWQ: then train the norm gains of the int4-simulated model against fp32 (KL), end to end")
 @click.option("--windows", type=int, default=16, show_default=True, help="calibration windows")
 @click.option("--window-tokens", type=int, default=512, show_default=True, help="tokens per window")
 def calibrate(model: str, method: str, output: Path, alpha: float | None, group_size: str, clip: bool,
-              windows: int, window_tokens: int) -> None:
+              tune_norms: bool, windows: int, window_tokens: int) -> None:
     """Collect activation statistics of MODEL on the calibration split and write scales to OUTPUT."""
     from kiln.calibration.calibrate import CalibrationConfig, calibrate as run, tokenize
     from kiln.calibration.corpus import CALIBRATION_BOOK, CorpusNotFound, calibration_text
     from kiln.export.checkpoint import load_checkpoint
 
     config = CalibrationConfig(method, windows, window_tokens, alpha=alpha, group_size=int(group_size),
-                               clip=clip)
+                               clip=clip, tune_norms=tune_norms)
     try:
         text = calibration_text()
     except CorpusNotFound as exc:

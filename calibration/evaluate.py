@@ -161,15 +161,35 @@ def loops(tokens: list[int], repeats: int = 3) -> bool:
 
 
 def chat_answers(engine_dir: str | Path, max_tokens: int = 64, threads: int | None = None) -> list[dict]:
-    """[{question, answer, degenerate}] for CHAT_QUESTIONS, greedy, through the serving runtime."""
+    """[{question, answer, degenerate, prompt_ids, answer_ids}] for CHAT_QUESTIONS, greedy, through
+    the serving runtime."""
     from kiln.runtime import LLM, SamplingParams
     from kiln.runtime.params import RuntimeConfig
 
     llm = LLM(engine_dir, RuntimeConfig(kv_cache_bytes=64 << 20, num_threads=threads))
     params = SamplingParams(temperature=0, max_tokens=max_tokens)
     outputs = llm.chat([[{"role": "user", "content": q}] for q in CHAT_QUESTIONS], params)
-    return [{"question": q, "answer": o.outputs[0].text, "degenerate": loops(list(o.outputs[0].token_ids))}
+    return [{"question": q, "answer": o.outputs[0].text, "degenerate": loops(list(o.outputs[0].token_ids)),
+             "prompt_ids": list(o.prompt_token_ids), "answer_ids": list(o.outputs[0].token_ids)}
             for q, o in zip(CHAT_QUESTIONS, outputs)]
+
+
+def divergence(reference: EngineSession, prompt: list[int], answer: list[int]) -> dict:
+    """Where a (quantized) engine's greedy answer leaves the reference's greedy path, teacher-forced:
+    the first answer token that is not the reference's argmax after the same prefix, the reference's
+    log-probability margin there (its own token over the engine's; near 0 = a near-tie any rounding
+    can flip), and whether the reference itself, put on the engine's path up to that token, loops.
+    {"token_index": None} when the reference would have produced the same answer."""
+    logits = reference.prefill(prompt + answer)[len(prompt) - 1:len(prompt) - 1 + len(answer)]
+    greedy = logits.argmax(-1)
+    differ = np.nonzero(greedy != np.asarray(answer))[0]
+    if len(differ) == 0:
+        return {"token_index": None}
+    i = int(differ[0])
+    logprobs = -_nll(np.repeat(logits[i:i + 1], 2, axis=0), np.array([greedy[i], answer[i]]))
+    forced = answer[:i + 1] + reference.greedy(prompt + answer[:i + 1], len(answer) - i - 1)
+    return {"token_index": i, "reference_margin": float(logprobs[0] - logprobs[1]),
+            "reference_loops_too": loops(forced)}
 
 
 @dataclass(frozen=True)
@@ -183,6 +203,8 @@ class EvalReport:
     decode_tok_s: float
     engine_mb: float
     degenerate_answers: int  # of len(CHAT_QUESTIONS)
+    # of those, answers the reference engine also loops on once put on the same first divergent token
+    degenerate_in_reference_too: int | None
     chat: list[dict]
 
     def to_json(self) -> str:
@@ -197,7 +219,7 @@ def evaluate(engine_dir: str | Path, reference_dir: str | Path | None = None, nu
     session = EngineSession(engine_dir, max_tokens=max(window, 1024), threads=threads)
     ppl, count = perplexity(session, session.encode(text), window, num_windows, progress)
     prompts = prompt_set(text, session)
-    agreement = None
+    agreement = reference = None
     if reference_dir is not None:
         reference = EngineSession(reference_dir, max_tokens=1024, threads=threads)
         agreement = greedy_agreement(session, reference, prompts)
@@ -205,5 +227,14 @@ def evaluate(engine_dir: str | Path, reference_dir: str | Path | None = None, nu
     build, size_mb = session.manifest.build, session.size_bytes() / 2**20
     del session
     answers = chat_answers(engine_dir, threads=threads)
+    in_reference = None
+    if reference is not None:
+        for a in answers:
+            if a["degenerate"]:
+                a["divergence"] = divergence(reference, a["prompt_ids"], a["answer_ids"])
+        in_reference = sum(a["degenerate"] and (a["divergence"]["token_index"] is None
+                                               or a["divergence"]["reference_loops_too"]) for a in answers)
+    for a in answers:
+        del a["prompt_ids"], a["answer_ids"]
     return EvalReport(str(engine_dir), build.quantization, build.kv_dtype, ppl, count, agreement, speed, size_mb,
-                      sum(a["degenerate"] for a in answers), answers)
+                      sum(a["degenerate"] for a in answers), in_reference, answers)

@@ -69,4 +69,23 @@ def test_kiln_eval_report_on_the_tiny_engine(tiny_engine):
     assert report["eval_tokens"] == 2 * 63 and np.isfinite(report["perplexity"])
     assert report["greedy_agreement"] == 1.0  # the engine against itself
     assert len(report["chat"]) == 4 and report["degenerate_answers"] == sum(a["degenerate"] for a in report["chat"])
+    assert report["degenerate_in_reference_too"] == report["degenerate_answers"]  # the engine against itself
     assert report["engine_mb"] > 0 and report["decode_tok_s"] > 0
+
+
+def test_divergence_finds_where_an_answer_leaves_the_reference(tiny_engine):
+    from kiln.calibration.evaluate import divergence, loops
+
+    session = EngineSession(tiny_engine, max_tokens=256, threads=1)
+    prompt = session.encode("It is a truth universally acknowledged")
+    greedy = session.greedy(prompt, 12)
+    assert divergence(session, prompt, greedy) == {"token_index": None}
+    other = next(t for t in range(5, 300) if t != greedy[5])
+    answer = greedy[:5] + [other] + greedy[:6]  # leaves the greedy path at token 5
+    found = divergence(session, prompt, answer)
+    assert found["token_index"] == 5 and found["reference_margin"] > 0
+    logits = session.prefill(prompt + greedy[:5])[-1].astype(np.float64)
+    logprobs = logits - np.log(np.exp(logits - logits.max()).sum()) - logits.max()
+    assert found["reference_margin"] == pytest.approx(logprobs[greedy[5]] - logprobs[other], rel=1e-5)
+    forced = greedy[:5] + [other] + session.greedy(prompt + greedy[:5] + [other], 6)
+    assert found["reference_loops_too"] == loops(forced)

@@ -201,3 +201,62 @@ def test_awq_clips_are_recorded_round_trip_and_applied_at_build(outlier_checkpoi
     # without the clip search the artifact holds no clips and the fold stays exact
     plain = calibrate(ck, random_ids(400).tolist(), CalibrationConfig("awq", 4, 64, 32, group_size=32, clip=False))
     assert not any(k.startswith(awq.CLIP_PREFIX) for k in plain.scales) and "clips" not in plain.info
+
+
+def test_awq_norm_tuning_pulls_the_int4_model_towards_fp32(outlier_checkpoint, tmp_path):
+    from kiln.calibration import norm_tuning
+
+    ck = outlier_checkpoint
+    messages = []
+    config = CalibrationConfig("awq", num_windows=4, window=64, rows_per_window=32, group_size=32)
+    ids = random_ids(400)
+    artifact = calibrate(ck, ids.tolist(), config, messages.append)
+    report = artifact.info["norm_tuning"]
+    assert report["kl_after"] < 0.97 * report["kl_before"]
+    assert any("norm tuning" in m for m in messages)
+    assert artifact.hyperparameters["norm_tuning"] == {"epochs": norm_tuning.EPOCHS,
+                                                       "learning_rate": norm_tuning.LEARNING_RATE}
+    gains = {k: v for k, v in artifact.scales.items() if k.startswith(norm_tuning.GAIN_PREFIX)}
+    assert len(gains) == 2 * ck.spec.num_layers + 1
+    assert all(not torch.equal(g, torch.ones_like(g)) for g in gains.values())
+
+    # the report's KL is that of the int4-simulated model with the gains folded in
+    loaded = CalibrationArtifact.load(artifact.save(tmp_path / "awq"))
+    untuned = CalibrationArtifact(loaded.method, loaded.model_fingerprint, loaded.hyperparameters,
+                                  {k: v for k, v in loaded.scales.items() if k not in gains})
+    plain, tuned = apply_artifact(ck, untuned).weights, apply_artifact(ck, loaded).weights
+    for key, gain in gains.items():
+        name = f"{key[len(norm_tuning.GAIN_PREFIX):]}.weight"
+        torch.testing.assert_close(tuned[name], plain[name] * gain)
+    q = "model.layers.0.mlp.down_proj.weight"
+    torch.testing.assert_close(tuned[q], plain[q])  # the linears are what the int4 pass quantizes
+
+    from kiln.calibration.collect import token_windows
+
+    windows = token_windows(ids.tolist(), 64, 4)
+
+    def kl(weights):  # mean over the calibration windows, as the report measures it
+        head = fake_quant.int8_per_channel(weights["model.embed_tokens.weight"].float())
+        student = ReferenceModel(ck.spec, norm_tuning.int4_simulated(weights, 32))
+        teacher = ReferenceModel(ck.spec, ck.weights)
+        with torch.no_grad():
+            return sum(float(norm_tuning._kl(norm_tuning._log_probs(teacher, ck.weights["model.embed_tokens.weight"], w),
+                                             norm_tuning._log_probs(student, head, w))) for w in windows) / len(windows)
+
+    # what the artifact stores, applied as the build applies it, is the model that was tuned
+    assert kl(plain) == pytest.approx(report["kl_before"], rel=1e-4)
+    assert kl(tuned) == pytest.approx(report["kl_after"], rel=1e-4)
+
+
+def test_awq_without_norm_tuning_and_a_mismatched_gain(outlier_checkpoint):
+    from kiln.calibration import norm_tuning
+
+    ck = outlier_checkpoint
+    config = CalibrationConfig("awq", 4, 64, 32, group_size=32, tune_norms=False)
+    artifact = calibrate(ck, random_ids(400).tolist(), config)
+    assert artifact.hyperparameters["norm_tuning"] is None and "norm_tuning" not in artifact.info
+    assert not any(k.startswith(norm_tuning.GAIN_PREFIX) for k in artifact.scales)
+    bad = dict(artifact.scales, **{f"{norm_tuning.GAIN_PREFIX}model.norm": torch.ones(7)})
+    broken = CalibrationArtifact(artifact.method, artifact.model_fingerprint, artifact.hyperparameters, bad)
+    with pytest.raises(CalibrationError, match="norm gains do not fit"):
+        apply_artifact(ck, broken)
