@@ -53,13 +53,16 @@ def calibrate(model: str, method: str, output: Path, alpha: float | None, group_
 @click.option("--windows", type=int, default=16, show_default=True, help="evaluation windows of --window-tokens")
 @click.option("--window-tokens", type=int, default=512, show_default=True)
 @click.option("--threads", type=int, default=None, help="onnxruntime intra-op threads (default: all cores)")
-def evaluate(engine_dir: Path, reference: Path | None, windows: int, window_tokens: int, threads: int | None) -> None:
+@click.option("--text", "text_file", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
+              help="UTF-8 text file to measure on instead of the evaluation split (e.g. your own domain)")
+def evaluate(engine_dir: Path, reference: Path | None, windows: int, window_tokens: int, threads: int | None,
+             text_file: Path | None) -> None:
     """Perplexity on the evaluation split, greedy agreement with --reference, decode tok/s, size."""
     from kiln.calibration.corpus import CorpusNotFound
     from kiln.calibration.evaluate import evaluate as run
 
     try:
-        report = run(engine_dir, reference, windows, window_tokens, threads, _say)
-    except CorpusNotFound as exc:
+        report = run(engine_dir, reference, windows, window_tokens, threads, _say, text_file)
+    except (CorpusNotFound, ValueError, UnicodeDecodeError) as exc:
         raise click.ClickException(str(exc)) from exc
     click.echo(report.to_json())

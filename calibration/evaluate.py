@@ -103,6 +103,9 @@ def perplexity(session: EngineSession, token_ids: list[int], window: int = 512, 
     """(perplexity, number of predicted tokens) over the first num_windows windows."""
     total, count = 0.0, 0
     n = min(num_windows, len(token_ids) // window)
+    if n == 0:
+        raise ValueError(f"the text has {len(token_ids)} tokens, not one window of {window}; use a longer text "
+                         f"or fewer window tokens")
     for w in range(n):
         tokens = token_ids[w * window:(w + 1) * window]
         logits = session.prefill(tokens)
@@ -116,7 +119,7 @@ def perplexity(session: EngineSession, token_ids: list[int], window: int = 512, 
 
 def prompt_set(text: str, session: EngineSession, count: int = 8, length: int = 32) -> list[list[int]]:
     """Fixed prompts: the first `length` tokens of every 25th paragraph of the evaluation text."""
-    paragraphs = [p for p in text.split("\n\n") if len(p) > 200]
+    paragraphs = [p for p in text.split("\n\n") if len(p) > 200] or [text]
     return [session.encode(p)[:length] for p in paragraphs[::25][:count]]
 
 
@@ -197,6 +200,7 @@ class EvalReport:
     engine: str
     quantization: str
     kv_dtype: str
+    text: str  # what the perplexity and the agreement prompts were measured on
     perplexity: float
     eval_tokens: int
     greedy_agreement: float | None  # vs the reference engine; None without one
@@ -212,10 +216,13 @@ class EvalReport:
 
 
 def evaluate(engine_dir: str | Path, reference_dir: str | Path | None = None, num_windows: int = 16,
-             window: int = 512, threads: int | None = None, progress: Progress | None = None) -> EvalReport:
-    from .corpus import evaluation_text
+             window: int = 512, threads: int | None = None, progress: Progress | None = None,
+             text_file: str | Path | None = None) -> EvalReport:
+    """The report on the evaluation split, or on the text of text_file (another domain)."""
+    from .corpus import EVALUATION_BOOK, evaluation_text
 
-    text = evaluation_text()
+    text = Path(text_file).read_text(encoding="utf-8") if text_file else evaluation_text()
+    source = str(text_file) if text_file else f"janeaustenr:{EVALUATION_BOOK}"
     session = EngineSession(engine_dir, max_tokens=max(window, 1024), threads=threads)
     ppl, count = perplexity(session, session.encode(text), window, num_windows, progress)
     prompts = prompt_set(text, session)
@@ -236,5 +243,5 @@ def evaluate(engine_dir: str | Path, reference_dir: str | Path | None = None, nu
                                                or a["divergence"]["reference_loops_too"]) for a in answers)
     for a in answers:
         del a["prompt_ids"], a["answer_ids"]
-    return EvalReport(str(engine_dir), build.quantization, build.kv_dtype, ppl, count, agreement, speed, size_mb,
-                      sum(a["degenerate"] for a in answers), in_reference, answers)
+    return EvalReport(str(engine_dir), build.quantization, build.kv_dtype, source, ppl, count, agreement, speed,
+                      size_mb, sum(a["degenerate"] for a in answers), in_reference, answers)

@@ -17,7 +17,7 @@ tokens, 2 epochs: ~2 min on 2 cores) and keeps the fp32 model's log-probabilitie
 calibration windows in bfloat16 (windows x tokens x vocab x 2 bytes: 0.8 GB for SmolLM2).
 Measured on SmolLM2-135M int4 g128 (`kiln eval`, 16 Persuasion windows): AWQ 49.39 -> 46.73
 perplexity (fp32 44.08), half the gap; on a text outside the calibration domain (the GPL-3
-licence, 14 windows, fake-quant) 28.43 -> 27.10 (fp32 22.97), a quarter of the gap.
+licence, 14 windows) 28.52 -> 27.14 (fp32 22.97), a quarter of the gap.
 """
 
 from __future__ import annotations

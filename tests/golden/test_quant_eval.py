@@ -67,6 +67,7 @@ def test_kiln_eval_report_on_the_tiny_engine(tiny_engine):
     assert result.exit_code == 0, result.output
     report = json.loads(result.output[result.output.index("{"):])
     assert report["eval_tokens"] == 2 * 63 and np.isfinite(report["perplexity"])
+    assert report["text"] == "janeaustenr:persuasion"
     assert report["greedy_agreement"] == 1.0  # the engine against itself
     assert len(report["chat"]) == 4 and report["degenerate_answers"] == sum(a["degenerate"] for a in report["chat"])
     assert report["degenerate_in_reference_too"] == report["degenerate_answers"]  # the engine against itself
@@ -89,3 +90,25 @@ def test_divergence_finds_where_an_answer_leaves_the_reference(tiny_engine):
     assert found["reference_margin"] == pytest.approx(logprobs[greedy[5]] - logprobs[other], rel=1e-5)
     forced = greedy[:5] + [other] + session.greedy(prompt + greedy[:5] + [other], 6)
     assert found["reference_loops_too"] == loops(forced)
+
+
+def test_kiln_eval_on_a_text_file_and_a_too_short_one(tiny_engine, tmp_path):
+    import json
+
+    from click.testing import CliRunner
+
+    from kiln.cli import main
+
+    text = tmp_path / "licence.txt"
+    text.write_text("Everyone is permitted to copy and distribute verbatim copies of this license document. " * 40)
+    args = ["eval", str(tiny_engine), "--windows", "2", "--window-tokens", "64", "--threads", "1", "--text"]
+    result = CliRunner().invoke(main, args + [str(text)])
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.output[result.output.index("{"):])
+    assert report["text"] == str(text) and report["eval_tokens"] == 2 * 63
+    session = EngineSession(tiny_engine, max_tokens=256, threads=1)
+    assert report["perplexity"] == pytest.approx(perplexity(session, session.encode(text.read_text()), 64, 2)[0], rel=1e-6)
+    short = tmp_path / "short.txt"
+    short.write_text("Too short.")
+    result = CliRunner().invoke(main, args + [str(short)])
+    assert result.exit_code != 0 and "not one window of 64" in result.output
