@@ -195,6 +195,16 @@ def divergence(reference: EngineSession, prompt: list[int], answer: list[int]) -
             "reference_loops_too": loops(forced)}
 
 
+def trace_loops(reference: EngineSession, answers: list[dict]) -> int:
+    """Add a "divergence" to each looping answer; return how many the reference loops on too
+    (from the same first divergent token, or because it gives the very same answer)."""
+    for a in answers:
+        if a["degenerate"]:
+            a["divergence"] = divergence(reference, a["prompt_ids"], a["answer_ids"])
+    return sum(a["degenerate"] and (a["divergence"]["token_index"] is None or a["divergence"]["reference_loops_too"])
+               for a in answers)
+
+
 @dataclass(frozen=True)
 class EvalReport:
     engine: str
@@ -234,13 +244,7 @@ def evaluate(engine_dir: str | Path, reference_dir: str | Path | None = None, nu
     build, size_mb = session.manifest.build, session.size_bytes() / 2**20
     del session
     answers = chat_answers(engine_dir, threads=threads)
-    in_reference = None
-    if reference is not None:
-        for a in answers:
-            if a["degenerate"]:
-                a["divergence"] = divergence(reference, a["prompt_ids"], a["answer_ids"])
-        in_reference = sum(a["degenerate"] and (a["divergence"]["token_index"] is None
-                                               or a["divergence"]["reference_loops_too"]) for a in answers)
+    in_reference = None if reference is None else trace_loops(reference, answers)
     for a in answers:
         del a["prompt_ids"], a["answer_ids"]
     return EvalReport(str(engine_dir), build.quantization, build.kv_dtype, source, ppl, count, agreement, speed,
