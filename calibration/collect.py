@@ -95,7 +95,7 @@ def collect(model: nn.Module, windows: list[torch.Tensor], rows_per_window: int 
     try:
         tokens = 0
         for i, ids in enumerate(windows):
-            _run_layers(model, ids[None], torch.arange(ids.numel(), dtype=torch.int64)[None])
+            run_layers(model, ids[None], torch.arange(ids.numel(), dtype=torch.int64)[None])
             tokens += ids.numel()
             say(f"calibration window {i + 1}/{len(windows)} ({tokens} tokens)")
     finally:
@@ -104,8 +104,9 @@ def collect(model: nn.Module, windows: list[torch.Tensor], rows_per_window: int 
     return ActivationStats(stats, k_max, v_max, tokens)
 
 
-def _run_layers(model: nn.Module, input_ids: torch.Tensor, position_ids: torch.Tensor) -> None:
-    """ReferenceModel.forward without the final norm and LM head (half the FLOPs of a small model)."""
+def run_layers(model: nn.Module, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+    """ReferenceModel.forward without the final norm and LM head (half the FLOPs of a small model):
+    the residual stream after the last layer."""
     from kiln.export.reference import causal_mask
 
     x = model.model.embed_tokens(input_ids)
@@ -113,3 +114,4 @@ def _run_layers(model: nn.Module, input_ids: torch.Tensor, position_ids: torch.T
     mask = causal_mask(position_ids, model.spec.sliding_window)
     for layer in model.model.layers:
         x = layer(x, cos, sin, mask)
+    return x

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import time
-from collections import Counter
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable
@@ -189,7 +188,7 @@ def divergence(reference: EngineSession, prompt: list[int], answer: list[int]) -
     if len(differ) == 0:
         return {"token_index": None}
     i = int(differ[0])
-    logprobs = -_nll(np.repeat(logits[i:i + 1], 2, axis=0), np.array([greedy[i], answer[i]]))
+    logprobs = -_nll(logits[[i, i]], np.array([greedy[i], answer[i]]))  # of its token and ours
     forced = answer[:i + 1] + reference.greedy(prompt + answer[:i + 1], len(answer) - i - 1)
     return {"token_index": i, "reference_margin": float(logprobs[0] - logprobs[1]),
             "reference_loops_too": loops(forced)}

@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.utils import parametrize
 
+from .collect import run_layers
 from .fake_quant import int4_groupwise, int8_per_channel
 
 GAIN_PREFIX = "norm_gain."
@@ -67,14 +68,7 @@ class _Gain(nn.Module):
 def _log_probs(model, head: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """log softmax of the logits [T, vocab] of one window, through `head` (the model's own LM head
     or its int8 copy)."""
-    from kiln.export.reference import causal_mask
-
-    positions = torch.arange(ids.numel())[None]
-    x = model.model.embed_tokens(ids[None])
-    cos, sin = model.rope_cos_sin(positions)
-    mask = causal_mask(positions, model.spec.sliding_window)
-    for layer in model.model.layers:
-        x = layer(x, cos, sin, mask)
+    x = run_layers(model, ids[None], torch.arange(ids.numel())[None])
     return torch.log_softmax(F.linear(model.model.norm(x)[0], head), dim=-1)
 
 
