@@ -8,8 +8,8 @@
 Inside the runtime, the policy core never imports its front ends (runtime/server/, runtime/bench/).
 Stages use the runtime only through its public surface (RUNTIME_API). Every import counts,
 including those inside functions: a lazy import is still a dependency, and a cycle through one
-is still a cycle. (tests/unit/test_runtime_cli.py keeps a subprocess check that importing the
-runtime loads no torch.)
+is still a cycle. (tests/unit/test_runtime_tiny_engine.py keeps a subprocess check that serving
+loads no torch.)
 """
 
 from __future__ import annotations
@@ -42,11 +42,13 @@ RUNTIME_INTERNALS_IN_USE = {
 COMPILE_ONLY = {"torch", "transformers", "safetensors", "gguf", "onnx", "onnxscript", "onnx_ir"}
 
 
+SETUPTOOLS = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]
+
+
 def _source_modules() -> dict[str, Path]:
     """Every kiln module name -> its file, from pyproject.toml's package-dir mapping."""
-    setuptools = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]
     modules: dict[str, Path] = {}
-    for package, folder in setuptools["package-dir"].items():
+    for package, folder in SETUPTOOLS["package-dir"].items():
         for path in (REPO / folder).rglob("*.py"):
             parts = path.relative_to(REPO / folder).with_suffix("").parts
             if parts[-1] == "__init__":
@@ -133,6 +135,12 @@ def _compile_only_in_runtime(graph: dict[str, set[str]]) -> list[str]:
 def test_every_module_is_in_a_layer():
     assert {"kiln.contract", "kiln.cli", "kiln.runtime.engine", "kiln.runtime.server.app"} <= set(MODULES)
     assert all(_layer(module) for module in MODULES)
+
+
+def test_every_package_folder_ships():
+    """A folder with an __init__.py that pyproject.toml's package list lacks would be left out of the wheel."""
+    folders = {module for module, path in MODULES.items() if path.name == "__init__.py"}
+    assert folders == set(SETUPTOOLS["packages"])
 
 
 def test_layers_import_only_what_lies_below():
