@@ -1,4 +1,4 @@
-"""What `kiln generate` and `kiln chat` do (kiln/cli/commands.py only parses options)."""
+"""What `kiln generate` and `kiln chat` do (cli/commands.py only parses options)."""
 
 from __future__ import annotations
 
