@@ -86,7 +86,7 @@ def check_fingerprint(artifact: CalibrationArtifact, checkpoint) -> None:
 def apply_artifact(checkpoint, artifact: CalibrationArtifact):
     """A Checkpoint whose weights have the artifact's smoothing scales folded in (function unchanged)
     and, for AWQ, its per-group weight clips and tuned norm gains applied."""
-    from kiln.export.checkpoint import Checkpoint
+    from kiln.export.checkpoint_types import Checkpoint
 
     check_fingerprint(artifact, checkpoint)
     groups = smooth_groups(checkpoint.spec, gqa_o=True)  # groups without scales in the artifact are skipped

@@ -12,7 +12,7 @@ import torch
 
 from kiln.spec import ModelSpec, RopeScaling
 
-from .checkpoint import Checkpoint, TokenizerFiles, select_weights
+from .checkpoint_types import Checkpoint, TokenizerFiles, select_weights
 
 SUPPORTED_GGUF_ARCHITECTURES = ("llama",)
 

@@ -17,7 +17,7 @@ from typing import Callable
 import torch
 
 from kiln import contract
-from kiln.export.checkpoint import Checkpoint
+from kiln.export.checkpoint_types import Checkpoint
 from kiln.export.reference import ReferenceModel
 
 Progress = Callable[[str], None]

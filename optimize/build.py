@@ -1,6 +1,6 @@
 """build_engine: checkpoint -> raw.onnx -> optimized graph -> engine directory + manifest.
 
-    kiln build MODEL -o DIR      (kiln/cli.py)
+    kiln build MODEL -o DIR      (cli/commands.py)
 
 Stages report to stderr with their elapsed time; the optimizer passes print how often each
 fired. The result is loaded once in ONNX Runtime with the kiln op library before returning.

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kiln.runtime.engine import Engine
+from kiln.runtime.loader import load_engine
 from kiln.runtime.outputs import EngineStats, RequestOutput
 from kiln.runtime.params import RuntimeConfig, SamplingParams
 
@@ -49,7 +50,7 @@ class _Stream:
 
 class AsyncLLM:
     def __init__(self, engine_dir: str | Path, config: RuntimeConfig | None = None) -> None:
-        self._start(Engine.from_engine_dir(engine_dir, config))
+        self._start(load_engine(engine_dir, config))
 
     @classmethod
     def from_engine(cls, engine: Engine) -> "AsyncLLM":

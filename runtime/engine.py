@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 from kiln.runtime.block_manager import BlockManager
 from kiln.runtime.detokenizer import Decoder, IncrementalDetokenizer
@@ -86,12 +85,6 @@ class Engine:
         self._by_seq: dict[int, Request] = {}
         self.num_generated_tokens = 0
         self.peak_blocks_used = 0
-
-    @classmethod
-    def from_engine_dir(cls, engine_dir: str | Path, config: RuntimeConfig | None = None) -> "Engine":
-        from kiln.runtime.loader import load_engine
-
-        return load_engine(Path(engine_dir), config or RuntimeConfig())
 
     @property
     def max_seq_len(self) -> int:

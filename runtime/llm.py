@@ -6,6 +6,7 @@ import itertools
 from pathlib import Path
 
 from kiln.runtime.engine import Engine
+from kiln.runtime.loader import load_engine
 from kiln.runtime.outputs import EngineStats, RequestOutput
 from kiln.runtime.params import RuntimeConfig, SamplingParams
 
@@ -34,7 +35,7 @@ def _normalize_params(params: SamplingParams | list[SamplingParams] | None, n: i
 
 class LLM:
     def __init__(self, engine_dir: str | Path, config: RuntimeConfig | None = None) -> None:
-        self.engine = Engine.from_engine_dir(engine_dir, config)
+        self.engine = load_engine(engine_dir, config)
         self._ids = itertools.count()
 
     @classmethod

@@ -13,7 +13,9 @@ from kiln.runtime.tokenizer import Tokenizer
 log = logging.getLogger("kiln.runtime")
 
 
-def load_engine(engine_dir: Path, config: RuntimeConfig) -> Engine:
+def load_engine(engine_dir: str | Path, config: RuntimeConfig | None = None) -> Engine:
+    """The Engine serving an engine directory (the one factory: engine.py knows nothing of files)."""
+    engine_dir, config = Path(engine_dir), config or RuntimeConfig()
     manifest = read_manifest(engine_dir)
     if manifest.backend != BACKEND_ORT_CPU:
         raise EngineLoadError(

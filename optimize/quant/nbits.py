@@ -42,19 +42,6 @@ def pack(qw: GroupQuantized) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return b, qw.scales.reshape(-1).astype(np.float32), zp
 
 
-def unpack(b: np.ndarray, scales: np.ndarray, zero_points: np.ndarray, bits: int, k: int) -> np.ndarray:
-    """Dequantize MatMulNBits initializers back to ``w [N, K]`` (for tests and inspection)."""
-    n, n_blocks, blob = b.shape
-    if bits == 4:
-        q = np.stack([b & 0x0F, b >> 4], axis=-1).reshape(n, n_blocks, blob * 2)
-        zp = np.stack([zero_points & 0x0F, zero_points >> 4], axis=-1).reshape(n, -1)[:, :n_blocks]
-    else:
-        q, zp = b, zero_points.reshape(n, n_blocks)
-    s = scales.reshape(n, n_blocks)
-    w = (q.astype(np.float32) - zp[..., None].astype(np.float32)) * s[..., None]
-    return w.reshape(n, -1)[:, :k]
-
-
 def make_matmul_nbits(model: ir.Model, activation: ir.Value, qw: GroupQuantized, prefix: str,
                       bias: ir.Value | None = None) -> ir.Node:
     """A MatMulNBits node computing ``activation @ dequant(qw)^T (+ bias)``; initializers registered."""

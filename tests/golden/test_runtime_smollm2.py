@@ -22,6 +22,7 @@ import pytest
 
 from kiln.runtime import RuntimeConfig, SamplingParams
 from kiln.runtime.engine import Engine
+from kiln.runtime.loader import load_engine
 
 pytestmark = pytest.mark.slow
 
@@ -161,7 +162,7 @@ def run_staggered(engine: Engine, prompts: list[list[int]], per_step: int = 2) -
 
 
 def test_staggered_batch_matches_transformers(engine_dir, prompts, reference, hf):
-    engine = Engine.from_engine_dir(engine_dir, RuntimeConfig(kv_cache_bytes=1 << 30, max_num_seqs=32))
+    engine = load_engine(engine_dir, RuntimeConfig(kv_cache_bytes=1 << 30, max_num_seqs=32))
     t = time.perf_counter()
     got = run_staggered(engine, prompts)
     print(f"kiln: {len(prompts)} prompts in {time.perf_counter() - t:.1f}s, {engine.stats()}")
@@ -171,7 +172,7 @@ def test_staggered_batch_matches_transformers(engine_dir, prompts, reference, hf
 
 
 def test_small_pool_preempts_without_changing_outputs(engine_dir, prompts, reference, hf):
-    engine = Engine.from_engine_dir(engine_dir, RuntimeConfig(kv_cache_bytes=128 * 737280, max_num_seqs=32))
+    engine = load_engine(engine_dir, RuntimeConfig(kv_cache_bytes=128 * 737280, max_num_seqs=32))
     assert engine.block_manager.num_blocks == 128  # 2,048 tokens for 5,410 prompt + 2,048 new
     got = run_staggered(engine, prompts, per_step=4)
     stats = engine.stats()
@@ -190,7 +191,7 @@ def test_shared_system_prompt_is_prefilled_once(engine_dir):
     system = tok.encode(_corpus())[:300]
     first, second = system + tok.encode(" First question: what is JSON?"), system + tok.encode(" Second: logging?")
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-    warm = Engine.from_engine_dir(engine_dir, RuntimeConfig(kv_cache_bytes=64 << 20))
+    warm = load_engine(engine_dir, RuntimeConfig(kv_cache_bytes=64 << 20))
     outs = []
     for i, p in enumerate((first, second)):
         before = warm.stats().num_prompt_tokens_computed
@@ -202,7 +203,7 @@ def test_shared_system_prompt_is_prefilled_once(engine_dir):
         computed = warm.stats().num_prompt_tokens_computed - before
     assert outs[1].num_cached_tokens == 288  # 18 full blocks of the shared 300 tokens
     assert computed == len(second) - 288
-    cold = Engine.from_engine_dir(engine_dir, RuntimeConfig(kv_cache_bytes=64 << 20, enable_prefix_caching=False))
+    cold = load_engine(engine_dir, RuntimeConfig(kv_cache_bytes=64 << 20, enable_prefix_caching=False))
     cold.add_request("c", second, params)
     cold_out = None
     while cold.has_unfinished():

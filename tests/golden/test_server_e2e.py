@@ -182,8 +182,8 @@ def test_64_streams_16_disconnect(server, reference):
 
 
 def test_bench_against_server(server, tiny_engine, tmp_path, capsys):
-    from kiln.runtime.bench import BenchConfig
-    from kiln.runtime.server_bench import bench_server
+    from kiln.runtime.bench.offline import BenchConfig
+    from kiln.runtime.bench.serving import bench_server
 
     report = bench_server(server.url, str(tiny_engine), BenchConfig(num_requests=8, input_len=16, output_len=8),
                           (4,), str(tmp_path / "report.json"))

@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, given, settings  # noqa: E402
 from schemathesis import GenerationMode  # noqa: E402
 from schemathesis.checks import not_a_server_error  # noqa: E402
 
-from kiln.runtime.server import build_app  # noqa: E402
+from kiln.runtime.server.app import build_app  # noqa: E402
 
 
 def _cap_generation(body) -> None:

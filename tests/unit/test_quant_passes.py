@@ -9,12 +9,13 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from kiln.optimize.quant import nbits, rtn
+from kiln.optimize.quant import rtn
 from kiln.optimize.quant.graph import find_linears
 from kiln.optimize.quantize_int4 import quantize_int4
 from kiln.optimize.quantize_int8 import quantize_int8_weight_only
 from kiln.optimize.quantize_q4_1 import quantize_q4_1_pass
 from kiln.optimize.quantize_w8a8 import quantize_w8a8
+from nbits_unpack import unpack
 
 V, H, F = 96, 64, 160  # vocab, hidden (not a multiple of 128: a padded last group), ffn
 
@@ -81,8 +82,8 @@ def nbits_weights(model: ir.Model) -> dict[str, np.ndarray]:
         if node.op_type == "MatMulNBits":
             attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
             assert attrs["accuracy_level"] == 4
-            out[node.input[0]] = nbits.unpack(inits[node.input[1]], inits[node.input[2]],
-                                              inits[node.input[3]], attrs["bits"], attrs["K"])
+            out[node.input[0]] = unpack(inits[node.input[1]], inits[node.input[2]],
+                                        inits[node.input[3]], attrs["bits"], attrs["K"])
     return out
 
 

@@ -5,7 +5,7 @@ import asyncio
 import pytest
 
 from kiln.runtime.async_llm import AsyncLLM
-from kiln.runtime.fake_runner import make_fake_engine
+from fake_runner import make_fake_engine
 from kiln.runtime.llm import LLM
 from kiln.runtime.params import RuntimeConfig, SamplingParams
 

@@ -8,7 +8,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kiln.runtime.block_manager import BlockManager
-from kiln.runtime.fake_runner import make_fake_engine
+from fake_runner import make_fake_engine
 from kiln.runtime.params import RuntimeConfig, SamplingParams
 from kiln.runtime.scheduler import Scheduler
 from kiln.runtime.sequence import Sequence

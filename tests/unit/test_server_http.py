@@ -10,7 +10,7 @@ import pytest
 pytest.importorskip("fastapi")
 from fastapi.testclient import TestClient  # noqa: E402
 
-from kiln.runtime.server import build_app  # noqa: E402
+from kiln.runtime.server.app import build_app  # noqa: E402
 from server_fake import FakeAsyncLLM  # noqa: E402
 
 

@@ -1,4 +1,4 @@
-"""``kiln calibrate`` and ``kiln eval`` (registered on the kiln click group in kiln/cli.py).
+"""``kiln calibrate`` and ``kiln eval`` (registered on the kiln click group in cli/commands.py).
 
 Heavy imports (torch, the exporter) happen inside the commands: ``kiln --help`` stays light.
 """

@@ -1,7 +1,7 @@
 """`kiln bench ENGINE_DIR --server URL`: the offline benchmark's workload and figures, measured
 against a running `kiln serve` over streaming HTTP (httpx + asyncio, bounded concurrency).
 
-The workload is the offline bench's (kiln.runtime.bench): the same seeded random token-id
+The workload is the offline bench's (kiln.runtime.bench.offline): the same seeded random token-id
 prompts (the engine dir gives the vocabulary), greedy, ``ignore_eos`` so every request
 yields exactly output_len tokens, all at t=0 or Poisson arrivals, at most ``concurrency``
 in flight. TTFT runs from sending the request to its first content chunk; ITL is the gap
@@ -21,8 +21,8 @@ from pathlib import Path
 
 import numpy as np
 
-from kiln.runtime.bench import BenchConfig, percentiles
-from kiln.runtime.bench import synthetic_prompts as bench_prompts  # the very same prompts as the offline run
+from kiln.runtime.bench.offline import BenchConfig, percentiles
+from kiln.runtime.bench.offline import synthetic_prompts as bench_prompts  # the very same prompts as the offline run
 
 
 @dataclass

@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from kiln.runtime.engine import Engine
+from kiln.runtime.loader import load_engine
 from kiln.runtime.params import RuntimeConfig, SamplingParams
 
 
@@ -154,7 +155,7 @@ def prefill_throughput(engine: Engine, input_len: int = 512) -> float:
 def bench(engine_dir: str, cfg: BenchConfig, concurrencies: tuple[int | None, ...] = (None,),
           config: RuntimeConfig | None = None, json_path: str | None = None) -> dict:
     say = lambda msg: print(f"[kiln bench] {msg}", file=sys.stderr, flush=True)  # noqa: E731
-    engine = Engine.from_engine_dir(engine_dir, config or RuntimeConfig(enable_prefix_caching=False))
+    engine = load_engine(engine_dir, config or RuntimeConfig(enable_prefix_caching=False))
     say(f"engine {engine.model_name}: {engine.block_manager.num_blocks} KV blocks of "
         f"{engine.runner.block_size} tokens, max_num_tokens {engine.scheduler.max_num_tokens}")
     run_workload(engine, BenchConfig(num_requests=2, input_len=16, output_len=4))  # warm-up

@@ -1,4 +1,4 @@
-"""What `kiln generate` and `kiln chat` do (kiln/cli.py only parses options)."""
+"""What `kiln generate` and `kiln chat` do (cli/commands.py only parses options)."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import sys
 from typing import TextIO
 
 from kiln.runtime.engine import Engine
+from kiln.runtime.loader import load_engine
 from kiln.runtime.params import RuntimeConfig, SamplingParams
 
 
@@ -33,7 +34,7 @@ def generate(engine_dir: str, prompt: str | None, chat: str | None, params: Samp
     out = out or sys.stdout
     if (prompt is None) == (chat is None):
         raise ValueError("give exactly one of PROMPT or --chat TEXT")
-    engine = Engine.from_engine_dir(engine_dir, config)
+    engine = load_engine(engine_dir, config)
     if chat is not None:
         prompt = engine.tokenizer.apply_chat_template([{"role": "user", "content": chat}])
     text = stream_text(engine, prompt, params, out)
@@ -45,7 +46,7 @@ def chat_repl(engine_dir: str, params: SamplingParams, system: str | None = None
               config: RuntimeConfig | None = None, inp: TextIO | None = None, out: TextIO | None = None) -> None:
     """`kiln chat`: an interactive conversation; /reset clears history, /exit or EOF quits."""
     inp, out = inp or sys.stdin, out or sys.stdout
-    engine = Engine.from_engine_dir(engine_dir, config)
+    engine = load_engine(engine_dir, config)
     base = [{"role": "system", "content": system}] if system else []
     history = list(base)
     out.write(f"kiln chat with {engine.model_name} (/reset clears history, /exit quits)\n")

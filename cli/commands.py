@@ -65,7 +65,7 @@ def serve(engine_dir: Path, host: str, port: int, max_queue: int | None, kv_cach
           max_num_seqs: int, served_model_name: str | None) -> None:
     """Serve ENGINE_DIR over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions)."""
     from kiln.runtime.params import RuntimeConfig
-    from kiln.runtime.server import ServeOptions, serve as run_server
+    from kiln.runtime.server.app import ServeOptions, serve as run_server
 
     run_server(engine_dir, RuntimeConfig(kv_cache_bytes=kv_cache_bytes, max_num_seqs=max_num_seqs),
                ServeOptions(host=host, port=port, served_model_name=served_model_name, max_queue=max_queue))
@@ -100,7 +100,7 @@ def sampling_options(func):
 def generate(engine_dir: str, prompt: str | None, chat: str | None, max_tokens: int, temperature: float,
              top_p: float, top_k: int, seed: int | None) -> None:
     """Generate from ENGINE_DIR for PROMPT (or --chat TEXT), streaming the text to stdout."""
-    from kiln.runtime.cli_commands import generate as run
+    from kiln.cli.generation import generate as run
 
     run(engine_dir, prompt, chat, _sampling(max_tokens, temperature, top_p, top_k, seed))
 
@@ -112,7 +112,7 @@ def generate(engine_dir: str, prompt: str | None, chat: str | None, max_tokens: 
 def chat(engine_dir: str, system: str | None, max_tokens: int, temperature: float, top_p: float, top_k: int,
          seed: int | None) -> None:
     """Chat with ENGINE_DIR interactively (history kept; /reset, /exit)."""
-    from kiln.runtime.cli_commands import chat_repl
+    from kiln.cli.generation import chat_repl
 
     chat_repl(engine_dir, _sampling(max_tokens, temperature, top_p, top_k, seed), system)
 
@@ -135,11 +135,11 @@ def bench(engine_dir: str, num_requests: int, input_len: int, output_len: int, c
           request_rate: float | None, kv_cache_bytes: int | None, max_num_seqs: int, num_threads: int | None,
           json_path: str | None, server_url: str | None) -> None:
     """Offline throughput/latency of ENGINE_DIR on a synthetic workload, vs the memory-bandwidth floor."""
-    from kiln.runtime.bench import BenchConfig, bench as run
+    from kiln.runtime.bench.offline import BenchConfig, bench as run
     from kiln.runtime.params import RuntimeConfig
 
     if server_url:
-        from kiln.runtime.server_bench import bench_server
+        from kiln.runtime.bench.serving import bench_server
 
         bench_server(server_url, engine_dir, BenchConfig(num_requests, input_len, output_len, None, request_rate),
                      concurrency or (None,), json_path)
@@ -149,10 +149,7 @@ def bench(engine_dir: str, num_requests: int, input_len: int, output_len: int, c
                       enable_prefix_caching=False), json_path)
 
 
-from kiln.calibration.cli import calibrate, evaluate  # noqa: E402
+from kiln.cli.calibration import calibrate, evaluate  # noqa: E402
 
 main.add_command(calibrate)
 main.add_command(evaluate)
-
-if __name__ == "__main__":
-    main()

@@ -28,11 +28,11 @@ try:
 except ImportError as e:  # the bare runtime install has no HTTP stack
     raise ImportError(f"kiln serve needs the server extras (pip install 'kiln[server]'): {e}") from e
 
-from kiln.runtime.openai_protocol import (ChatCompletionRequest, CompletionRequest, ErrorResponse,
+from kiln.runtime.server.protocol import (ChatCompletionRequest, CompletionRequest, ErrorResponse,
                                           ResponseFormatter, error_body)
 from kiln.runtime.outputs import RequestOutput
 from kiln.runtime.params import SamplingParams
-from kiln.runtime.server_metrics import CONTENT_TYPE, RequestTimer, ServerMetrics
+from kiln.runtime.server.metrics import CONTENT_TYPE, RequestTimer, ServerMetrics
 
 log = logging.getLogger("kiln.server")
 

@@ -1,0 +1,113 @@
+"""The Checkpoint every model source loads into, and the weight-set check both loaders share.
+
+Its own module so that the loaders (checkpoint.py for HF dirs and the dispatch, gguf_loader.py)
+import it and never each other in both directions.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from functools import cached_property
+
+import torch
+
+from kiln.spec import ModelSpec
+
+
+@dataclass(frozen=True)
+class TokenizerFiles:
+    tokenizer_json: str  # a serialized `tokenizers` tokenizer (tokenizer.json content)
+    tokenizer_config: dict  # chat_template, bos_token, eos_token, add_bos_token, ...
+
+
+@dataclass(frozen=True, eq=False)
+class Checkpoint:
+    spec: ModelSpec
+    weights: dict[str, torch.Tensor] = field(repr=False)  # float32, HF parameter names
+    tokenizer: TokenizerFiles | None = field(repr=False)
+    source: str
+
+    def fingerprint(self) -> str:
+        """sha256 over the spec and every weight (name, dtype, shape, bytes), in name order."""
+        return self._fingerprint
+
+    @cached_property
+    def _fingerprint(self) -> str:
+        digest = hashlib.sha256()
+        digest.update(json.dumps(self.spec.to_dict(), sort_keys=True).encode())
+        for name in sorted(self.weights):
+            tensor = self.weights[name].detach().contiguous().cpu()
+            digest.update(f"\n{name}:{tensor.dtype}:{tuple(tensor.shape)}\n".encode())
+            digest.update(tensor.view(torch.uint8).numpy().tobytes() if tensor.numel() else b"")
+        return digest.hexdigest()
+
+
+def expected_weight_names(spec: ModelSpec) -> list[str]:
+    """The HF parameter names a checkpoint of this spec must provide."""
+    names = ["model.embed_tokens.weight", "model.norm.weight"]
+    if not spec.tie_word_embeddings:
+        names.append("lm_head.weight")
+    for i in range(spec.num_layers):
+        p = f"model.layers.{i}."
+        names += [p + "input_layernorm.weight", p + "post_attention_layernorm.weight"]
+        names += [p + f"self_attn.{n}_proj.weight" for n in ("q", "k", "v", "o")]
+        if spec.attention_bias:
+            names += [p + f"self_attn.{n}_proj.bias" for n in ("q", "k", "v")]
+        names += [p + f"mlp.{n}_proj.weight" for n in ("gate", "up", "down")]
+    return names
+
+
+def expected_weight_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
+    h, inter = spec.hidden_size, spec.intermediate_size
+    per_layer = {
+        "input_layernorm.weight": (h,),
+        "post_attention_layernorm.weight": (h,),
+        "self_attn.q_proj.weight": (spec.q_size, h),
+        "self_attn.k_proj.weight": (spec.kv_size, h),
+        "self_attn.v_proj.weight": (spec.kv_size, h),
+        "self_attn.o_proj.weight": (h, spec.q_size),
+        "self_attn.q_proj.bias": (spec.q_size,),
+        "self_attn.k_proj.bias": (spec.kv_size,),
+        "self_attn.v_proj.bias": (spec.kv_size,),
+        "mlp.gate_proj.weight": (inter, h),
+        "mlp.up_proj.weight": (inter, h),
+        "mlp.down_proj.weight": (h, inter),
+    }
+    shapes = {
+        "model.embed_tokens.weight": (spec.vocab_size, h),
+        "model.norm.weight": (h,),
+        "lm_head.weight": (spec.vocab_size, h),
+    }
+    for name in expected_weight_names(spec):
+        if name.startswith("model.layers."):
+            shapes[name] = per_layer[name.split(".", 3)[3]]
+    return shapes
+
+
+def select_weights(spec: ModelSpec, weights: dict[str, torch.Tensor], source: str) -> dict[str, torch.Tensor]:
+    """Check names and shapes against the spec; keep exactly the expected ones, as float32."""
+    shapes = expected_weight_shapes(spec)
+    names = expected_weight_names(spec)
+    missing = [n for n in names if n not in weights]
+    if missing:
+        more = f" (and {len(missing) - 3} more)" if len(missing) > 3 else ""
+        raise ValueError(f"{source}: weights missing for {', '.join(missing[:3])}{more}")
+    # Anything else is a parameter the reference model would silently drop (o_proj bias, ...).
+    unexpected = sorted(
+        n for n in set(weights) - set(names)
+        if n != "lm_head.weight" and not n.endswith("rotary_emb.inv_freq")
+    )
+    if unexpected:
+        more = f" (and {len(unexpected) - 3} more)" if len(unexpected) > 3 else ""
+        raise ValueError(f"{source}: unsupported weights {', '.join(unexpected[:3])}{more}")
+    selected = {}
+    for name in names:
+        tensor = weights[name]
+        if tuple(tensor.shape) != shapes[name]:
+            raise ValueError(
+                f"{source}: {name} has shape {tuple(tensor.shape)}, the config implies {shapes[name]}"
+            )
+        selected[name] = tensor.to(torch.float32).contiguous()
+    return selected
