@@ -1,4 +1,9 @@
-"""Shared fixtures: engines built once per session (tiny) or once per kiln source (SmolLM2)."""
+"""Shared fixtures: engines built once per session (tiny) or once per kiln source (SmolLM2).
+
+The tiers are folders: unit/ builds no engine (`make test-fast`); engine/ (tiny-engine end to
+end) and golden/ (numerics against PyTorch/HF, SmolLM2) build or load engines and carry the
+`engine` marker, given here per folder so a new test file cannot forget it.
+"""
 
 from __future__ import annotations
 
@@ -12,6 +17,13 @@ REPO = Path(__file__).resolve().parent.parent
 ENGINE_CACHE = REPO / ".cache" / "engines"
 # The sources that decide what `kiln build` writes; a change to any of them rebuilds cached engines.
 _BUILD_SOURCES = ("kiln", "export", "optimize")
+_ENGINE_TIERS = tuple(REPO / "tests" / tier for tier in ("engine", "golden"))
+
+
+def pytest_collection_modifyitems(items) -> None:
+    for item in items:
+        if any(tier in item.path.parents for tier in _ENGINE_TIERS):
+            item.add_marker(pytest.mark.engine)
 
 
 def kiln_source_hash() -> str:

@@ -73,6 +73,8 @@ def _prefill_then_decode(llm, prompt, next_token):
 
 
 def test_int8_engine_generates_close_to_fp32(int8_engine, tiny_engine):
+    from tokenizers import Tokenizer
+
     config = RuntimeConfig(kv_cache_bytes=1 << 20)
     fp32, int8 = LLM(tiny_engine, config), LLM(int8_engine, config)
     assert all(p.dtype == np.int8 for p in int8.engine.runner.pools)
@@ -90,7 +92,7 @@ def test_int8_engine_generates_close_to_fp32(int8_engine, tiny_engine):
     outs = int8.generate(prompts, greedy)
     assert all(len(o.outputs[0].token_ids) == 12 for o in outs)
     text = int8.generate("hello world", SamplingParams(temperature=0, max_tokens=6))[0].outputs[0]
-    assert isinstance(text.text, str)
+    assert text.text == Tokenizer.from_file(str(int8_engine / "tokenizer.json")).decode(text.token_ids)
 
 
 def test_int8_kv_needs_a_calibration_artifact(tiny_model_dir, tmp_path):

@@ -48,7 +48,6 @@ def test_quantized_engine_graph_runs_and_stays_close(tiny_engine, tmp_path, sche
     rel = np.abs(out - fp32).max() / np.abs(fp32).max()
     assert rel < tolerance, rel
     assert (out.argmax(-1) == fp32.argmax(-1)).mean() >= agreement
-    assert path.stat().st_size + (path.parent / "model.onnx.data").stat().st_size > 0
 
 
 def test_calibrated_build_folds_scales_and_refuses_foreign_artifacts(tiny_model_dir, tiny_engine, tmp_path):

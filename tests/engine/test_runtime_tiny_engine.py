@@ -45,12 +45,26 @@ def test_greedy_matches_transformers(tiny_model_dir, big):
         assert out.outputs[0].token_ids == ids[0, len(prompt):].tolist()
 
 
-def test_text_generation_and_chat(big):
+def test_text_generation_and_chat_match_transformers(tiny_model_dir, big):
+    torch = pytest.importorskip("torch")
+    from helpers import TINY_EOS_ID
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, torch_dtype=torch.float32).eval()
     out = big.generate("hello world", SamplingParams(temperature=0, max_tokens=8))[0]
-    assert out.prompt == "hello world" and out.prompt_token_ids == big.tokenizer.encode("hello world")
-    assert out.outputs[0].finish_reason in ("stop", "length") and isinstance(out.outputs[0].text, str)
-    chat = big.chat([{"role": "user", "content": "hi"}], SamplingParams(temperature=0, max_tokens=4))[0]
-    assert chat.prompt.endswith("<|im_start|>assistant\n")
+    prompt = tokenizer.encode("hello world", add_special_tokens=False)
+    assert out.prompt == "hello world" and out.prompt_token_ids == prompt
+    with torch.no_grad():
+        ids = model.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False, eos_token_id=TINY_EOS_ID,
+                             attention_mask=torch.ones(1, len(prompt), dtype=torch.long), pad_token_id=0)
+    expected = ids[0, len(prompt):].tolist()
+    assert TINY_EOS_ID not in expected and out.outputs[0].finish_reason == "length"
+    assert out.outputs[0].token_ids == expected
+    assert out.outputs[0].text == tokenizer.decode(expected, skip_special_tokens=True)
+    messages = [{"role": "user", "content": "hi"}]
+    chat = big.chat(messages, SamplingParams(temperature=0, max_tokens=4))[0]
+    assert chat.prompt == tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
 
 def test_preemption_with_a_tiny_pool_keeps_outputs(tiny_engine, reference):
