@@ -23,6 +23,8 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
+from kiln.errors import KilnError
+
 from .awq import CLIP_PREFIX, apply_clips
 from .norm_tuning import GAIN_PREFIX, apply_gains
 from .smoothing import fold, smooth_groups
@@ -34,8 +36,8 @@ META_FILE = "calibration.json"
 METHODS = ("smoothquant", "awq")
 
 
-class CalibrationError(RuntimeError):
-    """A calibration artifact that cannot be used; the message says why in one sentence."""
+class CalibrationError(KilnError, RuntimeError):
+    """Calibration that cannot run, or an artifact that cannot be used; the message says why in one sentence."""
 
 
 @dataclass(frozen=True)

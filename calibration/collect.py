@@ -14,6 +14,8 @@ from typing import Callable
 import torch
 from torch import nn
 
+from kiln.errors import InvalidParamError
+
 Progress = Callable[[str], None]
 
 
@@ -44,7 +46,8 @@ def token_windows(token_ids: list[int], window: int, count: int) -> list[torch.T
     """The first `count` consecutive, non-overlapping windows of `window` tokens."""
     n = min(count, len(token_ids) // window)
     if n == 0:
-        raise ValueError(f"calibration text has {len(token_ids)} tokens, fewer than one window of {window}")
+        raise InvalidParamError(f"calibration text has {len(token_ids)} tokens, fewer than one window of {window}",
+                                "window")
     return [torch.tensor(token_ids[i * window:(i + 1) * window], dtype=torch.int64) for i in range(n)]
 
 

@@ -22,6 +22,8 @@ from typing import Callable
 
 import numpy as np
 
+from kiln.errors import InvalidParamError
+
 Progress = Callable[[str], None]
 
 
@@ -103,8 +105,8 @@ def perplexity(session: EngineSession, token_ids: list[int], window: int = 512, 
     total, count = 0.0, 0
     n = min(num_windows, len(token_ids) // window)
     if n == 0:
-        raise ValueError(f"the text has {len(token_ids)} tokens, not one window of {window}; use a longer text "
-                         f"or fewer window tokens")
+        raise InvalidParamError(f"the text has {len(token_ids)} tokens, not one window of {window}; use a longer "
+                                f"text or fewer window tokens", "window")
     for w in range(n):
         tokens = token_ids[w * window:(w + 1) * window]
         logits = session.prefill(tokens)
@@ -246,5 +248,5 @@ def evaluate(engine_dir: str | Path, reference_dir: str | Path | None = None, nu
     in_reference = None if reference is None else trace_loops(reference, answers)
     for a in answers:
         del a["prompt_ids"], a["answer_ids"]
-    return EvalReport(str(engine_dir), build.quantization, build.kv_dtype, source, ppl, count, agreement, speed,
+    return EvalReport(str(engine_dir), build.quantization.name, build.kv_dtype, source, ppl, count, agreement, speed,
                       size_mb, sum(a["degenerate"] for a in answers), in_reference, answers)

@@ -41,7 +41,10 @@ def calibrate(model: str, method: str, output: Path, alpha: float | None, group_
         text = calibration_text()
     except CorpusNotFound as exc:
         raise click.ClickException(str(exc)) from exc
-    checkpoint = load_checkpoint(model)
+    try:
+        checkpoint = load_checkpoint(model)
+    except (FileNotFoundError, ValueError) as exc:  # the exporter names an unusable model source in one sentence
+        raise click.ClickException(str(exc)) from exc
     artifact = run(checkpoint, tokenize(checkpoint, text), config, _say, corpus=f"janeaustenr:{CALIBRATION_BOOK}")
     _say(f"wrote {artifact.save(output)}")
 
@@ -63,6 +66,6 @@ def evaluate(engine_dir: Path, reference: Path | None, windows: int, window_toke
 
     try:
         report = run(engine_dir, reference, windows, window_tokens, threads, _say, text_file)
-    except (CorpusNotFound, ValueError, UnicodeDecodeError) as exc:
+    except (CorpusNotFound, UnicodeDecodeError) as exc:
         raise click.ClickException(str(exc)) from exc
     click.echo(report.to_json())

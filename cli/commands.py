@@ -7,23 +7,20 @@ from pathlib import Path
 
 import click
 
+from kiln.errors import KilnError
+
 
 class _Group(click.Group):
-    """Turns the errors a user can act on (bad model path, broken engine dir, bad option) into one
-    line instead of a traceback; KILN_DEBUG=1 keeps the traceback."""
+    """Prints a KilnError (bad option, broken engine dir, unusable model or artifact) as one line;
+    anything else is a bug and keeps its traceback, as KILN_DEBUG=1 keeps every one."""
 
     def invoke(self, ctx: click.Context):
         try:
             return super().invoke(ctx)
-        except (FileNotFoundError, ValueError, RuntimeError) as exc:
-            if os.environ.get("KILN_DEBUG") or not _is_user_error(exc):
+        except KilnError as exc:
+            if os.environ.get("KILN_DEBUG"):
                 raise
             raise click.ClickException(str(exc)) from exc
-
-
-def _is_user_error(exc: Exception) -> bool:
-    # RuntimeError subclasses are only ours (engine load, op library, build); a bare one is a bug.
-    return not isinstance(exc, RuntimeError) or type(exc).__module__.startswith("kiln.")
 
 
 @click.group(cls=_Group)
@@ -41,16 +38,18 @@ def main() -> None:
 @click.option("--max-seq-len", type=int, default=2048, show_default=True)
 @click.option("--quantization", default="none", show_default=True,
               help="none | int8-weight-only | int4-rtn-g{32,64,128} | int4-awq-g{32,64,128} | int4-q4_1 | w8a8-smoothquant")
-@click.option("--calibration", type=click.Path(exists=True, file_okay=False), default=None,
+@click.option("--calibration", type=click.Path(exists=True, file_okay=False, path_type=Path), default=None,
               help="artifact of `kiln calibrate` (needed by int4-awq-*, w8a8-smoothquant and --kv-dtype int8)")
 def build(model: str, output: Path, kv_dtype: str, block_size: int, max_seq_len: int, quantization: str,
-          calibration: str) -> None:
+          calibration: Path | None) -> None:
     """Compile MODEL (an HF checkpoint dir, a .gguf file, or `default` for SmolLM2) into an engine dir."""
     from kiln.manifest import BuildOptions
     from kiln.optimize.build import build_engine
+    from kiln.quant_scheme import QuantScheme
 
-    build_engine(model, output, BuildOptions(kv_dtype=kv_dtype, block_size=block_size, max_seq_len=max_seq_len,
-                                             quantization=quantization, calibration=str(calibration or "")))
+    options = BuildOptions(quantization=QuantScheme.parse(quantization), kv_dtype=kv_dtype, block_size=block_size,
+                           max_seq_len=max_seq_len, calibration=calibration)
+    build_engine(model, output, options)
 
 
 @main.command()

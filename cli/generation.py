@@ -6,6 +6,7 @@ import dataclasses
 import sys
 from typing import TextIO
 
+from kiln.errors import InvalidParamError
 from kiln.runtime.engine import Engine
 from kiln.runtime.loader import load_engine
 from kiln.runtime.params import RuntimeConfig, SamplingParams
@@ -33,7 +34,7 @@ def generate(engine_dir: str, prompt: str | None, chat: str | None, params: Samp
     """`kiln generate`: a raw PROMPT, or --chat TEXT wrapped in the engine's chat template."""
     out = out or sys.stdout
     if (prompt is None) == (chat is None):
-        raise ValueError("give exactly one of PROMPT or --chat TEXT")
+        raise InvalidParamError("give exactly one of PROMPT or --chat TEXT", "prompt")
     engine = load_engine(engine_dir, config)
     if chat is not None:
         prompt = engine.tokenizer.apply_chat_template([{"role": "user", "content": chat}])

@@ -8,11 +8,14 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from kiln import __version__
 from kiln.contract import OP_LIBRARY_ABI, OP_LIBRARY_MIN_ABI
+from kiln.errors import KilnError, require
+from kiln.quant_scheme import QuantScheme
 from kiln.spec import ModelSpec
 
 FORMAT_VERSION = 1
@@ -21,19 +24,51 @@ BACKEND_ORT_CPU = "onnxruntime-cpu"
 BACKEND_TENSORRT = "tensorrt"
 
 
-class EngineLoadError(RuntimeError):
+_KV_DTYPES = ("float32", "float16", "int8")  # KV pool element types (the runtime maps them to numpy)
+
+
+class EngineLoadError(KilnError, RuntimeError):
     """An engine directory that cannot be served; the message is one sentence naming why."""
 
 
 @dataclass(frozen=True)
 class BuildOptions:
-    dtype: str = "float32"  # activation / weight dtype of unquantized matmuls
-    quantization: str = "none"  # "none" | "int8-weight-only" | "int4-rtn-g128" | "w8a8-smoothquant" | ...
+    """What `kiln build` compiles for; each field checked alone here (the build checks how they pair).
+
+    Unquantized matmuls and activations are float32: the one dtype the ORT CPU engine computes in.
+    """
+
+    quantization: QuantScheme = QuantScheme()
     kv_dtype: str = "float32"  # "float32" | "float16" | "int8"
     block_size: int = 16
     max_seq_len: int = 2048
     max_num_tokens: int = 2048  # per-step token budget the graph was built and tested for
-    calibration: str = ""  # calibration artifact dir: scales folded in (SmoothQuant / AWQ), int8 KV steps
+    calibration: Path | None = None  # artifact of `kiln calibrate`: scales folded in (SmoothQuant / AWQ), int8 KV steps
+
+    def __post_init__(self) -> None:
+        require(isinstance(self.quantization, QuantScheme), "quantization", "a QuantScheme (QuantScheme.parse(name))",
+                self.quantization)
+        require(self.kv_dtype in _KV_DTYPES, "kv_dtype", f"one of {list(_KV_DTYPES)}", self.kv_dtype)
+        for name in ("block_size", "max_seq_len", "max_num_tokens"):
+            value = getattr(self, name)
+            require(isinstance(value, int) and value > 0, name, "a positive integer", value)
+        require(self.calibration is None or isinstance(self.calibration, Path), "calibration", "a Path or None",
+                self.calibration)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The manifest's "build" object: the scheme by name, the artifact as a path string or null."""
+        return {"quantization": self.quantization.name, "kv_dtype": self.kv_dtype, "block_size": self.block_size,
+                "max_seq_len": self.max_seq_len, "max_num_tokens": self.max_num_tokens,
+                "calibration": None if self.calibration is None else str(self.calibration)}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> BuildOptions:
+        """Read to_dict's object, and that of older manifests: they also carry "dtype" (always float32,
+        the only one builds accepted) and "" for no calibration artifact."""
+        fields = {key: value for key, value in data.items() if key != "dtype"}
+        calibration = fields.pop("calibration", None)
+        return cls(quantization=QuantScheme.parse(fields.pop("quantization", "none")),
+                   calibration=Path(calibration) if calibration else None, **fields)
 
 
 @dataclass(frozen=True)
@@ -55,7 +90,7 @@ class Manifest:
             "backend": self.backend,
             "op_library_abi": self.op_library_abi,
             "model_spec": self.spec.to_dict(),
-            "build": asdict(self.build),
+            "build": self.build.to_dict(),
             "graph": {"inputs": list(self.graph_inputs), "outputs": list(self.graph_outputs)},
             "files": self.files,
         }
@@ -72,7 +107,7 @@ class Manifest:
             )
         return cls(
             spec=ModelSpec.from_dict(data["model_spec"]),
-            build=BuildOptions(**data["build"]),
+            build=BuildOptions.from_dict(data["build"]),
             backend=data["backend"],
             graph_inputs=tuple(data["graph"]["inputs"]),
             graph_outputs=tuple(data["graph"]["outputs"]),
@@ -114,7 +149,7 @@ def read_manifest(engine_dir: Path, verify_checksums: bool = True) -> Manifest:
         raise EngineLoadError(f"{engine_dir} is not a kiln engine directory: it has no {MANIFEST_NAME}")
     try:
         manifest = Manifest.from_json(path.read_text())
-    except (KeyError, TypeError, json.JSONDecodeError) as exc:
+    except (KeyError, TypeError, ValueError) as exc:  # json.JSONDecodeError and bad field values are ValueErrors
         raise EngineLoadError(f"{path} is malformed ({exc.__class__.__name__}: {exc})") from exc
     if not OP_LIBRARY_MIN_ABI <= manifest.op_library_abi <= OP_LIBRARY_ABI:
         raise EngineLoadError(

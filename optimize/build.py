@@ -20,20 +20,20 @@ from typing import Callable
 import onnx_ir as ir
 
 from kiln import contract
+from kiln.errors import KilnError
 from kiln.manifest import BACKEND_ORT_CPU, MANIFEST_NAME, BuildOptions, Manifest, write_manifest
 from kiln.optimize.fuse_attention import AttentionConfig
 from kiln.optimize.pipeline import optimize_model
 from kiln.optimize.quantize import QuantizationError, prepare_checkpoint, quantize_model
 from kiln.optimize.quantize import check_options as check_quantization
-from kiln.optimize.quantize import parse_scheme
+from kiln.quant_scheme import QuantMethod
 
 Progress = Callable[[str], None]
 MODEL_FILE = "model.onnx"
 DATA_FILE = "model.onnx.data"
-_KV_DTYPES = ("float32", "float16", "int8")
 
 
-class BuildError(RuntimeError):
+class BuildError(KilnError, RuntimeError):
     """The model cannot be built into an engine; the message says why."""
 
 
@@ -49,13 +49,12 @@ def build_engine(
     _check_options(options)
     out_dir = Path(out_dir)
     _check_out_dir(out_dir)
-    from kiln.export.checkpoint import load_checkpoint
     from kiln.export.onnx_export import export_onnx
 
     with _stage(say, "load checkpoint"):
-        checkpoint = load_checkpoint(model_path)
+        checkpoint = _load_checkpoint(model_path)
         try:
-            checkpoint = prepare_checkpoint(checkpoint, options.quantization, _quant_calibration(options), say)
+            checkpoint = prepare_checkpoint(checkpoint, options.quantization, _scheme_artifact(options), say)
         except QuantizationError as exc:
             raise BuildError(str(exc)) from exc
         kv_scales = _kv_scales(checkpoint, options.calibration, say) if options.kv_dtype == "int8" else None
@@ -72,9 +71,9 @@ def build_engine(
             for name, count in counts.items():
                 say(f"  {name}: fired {count}x")
             _check_counts(counts, spec.num_layers)
-        if options.quantization != "none":
+        if options.quantization.method is not QuantMethod.NONE:
             with _stage(say, f"quantize {options.quantization}"):
-                _quantize(model, options, say)
+                quantize_model(model, options.quantization, say)
         with _stage(say, "write engine"):
             _prepare_dir(out_dir)
             ir.save(model, out_dir / MODEL_FILE, external_data=DATA_FILE)
@@ -115,18 +114,24 @@ def _stage(say: Progress, name: str):
     say(f"{name} done in {time.perf_counter() - start:.1f}s")
 
 
-def _quant_calibration(options: BuildOptions) -> str:
+def _load_checkpoint(model_path: str | Path):
+    from kiln.export.checkpoint import load_checkpoint
+
+    try:
+        return load_checkpoint(model_path)
+    except (FileNotFoundError, ValueError) as exc:  # the exporter names an unusable model source in one sentence
+        raise BuildError(str(exc)) from exc
+
+
+def _scheme_artifact(options: BuildOptions) -> Path | None:
     """The artifact the quantization scheme folds in: with an int8 KV cache the artifact may serve
     the KV scales alone (a scheme that needs no calibration then ignores it)."""
-    if options.kv_dtype == "int8" and options.calibration:
-        try:
-            return options.calibration if parse_scheme(options.quantization).calibration else ""
-        except QuantizationError:
-            return options.calibration  # let check_options name the unknown scheme
+    if options.kv_dtype == "int8" and not options.quantization.calibration:
+        return None
     return options.calibration
 
 
-def _kv_scales(checkpoint, calibration: str, say: Progress):
+def _kv_scales(checkpoint, calibration: Path | None, say: Progress):
     """float32 [num_layers, 2, Hkv]: the artifact's per-head K and V int8 steps (absmax / 127)."""
     import numpy as np
 
@@ -154,19 +159,14 @@ def _kv_scales(checkpoint, calibration: str, say: Progress):
 
 
 def _check_options(options: BuildOptions) -> None:
+    """What BuildOptions cannot check field by field: the artifact each choice needs, given or refused."""
     try:
-        check_quantization(options.quantization, _quant_calibration(options))
+        check_quantization(options.quantization, _scheme_artifact(options))
     except QuantizationError as exc:
         raise BuildError(str(exc)) from exc
-    if options.kv_dtype not in _KV_DTYPES:
-        raise BuildError(f"kv dtype {options.kv_dtype!r} is not supported; choose one of {list(_KV_DTYPES)}")
-    if options.kv_dtype == "int8" and not options.calibration:
+    if options.kv_dtype == "int8" and options.calibration is None:
         raise BuildError("an int8 KV cache needs the per-head K/V scales of a calibration artifact: run "
                          "`kiln calibrate MODEL --method smoothquant -o DIR` (any method) and pass --calibration DIR")
-    if options.dtype != "float32":
-        raise BuildError(f"dtype {options.dtype!r} is not supported; the ONNX Runtime CPU engine computes in float32")
-    if options.block_size <= 0 or options.max_seq_len <= 0 or options.max_num_tokens <= 0:
-        raise BuildError("block size, max sequence length and max tokens per step must be positive")
 
 
 def _check_counts(counts: dict[str, int], num_layers: int) -> None:
@@ -177,10 +177,6 @@ def _check_counts(counts: dict[str, int], num_layers: int) -> None:
         )
     if counts["select_logits"] != 1:
         raise BuildError("could not find the LM head (the graph's logits are not produced by a MatMul)")
-
-
-def _quantize(model: ir.Model, options: BuildOptions, say: Progress) -> None:
-    quantize_model(model, options.quantization, say)
 
 
 def _check_out_dir(out_dir: Path) -> None:

@@ -20,13 +20,13 @@ V quantization steps of layer i, from AttentionConfig.kv_scales) as its 8th inpu
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 import onnx_ir as ir
 from onnxscript.rewriter import pattern
 
 from kiln import contract
+from kiln.errors import require
 from kiln.optimize._common import add_opset, const_float, look_through_repeat_kv, static_dim
 
 _KV_DTYPES = {"float32": ir.DataType.FLOAT, "float16": ir.DataType.FLOAT16, "int8": ir.DataType.INT8}
@@ -42,7 +42,16 @@ class AttentionConfig:
     block_size: int = 16
     sliding_window: int = 0
     # int8 KV only: float32 [num_layers, 2, Hkv], the K (row 0) and V (row 1) steps of each layer
-    kv_scales: Any = None
+    kv_scales: np.ndarray | None = None
+
+    def __post_init__(self) -> None:
+        scales = self.kv_scales
+        found = f"{scales.dtype} {list(scales.shape)}" if isinstance(scales, np.ndarray) else scales
+        if self.kv_dtype != "int8":
+            require(scales is None, "kv_scales", f"None with a {self.kv_dtype} KV cache", found)
+        else:
+            require(isinstance(scales, np.ndarray) and scales.dtype == np.float32 and scales.ndim == 3
+                    and scales.shape[1] == 2, "kv_scales", "float32 [num_layers, 2, Hkv] with an int8 KV cache", found)
 
 
 @dataclass

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import onnx_ir as ir
 
+from kiln.quant_scheme import INT4_GROUP_SIZES
+
 from .quant.graph import ensure_opset, find_linears, is_lm_head, prune, replace_linear
 from .quant.nbits import MS_DOMAIN, make_matmul_nbits
 from .quant.rtn import per_channel_as_groups, quantize_groupwise
-
-GROUP_SIZES = (32, 64, 128)
 
 
 def quantize_int4(model: ir.Model, group_size: int = 128, int4_lm_head: bool = False) -> int:
@@ -22,8 +22,8 @@ def quantize_int4(model: ir.Model, group_size: int = 128, int4_lm_head: bool = F
     The LM head (the linear feeding the logits output) gets int8 per channel unless
     int4_lm_head: on SmolLM2 an int4 head alone causes a third of int4-g32's perplexity loss.
     """
-    if group_size not in GROUP_SIZES:
-        raise ValueError(f"int4 group size must be one of {GROUP_SIZES}, not {group_size}")
+    if group_size not in INT4_GROUP_SIZES:
+        raise ValueError(f"int4 group size must be one of {INT4_GROUP_SIZES}, not {group_size}")
     linears = find_linears(model)
     for lin in linears:
         if is_lm_head(lin) and not int4_lm_head:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+from kiln.errors import InvalidParamError
 from kiln.runtime.block_manager import BlockManager
 from kiln.runtime.detokenizer import Decoder, IncrementalDetokenizer
 from kiln.runtime.model_runner import ModelRunner, build_batch
@@ -94,31 +95,32 @@ class Engine:
     # -- requests ---------------------------------------------------------------------------
 
     def validate(self, prompt: str | list[int], params: SamplingParams) -> tuple[str | None, list[int]]:
-        """Tokenize and check a prompt; ValueError (naming the problem) for bad input."""
+        """Tokenize and check a prompt; InvalidParamError (a ValueError naming the field) for bad input."""
         if not isinstance(params, SamplingParams):
-            raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
+            raise InvalidParamError(f"params must be a SamplingParams, got {type(params).__name__}", "params")
         if isinstance(prompt, str):
             text, ids = prompt, self.tokenizer.encode(prompt)
         else:
             text, ids = None, [int(t) for t in prompt]
         if not ids:
-            raise ValueError("prompt is empty: it must have at least one token")
+            raise InvalidParamError("prompt is empty: it must have at least one token", "prompt")
         vocab = self.runner.vocab_size
         if min(ids) < 0 or max(ids) >= vocab:
-            raise ValueError(f"prompt token ids must be in [0, {vocab}), got {min(ids)}..{max(ids)}")
+            raise InvalidParamError(f"prompt token ids must be in [0, {vocab}), got {min(ids)}..{max(ids)}", "prompt")
         limit = self.max_seq_len
         if params.max_tokens is None:
             if len(ids) >= limit:
-                raise ValueError(f"prompt has {len(ids)} tokens, which leaves no room under max_seq_len {limit}")
+                raise InvalidParamError(f"prompt has {len(ids)} tokens, which leaves no room under max_seq_len {limit}",
+                                        "prompt")
         elif len(ids) + params.max_tokens > limit:
-            raise ValueError(
-                f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds max_seq_len ({limit})"
+            raise InvalidParamError(
+                f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds max_seq_len ({limit})", "prompt"
             )
         return text, ids
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> Request:
         if request_id in self.requests:
-            raise ValueError(f"request_id {request_id!r} is already in use")
+            raise InvalidParamError(f"request_id {request_id!r} is already in use", "request_id")
         text, ids = self.validate(prompt, params)
         request = Request(request_id, text, ids, params, self.tokenizer)
         self.requests[request_id] = request

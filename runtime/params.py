@@ -4,10 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-
-def _require(ok: bool, field: str, rule: str, value: object) -> None:
-    if not ok:
-        raise ValueError(f"{field} must be {rule}, got {value!r}")
+from kiln.errors import require as _require
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,8 @@ from jinja2.exceptions import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
 
+from kiln.errors import InvalidParamError
+
 
 def _raise_exception(message: str) -> None:
     raise TemplateError(message)
@@ -55,7 +57,8 @@ class Tokenizer:
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         if not self.chat_template:
-            raise ValueError("this engine's tokenizer_config.json has no chat_template; pass a plain prompt")
+            raise InvalidParamError("this engine's tokenizer_config.json has no chat_template; pass a plain prompt",
+                                    "messages")
         if self._compiled is None:
             env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
             env.globals["raise_exception"] = _raise_exception
@@ -68,4 +71,4 @@ class Tokenizer:
                 bos_token=self.bos_token or "", eos_token=self.eos_token or "", tools=None,
             )
         except TemplateError as exc:
-            raise ValueError(f"chat template rejected the messages: {exc}") from exc
+            raise InvalidParamError(f"chat template rejected the messages: {exc}", "messages") from exc

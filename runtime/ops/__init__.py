@@ -10,12 +10,13 @@ import ctypes
 from pathlib import Path
 
 from kiln.contract import OP_LIBRARY_ABI
+from kiln.errors import KilnError
 
 LIBRARY_NAME = "libkiln_ops.so"
 _HERE = Path(__file__).resolve().parent
 
 
-class OpLibraryError(RuntimeError):
+class OpLibraryError(KilnError, RuntimeError):
     """The op library is missing or incompatible; the message says how to fix it."""
 
 

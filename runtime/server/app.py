@@ -28,6 +28,7 @@ try:
 except ImportError as e:  # the bare runtime install has no HTTP stack
     raise ImportError(f"kiln serve needs the server extras (pip install 'kiln[server]'): {e}") from e
 
+from kiln.errors import InvalidParamError
 from kiln.runtime.server.protocol import (ChatCompletionRequest, CompletionRequest, ErrorResponse,
                                           ResponseFormatter, error_body)
 from kiln.runtime.outputs import RequestOutput
@@ -60,12 +61,6 @@ class APIError(Exception):
     def response(self) -> JSONResponse:
         return JSONResponse(error_body(self.status, self.message, self.param, self.code),
                             status_code=self.status, headers=self.headers)
-
-
-def _param_of(err: ValueError) -> str | None:
-    """SamplingParams and the engine name the offending field first ("top_k must be ...")."""
-    words = str(err).split()
-    return words[0] if words and words[0].isidentifier() else None
 
 
 # ---- one HTTP request's engine requests ----------------------------------------------
@@ -160,11 +155,11 @@ async def _sse_stream(first: tuple[int, RequestOutput], stream: AsyncIterator, f
             yield _sse(fmt.usage_chunk(finals))
     except ClientDisconnected:
         return
-    except Exception as e:  # headers are sent: report in-band, then end the stream
-        status = 400 if isinstance(e, ValueError) else 500
-        if status == 500:
-            log.exception("request %s failed mid-stream", fmt.id)
-        yield _sse(error_body(status, str(e) or type(e).__name__, _param_of(e) if status == 400 else None))
+    except InvalidParamError as e:  # headers are sent: report in-band, then end the stream
+        yield _sse(error_body(400, str(e), e.param))
+    except Exception as e:
+        log.exception("request %s failed mid-stream", fmt.id)
+        yield _sse(error_body(500, str(e) or type(e).__name__))
     finally:
         await stream.aclose()
     yield _sse("[DONE]")
@@ -180,8 +175,8 @@ async def _run(request: Request, body: CompletionRequest | ChatCompletionRequest
                             f"'{state.model_names[0]}'.", "model", "model_not_found")
     try:
         params = body.sampling_params()
-    except ValueError as e:
-        raise APIError(400, str(e), _param_of(e)) from None
+    except InvalidParamError as e:
+        raise APIError(400, str(e), e.param) from None
     if state.max_queue is not None and state.llm.num_waiting >= state.max_queue:
         raise APIError(503, f"The server is at its queue bound ({state.max_queue} waiting requests); "
                             "retry later.", code="queue_full", headers={"Retry-After": "1"})
@@ -200,8 +195,8 @@ async def _run(request: Request, body: CompletionRequest | ChatCompletionRequest
         return JSONResponse(fmt.response(finals))
     except ClientDisconnected:
         return Response(status_code=499)
-    except ValueError as e:
-        raise APIError(400, str(e), _param_of(e)) from None
+    except InvalidParamError as e:
+        raise APIError(400, str(e), e.param) from None
     except APIError:
         raise
     except Exception as e:

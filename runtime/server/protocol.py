@@ -13,6 +13,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
 
+from kiln.errors import InvalidParamError
 from kiln.runtime.outputs import CompletionOutput, Logprob, RequestOutput
 from kiln.runtime.params import SamplingParams
 
@@ -81,7 +82,7 @@ class _SamplingRequest(BaseModel):
         return value
 
     def _sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
-        """Raises ValueError naming the field when the engine's rules reject a value."""
+        """Raises InvalidParamError naming the field when the engine's rules reject a value."""
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
         return SamplingParams(
             n=self.n,
@@ -165,7 +166,7 @@ class ChatCompletionRequest(_SamplingRequest):
 
     def sampling_params(self) -> SamplingParams:
         if self.top_logprobs is not None and not self.logprobs:
-            raise ValueError("top_logprobs requires logprobs to be true")
+            raise InvalidParamError("top_logprobs requires logprobs to be true", "top_logprobs")
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         return self._sampling_params(max_tokens, (self.top_logprobs or 0) if self.logprobs else None)
 

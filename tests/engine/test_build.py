@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 import json
+import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 from kiln import contract
-from kiln.manifest import BACKEND_ORT_CPU, BuildOptions, read_manifest
+from kiln.errors import InvalidParamError
+from kiln.manifest import BACKEND_ORT_CPU, BuildOptions, EngineLoadError, read_manifest
 from kiln.optimize.build import BuildError, build_engine
+from kiln.optimize.fuse_attention import AttentionConfig
+from kiln.quant_scheme import QuantScheme
 
 
 def test_engine_dir_and_manifest(tiny_engine):
@@ -48,13 +53,45 @@ def test_cli_build_float16_kv(tmp_path, tiny_model_dir, tiny_engine):
 
 
 @pytest.mark.parametrize("options, message", [
-    (BuildOptions(kv_dtype="int3"), "kv dtype"),
-    (BuildOptions(dtype="bfloat16"), "dtype"),
-    (BuildOptions(block_size=0), "positive"),
+    (BuildOptions(quantization=QuantScheme.parse("w8a8-smoothquant")), "needs the scales of `kiln calibrate"),
+    (BuildOptions(kv_dtype="int8"), "an int8 KV cache needs the per-head K/V scales"),
+    (BuildOptions(calibration=Path("calib")), "quantization none uses no calibration artifact"),
 ])
-def test_bad_options_fail_before_any_work(tmp_path, options, message):
+def test_options_that_do_not_pair_fail_before_any_work(tmp_path, options, message):
+    """BuildOptions checks each field; the build checks which artifact the choices need, before loading."""
     with pytest.raises(BuildError, match=message):
         build_engine(tmp_path / "no-such-model", tmp_path / "out", options)
+
+
+def test_unusable_model_source_is_a_build_error(tmp_path):
+    with pytest.raises(BuildError, match="no such file or directory"):
+        build_engine(tmp_path / "no-such-model", tmp_path / "out", progress=lambda _msg: None)
+
+
+def test_manifests_of_older_builds_still_load(tiny_engine, tmp_path):
+    """Engines built before the typed options carry dtype and calibration "" in their build object."""
+    engine = tmp_path / "engine"
+    shutil.copytree(tiny_engine, engine)
+    manifest = json.loads((engine / "manifest.json").read_text())
+    assert manifest["build"]["calibration"] is None and "dtype" not in manifest["build"]
+    manifest["build"].update(dtype="float32", calibration="", quantization="int8-weight-only")
+    (engine / "manifest.json").write_text(json.dumps(manifest))
+    build = read_manifest(engine).build
+    assert build.calibration is None and build.quantization == QuantScheme.parse("int8-weight-only")
+    manifest["build"]["quantization"] = "int4-rtn-g7"
+    (engine / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(EngineLoadError, match="malformed .*unknown quantization 'int4-rtn-g7'"):
+        read_manifest(engine)
+
+
+def test_attention_config_kv_scales():
+    scales = np.ones((2, 2, 3), np.float32)
+    assert AttentionConfig("int8", kv_scales=scales).kv_scales is scales
+    for kv_dtype, bad in [("int8", None), ("int8", scales.astype(np.float64)), ("int8", scales[0]),
+                          ("int8", [[[1.0, 1.0]]]), ("float32", scales)]:
+        with pytest.raises(InvalidParamError, match="^kv_scales must be") as err:
+            AttentionConfig(kv_dtype, kv_scales=bad)
+        assert err.value.param == "kv_scales"
 
 
 def test_refuses_to_overwrite_a_non_engine_dir(tmp_path, tiny_model_dir):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 from click.testing import CliRunner
 
 from kiln.cli import main
@@ -35,3 +36,30 @@ def test_corrupted_engine_file_is_one_line(tiny_engine, tmp_path):
     result = _run("generate", str(broken), "hello")
     assert result.exit_code == 1
     assert "tokenizer.json is corrupted" in result.output
+
+
+def _build_raising(monkeypatch, exc: Exception) -> None:
+    def build_engine(*_args, **_kwargs):
+        raise exc
+
+    monkeypatch.setattr("kiln.optimize.build.build_engine", build_engine)
+
+
+def test_kiln_error_is_one_line_and_kiln_debug_keeps_the_traceback(monkeypatch, tmp_path):
+    from kiln.optimize.build import BuildError
+
+    _build_raising(monkeypatch, BuildError("the graph lacks the inputs ['logits_indices']"))
+    result = _run("build", str(tmp_path), "-o", str(tmp_path / "engine"))
+    assert result.exit_code == 1 and result.output == "Error: the graph lacks the inputs ['logits_indices']\n"
+    monkeypatch.setenv("KILN_DEBUG", "1")
+    with pytest.raises(BuildError, match="logits_indices"):
+        CliRunner().invoke(main, ["build", str(tmp_path), "-o", str(tmp_path / "engine")], catch_exceptions=False)
+
+
+@pytest.mark.parametrize("bug", [ValueError("operands could not be broadcast together"), RuntimeError("oops"),
+                                 KeyError("layer")])
+def test_a_bug_keeps_its_traceback(monkeypatch, tmp_path, bug):
+    """Only a KilnError is a user's problem: a builtin error escapes main, so Python prints its traceback."""
+    _build_raising(monkeypatch, bug)
+    with pytest.raises(type(bug)):
+        CliRunner().invoke(main, ["build", str(tmp_path), "-o", str(tmp_path / "engine")], catch_exceptions=False)

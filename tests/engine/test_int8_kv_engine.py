@@ -12,6 +12,7 @@ pytest.importorskip("torch")
 
 from kiln.manifest import BuildOptions, read_manifest  # noqa: E402
 from kiln.optimize.build import BuildError, build_engine  # noqa: E402
+from kiln.quant_scheme import QuantScheme  # noqa: E402
 from kiln.runtime import LLM, RuntimeConfig, SamplingParams  # noqa: E402
 from kiln.runtime.model_runner import BatchInput  # noqa: E402
 
@@ -34,7 +35,7 @@ def artifact_dir(tiny_model_dir, tmp_path_factory):
 @pytest.fixture(scope="module")
 def int8_engine(tiny_model_dir, artifact_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("int8-engine") / "engine"
-    build_engine(tiny_model_dir, out, BuildOptions(kv_dtype="int8", calibration=str(artifact_dir)), **QUIET)
+    build_engine(tiny_model_dir, out, BuildOptions(kv_dtype="int8", calibration=artifact_dir), **QUIET)
     return out
 
 
@@ -45,7 +46,7 @@ def test_graph_carries_per_layer_kv_scales(int8_engine, artifact_dir):
     from kiln.calibration.artifact import CalibrationArtifact
 
     manifest = read_manifest(int8_engine)
-    assert manifest.build.kv_dtype == "int8" and manifest.build.calibration == str(artifact_dir)
+    assert manifest.build.kv_dtype == "int8" and manifest.build.calibration == artifact_dir
     model = onnx.load(str(int8_engine / "model.onnx"))
     inits = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
     k, v = CalibrationArtifact.load(artifact_dir).kv_scales()
@@ -106,7 +107,7 @@ def test_int8_kv_refuses_another_models_artifact(tmp_path, artifact_dir):
 
     other = make_tiny_hf_model(tmp_path / "other", "llama", seed=5)
     with pytest.raises(BuildError, match="made for another model"):
-        build_engine(other, tmp_path / "e", BuildOptions(kv_dtype="int8", calibration=str(artifact_dir)), **QUIET)
+        build_engine(other, tmp_path / "e", BuildOptions(kv_dtype="int8", calibration=artifact_dir), **QUIET)
 
 
 def test_cli_int8_without_calibration_is_one_sentence(tiny_model_dir, tmp_path):
@@ -141,9 +142,9 @@ def test_engines_of_older_compatible_abis_still_load(tiny_engine, tmp_path, abi,
 def test_int8_kv_with_a_weight_scheme_that_needs_no_calibration(tiny_model_dir, artifact_dir, tmp_path):
     """The artifact then serves the KV steps alone: int8-weight-only folds no smoothing scales."""
     messages = []
-    options = BuildOptions(kv_dtype="int8", quantization="int8-weight-only", calibration=str(artifact_dir))
+    options = BuildOptions(kv_dtype="int8", quantization=QuantScheme.parse("int8-weight-only"), calibration=artifact_dir)
     manifest = build_engine(tiny_model_dir, tmp_path / "e", options, progress=messages.append)
-    assert manifest.build.kv_dtype == "int8" and manifest.build.quantization == "int8-weight-only"
+    assert manifest.build.kv_dtype == "int8" and manifest.build.quantization.name == "int8-weight-only"
     assert not any("folded" in m for m in messages) and any("int8 KV cache" in m for m in messages)
     out = LLM(tmp_path / "e", RuntimeConfig(kv_cache_bytes=1 << 20)).generate(
         [[5, 6, 7, 8]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))

@@ -13,7 +13,9 @@ import torch
 from engine_driver import PagedDriver, make_session
 from kiln.manifest import BuildOptions, read_manifest
 from kiln.optimize.quantize import quantize_model
+from kiln.quant_scheme import QuantScheme
 
+W8A8 = QuantScheme.parse("w8a8-smoothquant")
 PROMPT = [5, 77, 190, 33, 250, 12, 8, 99, 140, 201, 64, 3, 17, 222, 180, 45, 71, 300, 9, 128] * 2
 
 
@@ -26,7 +28,7 @@ def engine_logits(model_path) -> np.ndarray:
 
 def quantized_copy(engine, tmp_path, scheme: str):
     model = ir.load(engine / "model.onnx")
-    count = quantize_model(model, scheme)
+    count = quantize_model(model, QuantScheme.parse(scheme))
     out = tmp_path / scheme
     out.mkdir()
     ir.save(model, out / "model.onnx", external_data="model.onnx.data")
@@ -63,19 +65,20 @@ def test_calibrated_build_folds_scales_and_refuses_foreign_artifacts(tiny_model_
 
     other = make_tiny_hf_model(tmp_path / "other", "llama", seed=7)
     with pytest.raises(BuildError, match="made for another model"):
-        build_engine(other, tmp_path / "bad", BuildOptions(quantization="w8a8-smoothquant", calibration=str(art_dir)),
+        build_engine(other, tmp_path / "bad", BuildOptions(quantization=W8A8, calibration=art_dir),
                      progress=lambda _m: None)
     with pytest.raises(BuildError, match="needs awq scales, but .* holds smoothquant scales"):
-        build_engine(tiny_model_dir, tmp_path / "bad", BuildOptions(quantization="int4-awq-g128", calibration=str(art_dir)),
+        build_engine(tiny_model_dir, tmp_path / "bad",
+                     BuildOptions(quantization=QuantScheme.parse("int4-awq-g128"), calibration=art_dir),
                      progress=lambda _m: None)
     with pytest.raises(BuildError, match="needs the scales of `kiln calibrate MODEL --method smoothquant"):
-        build_engine(tiny_model_dir, tmp_path / "bad", BuildOptions(quantization="w8a8-smoothquant"), progress=lambda _m: None)
+        build_engine(tiny_model_dir, tmp_path / "bad", BuildOptions(quantization=W8A8), progress=lambda _m: None)
 
     engine = tmp_path / "w8a8"
-    build_engine(tiny_model_dir, engine, BuildOptions(quantization="w8a8-smoothquant", calibration=str(art_dir)),
+    build_engine(tiny_model_dir, engine, BuildOptions(quantization=W8A8, calibration=art_dir),
                  progress=lambda _m: None)
     manifest = read_manifest(engine)
-    assert manifest.build.quantization == "w8a8-smoothquant" and manifest.build.calibration == str(art_dir)
+    assert manifest.build.quantization.name == "w8a8-smoothquant" and manifest.build.calibration == art_dir
     fp32 = engine_logits(tiny_engine / "model.onnx")
     out = engine_logits(engine / "model.onnx")
     assert np.abs(out - fp32).max() / np.abs(fp32).max() < 0.08
@@ -96,7 +99,8 @@ def test_awq_build_applies_scales_and_clips(tiny_model_dir, tiny_engine, tmp_pat
     assert any(k.startswith(awq.CLIP_PREFIX) for k in art.scales)
     art_dir = art.save(tmp_path / "awq")
     engine = tmp_path / "awq-g32"
-    build_engine(tiny_model_dir, engine, BuildOptions(quantization="int4-awq-g32", calibration=str(art_dir)),
+    build_engine(tiny_model_dir, engine,
+                 BuildOptions(quantization=QuantScheme.parse("int4-awq-g32"), calibration=art_dir),
                  progress=lambda _m: None)
     # the build's conversion step (apply_artifact) really clips o_proj, and the engine stays close to fp32
     clipped = apply_artifact(ck, art).weights["model.layers.0.self_attn.o_proj.weight"].numpy()
@@ -105,7 +109,7 @@ def test_awq_build_applies_scales_and_clips(tiny_model_dir, tiny_engine, tmp_pat
     out = engine_logits(engine / "model.onnx")
     assert np.abs(out - fp32).max() / np.abs(fp32).max() < 0.3
     assert (out.argmax(-1) == fp32.argmax(-1)).mean() >= 0.75
-    assert read_manifest(engine).build.quantization == "int4-awq-g32"
+    assert read_manifest(engine).build.quantization.name == "int4-awq-g32"
 
 
 def test_q4_1_engine_reproduces_q4_1_weights(tiny_engine, tmp_path):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 
+from kiln.errors import InvalidParamError
 from kiln.runtime.outputs import CompletionOutput, EngineStats, Logprob, RequestOutput
 from kiln.runtime.params import SamplingParams
 
@@ -39,8 +40,8 @@ class FakeAsyncLLM:
         ids = [ord(c) for c in prompt] if isinstance(prompt, str) else list(prompt)
         max_tokens = params.max_tokens or (self.max_seq_len - len(ids))
         if len(ids) + max_tokens > self.max_seq_len:
-            raise ValueError(f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) exceeds "
-                             f"max_seq_len ({self.max_seq_len})")
+            raise InvalidParamError(f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) exceeds "
+                                    f"max_seq_len ({self.max_seq_len})", "prompt")
         if isinstance(prompt, str) and "CRASH" in prompt:
             raise RuntimeError("engine exploded")
         self.requests.append((prompt, params))

@@ -151,8 +151,9 @@ def test_logprob_rank_of_an_unlikely_sampled_token():
     ("stop", ("",)), ("stop_token_ids", (-1,)), ("logprobs", -1), ("logprobs", 21),
 ])
 def test_invalid_sampling_params_name_the_field(field, value):
-    with pytest.raises(ValueError, match=f"^{field} must be"):
+    with pytest.raises(ValueError, match=f"^{field} must be") as err:
         SamplingParams(**{field: value})
+    assert err.value.param == field  # what the server reports as OpenAI's error param
 
 
 def test_temperature_message_and_stop_normalization():
@@ -164,5 +165,6 @@ def test_temperature_message_and_stop_normalization():
 
 @pytest.mark.parametrize("field,value", [("max_num_seqs", 0), ("kv_cache_fraction", 1.5), ("num_threads", 0)])
 def test_invalid_runtime_config_names_the_field(field, value):
-    with pytest.raises(ValueError, match=f"^{field} must be"):
+    with pytest.raises(ValueError, match=f"^{field} must be") as err:
         RuntimeConfig(**{field: value})
+    assert err.value.param == field

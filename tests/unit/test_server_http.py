@@ -10,6 +10,7 @@ import pytest
 pytest.importorskip("fastapi")
 from fastapi.testclient import TestClient  # noqa: E402
 
+from kiln.errors import InvalidParamError  # noqa: E402
 from kiln.runtime.server.app import build_app  # noqa: E402
 from server_fake import FakeAsyncLLM  # noqa: E402
 
@@ -198,7 +199,31 @@ def test_unknown_model_is_404(client):
 @pytest.mark.parametrize("stream", [False, True])
 def test_too_long_is_400(client, stream):
     r = client.post("/v1/completions", json={"prompt": "x" * 60, "max_tokens": 10, "stream": stream})
-    assert_error(r, 400, contains="max_seq_len")
+    assert_error(r, 400, "prompt", contains="max_seq_len")
+
+
+def _engine_raising(fake, monkeypatch, exc: Exception) -> None:
+    async def generate(prompt, params, request_id):
+        raise exc
+        yield  # an async generator, as AsyncLLM.generate is
+
+    monkeypatch.setattr(fake, "generate", generate)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_engine_validation_error_is_400_with_the_param_it_carries(client, fake, monkeypatch, stream):
+    """param comes from the error, not from the message (whose first word here is another field)."""
+    _engine_raising(fake, monkeypatch, InvalidParamError("stop ids must be below the vocabulary size, got 99999",
+                                                         "stop_token_ids"))
+    r = client.post("/v1/completions", json={"prompt": "x", "stream": stream})
+    err = assert_error(r, 400, "stop_token_ids", contains="below the vocabulary size")
+    assert err["type"] == "invalid_request_error"
+
+
+def test_a_bare_value_error_in_the_engine_is_a_500_not_a_400(client, fake, monkeypatch):
+    _engine_raising(fake, monkeypatch, ValueError("operands could not be broadcast together"))
+    err = assert_error(client.post("/v1/completions", json={"prompt": "x"}), 500)
+    assert err["param"] is None
 
 
 def test_queue_bound_is_503_with_retry_after(client, fake):

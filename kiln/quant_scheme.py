@@ -1,0 +1,79 @@
+"""The weight-quantization schemes of ``kiln build --quantization``, as one value type.
+
+    none                   fp32 weights
+    int8-weight-only       int8 per output channel (MatMulNBits bits=8)
+    int4-rtn-g{32,64,128}  int4 round-to-nearest, group-wise along K, zero points
+    int4-awq-g{32,64,128}  AWQ scales folded in, then int4 as rtn; needs an awq artifact
+    int4-q4_1              llama.cpp's Q4_1 (groups of 32, exact minimum): lossless on Q4_1 GGUFs
+    w8a8-smoothquant       SmoothQuant scales folded in, then int8 weights and per-token int8
+                           activations; needs a smoothquant artifact
+
+A name is parsed once (the CLI, a manifest) into a QuantScheme; its ``name`` is what the
+manifest stores, and the optimizer passes dispatch on ``method``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+
+from kiln.errors import InvalidParamError, require
+
+
+class QuantMethod(Enum):
+    NONE = "none"
+    INT8_WEIGHT_ONLY = "int8-weight-only"
+    INT4_RTN = "int4-rtn"
+    INT4_AWQ = "int4-awq"
+    INT4_Q4_1 = "int4-q4_1"
+    W8A8_SMOOTHQUANT = "w8a8-smoothquant"
+
+
+INT4_GROUP_SIZES = (32, 64, 128)
+# The methods whose name chooses an int4 group size ("int4-rtn-g128"); Q4_1's groups are fixed at 32.
+_GROUPED = (QuantMethod.INT4_RTN, QuantMethod.INT4_AWQ)
+# The `kiln calibrate --method` whose artifact a method folds into the weights before export.
+_CALIBRATION = {QuantMethod.INT4_AWQ: "awq", QuantMethod.W8A8_SMOOTHQUANT: "smoothquant"}
+
+
+@dataclass(frozen=True)
+class QuantScheme:
+    method: QuantMethod = QuantMethod.NONE
+    group_size: int | None = None  # int4-rtn / int4-awq: weights per scale along K; None for the others
+
+    def __post_init__(self) -> None:
+        require(isinstance(self.method, QuantMethod), "method", "a QuantMethod", self.method)
+        if self.method in _GROUPED:
+            require(self.group_size in INT4_GROUP_SIZES, "group_size", f"one of {list(INT4_GROUP_SIZES)} for "
+                    f"{self.method.value}", self.group_size)
+        else:
+            require(self.group_size is None, "group_size", f"None for {self.method.value}", self.group_size)
+
+    @property
+    def name(self) -> str:
+        """The name the CLI takes and the manifest stores: parse(scheme.name) == scheme."""
+        return f"{self.method.value}-g{self.group_size}" if self.method in _GROUPED else self.method.value
+
+    @property
+    def calibration(self) -> str | None:
+        """The calibration method whose artifact the scheme needs ("awq", "smoothquant"), or None."""
+        return _CALIBRATION.get(self.method)
+
+    def __str__(self) -> str:
+        return self.name
+
+    @classmethod
+    def parse(cls, name: str) -> QuantScheme:
+        scheme = SCHEMES.get(name)
+        if scheme is None:
+            raise InvalidParamError(f"unknown quantization {name!r}; choose one of {list(SCHEMES)}", "quantization")
+        return scheme
+
+
+def _all_schemes() -> list[QuantScheme]:
+    schemes = [QuantScheme(method) for method in QuantMethod if method not in _GROUPED]
+    schemes += [QuantScheme(method, group) for method in _GROUPED for group in INT4_GROUP_SIZES]
+    return schemes
+
+
+SCHEMES: dict[str, QuantScheme] = {scheme.name: scheme for scheme in _all_schemes()}
