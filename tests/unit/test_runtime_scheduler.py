@@ -4,14 +4,16 @@ The randomized test drives the whole engine (scheduler + block manager + a fake 
 stores tokens in its paged pool) and calls BlockManager.check() after every step.
 """
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kiln.runtime.block_manager import BlockManager
 from kiln.runtime.fake_runner import CharTokenizer, make_fake_engine
+from kiln.runtime.model_runner import build_batch
 from kiln.runtime.outputs import merge_outputs
 from kiln.runtime.params import RuntimeConfig, SamplingParams
-from kiln.runtime.scheduler import Scheduler
+from kiln.runtime.scheduler import Scheduler, SchedulerOutput
 from kiln.runtime.sequence import Sequence
 
 P = SamplingParams(temperature=0)
@@ -52,6 +54,21 @@ def test_budget_and_fcfs_chunking():
     plan, _ = step(s)
     assert plan == [(a, 1), (b, 1)]
     assert a.block_table == [0, 1, 2] and b.block_table == [3]
+
+
+def test_the_batch_asks_logits_for_the_rows_the_scheduler_marked():
+    _, s = make(max_num_tokens=8)
+    a, b = add(s, 10, 0), add(s, 3, 1)
+    step(s)  # a: 8 of 10 computed
+    out = s.schedule()
+    assert out.scheduled == ((a, 2), (b, 3)) and out.needs_logits == (True, True)
+    batch = build_batch(out)
+    assert batch.logits_indices.tolist() == [1, 4] and batch.num_logits == 2
+    chunk_only = SchedulerOutput(out.scheduled, (False, True))
+    assert build_batch(chunk_only).logits_indices.tolist() == [4]
+    assert chunk_only.to_sample == [b]
+    with pytest.raises(ValueError, match="needs_logits has 1 entries for 2"):
+        SchedulerOutput(out.scheduled, (True,))
 
 
 def test_decodes_go_before_prefill_chunks():
