@@ -16,17 +16,17 @@ def stream_text(engine: Engine, prompt: str | list[int], params: SamplingParams,
     """Run one request, writing its text to `out` as it becomes stable; returns the full text."""
     request_id = f"cli-{id(prompt)}-{len(engine.requests)}"
     engine.add_request(request_id, prompt, params)
-    shown = ""
+    shown: list[str] = []
     try:
         while engine.has_unfinished():
             for output in engine.step():
-                text = output.outputs[0].text
-                out.write(text[len(shown):])
+                text = output.outputs[0].text  # what this step added
+                out.write(text)
                 out.flush()
-                shown = text
+                shown.append(text)
     except KeyboardInterrupt:
         engine.abort(request_id)
-    return shown
+    return "".join(shown)
 
 
 def generate(engine_dir: str, prompt: str | None, chat: str | None, params: SamplingParams,

@@ -1,11 +1,11 @@
 """kiln.runtime: serve an engine directory (never imports torch or the compile-time stages)."""
 
-from kiln.runtime.outputs import CompletionOutput, EngineStats, Logprob, RequestOutput
+from kiln.runtime.outputs import CompletionOutput, EngineStats, Logprob, RequestOutput, merge_outputs
 from kiln.runtime.params import RuntimeConfig, SamplingParams
 
 __all__ = [
     "AsyncLLM", "CompletionOutput", "EngineStats", "LLM", "Logprob", "RequestOutput", "RuntimeConfig",
-    "SamplingParams",
+    "SamplingParams", "merge_outputs",
 ]
 
 

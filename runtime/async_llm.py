@@ -1,7 +1,8 @@
 """AsyncLLM: streaming generation for asyncio callers (the HTTP server sits on it).
 
-The engine runs on its own thread; the event loop only validates input, posts commands to
-that thread and awaits per-request queues, so it never blocks on a model step.
+The engine runs on its own thread; the event loop prepares requests (validation and
+tokenization, so a bad request fails in the caller), posts commands to that thread and awaits
+per-request queues, so it never blocks on a model step. Streams carry deltas.
 """
 
 from __future__ import annotations
@@ -14,17 +15,16 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kiln.runtime.engine import Engine
-from kiln.runtime.loader import load_engine
+from kiln.runtime.detokenizer import with_token_text
+from kiln.runtime.engine import Engine, EngineRequest
+from kiln.runtime.llm import as_engine
 from kiln.runtime.outputs import EngineStats, RequestOutput
 from kiln.runtime.params import RuntimeConfig, SamplingParams
 
 
 @dataclass
 class _Add:
-    request_id: str
-    prompt: str | list[int]
-    params: SamplingParams
+    request: EngineRequest
 
 
 @dataclass
@@ -49,18 +49,9 @@ class _Stream:
 
 
 class AsyncLLM:
-    def __init__(self, engine_dir: str | Path, config: RuntimeConfig | None = None) -> None:
-        self._start(load_engine(engine_dir, config))
-
-    @classmethod
-    def from_engine(cls, engine: Engine) -> "AsyncLLM":
-        """Wrap an already built Engine (e.g. one with a fake runner, in tests)."""
-        llm = cls.__new__(cls)
-        llm._start(engine)
-        return llm
-
-    def _start(self, engine: Engine) -> None:
-        self.engine = engine
+    def __init__(self, engine: str | Path | Engine, config: RuntimeConfig | None = None) -> None:
+        """engine: an engine directory (loaded with config) or an already built Engine."""
+        self.engine = as_engine(engine, config)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}
         self._lock = threading.Lock()
@@ -101,17 +92,18 @@ class AsyncLLM:
     async def generate(
         self, prompt: str | list[int], params: SamplingParams, request_id: str,
     ) -> AsyncIterator[RequestOutput]:
-        """Yield cumulative RequestOutputs as tokens arrive; ValueError at once for bad input."""
+        """Yield what each step adds (deltas; merge_outputs builds the whole) as tokens arrive;
+        ValueError at once for bad input."""
         if self._closed:
             raise RuntimeError("AsyncLLM has been shut down")
-        _, ids = self.engine.validate(prompt, params)
+        request = self.engine.prepare(request_id, prompt, params)
         stream = _Stream(asyncio.get_running_loop())
         with self._lock:
             if request_id in self._streams:
                 raise ValueError(f"request_id {request_id!r} is already in use")
             self._streams[request_id] = stream
             self._pending_adds += 1
-        self._inbox.put(_Add(request_id, prompt if isinstance(prompt, str) else ids, params))
+        self._inbox.put(_Add(request))
         finished = False
         try:
             while True:
@@ -119,7 +111,7 @@ class AsyncLLM:
                 if isinstance(item, BaseException):
                     raise item
                 finished = item.finished
-                yield item
+                yield with_token_text(self.engine.tokenizer, item)
                 if finished:
                     return
         finally:
@@ -154,14 +146,15 @@ class AsyncLLM:
         if command is _STOP:
             return False
         if isinstance(command, _Add):
+            request_id = command.request.request_id
             with self._lock:
                 self._pending_adds -= 1
-                alive = command.request_id in self._streams
+                alive = request_id in self._streams
             if alive:
                 try:
-                    self.engine.add_request(command.request_id, command.prompt, command.params)
+                    self.engine.add(command.request)
                 except ValueError as exc:
-                    self._deliver(command.request_id, exc)
+                    self._deliver(request_id, exc)
         else:
             output = self.engine.abort(command.request_id)
             if output is not None:

@@ -6,6 +6,10 @@ the whole prefix up to and including that block. Cached blocks stay findable aft
 last owner frees them; they are evicted (reused for new content) only when a fresh block is
 needed, least recently freed first. Within one sequence the tail is freed first, so it is
 evicted before the sequence's earlier (more shareable) blocks.
+
+The block manager writes a sequence's block table and block hashes and nothing else; it
+reads num_computed_tokens, whose one writer is the scheduler (allocation results, such as
+the prefix-cache hit length, are returned to it).
 """
 
 from __future__ import annotations
@@ -63,7 +67,8 @@ class BlockManager:
     # -- allocation -------------------------------------------------------------------------
 
     def match_prefix(self, seq: Sequence) -> int:
-        """Give a sequence with no blocks the longest cached prefix of its tokens; returns its length.
+        """Give a sequence with no blocks the longest cached prefix of its tokens; returns its length
+        in tokens (the caller, the scheduler, records them as computed).
 
         At least one token is always left to compute, so the step produces logits for it.
         """
@@ -85,8 +90,7 @@ class BlockManager:
             prev = h
         if seq.block_table:
             self.owners[seq.seq_id] = seq
-        seq.num_computed_tokens = len(seq.block_table) * bs
-        return seq.num_computed_tokens
+        return len(seq.block_table) * bs
 
     def can_fit(self, seq: Sequence, num_tokens: int) -> int:
         """How many of num_tokens more tokens (beyond those computed) fit in seq's blocks + free ones."""
@@ -109,20 +113,22 @@ class BlockManager:
             self.owners[seq.seq_id] = seq
         return True
 
-    def fork(self, parent: Sequence, child: Sequence) -> None:
-        """Share parent's full computed blocks with child (a new sample of the same prompt)."""
+    def fork(self, parent: Sequence, child: Sequence) -> int:
+        """Share parent's full computed blocks with child (a new sample of the same prompt);
+        returns how many tokens they hold (the child's computed tokens)."""
         assert not child.block_table and child.token_ids[: len(parent)] == parent.token_ids[: len(child)]
         shared = min(parent.num_computed_tokens, len(child) - 1) // self.block_size
         for block_id in parent.block_table[:shared]:
             self.blocks[block_id].ref_count += 1
         child.block_table = parent.block_table[:shared]
         child.block_hashes = parent.block_hashes[:shared]
-        child.num_computed_tokens = shared * self.block_size
         if shared:
             self.owners[child.seq_id] = child
+        return shared * self.block_size
 
     def free(self, seq: Sequence) -> None:
-        """Release seq's blocks (tail first into the LRU queue) and forget its computed state."""
+        """Release seq's blocks (tail first into the LRU queue); its K/V is gone, so the caller
+        resets its computed count."""
         for block_id in reversed(seq.block_table):
             block = self.blocks[block_id]
             block.ref_count -= 1
@@ -130,7 +136,6 @@ class BlockManager:
                 self.free_ids[block_id] = None
         seq.block_table = []
         seq.block_hashes = []
-        seq.num_computed_tokens = 0
         self.owners.pop(seq.seq_id, None)
 
     def commit(self, seq: Sequence) -> None:

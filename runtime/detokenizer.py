@@ -5,12 +5,16 @@ tokens; decoding such a prefix yields U+FFFD. The detokenizer decodes a short wi
 recent tokens and emits only the text that has become stable, never a partial character.
 Stop strings are searched in the produced text; while a sequence runs, the last
 len(longest stop) - 1 characters are held back so a stop string is never streamed before
-it is recognised.
+it is recognised. Only the text not yet taken is kept, so each token costs the same
+however long the output has grown.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Protocol
+
+from kiln.runtime.outputs import Logprob, RequestOutput
 
 
 class Decoder(Protocol):
@@ -27,7 +31,7 @@ class IncrementalDetokenizer:
         self.ids: list[int] = list(prompt_token_ids[-6:])  # context so leading spaces decode right
         self.prefix_offset = max(len(self.ids) - 5, 0)
         self.read_offset = len(self.ids)
-        self.text = ""  # all stable output text
+        self.pending = ""  # stable text not yet taken (the held-back tail and what came since)
         self.stop = stop
         self.hold = max((len(s) for s in stop), default=1) - 1
 
@@ -42,24 +46,51 @@ class IncrementalDetokenizer:
         if len(full) > len(prefix) and not full.endswith("\ufffd"):
             delta = full[len(prefix):]
             self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
-            self.text += delta
+            self.pending += delta
             return delta
         return ""
 
     def find_stop(self, num_new_chars: int) -> str | None:
-        """A stop string that ends within the last num_new_chars characters; truncates text before it."""
+        """A stop string that ends within the last num_new_chars characters; drops the text from it on.
+
+        Such a string starts at most `hold` characters before the new ones, and take() always
+        leaves those pending, so it is never cut out of text already taken.
+        """
         if not self.stop or not num_new_chars:
             return None
-        start = max(0, len(self.text) - num_new_chars - self.hold)
-        hits = [(i, s) for s in self.stop if (i := self.text.find(s, start)) >= 0]
+        start = max(0, len(self.pending) - num_new_chars - self.hold)
+        hits = [(i, s) for s in self.stop if (i := self.pending.find(s, start)) >= 0]
         if not hits:
             return None
         i, s = min(hits)
-        self.text = self.text[:i]
+        self.pending = self.pending[:i]
         return s
 
-    def visible_text(self, finished: bool) -> str:
-        """The text a stream may show now (holding back a possible stop-string prefix)."""
-        if finished or not self.hold:
-            return self.text
-        return self.text[: max(0, len(self.text) - self.hold)]
+    def take(self, finished: bool) -> str:
+        """The text a stream may show now that it has not shown yet (holding back a possible
+        stop-string prefix until the sequence finishes)."""
+        keep = 0 if finished else self.hold
+        n = max(0, len(self.pending) - keep)
+        text, self.pending = self.pending[:n], self.pending[n:]
+        return text
+
+
+def with_token_text(tokenizer: Decoder, output: RequestOutput) -> RequestOutput:
+    """Fill in decoded_token of the output's logprobs (the engine leaves them None, so its
+    thread decodes nothing a caller may not read)."""
+    if all(o.logprobs is None for o in output.outputs):
+        return output
+    texts: dict[int, str] = {}
+
+    def text(token_id: int) -> str:
+        if token_id not in texts:
+            texts[token_id] = tokenizer.decode([token_id], skip_special_tokens=False)
+        return texts[token_id]
+
+    outputs = [
+        o if o.logprobs is None else dataclasses.replace(o, logprobs=[
+            {t: Logprob(lp.logprob, lp.rank, text(t)) for t, lp in step.items()} for step in o.logprobs
+        ])
+        for o in output.outputs
+    ]
+    return dataclasses.replace(output, outputs=outputs)

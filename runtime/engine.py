@@ -1,8 +1,9 @@
-"""Engine: owns the scheduler, the model runner and the sampler; add_request, abort, step.
+"""Engine: owns the scheduler, the model runner and the sampler; prepare, add, abort, step.
 
     step = schedule -> run -> postprocess
 
-Everything here runs on one thread (LLM's caller, or AsyncLLM's engine thread).
+Everything but prepare (validation and tokenization, done on the caller's side) runs on one
+thread: LLM's caller, or AsyncLLM's engine thread. A step's outputs are deltas.
 """
 
 from __future__ import annotations
@@ -10,13 +11,15 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+import numpy as np
+
 from kiln.errors import InvalidParamError
 from kiln.runtime.block_manager import BlockManager
 from kiln.runtime.detokenizer import Decoder, IncrementalDetokenizer
 from kiln.runtime.model_runner import ModelRunner, build_batch
 from kiln.runtime.outputs import CompletionOutput, EngineStats, Logprob, RequestOutput
 from kiln.runtime.params import RuntimeConfig, SamplingParams
-from kiln.runtime.sampler import Sampler
+from kiln.runtime.sampler import Sampler, SamplerOutput
 from kiln.runtime.scheduler import Scheduler, SchedulerOutput
 from kiln.runtime.sequence import Sequence
 
@@ -28,45 +31,78 @@ class EngineLimits:
     eos_token_ids: tuple[int, ...]
 
 
-class Request:
-    """One request: its n sequences (sample 0 computes the prompt; the others fork from it)."""
+@dataclass(frozen=True)
+class EngineRequest:
+    """A validated, tokenized request, made by Engine.prepare and taken by Engine.add.
 
-    def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams,
-                 tokenizer: Decoder) -> None:
-        self.request_id = request_id
-        self.prompt = prompt
-        self.prompt_token_ids = list(prompt_token_ids)
-        self.params = params
+    Preparing happens once per request, on the caller's side (AsyncLLM's event loop, LLM
+    before anything runs), so a bad request fails there and the engine thread never re-tokenizes.
+    """
+
+    request_id: str
+    prompt: str | None  # the text, when the prompt was given as text
+    prompt_token_ids: list[int]
+    params: SamplingParams
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.params, SamplingParams):
+            raise InvalidParamError(f"params must be a SamplingParams, got {type(self.params).__name__}", "params")
+        if not self.prompt_token_ids:
+            raise InvalidParamError("prompt is empty: it must have at least one token", "prompt")
+
+
+class _PendingOutput:
+    """What one sequence has produced since its request's last output (handed out by take)."""
+
+    def __init__(self, detok: IncrementalDetokenizer) -> None:
+        self.detok = detok
+        self.token_ids: list[int] = []
+        self.logprobs: list[dict[int, Logprob]] = []
+        self.cumulative_logprob = 0.0
+
+    def take(self, seq: Sequence) -> CompletionOutput:
+        want_lp = seq.params.logprobs is not None
+        out = CompletionOutput(
+            index=seq.index,
+            text=self.detok.take(seq.is_finished),
+            token_ids=self.token_ids,
+            cumulative_logprob=self.cumulative_logprob if want_lp else None,
+            logprobs=self.logprobs if want_lp else None,
+            finish_reason=seq.finish_reason,
+            stop_reason=seq.stop_reason,
+        )
+        self.token_ids, self.logprobs = [], []
+        return out
+
+
+class Request:
+    """One request's state: its n sequences (sample 0 computes the prompt; the others fork from it)."""
+
+    def __init__(self, prepared: EngineRequest, tokenizer: Decoder) -> None:
+        self.prepared = prepared
+        params, ids = prepared.params, prepared.prompt_token_ids
         arrival = time.monotonic()
-        self.seqs = [Sequence(prompt_token_ids, params, index=i, arrival=arrival) for i in range(params.n)]
-        self.detoks = [
-            IncrementalDetokenizer(tokenizer, prompt_token_ids, params.skip_special_tokens, params.stop)
+        self.seqs = [Sequence(ids, params, index=i, arrival=arrival) for i in range(params.n)]
+        self.pending = [
+            _PendingOutput(IncrementalDetokenizer(tokenizer, ids, params.skip_special_tokens, params.stop))
             for _ in range(params.n)
         ]
         self.forked = params.n == 1
 
     @property
+    def request_id(self) -> str:
+        return self.prepared.request_id
+
+    @property
     def finished(self) -> bool:
         return all(s.is_finished for s in self.seqs)
 
-    def output(self) -> RequestOutput:
-        finished = self.finished
-        want_lp = self.params.logprobs is not None
-        outputs = [
-            CompletionOutput(
-                index=seq.index,
-                text=detok.visible_text(seq.is_finished),
-                token_ids=seq.output_token_ids,
-                cumulative_logprob=seq.cumulative_logprob if want_lp else None,
-                logprobs=list(seq.logprobs) if want_lp else None,
-                finish_reason=seq.finish_reason,
-                stop_reason=seq.stop_reason,
-            )
-            for seq, detok in zip(self.seqs, self.detoks)
-        ]
-        return RequestOutput(
-            self.request_id, self.prompt, self.prompt_token_ids, outputs, finished, self.seqs[0].num_cached_tokens
-        )
+    def take_output(self) -> RequestOutput:
+        """The delta since the previous output: what each sample added."""
+        p = self.prepared
+        outputs = [pending.take(seq) for seq, pending in zip(self.seqs, self.pending)]
+        return RequestOutput(p.request_id, p.prompt, p.prompt_token_ids, outputs, self.finished,
+                             self.seqs[0].num_cached_tokens)
 
 
 class Engine:
@@ -94,16 +130,14 @@ class Engine:
 
     # -- requests ---------------------------------------------------------------------------
 
-    def validate(self, prompt: str | list[int], params: SamplingParams) -> tuple[str | None, list[int]]:
-        """Tokenize and check a prompt; InvalidParamError (a ValueError naming the field) for bad input."""
-        if not isinstance(params, SamplingParams):
-            raise InvalidParamError(f"params must be a SamplingParams, got {type(params).__name__}", "params")
+    def prepare(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> EngineRequest:
+        """Tokenize and check a request; ValueError naming the problem. Reads only what never
+        changes after loading, so any thread may call it."""
         if isinstance(prompt, str):
             text, ids = prompt, self.tokenizer.encode(prompt)
         else:
             text, ids = None, [int(t) for t in prompt]
-        if not ids:
-            raise InvalidParamError("prompt is empty: it must have at least one token", "prompt")
+        request = EngineRequest(request_id, text, ids, params)
         vocab = self.runner.vocab_size
         if min(ids) < 0 or max(ids) >= vocab:
             raise InvalidParamError(f"prompt token ids must be in [0, {vocab}), got {min(ids)}..{max(ids)}", "prompt")
@@ -116,18 +150,21 @@ class Engine:
             raise InvalidParamError(
                 f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds max_seq_len ({limit})", "prompt"
             )
-        return text, ids
+        return request
 
-    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> Request:
-        if request_id in self.requests:
-            raise InvalidParamError(f"request_id {request_id!r} is already in use", "request_id")
-        text, ids = self.validate(prompt, params)
-        request = Request(request_id, text, ids, params, self.tokenizer)
-        self.requests[request_id] = request
+    def add(self, prepared: EngineRequest) -> None:
+        """Queue a prepared request; its outputs come from step()."""
+        if prepared.request_id in self.requests:
+            raise InvalidParamError(f"request_id {prepared.request_id!r} is already in use", "request_id")
+        request = Request(prepared, self.tokenizer)
+        self.requests[prepared.request_id] = request
         for seq in request.seqs:
             self._by_seq[seq.seq_id] = request
         self.scheduler.add(request.seqs[0])
-        return request
+
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> None:
+        """prepare + add, for callers on the engine's own thread (CLI, bench, tests)."""
+        self.add(self.prepare(request_id, prompt, params))
 
     def abort(self, request_id: str) -> RequestOutput | None:
         request = self.requests.pop(request_id, None)
@@ -137,7 +174,7 @@ class Engine:
             if not seq.is_finished:
                 self.scheduler.finish(seq, "abort")
             self._by_seq.pop(seq.seq_id, None)
-        return request.output()
+        return request.take_output()
 
     def has_unfinished(self) -> bool:
         return bool(self.requests)
@@ -145,57 +182,65 @@ class Engine:
     # -- the step ---------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """One model step; returns the outputs of the requests it advanced (cumulative)."""
+        """One model step; returns, for each request it advanced, what is new (a delta)."""
         out = self.scheduler.schedule()
         if not out:
             if self.scheduler.waiting and not self.scheduler.running:
                 raise RuntimeError("no request can be scheduled: the KV pool is too small for the waiting requests")
             return []
-        logits = self.runner.execute(build_batch(out.scheduled))
+        logits = self.runner.execute(build_batch(out))
         return self._postprocess(out, logits)
 
-    def _postprocess(self, out: SchedulerOutput, logits) -> list[RequestOutput]:
+    def _postprocess(self, out: SchedulerOutput, logits: np.ndarray) -> list[RequestOutput]:
         self.peak_blocks_used = max(self.peak_blocks_used, self.block_manager.num_used_blocks)
-        seqs = self.scheduler.update(out)
-        sampled = self.sampler(logits[: len(seqs)], seqs) if seqs else None
+        self.scheduler.update(out)
+        seqs = out.to_sample
+        if not seqs:
+            return []
+        sampled = self.sampler(logits[: len(seqs)], seqs)
         changed: dict[str, Request] = {}
-        for i, seq in enumerate(seqs):
+        for row, seq in enumerate(seqs):
             request = self._by_seq[seq.seq_id]
-            token = int(sampled.token_ids[i])
-            seq.append(token)
-            self.num_generated_tokens += 1
-            if sampled.top_logprobs[i] is not None:
-                seq.cumulative_logprob += sampled.sampled_logprobs[i]
-                seq.logprobs.append({
-                    t: Logprob(lp, rank, self.tokenizer.decode([t], skip_special_tokens=False))
-                    for t, (lp, rank) in sampled.top_logprobs[i].items()
-                })
-            if not request.forked:
-                request.forked = True
-                for child in request.seqs[1:]:
-                    self.scheduler.add_forked(seq, child)
-            self._check_stop(seq, request, token)
+            self._append(seq, request, sampled, row)
             changed[request.request_id] = request
         results = []
         for request in changed.values():
-            results.append(request.output())
+            results.append(request.take_output())
             if request.finished:
                 self.requests.pop(request.request_id, None)
                 for seq in request.seqs:
                     self._by_seq.pop(seq.seq_id, None)
         return results
 
-    def _check_stop(self, seq: Sequence, request: Request, token: int) -> None:
+    def _append(self, seq: Sequence, request: Request, sampled: SamplerOutput, row: int) -> None:
+        """Append a sampled token to seq and its pending output; fork the other samples after
+        sample 0's first token; finish seq if it should stop."""
+        token = int(sampled.token_ids[row])
+        seq.append(token)
+        self.num_generated_tokens += 1
+        pending = request.pending[seq.index]
+        pending.token_ids.append(token)
+        top = sampled.top_logprobs[row]
+        if top is not None:
+            pending.cumulative_logprob += sampled.sampled_logprobs[row]
+            pending.logprobs.append({t: Logprob(lp, rank, None) for t, (lp, rank) in top.items()})
+        if not request.forked:
+            request.forked = True
+            for child in request.seqs[1:]:
+                self.scheduler.add_forked(seq, child)
+        self._check_stop(seq, pending.detok, token)
+
+    def _check_stop(self, seq: Sequence, detok: IncrementalDetokenizer, token: int) -> None:
         params = seq.params
         if token in params.stop_token_ids:
             return self.scheduler.finish(seq, "stop", token)
         if not params.ignore_eos and token in self.limits.eos_token_ids:
             return self.scheduler.finish(seq, "stop", None)
-        detok = request.detoks[seq.index]
         stop = detok.find_stop(len(detok.add(token)))
         if stop is not None:
             return self.scheduler.finish(seq, "stop", stop)
-        if (params.max_tokens is not None and seq.num_output_tokens >= params.max_tokens) or len(seq) >= self.max_seq_len:
+        out_of_tokens = params.max_tokens is not None and seq.num_output_tokens >= params.max_tokens
+        if out_of_tokens or len(seq) >= self.max_seq_len:
             return self.scheduler.finish(seq, "length")
         return None
 

@@ -5,12 +5,22 @@ from __future__ import annotations
 import itertools
 from pathlib import Path
 
+from kiln.runtime.detokenizer import with_token_text
 from kiln.runtime.engine import Engine
 from kiln.runtime.loader import load_engine
-from kiln.runtime.outputs import EngineStats, RequestOutput
+from kiln.runtime.outputs import EngineStats, RequestOutput, merge_outputs
 from kiln.runtime.params import RuntimeConfig, SamplingParams
 
 Prompt = str | list[int]
+
+
+def as_engine(engine: str | Path | Engine, config: RuntimeConfig | None) -> Engine:
+    """An Engine given as itself (e.g. one over a fake runner, in tests) or as an engine dir to load."""
+    if isinstance(engine, Engine):
+        if config is not None:
+            raise ValueError("config must be None when an already built Engine is given")
+        return engine
+    return load_engine(engine, config)
 
 
 def _normalize_prompts(prompts: str | list[str] | list[list[int]]) -> list[Prompt]:
@@ -34,17 +44,10 @@ def _normalize_params(params: SamplingParams | list[SamplingParams] | None, n: i
 
 
 class LLM:
-    def __init__(self, engine_dir: str | Path, config: RuntimeConfig | None = None) -> None:
-        self.engine = load_engine(engine_dir, config)
+    def __init__(self, engine: str | Path | Engine, config: RuntimeConfig | None = None) -> None:
+        """engine: an engine directory (loaded with config) or an already built Engine."""
+        self.engine = as_engine(engine, config)
         self._ids = itertools.count()
-
-    @classmethod
-    def from_engine(cls, engine: Engine) -> "LLM":
-        """Wrap an already built Engine (e.g. one with a fake runner, in tests)."""
-        llm = cls.__new__(cls)
-        llm.engine = engine
-        llm._ids = itertools.count()
-        return llm
 
     @property
     def tokenizer(self):
@@ -60,25 +63,25 @@ class LLM:
     def generate(
         self, prompts: str | list[str] | list[list[int]], params: SamplingParams | list[SamplingParams] | None = None,
     ) -> list[RequestOutput]:
-        """Generate for every prompt (all batched together); results in prompt order."""
+        """Generate for every prompt (all batched together); whole results, in prompt order."""
         prompts = _normalize_prompts(prompts)
         params = _normalize_params(params, len(prompts))
-        for prompt, p in zip(prompts, params):  # reject bad input before anything runs
-            self.engine.validate(prompt, p)
-        ids = [f"llm-{next(self._ids)}" for _ in prompts]
+        # Prepare every request before anything runs, so bad input is rejected with nothing queued.
+        requests = [self.engine.prepare(f"llm-{next(self._ids)}", prompt, p) for prompt, p in zip(prompts, params)]
+        deltas: dict[str, list[RequestOutput]] = {r.request_id: [] for r in requests}
         results: dict[str, RequestOutput] = {}
         try:
-            for request_id, prompt, p in zip(ids, prompts, params):
-                self.engine.add_request(request_id, prompt, p)
-            while len(results) < len(ids):
+            for request in requests:
+                self.engine.add(request)
+            while len(results) < len(requests):
                 for output in self.engine.step():
+                    deltas[output.request_id].append(output)
                     if output.finished:
-                        results[output.request_id] = output
+                        results[output.request_id] = merge_outputs(deltas.pop(output.request_id))
         finally:
-            for request_id in ids:
-                if request_id not in results:
-                    self.engine.abort(request_id)
-        return [results[i] for i in ids]
+            for request_id in deltas:
+                self.engine.abort(request_id)
+        return [with_token_text(self.tokenizer, results[r.request_id]) for r in requests]
 
     def chat(
         self, messages: list[dict] | list[list[dict]], params: SamplingParams | list[SamplingParams] | None = None,

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kiln import contract
-from kiln.runtime.sequence import Sequence
+from kiln.runtime.scheduler import SchedulerOutput
 
 KV_DTYPES = {"float32": np.float32, "float16": np.float16, "int8": np.int8}  # int8: scales live in the graph
 
@@ -45,8 +45,10 @@ class BatchInput:
         }
 
 
-def build_batch(scheduled: list[tuple[Sequence, int]]) -> BatchInput:
-    """Pack the new tokens of each scheduled sequence (from its num_computed_tokens on)."""
+def build_batch(out: SchedulerOutput) -> BatchInput:
+    """Pack the new tokens of each scheduled sequence (from its num_computed_tokens on); logits
+    for the last token of the rows the scheduler marked as needing them."""
+    scheduled = out.scheduled
     starts = [seq.num_computed_tokens for seq, _ in scheduled]
     counts = [n for _, n in scheduled]
     input_ids = np.fromiter(
@@ -61,7 +63,7 @@ def build_batch(scheduled: list[tuple[Sequence, int]]) -> BatchInput:
     tables = np.zeros((len(scheduled), width), dtype=np.int32)
     for row, (seq, _) in enumerate(scheduled):
         tables[row, : len(seq.block_table)] = seq.block_table
-    rows = [qsl[i + 1] - 1 for i, (seq, _) in enumerate(scheduled) if seq_lens[i] == len(seq)]
+    rows = [qsl[i + 1] - 1 for i, need in enumerate(out.needs_logits) if need]
     num_logits = len(rows)
     # A step of prefill chunks only still asks for one (ignored) row: some backends dislike empty gathers.
     logits_indices = np.array(rows or [qsl[-1] - 1], dtype=np.int64)

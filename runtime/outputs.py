@@ -1,24 +1,34 @@
-"""What the runtime returns: per-request outputs (cumulative) and engine statistics."""
+"""What the runtime returns: per-request outputs and engine statistics.
+
+A stream (Engine.step, AsyncLLM.generate) carries deltas: each RequestOutput holds, per
+sample, only the text, token ids and logprobs that are new since the previous output of
+that request, so producing it costs the same at token 1 and token 10,000. The cumulative
+view (what LLM.generate returns, what a non-streaming HTTP response shows) is built once by
+merge_outputs from the deltas in order.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 
-@dataclass
+@dataclass(frozen=True)
 class Logprob:
     logprob: float
     rank: int | None  # 1 = most likely token
-    decoded_token: str | None
+    decoded_token: str | None  # None until the caller's side decodes it (detokenizer.with_token_text)
 
 
-@dataclass
+@dataclass(frozen=True)
 class CompletionOutput:
+    """One sample: new text / token ids / logprobs (a delta) or all of them (a merged result)."""
+
     index: int
-    text: str  # cumulative
-    token_ids: list[int]  # cumulative
-    cumulative_logprob: float | None
-    logprobs: list[dict[int, Logprob]] | None
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None  # the running total up to this output
+    logprobs: list[dict[int, Logprob]] | None  # one {token id: Logprob} per token in token_ids
     finish_reason: str | None  # "stop" | "length" | "abort" | None (still running)
     stop_reason: str | int | None = None  # the stop string or stop token id that ended it
 
@@ -27,7 +37,7 @@ class CompletionOutput:
         return self.finish_reason is not None
 
 
-@dataclass
+@dataclass(frozen=True)
 class RequestOutput:
     request_id: str
     prompt: str | None
@@ -35,6 +45,31 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+
+
+def merge_outputs(deltas: Iterable[RequestOutput]) -> RequestOutput:
+    """The cumulative output of one request from its deltas, in the order they came."""
+    deltas = list(deltas)
+    if not deltas:
+        raise ValueError("deltas is empty: merge needs at least one output of the request")
+    by_index: dict[int, list[CompletionOutput]] = {}
+    for delta in deltas:
+        for out in delta.outputs:
+            by_index.setdefault(out.index, []).append(out)
+    last = deltas[-1]
+    outputs = [merge_completions(parts) for _, parts in sorted(by_index.items())]
+    return RequestOutput(last.request_id, last.prompt, last.prompt_token_ids, outputs, last.finished,
+                         last.num_cached_tokens)
+
+
+def merge_completions(parts: list[CompletionOutput]) -> CompletionOutput:
+    """One sample's deltas, in order, as one."""
+    last = parts[-1]
+    logprobs = None if last.logprobs is None else [step for p in parts for step in p.logprobs or ()]
+    return CompletionOutput(
+        last.index, "".join(p.text for p in parts), [t for p in parts for t in p.token_ids],
+        last.cumulative_logprob, logprobs, last.finish_reason, last.stop_reason,
+    )
 
 
 @dataclass

@@ -9,28 +9,44 @@ stalls decodes. When a running sequence cannot get a block for even one more tok
 most recently arrived running sequence is preempted: its blocks are freed and it goes back
 to the front of the waiting queue, to be recomputed (cheaply, from the prefix cache, where
 its blocks survived) and resumed with the same tokens.
+
+The scheduler is the one writer of a sequence's num_computed_tokens: the block manager
+returns what it found or shared (prefix-cache hits, forked blocks) and the scheduler records it.
 """
 
 from __future__ import annotations
 
 import bisect
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from kiln.runtime.block_manager import BlockManager
 from kiln.runtime.sequence import Sequence, SequenceStatus
 
 
-@dataclass
+@dataclass(frozen=True)
 class SchedulerOutput:
-    """The sequences of one step and how many new tokens each computes (from num_computed_tokens)."""
+    """One step: the scheduled sequences with how many new tokens each computes (from its
+    num_computed_tokens on), and which of them reach their last token and so need logits and
+    a sampled token. Decided once here; the batch builder and the engine's postprocess read it."""
 
-    scheduled: list[tuple[Sequence, int]] = field(default_factory=list)
-    preempted: list[Sequence] = field(default_factory=list)
+    scheduled: tuple[tuple[Sequence, int], ...] = ()
+    needs_logits: tuple[bool, ...] = ()  # per scheduled row
+    preempted: tuple[Sequence, ...] = ()
+
+    def __post_init__(self) -> None:
+        if len(self.needs_logits) != len(self.scheduled):
+            raise ValueError(f"needs_logits has {len(self.needs_logits)} entries for {len(self.scheduled)} "
+                             "scheduled sequences")
 
     @property
     def num_tokens(self) -> int:
         return sum(n for _, n in self.scheduled)
+
+    @property
+    def to_sample(self) -> list[Sequence]:
+        """The sequences that sample a token after this step, in row (logits) order."""
+        return [seq for (seq, _), need in zip(self.scheduled, self.needs_logits) if need]
 
     def __bool__(self) -> bool:
         return bool(self.scheduled)
@@ -58,7 +74,7 @@ class Scheduler:
 
     def add_forked(self, parent: Sequence, child: Sequence) -> None:
         """Start child (another sample of parent's prompt) on parent's computed blocks."""
-        self.bm.fork(parent, child)
+        child.num_computed_tokens = self.bm.fork(parent, child)
         child.num_cached_tokens = parent.num_cached_tokens
         child.status = SequenceStatus.RUNNING
         bisect.insort(self.running, child, key=_priority)
@@ -72,15 +88,14 @@ class Scheduler:
             self.running.remove(seq)
         elif seq.status is SequenceStatus.WAITING and seq in self.waiting:
             self.waiting.remove(seq)
-        self.bm.free(seq)
+        self._release(seq)
         seq.finish(reason, stop_reason)
 
     # -- schedule ---------------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
-        budget = self.max_num_tokens
         scheduled: dict[Sequence, int] = {}
-        out = SchedulerOutput()
+        preempted: list[Sequence] = []
         decodes = [s for s in self.running if s.num_uncomputed == 1]
         catching_up = [s for s in self.running if s.num_uncomputed > 1]
         for seq in decodes + catching_up:
@@ -89,30 +104,41 @@ class Scheduler:
                 break
             if seq.status is not SequenceStatus.RUNNING:  # preempted earlier in this loop
                 continue
-            num_new = self._fit_running(seq, min(seq.num_uncomputed, budget), scheduled, out)
+            num_new = self._fit_running(seq, min(seq.num_uncomputed, budget), scheduled, preempted)
             if num_new:
                 scheduled[seq] = num_new
         budget = self.max_num_tokens - sum(scheduled.values())
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not out.preempted:
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
             seq = self.waiting[0]
-            cached = self.bm.match_prefix(seq)
-            num_new = min(seq.num_uncomputed, budget)
-            if not self.bm.allocate(seq, seq.num_computed_tokens + num_new):
-                self.bm.free(seq)  # give back the prefix hits; retry when blocks free up
-                break
-            self.waiting.popleft()
-            self.prefix_cache_queries += len(seq)
-            self.prefix_cache_hits += cached
-            if seq.num_output_tokens == 0 and seq.num_cached_tokens == 0:
-                seq.num_cached_tokens = cached
-            seq.status = SequenceStatus.RUNNING
-            bisect.insort(self.running, seq, key=_priority)
+            num_new = self._admit(seq, budget)
+            if not num_new:
+                break  # FCFS: nothing behind it goes first; retry when blocks free up
             scheduled[seq] = num_new
             budget -= num_new
-        out.scheduled = list(scheduled.items())
-        return out
+        rows = tuple(scheduled.items())
+        needs_logits = tuple(seq.num_computed_tokens + n == len(seq) for seq, n in rows)
+        return SchedulerOutput(rows, needs_logits, tuple(preempted))
 
-    def _fit_running(self, seq: Sequence, want: int, scheduled: dict[Sequence, int], out: SchedulerOutput) -> int:
+    def _admit(self, seq: Sequence, budget: int) -> int:
+        """Start the first waiting seq on its cached prefix plus a chunk of up to `budget` new
+        tokens; returns the chunk's length, or 0 (seq left waiting, no blocks held) if it can't get blocks."""
+        cached = self.bm.match_prefix(seq)
+        num_new = min(len(seq) - cached, budget)
+        if not self.bm.allocate(seq, cached + num_new):
+            self.bm.free(seq)  # give back the prefix hits
+            return 0
+        seq.num_computed_tokens = cached
+        self.waiting.popleft()
+        self.prefix_cache_queries += len(seq)
+        self.prefix_cache_hits += cached
+        if seq.num_output_tokens == 0 and seq.num_cached_tokens == 0:
+            seq.num_cached_tokens = cached
+        seq.status = SequenceStatus.RUNNING
+        bisect.insort(self.running, seq, key=_priority)
+        return num_new
+
+    def _fit_running(self, seq: Sequence, want: int, scheduled: dict[Sequence, int],
+                     preempted: list[Sequence]) -> int:
         """Blocks for up to `want` more tokens of a running seq; preempts others if none fit."""
         while True:
             fit = self.bm.can_fit(seq, want)
@@ -122,28 +148,28 @@ class Scheduler:
                 return fit
             victim = self.running[-1]
             scheduled.pop(victim, None)
-            self._preempt(victim, out)
+            self._preempt(victim)
+            preempted.append(victim)
             if victim is seq:
                 return 0
 
-    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+    def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
-        self.bm.free(seq)
+        self._release(seq)
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
-        out.preempted.append(seq)
+
+    def _release(self, seq: Sequence) -> None:
+        self.bm.free(seq)
+        seq.num_computed_tokens = 0  # its K/V went with the blocks
 
     # -- after the model ran ----------------------------------------------------------------
 
-    def update(self, out: SchedulerOutput) -> list[Sequence]:
-        """Advance computed counts after a step; returns the sequences that need a sampled token."""
-        need_token = []
+    def update(self, out: SchedulerOutput) -> None:
+        """Advance computed counts after a step and hash the blocks it filled."""
         for seq, num_new in out.scheduled:
             start = seq.num_computed_tokens
             self.num_prompt_tokens_computed += max(0, min(start + num_new, seq.num_prompt_tokens) - start)
             seq.num_computed_tokens = start + num_new
             self.bm.commit(seq)
-            if seq.num_computed_tokens == len(seq):
-                need_token.append(seq)
-        return need_token

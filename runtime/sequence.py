@@ -23,6 +23,8 @@ class Sequence:
 
     A sequence is never in a "prefill" or "decode" phase: it has len(token_ids) tokens, of
     which num_computed_tokens have K/V in its blocks, and each step computes some of the rest.
+    Writers: the engine appends tokens, the scheduler owns num_computed_tokens and status,
+    the block manager owns block_table and block_hashes.
     """
 
     def __init__(
@@ -46,8 +48,6 @@ class Sequence:
         self.block_hashes: list[int] = []  # chained hashes of this sequence's full, computed blocks
         self.finish_reason: str | None = None
         self.stop_reason: str | int | None = None
-        self.cumulative_logprob = 0.0
-        self.logprobs: list[dict] = []
         if rng is None:  # a seeded request's sample i draws from its own stream, whatever the batch
             rng = np.random.default_rng(None if params.seed is None else [params.seed, index])
         self.rng = rng

@@ -31,7 +31,7 @@ except ImportError as e:  # the bare runtime install has no HTTP stack
 from kiln.errors import InvalidParamError
 from kiln.runtime.server.protocol import (ChatCompletionRequest, CompletionRequest, ErrorResponse,
                                           ResponseFormatter, error_body)
-from kiln.runtime.outputs import RequestOutput
+from kiln.runtime.outputs import RequestOutput, merge_outputs
 from kiln.runtime.params import SamplingParams
 from kiln.runtime.server.metrics import CONTENT_TYPE, RequestTimer, ServerMetrics
 
@@ -80,7 +80,7 @@ async def _abort(llm: Any, request_id: str) -> None:
 
 async def _engine_stream(request: Request, prompts: list, params: SamplingParams,
                          base_id: str) -> AsyncIterator[tuple[int, RequestOutput]]:
-    """Merged (prompt index, cumulative output) stream of one engine request per prompt.
+    """Merged (prompt index, output delta) stream of one engine request per prompt.
 
     Raises ClientDisconnected when the client leaves; on any exit, aborts what is unfinished.
     """
@@ -99,6 +99,7 @@ async def _engine_stream(request: Request, prompts: list, params: SamplingParams
 
     live = set(range(len(prompts)))
     started: set[int] = set()
+    num_tokens = [0] * len(prompts)
     tasks = [asyncio.create_task(pump(i)) for i in range(len(prompts))]
     watcher = asyncio.create_task(_wait_disconnect(request))
     try:
@@ -118,7 +119,8 @@ async def _engine_stream(request: Request, prompts: list, params: SamplingParams
             if i not in started:
                 started.add(i)
                 metrics.prompt_tokens.inc(len(out.prompt_token_ids))
-            timers[i].on_tokens(sum(len(o.token_ids) for o in out.outputs))
+            num_tokens[i] += sum(len(o.token_ids) for o in out.outputs)
+            timers[i].on_tokens(num_tokens[i])
             if out.finished:
                 live.discard(i)
                 timers[i].on_finish([o.finish_reason for o in out.outputs])
@@ -140,11 +142,11 @@ def _sse(data: dict | str) -> str:
 
 async def _sse_stream(first: tuple[int, RequestOutput], stream: AsyncIterator, fmt: ResponseFormatter,
                       include_usage: bool) -> AsyncIterator[str]:
-    finals: dict[int, RequestOutput] = {}
+    deltas: dict[int, list[RequestOutput]] = {}
     try:
         item = first
         while True:
-            finals[item[0]] = item[1]
+            deltas.setdefault(item[0], []).append(item[1])
             for chunk in fmt.chunks(item[0], item[1], include_usage):
                 yield _sse(chunk)
             try:
@@ -152,7 +154,7 @@ async def _sse_stream(first: tuple[int, RequestOutput], stream: AsyncIterator, f
             except StopAsyncIteration:
                 break
         if include_usage:
-            yield _sse(fmt.usage_chunk(finals))
+            yield _sse(fmt.usage_chunk({i: merge_outputs(d) for i, d in deltas.items()}))
     except ClientDisconnected:
         return
     except InvalidParamError as e:  # headers are sent: report in-band, then end the stream
@@ -189,10 +191,10 @@ async def _run(request: Request, body: CompletionRequest | ChatCompletionRequest
             return StreamingResponse(_sse_stream(first, stream, fmt, body.include_usage),
                                      media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        finals = {first[0]: first[1]}
+        deltas = {first[0]: [first[1]]}
         async for i, out in stream:
-            finals[i] = out
-        return JSONResponse(fmt.response(finals))
+            deltas.setdefault(i, []).append(out)
+        return JSONResponse(fmt.response({i: merge_outputs(d) for i, d in deltas.items()}))
     except ClientDisconnected:
         return Response(status_code=499)
     except InvalidParamError as e:

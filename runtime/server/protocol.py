@@ -14,7 +14,7 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
 
 from kiln.errors import InvalidParamError
-from kiln.runtime.outputs import CompletionOutput, Logprob, RequestOutput
+from kiln.runtime.outputs import CompletionOutput, Logprob, RequestOutput, merge_completions
 from kiln.runtime.params import SamplingParams
 
 MAX_LOGPROBS = 20
@@ -240,41 +240,46 @@ def chat_logprobs(out: CompletionOutput, start: int, k: int) -> dict:
 # ---- responses ---------------------------------------------------------------------------
 
 class ResponseFormatter:
-    """Builds OpenAI response bodies and stream chunks from cumulative RequestOutputs."""
+    """Builds OpenAI stream chunks from output deltas and response bodies from merged outputs."""
 
     def __init__(self, chat: bool, request_id: str, model: str, params: SamplingParams):
         self.chat, self.id, self.model, self.params = chat, request_id, model, params
         self.created = int(time.time())
         self.object = "chat.completion" if chat else "text_completion"
-        self.sent: dict[int, tuple[int, int]] = {}  # choice index -> (chars, tokens) streamed
+        self.sent: dict[int, int] = {}  # choice index -> characters streamed
+        self.held: dict[int, CompletionOutput] = {}  # tokens without text yet: their logprobs go with the next chunk
 
-    def _logprobs(self, out, start_tok: int, start_char: int):
+    def _logprobs(self, out, start_char: int):
         if self.params.logprobs is None:
             return None
         if self.chat:
-            return chat_logprobs(out, start_tok, self.params.logprobs)
-        return completion_logprobs(out, start_tok, self.params.logprobs, start_char)
+            return chat_logprobs(out, 0, self.params.logprobs)
+        return completion_logprobs(out, 0, self.params.logprobs, start_char)
 
     def _head(self, obj: str) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
     def chunks(self, prompt_index: int, ro: RequestOutput, include_usage: bool) -> list[dict]:
-        """Stream chunks carrying what each choice of this output adds since the last call."""
+        """Stream chunks carrying what each choice of this output delta adds."""
         chunks = []
         for out in ro.outputs:
             index = prompt_index * self.params.n + out.index
-            chars, toks = self.sent.get(index, (0, 0))
-            delta = out.text[chars:]
+            chars = self.sent.get(index, 0)
+            if index in self.held:
+                out = merge_completions([self.held.pop(index), out])
+            delta = out.text
             if not delta and out.finish_reason is None and index in self.sent:
+                if out.token_ids:
+                    self.held[index] = out
                 continue
             choice: dict[str, Any] = {"index": index}
             if self.chat:
                 choice["delta"] = {"content": delta} if index in self.sent else {"role": "assistant", "content": delta}
             else:
                 choice["text"] = delta
-            choice["logprobs"] = self._logprobs(out, toks, chars)
+            choice["logprobs"] = self._logprobs(out, chars)
             choice["finish_reason"] = out.finish_reason
-            self.sent[index] = (len(out.text), len(out.token_ids))
+            self.sent[index] = chars + len(delta)
             chunk = self._head(self.object + ".chunk" if self.chat else self.object)
             chunk["choices"] = [choice]
             if include_usage:
@@ -296,7 +301,7 @@ class ResponseFormatter:
                     choice["message"] = {"role": "assistant", "content": out.text}
                 else:
                     choice["text"] = out.text
-                choice["logprobs"] = self._logprobs(out, 0, 0)
+                choice["logprobs"] = self._logprobs(out, 0)
                 choice["finish_reason"] = out.finish_reason
                 choice["stop_reason"] = out.stop_reason
                 choices.append(choice)

@@ -23,6 +23,7 @@ import pytest
 from kiln.runtime import RuntimeConfig, SamplingParams
 from kiln.runtime.engine import Engine
 from kiln.runtime.loader import load_engine
+from kiln.runtime.outputs import merge_outputs
 
 pytestmark = pytest.mark.slow
 
@@ -154,9 +155,8 @@ def run_staggered(engine: Engine, prompts: list[list[int]], per_step: int = 2) -
         for i, p in pending[:per_step]:
             engine.add_request(f"g{i}", p, GREEDY)
         pending = pending[per_step:]
-        for out in engine.step():
-            if out.finished:
-                results[out.request_id] = out.outputs[0].token_ids
+        for out in engine.step():  # deltas: each step's new tokens
+            results.setdefault(out.request_id, []).extend(out.outputs[0].token_ids)
         engine.block_manager.check()
     return [results[f"g{i}"] for i in range(len(prompts))]
 
@@ -196,16 +196,17 @@ def test_shared_system_prompt_is_prefilled_once(engine_dir):
     for i, p in enumerate((first, second)):
         before = warm.stats().num_prompt_tokens_computed
         warm.add_request(f"s{i}", p, params)
+        deltas = []
         while warm.has_unfinished():
-            for out in warm.step():
-                if out.finished:
-                    outs.append(out)
+            deltas += warm.step()
+        outs.append(merge_outputs(deltas))
         computed = warm.stats().num_prompt_tokens_computed - before
     assert outs[1].num_cached_tokens == 288  # 18 full blocks of the shared 300 tokens
     assert computed == len(second) - 288
     cold = load_engine(engine_dir, RuntimeConfig(kv_cache_bytes=64 << 20, enable_prefix_caching=False))
     cold.add_request("c", second, params)
-    cold_out = None
+    deltas = []
     while cold.has_unfinished():
-        cold_out = next((o for o in cold.step() if o.finished), cold_out)
+        deltas += cold.step()
+    cold_out = merge_outputs(deltas)
     assert cold_out.outputs[0].token_ids == outs[1].outputs[0].token_ids

@@ -2,7 +2,7 @@
 
 Tokens are characters: a string prompt is its code points; generated token k of a request
 is the letter ``"abcdefghij"[k % 10]``; a prompt containing "CRASH" raises a RuntimeError
-inside the engine. Each token takes ``token_delay`` seconds.
+inside the engine. Each token takes ``token_delay`` seconds. Like the real one, it streams deltas.
 """
 
 from __future__ import annotations
@@ -50,6 +50,7 @@ class FakeAsyncLLM:
         toks: list[list[int]] = [[] for _ in range(params.n)]
         lps: list[list[dict]] = [[] for _ in range(params.n)]
         reasons: list[str | None] = [None] * params.n
+        sent_chars, sent_toks = [0] * params.n, [0] * params.n
         try:
             while any(r is None for r in reasons):
                 await asyncio.sleep(self.token_delay)
@@ -75,9 +76,11 @@ class FakeAsyncLLM:
                         reasons[j] = "stop"
                     elif len(toks[j]) >= max_tokens:
                         reasons[j] = "length"
-                outs = [CompletionOutput(j, texts[j], list(toks[j]), -0.5 * len(toks[j]),
-                                         [dict(s) for s in lps[j]] if params.logprobs is not None else None,
+                outs = [CompletionOutput(j, texts[j][sent_chars[j]:], toks[j][sent_toks[j]:], -0.5 * len(toks[j]),
+                                         lps[j][sent_toks[j]:] if params.logprobs is not None else None,
                                          reasons[j]) for j in range(params.n)]
+                for j in range(params.n):
+                    sent_chars[j], sent_toks[j] = max(sent_chars[j], len(texts[j])), len(toks[j])
                 done = all(r is not None for r in reasons)
                 yield RequestOutput(request_id, prompt if isinstance(prompt, str) else None, ids, outs, done, 0)
             self.finished.append(request_id)

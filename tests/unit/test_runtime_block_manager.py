@@ -41,7 +41,8 @@ def test_free_puts_tail_first_and_prefix_hit_reuses_blocks():
     assert list(bm.free_ids) == [3, 4, 5, 2, 1, 0]  # LRU order: tail of a evicted before its head
     b = seq(list(range(8)) + [50, 51, 52])
     assert bm.match_prefix(b) == 8
-    assert b.block_table == [0, 1] and b.num_computed_tokens == 8
+    assert b.block_table == [0, 1] and b.num_computed_tokens == 0  # the scheduler records the hit
+    b.num_computed_tokens = 8
     run(bm, b)
     assert b.block_table == [0, 1, 3]
     assert list(bm.free_ids) == [4, 5, 2]
@@ -61,6 +62,7 @@ def test_lru_eviction_order_and_partial_prefix_survival():
     assert bm.blocks[1].hash == d.block_hashes[1]
     e = seq(list(range(8)) + [9])
     assert bm.match_prefix(e) == 4 and e.block_table == [0]
+    e.num_computed_tokens = 4  # as the scheduler records a hit
     bm.check()
 
 
@@ -101,12 +103,14 @@ def test_fork_shares_full_computed_blocks_only():
     parent = seq(range(10))
     run(bm, parent)
     child = seq(range(10))
-    bm.fork(parent, child)
-    assert child.block_table == [0, 1] and child.num_computed_tokens == 8
+    assert bm.fork(parent, child) == 8
+    assert child.block_table == [0, 1] and child.num_computed_tokens == 0
+    child.num_computed_tokens = 8
     assert [bm.blocks[i].ref_count for i in (0, 1, 2)] == [2, 2, 1]
     run(bm, child)
     assert child.block_table == [0, 1, 3]
     bm.free(parent)
+    assert parent.block_table == [] and parent.block_hashes == []
     assert bm.blocks[0].ref_count == 1 and 2 in bm.free_ids
     bm.free(child)
     assert bm.num_free_blocks == 8
@@ -121,6 +125,15 @@ def test_prefix_caching_disabled_never_hits():
     b = seq(range(10))
     assert bm.match_prefix(b) == 0
     assert bm.hash_to_block == {}
+
+
+def test_check_catches_a_hit_the_scheduler_did_not_record():
+    bm = BlockManager(4, block_size=4)
+    run(bm, seq(range(8)))
+    b = seq(range(8))
+    assert bm.match_prefix(b) == 4
+    with pytest.raises(AssertionError):
+        bm.check()  # b holds a hashed block but claims no computed tokens
 
 
 def test_check_catches_a_broken_ref_count():

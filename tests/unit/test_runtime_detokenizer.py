@@ -29,7 +29,8 @@ def stream(tok, prompt: str, text: str, stop=(), skip_special_tokens=True):
 
 def test_multibyte_characters_are_emitted_whole(byte_tokenizer):
     detok, deltas = stream(byte_tokenizer, "Say: ", TEXT)
-    assert "".join(deltas) == TEXT == detok.text
+    assert "".join(deltas) == TEXT == detok.take(finished=True)
+    assert detok.take(finished=True) == ""  # taken text is gone
     assert not any("\ufffd" in d for d in deltas)
     assert "" in deltas  # some tokens completed no character
     assert "😀" in deltas
@@ -41,27 +42,40 @@ def test_special_tokens_are_skipped_or_kept(byte_tokenizer):
         detok = IncrementalDetokenizer(byte_tokenizer, [], skip)
         for t in byte_tokenizer.encode("ab").ids + [eos]:
             detok.add(t)
-        assert detok.text == expected
+        assert detok.take(finished=True) == expected
 
 
 def test_stop_string_truncates_and_is_held_back(byte_tokenizer):
     detok = IncrementalDetokenizer(byte_tokenizer, [], True, ("世界",))
-    shown = []
+    shown = ""
     found = None
     for t in byte_tokenizer.encode(TEXT).ids:
         found = detok.find_stop(len(detok.add(t)))
-        shown.append(detok.visible_text(finished=found is not None))
+        shown += detok.take(finished=found is not None)
+        assert not shown.endswith("世")  # the stop string's prefix is never shown
         if found:
             break
     assert found == "世界"
-    assert detok.text == "héllo 😀 "
-    assert all(not s.endswith("世") for s in shown)  # the stop string's prefix was never shown
+    assert shown == "héllo 😀 "
 
 
 def test_stop_string_spanning_tokens(byte_tokenizer):
-    detok, _ = stream(byte_tokenizer, "", "abc STOP def", stop=("STOP", "zz"))
-    assert detok.find_stop(len(detok.text)) == "STOP"
-    assert detok.text == "abc "
+    detok, deltas = stream(byte_tokenizer, "", "abc STOP def", stop=("STOP", "zz"))
+    assert detok.find_stop(len("".join(deltas))) == "STOP"
+    assert detok.take(finished=True) == "abc "
+
+
+def test_taking_as_it_streams_holds_back_and_finds_a_stop_across_takes(byte_tokenizer):
+    detok = IncrementalDetokenizer(byte_tokenizer, [], True, ("STOP",))
+    shown, found = [], None
+    for t in byte_tokenizer.encode("one two STOP three").ids:
+        found = detok.find_stop(len(detok.add(t)))
+        shown.append(detok.take(finished=found is not None))
+        if found:
+            break
+    assert found == "STOP" and "".join(shown) == "one two "
+    assert len(detok.pending) == 0
+    assert all(len(s) <= 1 for s in shown)  # one new character a step, never the whole text again
 
 
 def test_real_bpe_with_merges_roundtrip():

@@ -5,8 +5,9 @@ import asyncio
 import pytest
 
 from kiln.runtime.async_llm import AsyncLLM
-from fake_runner import make_fake_engine
+from fake_runner import CharTokenizer, make_fake_engine
 from kiln.runtime.llm import LLM
+from kiln.runtime.outputs import merge_outputs
 from kiln.runtime.params import RuntimeConfig, SamplingParams
 
 GREEDY = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
@@ -17,7 +18,7 @@ def prompts(k=8):
 
 
 def llm(num_blocks=256, **kw) -> LLM:
-    return LLM.from_engine(make_fake_engine(num_blocks, **kw))
+    return LLM(make_fake_engine(num_blocks, **kw))
 
 
 def test_preemption_leaves_outputs_unchanged_and_frees_everything():
@@ -83,7 +84,7 @@ def test_finish_reasons():
     assert by_text.text == base.text[: base.text.index(stop_str)]
     eos = llm(vocab_size=64).engine
     eos.limits = type(eos.limits)(64, 32, (base.token_ids[2],))
-    out = LLM.from_engine(eos).generate([prompts()[1]], SamplingParams(temperature=0, max_tokens=20))[0].outputs[0]
+    out = LLM(eos).generate([prompts()[1]], SamplingParams(temperature=0, max_tokens=20))[0].outputs[0]
     assert out.finish_reason == "stop" and out.stop_reason is None and len(out.token_ids) <= 3
 
 
@@ -128,6 +129,58 @@ def test_logprobs_in_outputs():
     assert out.cumulative_logprob == pytest.approx(sum(d[t].logprob for d, t in zip(out.logprobs, out.token_ids)))
 
 
+def test_engine_leaves_logprob_text_to_the_caller_and_async_fills_it():
+    params = SamplingParams(temperature=0, max_tokens=4, logprobs=3, ignore_eos=True)
+    engine = make_fake_engine(64)
+    engine.add_request("a", [1, 2, 3], params)
+    deltas = []
+    while engine.has_unfinished():
+        deltas += engine.step()
+    steps = [step for d in deltas for step in d.outputs[0].logprobs]
+    assert len(steps) == 4 and all(lp.decoded_token is None for step in steps for lp in step.values())
+
+    async def main():
+        llm = AsyncLLM(make_fake_engine(64))
+        outs = [o async for o in llm.generate([1, 2, 3], params, "a")]
+        await llm.shutdown()
+        return merge_outputs(outs).outputs[0]
+
+    out = asyncio.run(main())
+    assert out.token_ids == merge_outputs(deltas).outputs[0].token_ids
+    for token, step in zip(out.token_ids, out.logprobs):
+        assert len(step) in (3, 4) and step[token].decoded_token == CharTokenizer().decode([token])
+        assert all(lp.decoded_token == CharTokenizer().decode([t]) for t, lp in step.items())
+
+
+def test_llm_takes_an_engine_or_a_dir_not_both():
+    with pytest.raises(ValueError, match="config must be None"):
+        LLM(make_fake_engine(8), RuntimeConfig())
+
+
+class CountingTokenizer(CharTokenizer):
+    def __init__(self):
+        self.encoded: list[str] = []
+
+    def encode(self, text, add_special_tokens=True):
+        self.encoded.append(text)
+        return super().encode(text, add_special_tokens)
+
+
+def test_each_prompt_is_tokenized_once_on_both_paths():
+    engine = make_fake_engine(64, vocab_size=96)
+    engine.tokenizer = CountingTokenizer()
+    LLM(engine).generate(["hello", "world"], GREEDY)
+    assert engine.tokenizer.encoded == ["hello", "world"]
+
+    async def main():
+        llm = AsyncLLM(engine)
+        [o async for o in llm.generate("again", GREEDY, "a")]
+        await llm.shutdown()
+
+    asyncio.run(main())
+    assert engine.tokenizer.encoded == ["hello", "world", "again"]
+
+
 def test_chat_and_text_prompts():
     engine = llm(vocab_size=96)
     a = engine.chat([{"role": "user", "content": "hi"}], GREEDY)
@@ -138,11 +191,11 @@ def test_chat_and_text_prompts():
 
 # -- AsyncLLM ---------------------------------------------------------------------------------
 
-def test_async_streams_cumulative_outputs_and_matches_llm():
+def test_async_streams_deltas_that_merge_into_llms_output():
     expected = llm().generate(prompts(3), GREEDY)
 
     async def main():
-        engine = AsyncLLM.from_engine(make_fake_engine(256))
+        engine = AsyncLLM(make_fake_engine(256))
         seen = {}
 
         async def consume(i, p):
@@ -156,14 +209,15 @@ def test_async_streams_cumulative_outputs_and_matches_llm():
     seen = asyncio.run(main())
     for i, outs in seen.items():
         assert outs[-1].finished and not any(o.finished for o in outs[:-1])
-        lens = [len(o.outputs[0].token_ids) for o in outs]
-        assert lens == sorted(lens) and lens[-1] == 20
-        assert outs[-1].outputs[0].token_ids == expected[i].outputs[0].token_ids
+        assert [len(o.outputs[0].token_ids) for o in outs] == [1] * 20  # one new token per step
+        merged = merge_outputs(outs).outputs[0]
+        assert merged.token_ids == expected[i].outputs[0].token_ids
+        assert merged.text == expected[i].outputs[0].text
 
 
 def test_async_rejects_bad_input_and_aborts():
     async def main():
-        engine = AsyncLLM.from_engine(make_fake_engine(256, max_seq_len=40))
+        engine = AsyncLLM(make_fake_engine(256, max_seq_len=40))
         with pytest.raises(ValueError, match="max_seq_len"):
             async for _ in engine.generate([1] * 30, SamplingParams(max_tokens=20), "bad"):
                 pass

@@ -4,13 +4,16 @@ The randomized test drives the whole engine (scheduler + block manager + a fake 
 stores tokens in its paged pool) and calls BlockManager.check() after every step.
 """
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kiln.runtime.block_manager import BlockManager
-from fake_runner import make_fake_engine
+from fake_runner import CharTokenizer, make_fake_engine
+from kiln.runtime.model_runner import build_batch
+from kiln.runtime.outputs import merge_outputs
 from kiln.runtime.params import RuntimeConfig, SamplingParams
-from kiln.runtime.scheduler import Scheduler
+from kiln.runtime.scheduler import Scheduler, SchedulerOutput
 from kiln.runtime.sequence import Sequence
 
 P = SamplingParams(temperature=0)
@@ -29,10 +32,13 @@ def add(s: Scheduler, n: int, arrival: float) -> Sequence:
 
 
 def step(s: Scheduler, token: int = 7):
-    """Schedule, 'run', and append a token to every sequence that reached its end."""
+    """Schedule, 'run', and append a token to every sequence the output marks as sampling."""
     out = s.schedule()
     plan = [(seq, n) for seq, n in out.scheduled]
-    for seq in s.update(out):
+    sampling = out.to_sample
+    s.update(out)
+    assert sampling == [seq for seq, _ in plan if seq.num_computed_tokens == len(seq)]
+    for seq in sampling:
         seq.append(token)
     s.bm.check()
     return plan, out
@@ -48,6 +54,21 @@ def test_budget_and_fcfs_chunking():
     plan, _ = step(s)
     assert plan == [(a, 1), (b, 1)]
     assert a.block_table == [0, 1, 2] and b.block_table == [3]
+
+
+def test_the_batch_asks_logits_for_the_rows_the_scheduler_marked():
+    _, s = make(max_num_tokens=8)
+    a, b = add(s, 10, 0), add(s, 3, 1)
+    step(s)  # a: 8 of 10 computed
+    out = s.schedule()
+    assert out.scheduled == ((a, 2), (b, 3)) and out.needs_logits == (True, True)
+    batch = build_batch(out)
+    assert batch.logits_indices.tolist() == [1, 4] and batch.num_logits == 2
+    chunk_only = SchedulerOutput(out.scheduled, (False, True))
+    assert build_batch(chunk_only).logits_indices.tolist() == [4]
+    assert chunk_only.to_sample == [b]
+    with pytest.raises(ValueError, match="needs_logits has 1 entries for 2"):
+        SchedulerOutput(out.scheduled, (True,))
 
 
 def test_decodes_go_before_prefill_chunks():
@@ -83,7 +104,7 @@ def test_preempts_latest_arrival_and_resumes_from_cache():
     step(s)
     step(s)  # both have 8 tokens computed: pool full
     plan, out = step(s)  # a needs a 3rd block: b (latest) is preempted
-    assert out.preempted == [b]
+    assert out.preempted == (b,)
     assert plan == [(a, 1)]
     assert a.block_table == [0, 1, 3]  # b's tail block (3) was freed first and is reused first
     assert b.status.value == "waiting" and b.num_computed_tokens == 0 and b.block_table == []
@@ -109,23 +130,39 @@ def test_catching_up_sequence_shrinks_its_chunk_to_free_blocks():
 # -- randomized schedules on the full engine ------------------------------------------------
 
 ops = st.lists(
-    st.one_of(
-        st.tuples(st.just("add"), st.integers(1, 40), st.integers(1, 12), st.integers(0, 24)),
-        st.tuples(st.just("abort"), st.integers(0, 20), st.just(0), st.just(0)),
-        st.tuples(st.just("step"), st.integers(1, 4), st.just(0), st.just(0)),
+    st.one_of(  # (op, x, max_tokens, shared prefix length, n, seeded sampling)
+        st.tuples(st.just("add"), st.integers(1, 40), st.integers(1, 12), st.integers(0, 24), st.integers(1, 3),
+                  st.booleans()),
+        st.tuples(st.just("abort"), st.integers(0, 20), st.just(0), st.just(0), st.just(1), st.just(False)),
+        st.tuples(st.just("step"), st.integers(1, 4), st.just(0), st.just(0), st.just(1), st.just(False)),
     ),
     min_size=4, max_size=40,
 )
 SHARED = [(7 * j) % 61 + 1 for j in range(40)]  # a common prefix, so requests hit the prefix cache
 
 
+def _params(max_tokens: int, n: int, seeded: bool, request_index: int) -> SamplingParams:
+    if seeded:  # a seeded sample's tokens do not depend on its batch, so the reference still applies
+        return SamplingParams(n=n, temperature=1.0, seed=request_index, max_tokens=max_tokens, ignore_eos=True)
+    return SamplingParams(n=n, temperature=0, max_tokens=max_tokens, ignore_eos=True)
+
+
 def _run(engine, schedule, abort=True):
-    finals, ids = {}, []
-    for op, x, y, shared in schedule:
+    """Apply the schedule; returns each request's merged output (or "aborted")."""
+    deltas, finals, ids = {}, {}, []
+
+    def step():
+        for out in engine.step():
+            deltas.setdefault(out.request_id, []).append(out)
+            if out.finished:
+                finals[out.request_id] = merge_outputs(deltas.pop(out.request_id))
+        engine.block_manager.check()
+
+    for op, x, y, shared, n, seeded in schedule:
         if op == "add":
             rid = f"r{len(ids)}"
             prompt = (SHARED[:shared] + [(len(ids) * 13 + 5 * j) % 63 + 1 for j in range(x)])[:40]
-            engine.add_request(rid, prompt, SamplingParams(temperature=0, max_tokens=y, ignore_eos=True))
+            engine.add_request(rid, prompt, _params(y, n, seeded, len(ids)))
             ids.append(rid)
         elif op == "abort" and abort and ids:
             out = engine.abort(ids[x % len(ids)])
@@ -133,15 +170,9 @@ def _run(engine, schedule, abort=True):
                 finals[out.request_id] = "aborted"
         else:
             for _ in range(x):
-                for out in engine.step():
-                    if out.finished:
-                        finals[out.request_id] = out.outputs[0].token_ids
-                engine.block_manager.check()
+                step()
     while engine.has_unfinished():
-        for out in engine.step():
-            if out.finished:
-                finals[out.request_id] = out.outputs[0].token_ids
-        engine.block_manager.check()
+        step()
     return finals
 
 
@@ -155,6 +186,13 @@ def test_random_schedules_keep_invariants_and_outputs(schedule, num_blocks, max_
     bm = small.block_manager
     assert bm.num_free_blocks == bm.num_blocks and not bm.owners
     reference = _run(make_fake_engine(256, max_seq_len=52, max_num_tokens=64), schedule, abort=False)
-    for rid, tokens in finals.items():
-        if tokens != "aborted":
-            assert tokens == reference[rid], rid
+    adds = [op for op in schedule if op[0] == "add"]
+    for rid, out in finals.items():
+        if out == "aborted":
+            continue
+        _, _, max_tokens, _, n, _ = adds[int(rid[1:])]
+        assert [c.token_ids for c in out.outputs] == [c.token_ids for c in reference[rid].outputs], rid
+        assert [c.index for c in out.outputs] == list(range(n))
+        for c in out.outputs:  # the deltas add up: every token once, the text is theirs
+            assert len(c.token_ids) == max_tokens and c.finish_reason == "length", rid
+            assert c.text == CharTokenizer().decode(c.token_ids), rid

@@ -329,3 +329,25 @@ def test_openapi_documents_400_not_422(client):
         assert "422" not in responses and {"200", "400", "404", "503"} <= set(responses)
     props = spec["components"]["schemas"]["CompletionRequest"]["properties"]
     assert props["temperature"]["anyOf"][0]["maximum"] == 2 and "prompt" in props
+
+
+def test_stream_logprobs_of_tokens_without_text_yet_go_with_the_next_chunk():
+    """A token that completes no character (or ends in a held-back stop prefix) adds no text:
+    its chunk is skipped, and its logprobs ride with the next chunk that has text."""
+    from kiln.runtime.openai_protocol import ResponseFormatter
+    from kiln.runtime.outputs import CompletionOutput, Logprob, RequestOutput
+    from kiln.runtime.params import SamplingParams
+
+    fmt = ResponseFormatter(False, "cmpl-1", "m", SamplingParams(logprobs=0))
+
+    def delta(text, tokens, finish=None):
+        lps = [{t: Logprob(-1.0, 1, chr(t))} for t in tokens]
+        return RequestOutput("r", "p", [1], [CompletionOutput(0, text, tokens, -1.0, lps, finish)], finish is not None)
+
+    first = fmt.chunks(0, delta("a", [97]), False)
+    assert [c["choices"][0]["text"] for c in first] == ["a"]
+    assert fmt.chunks(0, delta("", [98]), False) == []
+    last = fmt.chunks(0, delta("bc", [99], "length"), False)
+    choice = last[0]["choices"][0]
+    assert choice["text"] == "bc" and choice["finish_reason"] == "length"
+    assert choice["logprobs"]["tokens"] == ["b", "c"] and choice["logprobs"]["text_offset"] == [1, 2]
