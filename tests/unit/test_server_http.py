@@ -334,7 +334,7 @@ def test_openapi_documents_400_not_422(client):
 def test_stream_logprobs_of_tokens_without_text_yet_go_with_the_next_chunk():
     """A token that completes no character (or ends in a held-back stop prefix) adds no text:
     its chunk is skipped, and its logprobs ride with the next chunk that has text."""
-    from kiln.runtime.openai_protocol import ResponseFormatter
+    from kiln.runtime.server.protocol import ResponseFormatter
     from kiln.runtime.outputs import CompletionOutput, Logprob, RequestOutput
     from kiln.runtime.params import SamplingParams
 
