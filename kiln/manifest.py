@@ -29,7 +29,7 @@ class EngineLoadError(RuntimeError):
 class BuildOptions:
     dtype: str = "float32"  # activation / weight dtype of unquantized matmuls
     quantization: str = "none"  # "none" | "int8-weight-only" | "int4-rtn-g128" | "w8a8-smoothquant" | ...
-    kv_dtype: str = "float32"  # "float32" | "float16" | "int8"
+    kv_dtype: str = "float32"  # a key of kiln.contract.KV_DTYPES
     block_size: int = 16
     max_seq_len: int = 2048
     max_num_tokens: int = 2048  # per-step token budget the graph was built and tested for

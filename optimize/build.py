@@ -30,7 +30,6 @@ from kiln.optimize.quantize import parse_scheme
 Progress = Callable[[str], None]
 MODEL_FILE = "model.onnx"
 DATA_FILE = "model.onnx.data"
-_KV_DTYPES = ("float32", "float16", "int8")
 
 
 class BuildError(RuntimeError):
@@ -158,8 +157,8 @@ def _check_options(options: BuildOptions) -> None:
         check_quantization(options.quantization, _quant_calibration(options))
     except QuantizationError as exc:
         raise BuildError(str(exc)) from exc
-    if options.kv_dtype not in _KV_DTYPES:
-        raise BuildError(f"kv dtype {options.kv_dtype!r} is not supported; choose one of {list(_KV_DTYPES)}")
+    if options.kv_dtype not in contract.KV_DTYPES:
+        raise BuildError(f"kv dtype {options.kv_dtype!r} is not supported; choose one of {list(contract.KV_DTYPES)}")
     if options.kv_dtype == "int8" and not options.calibration:
         raise BuildError("an int8 KV cache needs the per-head K/V scales of a calibration artifact: run "
                          "`kiln calibrate MODEL --method smoothquant -o DIR` (any method) and pass --calibration DIR")
