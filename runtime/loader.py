@@ -63,7 +63,9 @@ def engine_kv_pools(manifest: Manifest) -> KvPoolSpec:
     return KvPoolSpec(spec.num_layers, spec.num_kv_heads, build.block_size, spec.head_dim, build.kv_dtype)
 
 
-def open_engine_runner(engine_dir: Path, manifest: Manifest, num_blocks: int, num_threads: int | None) -> OrtModelRunner:
+def open_engine_runner(
+    engine_dir: Path, manifest: Manifest, num_blocks: int, num_threads: int | None,
+) -> OrtModelRunner:
     """The engine's graph in an OrtModelRunner with num_blocks blocks per layer, pools as its manifest says."""
     from kiln.runtime.ort_runner import OrtModelRunner, open_session
 

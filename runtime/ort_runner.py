@@ -73,7 +73,8 @@ class OrtModelRunner(ModelRunner):
             raise EngineLoadError(f"engine graph inputs {unknown} are not fed by this runtime; rebuild the engine")
         vocab = session.get_outputs()[0].shape[-1]
         if not isinstance(vocab, int):
-            raise EngineLoadError(f"the engine graph's {contract.LOGITS} output has no static vocabulary size ({vocab})")
+            raise EngineLoadError(f"the engine graph's {contract.LOGITS} output has no static vocabulary size "
+                                  f"({vocab})")
         self.session = session
         self.pool_spec = pools
         self.num_blocks = num_blocks

@@ -152,7 +152,7 @@ def test_eval_driver_sizes_int8_pools(int8_engine, tiny_engine):
     ids = [(37 * j + j // 7) % 290 + 3 for j in range(200)]
     sessions = [EngineSession(e, max_tokens=256, threads=1) for e in (tiny_engine, int8_engine)]
     assert sessions[1].runner.pools[0].dtype == np.int8
-    assert sessions[1].runner.num_blocks == sessions[0].runner.num_blocks == 256 // 16  # bytes sized per dtype
+    assert sessions[1].runner.num_blocks == sessions[0].runner.num_blocks == 256 // 16  # max_tokens in blocks, whatever the dtype
     ppl32, ppl8 = (perplexity(s, ids, window=100, num_windows=2)[0] for s in sessions)
     assert ppl8 == pytest.approx(ppl32, rel=0.01)
 
@@ -195,3 +195,23 @@ def test_int8_engine_logits_agree_through_every_driver(int8_engine):
             logp = _log_softmax(rows)
             err = max(abs(logp[j, t] - lp.logprob) for j, top in enumerate(steps) for t, lp in top.items())
             assert err < 1e-4, f"{name}, sequence {s}: top logprobs differ from the runtime's by {err:.2e}"
+
+
+def test_runner_refuses_pools_the_graph_does_not_declare(int8_engine):
+    """A description of the pools that disagrees with the graph's kv_cache inputs (a manifest edited
+    by hand, a graph swapped in) fails at load in one sentence, not as an ORT type error mid-step."""
+    from dataclasses import replace
+
+    from kiln.contract import KvPoolSpec
+    from kiln.manifest import EngineLoadError
+    from kiln.runtime.ort_runner import OrtModelRunner, graph_kv_pools, open_session
+
+    session = open_session(int8_engine / "model.onnx", num_threads=1)
+    declared = graph_kv_pools(session)
+    spec = read_manifest(int8_engine).spec
+    assert declared == KvPoolSpec(spec.num_layers, spec.num_kv_heads, 16, spec.head_dim, "int8")
+    for wrong in (replace(declared, kv_dtype="float32"), replace(declared, block_size=8)):
+        with pytest.raises(EngineLoadError, match="rebuild the engine"):
+            OrtModelRunner(session, wrong, num_blocks=4)
+    with pytest.raises(ValueError, match="KV dtype 'int3' is not one of"):
+        replace(declared, kv_dtype="int3")
