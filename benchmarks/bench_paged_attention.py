@@ -22,6 +22,7 @@ import numpy as np
 import onnxruntime as ort
 from onnx import TensorProto, helper
 
+from kiln.contract import KV_DTYPES
 from kiln.paged_attention import make_single_op_model
 from kiln.runtime.ops import library_path
 
@@ -145,9 +146,9 @@ def gqa_decode(sess, batch: int, ctx: int, rng):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--kv-dtype", choices=["float32", "float16", "int8"], default="float32")
+    parser.add_argument("--kv-dtype", choices=list(KV_DTYPES), default="float32")
     args = parser.parse_args()
-    kv_dtype = np.dtype(args.kv_dtype)
+    kv_dtype = KV_DTYPES[args.kv_dtype]
     rng = np.random.default_rng(0)
     kiln_sess = session(make_single_op_model(H, HKV, D, BLOCK, scale=D**-0.5, kv_dtype=kv_dtype), args.threads)
     print(f"kiln.PagedAttention, SmolLM2 shapes (H={H}, Hkv={HKV}, D={D}, block {BLOCK}), "

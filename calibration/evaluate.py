@@ -34,46 +34,26 @@ class EngineSession:
         from tokenizers import Tokenizer
 
         from kiln.manifest import read_manifest
-        from kiln.runtime.model_runner import KV_DTYPES, kv_bytes_per_block
-        from kiln.runtime.ops import library_path
-        from kiln.runtime.ort_runner import OrtModelRunner
-        from kiln.runtime.params import RuntimeConfig
+        from kiln.runtime.loader import open_engine_runner
 
         self.engine_dir = Path(engine_dir)
         self.manifest = read_manifest(self.engine_dir)
-        build = self.manifest.build
-        blocks = -(-max_tokens // build.block_size)
-        spec = self.manifest.spec
-        pool_bytes = blocks * kv_bytes_per_block(spec.num_layers, spec.num_kv_heads, build.block_size, spec.head_dim,
-                                                 np.dtype(KV_DTYPES[build.kv_dtype]).itemsize)
-        config = RuntimeConfig(kv_cache_bytes=pool_bytes, max_num_seqs=1, num_threads=threads)
-        self.runner = OrtModelRunner(self.engine_dir, self.manifest, config, library_path())
+        self.max_tokens = max_tokens
+        self.block_table = list(range(-(-max_tokens // self.manifest.build.block_size)))
+        self.runner = open_engine_runner(self.engine_dir, self.manifest, len(self.block_table), threads)
         self.tokenizer = Tokenizer.from_file(str(self.engine_dir / "tokenizer.json"))
-        self.max_tokens = min(max_tokens, self.runner.num_blocks * build.block_size)
 
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False).ids
 
     def run(self, tokens: list[int], start: int, all_rows: bool) -> np.ndarray:
         """Feed tokens at positions start.. of the current sequence; logits of every row or the last."""
-        from kiln.runtime.model_runner import BatchInput
+        from kiln.runtime.model_runner import Chunk, pack_chunks
 
-        n = len(tokens)
-        end = start + n
-        if end > self.max_tokens:
-            raise ValueError(f"sequence of {end} tokens exceeds the evaluation KV pool ({self.max_tokens})")
-        block_size = self.manifest.build.block_size
-        rows = np.arange(n, dtype=np.int64) if all_rows else np.array([n - 1], dtype=np.int64)
-        batch = BatchInput(
-            input_ids=np.asarray(tokens, dtype=np.int64),
-            position_ids=np.arange(start, end, dtype=np.int64),
-            query_start_loc=np.array([0, n], dtype=np.int32),
-            seq_lens=np.array([end], dtype=np.int32),
-            block_tables=np.arange(-(-end // block_size), dtype=np.int32)[None],
-            logits_indices=rows,
-            num_logits=len(rows),
-        )
-        return self.runner.execute(batch)
+        if start + len(tokens) > self.max_tokens:
+            raise ValueError(f"sequence of {start + len(tokens)} tokens exceeds the evaluation KV pool "
+                             f"({self.max_tokens})")
+        return self.runner.execute(pack_chunks([Chunk(start, tokens, self.block_table)], all_rows))
 
     def prefill(self, tokens: list[int], chunk: int = 128) -> np.ndarray:
         """All-row logits of a fresh sequence, prefilled chunk by chunk."""

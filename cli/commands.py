@@ -7,6 +7,7 @@ from pathlib import Path
 
 import click
 
+from kiln.contract import KV_DTYPES
 from kiln.errors import KilnError
 
 
@@ -32,7 +33,7 @@ def main() -> None:
 @main.command()
 @click.argument("model")
 @click.option("-o", "--output", "output", required=True, type=click.Path(path_type=Path), help="engine directory to write")
-@click.option("--kv-dtype", type=click.Choice(["float32", "float16", "int8"]), default="float32", show_default=True,
+@click.option("--kv-dtype", type=click.Choice(list(KV_DTYPES)), default="float32", show_default=True,
               help="KV-cache element type; int8 takes per-head scales from --calibration")
 @click.option("--block-size", type=int, default=16, show_default=True, help="tokens per KV-cache block")
 @click.option("--max-seq-len", type=int, default=2048, show_default=True)

@@ -11,6 +11,7 @@ Inputs
   block_tables     int32  [num_seqs, max_blocks]  physical block ids of each sequence, row-padded
   logits_indices   int64  [num_logits]            rows of the packed batch that need logits
   kv_cache.{i}     kv dtype [num_blocks, 2, num_kv_heads, block_size, head_dim]   one pool per layer
+                   (a KV_DTYPES value; the runtime picks num_blocks, KvPoolSpec fixes the rest)
 
 Outputs
   logits           float32 [num_logits, vocab_size]
@@ -20,6 +21,12 @@ Outputs
 The op itself (kiln.PagedAttention, domain "kiln", version 1) is specified, with its numpy
 reference implementation, in kiln/paged_attention.py.
 """
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
 
 OP_DOMAIN = "kiln"
 OP_TYPE = "PagedAttention"
@@ -48,5 +55,40 @@ def kv_cache_output(layer: int) -> str:
     return f"kv_cache_out.{layer}"
 
 
-def kv_pool_shape(num_blocks: int, num_kv_heads: int, block_size: int, head_dim: int) -> tuple[int, ...]:
-    return (num_blocks, 2, num_kv_heads, block_size, head_dim)
+# KV pool element types by the name the build options and the manifest use. An int8 pool's
+# per-head steps are graph initializers (kv_scale.{i}), so the pool itself stays one plain tensor.
+KV_DTYPES: dict[str, np.dtype] = {
+    "float32": np.dtype(np.float32), "float16": np.dtype(np.float16), "int8": np.dtype(np.int8),
+}
+
+
+@dataclass(frozen=True)
+class KvPoolSpec:
+    """The KV pools of an engine graph, all but their number of blocks (which the runtime chooses)."""
+
+    num_layers: int
+    num_kv_heads: int
+    block_size: int
+    head_dim: int
+    kv_dtype: str  # a key of KV_DTYPES
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "num_kv_heads", "block_size", "head_dim"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"KV pool {name} must be a positive integer, got {value!r}")
+        if self.kv_dtype not in KV_DTYPES:
+            raise ValueError(f"KV dtype {self.kv_dtype!r} is not one of {list(KV_DTYPES)}")
+
+    @property
+    def dtype(self) -> np.dtype:
+        return KV_DTYPES[self.kv_dtype]
+
+    @property
+    def bytes_per_block(self) -> int:
+        """Bytes one block takes across all layers' pools (K and V)."""
+        return self.num_layers * 2 * self.num_kv_heads * self.block_size * self.head_dim * self.dtype.itemsize
+
+    def pool_shape(self, num_blocks: int) -> tuple[int, ...]:
+        """One layer's pool: [num_blocks, 2 (K, V), num_kv_heads, block_size, head_dim]."""
+        return (num_blocks, 2, self.num_kv_heads, self.block_size, self.head_dim)

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from kiln import __version__
-from kiln.contract import OP_LIBRARY_ABI, OP_LIBRARY_MIN_ABI
+from kiln.contract import KV_DTYPES, OP_LIBRARY_ABI, OP_LIBRARY_MIN_ABI
 from kiln.errors import KilnError, require
 from kiln.quant_scheme import QuantScheme
 from kiln.spec import ModelSpec
@@ -24,7 +24,6 @@ BACKEND_ORT_CPU = "onnxruntime-cpu"
 BACKEND_TENSORRT = "tensorrt"
 
 
-_KV_DTYPES = ("float32", "float16", "int8")  # KV pool element types (the runtime maps them to numpy)
 
 
 class EngineLoadError(KilnError, RuntimeError):
@@ -39,7 +38,7 @@ class BuildOptions:
     """
 
     quantization: QuantScheme = QuantScheme()
-    kv_dtype: str = "float32"  # "float32" | "float16" | "int8"
+    kv_dtype: str = "float32"  # a key of kiln.contract.KV_DTYPES
     block_size: int = 16
     max_seq_len: int = 2048
     max_num_tokens: int = 2048  # per-step token budget the graph was built and tested for
@@ -48,7 +47,7 @@ class BuildOptions:
     def __post_init__(self) -> None:
         require(isinstance(self.quantization, QuantScheme), "quantization", "a QuantScheme (QuantScheme.parse(name))",
                 self.quantization)
-        require(self.kv_dtype in _KV_DTYPES, "kv_dtype", f"one of {list(_KV_DTYPES)}", self.kv_dtype)
+        require(self.kv_dtype in KV_DTYPES, "kv_dtype", f"one of {list(KV_DTYPES)}", self.kv_dtype)
         for name in ("block_size", "max_seq_len", "max_num_tokens"):
             value = getattr(self, name)
             require(isinstance(value, int) and value > 0, name, "a positive integer", value)

@@ -29,8 +29,6 @@ from kiln import contract
 from kiln.errors import require
 from kiln.optimize._common import add_opset, const_float, look_through_repeat_kv, static_dim
 
-_KV_DTYPES = {"float32": ir.DataType.FLOAT, "float16": ir.DataType.FLOAT16, "int8": ir.DataType.INT8}
-
 
 def kv_scale_name(layer: int) -> str:
     return f"kv_scale.{layer}"
@@ -154,7 +152,7 @@ class PagedAttentionFusion(pattern.RewriteRuleClassBase):
         cfg = self._config
         kv_cache = ir.Value(
             name=contract.kv_cache_input(layer),
-            type=ir.TensorType(_KV_DTYPES[cfg.kv_dtype]),
+            type=ir.TensorType(ir.DataType.from_numpy(contract.KV_DTYPES[cfg.kv_dtype])),
             shape=ir.Shape(["num_blocks", 2, kv_heads, cfg.block_size, head_dim]),
         )
         extra = []

@@ -4,11 +4,18 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from kiln.manifest import BACKEND_ORT_CPU, EngineLoadError, read_manifest
+from kiln import contract
+from kiln.contract import KvPoolSpec
+from kiln.manifest import BACKEND_ORT_CPU, EngineLoadError, Manifest, read_manifest
 from kiln.runtime.engine import Engine, EngineLimits
+from kiln.runtime.model_runner import choose_num_blocks
 from kiln.runtime.params import RuntimeConfig
 from kiln.runtime.tokenizer import Tokenizer
+
+if TYPE_CHECKING:  # onnxruntime is imported once an engine is opened, not with the runtime package
+    from kiln.runtime.ort_runner import OrtModelRunner
 
 log = logging.getLogger("kiln.runtime")
 
@@ -25,16 +32,18 @@ def load_engine(engine_dir: str | Path, config: RuntimeConfig | None = None) -> 
 
     try:
         ops.check_abi()
-        library = ops.library_path()
     except ops.OpLibraryError as exc:
         raise EngineLoadError(str(exc)) from exc
     for name in ("model.onnx", "tokenizer.json"):
         if not (engine_dir / name).is_file():
             raise EngineLoadError(f"engine file {name} is missing from {engine_dir}")
-    from kiln.runtime.ort_runner import OrtModelRunner
-
     tokenizer = Tokenizer(engine_dir)
-    runner = OrtModelRunner(engine_dir, manifest, config, library)
+    build = manifest.build
+    max_useful = config.max_num_seqs * -(-build.max_seq_len // build.block_size)
+    num_blocks = choose_num_blocks(
+        engine_kv_pools(manifest).bytes_per_block, config.kv_cache_bytes, config.kv_cache_fraction, max_useful
+    )
+    runner = open_engine_runner(engine_dir, manifest, num_blocks, config.num_threads)
     eos = list(manifest.spec.eos_token_ids)
     if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in eos:
         eos.append(tokenizer.eos_token_id)
@@ -46,3 +55,21 @@ def load_engine(engine_dir: str | Path, config: RuntimeConfig | None = None) -> 
     log.info("KV pool: %d blocks of %d tokens per layer (%.1f MiB in all)", runner.num_blocks, runner.block_size,
              runner.kv_pool_bytes / 2**20)
     return Engine(runner, tokenizer, config, limits, model_name=engine_dir.resolve().name)
+
+
+def engine_kv_pools(manifest: Manifest) -> KvPoolSpec:
+    spec, build = manifest.spec, manifest.build
+    if build.kv_dtype not in contract.KV_DTYPES:
+        raise EngineLoadError(f"engine KV dtype {build.kv_dtype!r} is not supported by this runtime "
+                              f"(supported: {list(contract.KV_DTYPES)})")
+    return KvPoolSpec(spec.num_layers, spec.num_kv_heads, build.block_size, spec.head_dim, build.kv_dtype)
+
+
+def open_engine_runner(
+    engine_dir: Path, manifest: Manifest, num_blocks: int, num_threads: int | None,
+) -> OrtModelRunner:
+    """The engine's graph in an OrtModelRunner with num_blocks blocks per layer, pools as its manifest says."""
+    from kiln.runtime.ort_runner import OrtModelRunner, open_session
+
+    session = open_session(engine_dir / "model.onnx", num_threads)
+    return OrtModelRunner(session, engine_kv_pools(manifest), num_blocks)

@@ -14,8 +14,6 @@ import numpy as np
 from kiln import contract
 from kiln.runtime.scheduler import SchedulerOutput
 
-KV_DTYPES = {"float32": np.float32, "float16": np.float16, "int8": np.int8}  # int8: scales live in the graph
-
 
 @dataclass(frozen=True)
 class BatchInput:
@@ -85,8 +83,43 @@ class ModelRunner(abc.ABC):
         pass
 
 
-def kv_bytes_per_block(num_layers: int, num_kv_heads: int, block_size: int, head_dim: int, itemsize: int) -> int:
-    return num_layers * 2 * num_kv_heads * block_size * head_dim * itemsize
+@dataclass(frozen=True)
+class Chunk:
+    """New tokens of one sequence, from absolute position `start` on, whose K/V live in `block_table`."""
+
+    start: int
+    tokens: list[int]
+    block_table: list[int]
+
+    def __post_init__(self) -> None:
+        if self.start < 0:
+            raise ValueError(f"chunk start must be >= 0, got {self.start}")
+        if not self.tokens:
+            raise ValueError("chunk tokens must not be empty")
+
+
+def pack_chunks(chunks: list[Chunk], all_rows: bool) -> BatchInput:
+    """One packed batch of chunks, asking for logits of every row (all_rows) or each chunk's last row.
+
+    For drivers that place sequences themselves (evaluation, tests); the engine packs its
+    scheduled sequences with build_batch.
+    """
+    counts = [len(c.tokens) for c in chunks]
+    qsl = np.zeros(len(chunks) + 1, dtype=np.int32)
+    np.cumsum(counts, out=qsl[1:])
+    tables = np.zeros((len(chunks), max(len(c.block_table) for c in chunks)), dtype=np.int32)
+    for row, chunk in enumerate(chunks):
+        tables[row, : len(chunk.block_table)] = chunk.block_table
+    rows = np.arange(qsl[-1], dtype=np.int64) if all_rows else qsl[1:].astype(np.int64) - 1
+    return BatchInput(
+        input_ids=np.fromiter((t for c in chunks for t in c.tokens), dtype=np.int64, count=int(qsl[-1])),
+        position_ids=np.concatenate([np.arange(c.start, c.start + n, dtype=np.int64) for c, n in zip(chunks, counts)]),
+        query_start_loc=qsl,
+        seq_lens=np.array([c.start + n for c, n in zip(chunks, counts)], dtype=np.int32),
+        block_tables=tables,
+        logits_indices=rows,
+        num_logits=len(rows),
+    )
 
 
 def available_memory_bytes() -> int:

@@ -3,6 +3,10 @@
 Each layer's pool is one OrtValue wrapping a numpy array, bound to both kv_cache.{i} and
 kv_cache_out.{i}; kiln.PagedAttention writes the new tokens' K/V into it in place, so no
 step ever copies a pool.
+
+The one feeder of the engine graph: the runtime (runtime/loader.py, from an engine's
+manifest), `kiln eval` and the tests' driver all open a session with `open_session` and
+run their BatchInputs through an OrtModelRunner.
 """
 
 from __future__ import annotations
@@ -13,52 +17,72 @@ import numpy as np
 import onnxruntime as ort
 
 from kiln import contract
-from kiln.manifest import EngineLoadError, Manifest
-from kiln.runtime.model_runner import (
-    KV_DTYPES, BatchInput, ModelRunner, choose_num_blocks, kv_bytes_per_block,
-)
-from kiln.runtime.params import RuntimeConfig
+from kiln.contract import KvPoolSpec
+from kiln.manifest import EngineLoadError
+from kiln.runtime.model_runner import BatchInput, ModelRunner
+
+
+def open_session(graph: Path, num_threads: int | None = None) -> ort.InferenceSession:
+    """An ONNX Runtime CPU session of an engine graph, with the kiln op library registered."""
+    from kiln.runtime.ops import library_path
+
+    options = ort.SessionOptions()
+    options.register_custom_ops_library(library_path())
+    if num_threads:
+        options.intra_op_num_threads = num_threads
+    options.inter_op_num_threads = 1
+    options.log_severity_level = 3  # errors only: shape-hint warnings are noise here
+    try:
+        return ort.InferenceSession(str(graph), sess_options=options, providers=["CPUExecutionProvider"])
+    except Exception as exc:  # noqa: BLE001 - ORT raises several unrelated types
+        raise EngineLoadError(f"onnxruntime cannot load {graph} ({exc})") from exc
+
+
+def graph_kv_pools(session: ort.InferenceSession) -> KvPoolSpec:
+    """The KV pools a graph declares: one kv_cache.{i} input per layer, [num_blocks, 2, Hkv, block_size, D]."""
+    inputs = {i.name: i for i in session.get_inputs()}
+    first = inputs.get(contract.kv_cache_input(0))
+    if first is None:
+        raise EngineLoadError(f"the graph has no {contract.kv_cache_input(0)} input: it is not an engine graph")
+    num_layers = next(i for i in range(len(inputs) + 1) if contract.kv_cache_input(i) not in inputs)
+    # ORT's own type name of each KV dtype, e.g. "tensor(float)" for float32
+    names = {ort.OrtValue.ortvalue_from_numpy(np.zeros(0, dtype)).data_type(): name
+             for name, dtype in contract.KV_DTYPES.items()}
+    if first.type not in names:
+        raise EngineLoadError(f"{first.name} is a {first.type}, not one of the KV dtypes {list(contract.KV_DTYPES)}")
+    try:
+        _, _, num_kv_heads, block_size, head_dim = first.shape
+        return KvPoolSpec(num_layers, num_kv_heads, block_size, head_dim, names[first.type])
+    except ValueError as exc:
+        raise EngineLoadError(f"{first.name} {first.shape} is not a KV pool with static dims ({exc})") from exc
 
 
 class OrtModelRunner(ModelRunner):
-    def __init__(self, engine_dir: Path, manifest: Manifest, config: RuntimeConfig, library_path: str) -> None:
-        spec, build = manifest.spec, manifest.build
-        if build.kv_dtype not in KV_DTYPES:
-            raise EngineLoadError(
-                f"engine KV dtype {build.kv_dtype!r} is not supported by the ONNX Runtime runner "
-                f"(supported: {sorted(KV_DTYPES)})"
-            )
-        kv_dtype = KV_DTYPES[build.kv_dtype]
-        self.block_size = build.block_size
-        self.vocab_size = spec.vocab_size
-        self.num_layers = spec.num_layers
-        self.bytes_per_block = kv_bytes_per_block(
-            spec.num_layers, spec.num_kv_heads, build.block_size, spec.head_dim, np.dtype(kv_dtype).itemsize
-        )
-        max_useful = config.max_num_seqs * -(-build.max_seq_len // build.block_size)
-        self.num_blocks = choose_num_blocks(
-            self.bytes_per_block, config.kv_cache_bytes, config.kv_cache_fraction, max_useful
-        )
-        options = ort.SessionOptions()
-        options.register_custom_ops_library(library_path)
-        if config.num_threads:
-            options.intra_op_num_threads = config.num_threads
-        options.inter_op_num_threads = 1
-        options.log_severity_level = 3  # errors only: shape-hint warnings are noise here
-        try:
-            self.session = ort.InferenceSession(
-                str(Path(engine_dir) / "model.onnx"), sess_options=options, providers=["CPUExecutionProvider"]
-            )
-        except Exception as exc:  # noqa: BLE001 - ORT raises several unrelated types
-            raise EngineLoadError(f"onnxruntime cannot load {engine_dir}/model.onnx ({exc})") from exc
-        fed = set(BatchInput.FEEDS) | {contract.kv_cache_input(i) for i in range(spec.num_layers)}
-        unknown = [i.name for i in self.session.get_inputs() if i.name not in fed]
+    """Runs BatchInputs through a session of an engine graph with `num_blocks` blocks per layer pool."""
+
+    def __init__(self, session: ort.InferenceSession, pools: KvPoolSpec, num_blocks: int) -> None:
+        if num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
+        declared = graph_kv_pools(session)
+        if declared != pools:
+            raise EngineLoadError(f"the engine graph's KV pools are {declared}, not the {pools} it is described "
+                                  f"with; rebuild the engine")
+        fed = set(BatchInput.FEEDS) | {contract.kv_cache_input(i) for i in range(pools.num_layers)}
+        unknown = [i.name for i in session.get_inputs() if i.name not in fed]
         if unknown:
             raise EngineLoadError(f"engine graph inputs {unknown} are not fed by this runtime; rebuild the engine")
-        shape = contract.kv_pool_shape(self.num_blocks, spec.num_kv_heads, build.block_size, spec.head_dim)
-        self.pools = [np.zeros(shape, dtype=kv_dtype) for _ in range(spec.num_layers)]
+        vocab = session.get_outputs()[0].shape[-1]
+        if not isinstance(vocab, int):
+            raise EngineLoadError(f"the engine graph's {contract.LOGITS} output has no static vocabulary size "
+                                  f"({vocab})")
+        self.session = session
+        self.pool_spec = pools
+        self.num_blocks = num_blocks
+        self.block_size = pools.block_size
+        self.vocab_size = vocab
+        self.pools = [np.zeros(pools.pool_shape(num_blocks), dtype=pools.dtype) for _ in range(pools.num_layers)]
         self._pool_values = [ort.OrtValue.ortvalue_from_numpy(p) for p in self.pools]
-        self.binding = self.session.io_binding()
+        self.binding = session.io_binding()
         self.binding.bind_output(contract.LOGITS, "cpu")  # first output: logits, allocated per run
         for i, value in enumerate(self._pool_values):
             self.binding.bind_ortvalue_input(contract.kv_cache_input(i), value)
@@ -66,7 +90,7 @@ class OrtModelRunner(ModelRunner):
 
     @property
     def kv_pool_bytes(self) -> int:
-        return self.num_blocks * self.bytes_per_block
+        return self.num_blocks * self.pool_spec.bytes_per_block
 
     def execute(self, batch: BatchInput) -> np.ndarray:
         for name, array in batch.feeds().items():

@@ -33,7 +33,7 @@ def test_engine_dir_and_manifest(tiny_engine):
 def test_cli_build_float16_kv(tmp_path, tiny_model_dir, tiny_engine):
     """`kiln build` with an fp16 pool: same logits as the fp32 engine within fp16 rounding."""
     from click.testing import CliRunner
-    from engine_driver import PagedDriver, make_session
+    from engine_driver import PagedDriver
 
     from kiln.cli import main
 
@@ -46,7 +46,7 @@ def test_cli_build_float16_kv(tmp_path, tiny_model_dir, tiny_engine):
     tokens = np.random.default_rng(0).integers(0, manifest.spec.vocab_size, 30).tolist()
     logits = []
     for engine in (tiny_engine, out):
-        driver = PagedDriver(make_session(engine / "model.onnx"), num_blocks=8)
+        driver = PagedDriver(engine / "model.onnx", num_blocks=8)
         logits.append(np.concatenate([driver.step([(0, tokens[:25])], all_rows=True)]
                                      + [driver.step([(0, [t])]) for t in tokens[25:]]))
     np.testing.assert_allclose(logits[1], logits[0], atol=2e-2, rtol=0)

@@ -14,7 +14,7 @@ from kiln.manifest import BuildOptions, read_manifest  # noqa: E402
 from kiln.optimize.build import BuildError, build_engine  # noqa: E402
 from kiln.quant_scheme import QuantScheme  # noqa: E402
 from kiln.runtime import LLM, RuntimeConfig, SamplingParams  # noqa: E402
-from kiln.runtime.model_runner import BatchInput  # noqa: E402
+from kiln.runtime.model_runner import Chunk, pack_chunks  # noqa: E402
 
 QUIET = dict(progress=lambda _msg: None)
 
@@ -64,12 +64,9 @@ def test_graph_carries_per_layer_kv_scales(int8_engine, artifact_dir):
 def _prefill_then_decode(llm, prompt, next_token):
     """All-row logits of a prefill of `prompt` into blocks 0.., then of one decode step."""
     runner = llm.engine.runner
-    n, bs = len(prompt), runner.block_size
-    table = np.arange(-(-(n + 1) // bs), dtype=np.int32)[None]
-    prefill = BatchInput(np.array(prompt, np.int64), np.arange(n, dtype=np.int64), np.array([0, n], np.int32),
-                         np.array([n], np.int32), table, np.arange(n, dtype=np.int64), n)
-    decode = BatchInput(np.array([next_token], np.int64), np.array([n], np.int64), np.array([0, 1], np.int32),
-                        np.array([n + 1], np.int32), table, np.array([0], np.int64), 1)
+    table = list(range(-(-(len(prompt) + 1) // runner.block_size)))
+    prefill = pack_chunks([Chunk(0, prompt, table)], all_rows=True)
+    decode = pack_chunks([Chunk(len(prompt), [next_token], table)], all_rows=True)
     return np.concatenate([runner.execute(prefill), runner.execute(decode)])
 
 
@@ -79,7 +76,7 @@ def test_int8_engine_generates_close_to_fp32(int8_engine, tiny_engine):
     config = RuntimeConfig(kv_cache_bytes=1 << 20)
     fp32, int8 = LLM(tiny_engine, config), LLM(int8_engine, config)
     assert all(p.dtype == np.int8 for p in int8.engine.runner.pools)
-    assert int8.engine.runner.bytes_per_block * 4 == fp32.engine.runner.bytes_per_block
+    assert int8.engine.runner.pool_spec.bytes_per_block * 4 == fp32.engine.runner.pool_spec.bytes_per_block
     assert int8.engine.runner.num_blocks == 4 * fp32.engine.runner.num_blocks  # same bytes, 4x the tokens
 
     prompt = [(37 * j) % 290 + 3 for j in range(45)]
@@ -158,6 +155,66 @@ def test_eval_driver_sizes_int8_pools(int8_engine, tiny_engine):
     ids = [(37 * j + j // 7) % 290 + 3 for j in range(200)]
     sessions = [EngineSession(e, max_tokens=256, threads=1) for e in (tiny_engine, int8_engine)]
     assert sessions[1].runner.pools[0].dtype == np.int8
-    assert sessions[1].runner.num_blocks == sessions[0].runner.num_blocks == 256 // 16  # bytes sized per dtype
+    assert sessions[1].runner.num_blocks == sessions[0].runner.num_blocks == 256 // 16  # max_tokens in blocks, whatever the dtype
     ppl32, ppl8 = (perplexity(s, ids, window=100, num_windows=2)[0] for s in sessions)
     assert ppl8 == pytest.approx(ppl32, rel=0.01)
+
+
+def _log_softmax(logits: np.ndarray) -> np.ndarray:
+    z = logits.astype(np.float64) - logits.max(-1, keepdims=True)
+    return z - np.log(np.exp(z).sum(-1, keepdims=True))
+
+
+def test_int8_engine_logits_agree_through_every_driver(int8_engine):
+    """The runtime (scheduler, block manager, build_batch; all prompts in one step) against the tests'
+    PagedDriver (bump-allocated blocks, prompts split in two packed steps) and `kiln eval`'s
+    EngineSession (one sequence, chunks of 16) on the same int8 engine: every generated token's top-20
+    logprobs agree, and each driver's argmax is the runtime's greedy token."""
+    from engine_driver import PagedDriver
+
+    from kiln.calibration.evaluate import EngineSession
+
+    prompts = [[(29 * i + 11 * j) % 290 + 3 for j in range(20 + 13 * i)] for i in range(3)]
+    llm = LLM(int8_engine, RuntimeConfig(kv_cache_bytes=1 << 20, num_threads=1))
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=20))
+    generated = [o.outputs[0].token_ids for o in outs]
+    runtime_top = [o.outputs[0].logprobs for o in outs]
+
+    driver = PagedDriver(int8_engine / "model.onnx", num_blocks=16, threads=1)
+    assert driver.runner.pools[0].dtype == np.int8
+    driver.step([(i, p[:10]) for i, p in enumerate(prompts)])
+    rest = [p[10:] + g[:-1] for p, g in zip(prompts, generated)]
+    rows = driver.step(list(enumerate(rest)), all_rows=True)
+    ends = np.cumsum([len(r) for r in rest])
+    driven = [rows[end - len(g):end] for end, g in zip(ends, generated)]
+
+    session = EngineSession(int8_engine, max_tokens=128, threads=1)
+    assert session.runner.pools[0].dtype == np.int8
+    evaluated = [session.prefill(p + g[:-1], chunk=16)[len(p) - 1:] for p, g in zip(prompts, generated)]
+
+    for name, logits in (("PagedDriver", driven), ("EngineSession", evaluated)):
+        for s, (tokens, steps, rows) in enumerate(zip(generated, runtime_top, logits)):
+            assert rows.argmax(-1).tolist() == tokens, f"{name}, sequence {s}: greedy tokens differ"
+            logp = _log_softmax(rows)
+            err = max(abs(logp[j, t] - lp.logprob) for j, top in enumerate(steps) for t, lp in top.items())
+            assert err < 1e-4, f"{name}, sequence {s}: top logprobs differ from the runtime's by {err:.2e}"
+
+
+def test_runner_refuses_pools_the_graph_does_not_declare(int8_engine):
+    """A description of the pools that disagrees with the graph's kv_cache inputs (a manifest edited
+    by hand, a graph swapped in) fails at load in one sentence, not as an ORT type error mid-step."""
+    from dataclasses import replace
+
+    from kiln.contract import KvPoolSpec
+    from kiln.manifest import EngineLoadError
+    from kiln.runtime.ort_runner import OrtModelRunner, graph_kv_pools, open_session
+
+    session = open_session(int8_engine / "model.onnx", num_threads=1)
+    declared = graph_kv_pools(session)
+    spec = read_manifest(int8_engine).spec
+    assert declared == KvPoolSpec(spec.num_layers, spec.num_kv_heads, 16, spec.head_dim, "int8")
+    for wrong in (replace(declared, kv_dtype="float32"), replace(declared, block_size=8)):
+        with pytest.raises(EngineLoadError, match="rebuild the engine"):
+            OrtModelRunner(session, wrong, num_blocks=4)
+    with pytest.raises(ValueError, match="KV dtype 'int3' is not one of"):
+        replace(declared, kv_dtype="int3")

@@ -10,7 +10,7 @@ import onnx_ir as ir
 import pytest
 import torch
 
-from engine_driver import PagedDriver, make_session
+from engine_driver import PagedDriver
 from kiln.manifest import BuildOptions, read_manifest
 from kiln.optimize.quantize import quantize_model
 from kiln.quant_scheme import QuantScheme
@@ -20,7 +20,7 @@ PROMPT = [5, 77, 190, 33, 250, 12, 8, 99, 140, 201, 64, 3, 17, 222, 180, 45, 71,
 
 
 def engine_logits(model_path) -> np.ndarray:
-    driver = PagedDriver(make_session(model_path, threads=1), num_blocks=16)
+    driver = PagedDriver(model_path, threads=1, num_blocks=16)
     first = driver.step([(0, PROMPT[:25])], all_rows=True)  # a prefill chunk, then the rest
     rest = driver.step([(0, PROMPT[25:])], all_rows=True)
     return np.concatenate([first, rest])

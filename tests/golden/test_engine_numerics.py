@@ -29,9 +29,9 @@ def prompts(engine_dir, lengths: list[int]) -> list[list[int]]:
 
 def generate(engine_dir, lengths: list[int], steps: int) -> tuple[list[list[int]], list[np.ndarray]]:
     """Greedy-decode all prompts together; returns final sequences and each step's logits [S, V]."""
-    from engine_driver import PagedDriver, make_session
+    from engine_driver import PagedDriver
 
-    driver = PagedDriver(make_session(engine_dir / "model.onnx"), num_blocks=sum(-(-(n + steps) // 16) for n in lengths) + 4)
+    driver = PagedDriver(engine_dir / "model.onnx", num_blocks=sum(-(-(n + steps) // 16) for n in lengths) + 4)
     seqs = prompts(engine_dir, lengths)
     logits = [driver.step(list(enumerate(seqs)))]
     for _ in range(steps):

@@ -170,12 +170,12 @@ def test_optimized_graph_structure(raw_graph):
 def test_fuse_attention_numerics(raw_graph, tmp_path):
     """Whole pipeline vs the raw graph: three sequences prefilled in one packed step (one in two
     chunks), then decode steps with all in flight; every step's logits match the full recompute."""
-    from engine_driver import PagedDriver, make_session
+    from engine_driver import PagedDriver
 
     before, after = ir.load(raw_graph), ir.load(raw_graph)
     optimize_model(after)
     ir.save(after, tmp_path / "model.onnx", external_data="model.onnx.data")
-    driver = PagedDriver(make_session(tmp_path / "model.onnx"), num_blocks=32)
+    driver = PagedDriver(tmp_path / "model.onnx", num_blocks=32)
     vocab = vocab_of(before)
     rng = np.random.default_rng(1)
     seqs = {s: rng.integers(0, vocab, n).tolist() for s, n in {0: 5, 1: 40, 2: 19}.items()}
