@@ -42,6 +42,11 @@ test: install
 test-fast: install
 	$(PY) -m pytest -q tests/unit
 
+# ruff over the whole tree; strict mypy over kiln/, runtime/ and cli/ (tools/typecheck.py says why a script).
+lint: install
+	$(PY) -m ruff check .
+	$(PY) tools/typecheck.py
+
 bench: install
 	$(PY) -m kiln.cli bench $(ENGINE)
 

@@ -58,7 +58,7 @@ class CalibrationArtifact:
         return path
 
     @classmethod
-    def load(cls, path: str | Path) -> "CalibrationArtifact":
+    def load(cls, path: str | Path) -> CalibrationArtifact:
         path = Path(path)
         if not (path / META_FILE).is_file() or not (path / SCALES_FILE).is_file():
             raise CalibrationError(f"{path} is not a calibration artifact (it needs {META_FILE} and {SCALES_FILE}); "

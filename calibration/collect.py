@@ -8,8 +8,8 @@ norm, which RoPE preserves, so the bound holds at every position) and on |V| (KV
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 from torch import nn

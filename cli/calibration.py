@@ -31,7 +31,8 @@ def _say(message: str) -> None:
 def calibrate(model: str, method: str, output: Path, alpha: float | None, group_size: str, clip: bool,
               tune_norms: bool, windows: int, window_tokens: int) -> None:
     """Collect activation statistics of MODEL on the calibration split and write scales to OUTPUT."""
-    from kiln.calibration.calibrate import CalibrationConfig, calibrate as run, tokenize
+    from kiln.calibration.calibrate import CalibrationConfig, tokenize
+    from kiln.calibration.calibrate import calibrate as run
     from kiln.calibration.corpus import CALIBRATION_BOOK, CorpusNotFound, calibration_text
     from kiln.export.checkpoint import load_checkpoint
 

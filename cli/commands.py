@@ -65,7 +65,8 @@ def serve(engine_dir: Path, host: str, port: int, max_queue: int | None, kv_cach
           max_num_seqs: int, served_model_name: str | None) -> None:
     """Serve ENGINE_DIR over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions)."""
     from kiln.runtime.params import RuntimeConfig
-    from kiln.runtime.server.app import ServeOptions, serve as run_server
+    from kiln.runtime.server.app import ServeOptions
+    from kiln.runtime.server.app import serve as run_server
 
     run_server(engine_dir, RuntimeConfig(kv_cache_bytes=kv_cache_bytes, max_num_seqs=max_num_seqs),
                ServeOptions(host=host, port=port, served_model_name=served_model_name, max_queue=max_queue))
@@ -135,7 +136,8 @@ def bench(engine_dir: str, num_requests: int, input_len: int, output_len: int, c
           request_rate: float | None, kv_cache_bytes: int | None, max_num_seqs: int, num_threads: int | None,
           json_path: str | None, server_url: str | None) -> None:
     """Offline throughput/latency of ENGINE_DIR on a synthetic workload, vs the memory-bandwidth floor."""
-    from kiln.runtime.bench.offline import BenchConfig, bench as run
+    from kiln.runtime.bench.offline import BenchConfig
+    from kiln.runtime.bench.offline import bench as run
     from kiln.runtime.params import RuntimeConfig
 
     if server_url:

@@ -11,8 +11,8 @@ from __future__ import annotations
 import logging
 import time
 import warnings
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import torch
 

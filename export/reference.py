@@ -170,7 +170,7 @@ class ReferenceModel(nn.Module):
         self.eval()
 
     @classmethod
-    def from_checkpoint(cls, checkpoint) -> "ReferenceModel":
+    def from_checkpoint(cls, checkpoint) -> ReferenceModel:
         return cls(checkpoint.spec, checkpoint.weights)
 
     def rope_cos_sin(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -96,7 +96,7 @@ class Manifest:
         return json.dumps(data, indent=2, sort_keys=True)
 
     @classmethod
-    def from_json(cls, text: str) -> "Manifest":
+    def from_json(cls, text: str) -> Manifest:
         data = json.loads(text)
         version = data.get("format_version")
         if version != FORMAT_VERSION:

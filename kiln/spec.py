@@ -64,7 +64,7 @@ class ModelSpec:
         return self.num_kv_heads * self.head_dim
 
     @classmethod
-    def from_hf_config(cls, config: dict[str, Any]) -> "ModelSpec":
+    def from_hf_config(cls, config: dict[str, Any]) -> ModelSpec:
         """Parse a Hugging Face config.json dict; unsupported models fail with one sentence."""
         archs = config.get("architectures") or []
         family = next((SUPPORTED_ARCHITECTURES[a] for a in archs if a in SUPPORTED_ARCHITECTURES), None)
@@ -113,7 +113,7 @@ class ModelSpec:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "ModelSpec":
+    def from_dict(cls, data: dict[str, Any]) -> ModelSpec:
         data = dict(data)
         if data.get("rope_scaling"):
             data["rope_scaling"] = RopeScaling(**data["rope_scaling"])

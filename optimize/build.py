@@ -13,9 +13,9 @@ import shutil
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable
 
 import onnx_ir as ir
 

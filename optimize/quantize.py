@@ -15,8 +15,8 @@ on the optimized graph.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import onnx_ir as ir
 

@@ -14,9 +14,10 @@ import json
 import logging
 import signal
 import uuid
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Callable
+from typing import Any
 
 try:
     import anyio
@@ -29,11 +30,16 @@ except ImportError as e:  # the bare runtime install has no HTTP stack
     raise ImportError(f"kiln serve needs the server extras (pip install 'kiln[server]'): {e}") from e
 
 from kiln.errors import InvalidParamError
-from kiln.runtime.server.protocol import (ChatCompletionRequest, CompletionRequest, ErrorResponse,
-                                          ResponseFormatter, error_body)
 from kiln.runtime.outputs import RequestOutput, merge_outputs
 from kiln.runtime.params import SamplingParams
 from kiln.runtime.server.metrics import CONTENT_TYPE, RequestTimer, ServerMetrics
+from kiln.runtime.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    ErrorResponse,
+    ResponseFormatter,
+    error_body,
+)
 
 log = logging.getLogger("kiln.server")
 

@@ -9,8 +9,8 @@ import numpy as np
 import onnx_ir as ir
 import pytest
 import torch
-
 from engine_driver import PagedDriver
+
 from kiln.manifest import BuildOptions, read_manifest
 from kiln.optimize.quantize import quantize_model
 from kiln.quant_scheme import QuantScheme
@@ -54,6 +54,7 @@ def test_quantized_engine_graph_runs_and_stays_close(tiny_engine, tmp_path, sche
 
 def test_calibrated_build_folds_scales_and_refuses_foreign_artifacts(tiny_model_dir, tiny_engine, tmp_path):
     from helpers import make_tiny_hf_model
+
     from kiln.calibration.calibrate import CalibrationConfig, calibrate
     from kiln.export.checkpoint import load_checkpoint
     from kiln.optimize.build import BuildError, build_engine

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import make_tiny_gguf, make_tiny_hf_model
 
 from kiln.export import ReferenceModel, default_model_path, load_checkpoint
-from helpers import make_tiny_gguf, make_tiny_hf_model
 
 LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                   "original_max_position_embeddings": 32}

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-
 from helpers import make_tiny_hf_model
+
 from kiln.calibration import fake_quant
 from kiln.calibration.artifact import CalibrationArtifact, CalibrationError, apply_artifact
 from kiln.calibration.calibrate import CalibrationConfig, calibrate

@@ -9,13 +9,13 @@ import shutil
 import numpy as np
 import pytest
 import torch
+from helpers import TINY_CHAT_TEMPLATE, llama_cpp_permute, make_tiny_gguf, make_tiny_hf_model
 
 from kiln.export import Checkpoint, load_checkpoint
 from kiln.export.checkpoint import default_model_path
 from kiln.export.checkpoint_types import expected_weight_names
 from kiln.export.gguf_loader import unpermute_rotary_rows
 from kiln.spec import ModelSpec
-from helpers import TINY_CHAT_TEMPLATE, llama_cpp_permute, make_tiny_gguf, make_tiny_hf_model
 
 
 @pytest.fixture(scope="module")

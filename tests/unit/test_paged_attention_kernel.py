@@ -4,7 +4,7 @@ scales), sliding window, in-place KV writes through IOBinding, and clear errors 
 
 from __future__ import annotations
 
-from functools import lru_cache
+from functools import cache
 
 import numpy as np
 import pytest
@@ -20,7 +20,7 @@ except ops.OpLibraryError as exc:  # pragma: no cover - the install builds it
     pytest.skip(str(exc), allow_module_level=True)
 
 
-@lru_cache(maxsize=None)
+@cache
 def session(num_heads, num_kv_heads, head_dim, block_size, window=0, kv_dtype="float32", symbolic=False):
     model = make_single_op_model(num_heads, num_kv_heads, head_dim, block_size, 0.0, window, np.dtype(kv_dtype))
     if symbolic:  # let shapes through to the kernel's own validation

@@ -3,9 +3,9 @@
 import asyncio
 
 import pytest
+from fake_runner import CharTokenizer, make_fake_engine
 
 from kiln.runtime.async_llm import AsyncLLM
-from fake_runner import CharTokenizer, make_fake_engine
 from kiln.runtime.llm import LLM
 from kiln.runtime.outputs import merge_outputs
 from kiln.runtime.params import RuntimeConfig, SamplingParams

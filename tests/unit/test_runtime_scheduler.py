@@ -5,11 +5,11 @@ stores tokens in its paged pool) and calls BlockManager.check() after every step
 """
 
 import pytest
+from fake_runner import CharTokenizer, make_fake_engine
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kiln.runtime.block_manager import BlockManager
-from fake_runner import CharTokenizer, make_fake_engine
 from kiln.runtime.model_runner import build_batch
 from kiln.runtime.outputs import merge_outputs
 from kiln.runtime.params import RuntimeConfig, SamplingParams

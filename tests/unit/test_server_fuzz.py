@@ -9,9 +9,9 @@ schemathesis = pytest.importorskip("schemathesis")
 from hypothesis import HealthCheck, settings  # noqa: E402
 from schemathesis.checks import not_a_server_error  # noqa: E402
 from schemathesis.specs.openapi.checks import response_schema_conformance, status_code_conformance  # noqa: E402
+from server_fake import FakeAsyncLLM  # noqa: E402
 
 from kiln.runtime.server.app import build_app  # noqa: E402
-from server_fake import FakeAsyncLLM  # noqa: E402
 
 app = build_app(lambda: FakeAsyncLLM(), max_queue=1000)
 schema = schemathesis.openapi.from_asgi("/openapi.json", app)

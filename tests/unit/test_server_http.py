@@ -9,10 +9,10 @@ import pytest
 
 pytest.importorskip("fastapi")
 from fastapi.testclient import TestClient  # noqa: E402
+from server_fake import FakeAsyncLLM  # noqa: E402
 
 from kiln.errors import InvalidParamError  # noqa: E402
 from kiln.runtime.server.app import build_app  # noqa: E402
-from server_fake import FakeAsyncLLM  # noqa: E402
 
 
 @pytest.fixture
@@ -334,9 +334,9 @@ def test_openapi_documents_400_not_422(client):
 def test_stream_logprobs_of_tokens_without_text_yet_go_with_the_next_chunk():
     """A token that completes no character (or ends in a held-back stop prefix) adds no text:
     its chunk is skipped, and its logprobs ride with the next chunk that has text."""
-    from kiln.runtime.server.protocol import ResponseFormatter
     from kiln.runtime.outputs import CompletionOutput, Logprob, RequestOutput
     from kiln.runtime.params import SamplingParams
+    from kiln.runtime.server.protocol import ResponseFormatter
 
     fmt = ResponseFormatter(False, "cmpl-1", "m", SamplingParams(logprobs=0))
 
