@@ -13,9 +13,11 @@ import json
 import os
 import sys
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -32,6 +34,11 @@ class BenchConfig:
     concurrency: int | None = None  # max requests in flight (None: all)
     request_rate: float | None = None  # Poisson arrivals per second (None: all at t=0)
     seed: int = 0
+
+
+def say(message: str) -> None:
+    """A progress line on stderr (stdout carries the JSON report)."""
+    print(f"[kiln bench] {message}", file=sys.stderr, flush=True)
 
 
 def percentiles(values: list[float]) -> dict[str, float]:
@@ -69,7 +76,9 @@ def synthetic_prompts(cfg: BenchConfig, vocab: int) -> list[list[int]]:
     return [rng.integers(100, vocab - 100, size=cfg.input_len).tolist() for _ in range(cfg.num_requests)]
 
 
-def run_workload(engine: Engine, cfg: BenchConfig, progress=None) -> dict:
+def run_workload(
+    engine: Engine, cfg: BenchConfig, progress: Callable[[str], None] | None = None,
+) -> dict[str, Any]:
     """Drive the engine over the workload; returns the measurements as a dict."""
     prompts = synthetic_prompts(cfg, engine.runner.vocab_size)
     params = SamplingParams(temperature=0, max_tokens=cfg.output_len, ignore_eos=True)
@@ -77,7 +86,10 @@ def run_workload(engine: Engine, cfg: BenchConfig, progress=None) -> dict:
     gaps = rng.exponential(1.0 / cfg.request_rate, cfg.num_requests) if cfg.request_rate else np.zeros(cfg.num_requests)
     arrivals = np.cumsum(gaps) - gaps[0]
     limit = cfg.concurrency or cfg.num_requests
-    first, last, itl, done = {}, {}, [], 0
+    first: dict[str, float] = {}  # request -> TTFT
+    last: dict[str, float] = {}  # request -> time of its latest output
+    itl: list[float] = []
+    done = 0
     start_of: dict[str, float] = {}
     next_req, peak_blocks, steps = 0, 0, 0
     t0 = time.perf_counter()
@@ -128,7 +140,7 @@ def run_workload(engine: Engine, cfg: BenchConfig, progress=None) -> dict:
     }
 
 
-def single_stream(engine: Engine, input_len: int = 16, output_len: int = 64) -> dict:
+def single_stream(engine: Engine, input_len: int = 16, output_len: int = 64) -> dict[str, float]:
     """Decode speed of one sequence: (output_len - 1) tokens over the time after the first one."""
     prompt = synthetic_prompts(BenchConfig(num_requests=1, input_len=input_len), engine.runner.vocab_size)[0]
     engine.add_request("single", prompt, SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True))
@@ -153,8 +165,7 @@ def prefill_throughput(engine: Engine, input_len: int = 512) -> float:
 
 
 def bench(engine_dir: str, cfg: BenchConfig, concurrencies: tuple[int | None, ...] = (None,),
-          config: RuntimeConfig | None = None, json_path: str | None = None) -> dict:
-    say = lambda msg: print(f"[kiln bench] {msg}", file=sys.stderr, flush=True)  # noqa: E731
+          config: RuntimeConfig | None = None, json_path: str | None = None) -> dict[str, Any]:
     engine = load_engine(engine_dir, config or RuntimeConfig(enable_prefix_caching=False))
     say(f"engine {engine.model_name}: {engine.block_manager.num_blocks} KV blocks of "
         f"{engine.runner.block_size} tokens, max_num_tokens {engine.scheduler.max_num_tokens}")

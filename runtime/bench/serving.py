@@ -14,15 +14,18 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-import sys
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from kiln.runtime.bench.offline import BenchConfig, percentiles
+from kiln.runtime.bench.offline import BenchConfig, percentiles, say
 from kiln.runtime.bench.offline import synthetic_prompts as bench_prompts  # the very same prompts as the offline run
+
+if TYPE_CHECKING:
+    import httpx  # imported where used: only `bench --server` needs it
 
 
 @dataclass
@@ -33,7 +36,7 @@ class _Trace:
     error: str | None = None
 
 
-async def _one(client, url: str, body: dict) -> _Trace:
+async def _one(client: httpx.AsyncClient, url: str, body: dict[str, Any]) -> _Trace:
     trace, start = _Trace(), time.perf_counter()
     last = start
     try:
@@ -62,7 +65,7 @@ async def _one(client, url: str, body: dict) -> _Trace:
     return trace
 
 
-async def _kv_sampler(client, url: str, peak: list[float]) -> None:
+async def _kv_sampler(client: httpx.AsyncClient, url: str, peak: list[float]) -> None:
     while True:
         try:
             text = (await client.get(url + "/metrics")).text
@@ -75,7 +78,7 @@ async def _kv_sampler(client, url: str, peak: list[float]) -> None:
         await asyncio.sleep(0.25)
 
 
-async def run_server_workload(url: str, cfg: BenchConfig, prompts: list[list[int]]) -> dict:
+async def run_server_workload(url: str, cfg: BenchConfig, prompts: list[list[int]]) -> dict[str, Any]:
     """Drive the server over the workload; returns the offline bench's measurements."""
     import httpx
 
@@ -122,15 +125,14 @@ async def run_server_workload(url: str, cfg: BenchConfig, prompts: list[list[int
 
 
 def bench_server(url: str, engine_dir: str, cfg: BenchConfig, concurrencies: tuple[int | None, ...] = (None,),
-                 json_path: str | None = None) -> dict:
+                 json_path: str | None = None) -> dict[str, Any]:
     """`kiln bench --server`: one run of the workload per concurrency; prints and returns the report."""
     from kiln.manifest import read_manifest
 
-    say = lambda msg: print(f"[kiln bench] {msg}", file=sys.stderr, flush=True)  # noqa: E731
     url = url.rstrip("/").removesuffix("/v1")
     vocab = read_manifest(Path(engine_dir), verify_checksums=False).spec.vocab_size
 
-    async def main() -> list[dict]:
+    async def main() -> list[dict[str, Any]]:
         warm = replace(cfg, num_requests=2, input_len=16, output_len=4, concurrency=None, request_rate=None)
         await run_server_workload(url, warm, bench_prompts(warm, vocab))
         runs = []

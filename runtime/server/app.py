@@ -14,9 +14,10 @@ import json
 import logging
 import signal
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 try:
@@ -31,7 +32,7 @@ except ImportError as e:  # the bare runtime install has no HTTP stack
 
 from kiln.errors import InvalidParamError
 from kiln.runtime.outputs import RequestOutput, merge_outputs
-from kiln.runtime.params import SamplingParams
+from kiln.runtime.params import RuntimeConfig, SamplingParams
 from kiln.runtime.server.metrics import CONTENT_TYPE, RequestTimer, ServerMetrics
 from kiln.runtime.server.protocol import (
     ChatCompletionRequest,
@@ -84,8 +85,11 @@ async def _abort(llm: Any, request_id: str) -> None:
         log.debug("abort(%s) failed", request_id, exc_info=True)
 
 
-async def _engine_stream(request: Request, prompts: list, params: SamplingParams,
-                         base_id: str) -> AsyncIterator[tuple[int, RequestOutput]]:
+_EngineStream = AsyncGenerator[tuple[int, RequestOutput], None]  # (prompt index, output delta)
+
+
+async def _engine_stream(request: Request, prompts: list[str | list[int]], params: SamplingParams,
+                         base_id: str) -> _EngineStream:
     """Merged (prompt index, output delta) stream of one engine request per prompt.
 
     Raises ClientDisconnected when the client leaves; on any exit, aborts what is unfinished.
@@ -93,7 +97,8 @@ async def _engine_stream(request: Request, prompts: list, params: SamplingParams
     llm, metrics = request.app.state.llm, request.app.state.metrics
     ids = [base_id if len(prompts) == 1 else f"{base_id}-{i}" for i in range(len(prompts))]
     timers = [RequestTimer(metrics) for _ in prompts]
-    queue: asyncio.Queue = asyncio.Queue()
+    # (prompt index, output delta or None once its stream ends, the exception that ended it)
+    queue: asyncio.Queue[tuple[int, RequestOutput | None, Exception | None]] = asyncio.Queue()
 
     async def pump(i: int) -> None:
         try:
@@ -142,11 +147,11 @@ async def _engine_stream(request: Request, prompts: list, params: SamplingParams
             await asyncio.gather(*tasks, watcher, return_exceptions=True)
 
 
-def _sse(data: dict | str) -> str:
+def _sse(data: dict[str, Any] | str) -> str:
     return f"data: {data if isinstance(data, str) else json.dumps(data, separators=(',', ':'))}\n\n"
 
 
-async def _sse_stream(first: tuple[int, RequestOutput], stream: AsyncIterator, fmt: ResponseFormatter,
+async def _sse_stream(first: tuple[int, RequestOutput], stream: _EngineStream, fmt: ResponseFormatter,
                       include_usage: bool) -> AsyncIterator[str]:
     deltas: dict[int, list[RequestOutput]] = {}
     try:
@@ -176,7 +181,7 @@ async def _sse_stream(first: tuple[int, RequestOutput], stream: AsyncIterator, f
 # ---- handlers --------------------------------------------------------------------------
 
 async def _run(request: Request, body: CompletionRequest | ChatCompletionRequest,
-               prompts: list, chat: bool) -> Response:
+               prompts: list[str | list[int]], chat: bool) -> Response:
     state = request.app.state
     if body.model is not None and body.model not in state.model_names:
         raise APIError(404, f"The model '{body.model}' does not exist; this server serves "
@@ -215,7 +220,7 @@ async def _run(request: Request, body: CompletionRequest | ChatCompletionRequest
 _UNION_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
 
 
-def _loc(error: dict) -> str:
+def _loc(error: dict[str, Any]) -> str:
     """A field path ("messages.0.role") without "body" and pydantic's union-member tags."""
     parts = [str(p) for p in error.get("loc", ()) if p != "body"]
     return ".".join(p for p in parts if p not in _UNION_TAGS and (p.isidentifier() or p.isdigit()))
@@ -238,7 +243,7 @@ def build_app(load_llm: Callable[[], Any], served_model_name: str | None = None,
     is shut down when the app's lifespan ends (uvicorn's graceful shutdown, e.g. SIGTERM)."""
 
     @asynccontextmanager
-    async def lifespan(app: FastAPI):
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         app.state.llm = llm = load_llm()
         app.state.model_names = [served_model_name or llm.model_name, llm.model_name]
         try:
@@ -254,22 +259,22 @@ def build_app(load_llm: Callable[[], Any], served_model_name: str | None = None,
     app.state.metrics = ServerMetrics(lambda: app.state.llm.stats() if app.state.llm is not None else None)
 
     @app.exception_handler(APIError)
-    async def _api_error(request: Request, exc: APIError):
+    async def _api_error(request: Request, exc: APIError) -> JSONResponse:
         request.app.state.metrics.rejected.labels(status=str(exc.status)).inc()
         return exc.response()
 
-    app.add_exception_handler(RequestValidationError, _validation_error)
+    app.exception_handler(RequestValidationError)(_validation_error)
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http_error(request: Request, exc: StarletteHTTPException):
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         return JSONResponse(error_body(exc.status_code, str(exc.detail)), status_code=exc.status_code,
                             headers=getattr(exc, "headers", None))
 
     @app.exception_handler(Exception)
-    async def _internal_error(request: Request, exc: Exception):
+    async def _internal_error(request: Request, exc: Exception) -> JSONResponse:
         return JSONResponse(error_body(500, f"Internal error: {type(exc).__name__}"), status_code=500)
 
-    generation_responses = {
+    generation_responses: dict[int | str, dict[str, Any]] = {
         200: {"description": "A completion (JSON), or with `stream: true` server-sent events ending in "
                              "`data: [DONE]`", "content": {"text/event-stream": {}}},
         400: {"model": ErrorResponse, "description": "Invalid JSON or parameter; prompt + max_tokens too long"},
@@ -279,11 +284,11 @@ def build_app(load_llm: Callable[[], Any], served_model_name: str | None = None,
     }
 
     @app.post("/v1/completions", summary="Create a completion", responses=generation_responses)
-    async def completions(body: CompletionRequest, request: Request):
+    async def completions(body: CompletionRequest, request: Request) -> Response:
         return await _run(request, body, body.prompts(), chat=False)
 
     @app.post("/v1/chat/completions", summary="Create a chat completion", responses=generation_responses)
-    async def chat_completions(body: ChatCompletionRequest, request: Request):
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         llm = request.app.state.llm
         try:
             prompt = llm.apply_chat_template([m.as_dict() for m in body.messages])
@@ -291,24 +296,25 @@ def build_app(load_llm: Callable[[], Any], served_model_name: str | None = None,
             raise APIError(400, f"messages: the chat template rejected them: {e}", "messages") from None
         return await _run(request, body, [prompt], chat=True)
 
-    @app.get("/v1/models", summary="List the served model")
-    async def models(request: Request):
+    # response_model=None: the return annotations are for the type checker, not a response schema.
+    @app.get("/v1/models", summary="List the served model", response_model=None)
+    async def models(request: Request) -> dict[str, Any]:
         llm = request.app.state.llm
         card = {"id": request.app.state.model_names[0], "object": "model", "created": 0,
                 "owned_by": "kiln", "max_model_len": llm.max_seq_len}
         return {"object": "list", "data": [card]}
 
-    @app.get("/health", summary="Liveness")
-    async def health(request: Request):
+    @app.get("/health", summary="Liveness", response_model=None)
+    async def health(request: Request) -> dict[str, str]:
         if request.app.state.llm is None:
             raise APIError(503, "The engine is not loaded.")
         return {"status": "ok"}
 
     @app.get("/metrics", summary="Prometheus metrics")
-    async def metrics(request: Request):
+    async def metrics(request: Request) -> Response:
         return Response(request.app.state.metrics.render(), media_type=CONTENT_TYPE)
 
-    def openapi() -> dict:  # validation errors are answered 400 in OpenAI's shape, not FastAPI's 422
+    def openapi() -> dict[str, Any]:  # validation errors are answered 400 in OpenAI's shape, not FastAPI's 422
         if app.openapi_schema is None:
             schema = get_openapi(title=app.title, version=app.version, description=app.description,
                                  routes=app.routes)
@@ -320,11 +326,11 @@ def build_app(load_llm: Callable[[], Any], served_model_name: str | None = None,
             app.openapi_schema = schema
         return app.openapi_schema
 
-    app.openapi = openapi
+    app.openapi = openapi  # type: ignore[method-assign]  # FastAPI's documented way to replace the schema
     return app
 
 
-def serve(engine_dir: str, config: Any = None, options: ServeOptions = ServeOptions()) -> None:
+def serve(engine_dir: str | Path, config: RuntimeConfig | None = None, options: ServeOptions = ServeOptions()) -> None:
     """Load ``engine_dir`` and serve it until SIGTERM/SIGINT; returns normally (exit 0).
 
     The engine loads before the server binds its port, so a bad engine dir fails with the
@@ -341,7 +347,8 @@ def serve(engine_dir: str, config: Any = None, options: ServeOptions = ServeOpti
     llm = AsyncLLM(engine_dir, config)
     app = build_app(lambda: llm, options.served_model_name, options.max_queue)
     uvicorn.run(app, host=options.host, port=options.port, log_level=options.log_level,
-                timeout_graceful_shutdown=options.graceful_timeout)
+                # uvicorn annotates int but hands it to asyncio.wait_for, which takes any seconds
+                timeout_graceful_shutdown=options.graceful_timeout)  # type: ignore[arg-type]
 
 
 def _exit_zero(signum: int, frame: Any) -> None:

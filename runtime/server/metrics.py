@@ -7,10 +7,10 @@ Each app owns its registry (no module-level state), so several apps can live in 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from kiln.runtime.outputs import EngineStats
 
@@ -26,10 +26,10 @@ class _EngineCollector:
     def __init__(self, stats: Callable[[], EngineStats | None]):
         self._stats = stats
 
-    def describe(self):  # no samples at registration time: the engine loads later
+    def describe(self) -> list[Metric]:  # no samples at registration time: the engine loads later
         return []
 
-    def collect(self):
+    def collect(self) -> Iterator[Metric]:
         s = self._stats()
         if s is None:
             return

@@ -62,7 +62,8 @@ class _SamplingRequest(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     # OpenAI fields kiln does not implement: setting one is a 400 naming it, never silently ignored.
-    logit_bias: Annotated[dict[str, float] | None, Unsupported] = Field(None, description="Not supported: null or {} only.")
+    logit_bias: Annotated[dict[str, float] | None, Unsupported] = Field(
+        None, description="Not supported: null or {} only.")
     tools: Annotated[list[Any] | None, Unsupported] = Field(None, description="Not supported: null or [] only.")
     tool_choice: Any = Field(None, description="Not supported: null or 'none' only.")
     response_format: dict[str, Any] | None = Field(None, description="Only {'type': 'text'} is supported.")
@@ -188,7 +189,7 @@ class ErrorResponse(BaseModel):
     error: ErrorDetail
 
 
-def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
+def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
     return {"error": {"message": message, "type": ERROR_TYPES.get(status, "api_error"),
                       "param": param, "code": code}}
 
@@ -196,18 +197,21 @@ def error_body(status: int, message: str, param: str | None = None, code: str | 
 # ---- logprobs ---------------------------------------------------------------------------
 
 def _top(step: dict[int, Logprob], k: int) -> list[tuple[int, Logprob]]:
-    ranked = sorted(((t, lp) for t, lp in step.items() if lp.rank is not None), key=lambda x: x[1].rank)
-    return ranked[:k]
+    ranked = sorted(((rank, t, lp) for t, lp in step.items() if (rank := lp.rank) is not None), key=lambda x: x[0])
+    return [(t, lp) for _, t, lp in ranked[:k]]
 
 
 def _token_text(lp: Logprob) -> str:
     return lp.decoded_token or ""
 
 
-def completion_logprobs(out: CompletionOutput, start: int, k: int, text_offset: int) -> dict:
+def completion_logprobs(out: CompletionOutput, start: int, k: int, text_offset: int) -> dict[str, Any]:
     """The completions API's logprobs object for generated tokens [start:]."""
-    tokens, token_logprobs, top_logprobs, offsets = [], [], [], []
-    for token_id, step in zip(out.token_ids[start:], (out.logprobs or [])[start:]):
+    tokens: list[str] = []
+    token_logprobs: list[float | None] = []
+    top_logprobs: list[dict[str, float]] = []
+    offsets: list[int] = []
+    for token_id, step in zip(out.token_ids[start:], (out.logprobs or [])[start:], strict=True):
         sampled = step.get(token_id)
         text = _token_text(sampled) if sampled else ""
         tokens.append(text)
@@ -227,10 +231,10 @@ def _entry(lp: Logprob | None) -> dict[str, Any]:
     return {"token": text, "logprob": lp.logprob if lp else -9999.0, "bytes": list(text.encode())}
 
 
-def chat_logprobs(out: CompletionOutput, start: int, k: int) -> dict:
+def chat_logprobs(out: CompletionOutput, start: int, k: int) -> dict[str, Any]:
     """The chat API's logprobs object for generated tokens [start:]."""
     content = []
-    for token_id, step in zip(out.token_ids[start:], (out.logprobs or [])[start:]):
+    for token_id, step in zip(out.token_ids[start:], (out.logprobs or [])[start:], strict=True):
         item = _entry(step.get(token_id))
         item["top_logprobs"] = [_entry(lp) for _, lp in _top(step, k)]
         content.append(item)
@@ -249,17 +253,17 @@ class ResponseFormatter:
         self.sent: dict[int, int] = {}  # choice index -> characters streamed
         self.held: dict[int, CompletionOutput] = {}  # tokens without text yet: their logprobs go with the next chunk
 
-    def _logprobs(self, out, start_char: int):
+    def _logprobs(self, out: CompletionOutput, start_char: int) -> dict[str, Any] | None:
         if self.params.logprobs is None:
             return None
         if self.chat:
             return chat_logprobs(out, 0, self.params.logprobs)
         return completion_logprobs(out, 0, self.params.logprobs, start_char)
 
-    def _head(self, obj: str) -> dict:
+    def _head(self, obj: str) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
-    def chunks(self, prompt_index: int, ro: RequestOutput, include_usage: bool) -> list[dict]:
+    def chunks(self, prompt_index: int, ro: RequestOutput, include_usage: bool) -> list[dict[str, Any]]:
         """Stream chunks carrying what each choice of this output delta adds."""
         chunks = []
         for out in ro.outputs:
@@ -287,12 +291,12 @@ class ResponseFormatter:
             chunks.append(chunk)
         return chunks
 
-    def usage_chunk(self, finals: dict[int, RequestOutput]) -> dict:
+    def usage_chunk(self, finals: dict[int, RequestOutput]) -> dict[str, Any]:
         chunk = self._head(self.object + ".chunk" if self.chat else self.object)
         chunk.update(choices=[], usage=_usage(finals))
         return chunk
 
-    def response(self, finals: dict[int, RequestOutput]) -> dict:
+    def response(self, finals: dict[int, RequestOutput]) -> dict[str, Any]:
         choices = []
         for i in sorted(finals):
             for out in finals[i].outputs:
@@ -310,7 +314,7 @@ class ResponseFormatter:
         return body
 
 
-def _usage(finals: dict[int, RequestOutput]) -> dict:
+def _usage(finals: dict[int, RequestOutput]) -> dict[str, Any]:
     prompt = sum(len(ro.prompt_token_ids) for ro in finals.values())
     completion = sum(len(o.token_ids) for ro in finals.values() for o in ro.outputs)
     cached = sum(ro.num_cached_tokens for ro in finals.values())
