@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kiln.runtime.detokenizer import with_token_text
+from kiln.runtime.detokenizer import ChatMessage, TextTokenizer, with_token_text
 from kiln.runtime.engine import Engine, EngineRequest
 from kiln.runtime.llm import as_engine
 from kiln.runtime.outputs import EngineStats, RequestOutput
@@ -30,18 +30,24 @@ class _Add:
 @dataclass
 class _Abort:
     request_id: str
-    done: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
+    done: concurrent.futures.Future[None] = field(default_factory=concurrent.futures.Future)
 
 
-_STOP = object()
+class _Stop:
+    """The command that ends the engine thread."""
+
+
+_STOP = _Stop()
+_Command = _Add | _Abort | _Stop
+_StreamItem = RequestOutput | BaseException  # an output delta, or the error that ends the stream
 
 
 class _Stream:
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
-        self.queue: asyncio.Queue = asyncio.Queue()
+        self.queue: asyncio.Queue[_StreamItem] = asyncio.Queue()
 
-    def put(self, item) -> None:
+    def put(self, item: _StreamItem) -> None:
         try:
             self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
         except RuntimeError:  # the loop is closed: nobody is listening any more
@@ -52,7 +58,7 @@ class AsyncLLM:
     def __init__(self, engine: str | Path | Engine, config: RuntimeConfig | None = None) -> None:
         """engine: an engine directory (loaded with config) or an already built Engine."""
         self.engine = as_engine(engine, config)
-        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._inbox: queue.SimpleQueue[_Command] = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}
         self._lock = threading.Lock()
         self._pending_adds = 0
@@ -71,7 +77,7 @@ class AsyncLLM:
         return self.engine.model_name
 
     @property
-    def tokenizer(self):
+    def tokenizer(self) -> TextTokenizer:
         return self.engine.tokenizer
 
     @property
@@ -84,7 +90,7 @@ class AsyncLLM:
         stats.num_waiting += self._pending_adds
         return stats
 
-    def apply_chat_template(self, messages: list[dict]) -> str:
+    def apply_chat_template(self, messages: list[ChatMessage]) -> str:
         return self.engine.tokenizer.apply_chat_template(messages)
 
     # -- requests ---------------------------------------------------------------------------
@@ -136,14 +142,14 @@ class AsyncLLM:
 
     # -- the engine thread ------------------------------------------------------------------
 
-    def _deliver(self, request_id: str, item) -> None:
+    def _deliver(self, request_id: str, item: _StreamItem) -> None:
         with self._lock:
             stream = self._streams.get(request_id)
         if stream is not None:
             stream.put(item)
 
-    def _handle(self, command) -> bool:
-        if command is _STOP:
+    def _handle(self, command: _Command) -> bool:
+        if isinstance(command, _Stop):
             return False
         if isinstance(command, _Add):
             request_id = command.request.request_id
@@ -183,5 +189,6 @@ class AsyncLLM:
                     self.engine.abort(request_id)
                     self._deliver(request_id, RuntimeError(f"engine step failed: {exc!r}"))
         for request_id in list(self.engine.requests):
-            output = self.engine.abort(request_id)
-            self._deliver(request_id, output)
+            final = self.engine.abort(request_id)
+            if final is not None:  # always, for a request the engine still holds
+                self._deliver(request_id, final)

@@ -21,6 +21,17 @@ class Decoder(Protocol):
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str: ...
 
 
+ChatMessage = dict[str, str]  # {"role": ..., "content": ...}
+
+
+class TextTokenizer(Decoder, Protocol):
+    """What the engine and its front ends need of a tokenizer (tokenizer.Tokenizer; a stand-in in tests)."""
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
+
+    def apply_chat_template(self, messages: list[ChatMessage]) -> str: ...
+
+
 class IncrementalDetokenizer:
     def __init__(
         self, tokenizer: Decoder, prompt_token_ids: list[int], skip_special_tokens: bool = True,

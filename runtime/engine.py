@@ -15,7 +15,7 @@ import numpy as np
 
 from kiln.errors import InvalidParamError
 from kiln.runtime.block_manager import BlockManager
-from kiln.runtime.detokenizer import Decoder, IncrementalDetokenizer
+from kiln.runtime.detokenizer import Decoder, IncrementalDetokenizer, TextTokenizer
 from kiln.runtime.model_runner import ModelRunner, build_batch
 from kiln.runtime.outputs import CompletionOutput, EngineStats, Logprob, RequestOutput
 from kiln.runtime.params import RuntimeConfig, SamplingParams
@@ -100,14 +100,15 @@ class Request:
     def take_output(self) -> RequestOutput:
         """The delta since the previous output: what each sample added."""
         p = self.prepared
-        outputs = [pending.take(seq) for seq, pending in zip(self.seqs, self.pending)]
+        outputs = [pending.take(seq) for seq, pending in zip(self.seqs, self.pending, strict=True)]
         return RequestOutput(p.request_id, p.prompt, p.prompt_token_ids, outputs, self.finished,
                              self.seqs[0].num_cached_tokens)
 
 
 class Engine:
     def __init__(
-        self, runner: ModelRunner, tokenizer, config: RuntimeConfig, limits: EngineLimits, model_name: str = "kiln",
+        self, runner: ModelRunner, tokenizer: TextTokenizer, config: RuntimeConfig, limits: EngineLimits,
+        model_name: str = "kiln",
     ) -> None:
         self.model_name = model_name
         self.runner = runner
@@ -220,9 +221,9 @@ class Engine:
         self.num_generated_tokens += 1
         pending = request.pending[seq.index]
         pending.token_ids.append(token)
-        top = sampled.top_logprobs[row]
-        if top is not None:
-            pending.cumulative_logprob += sampled.sampled_logprobs[row]
+        top, logprob = sampled.top_logprobs[row], sampled.sampled_logprobs[row]
+        if top is not None and logprob is not None:  # both set exactly when the request asked for logprobs
+            pending.cumulative_logprob += logprob
             pending.logprobs.append({t: Logprob(lp, rank, None) for t, (lp, rank) in top.items()})
         if not request.forked:
             request.forked = True

@@ -4,14 +4,16 @@ from __future__ import annotations
 
 import itertools
 from pathlib import Path
+from typing import cast
 
-from kiln.runtime.detokenizer import with_token_text
+from kiln.runtime.detokenizer import ChatMessage, TextTokenizer, with_token_text
 from kiln.runtime.engine import Engine
 from kiln.runtime.loader import load_engine
 from kiln.runtime.outputs import EngineStats, RequestOutput, merge_outputs
 from kiln.runtime.params import RuntimeConfig, SamplingParams
 
 Prompt = str | list[int]
+Prompts = Prompt | list[str] | list[list[int]]  # one prompt (text or token ids) or a list of them
 
 
 def as_engine(engine: str | Path | Engine, config: RuntimeConfig | None) -> Engine:
@@ -23,13 +25,12 @@ def as_engine(engine: str | Path | Engine, config: RuntimeConfig | None) -> Engi
     return load_engine(engine, config)
 
 
-def _normalize_prompts(prompts: str | list[str] | list[list[int]]) -> list[Prompt]:
+def _normalize_prompts(prompts: Prompts) -> list[Prompt]:
     if isinstance(prompts, str):
         return [prompts]
-    prompts = list(prompts)
     if prompts and all(isinstance(t, int) for t in prompts):  # one prompt of token ids
-        return [prompts]
-    return prompts
+        return [list(cast(list[int], prompts))]
+    return list(cast(list[Prompt], prompts))
 
 
 def _normalize_params(params: SamplingParams | list[SamplingParams] | None, n: int) -> list[SamplingParams]:
@@ -50,7 +51,7 @@ class LLM:
         self._ids = itertools.count()
 
     @property
-    def tokenizer(self):
+    def tokenizer(self) -> TextTokenizer:
         return self.engine.tokenizer
 
     @property
@@ -61,13 +62,16 @@ class LLM:
         return self.engine.stats()
 
     def generate(
-        self, prompts: str | list[str] | list[list[int]], params: SamplingParams | list[SamplingParams] | None = None,
+        self, prompts: Prompts, params: SamplingParams | list[SamplingParams] | None = None,
     ) -> list[RequestOutput]:
         """Generate for every prompt (all batched together); whole results, in prompt order."""
-        prompts = _normalize_prompts(prompts)
-        params = _normalize_params(params, len(prompts))
+        prompt_list = _normalize_prompts(prompts)
+        param_list = _normalize_params(params, len(prompt_list))
         # Prepare every request before anything runs, so bad input is rejected with nothing queued.
-        requests = [self.engine.prepare(f"llm-{next(self._ids)}", prompt, p) for prompt, p in zip(prompts, params)]
+        requests = [
+            self.engine.prepare(f"llm-{next(self._ids)}", prompt, p)
+            for prompt, p in zip(prompt_list, param_list, strict=True)
+        ]
         deltas: dict[str, list[RequestOutput]] = {r.request_id: [] for r in requests}
         results: dict[str, RequestOutput] = {}
         try:
@@ -84,9 +88,13 @@ class LLM:
         return [with_token_text(self.tokenizer, results[r.request_id]) for r in requests]
 
     def chat(
-        self, messages: list[dict] | list[list[dict]], params: SamplingParams | list[SamplingParams] | None = None,
+        self, messages: list[ChatMessage] | list[list[ChatMessage]],
+        params: SamplingParams | list[SamplingParams] | None = None,
     ) -> list[RequestOutput]:
         """Apply the engine's chat template to one conversation or a list of them, then generate."""
-        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        if messages and isinstance(messages[0], dict):  # one conversation
+            conversations = [messages]
+        else:
+            conversations = list(cast(list[list[ChatMessage]], messages))
         prompts = [self.tokenizer.apply_chat_template(c) for c in conversations]
         return self.generate(prompts, params)

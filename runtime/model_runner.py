@@ -50,13 +50,13 @@ def build_batch(out: SchedulerOutput) -> BatchInput:
     starts = [seq.num_computed_tokens for seq, _ in scheduled]
     counts = [n for _, n in scheduled]
     input_ids = np.fromiter(
-        (t for (seq, n), c in zip(scheduled, starts) for t in seq.token_ids[c:c + n]), dtype=np.int64,
+        (t for (seq, n), c in zip(scheduled, starts, strict=True) for t in seq.token_ids[c:c + n]), dtype=np.int64,
         count=sum(counts),
     )
-    position_ids = np.concatenate([np.arange(c, c + n, dtype=np.int64) for c, n in zip(starts, counts)])
+    position_ids = np.concatenate([np.arange(c, c + n, dtype=np.int64) for c, n in zip(starts, counts, strict=True)])
     qsl = np.zeros(len(scheduled) + 1, dtype=np.int32)
     np.cumsum(counts, out=qsl[1:])
-    seq_lens = np.array([c + n for c, n in zip(starts, counts)], dtype=np.int32)
+    seq_lens = np.array([c + n for c, n in zip(starts, counts, strict=True)], dtype=np.int32)
     width = max(len(seq.block_table) for seq, _ in scheduled)
     tables = np.zeros((len(scheduled), width), dtype=np.int32)
     for row, (seq, _) in enumerate(scheduled):
@@ -111,11 +111,12 @@ def pack_chunks(chunks: list[Chunk], all_rows: bool) -> BatchInput:
     for row, chunk in enumerate(chunks):
         tables[row, : len(chunk.block_table)] = chunk.block_table
     rows = np.arange(qsl[-1], dtype=np.int64) if all_rows else qsl[1:].astype(np.int64) - 1
+    starts = [c.start for c in chunks]
     return BatchInput(
         input_ids=np.fromiter((t for c in chunks for t in c.tokens), dtype=np.int64, count=int(qsl[-1])),
-        position_ids=np.concatenate([np.arange(c.start, c.start + n, dtype=np.int64) for c, n in zip(chunks, counts)]),
+        position_ids=np.concatenate([np.arange(s, s + n, dtype=np.int64) for s, n in zip(starts, counts, strict=True)]),
         query_start_loc=qsl,
-        seq_lens=np.array([c.start + n for c, n in zip(chunks, counts)], dtype=np.int32),
+        seq_lens=np.array([s + n for s, n in zip(starts, counts, strict=True)], dtype=np.int32),
         block_tables=tables,
         logits_indices=rows,
         num_logits=len(rows),

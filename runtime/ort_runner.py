@@ -97,7 +97,8 @@ class OrtModelRunner(ModelRunner):
             self.binding.bind_cpu_input(name, array)
         self.binding.bind_output(contract.LOGITS, "cpu")
         self.session.run_with_iobinding(self.binding)
-        return self.binding.get_outputs()[0].numpy()
+        logits: np.ndarray = self.binding.get_outputs()[0].numpy()
+        return logits
 
     def close(self) -> None:
         self.binding.clear_binding_inputs()

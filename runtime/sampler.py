@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+import numpy.typing as npt
 
 from kiln.runtime.sequence import Sequence
 
@@ -28,15 +29,17 @@ class SamplerOutput:
 
 def log_softmax(x: np.ndarray) -> np.ndarray:
     x = x - x.max(axis=-1, keepdims=True)
-    return x - np.log(np.exp(x).sum(axis=-1, keepdims=True))
+    result: np.ndarray = x - np.log(np.exp(x).sum(axis=-1, keepdims=True))
+    return result
 
 
 def softmax(x: np.ndarray) -> np.ndarray:
     e = np.exp(x - x.max(axis=-1, keepdims=True))
-    return e / e.sum(axis=-1, keepdims=True)
+    result: np.ndarray = e / e.sum(axis=-1, keepdims=True)
+    return result
 
 
-def _column(seqs: list[Sequence], name: str, dtype=np.float32) -> np.ndarray:
+def _column(seqs: list[Sequence], name: str, dtype: npt.DTypeLike = np.float32) -> np.ndarray:
     return np.array([getattr(s.params, name) for s in seqs], dtype=dtype)
 
 
@@ -95,7 +98,8 @@ def filtered_probs(logits: np.ndarray, seqs: list[Sequence]) -> np.ndarray:
 def inverse_cdf(probs: np.ndarray, uniforms: np.ndarray) -> np.ndarray:
     cdf = np.cumsum(probs, axis=1)
     idx = (cdf < uniforms[:, None] * cdf[:, -1:]).sum(axis=1)
-    return np.minimum(idx, probs.shape[1] - 1)
+    rows: np.ndarray = np.minimum(idx, probs.shape[1] - 1)
+    return rows
 
 
 class Sampler:
@@ -111,12 +115,12 @@ class Sampler:
             uniforms = np.array([s.rng.random() for s in sub])
             tokens[random_rows] = inverse_cdf(probs, uniforms)
         sampled_lp: list[float | None] = [None] * len(seqs)
-        top: list[dict | None] = [None] * len(seqs)
-        lp_rows = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
+        top: list[dict[int, tuple[float, int]] | None] = [None] * len(seqs)
+        lp_rows = [(i, k) for i, s in enumerate(seqs) if (k := s.params.logprobs) is not None]  # (row, top k)
         if lp_rows:
-            logp = log_softmax(raw[lp_rows])
-            for j, i in enumerate(lp_rows):
-                sampled_lp[i], top[i] = _logprobs(logp[j], int(tokens[i]), seqs[i].params.logprobs)
+            logp = log_softmax(raw[[i for i, _ in lp_rows]])
+            for j, (i, k) in enumerate(lp_rows):
+                sampled_lp[i], top[i] = _logprobs(logp[j], int(tokens[i]), k)
         return SamplerOutput(tokens, sampled_lp, top)
 
 

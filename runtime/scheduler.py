@@ -46,7 +46,7 @@ class SchedulerOutput:
     @property
     def to_sample(self) -> list[Sequence]:
         """The sequences that sample a token after this step, in row (logits) order."""
-        return [seq for (seq, _), need in zip(self.scheduled, self.needs_logits) if need]
+        return [seq for (seq, _), need in zip(self.scheduled, self.needs_logits, strict=True) if need]
 
     def __bool__(self) -> bool:
         return bool(self.scheduled)

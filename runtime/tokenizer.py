@@ -5,19 +5,22 @@ from __future__ import annotations
 import json
 from datetime import datetime
 from pathlib import Path
+from typing import Any
 
+from jinja2 import Template
 from jinja2.exceptions import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
 
 from kiln.errors import InvalidParamError
+from kiln.runtime.detokenizer import ChatMessage
 
 
 def _raise_exception(message: str) -> None:
     raise TemplateError(message)
 
 
-def _token_text(value) -> str | None:
+def _token_text(value: str | dict[str, str] | None) -> str | None:
     if isinstance(value, dict):  # {"content": "<|im_end|>", ...}
         return value.get("content")
     return value
@@ -28,7 +31,7 @@ class Tokenizer:
         engine_dir = Path(engine_dir)
         self._tok = HFTokenizer.from_file(str(engine_dir / "tokenizer.json"))
         config_path = engine_dir / "tokenizer_config.json"
-        self.config = json.loads(config_path.read_text()) if config_path.is_file() else {}
+        self.config: dict[str, Any] = json.loads(config_path.read_text()) if config_path.is_file() else {}
         self.bos_token = _token_text(self.config.get("bos_token"))
         self.eos_token = _token_text(self.config.get("eos_token"))
         template = self.config.get("chat_template")
@@ -36,7 +39,7 @@ class Tokenizer:
             named = {t["name"]: t["template"] for t in template}
             template = named.get("default") or next(iter(named.values()), None)
         self.chat_template: str | None = template
-        self._compiled = None
+        self._compiled: Template | None = None
 
     @property
     def vocab_size(self) -> int:
@@ -55,7 +58,7 @@ class Tokenizer:
     def id_to_token(self, token_id: int) -> str | None:
         return self._tok.id_to_token(token_id)
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(self, messages: list[ChatMessage], add_generation_prompt: bool = True) -> str:
         if not self.chat_template:
             raise InvalidParamError("this engine's tokenizer_config.json has no chat_template; pass a plain prompt",
                                     "messages")

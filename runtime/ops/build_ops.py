@@ -76,7 +76,8 @@ def _apt_download(dest: Path) -> None:
             subprocess.run(["dpkg", "-x", str(debs[-1]), str(staging)], check=True)
         except subprocess.CalledProcessError as exc:
             raise BuildError(
-                f"could not download {DEBIAN_PACKAGE} ({exc}); set KILN_ORT_INCLUDE to a directory holding {MARKER_HEADER}"
+                f"could not download {DEBIAN_PACKAGE} ({exc}); "
+                f"set KILN_ORT_INCLUDE to a directory holding {MARKER_HEADER}"
             ) from exc
         src = _header_dir(staging)
         if src is None:
