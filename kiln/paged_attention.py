@@ -102,7 +102,7 @@ class PagedAttentionInputs:
 def quantize_kv(x: np.ndarray, step: np.ndarray) -> np.ndarray:
     """int8 KV of x [..., Hkv, D] with per-head steps [Hkv]: clamp(round_half_even(x / step), -127, 127)."""
     q: np.ndarray = np.rint(x.astype(np.float32) / step.astype(np.float32)[:, None])
-    return np.clip(q, -INT8_MAX, INT8_MAX).astype(np.int8)
+    return q.clip(-INT8_MAX, INT8_MAX).astype(np.int8)
 
 
 def token_positions(seq_lens: np.ndarray, query_start_loc: np.ndarray) -> np.ndarray:
