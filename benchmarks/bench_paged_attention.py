@@ -17,16 +17,30 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from dataclasses import dataclass
+from functools import partial
 
 import numpy as np
 import onnxruntime as ort
 from onnx import TensorProto, helper
 
 from kiln.contract import KV_DTYPES
-from kiln.paged_attention import make_single_op_model
+from kiln.paged_attention import PagedAttentionAttrs, make_single_op_model
 from kiln.runtime.ops import library_path
 
 H, HKV, D, BLOCK = 9, 3, 64, 16  # SmolLM2-135M attention shapes
+ATTRS = PagedAttentionAttrs(H, HKV, scale=D**-0.5)
+
+
+@dataclass(frozen=True)
+class Pool:
+    """The KV pool a decode step runs against: its size and dtype, whether it is bound in place
+    (as both kv_cache and kv_cache_out), and how many of its first blocks the tables draw from (0: all)."""
+
+    num_blocks: int
+    kv_dtype: np.dtype
+    in_place: bool = True
+    spread: int = 0
 
 
 def session(model, threads: int) -> ort.InferenceSession:
@@ -58,11 +72,12 @@ def compare(fns: dict, rounds: int = 15, min_round: float = 0.02) -> dict:
     return {name: (min(v), statistics.median(v)) for name, v in samples.items()}
 
 
-def kiln_decode(sess, batch: int, ctx: int, num_blocks: int, kv_dtype, rng, in_place: bool = True, spread: int = 0):
+def kiln_decode(sess, batch: int, ctx: int, spec: Pool, rng):
     """A bound decode step: `batch` sequences, each with ctx tokens after this step, their blocks
-    drawn at random from the first `spread` blocks of the pool (default: all of it)."""
+    drawn at random from the first `spec.spread` blocks of the pool."""
+    num_blocks, kv_dtype = spec.num_blocks, spec.kv_dtype
     blocks_per_seq = -(-ctx // BLOCK)
-    tables = rng.choice(spread or num_blocks, size=batch * blocks_per_seq, replace=False).astype(np.int32)
+    tables = rng.choice(spec.spread or num_blocks, size=batch * blocks_per_seq, replace=False).astype(np.int32)
     feeds = {
         "query": rng.standard_normal((batch, H * D), dtype=np.float32),
         "key": rng.standard_normal((batch, HKV * D), dtype=np.float32),
@@ -82,7 +97,7 @@ def kiln_decode(sess, batch: int, ctx: int, num_blocks: int, kv_dtype, rng, in_p
     for name, arr in feeds.items():
         binding.bind_ortvalue_input(name, ort.OrtValue.ortvalue_from_numpy(arr))
     binding.bind_ortvalue_input("kv_cache", pool_value)
-    if in_place:
+    if spec.in_place:
         binding.bind_ortvalue_output("kv_cache_out", pool_value)
     else:
         binding.bind_output("kv_cache_out", "cpu")
@@ -150,26 +165,26 @@ def main() -> None:
     args = parser.parse_args()
     kv_dtype = KV_DTYPES[args.kv_dtype]
     rng = np.random.default_rng(0)
-    kiln_sess = session(make_single_op_model(H, HKV, D, BLOCK, scale=D**-0.5, kv_dtype=kv_dtype), args.threads)
+    kiln_sess = session(make_single_op_model(ATTRS, D, BLOCK, kv_dtype), args.threads)
     print(f"kiln.PagedAttention, SmolLM2 shapes (H={H}, Hkv={HKV}, D={D}, block {BLOCK}), "
           f"kv {args.kv_dtype}, {args.threads} threads", flush=True)
 
     print("\n(a) decode step vs pool size (batch 16, context 512, in place through IOBinding): best and median"
-          f" wall us per step on {args.threads} threads (interleaved rounds), best CPU us per step on 1 thread", flush=True)
-    one_thread = session(make_single_op_model(H, HKV, D, BLOCK, scale=D**-0.5, kv_dtype=kv_dtype), 1)
-    cases = {  # name: (pool blocks, in place, blocks drawn from the first ... of the pool)
-        "1024 blocks": (1024, True, 1024),
-        "65536 blocks, same blocks": (65536, True, 1024),
-        "65536 blocks, scattered": (65536, True, 65536),
-        "1024 blocks, not aliased (copy)": (1024, False, 1024),
+          f" wall us per step on {args.threads} threads (interleaved rounds), best CPU us per step on 1 thread",
+          flush=True)
+    one_thread = session(make_single_op_model(ATTRS, D, BLOCK, kv_dtype), 1)
+    cases = {
+        "1024 blocks": Pool(1024, kv_dtype, spread=1024),
+        "65536 blocks, same blocks": Pool(65536, kv_dtype, spread=1024),
+        "65536 blocks, scattered": Pool(65536, kv_dtype, spread=65536),
+        "1024 blocks, not aliased (copy)": Pool(1024, kv_dtype, in_place=False, spread=1024),
     }
-    steps = {name: kiln_decode(kiln_sess, 16, 512, n, kv_dtype, rng, aliased, spread)[0]
-             for name, (n, aliased, spread) in cases.items()}
+    steps = {name: kiln_decode(kiln_sess, 16, 512, spec, rng)[0] for name, spec in cases.items()}
     wall = compare(steps)
     del steps
     cpu = {}
-    for name, (n, aliased, spread) in cases.items():
-        step, pool = kiln_decode(one_thread, 16, 512, n, kv_dtype, rng, aliased, spread)
+    for name, spec in cases.items():
+        step, pool = kiln_decode(one_thread, 16, 512, spec, rng)
         cpu[name] = cpu_time(step, 20)
         del step, pool
     for name in cases:
@@ -181,11 +196,11 @@ def main() -> None:
 
     print("\n(b) decode step vs com.microsoft::GroupQueryAttention (fp32 KV for GQA, shared past/present);"
           " us per step, best and median over interleaved rounds", flush=True)
-    print(f"  {'batch':>5} {'context':>7} {'kiln best':>10} {'GQA best':>10} {'ratio':>6} {'kiln med':>10} {'GQA med':>10} {'ratio':>6}")
+    print(f"  {'batch':>5} {'context':>7} {'kiln best':>10} {'GQA best':>10} {'ratio':>6} "
+          f"{'kiln med':>10} {'GQA med':>10} {'ratio':>6}")
     for batch in (1, 16):
         for ctx in (512, 2048):
-            num_blocks = batch * ctx // BLOCK + 64
-            step, pool = kiln_decode(kiln_sess, batch, ctx, num_blocks, kv_dtype, rng)
+            step, pool = kiln_decode(kiln_sess, batch, ctx, Pool(batch * ctx // BLOCK + 64, kv_dtype), rng)
             gqa = gqa_decode(session(gqa_model(ctx), args.threads), batch, ctx, rng)
             res = compare({"kiln": step, "gqa": gqa})
             (kb, km), (gb, gm) = res["kiln"], res["gqa"]
@@ -211,11 +226,11 @@ def cpu_time(fn, calls: int, repeats: int = 5) -> float:
 def single_thread_cpu(kv_dtype, rng) -> None:
     print("\n(c) the same decode steps on 1 thread, best CPU time per step (robust on a shared machine)", flush=True)
     print(f"  {'batch':>5} {'context':>7} {'kiln us':>9} {'GQA us':>9} {'GQA/kiln':>8}")
-    kiln_sess = session(make_single_op_model(H, HKV, D, BLOCK, scale=D**-0.5, kv_dtype=kv_dtype), 1)
+    kiln_sess = session(make_single_op_model(ATTRS, D, BLOCK, kv_dtype), 1)
     for batch in (1, 16):
         for ctx in (512, 2048):
             calls = max(2, 40000 // (batch * ctx // 16))
-            step, pool = kiln_decode(kiln_sess, batch, ctx, batch * ctx // BLOCK + 64, kv_dtype, rng)
+            step, pool = kiln_decode(kiln_sess, batch, ctx, Pool(batch * ctx // BLOCK + 64, kv_dtype), rng)
             t_kiln = cpu_time(step, calls)
             t_gqa = cpu_time(gqa_decode(session(gqa_model(ctx), 1), batch, ctx, rng), calls)
             print(f"  {batch:5d} {ctx:7d} {t_kiln * 1e6:9.1f} {t_gqa * 1e6:9.1f} {t_gqa / t_kiln:8.2f}", flush=True)
@@ -225,7 +240,7 @@ def single_thread_cpu(kv_dtype, rng) -> None:
 def single_thread_prefill(rng) -> None:
     print("\n(d) prefill of one sequence on 1 thread (fp32), best CPU ms per call", flush=True)
     print(f"  {'tokens':>6} {'kiln ms':>9} {'GQA ms':>9} {'GQA/kiln':>8}")
-    kiln_sess = session(make_single_op_model(H, HKV, D, BLOCK, scale=D**-0.5), 1)
+    kiln_sess = session(make_single_op_model(ATTRS, D, BLOCK), 1)
     for T in (512, 1024):
         q = rng.standard_normal((T, H * D), dtype=np.float32)
         k = rng.standard_normal((T, HKV * D), dtype=np.float32)
@@ -250,8 +265,8 @@ def single_thread_prefill(rng) -> None:
         ours = kiln_sess.run(["out"], feeds)[0]
         theirs = gqa_sess.run(["output"], gqa_feeds)[0][0]
         assert np.abs(ours - theirs).max() < 1e-4, "kiln and GQA disagree"
-        t_kiln = cpu_time(lambda: kiln_sess.run(["out"], feeds), 2, 3)
-        t_gqa = cpu_time(lambda: gqa_sess.run(["output"], gqa_feeds), 2, 3)
+        t_kiln = cpu_time(partial(kiln_sess.run, ["out"], feeds), 2, 3)
+        t_gqa = cpu_time(partial(gqa_sess.run, ["output"], gqa_feeds), 2, 3)
         print(f"  {T:6d} {t_kiln * 1e3:9.2f} {t_gqa * 1e3:9.2f} {t_gqa / t_kiln:8.2f}", flush=True)
 
 

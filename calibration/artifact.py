@@ -68,7 +68,8 @@ class CalibrationArtifact:
             raise CalibrationError(f"{path / META_FILE} is not a version-{VERSION} kiln calibration artifact")
         info = {k: v for k, v in meta.items()
                 if k not in ("format", "version", "method", "model_fingerprint", "hyperparameters")}
-        return cls(meta["method"], meta["model_fingerprint"], meta["hyperparameters"], load_file(str(path / SCALES_FILE)), info)
+        scales = load_file(str(path / SCALES_FILE))
+        return cls(meta["method"], meta["model_fingerprint"], meta["hyperparameters"], scales, info)
 
     def kv_scales(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-layer, per-KV-head int8 scales (absmax / 127) for K and V: [num_layers, Hkv] each."""
@@ -99,7 +100,9 @@ def apply_artifact(checkpoint, artifact: CalibrationArtifact):
     if any(k.startswith(CLIP_PREFIX) for k in artifact.scales):
         group_size = artifact.hyperparameters.get("group_size")
         if not group_size:
-            raise CalibrationError("the calibration artifact holds weight clips but no group size; rerun `kiln calibrate`")
+            raise CalibrationError(
+                "the calibration artifact holds weight clips but no group size; rerun `kiln calibrate`"
+            )
         try:
             weights = apply_clips(weights, artifact.scales, int(group_size))
         except (KeyError, RuntimeError) as exc:

@@ -42,7 +42,8 @@ def int4_error(x: torch.Tensor, weights: list[torch.Tensor], s: torch.Tensor, gr
     """Squared output error of int4 group-wise weights with AWQ scales s, summed over the group."""
     xs = x / s
     exact = exact or [x @ w.T for w in weights]
-    return sum(float(((xs @ int4_groupwise(w * s, group_size).T - y) ** 2).sum()) for w, y in zip(weights, exact))
+    return sum(float(((xs @ int4_groupwise(w * s, group_size).T - y) ** 2).sum())
+               for w, y in zip(weights, exact, strict=True))
 
 
 def search(groups: list[SmoothGroup], stats: ActivationStats, weights: dict[str, torch.Tensor],
@@ -134,7 +135,8 @@ def clip_all(groups: list[SmoothGroup], stats: ActivationStats, weights: dict[st
     return clips, report
 
 
-def apply_clips(weights: dict[str, torch.Tensor], scales: dict[str, torch.Tensor], group_size: int) -> dict[str, torch.Tensor]:
+def apply_clips(weights: dict[str, torch.Tensor], scales: dict[str, torch.Tensor],
+                group_size: int) -> dict[str, torch.Tensor]:
     """A new weight dict with every {CLIP_PREFIX}<linear> ratio table applied to <linear>.weight."""
     out = dict(weights)
     for key, ratio in scales.items():

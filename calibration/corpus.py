@@ -57,9 +57,10 @@ def load_book(name: str) -> str:
         raise ValueError(f"unknown book {name!r}; the corpus has {BOOKS}")
     data = _data_dir()
     index_bytes = (data / "Rdata.rdx").read_bytes()
-    index = _unserialize(gzip.decompress(index_bytes) if index_bytes[:2] == b"\x1f\x8b" else zlib.decompress(index_bytes[4:]))
-    variables = dict(zip(index.names, index))["variables"]
-    offset, length = dict(zip(variables.names, variables))[name]
+    gzipped = index_bytes[:2] == b"\x1f\x8b"
+    index = _unserialize(gzip.decompress(index_bytes) if gzipped else zlib.decompress(index_bytes[4:]))
+    variables = dict(zip(index.names, index, strict=True))["variables"]  # R keeps names as long as the list
+    offset, length = dict(zip(variables.names, variables, strict=True))[name]
     with open(data / "Rdata.rdb", "rb") as f:
         f.seek(offset)
         blob = f.read(length)

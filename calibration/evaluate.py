@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from kiln.errors import InvalidParamError
+from kiln.errors import InvalidParamError, require
 
 Progress = Callable[[str], None]
 
@@ -155,7 +155,7 @@ def chat_answers(engine_dir: str | Path, max_tokens: int = 64, threads: int | No
     outputs = llm.chat([[{"role": "user", "content": q}] for q in CHAT_QUESTIONS], params)
     return [{"question": q, "answer": o.outputs[0].text, "degenerate": loops(list(o.outputs[0].token_ids)),
              "prompt_ids": list(o.prompt_token_ids), "answer_ids": list(o.outputs[0].token_ids)}
-            for q, o in zip(CHAT_QUESTIONS, outputs)]
+            for q, o in zip(CHAT_QUESTIONS, outputs, strict=True)]
 
 
 def divergence(reference: EngineSession, prompt: list[int], answer: list[int]) -> dict:
@@ -206,20 +206,36 @@ class EvalReport:
         return json.dumps(asdict(self), indent=2)
 
 
-def evaluate(engine_dir: str | Path, reference_dir: str | Path | None = None, num_windows: int = 16,
-             window: int = 512, threads: int | None = None, progress: Progress | None = None,
-             text_file: str | Path | None = None) -> EvalReport:
-    """The report on the evaluation split, or on the text of text_file (another domain)."""
+@dataclass(frozen=True)
+class EvalOptions:
+    """What `kiln eval` measures on: the reference engine (for greedy agreement; None to skip it), the
+    perplexity windows, the onnxruntime threads (None: all cores), and the text (None: the evaluation split)."""
+
+    reference_dir: Path | None = None
+    num_windows: int = 16
+    window: int = 512  # tokens per perplexity window
+    threads: int | None = None
+    text_file: Path | None = None
+
+    def __post_init__(self) -> None:
+        require(self.num_windows >= 1, "num_windows", "at least 1", self.num_windows)
+        require(self.window >= 2, "window", "at least 2 tokens (one to predict from, one predicted)", self.window)
+        require(self.threads is None or self.threads >= 1, "threads", "None or >= 1", self.threads)
+
+
+def evaluate(engine_dir: str | Path, options: EvalOptions, progress: Progress | None = None) -> EvalReport:
+    """The report on the evaluation split, or on the text of options.text_file (another domain)."""
     from .corpus import EVALUATION_BOOK, evaluation_text
 
-    text = Path(text_file).read_text(encoding="utf-8") if text_file else evaluation_text()
+    text_file, threads = options.text_file, options.threads
+    text = text_file.read_text(encoding="utf-8") if text_file else evaluation_text()
     source = str(text_file) if text_file else f"janeaustenr:{EVALUATION_BOOK}"
-    session = EngineSession(engine_dir, max_tokens=max(window, 1024), threads=threads)
-    ppl, count = perplexity(session, session.encode(text), window, num_windows, progress)
+    session = EngineSession(engine_dir, max_tokens=max(options.window, 1024), threads=threads)
+    ppl, count = perplexity(session, session.encode(text), options.window, options.num_windows, progress)
     prompts = prompt_set(text, session)
     agreement = reference = None
-    if reference_dir is not None:
-        reference = EngineSession(reference_dir, max_tokens=1024, threads=threads)
+    if options.reference_dir is not None:
+        reference = EngineSession(options.reference_dir, max_tokens=1024, threads=threads)
         agreement = greedy_agreement(session, reference, prompts)
     speed = decode_speed(session, prompts[0])
     build, size_mb = session.manifest.build, session.size_bytes() / 2**20

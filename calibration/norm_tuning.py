@@ -104,7 +104,8 @@ def tune_norms(spec, fp32_weights: dict[str, torch.Tensor], quant_weights: dict[
 
     def mean_kl() -> float:
         with torch.no_grad():
-            return sum(float(_kl(t.float(), _log_probs(student, head, ids))) for t, ids in zip(targets, windows)) / len(windows)
+            pairs = zip(targets, windows, strict=True)
+            return sum(float(_kl(t.float(), _log_probs(student, head, ids))) for t, ids in pairs) / len(windows)
 
     kl_before = mean_kl()
     say(f"norm tuning: KL(fp32 || int4) {kl_before:.4f} before, {len(params)} norms, {epochs} epochs")

@@ -27,7 +27,7 @@ def w8a8_error(x: torch.Tensor, weights: list[torch.Tensor], s: torch.Tensor,
     """Squared output error of the W8A8 simulation with smoothing s, summed over the group."""
     xq = int8_per_token(x / s)
     exact = exact or [x @ w.T for w in weights]
-    return sum(float(((xq @ int8_per_channel(w * s).T - y) ** 2).sum()) for w, y in zip(weights, exact))
+    return sum(float(((xq @ int8_per_channel(w * s).T - y) ** 2).sum()) for w, y in zip(weights, exact, strict=True))
 
 
 def search(groups: list[SmoothGroup], stats: ActivationStats, weights: dict[str, torch.Tensor],

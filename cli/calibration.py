@@ -63,10 +63,12 @@ def evaluate(engine_dir: Path, reference: Path | None, windows: int, window_toke
              text_file: Path | None) -> None:
     """Perplexity on the evaluation split, greedy agreement with --reference, decode tok/s, size."""
     from kiln.calibration.corpus import CorpusNotFound
+    from kiln.calibration.evaluate import EvalOptions
     from kiln.calibration.evaluate import evaluate as run
 
+    options = EvalOptions(reference, windows, window_tokens, threads, text_file)
     try:
-        report = run(engine_dir, reference, windows, window_tokens, threads, _say, text_file)
+        report = run(engine_dir, options, _say)
     except (CorpusNotFound, UnicodeDecodeError) as exc:
         raise click.ClickException(str(exc)) from exc
     click.echo(report.to_json())

@@ -3,19 +3,26 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import click
 
 from kiln.contract import KV_DTYPES
 from kiln.errors import KilnError
 
+if TYPE_CHECKING:
+    from kiln.runtime.params import SamplingParams
+
+CommandFunction = TypeVar("CommandFunction", bound=Callable[..., Any])
+
 
 class _Group(click.Group):
     """Prints a KilnError (bad option, broken engine dir, unusable model or artifact) as one line;
     anything else is a bug and keeps its traceback, as KILN_DEBUG=1 keeps every one."""
 
-    def invoke(self, ctx: click.Context):
+    def invoke(self, ctx: click.Context) -> Any:
         try:
             return super().invoke(ctx)
         except KilnError as exc:
@@ -32,13 +39,15 @@ def main() -> None:
 
 @main.command()
 @click.argument("model")
-@click.option("-o", "--output", "output", required=True, type=click.Path(path_type=Path), help="engine directory to write")
+@click.option("-o", "--output", "output", required=True, type=click.Path(path_type=Path),
+              help="engine directory to write")
 @click.option("--kv-dtype", type=click.Choice(list(KV_DTYPES)), default="float32", show_default=True,
               help="KV-cache element type; int8 takes per-head scales from --calibration")
 @click.option("--block-size", type=int, default=16, show_default=True, help="tokens per KV-cache block")
 @click.option("--max-seq-len", type=int, default=2048, show_default=True)
 @click.option("--quantization", default="none", show_default=True,
-              help="none | int8-weight-only | int4-rtn-g{32,64,128} | int4-awq-g{32,64,128} | int4-q4_1 | w8a8-smoothquant")
+              help="none | int8-weight-only | int4-rtn-g{32,64,128} | int4-awq-g{32,64,128} | int4-q4_1 | "
+                   "w8a8-smoothquant")
 @click.option("--calibration", type=click.Path(exists=True, file_okay=False, path_type=Path), default=None,
               help="artifact of `kiln calibrate` (needed by int4-awq-*, w8a8-smoothquant and --kv-dtype int8)")
 def build(model: str, output: Path, kv_dtype: str, block_size: int, max_seq_len: int, quantization: str,
@@ -57,7 +66,8 @@ def build(model: str, output: Path, kv_dtype: str, block_size: int, max_seq_len:
 @click.argument("engine_dir", type=click.Path(exists=True, file_okay=False, path_type=Path))
 @click.option("--host", default="127.0.0.1", show_default=True)
 @click.option("--port", type=int, default=8000, show_default=True)
-@click.option("--max-queue", type=int, default=None, help="waiting requests before 503 + Retry-After (default: unbounded)")
+@click.option("--max-queue", type=int, default=None,
+              help="waiting requests before 503 + Retry-After (default: unbounded)")
 @click.option("--kv-cache-bytes", type=int, default=None, help="KV pool size (default: a fraction of memory)")
 @click.option("--max-num-seqs", type=int, default=64, show_default=True, help="sequences batched per step")
 @click.option("--served-model-name", default=None, help="model name clients use (default: the engine's)")
@@ -68,11 +78,12 @@ def serve(engine_dir: Path, host: str, port: int, max_queue: int | None, kv_cach
     from kiln.runtime.server.app import ServeOptions
     from kiln.runtime.server.app import serve as run_server
 
-    run_server(engine_dir, RuntimeConfig(kv_cache_bytes=kv_cache_bytes, max_num_seqs=max_num_seqs),
+    run_server(str(engine_dir), RuntimeConfig(kv_cache_bytes=kv_cache_bytes, max_num_seqs=max_num_seqs),
                ServeOptions(host=host, port=port, served_model_name=served_model_name, max_queue=max_queue))
 
 
-def _sampling(max_tokens: int | None, temperature: float, top_p: float, top_k: int, seed: int | None):
+def _sampling(max_tokens: int | None, temperature: float, top_p: float, top_k: int, seed: int | None
+              ) -> SamplingParams:
     from kiln.runtime.params import SamplingParams
 
     return SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
@@ -87,7 +98,7 @@ _sampling_options = [
 ]
 
 
-def sampling_options(func):
+def sampling_options(func: CommandFunction) -> CommandFunction:
     for option in reversed(_sampling_options):
         func = option(func)
     return func

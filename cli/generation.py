@@ -38,6 +38,7 @@ def generate(engine_dir: str, prompt: str | None, chat: str | None, params: Samp
     engine = load_engine(engine_dir, config)
     if chat is not None:
         prompt = engine.tokenizer.apply_chat_template([{"role": "user", "content": chat}])
+    assert prompt is not None  # exactly one of the two, checked above
     text = stream_text(engine, prompt, params, out)
     out.write("\n")
     return text

@@ -15,6 +15,10 @@ from kiln.spec import ModelSpec, RopeScaling
 from .checkpoint_types import Checkpoint, TokenizerFiles, select_weights
 
 SUPPORTED_GGUF_ARCHITECTURES = ("llama",)
+# Large arrays the tokenizer converter reads itself; the metadata dict leaves them out.
+_TOKENIZER_ARRAYS = (
+    "tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.token_type", "tokenizer.ggml.scores"
+)
 
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -90,8 +94,8 @@ def _first_line(exc: Exception) -> str:
 def _metadata(reader, path: Path) -> dict:
     values = {}
     for key, field in reader.fields.items():
-        if key in ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.token_type", "tokenizer.ggml.scores"):
-            continue  # large arrays: the tokenizer converter reads them itself
+        if key in _TOKENIZER_ARRAYS:
+            continue
         try:
             values[key] = field.contents()
         except Exception as exc:
@@ -116,7 +120,9 @@ def _spec_from_metadata(md: dict, shapes: dict[str, tuple[int, ...]], path: Path
     head_dim = int(md.get("llama.attention.key_length") or hidden // num_heads)
     rope_dim = int(md.get("llama.rope.dimension_count") or head_dim)
     if rope_dim != head_dim:
-        raise ValueError(f"{path}: partial rotary embeddings (rope dim {rope_dim} of head dim {head_dim}) are not supported")
+        raise ValueError(
+            f"{path}: partial rotary embeddings (rope dim {rope_dim} of head dim {head_dim}) are not supported"
+        )
     if "token_embd.weight" not in shapes:
         raise ValueError(f"{path}: GGUF has no token_embd.weight tensor")
     vocab = md.get("llama.vocab_size") or shapes["token_embd.weight"][0]
@@ -218,9 +224,8 @@ def _tokenizer(path: Path, md: dict) -> TokenizerFiles | None:
     config["model_max_length"] = int(md.get("llama.context_length", 2048))
     bos, eos = config.get("bos_token"), config.get("eos_token")
     # Make tokenizer.json itself add BOS/EOS the way the model expects, so its users need no flag.
-    single = " ".join(
-        [f"{bos}:0"] * bool(config["add_bos_token"] and bos) + ["$A:0"] + [f"{eos}:0"] * bool(config["add_eos_token"] and eos)
-    )
+    add_bos, add_eos = bool(config["add_bos_token"] and bos), bool(config["add_eos_token"] and eos)
+    single = " ".join([f"{bos}:0"] * add_bos + ["$A:0"] + [f"{eos}:0"] * add_eos)
     if single != "$A:0":
         specials = [(t, tokenizer.token_to_id(t)) for t in dict.fromkeys((bos, eos)) if t]
         tokenizer.post_processor = processors.TemplateProcessing(single=single, special_tokens=specials)

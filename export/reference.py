@@ -162,7 +162,9 @@ class ReferenceModel(nn.Module):
         self.spec = spec
         with torch.device("meta"):
             self.model = Decoder(spec)
-            self.lm_head = None if spec.tie_word_embeddings else nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
+            self.lm_head = (
+                None if spec.tie_word_embeddings else nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
+            )
         # assign=True shares the checkpoint's tensors instead of copying them.
         self.load_state_dict(weights, strict=True, assign=True)
         self.register_buffer("inv_freq", rope_inv_freq(spec), persistent=False)

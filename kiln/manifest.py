@@ -153,7 +153,8 @@ def read_manifest(engine_dir: Path, verify_checksums: bool = True) -> Manifest:
     if not OP_LIBRARY_MIN_ABI <= manifest.op_library_abi <= OP_LIBRARY_ABI:
         raise EngineLoadError(
             f"engine was built for kiln op-library ABI {manifest.op_library_abi}, but this kiln "
-            f"provides ABI {OP_LIBRARY_ABI} (and runs engines of ABI {OP_LIBRARY_MIN_ABI} to {OP_LIBRARY_ABI}); rebuild the engine"
+            f"provides ABI {OP_LIBRARY_ABI} (and runs engines of ABI {OP_LIBRARY_MIN_ABI} to {OP_LIBRARY_ABI}); "
+            "rebuild the engine"
         )
     if verify_checksums:
         for name, expected in manifest.files.items():

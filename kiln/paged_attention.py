@@ -1,7 +1,8 @@
 """kiln.PagedAttention (domain "kiln", version 1): the contract and its executable spec.
 
 Both kernels (the ONNX Runtime CPU custom op in runtime/ops/paged_attention.cc and the
-TensorRT plugin) are tested against `paged_attention_ref` below.
+TensorRT plugin) are tested against `paged_attention_ref` below, which takes the op's inputs and
+attributes as the two frozen records `PagedAttentionInputs` and `PagedAttentionAttrs`.
 
 Inputs
   query            float32 [T, H*D]       post-RoPE queries of the packed ragged batch
@@ -26,21 +27,29 @@ Semantics. Sequence s has q_len = qsl[s+1] - qsl[s] new tokens; its token i sits
 absolute position pos = seq_lens[s] - q_len + i. First the K/V of every new token of every
 sequence is written to block block_tables[s][pos // block_size], slot pos % block_size
 (rounded to the pool's dtype; int8 pools store q = clamp(round_half_even(x / kv_scale[0|1][g]),
--127, 127) in float32 arithmetic, K post-RoPE). Then query head h of that token attends, through KV head h // (H / Hkv), to every
-position p of its sequence with p <= pos (and p > pos - sliding_window when set), reading
-K/V from the updated pool: out = softmax(scale * q.K^T) V. For an int8 pool the steps factor
-out of the sums: scores = scale * kv_scale[0][g] * (q . float(k_i8)), and
-out = kv_scale[1][g] * sum_j p_j float(v_i8_j) (i.e. attention over the dequantized K/V). Blocks other than the new
-tokens' slots are left untouched. A sequence with q_len == 0 is allowed and does nothing.
+-127, 127) in float32 arithmetic, K post-RoPE). Then query head h of that token attends, through
+KV head h // (H / Hkv), to every position p of its sequence with p <= pos (and
+p > pos - sliding_window when set), reading K/V from the updated pool: out = softmax(scale * q.K^T) V.
+For an int8 pool the steps factor out of the sums: scores = scale * kv_scale[0][g] * (q . float(k_i8)),
+and out = kv_scale[1][g] * sum_j p_j float(v_i8_j) (i.e. attention over the dequantized K/V). Blocks
+other than the new tokens' slots are left untouched. A sequence with q_len == 0 is allowed and does nothing.
 Only the blocks a token can see are read (block-table entries before a sliding window or
 past seq_lens may hold anything, e.g. -1). Invalid inputs are errors, never out-of-bounds reads.
 """
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
 import numpy as np
+import numpy.typing as npt
 
 from kiln.contract import OP_DOMAIN, OP_TYPE, OP_VERSION
+
+if TYPE_CHECKING:
+    from onnx import ModelProto
 
 INPUT_NAMES = ("query", "key", "value", "kv_cache", "block_tables", "seq_lens", "query_start_loc")
 KV_SCALE = "kv_scale"  # the optional 8th input (int8 pools only)
@@ -48,54 +57,80 @@ OUTPUT_NAMES = ("out", "kv_cache_out")
 INT8_MAX = 127
 
 
+@dataclass(frozen=True)
+class PagedAttentionAttrs:
+    """The op's node attributes, as the ONNX node carries them."""
+
+    num_heads: int
+    num_kv_heads: int
+    scale: float = 0.0  # 0 means 1/sqrt(head_dim)
+    sliding_window: int = 0  # 0 = off
+
+    def __post_init__(self) -> None:
+        if self.num_kv_heads <= 0 or self.num_heads <= 0 or self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_heads ({self.num_heads}) must be a positive multiple of num_kv_heads ({self.num_kv_heads})"
+            )
+        if not (math.isfinite(self.scale) and self.scale >= 0):
+            raise ValueError(f"scale must be finite and >= 0 (0 means 1/sqrt(head_dim)), got {self.scale}")
+        if self.sliding_window < 0:
+            raise ValueError(f"sliding_window must be >= 0 (0 = off), got {self.sliding_window}")
+
+
+@dataclass(frozen=True)
+class PagedAttentionInputs:
+    """The op's inputs by their graph names (so a feeds dict unpacks into it); kv_scale only with an int8 pool."""
+
+    query: np.ndarray
+    key: np.ndarray
+    value: np.ndarray
+    kv_cache: np.ndarray
+    block_tables: np.ndarray
+    seq_lens: np.ndarray
+    query_start_loc: np.ndarray
+    kv_scale: np.ndarray | None = None
+
+    def __post_init__(self) -> None:
+        if (self.kv_cache.dtype == np.int8) != (self.kv_scale is not None):
+            raise ValueError("kv_scale [2, num_kv_heads] is required with an int8 kv_cache and only then")
+        if self.kv_scale is not None:
+            steps, num_kv_heads = np.asarray(self.kv_scale, np.float32), self.kv_cache.shape[2]
+            if steps.shape != (2, num_kv_heads) or not (np.isfinite(steps).all() and (steps > 0).all()):
+                raise ValueError(f"kv_scale must be positive finite [2, {num_kv_heads}], got {steps.shape}")
+
+
 def quantize_kv(x: np.ndarray, step: np.ndarray) -> np.ndarray:
     """int8 KV of x [..., Hkv, D] with per-head steps [Hkv]: clamp(round_half_even(x / step), -127, 127)."""
-    q = np.rint(x.astype(np.float32) / step.astype(np.float32)[:, None])
-    return np.clip(q, -INT8_MAX, INT8_MAX).astype(np.int8)
+    q: np.ndarray = np.rint(x.astype(np.float32) / step.astype(np.float32)[:, None])
+    return q.clip(-INT8_MAX, INT8_MAX).astype(np.int8)
 
 
 def token_positions(seq_lens: np.ndarray, query_start_loc: np.ndarray) -> np.ndarray:
     """Absolute position of every token of the packed batch, int64 [T]."""
     q_lens = np.diff(query_start_loc).tolist()
-    spans = [np.arange(L - n, L, dtype=np.int64) for L, n in zip(seq_lens.tolist(), q_lens)]
+    spans = [np.arange(L - n, L, dtype=np.int64) for L, n in zip(seq_lens.tolist(), q_lens, strict=True)]
     return np.concatenate(spans) if spans else np.zeros(0, np.int64)
 
 
-def paged_attention_ref(
-    query: np.ndarray,
-    key: np.ndarray,
-    value: np.ndarray,
-    kv_cache: np.ndarray,
-    block_tables: np.ndarray,
-    seq_lens: np.ndarray,
-    query_start_loc: np.ndarray,
-    num_heads: int,
-    num_kv_heads: int,
-    scale: float,
-    sliding_window: int = 0,
-    kv_scale: np.ndarray | None = None,
-) -> tuple[np.ndarray, np.ndarray]:
+def paged_attention_ref(inputs: PagedAttentionInputs, attrs: PagedAttentionAttrs) -> tuple[np.ndarray, np.ndarray]:
     """The executable spec: returns (out float32 [T, H*D], the updated copy of kv_cache)."""
-    int8 = kv_cache.dtype == np.int8
-    if int8 != (kv_scale is not None):
-        raise ValueError("kv_scale [2, num_kv_heads] is required with an int8 kv_cache and only then")
-    if int8:
-        kv_scale = np.asarray(kv_scale, np.float32)
-        if kv_scale.shape != (2, num_kv_heads) or not (np.isfinite(kv_scale).all() and (kv_scale > 0).all()):
-            raise ValueError(f"kv_scale must be positive finite [2, {num_kv_heads}], got {kv_scale.shape}")
+    query, kv_cache, block_tables = inputs.query, inputs.kv_cache, inputs.block_tables
+    seq_lens, query_start_loc = inputs.seq_lens, inputs.query_start_loc
+    num_heads, num_kv_heads = attrs.num_heads, attrs.num_kv_heads
+    steps = None if inputs.kv_scale is None else np.asarray(inputs.kv_scale, np.float32)
     T = query.shape[0]
     D = query.shape[1] // num_heads
     group = num_heads // num_kv_heads
     block_size = kv_cache.shape[3]
-    scale = scale or 1.0 / np.sqrt(D)
+    scale = attrs.scale or 1.0 / np.sqrt(D)
     pool = kv_cache.copy()
     out = np.zeros((T, num_heads * D), dtype=np.float32)
     positions = token_positions(seq_lens, query_start_loc)
     seq_of_token = np.repeat(np.arange(len(seq_lens)), np.diff(query_start_loc))
     blocks, slots = block_tables[seq_of_token, positions // block_size], positions % block_size
-    new_k, new_v = key.reshape(T, num_kv_heads, D), value.reshape(T, num_kv_heads, D)
-    if int8:
-        new_k, new_v = quantize_kv(new_k, kv_scale[0]), quantize_kv(new_v, kv_scale[1])
+    new_k, new_v = inputs.key.reshape(T, num_kv_heads, D), inputs.value.reshape(T, num_kv_heads, D)
+    if steps is not None:
+        new_k, new_v = quantize_kv(new_k, steps[0]), quantize_kv(new_v, steps[1])
     pool[blocks, 0, :, slots, :] = new_k  # all writes first, then all reads
     pool[blocks, 1, :, slots, :] = new_v
     for s in range(len(seq_lens)):
@@ -107,14 +142,14 @@ def paged_attention_ref(
         ctx = np.arange(L)
         k = pool[block_tables[s, ctx // block_size], 0, :, ctx % block_size, :].astype(np.float64)  # [L, Hkv, D]
         v = pool[block_tables[s, ctx // block_size], 1, :, ctx % block_size, :].astype(np.float64)
-        if int8:  # == scaling the scores by the K step and the output by the V step
-            k, v = k * kv_scale[0, None, :, None], v * kv_scale[1, None, :, None]
+        if steps is not None:  # == scaling the scores by the K step and the output by the V step
+            k, v = k * steps[0, None, :, None], v * steps[1, None, :, None]
         k, v = np.repeat(k, group, axis=1), np.repeat(v, group, axis=1)  # [L, H, D]
         q = query[t0:t1].reshape(q_len, num_heads, D).astype(np.float64)
         scores = np.einsum("qhd,khd->hqk", q, k) * scale
         allowed = ctx[None, :] <= new_pos[:, None]
-        if sliding_window > 0:
-            allowed &= ctx[None, :] > new_pos[:, None] - sliding_window
+        if attrs.sliding_window > 0:
+            allowed &= ctx[None, :] > new_pos[:, None] - attrs.sliding_window
         scores = np.where(allowed[None], scores, -np.inf)
         probs = np.exp(scores - scores.max(axis=-1, keepdims=True))
         probs /= probs.sum(axis=-1, keepdims=True)
@@ -123,15 +158,9 @@ def paged_attention_ref(
 
 
 def make_single_op_model(
-    num_heads: int,
-    num_kv_heads: int,
-    head_dim: int,
-    block_size: int,
-    scale: float = 0.0,
-    sliding_window: int = 0,
-    kv_dtype=np.float32,
-):
-    """A one-node ONNX model (onnx.ModelProto) running kiln.PagedAttention, for tests and benchmarks.
+    attrs: PagedAttentionAttrs, head_dim: int, block_size: int, kv_dtype: npt.DTypeLike = np.float32
+) -> ModelProto:
+    """A one-node ONNX model running kiln.PagedAttention with `attrs`, for tests and benchmarks.
 
     An int8 kv_dtype adds the graph input kv_scale [2, num_kv_heads] feeding the op's 8th input.
     Graph inputs and outputs carry the op's own input/output names; token, block and
@@ -142,20 +171,21 @@ def make_single_op_model(
     kv_type = {np.dtype(np.float32): TensorProto.FLOAT, np.dtype(np.float16): TensorProto.FLOAT16,
                np.dtype(np.int8): TensorProto.INT8}[np.dtype(kv_dtype)]
     int8 = kv_type == TensorProto.INT8
-    pool = ["num_blocks", 2, num_kv_heads, block_size, head_dim]
+    q_width, kv_width = attrs.num_heads * head_dim, attrs.num_kv_heads * head_dim
+    pool: list[str | int] = ["num_blocks", 2, attrs.num_kv_heads, block_size, head_dim]
     inputs = [
-        helper.make_tensor_value_info("query", TensorProto.FLOAT, ["T", num_heads * head_dim]),
-        helper.make_tensor_value_info("key", TensorProto.FLOAT, ["T", num_kv_heads * head_dim]),
-        helper.make_tensor_value_info("value", TensorProto.FLOAT, ["T", num_kv_heads * head_dim]),
+        helper.make_tensor_value_info("query", TensorProto.FLOAT, ["T", q_width]),
+        helper.make_tensor_value_info("key", TensorProto.FLOAT, ["T", kv_width]),
+        helper.make_tensor_value_info("value", TensorProto.FLOAT, ["T", kv_width]),
         helper.make_tensor_value_info("kv_cache", kv_type, pool),
         helper.make_tensor_value_info("block_tables", TensorProto.INT32, ["S", "max_blocks"]),
         helper.make_tensor_value_info("seq_lens", TensorProto.INT32, ["S"]),
         helper.make_tensor_value_info("query_start_loc", TensorProto.INT32, ["S1"]),
     ]
     if int8:
-        inputs.append(helper.make_tensor_value_info(KV_SCALE, TensorProto.FLOAT, [2, num_kv_heads]))
+        inputs.append(helper.make_tensor_value_info(KV_SCALE, TensorProto.FLOAT, [2, attrs.num_kv_heads]))
     outputs = [
-        helper.make_tensor_value_info("out", TensorProto.FLOAT, ["T", num_heads * head_dim]),
+        helper.make_tensor_value_info("out", TensorProto.FLOAT, ["T", q_width]),
         helper.make_tensor_value_info("kv_cache_out", kv_type, pool),
     ]
     node = helper.make_node(
@@ -163,10 +193,10 @@ def make_single_op_model(
         list(INPUT_NAMES) + ([KV_SCALE] if int8 else []),
         list(OUTPUT_NAMES),
         domain=OP_DOMAIN,
-        num_heads=num_heads,
-        num_kv_heads=num_kv_heads,
-        scale=float(scale),
-        sliding_window=sliding_window,
+        num_heads=attrs.num_heads,
+        num_kv_heads=attrs.num_kv_heads,
+        scale=float(attrs.scale),
+        sliding_window=attrs.sliding_window,
     )
     graph = helper.make_graph([node], "kiln_paged_attention", inputs, outputs)
     opsets = [helper.make_opsetid("", 17), helper.make_opsetid(OP_DOMAIN, OP_VERSION)]

@@ -69,7 +69,7 @@ class ModelSpec:
         archs = config.get("architectures") or []
         family = next((SUPPORTED_ARCHITECTURES[a] for a in archs if a in SUPPORTED_ARCHITECTURES), None)
         if family is None:
-            model_type = config.get("model_type")
+            model_type = config.get("model_type", "")
             family = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2"}.get(model_type)
         if family is None:
             raise ValueError(

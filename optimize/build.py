@@ -41,8 +41,12 @@ def stderr_progress(message: str) -> None:
     print(f"[kiln build] {message}", file=sys.stderr, flush=True)
 
 
+DEFAULT_BUILD_OPTIONS = BuildOptions()  # frozen: one shared default is safe
+
+
 def build_engine(
-    model_path: str | Path, out_dir: str | Path, options: BuildOptions = BuildOptions(), progress: Progress | None = None
+    model_path: str | Path, out_dir: str | Path, options: BuildOptions = DEFAULT_BUILD_OPTIONS,
+    progress: Progress | None = None,
 ) -> Manifest:
     """Build the engine directory out_dir from an HF dir, a .gguf file or "default"."""
     say = progress or stderr_progress
@@ -99,7 +103,8 @@ def verify_engine(engine_dir: str | Path) -> None:
 
     session_options = ort.SessionOptions()
     session_options.register_custom_ops_library(library_path())
-    session = ort.InferenceSession(str(Path(engine_dir) / MODEL_FILE), session_options, providers=["CPUExecutionProvider"])
+    session = ort.InferenceSession(str(Path(engine_dir) / MODEL_FILE), session_options,
+                                   providers=["CPUExecutionProvider"])
     names = {i.name for i in session.get_inputs()}
     missing = {contract.INPUT_IDS, contract.POSITION_IDS, contract.LOGITS_INDICES} - names
     if missing:
@@ -181,7 +186,8 @@ def _check_counts(counts: dict[str, int], num_layers: int) -> None:
 
 def _check_out_dir(out_dir: Path) -> None:
     """An existing engine dir may be replaced; any other non-empty path is refused."""
-    if out_dir.exists() and (not out_dir.is_dir() or (any(out_dir.iterdir()) and not (out_dir / MANIFEST_NAME).is_file())):
+    is_engine_dir = (out_dir / MANIFEST_NAME).is_file()
+    if out_dir.exists() and (not out_dir.is_dir() or (any(out_dir.iterdir()) and not is_engine_dir)):
         raise BuildError(f"{out_dir} exists, is not empty and is not a kiln engine directory; refusing to overwrite it")
 
 

@@ -66,7 +66,8 @@ class PagedAttentionFusion(pattern.RewriteRuleClassBase):
         self._shared = shared
         self._layers = layers
 
-    def pattern(self, op, query, key, value, mask, query_scale, key_scale, qk_scale):
+    # onnxscript binds one parameter per pattern input by name: the signature is the pattern's inputs.
+    def pattern(self, op, query, key, value, mask, query_scale, key_scale, qk_scale):  # noqa: PLR0913
         key_t = pattern.OrValue(
             [
                 op.Transpose(key, perm=[0, 1, 3, 2]),
@@ -158,9 +159,10 @@ class PagedAttentionFusion(pattern.RewriteRuleClassBase):
         extra = []
         if cfg.kv_dtype == "int8":
             extra.append(self._kv_scale(layer, kv_heads))
+        shared = self._shared
         out, kv_cache_out = op.PagedAttention(
             query, key, value, kv_cache,
-            self._shared[contract.BLOCK_TABLES], self._shared[contract.SEQ_LENS], self._shared[contract.QUERY_START_LOC],
+            shared[contract.BLOCK_TABLES], shared[contract.SEQ_LENS], shared[contract.QUERY_START_LOC],
             *extra,
             num_heads=heads, num_kv_heads=kv_heads, scale=float(scale), sliding_window=int(cfg.sliding_window),
             _domain=contract.OP_DOMAIN, _version=contract.OP_VERSION, _outputs=2,
@@ -182,17 +184,18 @@ def fuse_attention(model: ir.Model, config: AttentionConfig = AttentionConfig())
     """Replace every attention subgraph; add the paged-KV graph inputs/outputs. Returns the count."""
     graph = model.graph
     int32 = ir.TensorType(ir.DataType.INT32)
-    shared = {
-        contract.QUERY_START_LOC: ir.Value(name=contract.QUERY_START_LOC, type=int32, shape=ir.Shape(["num_seqs_plus_1"])),
-        contract.SEQ_LENS: ir.Value(name=contract.SEQ_LENS, type=int32, shape=ir.Shape(["num_seqs"])),
-        contract.BLOCK_TABLES: ir.Value(name=contract.BLOCK_TABLES, type=int32, shape=ir.Shape(["num_seqs", "max_blocks"])),
+    shapes = {
+        contract.QUERY_START_LOC: ["num_seqs_plus_1"],
+        contract.SEQ_LENS: ["num_seqs"],
+        contract.BLOCK_TABLES: ["num_seqs", "max_blocks"],
     }
+    shared = {name: ir.Value(name=name, type=int32, shape=ir.Shape(dims)) for name, dims in shapes.items()}
     layers: list[_Layer] = []
     rule = PagedAttentionFusion.rule(config, shared, layers)
     count = pattern.RewriteRuleSet([rule]).apply_to_model(model)
     if count:
         add_opset(model, contract.OP_DOMAIN, contract.OP_VERSION)
-        graph.inputs.extend([shared[contract.QUERY_START_LOC], shared[contract.SEQ_LENS], shared[contract.BLOCK_TABLES]])
+        graph.inputs.extend(shared.values())  # query_start_loc, seq_lens, block_tables
         graph.inputs.extend(layer.kv_cache for layer in layers)
         graph.outputs.extend(layer.kv_cache_out for layer in layers)
         for layer in layers:

@@ -21,7 +21,10 @@ from kiln.optimize.select_logits import select_logits
 _CLEANUP_RULES = [transpose_transpose_rule, no_op_transpose_rule, reshape_reshape_rule]
 
 
-def optimize_model(model: ir.Model, attention: AttentionConfig = AttentionConfig()) -> dict[str, int]:
+DEFAULT_ATTENTION = AttentionConfig()  # frozen: one shared default is safe
+
+
+def optimize_model(model: ir.Model, attention: AttentionConfig = DEFAULT_ATTENTION) -> dict[str, int]:
     """Run every pass in order on model (in place); returns how often each fired."""
     counts = {
         "flatten_inputs": flatten_inputs(model),

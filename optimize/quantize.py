@@ -60,7 +60,8 @@ def prepare_checkpoint(checkpoint, scheme: QuantScheme, calibration: Path | None
         raise QuantizationError(str(exc)) from exc
     if artifact.method != scheme.calibration:
         raise QuantizationError(
-            f"quantization {scheme.name} needs {scheme.calibration} scales, but {calibration} holds {artifact.method} scales"
+            f"quantization {scheme.name} needs {scheme.calibration} scales, "
+            f"but {calibration} holds {artifact.method} scales"
         )
     group = artifact.hyperparameters.get("group_size")
     if scheme.group_size is not None and group != scheme.group_size:

@@ -41,7 +41,9 @@ def quantize_embedding(model: ir.Model, bits: int = 8, block_size: int = BLOCK_S
             domain=MS_DOMAIN,
             name=f"{name}.GatherBlockQuantized",
         )
-        ir.convenience.replace_nodes_and_values(model.graph, node, [node], [gather], [node.outputs[0]], [gather.outputs[0]])
+        ir.convenience.replace_nodes_and_values(
+            model.graph, node, [node], [gather], [node.outputs[0]], [gather.outputs[0]]
+        )
         count += 1
     if count:
         ensure_opset(model, MS_DOMAIN)

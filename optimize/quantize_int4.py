@@ -2,7 +2,8 @@
 
 Every linear layer is converted, the tied LM head included (the stock ORT quantizer leaves a
 ``MatMul(x, Transpose(embedding))`` in fp32; here the head gets its own quantized copy, int8
-per channel by default; the SmolLM2 GGUF too keeps its embedding at Q8_0). AWQ-scaled weights (kiln.calibration) are quantized the same way.
+per channel by default; the SmolLM2 GGUF too keeps its embedding at Q8_0). AWQ-scaled weights
+(kiln.calibration) are quantized the same way.
 """
 
 from __future__ import annotations
@@ -29,7 +30,8 @@ def quantize_int4(model: ir.Model, group_size: int = 128, int4_lm_head: bool = F
         if is_lm_head(lin) and not int4_lm_head:
             qw, name = per_channel_as_groups(lin.weight, group_size), f"{lin.weight_name}.int8"
         else:
-            qw, name = quantize_groupwise(lin.weight, bits=4, group_size=group_size), f"{lin.weight_name}.int4g{group_size}"
+            qw = quantize_groupwise(lin.weight, bits=4, group_size=group_size)
+            name = f"{lin.weight_name}.int4g{group_size}"
         node = make_matmul_nbits(model, lin.activation, qw, name, lin.bias)
         replace_linear(model, lin, [node], node.outputs[0])
     if linears:

@@ -34,7 +34,9 @@ def _constants(model: ir.Model) -> dict[str, ir.Value]:
     }
 
 
-def _quantize_activation(model: ir.Model, x: ir.Value, c: dict[str, ir.Value]) -> tuple[list[ir.Node], ir.Value, ir.Value]:
+def _quantize_activation(
+    model: ir.Model, x: ir.Value, c: dict[str, ir.Value]
+) -> tuple[list[ir.Node], ir.Value, ir.Value]:
     """Nodes producing (uint8 per-token-quantized x, its per-token scale)."""
     abs_ = ir.node("Abs", [x])
     if onnx_opset(model) >= 18:

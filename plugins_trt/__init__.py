@@ -1,1 +1,4 @@
-"""TensorRT backend: the kiln.PagedAttention plugin and plan builder. Not built yet; the ONNX Runtime CPU backend is the only one available."""
+"""TensorRT backend: the kiln.PagedAttention plugin and plan builder.
+
+Not built yet; the ONNX Runtime CPU backend is the only one available.
+"""

@@ -28,7 +28,8 @@ def artifact_dir(tiny_model_dir, tmp_path_factory):
 
     ck = load_checkpoint(tiny_model_dir)
     ids = torch.randint(3, 300, (1024,), generator=torch.Generator().manual_seed(0)).tolist()
-    artifact = calibrate(ck, ids, CalibrationConfig("smoothquant", num_windows=8, window=128, rows_per_window=8, alpha=0.5))
+    config = CalibrationConfig("smoothquant", num_windows=8, window=128, rows_per_window=8, alpha=0.5)
+    artifact = calibrate(ck, ids, config)
     return artifact.save(tmp_path_factory.mktemp("calib") / "artifact")
 
 
@@ -139,7 +140,8 @@ def test_engines_of_older_compatible_abis_still_load(tiny_engine, tmp_path, abi,
 def test_int8_kv_with_a_weight_scheme_that_needs_no_calibration(tiny_model_dir, artifact_dir, tmp_path):
     """The artifact then serves the KV steps alone: int8-weight-only folds no smoothing scales."""
     messages = []
-    options = BuildOptions(kv_dtype="int8", quantization=QuantScheme.parse("int8-weight-only"), calibration=artifact_dir)
+    options = BuildOptions(kv_dtype="int8", quantization=QuantScheme.parse("int8-weight-only"),
+                           calibration=artifact_dir)
     manifest = build_engine(tiny_model_dir, tmp_path / "e", options, progress=messages.append)
     assert manifest.build.kv_dtype == "int8" and manifest.build.quantization.name == "int8-weight-only"
     assert not any("folded" in m for m in messages) and any("int8 KV cache" in m for m in messages)
@@ -155,7 +157,8 @@ def test_eval_driver_sizes_int8_pools(int8_engine, tiny_engine):
     ids = [(37 * j + j // 7) % 290 + 3 for j in range(200)]
     sessions = [EngineSession(e, max_tokens=256, threads=1) for e in (tiny_engine, int8_engine)]
     assert sessions[1].runner.pools[0].dtype == np.int8
-    assert sessions[1].runner.num_blocks == sessions[0].runner.num_blocks == 256 // 16  # max_tokens in blocks, whatever the dtype
+    # max_tokens in blocks, whatever the dtype
+    assert sessions[1].runner.num_blocks == sessions[0].runner.num_blocks == 256 // 16
     ppl32, ppl8 = (perplexity(s, ids, window=100, num_windows=2)[0] for s in sessions)
     assert ppl8 == pytest.approx(ppl32, rel=0.01)
 
@@ -183,17 +186,17 @@ def test_int8_engine_logits_agree_through_every_driver(int8_engine):
     driver = PagedDriver(int8_engine / "model.onnx", num_blocks=16, threads=1)
     assert driver.runner.pools[0].dtype == np.int8
     driver.step([(i, p[:10]) for i, p in enumerate(prompts)])
-    rest = [p[10:] + g[:-1] for p, g in zip(prompts, generated)]
+    rest = [p[10:] + g[:-1] for p, g in zip(prompts, generated, strict=True)]
     rows = driver.step(list(enumerate(rest)), all_rows=True)
     ends = np.cumsum([len(r) for r in rest])
-    driven = [rows[end - len(g):end] for end, g in zip(ends, generated)]
+    driven = [rows[end - len(g):end] for end, g in zip(ends, generated, strict=True)]
 
     session = EngineSession(int8_engine, max_tokens=128, threads=1)
     assert session.runner.pools[0].dtype == np.int8
-    evaluated = [session.prefill(p + g[:-1], chunk=16)[len(p) - 1:] for p, g in zip(prompts, generated)]
+    evaluated = [session.prefill(p + g[:-1], chunk=16)[len(p) - 1:] for p, g in zip(prompts, generated, strict=True)]
 
     for name, logits in (("PagedDriver", driven), ("EngineSession", evaluated)):
-        for s, (tokens, steps, rows) in enumerate(zip(generated, runtime_top, logits)):
+        for s, (tokens, steps, rows) in enumerate(zip(generated, runtime_top, logits, strict=True)):
             assert rows.argmax(-1).tolist() == tokens, f"{name}, sequence {s}: greedy tokens differ"
             logp = _log_softmax(rows)
             err = max(abs(logp[j, t] - lp.logprob) for j, top in enumerate(steps) for t, lp in top.items())

@@ -124,7 +124,7 @@ def expected_reference_loops(reference: TorchModel, answers: list[tuple[list[int
         if not loops(answer):
             continue
         argmax = reference.logits(prompt + answer)[len(prompt) - 1:-1].argmax(-1).tolist()
-        first = next((i for i, (a, b) in enumerate(zip(argmax, answer)) if a != b), None)
+        first = next((i for i, (a, b) in enumerate(zip(argmax, answer, strict=True)) if a != b), None)
         if first is None:
             count += 1
         else:

@@ -38,7 +38,7 @@ def test_greedy_matches_transformers(tiny_model_dir, big):
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, torch_dtype=torch.float32).eval()
     prompts = token_prompts(k=3)
     outs = big.generate(prompts, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
-    for prompt, out in zip(prompts, outs):
+    for prompt, out in zip(prompts, outs, strict=True):
         with torch.no_grad():
             ids = model.generate(torch.tensor([prompt]), max_new_tokens=16, do_sample=False,
                                  attention_mask=torch.ones(1, len(prompt), dtype=torch.long),

@@ -36,7 +36,7 @@ def generate(engine_dir, lengths: list[int], steps: int) -> tuple[list[list[int]
     logits = [driver.step(list(enumerate(seqs)))]
     for _ in range(steps):
         chosen = logits[-1].argmax(axis=-1)
-        for seq, token in zip(seqs, chosen.tolist()):
+        for seq, token in zip(seqs, chosen.tolist(), strict=True):
             seq.append(token)
         logits.append(driver.step([(s, [seq[-1]]) for s, seq in enumerate(seqs)]))
     return seqs, logits
@@ -48,7 +48,7 @@ def check_against_reference(engine_dir, model_source, lengths: list[int], steps:
 
     seqs, logits = generate(engine_dir, lengths, steps)
     reference = ReferenceModel.from_checkpoint(load_checkpoint(model_source))
-    for s, (seq, prompt_len) in enumerate(zip(seqs, lengths)):
+    for s, (seq, prompt_len) in enumerate(zip(seqs, lengths, strict=True)):
         # the engine ran steps+1 steps; the last token it produced was never fed back
         tokens = seq[: prompt_len + steps]
         with torch.no_grad():

@@ -142,7 +142,7 @@ def reference(hf, prompts):
 def assert_same(hf: HFReference, prompt: list[int], got: list[int], want: list[int]) -> None:
     if got == want:
         return
-    i = next(k for k, (a, b) in enumerate(zip(got, want)) if a != b)
+    i = next(k for k, (a, b) in enumerate(zip(got, want, strict=False)) if a != b)  # one may stop earlier
     gap = hf.top2_gap(prompt + want[:i])
     assert gap < TIE_GAP, f"diverges at new token {i}: kiln {got[i]} vs transformers {want[i]} (top-2 gap {gap:.4f})"
 
@@ -166,7 +166,7 @@ def test_staggered_batch_matches_transformers(engine_dir, prompts, reference, hf
     t = time.perf_counter()
     got = run_staggered(engine, prompts)
     print(f"kiln: {len(prompts)} prompts in {time.perf_counter() - t:.1f}s, {engine.stats()}")
-    for p, g, w in zip(prompts, got, reference):
+    for p, g, w in zip(prompts, got, reference, strict=True):
         assert_same(hf, p, g, w)
     assert engine.block_manager.num_used_blocks == 0
 
@@ -178,7 +178,7 @@ def test_small_pool_preempts_without_changing_outputs(engine_dir, prompts, refer
     stats = engine.stats()
     print(f"small pool: {stats}")
     assert stats.num_preemptions > 0
-    for p, g, w in zip(prompts, got, reference):
+    for p, g, w in zip(prompts, got, reference, strict=True):
         assert_same(hf, p, g, w)
     assert stats.kv_blocks_used == 0 and not engine.block_manager.owners
     engine.block_manager.check()

@@ -63,7 +63,8 @@ class Server:
     def finished(self) -> dict[str, float]:
         """kiln_request_success_total by finish reason."""
         text = httpx.get(self.url + "/metrics", timeout=5).text
-        return {m[1]: float(m[2]) for m in re.finditer(r'^kiln_request_success_total\{finish_reason="(\w+)"\} (\S+)$', text, re.M)}
+        pattern = r'^kiln_request_success_total\{finish_reason="(\w+)"\} (\S+)$'
+        return {m[1]: float(m[2]) for m in re.finditer(pattern, text, re.M)}
 
     def stop(self) -> int:
         if self.proc.poll() is None:

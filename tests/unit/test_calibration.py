@@ -33,7 +33,8 @@ def random_ids(n, vocab=320, seed=0):
 ])
 def test_folding_any_scales_is_exact(tmp_path, family, overrides):
     ck = load_checkpoint(make_tiny_hf_model(tmp_path, family, **overrides))
-    assert any(g.name.endswith("self_attn.o") for g in smooth_groups(ck.spec)) == (ck.spec.num_heads == ck.spec.num_kv_heads)
+    has_o_group = any(g.name.endswith("self_attn.o") for g in smooth_groups(ck.spec))
+    assert has_o_group == (ck.spec.num_heads == ck.spec.num_kv_heads)
     groups = smooth_groups(ck.spec, gqa_o=True)  # AWQ's: o_proj through v_proj under GQA too, scales tied
     assert any(g.name.endswith("self_attn.o") for g in groups)
     gen = torch.Generator().manual_seed(1)
@@ -48,7 +49,8 @@ def test_folding_any_scales_is_exact(tmp_path, family, overrides):
     out = logits(type(ck)(spec=ck.spec, weights=folded, tokenizer=None, source="folded"), ids)
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
     # the weights really changed, and the embedding / LM head did not
-    assert not torch.equal(folded["model.layers.0.self_attn.q_proj.weight"], ck.weights["model.layers.0.self_attn.q_proj.weight"])
+    q_proj = "model.layers.0.self_attn.q_proj.weight"
+    assert not torch.equal(folded[q_proj], ck.weights[q_proj])
     assert torch.equal(folded["model.embed_tokens.weight"], ck.weights["model.embed_tokens.weight"])
     o = next(g for g in groups if g.name.endswith("self_attn.o"))
     if o.heads_per_kv > 1:  # untied o scales cannot be folded through v_proj
@@ -185,7 +187,7 @@ def test_awq_clips_are_recorded_round_trip_and_applied_at_build(outlier_checkpoi
     assert clips and artifact.hyperparameters["clip_grid"] == list(awq.CLIP_GRID)
     assert all(k.endswith(awq.CLIP_LINEARS) for k in clips)  # v/o only (q/k as in AWQ; MLP measured worse)
     assert f"{awq.CLIP_PREFIX}model.layers.0.self_attn.o_proj" in clips
-    for name, rep in artifact.info["clips"].items():
+    for rep in artifact.info["clips"].values():
         assert rep["error"] <= rep["error_noclip"]
     loaded = CalibrationArtifact.load(artifact.save(tmp_path / "awq"))
     assert loaded.info["clips"] == artifact.info["clips"]
@@ -240,7 +242,8 @@ def test_awq_norm_tuning_pulls_the_int4_model_towards_fp32(outlier_checkpoint, t
         student = ReferenceModel(ck.spec, norm_tuning.int4_simulated(weights, 32))
         teacher = ReferenceModel(ck.spec, ck.weights)
         with torch.no_grad():
-            return sum(float(norm_tuning._kl(norm_tuning._log_probs(teacher, ck.weights["model.embed_tokens.weight"], w),
+            embedding = ck.weights["model.embed_tokens.weight"]
+            return sum(float(norm_tuning._kl(norm_tuning._log_probs(teacher, embedding, w),
                                              norm_tuning._log_probs(student, head, w))) for w in windows) / len(windows)
 
     # what the artifact stores, applied as the build applies it, is the model that was tuned

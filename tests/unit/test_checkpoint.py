@@ -53,7 +53,8 @@ def test_fingerprint_is_stable_and_tracks_weights(tiny_llama, tmp_path):
 @pytest.mark.parametrize(
     "family, overrides, expect",
     [
-        ("llama", dict(tie_word_embeddings=False, num_key_value_heads=1), dict(tie_word_embeddings=False, num_kv_heads=1)),
+        ("llama", dict(tie_word_embeddings=False, num_key_value_heads=1),
+         dict(tie_word_embeddings=False, num_kv_heads=1)),
         ("llama", dict(rope_scaling={"rope_type": "linear", "factor": 2.0}), dict(rope_type="linear")),
         ("mistral", dict(sliding_window=8), dict(family="mistral", sliding_window=8)),
         ("qwen2", dict(num_key_value_heads=4), dict(family="qwen2", attention_bias=True, num_kv_heads=4)),

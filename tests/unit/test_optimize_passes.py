@@ -162,9 +162,11 @@ def test_optimized_graph_structure(raw_graph):
         assert node.inputs[3].name == contract.kv_cache_input(layer)
         assert node.outputs[1].name == contract.kv_cache_output(layer)
     inputs = [v.name for v in model.graph.inputs]
+    kv_inputs = [contract.kv_cache_input(i) for i in range(LAYERS)]
+    kv_outputs = [contract.kv_cache_output(i) for i in range(LAYERS)]
     assert inputs == [contract.INPUT_IDS, contract.POSITION_IDS, contract.QUERY_START_LOC, contract.SEQ_LENS,
-                      contract.BLOCK_TABLES, contract.LOGITS_INDICES] + [contract.kv_cache_input(i) for i in range(LAYERS)]
-    assert [v.name for v in model.graph.outputs] == [contract.LOGITS] + [contract.kv_cache_output(i) for i in range(LAYERS)]
+                      contract.BLOCK_TABLES, contract.LOGITS_INDICES] + kv_inputs
+    assert [v.name for v in model.graph.outputs] == [contract.LOGITS] + kv_outputs
 
 
 def test_fuse_attention_numerics(raw_graph, tmp_path):

@@ -4,12 +4,20 @@ scales), sliding window, in-place KV writes through IOBinding, and clear errors 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from functools import cache
 
 import numpy as np
 import pytest
 
-from kiln.paged_attention import INPUT_NAMES, KV_SCALE, make_single_op_model, paged_attention_ref
+from kiln.paged_attention import (
+    INPUT_NAMES,
+    KV_SCALE,
+    PagedAttentionAttrs,
+    PagedAttentionInputs,
+    make_single_op_model,
+    paged_attention_ref,
+)
 
 ort = pytest.importorskip("onnxruntime")
 ops = pytest.importorskip("kiln.runtime.ops")
@@ -20,21 +28,47 @@ except ops.OpLibraryError as exc:  # pragma: no cover - the install builds it
     pytest.skip(str(exc), allow_module_level=True)
 
 
+@dataclass(frozen=True)
+class OpCase:
+    """One single-op model: the op's attributes, the head size, the pool's block size and dtype."""
+
+    attrs: PagedAttentionAttrs
+    head_dim: int
+    block_size: int
+    kv_dtype: str = "float32"
+
+
+def op_case(num_heads, num_kv_heads, head_dim, block_size, kv_dtype="float32", window=0):
+    attrs = PagedAttentionAttrs(num_heads, num_kv_heads, sliding_window=window)
+    return OpCase(attrs, head_dim, block_size, kv_dtype)
+
+
 @cache
-def session(num_heads, num_kv_heads, head_dim, block_size, window=0, kv_dtype="float32", symbolic=False):
-    model = make_single_op_model(num_heads, num_kv_heads, head_dim, block_size, 0.0, window, np.dtype(kv_dtype))
-    if symbolic:  # let shapes through to the kernel's own validation
-        for i, value_info in enumerate(model.graph.input):
-            for j, dim in enumerate(value_info.type.tensor_type.shape.dim):
-                dim.dim_param = f"d{i}_{j}"
+def session(op, symbolic=False):
+    model = make_single_op_model(op.attrs, op.head_dim, op.block_size, np.dtype(op.kv_dtype))
+    if symbolic:
+        make_symbolic(model)
+    return model_session(model)
+
+
+def model_session(model):
     so = ort.SessionOptions()
     so.register_custom_ops_library(LIBRARY)
     so.intra_op_num_threads = 2
     return ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
 
 
-def make_case(rng, seqs, num_heads, num_kv_heads, head_dim, block_size, kv_dtype="float32", spare_blocks=5):
+def make_symbolic(model):
+    """Every graph input dim symbolic: lets shapes through to the kernel's own validation."""
+    for i, value_info in enumerate(model.graph.input):
+        for j, dim in enumerate(value_info.type.tensor_type.shape.dim):
+            dim.dim_param = f"d{i}_{j}"
+
+
+def make_case(rng, seqs, op, spare_blocks=5):
     """Feeds for sequences given as (cached tokens, new tokens); blocks scattered in a larger pool."""
+    num_heads, num_kv_heads = op.attrs.num_heads, op.attrs.num_kv_heads
+    head_dim, block_size, kv_dtype = op.head_dim, op.block_size, op.kv_dtype
     blocks = [-(-(c + n) // block_size) for c, n in seqs]
     num_blocks = sum(blocks) + spare_blocks
     perm = rng.permutation(num_blocks).astype(np.int32)
@@ -64,10 +98,8 @@ def make_case(rng, seqs, num_heads, num_kv_heads, head_dim, block_size, kv_dtype
     return feeds
 
 
-def reference(feeds, num_heads, num_kv_heads, window=0):
-    return paged_attention_ref(
-        *(feeds[n] for n in INPUT_NAMES), num_heads, num_kv_heads, 0.0, window, kv_scale=feeds.get(KV_SCALE)
-    )
+def reference(feeds, op):
+    return paged_attention_ref(PagedAttentionInputs(**feeds), op.attrs)
 
 
 def check(out, pool, ref_out, ref_pool):
@@ -100,8 +132,9 @@ def test_reference_matches_dense_attention(group, window, kv_dtype):
     Hkv, D, bs = 2, 8, 4
     H = Hkv * group
     seqs = [(0, 6), (9, 1), (5, 4)]
-    feeds = make_case(rng, seqs, H, Hkv, D, bs, kv_dtype)
-    out, pool = reference(feeds, H, Hkv, window)
+    op = op_case(H, Hkv, D, bs, kv_dtype, window)
+    feeds = make_case(rng, seqs, op)
+    out, pool = reference(feeds, op)
     for s, (cached, new) in enumerate(seqs):
         t0 = feeds["query_start_loc"][s]
         L = cached + new
@@ -130,15 +163,16 @@ def test_reference_int8_close_to_dense_fp32(group):
     Hkv, D, bs = 2, 64, 16
     H = Hkv * group
     seqs = [(0, 40), (0, 7), (0, 1)]
-    f32 = make_case(rng, seqs, H, Hkv, D, bs)
+    op = op_case(H, Hkv, D, bs)
+    f32 = make_case(rng, seqs, op)
     f32["kv_cache"][:] = 0
     f32["key"] *= np.repeat(rng.uniform(0.5, 3.0, Hkv), D).astype(np.float32)  # heads of different ranges
     steps = np.stack([np.abs(f32[n]).reshape(-1, Hkv, D).max(axis=(0, 2)) / 127 for n in ("key", "value")])
     i8 = {**f32, "kv_cache": np.zeros(f32["kv_cache"].shape, np.int8), KV_SCALE: steps.astype(np.float32)}
     pool32, pool8 = f32["kv_cache"], i8["kv_cache"]
     for step in range(3):
-        out32, pool32 = reference({**f32, "kv_cache": pool32}, H, Hkv)
-        out8, pool8 = reference({**i8, "kv_cache": pool8}, H, Hkv)
+        out32, pool32 = reference({**f32, "kv_cache": pool32}, op)
+        out8, pool8 = reference({**i8, "kv_cache": pool8}, op)
         deq = pool8.astype(np.float32) * np.stack([steps[0], steps[1]])[None, :, :, None, None]
         assert np.abs(deq - pool32).max() <= 0.5 * steps.max() * (1 + 1e-5)
         err = np.abs(out8 - out32)
@@ -146,7 +180,7 @@ def test_reference_int8_close_to_dense_fp32(group):
         assert err.max() < 0.1 and err.mean() < 0.02 * np.abs(out32).mean(), (step, err.max(), err.mean())
         # next: one decode token per sequence, within the calibrated range
         T = len(seqs)
-        new = make_case(rng, [(0, 1)] * T, H, Hkv, D, bs)
+        new = make_case(rng, [(0, 1)] * T, op)
         for n in ("key", "value"):
             bound = 127 * steps[int(n == "value")].min()
             new[n] = np.clip(new[n], -bound, bound)
@@ -156,11 +190,14 @@ def test_reference_int8_close_to_dense_fp32(group):
 
 
 def test_reference_int8_needs_kv_scale():
-    feeds = make_case(np.random.default_rng(12), [(0, 3)], 4, 2, 16, 16, "int8")
+    feeds = make_case(np.random.default_rng(12), [(0, 3)], op_case(4, 2, 16, 16, "int8"))
     with pytest.raises(ValueError, match="kv_scale"):
-        paged_attention_ref(*(feeds[n] for n in INPUT_NAMES), 4, 2, 0.0)
+        PagedAttentionInputs(**{n: feeds[n] for n in INPUT_NAMES})
     with pytest.raises(ValueError, match="kv_scale"):
-        paged_attention_ref(*(feeds[n] for n in INPUT_NAMES), 4, 2, 0.0, kv_scale=feeds[KV_SCALE][:, :1])
+        PagedAttentionInputs(**{**feeds, KV_SCALE: feeds[KV_SCALE][:, :1]})
+    float_feeds = make_case(np.random.default_rng(12), [(0, 3)], op_case(4, 2, 16, 16))
+    with pytest.raises(ValueError, match="kv_scale"):
+        PagedAttentionInputs(**float_feeds, kv_scale=feeds[KV_SCALE])
 
 
 # ------------------------------------------------------------------ the kernel vs the reference
@@ -174,9 +211,10 @@ MIXED = [(0, 37), (100, 1), (16, 16), (0, 1), (250, 23), (31, 1), (7, 0)]  # pre
 def test_kernel_mixed_batch(block_size, heads, kv_dtype):
     H, Hkv = heads
     rng = np.random.default_rng(block_size + H)
-    feeds = make_case(rng, MIXED, H, Hkv, 64, block_size, kv_dtype)
-    out, pool = session(H, Hkv, 64, block_size, 0, kv_dtype).run(None, feeds)
-    check(out, pool, *reference(feeds, H, Hkv))
+    op = op_case(H, Hkv, 64, block_size, kv_dtype)
+    feeds = make_case(rng, MIXED, op)
+    out, pool = session(op).run(None, feeds)
+    check(out, pool, *reference(feeds, op))
 
 
 @pytest.mark.parametrize(
@@ -187,37 +225,41 @@ def test_kernel_mixed_batch(block_size, heads, kv_dtype):
 @pytest.mark.parametrize("kv_dtype", ["float32", "float16", "int8"])
 def test_kernel_long_contexts(seqs, kv_dtype):
     rng = np.random.default_rng(7)
-    feeds = make_case(rng, seqs, 9, 3, 64, 16, kv_dtype, spare_blocks=40)
-    out, pool = session(9, 3, 64, 16, 0, kv_dtype).run(None, feeds)
-    check(out, pool, *reference(feeds, 9, 3))
+    op = op_case(9, 3, 64, 16, kv_dtype)
+    feeds = make_case(rng, seqs, op, spare_blocks=40)
+    out, pool = session(op).run(None, feeds)
+    check(out, pool, *reference(feeds, op))
 
 
 @pytest.mark.parametrize("window", [1, 20, 100])
 @pytest.mark.parametrize("kv_dtype", ["float32", "int8"])
 def test_kernel_sliding_window(window, kv_dtype):
     rng = np.random.default_rng(window)
-    feeds = make_case(rng, [(0, 45), (300, 1), (130, 30)], 8, 2, 32, 16, kv_dtype)
+    op = op_case(8, 2, 32, 16, kv_dtype, window)
+    feeds = make_case(rng, [(0, 45), (300, 1), (130, 30)], op)
     # Blocks wholly outside every token's window may be freed: the kernel must not read them.
     feeds["block_tables"][1, : (300 - window + 1) // 16] = -1
-    out, pool = session(8, 2, 32, 16, window, kv_dtype).run(None, feeds)
-    check(out, pool, *reference(feeds, 8, 2, window))
+    out, pool = session(op).run(None, feeds)
+    check(out, pool, *reference(feeds, op))
 
 
 @pytest.mark.parametrize("head_dim", [12, 20, 128])
 @pytest.mark.parametrize("kv_dtype", ["float16", "int8"])
 def test_kernel_head_dims(head_dim, kv_dtype):
     rng = np.random.default_rng(head_dim)
-    feeds = make_case(rng, [(0, 9), (40, 1), (17, 5)], 6, 2, head_dim, 16, kv_dtype)
-    out, pool = session(6, 2, head_dim, 16, 0, kv_dtype).run(None, feeds)
-    check(out, pool, *reference(feeds, 6, 2))
+    op = op_case(6, 2, head_dim, 16, kv_dtype)
+    feeds = make_case(rng, [(0, 9), (40, 1), (17, 5)], op)
+    out, pool = session(op).run(None, feeds)
+    check(out, pool, *reference(feeds, op))
 
 
 @pytest.mark.parametrize("seqs", [[], [(5, 0), (0, 0)]], ids=["no-sequences", "no-new-tokens"])
 def test_kernel_empty_batch(seqs):
-    feeds = make_case(np.random.default_rng(8), seqs, 4, 2, 16, 16)
-    out, pool = session(4, 2, 16, 16).run(None, feeds)
+    op = op_case(4, 2, 16, 16)
+    feeds = make_case(np.random.default_rng(8), seqs, op)
+    out, pool = session(op).run(None, feeds)
     assert out.shape == (0, 64)
-    check(out, pool, *reference(feeds, 4, 2))
+    check(out, pool, *reference(feeds, op))
 
 
 # ------------------------------------------------------------------ in place through IOBinding
@@ -242,14 +284,15 @@ def run_in_place(sess, feeds):
 def test_in_place_prefill_then_decode_steps(kv_dtype):
     rng = np.random.default_rng(3)
     H, Hkv, D, bs = 9, 3, 64, 16
-    sess = session(H, Hkv, D, bs, 0, kv_dtype)
-    feeds = make_case(rng, [(0, 40), (0, 16), (0, 17)], H, Hkv, D, bs, kv_dtype, spare_blocks=50)
+    op = op_case(H, Hkv, D, bs, kv_dtype)
+    sess = session(op)
+    feeds = make_case(rng, [(0, 40), (0, 16), (0, 17)], op, spare_blocks=50)
     feeds["block_tables"] = np.concatenate([feeds["block_tables"], np.full((3, 2), -1, np.int32)], axis=1)
     free = sorted(set(range(len(feeds["kv_cache"]))) - set(feeds["block_tables"].ravel().tolist()))
     pool = feeds["kv_cache"]  # the one buffer every step writes into
     expected_pool = pool.copy()
-    for step in range(4):
-        expected_out, expected_pool = reference({**feeds, "kv_cache": expected_pool}, H, Hkv)
+    for _ in range(4):
+        expected_out, expected_pool = reference({**feeds, "kv_cache": expected_pool}, op)
         out = run_in_place(sess, feeds)
         check(out, pool, expected_out, expected_pool)
         # next step: one decode token per sequence, a new block when one fills up
@@ -258,7 +301,7 @@ def test_in_place_prefill_then_decode_steps(kv_dtype):
             if (L - 1) % bs == 0:
                 feeds["block_tables"][s, (L - 1) // bs] = free.pop()
         feeds = {
-            **make_case(rng, [(0, 1)] * 3, H, Hkv, D, bs, kv_dtype),
+            **make_case(rng, [(0, 1)] * 3, op),
             **({KV_SCALE: feeds[KV_SCALE]} if KV_SCALE in feeds else {}),
             "kv_cache": pool,
             "block_tables": feeds["block_tables"],
@@ -269,9 +312,10 @@ def test_in_place_prefill_then_decode_steps(kv_dtype):
 
 def test_in_place_touches_only_new_slots():
     rng = np.random.default_rng(4)
-    feeds = make_case(rng, [(33, 2), (0, 5)], 4, 2, 16, 16, spare_blocks=200)
+    op = op_case(4, 2, 16, 16)
+    feeds = make_case(rng, [(33, 2), (0, 5)], op, spare_blocks=200)
     before = feeds["kv_cache"].copy()
-    run_in_place(session(4, 2, 16, 16), feeds)
+    run_in_place(session(op), feeds)
     changed = np.argwhere((feeds["kv_cache"] != before).any(axis=(1, 2, 4)))  # (block, slot) pairs
     expected = {(feeds["block_tables"][0, p // 16], p % 16) for p in (33, 34)}
     expected |= {(feeds["block_tables"][1, 0], p) for p in range(5)}
@@ -323,9 +367,10 @@ ERRORS = {
 @pytest.mark.parametrize("what", sorted(ERRORS))
 def test_bad_inputs_raise_clear_errors(what):
     rng = np.random.default_rng(5)
-    feeds = make_case(rng, [(3, 4), (20, 1), (0, 2)], 4, 2, 16, 16)
+    op = op_case(4, 2, 16, 16)
+    feeds = make_case(rng, [(3, 4), (20, 1), (0, 2)], op)
     with pytest.raises(Exception, match="kiln.PagedAttention: .*" + ERRORS[what]):
-        session(4, 2, 16, 16, symbolic=True).run(None, corrupt(feeds, what))
+        session(op, symbolic=True).run(None, corrupt(feeds, what))
 
 
 def _retype(model, drop_kv_scale=False, add_kv_scale=False):
@@ -342,16 +387,13 @@ def _retype(model, drop_kv_scale=False, add_kv_scale=False):
     return model
 
 
-def int8_session(model):
-    so = ort.SessionOptions()
-    so.register_custom_ops_library(LIBRARY)
-    return ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
-
-
 KV_SCALE_ERRORS = {
     "wrong-shape": (lambda s: s[:, :1], r"kv_scale must be \[2, num_kv_heads=2\], got \[2, 1\]"),
     "rows": (lambda s: np.concatenate([s, s]), r"kv_scale must be \[2, num_kv_heads=2\], got \[4, 2\]"),
-    "zero": (lambda s: np.where(np.arange(4).reshape(2, 2) == 3, 0, s).astype(np.float32), r"kv_scale\[1\]\[1\] = 0.0+ must be positive"),
+    "zero": (
+        lambda s: np.where(np.arange(4).reshape(2, 2) == 3, 0, s).astype(np.float32),
+        r"kv_scale\[1\]\[1\] = 0.0+ must be positive",
+    ),
     "nan": (lambda s: np.full_like(s, np.nan), r"kv_scale\[0\]\[0\] = nan must be positive and finite"),
 }
 
@@ -359,38 +401,40 @@ KV_SCALE_ERRORS = {
 @pytest.mark.parametrize("what", sorted(KV_SCALE_ERRORS))
 def test_int8_bad_kv_scale_raises(what):
     rng = np.random.default_rng(13)
-    feeds = make_case(rng, [(3, 4), (20, 1)], 4, 2, 16, 16, "int8")
-    model = make_single_op_model(4, 2, 16, 16, kv_dtype=np.int8)
+    feeds = make_case(rng, [(3, 4), (20, 1)], op_case(4, 2, 16, 16, "int8"))
+    model = make_single_op_model(PagedAttentionAttrs(4, 2), 16, 16, kv_dtype=np.int8)
     model.graph.input[-1].type.tensor_type.shape.dim[0].dim_param = "two"
     model.graph.input[-1].type.tensor_type.shape.dim[1].dim_param = "hkv"
     change, message = KV_SCALE_ERRORS[what]
     with pytest.raises(Exception, match="kiln.PagedAttention: " + message):
-        int8_session(model).run(None, {**feeds, KV_SCALE: change(feeds[KV_SCALE])})
+        model_session(model).run(None, {**feeds, KV_SCALE: change(feeds[KV_SCALE])})
 
 
 def test_int8_without_kv_scale_raises():
     rng = np.random.default_rng(14)
-    feeds = make_case(rng, [(3, 4)], 4, 2, 16, 16, "int8")
+    feeds = make_case(rng, [(3, 4)], op_case(4, 2, 16, 16, "int8"))
     del feeds[KV_SCALE]
-    sess = int8_session(_retype(make_single_op_model(4, 2, 16, 16, kv_dtype=np.int8), drop_kv_scale=True))
+    model = make_single_op_model(PagedAttentionAttrs(4, 2), 16, 16, kv_dtype=np.int8)
+    sess = model_session(_retype(model, drop_kv_scale=True))
     with pytest.raises(Exception, match="kiln.PagedAttention: an int8 kv_cache needs the 8th input kv_scale"):
         sess.run(None, feeds)
 
 
 def test_float_pool_with_kv_scale_raises():
     rng = np.random.default_rng(15)
-    feeds = make_case(rng, [(3, 4)], 4, 2, 16, 16)
-    sess = int8_session(_retype(make_single_op_model(4, 2, 16, 16), add_kv_scale=True))
+    feeds = make_case(rng, [(3, 4)], op_case(4, 2, 16, 16))
+    sess = model_session(_retype(make_single_op_model(PagedAttentionAttrs(4, 2), 16, 16), add_kv_scale=True))
     with pytest.raises(Exception, match="kiln.PagedAttention: kv_scale is only for an int8 kv_cache"):
         sess.run(None, {**feeds, KV_SCALE: np.ones((2, 2), np.float32)})
 
 
 def test_int8_in_place_touches_only_new_slots():
     rng = np.random.default_rng(16)
-    feeds = make_case(rng, [(33, 2), (0, 5)], 4, 2, 16, 16, "int8", spare_blocks=50)
+    op = op_case(4, 2, 16, 16, "int8")
+    feeds = make_case(rng, [(33, 2), (0, 5)], op, spare_blocks=50)
     before = feeds["kv_cache"].copy()
-    _, expected_pool = reference(feeds, 4, 2)
-    run_in_place(session(4, 2, 16, 16, 0, "int8"), feeds)
+    _, expected_pool = reference(feeds, op)
+    run_in_place(session(op), feeds)
     assert np.array_equal(feeds["kv_cache"], expected_pool)
     changed = {tuple(x) for x in np.argwhere((feeds["kv_cache"] != before).any(axis=(1, 2, 4))).tolist()}
     allowed = {(int(feeds["block_tables"][0, p // 16]), p % 16) for p in (33, 34)}
@@ -399,11 +443,18 @@ def test_int8_in_place_touches_only_new_slots():
 
 
 def test_heads_not_divisible_raise():
+    message = "num_heads \\(4\\) must be a positive multiple of num_kv_heads \\(3\\)"
+    with pytest.raises(ValueError, match=message):
+        PagedAttentionAttrs(4, 3)
+    # The kernel gets the bad attribute from a graph: 4 query heads (64 wide) over 3 KV heads.
     rng = np.random.default_rng(6)
-    feeds = make_case(rng, [(0, 3)], 4, 3, 16, 16)
-    feeds["query"] = feeds["query"][:, : 4 * 16]
-    with pytest.raises(Exception, match="num_heads \\(4\\) must be a positive multiple of num_kv_heads \\(3\\)"):
-        session(4, 3, 16, 16).run(None, feeds)
+    feeds = make_case(rng, [(0, 3)], op_case(3, 3, 16, 16))
+    feeds["query"] = rng.standard_normal((3, 4 * 16), dtype=np.float32)
+    model = make_single_op_model(PagedAttentionAttrs(3, 3), 16, 16)
+    make_symbolic(model)
+    next(a for a in model.graph.node[0].attribute if a.name == "num_heads").i = 4
+    with pytest.raises(Exception, match=message):
+        model_session(model).run(None, feeds)
 
 
 def test_abi_version_matches_contract():

@@ -126,7 +126,8 @@ def test_logprobs_in_outputs():
     assert len(out.logprobs) == 3 and all(len(d) in (2, 3) for d in out.logprobs)
     first = out.logprobs[0][out.token_ids[0]]
     assert first.rank == 1 and first.decoded_token == out.text[0]
-    assert out.cumulative_logprob == pytest.approx(sum(d[t].logprob for d, t in zip(out.logprobs, out.token_ids)))
+    chosen = zip(out.logprobs, out.token_ids, strict=True)
+    assert out.cumulative_logprob == pytest.approx(sum(d[t].logprob for d, t in chosen))
 
 
 def test_engine_leaves_logprob_text_to_the_caller_and_async_fills_it():
@@ -147,7 +148,7 @@ def test_engine_leaves_logprob_text_to_the_caller_and_async_fills_it():
 
     out = asyncio.run(main())
     assert out.token_ids == merge_outputs(deltas).outputs[0].token_ids
-    for token, step in zip(out.token_ids, out.logprobs):
+    for token, step in zip(out.token_ids, out.logprobs, strict=True):
         assert len(step) in (3, 4) and step[token].decoded_token == CharTokenizer().decode([token])
         assert all(lp.decoded_token == CharTokenizer().decode([t]) for t, lp in step.items())
 

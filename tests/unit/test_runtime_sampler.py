@@ -69,7 +69,7 @@ def test_distribution_matches_reference(params):
     logits = rng.normal(0, 2, size=(3, V)).astype(np.float32)
     prompts = [(1, 2, 3, 3), (4, 5), (6,)]
     outputs = [(7, 7, 8), (), (1, 9, 9, 9)]
-    seqs = [make_seq(params, p, o) for p, o in zip(prompts, outputs)]
+    seqs = [make_seq(params, p, o) for p, o in zip(prompts, outputs, strict=True)]
     got = filtered_probs(apply_penalties(logits.copy(), seqs), seqs)
     for row in range(3):
         want = reference_probs(logits[row], params, prompts[row], outputs[row])
