@@ -78,7 +78,7 @@ def serve(engine_dir: Path, host: str, port: int, max_queue: int | None, kv_cach
     from kiln.runtime.server.app import ServeOptions
     from kiln.runtime.server.app import serve as run_server
 
-    run_server(str(engine_dir), RuntimeConfig(kv_cache_bytes=kv_cache_bytes, max_num_seqs=max_num_seqs),
+    run_server(engine_dir, RuntimeConfig(kv_cache_bytes=kv_cache_bytes, max_num_seqs=max_num_seqs),
                ServeOptions(host=host, port=port, served_model_name=served_model_name, max_queue=max_queue))
 
 
