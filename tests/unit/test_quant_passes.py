@@ -255,7 +255,7 @@ def test_embedding_table_becomes_gather_block_quantized(bits):
 KV = H // 2  # k and v widths (grouped-query attention)
 
 
-def qkv_graph(seed: int = 3, q4_1: bool = False) -> tuple[ir.Model, dict[str, np.ndarray]]:
+def qkv_graph(seed: int = 3, q4_1: bool = False, opset: int = 18) -> tuple[ir.Model, dict[str, np.ndarray]]:
     """A layer shaped like the engine's: q (with a bias) / k / v read the embedding h, gate / up read
     m = h + q + [k, v], then down, the residual and a tied LM head. q4_1: Q4_1-grid weights."""
     rng = np.random.default_rng(seed)
@@ -283,7 +283,7 @@ def qkv_graph(seed: int = 3, q4_1: bool = False) -> tuple[ir.Model, dict[str, np
     ]
     graph = helper.make_graph(nodes, "qkv", [helper.make_tensor_value_info("ids", TensorProto.INT64, ["T"])],
                               [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["T", V])], inits)
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
     model.ir_version = 8
     return ir.from_proto(model), w
 
@@ -296,11 +296,11 @@ def qkv_forward(w: dict[str, np.ndarray], linear) -> np.ndarray:
     return linear(linear(a, "down") + m, "embed")
 
 
-def fused_qkv_graph(q4_1: bool = False) -> tuple[ir.Model, dict[str, np.ndarray], np.ndarray]:
+def fused_qkv_graph(q4_1: bool = False, opset: int = 18) -> tuple[ir.Model, dict[str, np.ndarray], np.ndarray]:
     """qkv_graph with q/k/v and gate/up fused, its weights and its fp32 logits."""
     from kiln.optimize.fuse_projections import fuse_projections
 
-    model, w = qkv_graph(q4_1=q4_1)
+    model, w = qkv_graph(q4_1=q4_1, opset=opset)
     fp32 = run(model, IDS)
     assert fuse_projections(model) == 2
     assert len(find_linears(model)) == 4  # qkv, gate/up, down, head
@@ -313,6 +313,13 @@ def per_part(w: dict[str, np.ndarray], quantize, head=None):
     def linear(x: np.ndarray, name: str) -> np.ndarray:
         return x @ (head if name == "embed" and head is not None else quantize)(w[name]).T
     return linear
+
+
+def test_fused_projections_split_before_opset_13():
+    """Split takes its sizes as an attribute before opset 13 (an input after)."""
+    model, _, _ = fused_qkv_graph(opset=11)
+    splits = [n for n in model.graph if n.op_type == "Split"]
+    assert [list(n.attributes["split"].as_ints()) for n in splits] == [[H, KV, KV], [F, F]]
 
 
 @pytest.mark.parametrize("group, int4_head", [(32, False), (128, False), (32, True)])
