@@ -15,7 +15,7 @@ from typing import Any
 from kiln import __version__
 from kiln.contract import KV_DTYPES, OP_LIBRARY_ABI, OP_LIBRARY_MIN_ABI
 from kiln.errors import KilnError, require
-from kiln.quant_scheme import QuantScheme
+from kiln.quant_scheme import LmHead, QuantScheme
 from kiln.spec import ModelSpec
 
 FORMAT_VERSION = 1
@@ -43,6 +43,7 @@ class BuildOptions:
     max_seq_len: int = 2048
     max_num_tokens: int = 2048  # per-step token budget the graph was built and tested for
     calibration: Path | None = None  # artifact of `kiln calibrate`: scales folded in (SmoothQuant / AWQ), int8 KV steps
+    lm_head: LmHead = LmHead.INT8  # the LM head's weights under an int4 scheme
 
     def __post_init__(self) -> None:
         require(isinstance(self.quantization, QuantScheme), "quantization", "a QuantScheme (QuantScheme.parse(name))",
@@ -53,21 +54,24 @@ class BuildOptions:
             require(isinstance(value, int) and value > 0, name, "a positive integer", value)
         require(self.calibration is None or isinstance(self.calibration, Path), "calibration", "a Path or None",
                 self.calibration)
+        require(isinstance(self.lm_head, LmHead), "lm_head", "an LmHead (LmHead.parse(name))", self.lm_head)
 
     def to_dict(self) -> dict[str, Any]:
         """The manifest's "build" object: the scheme by name, the artifact as a path string or null."""
         return {"quantization": self.quantization.name, "kv_dtype": self.kv_dtype, "block_size": self.block_size,
                 "max_seq_len": self.max_seq_len, "max_num_tokens": self.max_num_tokens,
-                "calibration": None if self.calibration is None else str(self.calibration)}
+                "calibration": None if self.calibration is None else str(self.calibration),
+                "lm_head": self.lm_head.value}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> BuildOptions:
         """Read to_dict's object, and that of older manifests: they also carry "dtype" (always float32,
-        the only one builds accepted) and "" for no calibration artifact."""
+        the only one builds accepted) and "" for no calibration artifact, and lack "lm_head" (int8 then)."""
         fields = {key: value for key, value in data.items() if key != "dtype"}
         calibration = fields.pop("calibration", None)
         return cls(quantization=QuantScheme.parse(fields.pop("quantization", "none")),
-                   calibration=Path(calibration) if calibration else None, **fields)
+                   calibration=Path(calibration) if calibration else None,
+                   lm_head=LmHead.parse(fields.pop("lm_head", LmHead.INT8.value)), **fields)
 
 
 @dataclass(frozen=True)

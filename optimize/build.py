@@ -24,7 +24,7 @@ from kiln.errors import KilnError
 from kiln.manifest import BACKEND_ORT_CPU, MANIFEST_NAME, BuildOptions, Manifest, write_manifest
 from kiln.optimize.fuse_attention import AttentionConfig
 from kiln.optimize.pipeline import optimize_model
-from kiln.optimize.quantize import QuantizationError, prepare_checkpoint, quantize_model
+from kiln.optimize.quantize import QuantizationError, check_lm_head, prepare_checkpoint, quantize_model
 from kiln.optimize.quantize import check_options as check_quantization
 from kiln.quant_scheme import QuantMethod
 
@@ -77,7 +77,7 @@ def build_engine(
             _check_counts(counts, spec.num_layers)
         if options.quantization.method is not QuantMethod.NONE:
             with _stage(say, f"quantize {options.quantization}"):
-                quantize_model(model, options.quantization, say)
+                quantize_model(model, options.quantization, options.lm_head, say)
         with _stage(say, "write engine"):
             _prepare_dir(out_dir)
             ir.save(model, out_dir / MODEL_FILE, external_data=DATA_FILE)
@@ -167,6 +167,7 @@ def _check_options(options: BuildOptions) -> None:
     """What BuildOptions cannot check field by field: the artifact each choice needs, given or refused."""
     try:
         check_quantization(options.quantization, _scheme_artifact(options))
+        check_lm_head(options.quantization, options.lm_head)
     except QuantizationError as exc:
         raise BuildError(str(exc)) from exc
     if options.kv_dtype == "int8" and options.calibration is None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import onnx_ir as ir
 import onnxscript
+from onnx_ir.passes.common import IdentityEliminationPass
 from onnxscript.rewriter import rewrite
 from onnxscript.rewriter.rules.common import (
     no_op_transpose_rule,
@@ -14,6 +15,7 @@ from onnxscript.rewriter.rules.common import (
 from kiln import contract
 from kiln.optimize.flatten_inputs import flatten_inputs
 from kiln.optimize.fuse_attention import AttentionConfig, fuse_attention
+from kiln.optimize.fuse_projections import fuse_projections
 from kiln.optimize.fuse_rmsnorm import fuse_rmsnorm
 from kiln.optimize.fuse_skip_rmsnorm import fuse_skip_rmsnorm
 from kiln.optimize.select_logits import select_logits
@@ -32,6 +34,7 @@ def optimize_model(model: ir.Model, attention: AttentionConfig = DEFAULT_ATTENTI
         "fuse_rmsnorm": fuse_rmsnorm(model),
         "select_logits": select_logits(model),
         "fuse_skip_rmsnorm": fuse_skip_rmsnorm(model),
+        "fuse_projections": fuse_projections(model),  # last: the fusions above match the separate q/k/v
     }
     cleanup(model)
     _order_io(model)
@@ -39,8 +42,11 @@ def optimize_model(model: ir.Model, attention: AttentionConfig = DEFAULT_ATTENTI
 
 
 def cleanup(model: ir.Model) -> None:
-    """Drop dead code (the old mask computation) and the transposes the fusions cancelled."""
+    """Drop dead code (the old mask computation) and the transposes the fusions cancelled; the
+    Identities a cancelled Transpose pair leaves go too, so the Reshapes around them collapse."""
     onnxscript.optimizer.remove_unused_nodes(model)
+    rewrite(model, pattern_rewrite_rules=_CLEANUP_RULES)
+    IdentityEliminationPass()(model)
     rewrite(model, pattern_rewrite_rules=_CLEANUP_RULES)
     onnxscript.optimizer.remove_unused_nodes(model)
 

@@ -7,6 +7,7 @@
     int4-q4_1              quantize_q4_1.py
     w8a8-smoothquant       SmoothQuant scales folded in (prepare_checkpoint), then quantize_w8a8.py
 
+The int4 schemes give the tied LM head int8 per channel unless asked for int4 (LmHead).
 Every scheme but none also stores the embedding table as 8-bit blocks (quantize_embedding.py).
 The build calls ``prepare_checkpoint`` before export (the gpt-fast-style conversion step:
 check the artifact's fingerprint, fold its scales into the weights) and ``quantize_model``
@@ -21,7 +22,7 @@ from pathlib import Path
 import onnx_ir as ir
 
 from kiln.errors import KilnError
-from kiln.quant_scheme import QuantMethod, QuantScheme
+from kiln.quant_scheme import LmHead, QuantMethod, QuantScheme
 
 from .quantize_embedding import quantize_embedding
 from .quantize_int4 import quantize_int4
@@ -45,6 +46,13 @@ def check_options(scheme: QuantScheme, calibration: Path | None) -> None:
         )
     if calibration is not None and not scheme.calibration:
         raise QuantizationError(f"quantization {scheme} uses no calibration artifact; drop --calibration")
+
+
+def check_lm_head(scheme: QuantScheme, lm_head: LmHead) -> None:
+    """An int4 LM head only comes with an int4 scheme (the others quantize the head as every linear)."""
+    if lm_head is LmHead.INT4 and not scheme.is_int4:
+        raise QuantizationError(f"an int4 LM head goes with the int4 schemes (int4-rtn-*, int4-awq-*, int4-q4_1), "
+                                f"not quantization {scheme}; drop --lm-head int4")
 
 
 def prepare_checkpoint(checkpoint, scheme: QuantScheme, calibration: Path | None, progress: Progress | None = None):
@@ -78,8 +86,11 @@ def prepare_checkpoint(checkpoint, scheme: QuantScheme, calibration: Path | None
     return folded
 
 
-def quantize_model(model: ir.Model, scheme: QuantScheme, progress: Progress | None = None) -> int:
+def quantize_model(model: ir.Model, scheme: QuantScheme, lm_head: LmHead = LmHead.INT8,
+                   progress: Progress | None = None) -> int:
     """Run the scheme's pass on the optimized graph in place; returns how many MatMuls it converted."""
+    check_lm_head(scheme, lm_head)
+    int4_head = lm_head is LmHead.INT4
     match scheme.method:
         case QuantMethod.NONE:
             return 0
@@ -87,9 +98,9 @@ def quantize_model(model: ir.Model, scheme: QuantScheme, progress: Progress | No
             name, count = "quantize_int8", quantize_int8_weight_only(model)
         case QuantMethod.INT4_RTN | QuantMethod.INT4_AWQ:
             assert scheme.group_size is not None  # QuantScheme gives these methods a group size
-            name, count = "quantize_int4", quantize_int4(model, scheme.group_size)
+            name, count = "quantize_int4", quantize_int4(model, scheme.group_size, int4_head)
         case QuantMethod.INT4_Q4_1:
-            name, count = "quantize_q4_1", quantize_q4_1_pass(model)
+            name, count = "quantize_q4_1", quantize_q4_1_pass(model, int4_head)
         case QuantMethod.W8A8_SMOOTHQUANT:
             name, count = "quantize_w8a8", quantize_w8a8(model)
     if progress:

@@ -4,8 +4,8 @@
 input channels (shared by the linears reading the same x) and offsets [N, K/32] holds what the
 integer zero point leaves of each block's minimum (quant.rtn.quantize_q4_1). On a GGUF whose
 weights are Q4_1 (the default SmolLM2) this reproduces them exactly, where any other int4 grid
-rounds them a second time. The LM head, and any linear whose K is not a multiple of 32, is int8
-per channel as in the int4 schemes.
+rounds them a second time. The LM head (unless int4_lm_head: Q4_1 then too), and any linear whose
+K is not a multiple of 32, is int8 per channel as in the int4 schemes.
 """
 
 from __future__ import annotations
@@ -32,13 +32,13 @@ def _block_sums(model: ir.Model, x: ir.Value, k: int) -> tuple[list[ir.Node], ir
     return [grouped, total], total.outputs[0]
 
 
-def quantize_q4_1_pass(model: ir.Model) -> int:
+def quantize_q4_1_pass(model: ir.Model, int4_lm_head: bool = False) -> int:
     """Rewrite every linear MatMul in place; return how many were converted."""
     linears = find_linears(model)
     sums: dict[int, ir.Value] = {}  # id(activation) -> its block sums
     for lin in linears:
         k = lin.weight.shape[1]
-        if is_lm_head(lin) or k % GROUP_SIZE:
+        if (is_lm_head(lin) and not int4_lm_head) or k % GROUP_SIZE:
             node = make_matmul_nbits(model, lin.activation, per_channel_as_groups(lin.weight, 128),
                                      f"{lin.weight_name}.int8", lin.bias)
             replace_linear(model, lin, [node], node.outputs[0])

@@ -45,7 +45,7 @@ def quantized_copy(engine, tmp_path, scheme: str):
 def test_quantized_engine_graph_runs_and_stays_close(tiny_engine, tmp_path, scheme, tolerance, agreement):
     fp32 = engine_logits(tiny_engine / "model.onnx")
     path, count = quantized_copy(tiny_engine, tmp_path, scheme)
-    assert count == 2 * 7 + 1  # q k v o gate up down per layer + the tied LM head
+    assert count == 2 * 4 + 1  # fused qkv, o, fused gate/up, down per layer + the tied LM head
     out = engine_logits(path)
     rel = np.abs(out - fp32).max() / np.abs(fp32).max()
     assert rel < tolerance, rel
@@ -128,7 +128,7 @@ def test_q4_1_engine_reproduces_q4_1_weights(tiny_engine, tmp_path):
         assert value.const_value is not None  # [K, N] initializer
         value.const_value = ir.tensor(np.ascontiguousarray(quantize_q4_1(lin.weight).dequantize().T), name=value.name)
         snapped += 1
-    assert snapped == 2 * 7
+    assert snapped == 2 * 4  # fused qkv, o, fused gate/up, down
     q4 = tmp_path / "q4_1-source"
     shutil.copytree(tiny_engine, q4)
     ir.save(model, q4 / "model.onnx", external_data="model.onnx.data")

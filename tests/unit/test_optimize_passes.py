@@ -18,6 +18,7 @@ import torch
 from kiln import contract
 from kiln.optimize.flatten_inputs import flatten_inputs
 from kiln.optimize.fuse_attention import fuse_attention
+from kiln.optimize.fuse_projections import fuse_projections
 from kiln.optimize.fuse_rmsnorm import fuse_rmsnorm
 from kiln.optimize.fuse_skip_rmsnorm import fuse_skip_rmsnorm
 from kiln.optimize.pipeline import optimize_model
@@ -142,13 +143,47 @@ def test_select_logits(raw_graph):
     np.testing.assert_allclose(selected, full[rows], atol=1e-4, rtol=0)
 
 
+def test_fuse_projections(raw_graph):
+    """q/k/v and gate/up become one MatMul each over the concatenated weight; nothing else changes."""
+    before, after = ir.load(raw_graph), ir.load(raw_graph)
+    assert fuse_projections(after) == 2 * LAYERS
+    ops = op_counts(after)
+    assert ops["MatMul"] == op_counts(before)["MatMul"] - 3 * LAYERS and ops["Split"] == 2 * LAYERS
+    widths = sorted(n.inputs[0].shape[-1] for n in after.graph if n.op_type == "Split")
+    assert widths == [16 * (4 + 2 + 2)] * LAYERS + [2 * 128] * LAYERS  # q + k + v; gate + up (tiny config)
+    assert fuse_projections(after) == 0  # nothing left to fuse
+    feeds = feeds_2d(vocab_of(before))
+    np.testing.assert_allclose(run(after, feeds), run(before, feeds), atol=1e-5, rtol=0)
+
+
+def test_fuse_projections_concatenates_biases(tmp_path):
+    """Qwen2's q/k/v carry biases: one Add of the concatenated bias follows the fused MatMul."""
+    from helpers import make_tiny_hf_model
+
+    from kiln.export.checkpoint import load_checkpoint
+    from kiln.export.onnx_export import export_onnx
+
+    raw = export_onnx(load_checkpoint(make_tiny_hf_model(tmp_path, "qwen2", num_hidden_layers=LAYERS)),
+                      tmp_path / "raw.onnx")
+    before, after = ir.load(raw), ir.load(raw)
+    assert fuse_projections(after) == 2 * LAYERS
+    qkv = [n for n in after.graph if n.op_type == "Split" and n.inputs[0].producer().op_type == "Add"]
+    assert len(qkv) == LAYERS
+    feeds = feeds_2d(vocab_of(before))
+    np.testing.assert_allclose(run(after, feeds), run(before, feeds), atol=1e-5, rtol=0)
+
+
 def test_optimized_graph_structure(raw_graph):
     model = ir.load(raw_graph)
     counts = optimize_model(model)
     assert counts["fuse_attention"] == LAYERS
+    assert counts["fuse_projections"] == 2 * LAYERS
     ops = op_counts(model)
     assert ops["PagedAttention"] == LAYERS
     assert ops["Softmax"] == 0
+    # per layer one QKV, one o, one gate/up and one down projection; then the LM head
+    assert ops["MatMul"] == 4 * LAYERS + 1 and ops["Split"] == 2 * LAYERS
+    assert ops["Identity"] == 0  # cleanup drops them, so the Reshapes around them collapse
     # no matmul between two activations (Q.K^T, P.V): every MatMul has a constant weight
     for node in model.graph:
         if node.op_type == "MatMul":

@@ -11,8 +11,8 @@ from click.testing import CliRunner
 from kiln.cli import main
 from kiln.errors import InvalidParamError, KilnError
 from kiln.manifest import BuildOptions
-from kiln.optimize.quantize import QuantizationError, check_options
-from kiln.quant_scheme import SCHEMES, QuantMethod, QuantScheme
+from kiln.optimize.quantize import QuantizationError, check_lm_head, check_options
+from kiln.quant_scheme import SCHEMES, LmHead, QuantMethod, QuantScheme
 
 README_NAMES = {"none", "int8-weight-only", "int4-rtn-g32", "int4-rtn-g64", "int4-rtn-g128", "int4-awq-g32",
                 "int4-awq-g64", "int4-awq-g128", "int4-q4_1", "w8a8-smoothquant"}
@@ -73,6 +73,7 @@ def test_bad_scheme_field_is_one_sentence_naming_it(method, group_size, param):
     ("block_size", 16.0),
     ("quantization", "int4-rtn-g128"),  # a name is parsed first: QuantScheme.parse
     ("calibration", "calib/sq"),  # a Path or None, not a string that "" could stand in for
+    ("lm_head", "int4"),  # a name is parsed first: LmHead.parse
 ])
 def test_bad_build_option_is_one_sentence_naming_it(field, value):
     with pytest.raises(InvalidParamError) as err:
@@ -83,23 +84,37 @@ def test_bad_build_option_is_one_sentence_naming_it(field, value):
 
 def test_build_options_dict_round_trip():
     options = BuildOptions(quantization=QuantScheme.parse("int4-awq-g64"), kv_dtype="int8", block_size=8,
-                           max_seq_len=256, max_num_tokens=64, calibration=Path("calib/awq"))
+                           max_seq_len=256, max_num_tokens=64, calibration=Path("calib/awq"), lm_head=LmHead.INT4)
     data = options.to_dict()
     assert data == {"quantization": "int4-awq-g64", "kv_dtype": "int8", "block_size": 8, "max_seq_len": 256,
-                    "max_num_tokens": 64, "calibration": "calib/awq"}
+                    "max_num_tokens": 64, "calibration": "calib/awq", "lm_head": "int4"}
     assert BuildOptions.from_dict(data) == options
     assert BuildOptions().to_dict()["calibration"] is None
     assert BuildOptions.from_dict(BuildOptions().to_dict()) == BuildOptions()
 
 
 def test_older_manifests_build_object_still_reads():
-    """Manifests written before the typed options carry dtype (always float32) and "" for no artifact."""
+    """Manifests written before the typed options carry dtype (always float32) and "" for no artifact;
+    those written before --lm-head have no lm_head (int8, what they were built with)."""
     old = {"dtype": "float32", "quantization": "int8-weight-only", "kv_dtype": "float16", "block_size": 16,
            "max_seq_len": 2048, "max_num_tokens": 2048, "calibration": ""}
     assert BuildOptions.from_dict(old) == BuildOptions(quantization=QuantScheme.parse("int8-weight-only"),
                                                        kv_dtype="float16")
+    assert BuildOptions.from_dict(old).lm_head is LmHead.INT8
     with pytest.raises(InvalidParamError, match="unknown quantization 'int9'"):
         BuildOptions.from_dict({**old, "quantization": "int9"})
+    with pytest.raises(InvalidParamError, match="unknown LM head precision 'int2'"):
+        BuildOptions.from_dict({**old, "lm_head": "int2"})
+
+
+def test_int4_lm_head_only_with_int4_schemes():
+    for name in ("int4-rtn-g32", "int4-awq-g128", "int4-q4_1"):
+        check_lm_head(QuantScheme.parse(name), LmHead.INT4)
+    for name in SCHEMES:
+        check_lm_head(QuantScheme.parse(name), LmHead.INT8)
+    for name in ("none", "int8-weight-only", "w8a8-smoothquant"):
+        with pytest.raises(QuantizationError, match=f"not quantization {name}; drop --lm-head int4"):
+            check_lm_head(QuantScheme.parse(name), LmHead.INT4)
 
 
 def test_artifact_requirements():
@@ -125,6 +140,7 @@ def test_cli_build_refuses_a_missing_artifact_before_any_work(tmp_path):
 @pytest.mark.parametrize("args, message", [
     (["--quantization", "int3"], "Error: unknown quantization 'int3'; choose one of ["),
     (["--block-size", "0"], "Error: block_size must be a positive integer, got 0"),
+    (["--lm-head", "int4"], "Error: an int4 LM head goes with the int4 schemes"),
 ])
 def test_cli_build_bad_option_is_one_line(tmp_path, args, message):
     result = CliRunner().invoke(main, ["build", str(tmp_path / "no-model"), "-o", str(tmp_path / "e"), *args])

@@ -248,3 +248,122 @@ def test_embedding_table_becomes_gather_block_quantized(bits):
     # the Gather reads exactly the reference quantizer's dequantized rows
     table = rtn.quantize_groupwise(w["embed"], bits, 32).dequantize()
     assert_computes(model, forward(w, *per_channel(w, "up", "down", "embed"), table=table))
+
+
+# --- the fused projections (optimize/fuse_projections.py) through every scheme --------------------------
+
+KV = H // 2  # k and v widths (grouped-query attention)
+
+
+def qkv_graph(seed: int = 3, q4_1: bool = False, opset: int = 18) -> tuple[ir.Model, dict[str, np.ndarray]]:
+    """A layer shaped like the engine's: q (with a bias) / k / v read the embedding h, gate / up read
+    m = h + q + [k, v], then down, the residual and a tied LM head. q4_1: Q4_1-grid weights."""
+    rng = np.random.default_rng(seed)
+    shapes = {"q": (H, H), "k": (KV, H), "v": (KV, H), "gate": (F, H), "up": (F, H), "down": (H, F)}
+    w = {name: (q4_1_weights(rng, *shape) if q4_1 else rng.standard_normal(shape) / np.sqrt(shape[1])).astype(
+        np.float32) for name, shape in shapes.items()}
+    w["embed"] = rng.standard_normal((V, H)).astype(np.float32)
+    w["q_bias"] = (0.1 * rng.standard_normal(H)).astype(np.float32)
+    inits = [numpy_helper.from_array(w["embed"], "embed"), numpy_helper.from_array(w["q_bias"], "q_bias")]
+    inits += [numpy_helper.from_array(np.ascontiguousarray(w[name].T), f"{name}_t") for name in shapes]
+    nodes = [helper.make_node("Gather", ["embed", "ids"], ["h"])]
+    nodes += [helper.make_node("MatMul", ["h", f"{name}_t"], [f"{name}_out"], name=name) for name in ("q", "k", "v")]
+    nodes += [
+        helper.make_node("Add", ["q_out", "q_bias"], ["qb"]),
+        helper.make_node("Concat", ["k_out", "v_out"], ["kv"], axis=-1),
+        helper.make_node("Sum", ["h", "qb", "kv"], ["m"]),
+        helper.make_node("MatMul", ["m", "gate_t"], ["gate_out"], name="gate"),
+        helper.make_node("MatMul", ["m", "up_t"], ["up_out"], name="up"),
+        helper.make_node("Relu", ["gate_out"], ["g"]),
+        helper.make_node("Mul", ["g", "up_out"], ["a"]),
+        helper.make_node("MatMul", ["a", "down_t"], ["down_out"], name="down"),
+        helper.make_node("Add", ["down_out", "m"], ["r"]),
+        helper.make_node("Transpose", ["embed"], ["embed_t"], perm=[1, 0]),
+        helper.make_node("MatMul", ["r", "embed_t"], ["logits"], name="lm_head"),
+    ]
+    graph = helper.make_graph(nodes, "qkv", [helper.make_tensor_value_info("ids", TensorProto.INT64, ["T"])],
+                              [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["T", V])], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
+    model.ir_version = 8
+    return ir.from_proto(model), w
+
+
+def qkv_forward(w: dict[str, np.ndarray], linear) -> np.ndarray:
+    """qkv_graph's network in numpy; linear(x, name) is the quantized x @ W_name.T (name "embed": the head)."""
+    h = w["embed"][IDS].astype(np.float64)
+    m = h + linear(h, "q") + w["q_bias"] + np.concatenate([linear(h, "k"), linear(h, "v")], -1)
+    a = np.maximum(linear(m, "gate"), 0) * linear(m, "up")
+    return linear(linear(a, "down") + m, "embed")
+
+
+def fused_qkv_graph(q4_1: bool = False, opset: int = 18) -> tuple[ir.Model, dict[str, np.ndarray], np.ndarray]:
+    """qkv_graph with q/k/v and gate/up fused, its weights and its fp32 logits."""
+    from kiln.optimize.fuse_projections import fuse_projections
+
+    model, w = qkv_graph(q4_1=q4_1, opset=opset)
+    fp32 = run(model, IDS)
+    assert fuse_projections(model) == 2
+    assert len(find_linears(model)) == 4  # qkv, gate/up, down, head
+    np.testing.assert_allclose(run(model, IDS), fp32, rtol=0, atol=1e-5 * np.abs(fp32).max())
+    return model, w, fp32
+
+
+def per_part(w: dict[str, np.ndarray], quantize, head=None):
+    """linear(x, name) of qkv_forward with each part's weight quantized on its own (the head by head if given)."""
+    def linear(x: np.ndarray, name: str) -> np.ndarray:
+        return x @ (head if name == "embed" and head is not None else quantize)(w[name]).T
+    return linear
+
+
+def test_fused_projections_split_before_opset_13():
+    """Split takes its sizes as an attribute before opset 13 (an input after)."""
+    model, _, _ = fused_qkv_graph(opset=11)
+    splits = [n for n in model.graph if n.op_type == "Split"]
+    assert [list(n.attributes["split"].as_ints()) for n in splits] == [[H, KV, KV], [F, F]]
+
+
+@pytest.mark.parametrize("group, int4_head", [(32, False), (128, False), (32, True)])
+def test_fused_projections_int4_quantize_as_their_parts(group, int4_head):
+    """Quantization is per output row: the fused matrix quantizes to exactly its parts' quantizations."""
+    model, w, fp32 = fused_qkv_graph()
+    assert quantize_int4(model, group_size=group, int4_lm_head=int4_head) == 4
+    assert [n.op_type for n in model.graph].count("MatMulNBits") == 4
+    int4 = lambda m: rtn.quantize_groupwise(m, 4, group).dequantize()  # noqa: E731
+    int8 = lambda m: rtn.per_channel_as_groups(m, group).dequantize()  # noqa: E731
+    reference = qkv_forward(w, per_part(w, int4, head=int4 if int4_head else int8))
+    assert rel_err(reference, fp32) > 1e-3  # int4 moved the logits well past the tolerance below
+    assert_computes(model, reference)
+
+
+def test_fused_projections_int8_quantize_as_their_parts():
+    model, w, fp32 = fused_qkv_graph()
+    assert quantize_int8_weight_only(model) == 4
+    assert_computes(model, qkv_forward(w, per_part(w, lambda m: rtn.per_channel_as_groups(m, 128).dequantize())))
+
+
+@pytest.mark.parametrize("int4_head", [False, True])
+def test_fused_projections_keep_q4_1_weights_exact(int4_head):
+    model, w, fp32 = fused_qkv_graph(q4_1=True)
+    assert quantize_q4_1_pass(model, int4_lm_head=int4_head) == 4
+    ops = [n.op_type for n in model.graph]
+    # one block sum per distinct input: h (fused qkv), m (fused gate/up), a (down), r (the head if Q4_1)
+    assert ops.count("ReduceSum") == 3 + int4_head and ops.count("MatMulNBits") == 4
+    head = (lambda m: rtn.quantize_q4_1(m).dequantize()) if int4_head else (
+        lambda m: rtn.per_channel_as_groups(m, 128).dequantize())
+    assert_computes(model, qkv_forward(w, per_part(w, lambda m: m, head)))  # the Q4_1 weights exactly, fused or not
+
+
+def test_fused_projections_w8a8_matches_numpy_reference():
+    model, w, fp32 = fused_qkv_graph()
+    assert quantize_w8a8(model) == 4
+    ops = [n.op_type for n in model.graph]
+    assert ops.count("MatMulIntegerToFloat") == 4 and ops.count("QuantizeLinear") == 4  # h, m, a, r
+
+    def linear(x, name):
+        r = np.maximum(np.abs(x).max(-1, keepdims=True), 1e-8) / 127
+        q, s = rtn.quantize_per_channel_int8(w[name])
+        return (np.clip(np.round(x / r), -127, 127) @ q.T.astype(np.float32)) * s * r
+
+    out = run(model, IDS)
+    np.testing.assert_allclose(out, qkv_forward(w, linear), rtol=1e-4, atol=1e-3)
+    assert rel_err(out, fp32) < 0.03
