@@ -33,6 +33,7 @@ Ints = npt.NDArray[np.int64]
 FIRST_WIDTH = 256  # candidates per row at first; unresolved top_p rows retry with 16x as many
 WIDEN = 16
 GROUPS_PER_CANDIDATE = 8  # strided groups per wanted candidate: more groups, fewer surplus candidates
+MIN_GROUPS = 1024
 MAX_PADDED = 4096  # rows keeping more tokens than this sample over the full row, in blocks
 BLOCK = 256  # tokens per block of the full-row inverse CDF
 
@@ -142,33 +143,79 @@ class _Candidates:
         return e, np.cumsum(e, axis=1)
 
 
-def _top_candidates(logits: Floats, width: int) -> _Candidates:
-    """The tokens whose logit reaches the width-th largest maximum of the row's strided groups
-    (at least width of them, with every tie), or the whole row when that would be a large part of it."""
-    rows, vocab = logits.shape
-    if width * GROUPS_PER_CANDIDATE >= vocab:
-        return _Candidates(-np.sort(-logits, axis=1), np.full(rows, vocab, dtype=np.int64),
-                           np.full(rows, -np.inf, dtype=np.float32))
-    maxima = _group_maxima(logits, width * GROUPS_PER_CANDIDATE)
+def _selection_floor(logits: Floats, width: int) -> Floats | None:
+    """Per row, a logit that at least `width` tokens reach, and few more: the width-th largest maximum
+    of the row's strided groups. None when that would not save much over taking the whole row."""
+    groups = max(width * GROUPS_PER_CANDIDATE, MIN_GROUPS)
+    if groups >= logits.shape[1]:
+        return None
+    maxima = _group_maxima(logits, groups)
     kth = maxima.shape[1] - width
     floor: Floats = np.partition(maxima, kth, axis=1)[:, kth]
+    return floor
+
+
+def _at_or_above(logits: Floats, floor: Floats) -> tuple[Floats, Ints, Ints]:
+    """The tokens of each row with logit >= floor, padded to [rows, max count] in vocabulary order:
+    their logits (padding -inf), their ids (padding 0), and how many each row has."""
+    rows, vocab = logits.shape
     flat = np.flatnonzero(logits >= floor[:, None])
     row_of = flat // vocab
     count = np.bincount(row_of, minlength=rows).astype(np.int64)
     col = np.arange(flat.size) - (np.cumsum(count) - count)[row_of]
     values = np.full((rows, int(count.max())), -np.inf, dtype=np.float32)
     values[row_of, col] = logits.ravel()[flat]
+    ids = np.zeros(values.shape, dtype=np.int64)
+    ids[row_of, col] = flat - row_of * vocab
+    return values, ids, count
+
+
+def _top_candidates(logits: Floats, width: int) -> _Candidates:
+    """At least `width` of each row's largest logits, with every tie (the whole row when a
+    selection would not save much: a full sort, the fallback)."""
+    rows, vocab = logits.shape
+    floor = _selection_floor(logits, width)
+    if floor is None:
+        return _Candidates(-np.sort(-logits, axis=1), np.full(rows, vocab, dtype=np.int64),
+                           np.full(rows, -np.inf, dtype=np.float32))
+    values, _, count = _at_or_above(logits, floor)
     return _Candidates(-np.sort(-values, axis=1), count, floor)
 
 
-def _mass_from(logits: Floats, row_max: Floats, threshold: Floats, temperature: Doubles) -> Doubles:
-    """Per row, the sum of exp((logit - max) / T) over the tokens with logit >= threshold (a full pass)."""
+def _top_ids(logits: Floats, k: int) -> tuple[Ints, Floats]:
+    """The ids and logits of each row's k largest logits, most likely first (ties in vocabulary order)."""
+    floor = _selection_floor(logits, k)
+    if floor is None:
+        values, ids = logits, np.broadcast_to(np.arange(logits.shape[1]), logits.shape)
+    else:
+        values, ids, _ = _at_or_above(logits, floor)
+    order = np.argsort(-values, axis=1, kind="stable")[:, :k]
+    return np.take_along_axis(ids, order, axis=1), np.take_along_axis(values, order, axis=1)
+
+
+def _exp_weights(logits: Floats, row_max: Floats, threshold: Floats, temperature: Doubles) -> Floats:
+    """exp((logit - max) / T) over whole rows, 0 below each row's threshold (float32: one full pass each)."""
     e = logits - row_max[:, None]
     e *= (1 / temperature).astype(np.float32)[:, None]
     np.exp(e, out=e)
     if np.isfinite(threshold).any():
-        np.copyto(e, np.float32(0), where=logits < threshold[:, None])
-    mass: Doubles = e.sum(axis=1, dtype=np.float64)
+        e *= logits >= threshold[:, None]
+    return e
+
+
+def _block_sums(e: Floats) -> Floats:
+    """Sums of consecutive BLOCK-token blocks of each row, the last (partial or empty) block included."""
+    rows, vocab = e.shape
+    full = vocab // BLOCK
+    blocks = np.lib.stride_tricks.as_strided(
+        e, shape=(rows, full, BLOCK), strides=(e.strides[0], BLOCK * e.strides[1], e.strides[1]), writeable=False,
+    )
+    return np.concatenate([blocks.sum(axis=2), e[:, full * BLOCK:].sum(axis=1)[:, None]], axis=1)
+
+
+def _mass_from(logits: Floats, row_max: Floats, threshold: Floats, temperature: Doubles) -> Doubles:
+    """Per row, the sum of exp((logit - max) / T) over the tokens with logit >= threshold (a full pass)."""
+    mass: Doubles = _block_sums(_exp_weights(logits, row_max, threshold, temperature)).sum(axis=1, dtype=np.float64)
     return mass
 
 
@@ -277,19 +324,9 @@ def _sample_full_rows(logits: Floats, threshold: Floats, row_max: Floats, temper
     """Inverse CDF over whole rows without a full cumulative sum: block sums find the block, then
     a cumulative sum within that block finds the token."""
     rows, vocab = logits.shape
-    e = logits - row_max[:, None]
-    e *= (1 / temperature).astype(np.float32)[:, None]
-    np.exp(e, out=e)
-    if np.isfinite(threshold).any():
-        np.copyto(e, np.float32(0), where=logits < threshold[:, None])
-    full = vocab // BLOCK
-    blocks = np.lib.stride_tricks.as_strided(
-        e, shape=(rows, full, BLOCK), strides=(e.strides[0], BLOCK * e.strides[1], e.strides[1]), writeable=False,
-    )
-    sums = np.concatenate([blocks.sum(axis=2, dtype=np.float64),
-                           e[:, full * BLOCK:].sum(axis=1, dtype=np.float64)[:, None]], axis=1)
-    cumulative = np.cumsum(sums, axis=1)
-    block = np.minimum(_pick(cumulative, uniforms), full)  # a block with mass (see _pick)
+    e = _exp_weights(logits, row_max, threshold, temperature)
+    cumulative = np.cumsum(_block_sums(e), axis=1, dtype=np.float64)
+    block = np.minimum(_pick(cumulative, uniforms), vocab // BLOCK)  # a block with mass (see _pick)
     index = np.arange(rows)
     before = np.where(block > 0, cumulative[index, np.maximum(block, 1) - 1], 0.0)
     columns = block[:, None] * BLOCK + np.arange(BLOCK)
@@ -343,22 +380,27 @@ class Sampler:
         top: list[dict[int, tuple[float, int]] | None] = [None] * len(seqs)
         lp_rows = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
         if lp_rows:
-            rows_raw = raw[lp_rows]
-            row_max = rows_raw.max(axis=1)
-            log_total = row_max + np.log(np.exp(rows_raw - row_max[:, None]).sum(axis=1, dtype=np.float64))
-            for j, i in enumerate(lp_rows):
-                k = seqs[i].params.logprobs or 0
-                sampled_lp[i], top[i] = _logprobs(rows_raw[j], float(log_total[j]), int(tokens[i]), k)
+            ks = [seqs[i].params.logprobs or 0 for i in lp_rows]
+            for i, (chosen, best) in zip(lp_rows, raw_logprobs(raw[lp_rows], tokens[lp_rows], ks), strict=True):
+                sampled_lp[i], top[i] = chosen, best
         return SamplerOutput(tokens, sampled_lp, top)
 
 
-def _logprobs(row: Floats, log_total: float, token: int, k: int) -> tuple[float, dict[int, tuple[float, int]]]:
-    """The sampled token's raw logprob and rank, and the k most likely tokens' (ranks from 1)."""
-    chosen = float(row[token]) - log_total
-    result = {token: (chosen, int(np.count_nonzero(row > row[token])) + 1)}
-    if k > 0:
-        best = np.argpartition(-row, k - 1)[:k]
-        best = best[np.argsort(-row[best], kind="stable")]
-        for rank, t in enumerate(best.tolist(), start=1):
-            result.setdefault(t, (float(row[t]) - log_total, rank))
-    return chosen, result
+def raw_logprobs(logits: Floats, tokens: Ints, ks: list[int]) -> list[tuple[float, dict[int, tuple[float, int]]]]:
+    """Per row, its token's logprob under the raw model distribution, and {token: (logprob, rank)}
+    for that token and the row's k most likely ones (rank 1 = most likely; ties in vocabulary order)."""
+    index = np.arange(logits.shape[0])
+    row_max = logits.max(axis=1)
+    log_total = row_max + np.log(_block_sums(np.exp(logits - row_max[:, None])).sum(axis=1, dtype=np.float64))
+    chosen = logits[index, tokens]
+    ranks = np.count_nonzero(logits > chosen[:, None], axis=1) + 1
+    best_ids, best_logits = _top_ids(logits, max(*ks, 1))
+    results = []
+    for row, k in enumerate(ks):
+        total = float(log_total[row])
+        result = {int(tokens[row]): (float(chosen[row]) - total, int(ranks[row]))}
+        for rank, (t, value) in enumerate(zip(best_ids[row, :k].tolist(), best_logits[row, :k].tolist(),
+                                              strict=True), start=1):
+            result.setdefault(t, (value - total, rank))
+        results.append((float(chosen[row]) - total, result))
+    return results

@@ -315,3 +315,22 @@ def test_incremental_penalty_counts_equal_counting_the_token_lists():
         np.testing.assert_array_equal(got, full_copy_penalties(logits, seqs))
         for seq in seqs:
             seq.append(int(rng.integers(0, V)))
+
+
+def test_top_logprobs_of_a_large_vocabulary_match_a_full_sort():
+    rng = np.random.default_rng(11)
+    logits = np.round(rng.normal(0, 2, size=(3, 49152)) * 4).astype(np.float32) / 4  # ties among the best
+    seqs = [make_seq(SamplingParams(temperature=1.0, logprobs=k, seed=k)) for k in (20, 1, 0)]
+    out = Sampler()(logits, seqs)
+    ref = logits.astype(np.float64) - np.log(np.exp(logits.astype(np.float64)).sum(axis=1, keepdims=True))
+    for row, k in enumerate((20, 1, 0)):
+        token = int(out.token_ids[row])
+        order = np.argsort(-logits[row], kind="stable")[:k]
+        best = {int(t): r for r, t in enumerate(order, start=1)}
+        top = out.top_logprobs[row]
+        assert top[token][1] == int((logits[row] > logits[row, token]).sum()) + 1
+        assert {t: rank for t, (_, rank) in top.items() if t in best} == best
+        assert set(top) == set(best) | {token}
+        for t, (lp, _) in top.items():
+            assert lp == pytest.approx(ref[row, t], abs=1e-5)
+        assert out.sampled_logprobs[row] == pytest.approx(ref[row, token], abs=1e-5)
