@@ -53,17 +53,16 @@ def build_batch(out: SchedulerOutput) -> BatchInput:
     qsl = np.zeros(len(scheduled) + 1, dtype=np.int32)
     np.cumsum(counts, out=qsl[1:])
     num_tokens = int(qsl[-1])
-    input_ids = np.fromiter(
-        itertools.chain.from_iterable(seq.token_ids[c:c + n] for (seq, n), c in zip(scheduled, starts.tolist(), strict=True)),
-        dtype=np.int64, count=num_tokens,
-    )
+    new_tokens = (seq.token_ids[c:c + n] for (seq, n), c in zip(scheduled, starts.tolist(), strict=True))
+    input_ids = np.fromiter(itertools.chain.from_iterable(new_tokens), dtype=np.int64, count=num_tokens)
     # Token i of row r sits at position start[r] + (i - qsl[r]).
     position_ids = np.arange(num_tokens, dtype=np.int64) + np.repeat(starts - qsl[:-1], counts)
     seq_lens = (starts + counts).astype(np.int32)
     lengths = np.fromiter((len(seq.block_table) for seq, _ in scheduled), dtype=np.int64, count=len(scheduled))
     tables = np.zeros((len(scheduled), int(lengths.max())), dtype=np.int32)
     blocks = itertools.chain.from_iterable(seq.block_table for seq, _ in scheduled)
-    tables[np.arange(tables.shape[1]) < lengths[:, None]] = np.fromiter(blocks, dtype=np.int32, count=int(lengths.sum()))
+    in_table = np.arange(tables.shape[1]) < lengths[:, None]
+    tables[in_table] = np.fromiter(blocks, dtype=np.int32, count=int(lengths.sum()))
     rows = qsl[1:][np.array(out.needs_logits, dtype=bool)].astype(np.int64) - 1
     num_logits = int(rows.size)
     # A step of prefill chunks only still asks for one (ignored) row: some backends dislike empty gathers.
