@@ -14,7 +14,7 @@ threshold per row and never sorts the vocabulary: min_p's is max + T·log(min_p)
 top_p's come from the row's largest logits (the candidates), found through the maxima of
 strided groups of the row and sorted alone. top_p's nucleus needs the mass of the tokens above
 top_k and min_p; when the candidates do not hold the whole nucleus the row is tried again
-with 16× as many, up to a full sort, so the distribution is exact, never an approximation.
+with WIDEN times as many, up to a full sort, so the distribution is exact, never an approximation.
 """
 
 from __future__ import annotations
@@ -30,8 +30,8 @@ Floats = npt.NDArray[np.float32]
 Doubles = npt.NDArray[np.float64]
 Ints = npt.NDArray[np.int64]
 
-FIRST_WIDTH = 256  # candidates per row at first; unresolved top_p rows retry with 16x as many
-WIDEN = 16
+FIRST_WIDTH = 512  # candidates per row at first; unresolved top_p rows retry with WIDEN times as many
+WIDEN = 8
 GROUPS_PER_CANDIDATE = 8  # strided groups per wanted candidate: more groups, fewer surplus candidates
 MIN_GROUPS = 1024
 MAX_PADDED = 4096  # rows keeping more tokens than this sample over the full row, in blocks
