@@ -7,6 +7,7 @@ TensorRT elsewhere, a fake in tests) turns it into logits for the rows that need
 from __future__ import annotations
 
 import abc
+import itertools
 from dataclasses import dataclass
 
 import numpy as np
@@ -47,24 +48,25 @@ def build_batch(out: SchedulerOutput) -> BatchInput:
     """Pack the new tokens of each scheduled sequence (from its num_computed_tokens on); logits
     for the last token of the rows the scheduler marked as needing them."""
     scheduled = out.scheduled
-    starts = [seq.num_computed_tokens for seq, _ in scheduled]
-    counts = [n for _, n in scheduled]
-    input_ids = np.fromiter(
-        (t for (seq, n), c in zip(scheduled, starts, strict=True) for t in seq.token_ids[c:c + n]), dtype=np.int64,
-        count=sum(counts),
-    )
-    position_ids = np.concatenate([np.arange(c, c + n, dtype=np.int64) for c, n in zip(starts, counts, strict=True)])
+    starts = np.fromiter((seq.num_computed_tokens for seq, _ in scheduled), dtype=np.int64, count=len(scheduled))
+    counts = np.fromiter((n for _, n in scheduled), dtype=np.int64, count=len(scheduled))
     qsl = np.zeros(len(scheduled) + 1, dtype=np.int32)
     np.cumsum(counts, out=qsl[1:])
-    seq_lens = np.array([c + n for c, n in zip(starts, counts, strict=True)], dtype=np.int32)
-    width = max(len(seq.block_table) for seq, _ in scheduled)
-    tables = np.zeros((len(scheduled), width), dtype=np.int32)
-    for row, (seq, _) in enumerate(scheduled):
-        tables[row, : len(seq.block_table)] = seq.block_table
-    rows = [qsl[i + 1] - 1 for i, need in enumerate(out.needs_logits) if need]
-    num_logits = len(rows)
+    num_tokens = int(qsl[-1])
+    new_tokens = (seq.token_ids[c:c + n] for (seq, n), c in zip(scheduled, starts.tolist(), strict=True))
+    input_ids = np.fromiter(itertools.chain.from_iterable(new_tokens), dtype=np.int64, count=num_tokens)
+    # Token i of row r sits at position start[r] + (i - qsl[r]).
+    position_ids = np.arange(num_tokens, dtype=np.int64) + np.repeat(starts - qsl[:-1], counts)
+    seq_lens = (starts + counts).astype(np.int32)
+    lengths = np.fromiter((len(seq.block_table) for seq, _ in scheduled), dtype=np.int64, count=len(scheduled))
+    tables = np.zeros((len(scheduled), int(lengths.max())), dtype=np.int32)
+    blocks = itertools.chain.from_iterable(seq.block_table for seq, _ in scheduled)
+    in_table = np.arange(tables.shape[1]) < lengths[:, None]
+    tables[in_table] = np.fromiter(blocks, dtype=np.int32, count=int(lengths.sum()))
+    rows = qsl[1:][np.array(out.needs_logits, dtype=bool)].astype(np.int64) - 1
+    num_logits = int(rows.size)
     # A step of prefill chunks only still asks for one (ignored) row: some backends dislike empty gathers.
-    logits_indices = np.array(rows or [qsl[-1] - 1], dtype=np.int64)
+    logits_indices = rows if num_logits else np.array([num_tokens - 1], dtype=np.int64)
     return BatchInput(input_ids, position_ids, qsl, seq_lens, tables, logits_indices, num_logits)
 
 
@@ -111,12 +113,13 @@ def pack_chunks(chunks: list[Chunk], all_rows: bool) -> BatchInput:
     for row, chunk in enumerate(chunks):
         tables[row, : len(chunk.block_table)] = chunk.block_table
     rows = np.arange(qsl[-1], dtype=np.int64) if all_rows else qsl[1:].astype(np.int64) - 1
-    starts = [c.start for c in chunks]
     return BatchInput(
         input_ids=np.fromiter((t for c in chunks for t in c.tokens), dtype=np.int64, count=int(qsl[-1])),
-        position_ids=np.concatenate([np.arange(s, s + n, dtype=np.int64) for s, n in zip(starts, counts, strict=True)]),
+        position_ids=np.concatenate(
+            [np.arange(c.start, c.start + n, dtype=np.int64) for c, n in zip(chunks, counts, strict=True)]
+        ),
         query_start_loc=qsl,
-        seq_lens=np.array([s + n for s, n in zip(starts, counts, strict=True)], dtype=np.int32),
+        seq_lens=np.array([c.start + n for c, n in zip(chunks, counts, strict=True)], dtype=np.int32),
         block_tables=tables,
         logits_indices=rows,
         num_logits=len(rows),

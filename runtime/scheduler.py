@@ -98,8 +98,8 @@ class Scheduler:
         preempted: list[Sequence] = []
         decodes = [s for s in self.running if s.num_uncomputed == 1]
         catching_up = [s for s in self.running if s.num_uncomputed > 1]
+        budget = self.max_num_tokens
         for seq in decodes + catching_up:
-            budget = self.max_num_tokens - sum(scheduled.values())
             if budget == 0:
                 break
             if seq.status is not SequenceStatus.RUNNING:  # preempted earlier in this loop
@@ -107,6 +107,7 @@ class Scheduler:
             num_new = self._fit_running(seq, min(seq.num_uncomputed, budget), scheduled, preempted)
             if num_new:
                 scheduled[seq] = num_new
+            budget = self.max_num_tokens - sum(scheduled.values()) if preempted else budget - num_new
         budget = self.max_num_tokens - sum(scheduled.values())
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
             seq = self.waiting[0]

@@ -6,10 +6,54 @@ import enum
 import itertools
 
 import numpy as np
+import numpy.typing as npt
 
 from kiln.runtime.params import SamplingParams
 
 _ids = itertools.count()
+
+
+class TokenCounts:
+    """The distinct tokens of a sequence's prompt and output, each with how often it occurs in the
+    output: what the repetition, frequency and presence penalties read. Kept up to date one token
+    at a time, so a step's penalties never copy the token lists."""
+
+    def __init__(self, prompt_token_ids: list[int]) -> None:
+        distinct = np.unique(np.asarray(prompt_token_ids, dtype=np.int64))
+        self._slot: dict[int, int] = {int(t): i for i, t in enumerate(distinct.tolist())}
+        capacity = max(16, 2 * distinct.size)
+        self._ids = np.zeros(capacity, dtype=np.int64)
+        self._ids[: distinct.size] = distinct
+        self._counts = np.zeros(capacity, dtype=np.float32)
+
+    def __len__(self) -> int:
+        return len(self._slot)
+
+    @property
+    def ids(self) -> npt.NDArray[np.int64]:
+        """The distinct token ids seen (prompt or output), in order of first appearance after the prompt's."""
+        return self._ids[: len(self._slot)]
+
+    @property
+    def counts(self) -> npt.NDArray[np.float32]:
+        """Output occurrences of each id in `ids` (0 for a prompt-only token)."""
+        return self._counts[: len(self._slot)]
+
+    def add(self, token_id: int) -> None:
+        """Count one output token."""
+        slot = self._slot.get(token_id)
+        if slot is None:
+            slot = len(self._slot)
+            if slot == self._ids.size:  # double the buffers: amortised O(1) per token
+                self._ids = np.concatenate([self._ids, np.zeros_like(self._ids)])
+                self._counts = np.concatenate([self._counts, np.zeros_like(self._counts)])
+            self._slot[token_id] = slot
+            self._ids[slot] = token_id
+        self._counts[slot] += 1
+
+
+def _penalized(params: SamplingParams) -> bool:
+    return params.repetition_penalty != 1 or params.frequency_penalty != 0 or params.presence_penalty != 0
 
 
 class SequenceStatus(enum.Enum):
@@ -23,8 +67,9 @@ class Sequence:
 
     A sequence is never in a "prefill" or "decode" phase: it has len(token_ids) tokens, of
     which num_computed_tokens have K/V in its blocks, and each step computes some of the rest.
-    Writers: the engine appends tokens, the scheduler owns num_computed_tokens and status,
-    the block manager owns block_table and block_hashes.
+    Writers: the engine appends tokens (which also keeps token_counts, for requests with
+    penalties), the scheduler owns num_computed_tokens and status, the block manager owns
+    block_table and block_hashes.
     """
 
     def __init__(
@@ -51,6 +96,7 @@ class Sequence:
         if rng is None:  # a seeded request's sample i draws from its own stream, whatever the batch
             rng = np.random.default_rng(None if params.seed is None else [params.seed, index])
         self.rng = rng
+        self.token_counts = TokenCounts(prompt_token_ids) if _penalized(params) else None
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -78,7 +124,10 @@ class Sequence:
         return self.status is SequenceStatus.FINISHED
 
     def append(self, token_id: int) -> None:
-        self.token_ids.append(int(token_id))
+        token_id = int(token_id)
+        self.token_ids.append(token_id)
+        if self.token_counts is not None:
+            self.token_counts.add(token_id)
 
     def finish(self, reason: str, stop_reason: str | int | None = None) -> None:
         self.status = SequenceStatus.FINISHED

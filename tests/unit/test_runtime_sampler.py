@@ -5,8 +5,9 @@ from collections import Counter
 import numpy as np
 import pytest
 
+from kiln.runtime import sampler as sampler_module
 from kiln.runtime.params import RuntimeConfig, SamplingParams
-from kiln.runtime.sampler import Sampler, apply_penalties, filtered_probs
+from kiln.runtime.sampler import RowSettings, Sampler, apply_penalties, filtered_probs, sample
 from kiln.runtime.sequence import Sequence
 
 V = 50
@@ -168,3 +169,168 @@ def test_invalid_runtime_config_names_the_field(field, value):
     with pytest.raises(ValueError, match=f"^{field} must be") as err:
         RuntimeConfig(**{field: value})
     assert err.value.param == field
+
+
+# -- partial selection against a full sort ----------------------------------------------------
+
+
+def full_sort_probs(row: np.ndarray, temperature: float, top_k: int, top_p: float, min_p: float) -> np.ndarray:
+    """The filters as the sampler used to compute them: sort the whole row (float64)."""
+    x = row.astype(np.float64) / temperature
+    p = np.exp(x - x.max())
+    p /= p.sum()
+    if min_p > 0:
+        x = np.where(p < min_p * p.max(), -np.inf, x)
+    desc = np.sort(x)[::-1]
+    if top_k > 0:
+        x = np.where(x >= desc[min(top_k, len(x)) - 1], x, -np.inf)
+    if top_p < 1:
+        desc = np.sort(x)[::-1]
+        p_desc = np.exp(desc - desc[0])
+        p_desc /= p_desc.sum()
+        before = np.cumsum(p_desc) - p_desc
+        x = np.where(x >= desc[np.count_nonzero(before < top_p) - 1], x, -np.inf)
+    e = np.exp(x - x.max())
+    return e / e.sum()
+
+
+def check_against_full_sort(logits: np.ndarray, params: list[SamplingParams]) -> None:
+    seqs = [make_seq(p) for p in params]
+    got = filtered_probs(logits, seqs)
+    for row, p in enumerate(params):
+        want = full_sort_probs(logits[row], p.temperature, p.top_k, p.top_p, p.min_p)
+        np.testing.assert_array_equal(got[row] > 0, want > 0, err_msg=f"kept tokens differ for {p}")
+        np.testing.assert_allclose(got[row], want, rtol=1e-6, atol=1e-12)
+
+
+FILTERS = [
+    dict(top_k=50), dict(top_k=1), dict(top_p=0.9), dict(top_p=0.5, top_k=40), dict(min_p=0.05),
+    dict(top_k=50, min_p=0.05), dict(top_p=0.95, min_p=0.01), dict(top_k=300, top_p=0.8, min_p=0.001),
+    dict(top_k=5000), dict(top_k=10**6), dict(top_k=20, top_p=1.0), dict(top_p=0.999999),
+]
+
+
+@pytest.mark.parametrize("vocab", [49152, 32000, 1000])
+@pytest.mark.parametrize("scale", [0.5, 3.0])
+def test_partial_selection_equals_a_full_sort(vocab, scale):
+    rng = np.random.default_rng(vocab)
+    logits = rng.normal(0, scale, size=(len(FILTERS), vocab)).astype(np.float32)
+    temps = [0.7, 1.0, 1.3]
+    params = [SamplingParams(temperature=temps[i % 3], **f) for i, f in enumerate(FILTERS)]
+    check_against_full_sort(logits, params)
+
+
+def test_ties_at_the_cuts_are_kept():
+    rng = np.random.default_rng(5)
+    logits = np.round(rng.normal(0, 1, size=(4, 20000)) * 2).astype(np.float32) / 2  # many ties everywhere
+    params = [SamplingParams(top_k=10), SamplingParams(top_k=3000), SamplingParams(top_p=0.3),
+              SamplingParams(top_p=0.9, min_p=0.2)]
+    check_against_full_sort(logits, params)
+    flat = np.zeros((2, 5000), dtype=np.float32)  # every token tied: any cut keeps the whole row
+    check_against_full_sort(flat, [SamplingParams(top_k=7), SamplingParams(top_p=0.1)])
+
+
+def test_tiny_vocabularies():
+    rng = np.random.default_rng(6)
+    for vocab in (1, 2, 3, 17):
+        logits = rng.normal(0, 2, size=(len(FILTERS), vocab)).astype(np.float32)
+        check_against_full_sort(logits, [SamplingParams(**f) for f in FILTERS])
+
+
+def test_a_nucleus_wider_than_the_first_candidates_widens_the_search(monkeypatch):
+    widths = []
+    select = sampler_module._top_candidates
+
+    def spy(logits, width):
+        widths.append(width)
+        return select(logits, width)
+
+    monkeypatch.setattr(sampler_module, "_top_candidates", spy)
+    rng = np.random.default_rng(7)
+    logits = rng.normal(0, 0.3, size=(3, 49152)).astype(np.float32)  # flat: the 0.9 nucleus holds ~40k tokens
+    logits[2] = rng.normal(0, 8, size=49152)  # peaked: its nucleus is within the first candidates
+    params = [SamplingParams(top_p=0.9), SamplingParams(top_p=0.5, min_p=0.5), SamplingParams(top_p=0.9)]
+    check_against_full_sort(logits, params)
+    assert widths[0] == sampler_module.FIRST_WIDTH and max(widths) > sampler_module.FIRST_WIDTH
+
+
+def reference_token(probs: np.ndarray, u: float) -> int:
+    return int(np.searchsorted(np.cumsum(probs), u * probs.sum()))
+
+
+@pytest.mark.parametrize("vocab", [49152, 1000, 100])
+def test_sampled_tokens_are_the_inverse_cdf_of_the_filtered_distribution(vocab):
+    rng = np.random.default_rng(8)
+    kinds = [dict(), dict(top_k=50), dict(top_p=0.9), dict(top_k=50, min_p=0.05), dict(min_p=1e-6)]
+    params = [SamplingParams(temperature=t, **k) for k in kinds for t in (0.6, 1.0)]
+    logits = rng.normal(0, 2, size=(len(params), vocab)).astype(np.float32)
+    seqs = [make_seq(p) for p in params]
+    probs = filtered_probs(logits, seqs)
+    for u in rng.random(size=(20, len(params))):
+        got = sample(logits, RowSettings.of(seqs), u)
+        assert got.tolist() == [reference_token(probs[i], u[i]) for i in range(len(params))]
+    edges = sample(logits, RowSettings.of(seqs), np.zeros(len(params)))  # u = 0: the first token with mass
+    assert edges.tolist() == [int(np.flatnonzero(p)[0]) for p in probs]
+
+
+def test_a_row_samples_the_same_token_whatever_else_is_in_the_batch():
+    rng = np.random.default_rng(9)
+    logits = rng.normal(0, 1, size=(6, 49152)).astype(np.float32)
+    params = [SamplingParams(top_p=0.9), SamplingParams(top_k=50, min_p=0.05), SamplingParams(),
+              SamplingParams(top_k=20000), SamplingParams(min_p=0.001), SamplingParams(top_p=0.3, top_k=5)]
+    settings = RowSettings.of([make_seq(p) for p in params])
+    u = rng.random(6)
+    together = sample(logits, settings, u)
+    for i in range(6):
+        assert sample(logits[i:i + 1], settings.subset(np.array([i])), u[i:i + 1])[0] == together[i]
+
+
+# -- penalties from incremental counts --------------------------------------------------------
+
+
+def full_copy_penalties(logits: np.ndarray, seqs: list[Sequence]) -> np.ndarray:
+    """The penalties as the sampler used to apply them: dense counts from each sequence's token lists."""
+    logits = logits.copy()
+    for i, seq in enumerate(seqs):
+        p = seq.params
+        counts = np.bincount(np.asarray(seq.output_token_ids, dtype=np.int64), minlength=logits.shape[1])
+        counts = counts.astype(np.float32)
+        seen = counts > 0
+        seen[np.asarray(seq.token_ids[: seq.num_prompt_tokens])] = True
+        r = np.float32(p.repetition_penalty)
+        row = np.where(seen, np.where(logits[i] > 0, logits[i] / r, logits[i] * r), logits[i])
+        logits[i] = row - (np.float32(p.frequency_penalty) * counts + np.float32(p.presence_penalty) * (counts > 0))
+    return logits
+
+
+def test_incremental_penalty_counts_equal_counting_the_token_lists():
+    rng = np.random.default_rng(10)
+    params = [SamplingParams(repetition_penalty=1.3), SamplingParams(frequency_penalty=0.5, presence_penalty=-0.4),
+              SamplingParams(temperature=0), SamplingParams(repetition_penalty=0.7, frequency_penalty=-1.1)]
+    seqs = [make_seq(p, prompt=tuple(rng.integers(0, V, size=7))) for p in params]
+    assert seqs[2].token_counts is None  # no penalties: nothing is kept
+    for _ in range(60):  # well past the counts' first buffer (16 distinct ids)
+        logits = rng.normal(0, 2, size=(4, V)).astype(np.float32)
+        got = apply_penalties(logits.copy(), seqs)
+        np.testing.assert_array_equal(got, full_copy_penalties(logits, seqs))
+        for seq in seqs:
+            seq.append(int(rng.integers(0, V)))
+
+
+def test_top_logprobs_of_a_large_vocabulary_match_a_full_sort():
+    rng = np.random.default_rng(11)
+    logits = np.round(rng.normal(0, 2, size=(3, 49152)) * 4).astype(np.float32) / 4  # ties among the best
+    seqs = [make_seq(SamplingParams(temperature=1.0, logprobs=k, seed=k)) for k in (20, 1, 0)]
+    out = Sampler()(logits, seqs)
+    ref = logits.astype(np.float64) - np.log(np.exp(logits.astype(np.float64)).sum(axis=1, keepdims=True))
+    for row, k in enumerate((20, 1, 0)):
+        token = int(out.token_ids[row])
+        order = np.argsort(-logits[row], kind="stable")[:k]
+        best = {int(t): r for r, t in enumerate(order, start=1)}
+        top = out.top_logprobs[row]
+        assert top[token][1] == int((logits[row] > logits[row, token]).sum()) + 1
+        assert {t: rank for t, (_, rank) in top.items() if t in best} == best
+        assert set(top) == set(best) | {token}
+        for t, (lp, _) in top.items():
+            assert lp == pytest.approx(ref[row, t], abs=1e-5)
+        assert out.sampled_logprobs[row] == pytest.approx(ref[row, token], abs=1e-5)

@@ -1,0 +1,130 @@
+"""Where a decode step's time goes: the model (runner.execute) against the Python runtime around it.
+
+Runs a real engine at batch 1 and batch 32 with greedy, temperature 1.0, top_p 0.9 and
+top_k 50 + min_p 0.05 requests (128 tokens each, ignore_eos) and reports, per decode step
+(steps where every scheduled sequence computes one token), the mean model time and the
+Python side broken down: schedule, build_batch, sample, detokenize (incremental text and
+stop strings), outputs (the delta RequestOutputs) and the rest of postprocess (scheduler
+update, appending tokens, stop checks). The runtime's share is Python / (model + Python).
+The absolute Python milliseconds do not depend on the engine's weights; the share does.
+
+    python benchmarks/profile_runtime.py ENGINE_DIR [--batches 1 32] [--max-tokens 128] [--threads 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kiln.runtime import detokenizer, engine
+from kiln.runtime.engine import Engine
+from kiln.runtime.loader import load_engine
+from kiln.runtime.model_runner import build_batch
+from kiln.runtime.params import RuntimeConfig, SamplingParams
+
+KINDS: dict[str, dict[str, Any]] = {
+    "greedy": {"temperature": 0.0},
+    "temperature 1.0": {"temperature": 1.0},
+    "top_p 0.9": {"temperature": 1.0, "top_p": 0.9},
+    "top_k 50 + min_p 0.05": {"temperature": 1.0, "top_k": 50, "min_p": 0.05},
+}
+TOPICS = ["a lighthouse", "the moon", "bread", "a river", "chess", "winter", "a robot", "the ocean"]
+PARTS = ("schedule", "build_batch", "sample", "detokenize", "outputs", "postprocess other")
+
+
+@dataclass
+class StepTimes:
+    """Seconds spent in each part over the decode steps measured so far."""
+
+    model: float = 0.0
+    parts: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PARTS, 0.0))
+    steps: int = 0
+
+
+@contextmanager
+def timed_method(owner: type, name: str, sink: dict[str, float], part: str) -> Iterator[None]:
+    """Wrap owner.name so its time accumulates in sink[part] (the profiler's own hook, undone on exit)."""
+    original: Callable[..., Any] = getattr(owner, name)
+
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        start = time.perf_counter()
+        try:
+            return original(*args, **kwargs)
+        finally:
+            sink[part] += time.perf_counter() - start
+
+    setattr(owner, name, wrapper)
+    try:
+        yield
+    finally:
+        setattr(owner, name, original)
+
+
+def run_batch(llm_engine: Engine, batch: int, params: SamplingParams) -> StepTimes:
+    """Generate batch requests together, timing every step's parts; only pure decode steps count."""
+    tok = llm_engine.tokenizer
+    for i in range(batch):
+        prompt = tok.apply_chat_template([{"role": "user", "content": f"Write a short story about {TOPICS[i % 8]}."}])
+        llm_engine.add_request(f"profile-{batch}-{i}", prompt, params)
+    totals = StepTimes()
+    step_parts = dict.fromkeys(PARTS, 0.0)
+    with (timed_method(type(llm_engine.sampler), "__call__", step_parts, "sample"),
+          timed_method(detokenizer.IncrementalDetokenizer, "add", step_parts, "detokenize"),
+          timed_method(detokenizer.IncrementalDetokenizer, "find_stop", step_parts, "detokenize"),
+          timed_method(engine.Request, "take_output", step_parts, "outputs")):
+        while llm_engine.has_unfinished():
+            step_parts.update(dict.fromkeys(PARTS, 0.0))
+            t0 = time.perf_counter()
+            out = llm_engine.scheduler.schedule()
+            t1 = time.perf_counter()
+            batch_input = build_batch(out)
+            t2 = time.perf_counter()
+            logits = llm_engine.runner.execute(batch_input)
+            t3 = time.perf_counter()
+            llm_engine._postprocess(out, logits)
+            t4 = time.perf_counter()
+            if out.num_tokens != len(out.scheduled):
+                continue  # a prefill step
+            totals.steps += 1
+            totals.model += t3 - t2
+            inner = step_parts["sample"] + step_parts["detokenize"] + step_parts["outputs"]
+            step_parts.update({"schedule": t1 - t0, "build_batch": t2 - t1, "postprocess other": t4 - t3 - inner})
+            for part, seconds in step_parts.items():
+                totals.parts[part] += seconds
+    return totals
+
+
+def report(kind: str, batch: int, times: StepTimes) -> str:
+    per_step = 1e3 / max(times.steps, 1)
+    python = sum(times.parts.values()) * per_step
+    model = times.model * per_step
+    parts = " | ".join(f"{times.parts[p] * per_step:>{len(p)}.2f}" for p in PARTS)
+    return (f"| {kind:<22} | {batch:>5} | {model:8.1f} | {python:7.2f} | {100 * python / (model + python):5.1f}% "
+            f"| {parts} |")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("engine_dir", type=Path)
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 32])
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--kinds", nargs="+", default=list(KINDS), choices=list(KINDS))
+    args = parser.parse_args()
+    llm_engine = load_engine(args.engine_dir, RuntimeConfig(max_num_seqs=max(args.batches), num_threads=args.threads))
+    header = " | ".join(PARTS)
+    print(f"per decode step, ms (engine {args.engine_dir}, {args.threads} threads, {args.max_tokens} tokens)")
+    print(f"| {'requests':<22} | batch | model ms | Python ms | share | {header} |")
+    for batch in args.batches:
+        for kind in args.kinds:
+            params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True, **KINDS[kind])
+            print(report(kind, batch, run_batch(llm_engine, batch, params)), flush=True)
+
+
+if __name__ == "__main__":
+    main()
