@@ -1,6 +1,7 @@
 """Engine, LLM and AsyncLLM over the fake model: outputs, stops, n > 1, preemption, caching, streaming."""
 
 import asyncio
+import time
 
 import pytest
 from fake_runner import CharTokenizer, make_fake_engine
@@ -218,7 +219,15 @@ def test_async_streams_deltas_that_merge_into_llms_output():
 
 def test_async_rejects_bad_input_and_aborts():
     async def main():
-        engine = AsyncLLM(make_fake_engine(256, max_seq_len=40))
+        fake = make_fake_engine(256, max_seq_len=40)
+        fast_execute = fake.runner.execute
+
+        def slow_execute(batch):  # 30 steps take >= 0.3 s, so the abort always lands before the last one
+            time.sleep(0.01)
+            return fast_execute(batch)
+
+        fake.runner.execute = slow_execute
+        engine = AsyncLLM(fake)
         with pytest.raises(ValueError, match="max_seq_len"):
             async for _ in engine.generate([1] * 30, SamplingParams(max_tokens=20), "bad"):
                 pass
