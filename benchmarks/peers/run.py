@@ -75,13 +75,13 @@ def llama_figures(lay: PeerLayout, gguf: Path, work: Workload, threads: int) -> 
         llama.llama_bench_cmd(lay.llama_tool("llama-bench"), gguf, threads, len(work.prefill_prompt))))
     batched = lay.llama_tool("llama-batched-bench")
     single = llama.parse_batched_bench(llama.run_tool(
-        llama.batched_bench_cmd(batched, gguf, threads, len(work.single_prompt), work.output_len, [1])))
+        llama.batched_bench_cmd(batched, gguf, threads, len(work.single_prompt), work.output_len, 1)))
     figures = {"prefill_512": bench[len(work.prefill_prompt)], "decode_1": single[1]["decode_tok_per_s"]}
-    # One prompt length for all rows (the tool's limit): the batch's mean chat-prompt length.
-    mean_len = round(sum(len(p) for ps in work.batches.values() for p in ps) / sum(map(len, work.batches.values())))
-    multi = llama.parse_batched_bench(llama.run_tool(
-        llama.batched_bench_cmd(batched, gguf, threads, mean_len, work.output_len, list(work.batches))))
-    for size, run in multi.items():
+    for size, prompts in work.batches.items():
+        # One prompt length for every sequence (the tool's limit): the batch's mean chat-prompt length.
+        mean_len = round(sum(map(len, prompts)) / len(prompts))
+        run = llama.parse_batched_bench(llama.run_tool(
+            llama.batched_bench_cmd(batched, gguf, threads, mean_len, work.output_len, size)))[size]
         figures[f"batch{size}_aggregate"] = run["aggregate_tok_per_s"]
         figures[f"batch{size}_decode"] = run["decode_tok_per_s"]
     return figures

@@ -23,53 +23,56 @@ def _load(name: str):
 report = _load("report")
 llama = _load("llama")
 
-# Recorded from llama-bench -p 512 -n 0 -r 1 -o json (fields abridged to those read plus a few).
+# Recorded here from `llama-bench -t 2 -p 512 -n 0 -r 1 -o json` (fields abridged; those read kept).
 LLAMA_BENCH_JSON = """[
   {
     "build_commit": "unknown",
-    "model_type": "llama ?B Q4_1",
+    "model_type": "llama 256M Q4_1",
     "n_threads": 2,
     "n_prompt": 512,
     "n_gen": 0,
     "n_depth": 0,
-    "avg_ns": 1565836000,
+    "test_time": "2026-12-01T06:53:09Z",
+    "avg_ns": 1095049514,
     "stddev_ns": 0,
-    "avg_ts": 326.981234,
+    "avg_ts": 467.558766,
     "stddev_ts": 0.000000,
-    "samples_ns": [ 1565836000 ],
-    "samples_ts": [ 326.981 ]
+    "samples_ns": [ 1095049514 ],
+    "samples_ts": [ 467.559 ]
   }
 ]
 """
 
-# Recorded from llama-batched-bench --output-format jsonl: a header line, then one JSON row per -npl.
+# Recorded here from `llama-batched-bench ... -npp 36 -ntg 32 -npl 16,32 -kvu --output-format jsonl`
+# (run.py runs one -npl per process), with a non-JSON line as the tool may print around its rows.
 BATCHED_BENCH_JSONL = """main: n_kv_max = 8192, n_batch = 2048, n_ubatch = 512, flash_attn = -1, is_pp_shared = 0
 {"n_kv_max": 8192, "n_batch": 2048, "n_ubatch": 512, "flash_attn": -1, "is_pp_shared": 0, "n_gpu_layers": -1, \
-"n_threads": 2, "n_threads_batch": 2, "pp": 36, "tg": 128, "pl": 16, "n_kv": 2624, "t_pp": 1.900000, \
-"speed_pp": 303.157895, "t_tg": 7.400000, "speed_tg": 276.756757, "t": 9.300000, "speed": 282.150538}
+"n_threads": 2, "n_threads_batch": 2, "pp": 36, "tg": 32, "pl": 16, "n_kv": 1088, "t_pp": 1.179325, \
+"speed_pp": 488.414978, "t_tg": 1.518555, "speed_tg": 337.162628, "t": 2.697880, "speed": 403.279602}
 {"n_kv_max": 8192, "n_batch": 2048, "n_ubatch": 512, "flash_attn": -1, "is_pp_shared": 0, "n_gpu_layers": -1, \
-"n_threads": 2, "n_threads_batch": 2, "pp": 36, "tg": 128, "pl": 32, "n_kv": 5248, "t_pp": 3.800000, \
-"speed_pp": 303.157895, "t_tg": 15.700000, "speed_tg": 260.891720, "t": 19.500000, "speed": 269.128205}
+"n_threads": 2, "n_threads_batch": 2, "pp": 36, "tg": 32, "pl": 32, "n_kv": 2176, "t_pp": 2.329155, \
+"speed_pp": 494.599976, "t_tg": 13.130914, "speed_tg": 77.983910, "t": 15.460069, "speed": 140.749695}
 """
 
 
 def test_llama_bench_gives_prefill_speed_by_prompt_length():
-    assert llama.parse_llama_bench(LLAMA_BENCH_JSON) == {512: pytest.approx(326.981234)}
+    assert llama.parse_llama_bench(LLAMA_BENCH_JSON) == {512: pytest.approx(467.558766)}
 
 
 def test_batched_bench_aggregate_counts_generated_tokens_only():
     rows = llama.parse_batched_bench(BATCHED_BENCH_JSONL)
     assert sorted(rows) == [16, 32]
-    assert rows[16]["decode_tok_per_s"] == pytest.approx(276.756757)
+    assert rows[16]["decode_tok_per_s"] == pytest.approx(337.162628)
     # the tool's own "speed" counts prompt tokens too; the peers table counts generated tokens
-    assert rows[16]["aggregate_tok_per_s"] == pytest.approx(16 * 128 / 9.3)
-    assert rows[32]["aggregate_tok_per_s"] == pytest.approx(32 * 128 / 19.5)
+    assert rows[16]["aggregate_tok_per_s"] == pytest.approx(16 * 32 / 2.697880)
+    assert rows[32]["aggregate_tok_per_s"] == pytest.approx(32 * 32 / 15.460069)
 
 
-def test_batched_bench_command_lists_every_parallel_count():
-    cmd = llama.batched_bench_cmd(Path("bin/llama-batched-bench"), Path("m.gguf"), 2, 37, 128, [16, 32])
-    assert cmd[cmd.index("-npl") + 1] == "16,32" and cmd[cmd.index("-npp") + 1] == "37"
+def test_batched_bench_command_runs_one_parallel_count_over_one_kv_cache():
+    cmd = llama.batched_bench_cmd(Path("bin/llama-batched-bench"), Path("m.gguf"), 2, 37, 128, 32)
+    assert cmd[cmd.index("-npl") + 1] == "32" and cmd[cmd.index("-npp") + 1] == "37"
     assert cmd[cmd.index("--output-format") + 1] == "jsonl"
+    assert "-kvu" in cmd  # one shared KV cache: llama.cpp's fast setting for many sequences
 
 
 ROUNDS = [
