@@ -12,6 +12,8 @@ kiln/peer ratios are taken within a round), first the offline shapes, then the s
     /v1/completions against `llama-server -np 16 -cb` and `kiln serve`: output tok/s from the servers'
     usage counts, TTFT median and p90, TPOT median.
 Prints one table (medians per system; kiln/peer ratios, median [min–max] over rounds) and writes JSON.
+`kiln serve` runs with ONNX Runtime's default thread count (one per core): on a machine with more cores
+than --threads its serving figures are not like for like.
 """
 
 from __future__ import annotations

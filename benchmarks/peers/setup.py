@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/peers/setup.py [--dir ~/.cache/kiln/peers]
 
-Steps (each skipped when already done; about 15 minutes on 2 cores from scratch, most of it compiling):
+Steps (each skipped when already done; about 12 minutes on 2 cores from scratch, 10 of them compiling):
   1. a venv with onnxruntime-genai 0.18.0; torch/transformers/onnx for its model builder come from
      kiln's own venv through a .pth file (so PyPI's multi-GB CUDA torch is never pulled in);
   2. a Hugging Face checkpoint directory of kiln's default model (the SmolLM2 GGUF, read by kiln's own loader);
