@@ -31,6 +31,7 @@ if TYPE_CHECKING:
 @dataclass
 class _Trace:
     ttft: float | None = None
+    latency: float | None = None  # sending the request to its last chunk
     gaps: list[float] = field(default_factory=list)
     output_tokens: int = 0
     error: str | None = None
@@ -60,6 +61,7 @@ async def _one(client: httpx.AsyncClient, url: str, body: dict[str, Any]) -> _Tr
                     else:
                         trace.gaps.append(now - last)
                     last = now
+        trace.latency = last - start
     except Exception as e:  # a failed request counts as failed; the run goes on
         trace.error = f"{type(e).__name__}: {e}"
     return trace
@@ -118,6 +120,9 @@ async def run_server_workload(url: str, cfg: BenchConfig, prompts: list[list[int
         "total_tok_per_s": round((total_out + len(ok) * cfg.input_len) / elapsed, 2),
         "ttft_ms": percentiles([t.ttft for t in ok if t.ttft is not None]),
         "itl_ms": percentiles([g for t in ok for g in t.gaps]),
+        # Per output token after the first; unlike ITL it holds when a server packs several tokens in one chunk.
+        "tpot_ms": percentiles([(t.latency - t.ttft) / (t.output_tokens - 1) for t in ok
+                                if t.ttft is not None and t.latency is not None and t.output_tokens > 1]),
         "kv_blocks_total": int(peak[1]),
         "kv_blocks_peak": int(peak[0]),
         "kv_peak_fraction": round(peak[0] / peak[1], 4) if peak[1] else None,
