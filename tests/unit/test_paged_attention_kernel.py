@@ -244,7 +244,7 @@ def test_kernel_sliding_window(window, kv_dtype):
 
 
 @pytest.mark.parametrize("head_dim", [12, 20, 128])
-@pytest.mark.parametrize("kv_dtype", ["float16", "int8"])
+@pytest.mark.parametrize("kv_dtype", ["float32", "float16", "int8"])
 def test_kernel_head_dims(head_dim, kv_dtype):
     rng = np.random.default_rng(head_dim)
     op = op_case(6, 2, head_dim, 16, kv_dtype)
