@@ -115,11 +115,11 @@ inline void prefetch_l1(const char* p, int64_t bytes) {
 struct Prefetch {
   const char* p = nullptr;
   int64_t bytes = 0;
-  void step(int64_t i, int64_t steps) const {
-    if (p == nullptr) return;
-    const int64_t chunk = ((bytes + steps - 1) / steps + 63) & ~int64_t(63);
+  // Bytes per step (whole lines) for `steps` steps; computed once per loop, outside it.
+  int64_t chunk(int64_t steps) const { return steps > 0 ? ((bytes + steps - 1) / steps + 63) & ~int64_t(63) : 0; }
+  void step(int64_t i, int64_t chunk) const {
     const int64_t b = i * chunk;
-    if (b < bytes) prefetch_l1(p + b, std::min(chunk, bytes - b));
+    if (p != nullptr && b < bytes) prefetch_l1(p + b, std::min(chunk, bytes - b));
   }
 };
 
@@ -146,9 +146,10 @@ template <int NR, int NS = 4>
 inline void dot_rows(const float* const* q, const float* K, int n, int64_t D, float* const* S, const Prefetch& pf) {
   static_assert(NS == 2 || NS == 4, "NS is 2 or 4");
   const int64_t D8 = D & ~int64_t(7);
+  const int64_t pf_chunk = pf.chunk(n / NS);
   int j = 0;
   for (; j + NS <= n; j += NS) {
-    pf.step(j / NS, n / NS);
+    pf.step(j / NS, pf_chunk);
     const float* k0 = K + j * D;
     __m256 a[NR][NS];
     for (int r = 0; r < NR; ++r)
@@ -223,9 +224,10 @@ inline float exp_shift_sum(float* s, int n, float m) {
 // acc[r] += sum_j p[r][j] * V[j] for r < NR: each V load feeds NR rows.
 template <int NR>
 inline void accumulate_rows(float* const* acc, const float* const* p, const float* V, int n, int64_t D, const Prefetch& pf) {
+  const int64_t pf_chunk = pf.chunk(D / 16);
   int64_t d = 0;
   for (; d + 16 <= D; d += 16) {
-    pf.step(d / 16, D / 16);
+    pf.step(d / 16, pf_chunk);
     __m256 a[NR][2];
     for (int r = 0; r < NR; ++r) a[r][0] = _mm256_loadu_ps(acc[r] + d), a[r][1] = _mm256_loadu_ps(acc[r] + d + 8);
     for (int j = 0; j < n; ++j) {
