@@ -36,8 +36,12 @@ namespace kiln {
 constexpr int kAbiVersion = 2;  // kiln.contract.OP_LIBRARY_ABI
 constexpr int kTargetRowsPerItem = 64;  // query rows (tokens x heads of one group) per work item
 constexpr int kMinPartition = 128;      // smallest context partition worth a separate item
+// Attention work (query rows x keys x head_dim) below which the calling thread runs every item:
+// waking ORT's pool costs more than it saves (measured break-even, SmolLM2 shapes: one ~120-token
+// decode; on a busy machine the pool's wait is far longer).
+constexpr int64_t kSerialWork = 1024 * 64;
 // Tiles are prefetched this many blocks ahead: a (block, head) tile is a few KB at a random place
-// in the pool, which the hardware prefetchers cannot anticipate (16 x 2048 decode: 2.3x faster).
+// in the pool, which the hardware prefetchers cannot anticipate (16 x 2048 decode: 4.8 -> 1.6 ms).
 constexpr int kPrefetchBlocks = 2;
 
 struct WorkItem {
@@ -250,10 +254,22 @@ void merge_group(const Problem<KvT>& p, const SplitGroup& g) {
 
 // ---------------------------------------------------------------- planning
 
-// Splits the batch into work items. Long contexts are partitioned (flash-decoding) only
-// when there are too few items to keep every thread busy.
+// Query rows x keys x head_dim of the whole batch (an upper bound: causal masking not counted).
 template <typename KvT>
-int64_t plan(const Problem<KvT>& p, int64_t num_seqs, std::vector<WorkItem>& items, std::vector<SplitGroup>& groups) {
+int64_t attention_work(const Problem<KvT>& p, int64_t num_seqs) {
+  int64_t work = 0;
+  for (int32_t s = 0; s < num_seqs; ++s) {
+    const int64_t keys = p.window > 0 ? std::min<int64_t>(p.seq_lens[s], p.window) : p.seq_lens[s];
+    work += static_cast<int64_t>(p.qsl[s + 1] - p.qsl[s]) * p.H * keys * p.D;
+  }
+  return work;
+}
+
+// Splits the batch into work items. Long contexts are partitioned (flash-decoding) only
+// when there are too few items to keep every thread busy, and never for `serial` work.
+template <typename KvT>
+int64_t plan(const Problem<KvT>& p, int64_t num_seqs, bool serial, std::vector<WorkItem>& items,
+             std::vector<SplitGroup>& groups) {
   const int32_t qc = static_cast<int32_t>(std::max<int64_t>(1, kTargetRowsPerItem / p.G));
   struct Chunk { int32_t seq, q_begin, q_end; int64_t lo, hi; };
   std::vector<Chunk> chunks;
@@ -269,7 +285,7 @@ int64_t plan(const Problem<KvT>& p, int64_t num_seqs, std::vector<WorkItem>& ite
   const int64_t base_items = static_cast<int64_t>(chunks.size()) * p.Hkv;
   static const int64_t threads = std::max(1u, std::thread::hardware_concurrency());  // reads /sys: once
   const int64_t target = 8 * threads;
-  const int64_t max_split = base_items >= target ? 1 : (target + base_items - 1) / base_items;
+  const int64_t max_split = serial || base_items >= target ? 1 : (target + base_items - 1) / base_items;
   int64_t partial_rows = 0;
   for (const Chunk& c : chunks) {
     const int64_t n = c.hi - c.lo;
@@ -388,12 +404,14 @@ struct PagedAttention {
     if (T * p.Hkv * D >= 65536) parallel_for(ctx, T, write);
     else for (int64_t t = 0; t < T; ++t) write(t);
 
+    const bool serial = attention_work(p, S) < kSerialWork;
     std::vector<WorkItem> items;
     std::vector<SplitGroup> groups;
-    std::vector<float> partials(static_cast<size_t>(plan(p, S, items, groups) * (D + 2)));
+    std::vector<float> partials(static_cast<size_t>(plan(p, S, serial, items, groups) * (D + 2)));
     p.partials = partials.data();
     auto attend = [&](size_t i) { run_item(p, items[i]); };
-    parallel_for(ctx, items.size(), attend);
+    if (serial) for (size_t i = 0; i < items.size(); ++i) attend(i);
+    else parallel_for(ctx, items.size(), attend);
     auto merge = [&](size_t i) { merge_group(p, groups[i]); };
     if (partials.size() >= 65536) parallel_for(ctx, groups.size(), merge);
     else for (size_t i = 0; i < groups.size(); ++i) merge(i);  // cheaper than waking the pool
