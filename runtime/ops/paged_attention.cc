@@ -36,6 +36,13 @@ namespace kiln {
 constexpr int kAbiVersion = 2;  // kiln.contract.OP_LIBRARY_ABI
 constexpr int kTargetRowsPerItem = 64;  // query rows (tokens x heads of one group) per work item
 constexpr int kMinPartition = 128;      // smallest context partition worth a separate item
+// Attention work (query rows x keys x head_dim) below which the calling thread runs every item:
+// waking ORT's pool costs more than it saves (measured break-even, SmolLM2 shapes: one ~120-token
+// decode; on a busy machine the pool's wait is far longer).
+constexpr int64_t kSerialWork = 1024 * 64;
+// Tiles are prefetched this many blocks ahead: a (block, head) tile is a few KB at a random place
+// in the pool, which the hardware prefetchers cannot anticipate (16 x 2048 decode: 4.8 -> 1.6 ms).
+constexpr int kPrefetchBlocks = 2;
 
 struct WorkItem {
   int32_t seq, kv_head, q_begin, q_end;  // query tokens [q_begin, q_end) of the sequence
@@ -104,7 +111,7 @@ constexpr int kGroup = 4;  // most rows sharing each K and V load
 // Up to kGroup rows against one block slice K/V (float, row stride D): scores over the union of
 // their key ranges, each row masked to its own range, online softmax, then one blocked P.V.
 inline void attend_group(RowState* st, const ActiveRow* act, int nr, const float* K, const float* V, int64_t D,
-                         float* sbuf, int ld) {
+                         float* sbuf, int ld, const Prefetch& next_k, const Prefetch& next_v) {
   int a = act[0].lo, b = act[0].hi;
   for (int r = 1; r < nr; ++r) a = std::min(a, act[r].lo), b = std::max(b, act[r].hi);
   const int n = b - a;
@@ -113,10 +120,10 @@ inline void attend_group(RowState* st, const ActiveRow* act, int nr, const float
   float* accs[kGroup];
   for (int r = 0; r < nr; ++r) qs[r] = st[act[r].row].q, ss[r] = sbuf + r * ld, accs[r] = st[act[r].row].acc;
   switch (nr) {
-    case 1: dot_rows<1>(qs, K + a * D, n, D, ss); break;
-    case 2: dot_rows<2>(qs, K + a * D, n, D, ss); break;
-    case 3: dot_rows<3>(qs, K + a * D, n, D, ss); break;
-    default: dot_rows<2>(qs, K + a * D, n, D, ss), dot_rows<2>(qs + 2, K + a * D, n, D, ss + 2); break;
+    case 1: dot_rows<1>(qs, K + a * D, n, D, ss, next_k); break;
+    case 2: dot_rows<2>(qs, K + a * D, n, D, ss, next_k); break;
+    case 3: dot_rows<3>(qs, K + a * D, n, D, ss, next_k); break;
+    default: dot_rows<2>(qs, K + a * D, n, D, ss, next_k), dot_rows<2>(qs + 2, K + a * D, n, D, ss + 2, Prefetch{}); break;
   }
   for (int r = 0; r < nr; ++r) {
     RowState& row = st[act[r].row];
@@ -137,10 +144,10 @@ inline void attend_group(RowState* st, const ActiveRow* act, int nr, const float
   }
   const float* const* ps = ss;
   switch (nr) {
-    case 1: accumulate_rows<1>(accs, ps, V + a * D, n, D); break;
-    case 2: accumulate_rows<2>(accs, ps, V + a * D, n, D); break;
-    case 3: accumulate_rows<3>(accs, ps, V + a * D, n, D); break;
-    default: accumulate_rows<4>(accs, ps, V + a * D, n, D); break;
+    case 1: accumulate_rows<1>(accs, ps, V + a * D, n, D, next_v); break;
+    case 2: accumulate_rows<2>(accs, ps, V + a * D, n, D, next_v); break;
+    case 3: accumulate_rows<3>(accs, ps, V + a * D, n, D, next_v); break;
+    default: accumulate_rows<4>(accs, ps, V + a * D, n, D, next_v); break;
   }
 }
 
@@ -177,6 +184,7 @@ void run_item(const Problem<KvT>& p, const WorkItem& w) {
     }
   }
 
+  const int64_t tile_bytes = bs * D * static_cast<int64_t>(sizeof(KvT));
   for (int64_t blk = w.ctx_begin / bs; blk * bs < w.ctx_end; ++blk) {
     const int64_t base = blk * bs;
     const int j0 = static_cast<int>(std::max<int64_t>(w.ctx_begin, base) - base);
@@ -194,8 +202,14 @@ void run_item(const Problem<KvT>& p, const WorkItem& w) {
     if (nact == 0) continue;
     const float* K = as_float(p.tile(w.seq, blk, 0, w.kv_head) + j0 * D, kbuf, (j1 - j0) * D);
     const float* V = as_float(p.tile(w.seq, blk, 1, w.kv_head) + j0 * D, vbuf, (j1 - j0) * D);
+    Prefetch next_k, next_v;  // the tiles kPrefetchBlocks ahead, fetched during this block's math
+    if ((blk + kPrefetchBlocks) * bs < w.ctx_end) {
+      next_k = Prefetch{reinterpret_cast<const char*>(p.tile(w.seq, blk + kPrefetchBlocks, 0, w.kv_head)), tile_bytes};
+      next_v = Prefetch{reinterpret_cast<const char*>(p.tile(w.seq, blk + kPrefetchBlocks, 1, w.kv_head)), tile_bytes};
+    }
     for (int g = 0; g < nact; g += group)
-      attend_group(st.data(), act.data() + g, std::min(group, nact - g), K, V, D, scores, static_cast<int>(bs));
+      attend_group(st.data(), act.data() + g, std::min(group, nact - g), K, V, D, scores, static_cast<int>(bs),
+                   g == 0 ? next_k : Prefetch{}, g == 0 ? next_v : Prefetch{});
   }
 
   for (int i = 0; i < nq; ++i) {
@@ -240,10 +254,22 @@ void merge_group(const Problem<KvT>& p, const SplitGroup& g) {
 
 // ---------------------------------------------------------------- planning
 
-// Splits the batch into work items. Long contexts are partitioned (flash-decoding) only
-// when there are too few items to keep every thread busy.
+// Query rows x keys x head_dim of the whole batch (an upper bound: causal masking not counted).
 template <typename KvT>
-int64_t plan(const Problem<KvT>& p, int64_t num_seqs, std::vector<WorkItem>& items, std::vector<SplitGroup>& groups) {
+int64_t attention_work(const Problem<KvT>& p, int64_t num_seqs) {
+  int64_t work = 0;
+  for (int32_t s = 0; s < num_seqs; ++s) {
+    const int64_t keys = p.window > 0 ? std::min<int64_t>(p.seq_lens[s], p.window) : p.seq_lens[s];
+    work += static_cast<int64_t>(p.qsl[s + 1] - p.qsl[s]) * p.H * keys * p.D;
+  }
+  return work;
+}
+
+// Splits the batch into work items. Long contexts are partitioned (flash-decoding) only
+// when there are too few items to keep every thread busy, and never for `serial` work.
+template <typename KvT>
+int64_t plan(const Problem<KvT>& p, int64_t num_seqs, bool serial, std::vector<WorkItem>& items,
+             std::vector<SplitGroup>& groups) {
   const int32_t qc = static_cast<int32_t>(std::max<int64_t>(1, kTargetRowsPerItem / p.G));
   struct Chunk { int32_t seq, q_begin, q_end; int64_t lo, hi; };
   std::vector<Chunk> chunks;
@@ -259,7 +285,7 @@ int64_t plan(const Problem<KvT>& p, int64_t num_seqs, std::vector<WorkItem>& ite
   const int64_t base_items = static_cast<int64_t>(chunks.size()) * p.Hkv;
   static const int64_t threads = std::max(1u, std::thread::hardware_concurrency());  // reads /sys: once
   const int64_t target = 8 * threads;
-  const int64_t max_split = base_items >= target ? 1 : (target + base_items - 1) / base_items;
+  const int64_t max_split = serial || base_items >= target ? 1 : (target + base_items - 1) / base_items;
   int64_t partial_rows = 0;
   for (const Chunk& c : chunks) {
     const int64_t n = c.hi - c.lo;
@@ -378,12 +404,14 @@ struct PagedAttention {
     if (T * p.Hkv * D >= 65536) parallel_for(ctx, T, write);
     else for (int64_t t = 0; t < T; ++t) write(t);
 
+    const bool serial = attention_work(p, S) < kSerialWork;
     std::vector<WorkItem> items;
     std::vector<SplitGroup> groups;
-    std::vector<float> partials(static_cast<size_t>(plan(p, S, items, groups) * (D + 2)));
+    std::vector<float> partials(static_cast<size_t>(plan(p, S, serial, items, groups) * (D + 2)));
     p.partials = partials.data();
     auto attend = [&](size_t i) { run_item(p, items[i]); };
-    parallel_for(ctx, items.size(), attend);
+    if (serial) for (size_t i = 0; i < items.size(); ++i) attend(i);
+    else parallel_for(ctx, items.size(), attend);
     auto merge = [&](size_t i) { merge_group(p, groups[i]); };
     if (partials.size() >= 65536) parallel_for(ctx, groups.size(), merge);
     else for (size_t i = 0; i < groups.size(); ++i) merge(i);  // cheaper than waking the pool

@@ -231,6 +231,17 @@ def test_kernel_long_contexts(seqs, kv_dtype):
     check(out, pool, *reference(feeds, op))
 
 
+@pytest.mark.parametrize("seqs", [[(99, 1)], [(40, 1), (8, 3)]], ids=["decode-100", "two-short"])
+@pytest.mark.parametrize("kv_dtype", ["float32", "float16", "int8"])
+def test_kernel_small_batch(seqs, kv_dtype):
+    """Work below the kernel's serial threshold: every item unpartitioned, on the calling thread."""
+    rng = np.random.default_rng(11)
+    op = op_case(9, 3, 64, 16, kv_dtype)
+    feeds = make_case(rng, seqs, op)
+    out, pool = session(op).run(None, feeds)
+    check(out, pool, *reference(feeds, op))
+
+
 @pytest.mark.parametrize("window", [1, 20, 100])
 @pytest.mark.parametrize("kv_dtype", ["float32", "int8"])
 def test_kernel_sliding_window(window, kv_dtype):
@@ -244,7 +255,7 @@ def test_kernel_sliding_window(window, kv_dtype):
 
 
 @pytest.mark.parametrize("head_dim", [12, 20, 128])
-@pytest.mark.parametrize("kv_dtype", ["float16", "int8"])
+@pytest.mark.parametrize("kv_dtype", ["float32", "float16", "int8"])
 def test_kernel_head_dims(head_dim, kv_dtype):
     rng = np.random.default_rng(head_dim)
     op = op_case(6, 2, head_dim, 16, kv_dtype)
