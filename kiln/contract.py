@@ -5,7 +5,7 @@ sequence are concatenated into one axis of length num_tokens, without padding.
 
 Inputs
   input_ids        int64  [num_tokens]
-  position_ids     int64  [num_tokens]            absolute position of each token (RoPE)
+  position_ids     int64  [num_tokens]            absolute position of each token (RoPE outside the op)
   query_start_loc  int32  [num_seqs + 1]          cumulative token offsets; [0] == 0
   seq_lens         int32  [num_seqs]              context length of each sequence *after* this step
   block_tables     int32  [num_seqs, max_blocks]  physical block ids of each sequence, row-padded
@@ -33,9 +33,10 @@ OP_TYPE = "PagedAttention"
 OP_VERSION = 1
 # Bumped whenever the custom-op library's inputs, attributes or KV layout change.
 # 2: int8 KV pools and the optional 8th input kv_scale [2, Hkv].
-OP_LIBRARY_ABI = 2
-# The oldest engine ABI this library still runs: ABI 2 only added an optional input and a pool
-# dtype, so ABI-1 (fp32/fp16 KV) graphs are unchanged and need no rebuild.
+# 3: RoPE inside the op: optional 9th/10th inputs cos_cache, sin_cache and the rotary_interleaved attribute.
+OP_LIBRARY_ABI = 3
+# The oldest engine ABI this library still runs: ABIs 2 and 3 only added optional inputs, an attribute
+# and a pool dtype, so ABI-1 and ABI-2 graphs (RoPE as graph ops) are unchanged and need no rebuild.
 OP_LIBRARY_MIN_ABI = 1
 
 INPUT_IDS = "input_ids"

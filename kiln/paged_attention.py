@@ -5,8 +5,8 @@ TensorRT plugin) are tested against `paged_attention_ref` below, which takes the
 attributes as the two frozen records `PagedAttentionInputs` and `PagedAttentionAttrs`.
 
 Inputs
-  query            float32 [T, H*D]       post-RoPE queries of the packed ragged batch
-  key              float32 [T, Hkv*D]     post-RoPE keys of the new tokens
+  query            float32 [T, H*D]       queries of the packed ragged batch (pre-RoPE iff cos/sin given)
+  key              float32 [T, Hkv*D]     keys of the new tokens (pre-RoPE iff cos/sin given)
   value            float32 [T, Hkv*D]
   kv_cache         f32|f16|int8 [num_blocks, 2, Hkv, block_size, D]   one layer's pool; [:, 0] K, [:, 1] V
   block_tables     int32   [S, max_blocks]  physical block of each logical block, row-padded
@@ -14,17 +14,27 @@ Inputs
   query_start_loc  int32   [S+1]            cumulative token offsets: qsl[0] == 0, qsl[S] == T
   kv_scale         float32 [2, Hkv]         optional 8th input, present iff kv_cache is int8: the
                                             quantization step of each KV head, row 0 K, row 1 V
-                                            (positive, finite; kiln's build uses calibrated absmax/127)
+                                            (positive, finite; kiln's build uses calibrated absmax/127);
+                                            a float pool with cos/sin gets an empty float32 [0] tensor
+                                            in its place (not "": ORT's lite custom-op API crashes on a
+                                            missing input before a trailing one)
+  cos_cache        float32 [P, R/2]       optional 9th and 10th inputs, both or neither: cos and sin of
+  sin_cache        float32 [P, R/2]       position p times rotary frequency j (rope scaling folded in at
+                                            build time), for p < P; R = rotary dims (even, <= D)
 Outputs
   out              float32 [T, H*D]
   kv_cache_out     the pool's dtype and shape; the runtime binds one OrtValue to both kv_cache
                    and kv_cache_out, and the op then writes only the new tokens' slots.
 Attributes
   num_heads (int), num_kv_heads (int, divides num_heads), scale (float; absent or 0 means
-  1/sqrt(D)), sliding_window (int, 0 = off)
+  1/sqrt(D)), sliding_window (int, 0 = off), rotary_interleaved (int, 0 = Hugging Face rotate_half:
+  dims j and j + R/2 form a pair, what Llama/Mistral/Qwen2 exports compute; 1 = GPT-J style adjacent pairs
+  2j, 2j + 1; only read with cos/sin)
 
 Semantics. Sequence s has q_len = qsl[s+1] - qsl[s] new tokens; its token i sits at the
-absolute position pos = seq_lens[s] - q_len + i. First the K/V of every new token of every
+absolute position pos = seq_lens[s] - q_len + i. With cos/sin, the query and key of that token are
+first rotated by RoPE at pos (pair (a, b) of dims -> (a c - b s, b c + a s), c = cos_cache[pos, j],
+s = sin_cache[pos, j]; dims >= R pass through); pos >= P is an error. Then the K/V of every new token of every
 sequence is written to block block_tables[s][pos // block_size], slot pos % block_size
 (rounded to the pool's dtype; int8 pools store q = clamp(round_half_even(x / kv_scale[0|1][g]),
 -127, 127) in float32 arithmetic, K post-RoPE). Then query head h of that token attends, through
@@ -53,6 +63,8 @@ if TYPE_CHECKING:
 
 INPUT_NAMES = ("query", "key", "value", "kv_cache", "block_tables", "seq_lens", "query_start_loc")
 KV_SCALE = "kv_scale"  # the optional 8th input (int8 pools only)
+ROTARY_INPUTS = ("cos_cache", "sin_cache")  # the optional 9th and 10th inputs (RoPE inside the op)
+NO_KV_SCALE = "kv_scale.none"  # float32 [0]: the 8th input of a float pool that has cos/sin after it
 OUTPUT_NAMES = ("out", "kv_cache_out")
 INT8_MAX = 127
 
@@ -65,6 +77,7 @@ class PagedAttentionAttrs:
     num_kv_heads: int
     scale: float = 0.0  # 0 means 1/sqrt(head_dim)
     sliding_window: int = 0  # 0 = off
+    rotary_interleaved: int = 0  # 0: rotate_half pairs (j, j + R/2); 1: adjacent pairs (2j, 2j + 1)
 
     def __post_init__(self) -> None:
         if self.num_kv_heads <= 0 or self.num_heads <= 0 or self.num_heads % self.num_kv_heads:
@@ -75,11 +88,15 @@ class PagedAttentionAttrs:
             raise ValueError(f"scale must be finite and >= 0 (0 means 1/sqrt(head_dim)), got {self.scale}")
         if self.sliding_window < 0:
             raise ValueError(f"sliding_window must be >= 0 (0 = off), got {self.sliding_window}")
+        if self.rotary_interleaved not in (0, 1):
+            raise ValueError(f"rotary_interleaved must be 0 (rotate_half) or 1 (adjacent pairs), "
+                             f"got {self.rotary_interleaved}")
 
 
 @dataclass(frozen=True)
 class PagedAttentionInputs:
-    """The op's inputs by their graph names (so a feeds dict unpacks into it); kv_scale only with an int8 pool."""
+    """The op's inputs by their graph names (so a feeds dict unpacks into it); kv_scale only with an int8 pool,
+    cos_cache and sin_cache together or not at all."""
 
     query: np.ndarray
     key: np.ndarray
@@ -89,6 +106,8 @@ class PagedAttentionInputs:
     seq_lens: np.ndarray
     query_start_loc: np.ndarray
     kv_scale: np.ndarray | None = None
+    cos_cache: np.ndarray | None = None
+    sin_cache: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         if (self.kv_cache.dtype == np.int8) != (self.kv_scale is not None):
@@ -97,6 +116,13 @@ class PagedAttentionInputs:
             steps, num_kv_heads = np.asarray(self.kv_scale, np.float32), self.kv_cache.shape[2]
             if steps.shape != (2, num_kv_heads) or not (np.isfinite(steps).all() and (steps > 0).all()):
                 raise ValueError(f"kv_scale must be positive finite [2, {num_kv_heads}], got {steps.shape}")
+        if (self.cos_cache is None) != (self.sin_cache is None):
+            raise ValueError("cos_cache and sin_cache come together: RoPE needs both or neither")
+        if self.cos_cache is not None and self.sin_cache is not None:
+            half, head_dim = self.cos_cache.shape[-1], self.kv_cache.shape[4]
+            if self.cos_cache.ndim != 2 or self.sin_cache.shape != self.cos_cache.shape or not 0 < 2 * half <= head_dim:
+                raise ValueError(f"cos_cache and sin_cache must both be [P, R/2] with 0 < R <= head_dim {head_dim}, "
+                                 f"got {self.cos_cache.shape} and {self.sin_cache.shape}")
 
 
 def quantize_kv(x: np.ndarray, step: np.ndarray) -> np.ndarray:
@@ -112,9 +138,40 @@ def token_positions(seq_lens: np.ndarray, query_start_loc: np.ndarray) -> np.nda
     return np.concatenate(spans) if spans else np.zeros(0, np.int64)
 
 
+def apply_rotary(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, interleaved: int) -> np.ndarray:
+    """RoPE of x [T, heads, D] with cos/sin [T, R/2] (the rows of each token's position), float32."""
+    half = cos.shape[-1]
+    out = x.astype(np.float32)  # a copy: dims >= R pass through
+    c, s = cos[:, None, :].astype(np.float32), sin[:, None, :].astype(np.float32)
+    if interleaved:
+        first, second = slice(0, 2 * half, 2), slice(1, 2 * half, 2)
+    else:
+        first, second = slice(0, half), slice(half, 2 * half)
+    a, b = x[..., first].astype(np.float32), x[..., second].astype(np.float32)
+    out[..., first], out[..., second] = a * c - b * s, b * c + a * s
+    return out
+
+
+def rotate_query_key(inputs: PagedAttentionInputs, attrs: PagedAttentionAttrs) -> tuple[np.ndarray, np.ndarray]:
+    """query [T, H*D] and key [T, Hkv*D] rotated at each token's position (unchanged without cos/sin)."""
+    cos, sin = inputs.cos_cache, inputs.sin_cache
+    if cos is None or sin is None:
+        return inputs.query, inputs.key
+    positions = token_positions(inputs.seq_lens, inputs.query_start_loc)
+    if positions.size and positions.max() >= len(cos):
+        raise ValueError(f"position {positions.max()} is past the cos/sin cache ({len(cos)} positions)")
+    T = inputs.query.shape[0]
+    D = inputs.query.shape[1] // attrs.num_heads
+    rows = (cos[positions], sin[positions], attrs.rotary_interleaved)
+    query = apply_rotary(inputs.query.reshape(T, attrs.num_heads, D), *rows).reshape(T, -1)
+    key = apply_rotary(inputs.key.reshape(T, attrs.num_kv_heads, D), *rows).reshape(T, -1)
+    return query, key
+
+
 def paged_attention_ref(inputs: PagedAttentionInputs, attrs: PagedAttentionAttrs) -> tuple[np.ndarray, np.ndarray]:
     """The executable spec: returns (out float32 [T, H*D], the updated copy of kv_cache)."""
-    query, kv_cache, block_tables = inputs.query, inputs.kv_cache, inputs.block_tables
+    query, key = rotate_query_key(inputs, attrs)
+    kv_cache, block_tables = inputs.kv_cache, inputs.block_tables
     seq_lens, query_start_loc = inputs.seq_lens, inputs.query_start_loc
     num_heads, num_kv_heads = attrs.num_heads, attrs.num_kv_heads
     steps = None if inputs.kv_scale is None else np.asarray(inputs.kv_scale, np.float32)
@@ -128,7 +185,7 @@ def paged_attention_ref(inputs: PagedAttentionInputs, attrs: PagedAttentionAttrs
     positions = token_positions(seq_lens, query_start_loc)
     seq_of_token = np.repeat(np.arange(len(seq_lens)), np.diff(query_start_loc))
     blocks, slots = block_tables[seq_of_token, positions // block_size], positions % block_size
-    new_k, new_v = inputs.key.reshape(T, num_kv_heads, D), inputs.value.reshape(T, num_kv_heads, D)
+    new_k, new_v = key.reshape(T, num_kv_heads, D), inputs.value.reshape(T, num_kv_heads, D)
     if steps is not None:
         new_k, new_v = quantize_kv(new_k, steps[0]), quantize_kv(new_v, steps[1])
     pool[blocks, 0, :, slots, :] = new_k  # all writes first, then all reads
@@ -158,15 +215,18 @@ def paged_attention_ref(inputs: PagedAttentionInputs, attrs: PagedAttentionAttrs
 
 
 def make_single_op_model(
-    attrs: PagedAttentionAttrs, head_dim: int, block_size: int, kv_dtype: npt.DTypeLike = np.float32
+    attrs: PagedAttentionAttrs, head_dim: int, block_size: int, kv_dtype: npt.DTypeLike = np.float32,
+    rotary: bool = False,
 ) -> ModelProto:
     """A one-node ONNX model running kiln.PagedAttention with `attrs`, for tests and benchmarks.
 
-    An int8 kv_dtype adds the graph input kv_scale [2, num_kv_heads] feeding the op's 8th input.
+    An int8 kv_dtype adds the graph input kv_scale [2, num_kv_heads] feeding the op's 8th input;
+    rotary adds the graph inputs cos_cache and sin_cache [P, R/2] (the 9th and 10th; a float pool's 8th input
+    is then the empty initializer NO_KV_SCALE).
     Graph inputs and outputs carry the op's own input/output names; token, block and
     sequence counts are symbolic dims.
     """
-    from onnx import TensorProto, helper  # compile-time dependency only
+    from onnx import TensorProto, helper, numpy_helper  # compile-time dependency only
 
     kv_type = {np.dtype(np.float32): TensorProto.FLOAT, np.dtype(np.float16): TensorProto.FLOAT16,
                np.dtype(np.int8): TensorProto.INT8}[np.dtype(kv_dtype)]
@@ -182,15 +242,24 @@ def make_single_op_model(
         helper.make_tensor_value_info("seq_lens", TensorProto.INT32, ["S"]),
         helper.make_tensor_value_info("query_start_loc", TensorProto.INT32, ["S1"]),
     ]
+    op_inputs = list(INPUT_NAMES)
+    initializers = []
+    if int8 or rotary:
+        op_inputs.append(KV_SCALE if int8 else NO_KV_SCALE)
+    if rotary and not int8:
+        initializers.append(numpy_helper.from_array(np.zeros(0, np.float32), NO_KV_SCALE))
     if int8:
         inputs.append(helper.make_tensor_value_info(KV_SCALE, TensorProto.FLOAT, [2, attrs.num_kv_heads]))
+    if rotary:
+        inputs += [helper.make_tensor_value_info(n, TensorProto.FLOAT, ["P", "half_rotary"]) for n in ROTARY_INPUTS]
+        op_inputs += ROTARY_INPUTS
     outputs = [
         helper.make_tensor_value_info("out", TensorProto.FLOAT, ["T", q_width]),
         helper.make_tensor_value_info("kv_cache_out", kv_type, pool),
     ]
     node = helper.make_node(
         OP_TYPE,
-        list(INPUT_NAMES) + ([KV_SCALE] if int8 else []),
+        op_inputs,
         list(OUTPUT_NAMES),
         domain=OP_DOMAIN,
         num_heads=attrs.num_heads,
@@ -198,6 +267,8 @@ def make_single_op_model(
         scale=float(attrs.scale),
         sliding_window=attrs.sliding_window,
     )
-    graph = helper.make_graph([node], "kiln_paged_attention", inputs, outputs)
+    if rotary:
+        node.attribute.append(helper.make_attribute("rotary_interleaved", attrs.rotary_interleaved))
+    graph = helper.make_graph([node], "kiln_paged_attention", inputs, outputs, initializers)
     opsets = [helper.make_opsetid("", 17), helper.make_opsetid(OP_DOMAIN, OP_VERSION)]
     return helper.make_model(graph, opset_imports=opsets, ir_version=8)

@@ -70,7 +70,8 @@ def build_engine(
             export_onnx(checkpoint, raw_path, say)
         with _stage(say, "optimize"):
             model = ir.load(raw_path)
-            attention = AttentionConfig(options.kv_dtype, options.block_size, spec.sliding_window, kv_scales)
+            attention = AttentionConfig(options.kv_dtype, options.block_size, spec.sliding_window, kv_scales,
+                                        rotary_positions=options.max_seq_len)
             counts = optimize_model(model, attention)
             for name, count in counts.items():
                 say(f"  {name}: fired {count}x")

@@ -15,6 +15,12 @@ back to [1, H, T, D], and adds the graph inputs kv_cache.{i} (+ the shared query
 seq_lens, block_tables) and outputs kv_cache_out.{i}, i counting fused layers in graph order.
 With an int8 KV cache each op also reads an initializer kv_scale.{i} [2, Hkv] (the per-head K and
 V quantization steps of layer i, from AttentionConfig.kv_scales) as its 8th input.
+
+With AttentionConfig.rotary_positions > 0 (kiln's build: max_seq_len), RoPE moves into the op: when
+both Q and K are RoPE(x) (kiln/optimize/rotary.py) with the same frequencies, the op gets the
+pre-RoPE projections plus the initializers rotary.cos / rotary.sin [rotary_positions, D/2] (shared by
+all layers) as its 9th and 10th inputs, and the rotary subgraph dies with the mask (cleanup removes
+it). A float pool's 8th input is then the empty initializer kiln.paged_attention.NO_KV_SCALE.
 """
 
 from __future__ import annotations
@@ -28,6 +34,10 @@ from onnxscript.rewriter import pattern
 from kiln import contract
 from kiln.errors import require
 from kiln.optimize._common import add_opset, const_float, look_through_repeat_kv, static_dim
+from kiln.optimize.rotary import match_rotary, rotary_tables
+from kiln.paged_attention import NO_KV_SCALE
+
+ROTARY_COS, ROTARY_SIN = "rotary.cos", "rotary.sin"
 
 
 def kv_scale_name(layer: int) -> str:
@@ -41,8 +51,12 @@ class AttentionConfig:
     sliding_window: int = 0
     # int8 KV only: float32 [num_layers, 2, Hkv], the K (row 0) and V (row 1) steps of each layer
     kv_scales: np.ndarray | None = None
+    # rows of the op's cos/sin caches (positions the engine may reach); 0 keeps RoPE as graph ops
+    rotary_positions: int = 2048
 
     def __post_init__(self) -> None:
+        require(isinstance(self.rotary_positions, int) and self.rotary_positions >= 0, "rotary_positions",
+                "an int >= 0 (0 = RoPE outside the op)", self.rotary_positions)
         scales = self.kv_scales
         found = f"{scales.dtype} {list(scales.shape)}" if isinstance(scales, np.ndarray) else scales
         if self.kv_dtype != "int8":
@@ -59,12 +73,28 @@ class _Layer:
     kv_scale: ir.Value | None = None
 
 
+@dataclass(frozen=True)
+class _Match:
+    heads: int
+    kv_heads: int
+    head_dim: int
+    scale: float
+    rotary: tuple[ir.Value, ir.Value] | None  # pre-RoPE query and key when RoPE moves into the op
+
+
+def _const(name: str, array: np.ndarray) -> ir.Value:
+    """A float32 initializer value (registered on the graph after the rewrite)."""
+    return ir.Value(name=name, type=ir.TensorType(ir.DataType.FLOAT), shape=ir.Shape(list(array.shape)),
+                    const_value=ir.tensor(np.ascontiguousarray(array, np.float32), name=name))
+
+
 class PagedAttentionFusion(pattern.RewriteRuleClassBase):
     def __init__(self, config: AttentionConfig, shared: dict[str, ir.Value], layers: list[_Layer]):
         super().__init__("PagedAttentionFusion")
         self._config = config
-        self._shared = shared
+        self._shared = shared  # graph inputs, and the constants every layer reads (registered after the rewrite)
         self._layers = layers
+        self._inv_freq: np.ndarray | None = None  # the RoPE frequencies behind the shared cos/sin caches
 
     # onnxscript binds one parameter per pattern input by name: the signature is the pattern's inputs.
     def pattern(self, op, query, key, value, mask, query_scale, key_scale, qk_scale):  # noqa: PLR0913
@@ -137,12 +167,30 @@ class PagedAttentionFusion(pattern.RewriteRuleClassBase):
             if number is None:
                 return result.fail(f"{name} is not a constant scalar", bindings.get(name))
             scale *= number if kind == "Mul" else 1.0 / number
-        self._match = (heads, kv_heads, head_dim, scale)
+        self._match = _Match(heads, kv_heads, head_dim, scale, self._rotary(query, k, head_dim))
         return result
 
+    def _rotary(self, query: ir.Value, key: ir.Value | None, head_dim: int) -> tuple[ir.Value, ir.Value] | None:
+        """Pre-RoPE (query, key) if both are RoPE'd with the frequencies the shared caches hold, else None."""
+        if self._config.rotary_positions == 0 or key is None:
+            return None
+        q, k = match_rotary(query), match_rotary(key)
+        if q is None or k is None or 2 * len(q.inv_freq) != head_dim or not np.array_equal(q.inv_freq, k.inv_freq):
+            return None
+        if self._inv_freq is None:
+            self._inv_freq = q.inv_freq
+            cos, sin = rotary_tables(q.inv_freq, self._config.rotary_positions)
+            self._shared[ROTARY_COS], self._shared[ROTARY_SIN] = _const(ROTARY_COS, cos), _const(ROTARY_SIN, sin)
+        elif not np.array_equal(self._inv_freq, q.inv_freq):
+            return None  # another layer's frequencies: this one keeps RoPE as graph ops
+        return q.source, k.source
+
     def rewrite(self, op, query, key, value, key_format, **_):
-        heads, kv_heads, head_dim, scale = self._match
-        if key_format == "BHSd":
+        match: _Match = self._match
+        heads, kv_heads, head_dim, scale = match.heads, match.kv_heads, match.head_dim, match.scale
+        if match.rotary is not None:
+            query, key = match.rotary[0], _to_tokens(op, match.rotary[1], kv_heads * head_dim)
+        elif key_format == "BHSd":
             key = _to_tokens(op, look_through_repeat_kv(key), kv_heads * head_dim)
         else:  # [B, S, Hkv, D]
             key = op.Reshape(key, op.Constant(value_ints=[-1, kv_heads * head_dim]))
@@ -160,17 +208,22 @@ class PagedAttentionFusion(pattern.RewriteRuleClassBase):
         if cfg.kv_dtype == "int8":
             extra.append(self._kv_scale(layer, kv_heads))
         shared = self._shared
+        if match.rotary is not None:
+            if not extra:
+                shared.setdefault(NO_KV_SCALE, _const(NO_KV_SCALE, np.zeros(0, np.float32)))
+            extra = [extra[0] if extra else shared[NO_KV_SCALE], shared[ROTARY_COS], shared[ROTARY_SIN]]
         out, kv_cache_out = op.PagedAttention(
             query, key, value, kv_cache,
             shared[contract.BLOCK_TABLES], shared[contract.SEQ_LENS], shared[contract.QUERY_START_LOC],
             *extra,
             num_heads=heads, num_kv_heads=kv_heads, scale=float(scale), sliding_window=int(cfg.sliding_window),
+            **({"rotary_interleaved": 0} if match.rotary is not None else {}),
             _domain=contract.OP_DOMAIN, _version=contract.OP_VERSION, _outputs=2,
         )
         kv_cache_out.name = contract.kv_cache_output(layer)
         kv_cache_out.type = kv_cache.type
         kv_cache_out.shape = kv_cache.shape
-        self._layers.append(_Layer(kv_cache, kv_cache_out, extra[0] if extra else None))
+        self._layers.append(_Layer(kv_cache, kv_cache_out, extra[0] if cfg.kv_dtype == "int8" else None))
         out = op.Reshape(out, op.Constant(value_ints=[1, -1, heads, head_dim]))
         return op.Transpose(out, perm=[0, 2, 1, 3])
 
@@ -195,7 +248,10 @@ def fuse_attention(model: ir.Model, config: AttentionConfig = AttentionConfig())
     count = pattern.RewriteRuleSet([rule]).apply_to_model(model)
     if count:
         add_opset(model, contract.OP_DOMAIN, contract.OP_VERSION)
-        graph.inputs.extend(shared.values())  # query_start_loc, seq_lens, block_tables
+        graph.inputs.extend(shared[name] for name in shapes)  # query_start_loc, seq_lens, block_tables
+        for name in (NO_KV_SCALE, ROTARY_COS, ROTARY_SIN):
+            if name in shared:
+                graph.register_initializer(shared[name])
         graph.inputs.extend(layer.kv_cache for layer in layers)
         graph.outputs.extend(layer.kv_cache_out for layer in layers)
         for layer in layers:

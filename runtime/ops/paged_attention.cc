@@ -5,11 +5,12 @@
 //
 //   1. validate every input against the others (no out-of-bounds read on bad input);
 //   2. if kv_cache_out is not the same buffer as kv_cache, copy the pool (slow fallback);
-//   3. write the new tokens' K/V into their slots of kv_cache_out (int8 pools: quantized with
-//      the per-KV-head steps of kv_scale [2, Hkv]);
+//   3. write the new tokens' K/V into their slots of kv_cache_out (K rotated first when cos/sin
+//      are given; int8 pools: quantized with the per-KV-head steps of kv_scale [2, Hkv]);
 //   4. attention: work items (sequence, kv head, chunk of query tokens, context partition)
 //      run on ONNX Runtime's intra-op thread pool; each streams the (block, head) K/V
-//      tiles once for all query heads of its group, with a flash-style online softmax;
+//      tiles once for all query heads of its group (queries rotated as they are loaded), with a
+//      flash-style online softmax;
 //   5. items that split one long context (decode with few sequences) are merged.
 //
 // Built with -O3 -mavx2 -mfma -mf16c; RegisterCustomOps refuses to load without AVX2.
@@ -33,7 +34,7 @@
 
 namespace kiln {
 
-constexpr int kAbiVersion = 2;  // kiln.contract.OP_LIBRARY_ABI
+constexpr int kAbiVersion = 3;  // kiln.contract.OP_LIBRARY_ABI
 constexpr int kTargetRowsPerItem = 64;  // query rows (tokens x heads of one group) per work item
 constexpr int kMinPartition = 128;      // smallest context partition worth a separate item
 // Attention work (query rows x keys x head_dim) below which the calling thread runs every item:
@@ -69,6 +70,10 @@ struct Problem {
   float* out;
   float* partials;  // rows of [m, l, acc[D]]
   const float* kv_scale;  // int8 pools: [2, Hkv] (row 0 K, row 1 V); nullptr for float pools
+  const float* cos;       // RoPE inside the op: [P, rot_half] each; nullptr when Q/K arrive rotated
+  const float* sin;
+  int64_t rot_half;
+  bool interleaved;
   int64_t num_tokens, H, Hkv, D, G, block_size, max_blocks;
   float scale;
   int64_t window;
@@ -76,6 +81,11 @@ struct Problem {
   int64_t first_pos(int32_t s) const { return seq_lens[s] - (qsl[s + 1] - qsl[s]); }
   // Quantization step of K (kv = 0) or V (kv = 1) of a KV head; 1 for float pools.
   float step(int kv, int64_t kv_head) const { return kv_scale ? kv_scale[kv * Hkv + kv_head] : 1.f; }
+  // dst [D] = src rotated at absolute position pos (a copy without cos/sin).
+  void rotate(float* dst, const float* src, int64_t pos) const {
+    if (cos == nullptr) return (void)std::memcpy(dst, src, D * sizeof(float));
+    rotate_row(dst, src, cos + pos * rot_half, sin + pos * rot_half, rot_half, D, interleaved);
+  }
   KvT* tile(int32_t s, int64_t logical_block, int kv, int32_t kv_head) const {
     const int64_t phys = block_tables[s * max_blocks + logical_block];
     return pool + ((phys * 2 + kv) * Hkv + kv_head) * block_size * D;
@@ -88,8 +98,12 @@ template <typename KvT>
 void write_token(const Problem<KvT>& p, int32_t s, int64_t t) {
   const int64_t pos = p.first_pos(s) + (t - p.qsl[s]);
   const int64_t slot = pos % p.block_size;
+  thread_local std::vector<float> rotated;
+  if (p.cos != nullptr && rotated.size() < static_cast<size_t>(p.D)) rotated.resize(p.D);
   for (int32_t g = 0; g < p.Hkv; ++g) {
-    store_row(p.tile(s, pos / p.block_size, 0, g) + slot * p.D, p.k + (t * p.Hkv + g) * p.D, p.D, p.step(0, g));
+    const float* k = p.k + (t * p.Hkv + g) * p.D;
+    if (p.cos != nullptr) p.rotate(rotated.data(), k, pos), k = rotated.data();
+    store_row(p.tile(s, pos / p.block_size, 0, g) + slot * p.D, k, p.D, p.step(0, g));
     store_row(p.tile(s, pos / p.block_size, 1, g) + slot * p.D, p.v + (t * p.Hkv + g) * p.D, p.D, p.step(1, g));
   }
 }
@@ -179,7 +193,13 @@ void run_item(const Problem<KvT>& p, const WorkItem& w) {
       const int r = i * static_cast<int>(G) + static_cast<int>(hh);
       const int64_t h = w.kv_head * G + hh;
       st[r] = RowState{qbuf + r * D, accbuf + r * D, -std::numeric_limits<float>::infinity(), 0.f};
-      scaled_copy(st[r].q, p.q + ((tok0 + w.q_begin + i) * p.H + h) * D, q_scale, D);
+      const float* q = p.q + ((tok0 + w.q_begin + i) * p.H + h) * D;
+      if (p.cos == nullptr) {
+        scaled_copy(st[r].q, q, q_scale, D);
+      } else {
+        p.rotate(st[r].q, q, first + w.q_begin + i);
+        scale_row(st[r].q, q_scale, D);
+      }
       std::fill(st[r].acc, st[r].acc + D, 0.f);
     }
   }
@@ -322,6 +342,11 @@ void parallel_for(OrtKernelContext* ctx, size_t n, F& f) {
 
 // ---------------------------------------------------------------- the op
 
+struct Rotary {  // the optional 9th and 10th inputs; both nullptr when Q/K arrive rotated
+  const Ort::Custom::Tensor<float>* cos;
+  const Ort::Custom::Tensor<float>* sin;
+};
+
 template <typename KvT>
 struct PagedAttention {
   PagedAttention(const OrtApi*, const OrtKernelInfo* info) {
@@ -330,17 +355,25 @@ struct PagedAttention {
     num_kv_heads_ = ki.GetAttribute<int64_t>("num_kv_heads");
     try { scale_ = ki.GetAttribute<float>("scale"); } catch (const Ort::Exception&) { scale_ = 0.f; }
     try { window_ = ki.GetAttribute<int64_t>("sliding_window"); } catch (const Ort::Exception&) { window_ = 0; }
+    try {
+      interleaved_ = ki.GetAttribute<int64_t>("rotary_interleaved");
+    } catch (const Ort::Exception&) {
+      interleaved_ = 0;
+    }
   }
 
   Ort::Status Compute(OrtKernelContext* ctx, const Ort::Custom::Tensor<float>& query, const Ort::Custom::Tensor<float>& key,
                       const Ort::Custom::Tensor<float>& value, const Ort::Custom::Tensor<KvT>& kv_cache,
                       const Ort::Custom::Tensor<int32_t>& block_tables, const Ort::Custom::Tensor<int32_t>& seq_lens,
                       const Ort::Custom::Tensor<int32_t>& query_start_loc,
-                      std::optional<const Ort::Custom::Tensor<float>*> kv_scale, Ort::Custom::Tensor<float>& out,
+                      std::optional<const Ort::Custom::Tensor<float>*> kv_scale,
+                      std::optional<const Ort::Custom::Tensor<float>*> cos_cache,
+                      std::optional<const Ort::Custom::Tensor<float>*> sin_cache, Ort::Custom::Tensor<float>& out,
                       Ort::Custom::Tensor<KvT>& kv_cache_out) {
     try {
-      run(ctx, query, key, value, kv_cache, block_tables, seq_lens, query_start_loc, kv_scale.value_or(nullptr), out,
-          kv_cache_out);
+      const Rotary rotary{cos_cache.value_or(nullptr), sin_cache.value_or(nullptr)};
+      run(ctx, query, key, value, kv_cache, block_tables, seq_lens, query_start_loc, kv_scale.value_or(nullptr), rotary,
+          out, kv_cache_out);
     } catch (const Ort::Exception& e) {
       return Ort::Status(e.what(), e.GetOrtErrorCode());
     } catch (const std::exception& e) {
@@ -353,8 +386,10 @@ struct PagedAttention {
            const Ort::Custom::Tensor<float>& value, const Ort::Custom::Tensor<KvT>& kv_cache,
            const Ort::Custom::Tensor<int32_t>& block_tables, const Ort::Custom::Tensor<int32_t>& seq_lens,
            const Ort::Custom::Tensor<int32_t>& query_start_loc, const Ort::Custom::Tensor<float>* kv_scale,
-           Ort::Custom::Tensor<float>& out, Ort::Custom::Tensor<KvT>& kv_cache_out) const {
+           const Rotary& rotary, Ort::Custom::Tensor<float>& out, Ort::Custom::Tensor<KvT>& kv_cache_out) const {
     if (window_ < 0) fail("sliding_window must be >= 0");
+    if (interleaved_ != 0 && interleaved_ != 1) fail("rotary_interleaved must be 0 (rotate_half) or 1 (adjacent pairs)");
+    if ((rotary.cos == nullptr) != (rotary.sin == nullptr)) fail("cos_cache and sin_cache come together (RoPE needs both)");
     const auto& pool_shape = kv_cache.Shape();
     validate(query.Shape(), key.Shape(), value.Shape(), pool_shape, block_tables.Shape(), seq_lens.Shape(),
              query_start_loc.Shape(), num_heads_, num_kv_heads_);
@@ -391,6 +426,13 @@ struct PagedAttention {
     p.scale = scale_ > 0.f ? scale_ : 1.f / std::sqrt(static_cast<float>(D));
     p.window = window_;
     p.kv_scale = steps;
+    if (rotary.cos != nullptr) {
+      validate_rotary(rotary.cos->Shape(), rotary.sin->Shape(), D, p.seq_lens, p.qsl, S);
+      p.cos = rotary.cos->Data();
+      p.sin = rotary.sin->Data();
+      p.rot_half = rotary.cos->Shape()[1];
+      p.interleaved = interleaved_ == 1;
+    }
     p.out = out.Allocate({T, num_heads_ * D});
     p.pool = kv_cache_out.Allocate(pool_shape);
     if (static_cast<const void*>(p.pool) != static_cast<const void*>(kv_cache.Data()))
@@ -417,7 +459,7 @@ struct PagedAttention {
     else for (size_t i = 0; i < groups.size(); ++i) merge(i);  // cheaper than waking the pool
   }
 
-  int64_t num_heads_ = 0, num_kv_heads_ = 0, window_ = 0;
+  int64_t num_heads_ = 0, num_kv_heads_ = 0, window_ = 0, interleaved_ = 0;
   float scale_ = 0.f;
 };
 

@@ -256,4 +256,34 @@ inline void accumulate_rows(float* const* acc, const float* const* p, const floa
   }
 }
 
+// ---- rotary embedding
+
+// dst [D] = src rotated by RoPE with one position's cos/sin [half]: rotary dims R = 2 * half <= D, the rest
+// copied. Pairs (j, j + half) as Hugging Face's rotate_half, or (2j, 2j + 1) when interleaved; each pair
+// (a, b) -> (a c - b s, b c + a s).
+inline void rotate_row(float* dst, const float* src, const float* cos, const float* sin, int64_t half, int64_t D,
+                       bool interleaved) {
+  int64_t j = 0;
+  if (interleaved) {
+    for (; j < half; ++j) {
+      const float a = src[2 * j], b = src[2 * j + 1];
+      dst[2 * j] = a * cos[j] - b * sin[j];
+      dst[2 * j + 1] = b * cos[j] + a * sin[j];
+    }
+  } else {
+    for (; j + 8 <= half; j += 8) {
+      const __m256 a = _mm256_loadu_ps(src + j), b = _mm256_loadu_ps(src + half + j);
+      const __m256 c = _mm256_loadu_ps(cos + j), s = _mm256_loadu_ps(sin + j);
+      _mm256_storeu_ps(dst + j, _mm256_fmsub_ps(a, c, _mm256_mul_ps(b, s)));
+      _mm256_storeu_ps(dst + half + j, _mm256_fmadd_ps(b, c, _mm256_mul_ps(a, s)));
+    }
+    for (; j < half; ++j) {
+      const float a = src[j], b = src[half + j];
+      dst[j] = a * cos[j] - b * sin[j];
+      dst[half + j] = b * cos[j] + a * sin[j];
+    }
+  }
+  if (D > 2 * half) std::memcpy(dst + 2 * half, src + 2 * half, (D - 2 * half) * sizeof(float));
+}
+
 }  // namespace kiln

@@ -80,4 +80,21 @@ inline void validate_values(const int32_t* bt, const int32_t* sl, const int32_t*
   }
 }
 
+// cos_cache/sin_cache: both [P, half] with 0 < 2 * half <= D, and every new token's position below P.
+inline void validate_rotary(const std::vector<int64_t>& cos, const std::vector<int64_t>& sin, int64_t D,
+                            const int32_t* sl, const int32_t* qsl, int64_t S) {
+  auto shape = [](const std::vector<int64_t>& v) {
+    std::string r = "[";
+    for (size_t i = 0; i < v.size(); ++i) r += (i ? ", " : "") + std::to_string(v[i]);
+    return r + "]";
+  };
+  if (cos.size() != 2 || cos != sin || cos[1] <= 0 || 2 * cos[1] > D)
+    fail("cos_cache and sin_cache must both be [max_position, rotary_dim/2] with 0 < rotary_dim <= head_dim (" +
+         std::to_string(D) + "), got " + shape(cos) + " and " + shape(sin));
+  for (int64_t s = 0; s < S; ++s)
+    if (qsl[s + 1] > qsl[s] && sl[s] > cos[0])
+      fail("sequence " + std::to_string(s) + ": position " + std::to_string(sl[s] - 1) + " is past the cos/sin cache (" +
+           std::to_string(cos[0]) + " positions; the engine's max_seq_len bounds it)");
+}
+
 }  // namespace kiln

@@ -117,9 +117,10 @@ def test_cli_int8_without_calibration_is_one_sentence(tiny_model_dir, tmp_path):
     assert result.exit_code != 0 and "needs the per-head K/V scales" in result.output
 
 
-@pytest.mark.parametrize("abi, loads", [(1, True), (2, True), (0, False), (3, False)])
+@pytest.mark.parametrize("abi, loads", [(1, True), (2, True), (3, True), (0, False), (4, False)])
 def test_engines_of_older_compatible_abis_still_load(tiny_engine, tmp_path, abi, loads):
-    """ABI 2 only added int8 pools and an optional input: an ABI-1 (float KV) engine still runs."""
+    """ABIs 2 and 3 only added optional inputs (kv_scale; cos/sin caches), an attribute and int8 pools:
+    ABI-1 and ABI-2 engines still run; an ABI newer than the library does not."""
     import json
     import shutil
 

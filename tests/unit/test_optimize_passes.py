@@ -17,12 +17,13 @@ import torch
 
 from kiln import contract
 from kiln.optimize.flatten_inputs import flatten_inputs
-from kiln.optimize.fuse_attention import fuse_attention
+from kiln.optimize.fuse_attention import ROTARY_COS, ROTARY_SIN, AttentionConfig, fuse_attention
 from kiln.optimize.fuse_projections import fuse_projections
 from kiln.optimize.fuse_rmsnorm import fuse_rmsnorm
 from kiln.optimize.fuse_skip_rmsnorm import fuse_skip_rmsnorm
 from kiln.optimize.pipeline import optimize_model
 from kiln.optimize.select_logits import select_logits
+from kiln.paged_attention import NO_KV_SCALE
 
 LAYERS = 2
 T = 13
@@ -184,6 +185,9 @@ def test_optimized_graph_structure(raw_graph):
     # per layer one QKV, one o, one gate/up and one down projection; then the LM head
     assert ops["MatMul"] == 4 * LAYERS + 1 and ops["Split"] == 2 * LAYERS
     assert ops["Identity"] == 0  # cleanup drops them, so the Reshapes around them collapse
+    # RoPE runs inside the op: no rotary subgraph (cos/sin from position_ids, rotate_half) is left
+    assert ops["Cos"] == ops["Sin"] == ops["Neg"] == ops["Slice"] == ops["Concat"] == 0, ops
+    assert ops["Transpose"] <= 1  # the tied LM head's weight; none around attention
     # no matmul between two activations (Q.K^T, P.V): every MatMul has a constant weight
     for node in model.graph:
         if node.op_type == "MatMul":
@@ -196,6 +200,8 @@ def test_optimized_graph_structure(raw_graph):
         assert node.attributes["scale"].as_float() == pytest.approx(16**-0.5, rel=1e-6)
         assert node.inputs[3].name == contract.kv_cache_input(layer)
         assert node.outputs[1].name == contract.kv_cache_output(layer)
+        assert [v.name for v in node.inputs[7:]] == [NO_KV_SCALE, ROTARY_COS, ROTARY_SIN]
+        assert node.attributes["rotary_interleaved"].as_int() == 0
     inputs = [v.name for v in model.graph.inputs]
     kv_inputs = [contract.kv_cache_input(i) for i in range(LAYERS)]
     kv_outputs = [contract.kv_cache_output(i) for i in range(LAYERS)]
@@ -226,6 +232,25 @@ def test_fuse_attention_numerics(raw_graph, tmp_path):
     for i in range(36, 40):
         out = driver.step([(1, seqs[1][i:i + 1])])
         np.testing.assert_allclose(out[0], full[1][i], atol=1e-4, rtol=0)
+
+
+def test_fuse_attention_rotary_in_op_matches_rotary_in_graph(raw_graph, tmp_path):
+    """The op's RoPE (cos/sin caches of the graph's own frequencies) against the graph's rotary ops
+    feeding a RoPE-less op: the same function up to float32 rounding (1e-5), prefill and decode."""
+    from engine_driver import PagedDriver
+
+    drivers = []
+    for positions in (0, 64):
+        model = ir.load(raw_graph)
+        optimize_model(model, AttentionConfig(rotary_positions=positions))
+        assert (op_counts(model)["Cos"] == 0) == (positions > 0)
+        ir.save(model, tmp_path / f"model{positions}.onnx", external_data=f"model{positions}.onnx.data")
+        drivers.append(PagedDriver(tmp_path / f"model{positions}.onnx", num_blocks=16))
+    tokens = np.random.default_rng(2).integers(0, vocab_of(ir.load(raw_graph)), 40).tolist()
+    steps = [[(0, tokens[:30]), (1, tokens[5:9])], [(0, tokens[30:31]), (1, tokens[9:20])], [(0, tokens[31:32])]]
+    for chunks in steps:
+        graph_rope, op_rope = (driver.step(chunks, all_rows=True) for driver in drivers)
+        np.testing.assert_allclose(op_rope, graph_rope, atol=1e-5, rtol=1e-5)  # logits up to ~8: float32 rounding
 
 
 def test_fuse_attention_fires_zero_times_without_attention(kiln_raw):

@@ -1,6 +1,7 @@
 """kiln.PagedAttention: the numpy reference against dense attention, and the ONNX Runtime CPU
 kernel (libkiln_ops.so) against the reference: ragged batches, GQA, fp16 and int8 KV (per-head
-scales), sliding window, in-place KV writes through IOBinding, and clear errors on bad inputs."""
+scales), sliding window, RoPE inside the op (cos/sin caches), in-place KV writes through IOBinding, and
+clear errors on bad inputs."""
 
 from __future__ import annotations
 
@@ -13,10 +14,13 @@ import pytest
 from kiln.paged_attention import (
     INPUT_NAMES,
     KV_SCALE,
+    ROTARY_INPUTS,
     PagedAttentionAttrs,
     PagedAttentionInputs,
+    apply_rotary,
     make_single_op_model,
     paged_attention_ref,
+    token_positions,
 )
 
 ort = pytest.importorskip("onnxruntime")
@@ -30,12 +34,14 @@ except ops.OpLibraryError as exc:  # pragma: no cover - the install builds it
 
 @dataclass(frozen=True)
 class OpCase:
-    """One single-op model: the op's attributes, the head size, the pool's block size and dtype."""
+    """One single-op model: the op's attributes, the head size, the pool's block size and dtype, and
+    whether the op applies RoPE (cos/sin inputs of rotary_positions rows)."""
 
     attrs: PagedAttentionAttrs
     head_dim: int
     block_size: int
     kv_dtype: str = "float32"
+    rotary_positions: int = 0  # 0: no cos/sin inputs (Q/K arrive rotated)
 
 
 def op_case(num_heads, num_kv_heads, head_dim, block_size, kv_dtype="float32", window=0):
@@ -45,7 +51,7 @@ def op_case(num_heads, num_kv_heads, head_dim, block_size, kv_dtype="float32", w
 
 @cache
 def session(op, symbolic=False):
-    model = make_single_op_model(op.attrs, op.head_dim, op.block_size, np.dtype(op.kv_dtype))
+    model = make_single_op_model(op.attrs, op.head_dim, op.block_size, np.dtype(op.kv_dtype), op.rotary_positions > 0)
     if symbolic:
         make_symbolic(model)
     return model_session(model)
@@ -95,7 +101,16 @@ def make_case(rng, seqs, op, spare_blocks=5):
     }
     if kv_dtype == "int8":
         feeds[KV_SCALE] = rng.uniform(2.0, 4.0, (2, num_kv_heads)).astype(np.float32) / 127
+    if op.rotary_positions:
+        feeds.update(zip(ROTARY_INPUTS, rotary_tables(op.rotary_positions, head_dim), strict=True))
     return feeds
+
+
+def rotary_tables(positions: int, rotary_dim: int, theta: float = 10000.0) -> tuple[np.ndarray, np.ndarray]:
+    """cos/sin [positions, rotary_dim/2] of Llama's RoPE frequencies (what kiln's build computes)."""
+    inv_freq = theta ** -(np.arange(0, rotary_dim, 2, dtype=np.float32) / rotary_dim)
+    angles = np.arange(positions, dtype=np.float32)[:, None] * inv_freq[None, :].astype(np.float32)
+    return np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
 
 
 def reference(feeds, op):
@@ -472,3 +487,124 @@ def test_abi_version_matches_contract():
     from kiln.contract import OP_LIBRARY_ABI
 
     assert ops.check_abi() == OP_LIBRARY_ABI
+
+
+# ------------------------------------------------------------------ RoPE inside the op
+
+
+def rotary_case(num_heads, num_kv_heads, head_dim, kv_dtype="float32", positions=512, interleaved=0):
+    attrs = PagedAttentionAttrs(num_heads, num_kv_heads, rotary_interleaved=interleaved)
+    return OpCase(attrs, head_dim, 16, kv_dtype, rotary_positions=positions)
+
+
+def check_rotary(out, pool, ref_out, ref_pool, kv_dtype):
+    """As check, but new K slots may differ by the rotation's rounding (FMA or not) carried into the pool's dtype."""
+    np.testing.assert_allclose(out, ref_out, rtol=1e-4, atol=5e-5)
+    if kv_dtype == "int8":
+        diff = np.abs(pool.astype(np.int32) - ref_pool.astype(np.int32))
+        assert diff.max() <= 1 and (diff > 0).mean() < 1e-3, "the int8 pool differs beyond rounding"
+    else:
+        np.testing.assert_allclose(pool.astype(np.float32), ref_pool.astype(np.float32),
+                                   rtol=1e-3 if kv_dtype == "float16" else 1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("interleaved", [0, 1])
+@pytest.mark.parametrize("rotary_dim", [16, 12])
+def test_reference_rotary_equals_prerotated_inputs(interleaved, rotary_dim):
+    """Independent check of the spec: RoPE inside == the op without RoPE fed Q/K rotated beforehand
+    (the rotation written out per token here, pair by pair, partial rotary dims included)."""
+    rng = np.random.default_rng(21)
+    H, Hkv, D = 6, 2, 16
+    op = rotary_case(H, Hkv, D, positions=64, interleaved=interleaved)
+    feeds = make_case(rng, [(0, 9), (40, 1), (17, 5)], op)
+    cos, sin = rotary_tables(64, rotary_dim)
+    feeds["cos_cache"], feeds["sin_cache"] = cos, sin
+    rotated = {n: feeds[n].copy() for n in ("query", "key")}
+    for t, pos in enumerate(token_positions(feeds["seq_lens"], feeds["query_start_loc"])):
+        for name in rotated:
+            heads = rotated[name][t].reshape(-1, D)
+            for j in range(rotary_dim // 2):
+                a, b = (2 * j, 2 * j + 1) if interleaved else (j, j + rotary_dim // 2)
+                x, y = heads[:, a].copy(), heads[:, b].copy()
+                heads[:, a], heads[:, b] = x * cos[pos, j] - y * sin[pos, j], y * cos[pos, j] + x * sin[pos, j]
+    plain = {n: v for n, v in feeds.items() if n not in ROTARY_INPUTS}
+    out, pool = paged_attention_ref(PagedAttentionInputs(**feeds), op.attrs)
+    ref_out, ref_pool = paged_attention_ref(PagedAttentionInputs(**{**plain, **rotated}), op.attrs)
+    np.testing.assert_allclose(out, ref_out, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(pool, ref_pool, rtol=1e-6, atol=1e-6)
+
+
+def test_apply_rotary_keeps_norms_and_position_zero():
+    rng = np.random.default_rng(22)
+    x = rng.standard_normal((5, 3, 16), dtype=np.float32)
+    cos, sin = rotary_tables(5, 16)
+    for interleaved in (0, 1):
+        y = apply_rotary(x, cos, sin, interleaved)
+        np.testing.assert_allclose(np.linalg.norm(y, axis=-1), np.linalg.norm(x, axis=-1), rtol=1e-5)
+        np.testing.assert_array_equal(y[0], x[0])  # position 0: cos 1, sin 0
+
+
+@pytest.mark.parametrize("heads", [(4, 4), (9, 3)], ids=["mha", "gqa3"])
+@pytest.mark.parametrize("kv_dtype", ["float32", "float16", "int8"])
+def test_kernel_rotary_mixed_batch(heads, kv_dtype):
+    """Prefill chunks and decodes in one ragged batch, positions far past the first block."""
+    rng = np.random.default_rng(23)
+    op = rotary_case(*heads, 64, kv_dtype)
+    feeds = make_case(rng, MIXED, op)
+    out, pool = session(op).run(None, feeds)
+    check_rotary(out, pool, *reference(feeds, op), kv_dtype)
+
+
+@pytest.mark.parametrize("kv_dtype", ["float32", "int8"])
+def test_kernel_rotary_long_decode_and_partial_dims(kv_dtype):
+    """A split long-context decode (flash-decoding partitions), odd head dims and rotary dims < head_dim."""
+    rng = np.random.default_rng(24)
+    op = rotary_case(6, 2, 20, kv_dtype, positions=4096)
+    feeds = make_case(rng, [(4000, 1), (0, 19), (2047, 3)], op, spare_blocks=10)
+    feeds["cos_cache"], feeds["sin_cache"] = rotary_tables(4096, 12)
+    out, pool = session(op).run(None, feeds)
+    check_rotary(out, pool, *reference(feeds, op), kv_dtype)
+
+
+def test_kernel_rotary_interleaved():
+    rng = np.random.default_rng(25)
+    op = rotary_case(8, 2, 32, interleaved=1)
+    feeds = make_case(rng, [(0, 21), (70, 1)], op)
+    out, pool = session(op).run(None, feeds)
+    check_rotary(out, pool, *reference(feeds, op), "float32")
+
+
+def test_kernel_rotary_prefill_then_decode_matches_one_prefill():
+    """K in the pool is post-RoPE: decoding after a chunked prefill equals attending over one prefill."""
+    rng = np.random.default_rng(26)
+    op = rotary_case(4, 2, 32)
+    whole = make_case(rng, [(0, 12)], op)
+    out_whole, _ = session(op).run(None, whole)
+    pool = whole["kv_cache"]
+    for lo, hi in ((0, 7), (7, 11), (11, 12)):
+        step = {**whole, "kv_cache": pool, "seq_lens": np.array([hi], np.int32),
+                "query_start_loc": np.array([0, hi - lo], np.int32),
+                **{n: whole[n][lo:hi] for n in ("query", "key", "value")}}
+        out, pool = session(op).run(None, step)
+        np.testing.assert_allclose(out, out_whole[lo:hi], rtol=1e-5, atol=1e-5)
+
+
+def test_kernel_rotary_position_past_cache_raises():
+    op = rotary_case(4, 2, 16, positions=32)
+    feeds = make_case(np.random.default_rng(27), [(0, 4), (31, 2)], op)
+    with pytest.raises(Exception, match="position 32 is past the cos/sin cache"):
+        session(op).run(None, feeds)
+    with pytest.raises(ValueError, match="past the cos/sin cache"):
+        reference(feeds, op)
+
+
+@pytest.mark.parametrize("what", ["one-missing", "too-wide", "mismatched"])
+def test_kernel_rotary_bad_caches_raise(what):
+    op = rotary_case(4, 2, 16, positions=32)
+    feeds = make_case(np.random.default_rng(28), [(0, 4)], op)
+    cos, sin = feeds["cos_cache"], feeds["sin_cache"]
+    bad = {"one-missing": {"sin_cache": np.zeros((0, 0), np.float32)},
+           "too-wide": {"cos_cache": np.tile(cos, 2), "sin_cache": np.tile(sin, 2)},
+           "mismatched": {"sin_cache": sin[:, :4]}}[what]
+    with pytest.raises(Exception, match="cos_cache and sin_cache"):
+        session(op, symbolic=True).run(None, {**feeds, **bad})
