@@ -33,7 +33,8 @@ OP_TYPE = "PagedAttention"
 OP_VERSION = 1
 # Bumped whenever the custom-op library's inputs, attributes or KV layout change.
 # 2: int8 KV pools and the optional 8th input kv_scale [2, Hkv].
-OP_LIBRARY_ABI = 2
+# 3: kiln.MatMulQ4_1 (kiln/matmul_q4_1.py), which int4-q4_1 engines use.
+OP_LIBRARY_ABI = 3
 # The oldest engine ABI this library still runs: ABI 2 only added an optional input and a pool
 # dtype, so ABI-1 (fp32/fp16 KV) graphs are unchanged and need no rebuild.
 OP_LIBRARY_MIN_ABI = 1
