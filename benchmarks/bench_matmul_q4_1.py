@@ -49,7 +49,8 @@ def _nbits_node(n: int, k: int, q: np.ndarray, scales: np.ndarray, zero_points: 
 def _model(nodes: list, inits: list, k: int, n: int, output: str) -> bytes:
     graph = helper.make_graph(nodes, "bench", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["T", k])],
                               [helper.make_tensor_value_info(output, TensorProto.FLOAT, ["T", n])], inits)
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid("com.microsoft", 1)])
+    opsets = [helper.make_opsetid("", 18), helper.make_opsetid("com.microsoft", 1)]
+    model = helper.make_model(graph, opset_imports=opsets)
     model.ir_version = 8
     return model.SerializeToString()
 
@@ -106,7 +107,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=7)
     args = parser.parse_args()
     rng = np.random.default_rng(0)
-    print(f"{'linear':8} {'T':>3}  {'1-thread CPU us: q4_1 / nbits / offsets':>40}  {'2-thread wall us: q4_1 / nbits / offsets':>41}")
+    print(f"{'linear':8} {'T':>3}  {'1-thread CPU us: q4_1 / nbits / offsets':>40}  "
+          f"{'2-thread wall us: q4_1 / nbits / offsets':>41}")
     for name, (k, n) in SHAPES.items():
         graphs = models((rng.standard_normal((n, k)) * 0.05).astype(np.float32))
         for t in TOKENS:
@@ -116,8 +118,8 @@ def main() -> None:
             assert np.abs(y - ref).max() < 0.02 * np.abs(ref).max()  # the same linear (nbits: the same bits)
             cpu = [time_us(session(graphs[g], 1), x, time.process_time, args.repeats) for g in graphs]
             wall = [time_us(session(graphs[g], 2), x, time.perf_counter, args.repeats) for g in graphs]
-            print(f"{name:8} {t:3}  {' / '.join(f'{v:7.1f}' for v in cpu):>40}  {' / '.join(f'{v:7.1f}' for v in wall):>41}"
-                  f"   q4_1/nbits CPU {cpu[0] / cpu[1]:.2f}x")
+            cpu_text, wall_text = (" / ".join(f"{v:7.1f}" for v in times) for times in (cpu, wall))
+            print(f"{name:8} {t:3}  {cpu_text:>40}  {wall_text:>41}   q4_1/nbits CPU {cpu[0] / cpu[1]:.2f}x")
 
 
 if __name__ == "__main__":

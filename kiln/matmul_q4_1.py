@@ -125,10 +125,10 @@ def matmul_q4_1_ref(x: np.ndarray, qs: np.ndarray, dm: np.ndarray, bias: np.ndar
     acts = quantize_activations(x.reshape(-1, k))
     t = acts.q.shape[0]
     # integer dots per (token, row, block), exact in int64
-    dots = np.einsum("tbi,nbi->tnb", acts.q.reshape(t, -1, BLOCK).astype(np.int64),
+    dots: np.ndarray = np.einsum("tbi,nbi->tnb", acts.q.reshape(t, -1, BLOCK).astype(np.int64),
                      w.q.reshape(n, -1, BLOCK).astype(np.int64))
     d, m = w.d.astype(np.float64), w.m.astype(np.float64)
-    y = (dots * d[None] * acts.scale.astype(np.float64)[:, None]).sum(-1) + acts.sums @ m.T
+    y: np.ndarray = (dots * d[None] * acts.scale.astype(np.float64)[:, None]).sum(-1) + acts.sums @ m.T
     if bias is not None:
         y = y + bias.astype(np.float64)
     return y.astype(np.float32).reshape(*lead, n)
