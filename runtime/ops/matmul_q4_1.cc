@@ -4,14 +4,16 @@
 // implementation, in kiln/matmul_q4_1.py; this file implements it.
 //
 //   1. validate the shapes;
-//   2. quantize each activation row per block of 32 to int8 (step max|x| / 127, exact float sum),
+//   2. quantize each activation row per block of 32 to int8 (step max|x| / 127, exact float sum and
+//      what int8 loses of it),
 //      zero-padded to whole block pairs and to whole groups of 8 steps;
 //   3. work items (a chunk of output channels x a chunk of activation rows) run on ONNX Runtime's
 //      intra-op thread pool. Each computes tiles of up to 4 channels x 1 row (decode) or 2 channels
 //      x up to 4 rows: every unpacked weight pair feeds all rows of the tile, every activation
 //      block all its channels. A block's dot is _mm256_maddubs_epi16 (unsigned nibbles x signed
 //      int8) + _mm256_madd_epi16 into int32, scaled by d * xs in float (the products of 8 blocks
-//      at a time); the minimum's term, sum_b m * sum(x_block), is a separate 8-wide dot per tile.
+//      at a time); the minimum's term sum_b m * sum(x_block) and the centring term (see the spec)
+//      are separate 8-wide dots per tile.
 //
 // Built with -O3 -mavx2 -mfma -mf16c (AVX2 only: no AVX-512 or VNNI is assumed).
 #define ORT_API_MANUAL_INIT
@@ -62,9 +64,10 @@ struct Int8Rows {
   std::vector<int8_t> q;      // [T, q_stride]
   std::vector<float> scale;   // [T, s_stride]
   std::vector<float> sum;     // [T, s_stride]
+  std::vector<float> sum_error;  // [T, s_stride]: sum(x) - xs * sum(xq), what int8 loses of the block sum
 };
 
-void quantize_row(const float* x, int64_t nb, int8_t* q, float* scale, float* sum) {
+void quantize_row(const float* x, int64_t nb, int8_t* q, float* scale, float* sum, float* sum_error) {
   const __m256 sign = _mm256_set1_ps(-0.f);
   const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);  // undoes packs' lane interleave
   for (int64_t b = 0; b < nb; ++b, x += kBlock, q += kBlock) {
@@ -84,6 +87,8 @@ void quantize_row(const float* x, int64_t nb, int8_t* q, float* scale, float* su
     const __m256i i1 = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v1, inv), kRound));
     const __m256i i2 = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v2, inv), kRound));
     const __m256i i3 = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v3, inv), kRound));
+    const __m256i isum = _mm256_add_epi32(_mm256_add_epi32(i0, i1), _mm256_add_epi32(i2, i3));
+    sum_error[b] = sum[b] - step * hsum(_mm256_cvtepi32_ps(isum));
     const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(i0, i1), _mm256_packs_epi32(i2, i3));
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), _mm256_permutevar8x32_epi32(bytes, order));
   }
@@ -120,6 +125,7 @@ void tile(const Problem& p, int64_t n0, int64_t t0) {
   const int8_t* xq[NT];
   const float* xs[NT];
   const float* xsum[NT];
+  const float* xerr[NT];
   __m256 acc[NC][NT];
   for (int c = 0; c < NC; ++c) {
     w[c] = p.qs + (n0 + c) * p.pairs * kPairBytes;
@@ -130,6 +136,7 @@ void tile(const Problem& p, int64_t n0, int64_t t0) {
     xq[r] = p.x->q.data() + (t0 + r) * p.x->q_stride;
     xs[r] = p.x->scale.data() + (t0 + r) * p.x->s_stride;
     xsum[r] = p.x->sum.data() + (t0 + r) * p.x->s_stride;
+    xerr[r] = p.x->sum_error.data() + (t0 + r) * p.x->s_stride;
   }
   for (int64_t j = 0; j < p.pairs; ++j) {
     __m256 xstep[NT];  // (xs0, xs1) repeated
@@ -149,12 +156,16 @@ void tile(const Problem& p, int64_t n0, int64_t t0) {
       }
     }
   }
-  // the minimum's term: sum_b m * sum(x_block), 8 blocks at a time
+  // the minimum's term sum_b m * sum(x_block), and the centring's sum_b 7.5 d * sum_error, 8 blocks at a time
   for (int64_t b8 = 0; b8 < p.nb; b8 += 8) {
     const int64_t count = std::min<int64_t>(8, p.nb - b8);
     for (int c = 0; c < NC; ++c) {
       const __m256 m = load_f16x8(dm[c] + p.nb + b8, count);
-      for (int r = 0; r < NT; ++r) acc[c][r] = _mm256_fmadd_ps(m, _mm256_loadu_ps(xsum[r] + b8), acc[c][r]);
+      const __m256 centre = _mm256_mul_ps(load_f16x8(dm[c] + b8, count), _mm256_set1_ps(7.5f));
+      for (int r = 0; r < NT; ++r) {
+        acc[c][r] = _mm256_fmadd_ps(m, _mm256_loadu_ps(xsum[r] + b8), acc[c][r]);
+        acc[c][r] = _mm256_fmadd_ps(centre, _mm256_loadu_ps(xerr[r] + b8), acc[c][r]);
+      }
     }
   }
   for (int r = 0; r < NT; ++r)
@@ -227,11 +238,11 @@ struct MatMulQ4_1 {
 
     const int64_t q_stride = pairs * 2 * kBlock, s_stride = (nb + 7) / 8 * 8;
     Int8Rows rows{q_stride, s_stride, std::vector<int8_t>(T * q_stride), std::vector<float>(T * s_stride),
-                  std::vector<float>(T * s_stride)};
+                  std::vector<float>(T * s_stride), std::vector<float>(T * s_stride)};
     const float* xd = x.Data();
     auto quantize = [&](size_t t) {
       quantize_row(xd + t * K, nb, rows.q.data() + t * q_stride, rows.scale.data() + t * s_stride,
-                   rows.sum.data() + t * s_stride);
+                   rows.sum.data() + t * s_stride, rows.sum_error.data() + t * s_stride);
     };
     if (T * K >= kParallelQuantize) parallel_for_q4(ctx, T, quantize);
     else for (int64_t t = 0; t < T; ++t) quantize(t);

@@ -68,9 +68,10 @@ def test_reference_is_x_at_w_up_to_int8_activations():
     w = weights.dequantize()
     exact = x.astype(np.float64) @ w.T
     y = matmul_q4_1_ref(x, *weights.pack())
-    # each block's error is at most half an int8 step per element times sum |w|
+    # int8 rounding (half a step per element) only meets the centred nibbles |q - 7.5| * d
     acts = quantize_activations(x)
-    bound = (np.repeat(acts.scale, BLOCK, axis=1) / 2) @ np.abs(w).T
+    centred = np.abs(weights.q - 7.5) * np.repeat(weights.d.astype(np.float64), BLOCK, axis=1)
+    bound = (np.repeat(acts.scale, BLOCK, axis=1) / 2) @ centred.T
     assert np.all(np.abs(y - exact) <= bound + 1e-5 * scale_of(x, weights))
     assert np.abs(y - exact).max() > 1e-6  # int8 activations do move the result
     np.testing.assert_array_equal(acts.q.reshape(5, 3, 32)[0, 1], 0)  # the zero block stays zero
