@@ -10,6 +10,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from kiln.matmul_q4_1 import BLOCK, Q4_1Weights
+
 
 @dataclass(frozen=True)
 class GroupQuantized:
@@ -74,33 +76,20 @@ def per_channel_as_groups(w: np.ndarray, group_size: int) -> GroupQuantized:
     return GroupQuantized(q_u8, scales, zero_points, 8, group_size, k)
 
 
-@dataclass(frozen=True)
-class OffsetQuantized:
-    """llama.cpp's Q4_1 in MatMulNBits terms: ``w ≈ (q - zero_points) * scales + offsets`` per group.
+def quantize_q4_1(w: np.ndarray) -> Q4_1Weights:
+    """llama.cpp's Q4_1 (blocks of 32 along K, float16 step and minimum); lossless on Q4_1 GGUF weights.
 
-    Q4_1 stores a block's minimum m and step d, ``w = m + q * d``. MatMulNBits' zero points are
-    integers here (float ones make ORT dequantize on every call), so the part of m an integer zero
-    point z cannot express, ``m + z * d``, is kept as a per-(row, group) offset.
+    A Q4_1 block maps its minimum to q = 0 and its maximum to q = 15, so on weights a Q4_1 GGUF
+    dequantized the block's min is m exactly and (max - min) / 15 rounds back to d in float16.
     """
-
-    ints: GroupQuantized
-    offsets: np.ndarray  # float32 [N, n_groups]
-
-    def dequantize(self) -> np.ndarray:
-        return self.ints.dequantize() + np.repeat(self.offsets, self.ints.group_size, axis=1)[:, : self.ints.k]
-
-
-def quantize_q4_1(w: np.ndarray, group_size: int = 32) -> OffsetQuantized:
-    """Min/max 4-bit groups with the minimum kept exactly (Q4_1); lossless on Q4_1 GGUF weights."""
     w = np.asarray(w, dtype=np.float32)
     n, k = w.shape
-    if k % group_size:
-        raise ValueError(f"Q4_1 groups of {group_size} need K divisible by {group_size}, not {k}")
-    groups = w.reshape(n, -1, group_size)
-    lo, hi = groups.min(axis=-1), groups.max(axis=-1)
-    step = (hi - lo) / 15.0
-    step = np.where(step == 0, 1.0, step).astype(np.float32)
-    q = np.clip(np.round((groups - lo[..., None]) / step[..., None]), 0, 15).astype(np.uint8)
-    zero_points = np.clip(np.round(-lo / step), 0, 15).astype(np.uint8)
-    offsets = (lo + zero_points * step).astype(np.float32)
-    return OffsetQuantized(GroupQuantized(q.reshape(n, -1), step, zero_points, 4, group_size, k), offsets)
+    if k % BLOCK:
+        raise ValueError(f"Q4_1 blocks of {BLOCK} need K divisible by {BLOCK}, not {k}")
+    blocks = w.reshape(n, -1, BLOCK)
+    lo, hi = blocks.min(axis=-1), blocks.max(axis=-1)
+    d, m = ((hi - lo) / np.float32(15)).astype(np.float16), lo.astype(np.float16)
+    step = d.astype(np.float32)[..., None]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        q = np.where(step > 0, np.rint((blocks - m.astype(np.float32)[..., None]) / step), 0)
+    return Q4_1Weights(np.clip(q, 0, 15).astype(np.uint8).reshape(n, k), d, m)

@@ -29,6 +29,7 @@
 #include <thread>
 #include <vector>
 
+#include "matmul_q4_1.h"
 #include "simd.h"
 #include "validate.h"
 
@@ -490,6 +491,7 @@ __attribute__((visibility("default"))) OrtStatus* ORT_API_CALL RegisterCustomOps
       domain->Add(Ort::Custom::CreateLiteCustomOp<kiln::PagedAttention<float>>("PagedAttention", "CPUExecutionProvider"));
       domain->Add(Ort::Custom::CreateLiteCustomOp<kiln::PagedAttention<Ort::Float16_t>>("PagedAttention", "CPUExecutionProvider"));
       domain->Add(Ort::Custom::CreateLiteCustomOp<kiln::PagedAttention<int8_t>>("PagedAttention", "CPUExecutionProvider"));
+      kiln::add_matmul_q4_1(*domain);
     }
     Ort::UnownedSessionOptions(options).Add(*domain);
   } catch (const std::exception& e) {

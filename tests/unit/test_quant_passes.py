@@ -13,12 +13,14 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
+from kiln.matmul_q4_1 import matmul_q4_1_ref
 from kiln.optimize.quant import rtn
 from kiln.optimize.quant.graph import find_linears
 from kiln.optimize.quantize_int4 import quantize_int4
 from kiln.optimize.quantize_int8 import quantize_int8_weight_only
 from kiln.optimize.quantize_q4_1 import quantize_q4_1_pass
 from kiln.optimize.quantize_w8a8 import quantize_w8a8
+from kiln.runtime.ops import library_path
 
 V, H, F = 96, 64, 160  # vocab, hidden (not a multiple of 128: a padded last group), ffn
 
@@ -75,7 +77,9 @@ def run(model: ir.Model, ids: np.ndarray, fp32_kernels: bool = False) -> np.ndar
             assert level.i == 4  # what the passes ship: the fast int8 path on CPU
             if fp32_kernels:
                 level.i = 0
-    sess = ort.InferenceSession(proto.SerializeToString(), providers=["CPUExecutionProvider"])
+    so = ort.SessionOptions()
+    so.register_custom_ops_library(library_path())  # kiln.MatMulQ4_1
+    sess = ort.InferenceSession(proto.SerializeToString(), so, providers=["CPUExecutionProvider"])
     return sess.run(None, {"ids": ids})[0]
 
 
@@ -149,16 +153,20 @@ def q4_1_weights(rng, n, k):
     return (m + q * d).reshape(n, k).astype(np.float32)
 
 
+def q4_1_linear(x: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """kiln.MatMulQ4_1's reference on the Q4_1 quantization of w (activations as the graph has them, float32)."""
+    return matmul_q4_1_ref(x.astype(np.float32), *rtn.quantize_q4_1(w).pack()).astype(np.float64)
+
+
 def test_q4_1_reference_is_exact_on_q4_1_weights():
     rng = np.random.default_rng(1)
     w = q4_1_weights(rng, 48, 96)
-    qw = rtn.quantize_q4_1(w)
-    np.testing.assert_allclose(qw.dequantize(), w, rtol=0, atol=1e-6)
-    spans_zero = (w.reshape(48, 3, 32).min(-1) <= 0) & (w.reshape(48, 3, 32).max(-1) >= 0)
-    assert np.all(np.abs(qw.offsets)[spans_zero] <= qw.ints.scales[spans_zero] / 2 + 1e-7)  # z takes the rest
-    other = rng.standard_normal((8, 64)).astype(np.float32)  # any weights: min/max RTN, half a step at most
-    err = np.abs(rtn.quantize_q4_1(other).dequantize() - other)
-    assert np.all(err <= np.repeat(rtn.quantize_q4_1(other).ints.scales, 32, axis=1) / 2 + 1e-6)
+    np.testing.assert_array_equal(rtn.quantize_q4_1(w).dequantize(), w)  # bit-exact
+    other = rng.standard_normal((8, 64)).astype(np.float32)  # any weights: min/max RTN, float16 d and m
+    qw = rtn.quantize_q4_1(other)
+    step = np.repeat(qw.d.astype(np.float32), 32, axis=1)
+    bound = step / 2 + 2.0**-11 * (np.repeat(np.abs(qw.m.astype(np.float32)), 32, axis=1) + 16 * step)
+    assert np.all(np.abs(qw.dequantize() - other) <= bound)
     with pytest.raises(ValueError, match="divisible by 32"):
         rtn.quantize_q4_1(other[:, :40])
 
@@ -172,10 +180,15 @@ def test_q4_1_pass_runs_and_keeps_q4_1_weights():
     fp32 = run(model, IDS)
     assert quantize_q4_1_pass(model) == 3
     ops = [n.op_type for n in model.graph]
-    assert ops.count("MatMulNBits") == 3 and ops.count("MatMul") == 2 and ops.count("ReduceSum") == 2
-    # Q4_1 weights come through exactly: only the int8 LM head differs from fp32 ...
-    assert_computes(model, forward(w, w["up"], w["down"], rtn.per_channel_as_groups(w["embed"], 128).dequantize()))
-    # ... and, in the shipped kernel, MatMulNBits' int8 activations
+    assert ops.count("MatMulQ4_1") == 2 and ops.count("MatMulNBits") == 1 and "MatMul" not in ops
+    # the op's reference on the Q4_1 weights (int8 activations), the int8 LM head in fp32 kernels
+    h = w["embed"][IDS].astype(np.float32)
+    a = np.maximum(q4_1_linear(h, w["up"]) + w["up_bias"], 0)
+    head = rtn.per_channel_as_groups(w["embed"], 128).dequantize()
+    reference = (q4_1_linear(a, w["down"]) + h) @ head.T
+    assert_computes(model, reference)
+    # the Q4_1 weights come through exactly: int8 activations and the int8 head are all that differ
+    np.testing.assert_allclose(rtn.quantize_q4_1(w["up"]).dequantize(), w["up"], rtol=0, atol=0)
     assert rel_err(run(model, IDS), fp32) < 0.02
 
 
@@ -346,11 +359,14 @@ def test_fused_projections_keep_q4_1_weights_exact(int4_head):
     model, w, fp32 = fused_qkv_graph(q4_1=True)
     assert quantize_q4_1_pass(model, int4_lm_head=int4_head) == 4
     ops = [n.op_type for n in model.graph]
-    # one block sum per distinct input: h (fused qkv), m (fused gate/up), a (down), r (the head if Q4_1)
-    assert ops.count("ReduceSum") == 3 + int4_head and ops.count("MatMulNBits") == 4
-    head = (lambda m: rtn.quantize_q4_1(m).dequantize()) if int4_head else (
-        lambda m: rtn.per_channel_as_groups(m, 128).dequantize())
-    assert_computes(model, qkv_forward(w, per_part(w, lambda m: m, head)))  # the Q4_1 weights exactly, fused or not
+    assert ops.count("MatMulQ4_1") == 3 + int4_head and ops.count("MatMulNBits") == 1 - int4_head
+    assert "ReduceSum" not in ops
+    head = rtn.per_channel_as_groups(w["embed"], 128).dequantize()
+
+    def linear(x, name):  # quantized row by row: the fused matrix is its parts' Q4_1, side by side
+        return x @ head.T if name == "embed" and not int4_head else q4_1_linear(x, w[name])
+
+    assert_computes(model, qkv_forward(w, linear))
 
 
 def test_fused_projections_w8a8_matches_numpy_reference():

@@ -1,0 +1,161 @@
+"""kiln.MatMulQ4_1 (domain "kiln", version 1): the contract and its executable spec.
+
+The ONNX Runtime CPU kernel (runtime/ops/matmul_q4_1.cc) is tested against `matmul_q4_1_ref`.
+
+Inputs
+  x        float32 [..., K]              K a multiple of 32; nb = K / 32 blocks per row
+  qs       uint8   [N, ceil(nb / 2), 32]  the 4-bit q of each output channel, two blocks per 32 bytes
+  dm       float16 [N, 2, nb]             per block: row 0 the step d, row 1 the minimum m
+  bias     float32 [N]                    optional
+Output
+  y        float32 [..., N]
+
+Weights (llama.cpp's Q4_1 numbers, repacked for AVX2): block b of a row holds 32 consecutive input
+channels, ``w = m + q * d``, q in [0, 15], d and m float16 as in a Q4_1 GGUF. Byte i of the 32 bytes
+of pair j holds element i of block 2j in its low nibble and element i of block 2j + 1 in its high
+one (an odd nb leaves the last pair's high nibbles 0). One 32-byte load and two masks then give two
+whole blocks in element order (llama.cpp's 16-byte block_q4_1 needs a load, a shift and an insert per
+block), and the d and m planes convert eight blocks at a time.
+
+Semantics (llama.cpp's vec_dot_q4_1_q8_1, with exact block sums and centred nibbles): each row of x
+is quantized per block of 32 to int8, ``xs = max|x_block| / 127`` (0 for an all-zero block),
+``xq = round_half_even(x * (1 / xs))``, and with ``S = sum(x_block)``, ``E = S - xs * sum(xq)``:
+
+    y[t, n] = sum_b  d * xs * (q . xq)  +  m * S  +  7.5 * d * E   (+ bias[n])
+
+which is ``sum_b m * S + d * (xs * ((q - 7.5) . xq) + 7.5 * S)``: the minimum's term and the
+nibbles' mean use the float block sum exactly, so int8 rounding only reaches the centred nibbles
+q - 7.5 (llama.cpp's q8_1 multiplies the raw q in [0, 15] and stores xs * sum(xq) in float16: four
+times the rounding noise, +1% perplexity on SmolLM2 here).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from kiln.contract import OP_DOMAIN
+
+if TYPE_CHECKING:
+    from onnx import ModelProto
+
+OP_TYPE = "MatMulQ4_1"
+BLOCK = 32  # input channels per block
+PAIR_BYTES = 32  # two blocks' nibbles
+INT8_MAX = 127
+CENTRE = 7.5  # the nibbles' mean, whose product with x is taken from the exact block sum
+
+
+@dataclass(frozen=True)
+class Q4_1Weights:
+    """A [N, K] weight in Q4_1: ``w = m + q * d`` per block of 32 along K."""
+
+    q: np.ndarray  # uint8 [N, K], values in [0, 15]
+    d: np.ndarray  # float16 [N, K / 32]
+    m: np.ndarray  # float16 [N, K / 32]
+
+    def __post_init__(self) -> None:
+        if self.q.ndim != 2 or self.q.dtype != np.uint8 or self.q.shape[1] % BLOCK or self.q.max(initial=0) > 15:
+            raise ValueError(f"q must be uint8 [N, K] with K a multiple of {BLOCK} and values < 16, "
+                             f"got {self.q.dtype} {self.q.shape}")
+        blocks = (self.q.shape[0], self.q.shape[1] // BLOCK)
+        for name in ("d", "m"):
+            value = getattr(self, name)
+            if value.dtype != np.float16 or value.shape != blocks or not np.all(np.isfinite(value)):
+                raise ValueError(f"{name} must be finite float16 {list(blocks)}, got {value.dtype} {value.shape}")
+
+    def dequantize(self) -> np.ndarray:
+        """float32 [N, K]: m + q * d, in float32 as llama.cpp and gguf dequantize."""
+        n, k = self.q.shape
+        q = self.q.reshape(n, -1, BLOCK).astype(np.float32)
+        w = self.m.astype(np.float32)[..., None] + q * self.d.astype(np.float32)[..., None]
+        return w.reshape(n, k)
+
+    def pack(self) -> tuple[np.ndarray, np.ndarray]:
+        """The op's (qs uint8 [N, ceil(nb / 2), 32], dm float16 [N, 2, nb])."""
+        n, k = self.q.shape
+        nb = k // BLOCK
+        q = self.q.reshape(n, nb, BLOCK)
+        if nb % 2:
+            q = np.concatenate([q, np.zeros((n, 1, BLOCK), np.uint8)], axis=1)
+        pairs = q.reshape(n, -1, 2, BLOCK)
+        qs = (pairs[:, :, 0] | (pairs[:, :, 1] << 4)).astype(np.uint8)
+        return np.ascontiguousarray(qs), np.ascontiguousarray(np.stack([self.d, self.m], axis=1))
+
+    @classmethod
+    def unpack(cls, qs: np.ndarray, dm: np.ndarray) -> Q4_1Weights:
+        if dm.ndim != 3 or dm.dtype != np.float16 or dm.shape[1] != 2:
+            raise ValueError(f"dm must be float16 [N, 2, nb], got {dm.dtype} {dm.shape}")
+        n, _, nb = dm.shape
+        if qs.dtype != np.uint8 or qs.shape != (n, -(-nb // 2), PAIR_BYTES):
+            raise ValueError(f"qs must be uint8 [{n}, {-(-nb // 2)}, {PAIR_BYTES}] for dm {dm.shape}, "
+                             f"got {qs.dtype} {qs.shape}")
+        q = np.stack([qs & 15, qs >> 4], axis=2).reshape(n, -1)[:, : nb * BLOCK]
+        return cls(np.ascontiguousarray(q), np.ascontiguousarray(dm[:, 0]), np.ascontiguousarray(dm[:, 1]))
+
+
+@dataclass(frozen=True)
+class Int8Blocks:
+    """Activations [T, K] quantized per block of 32 as the kernel does (llama.cpp's q8_1, exact sums)."""
+
+    q: np.ndarray  # int8 [T, K]
+    scale: np.ndarray  # float32 [T, K / 32]
+    sums: np.ndarray  # float64 [T, K / 32]: sum of the block's float activations
+    sum_errors: np.ndarray  # float64 [T, K / 32]: sums - scale * sum(q)
+
+
+def quantize_activations(x: np.ndarray) -> Int8Blocks:
+    """x float32 [T, K] (K a multiple of 32) -> its int8 blocks, in the kernel's float32 arithmetic."""
+    x = np.asarray(x, dtype=np.float32)
+    t, k = x.shape
+    blocks = x.reshape(t, k // BLOCK, BLOCK)
+    scale = (np.abs(blocks).max(axis=-1) / np.float32(INT8_MAX)).astype(np.float32)
+    with np.errstate(divide="ignore"):
+        inv = np.where(scale > 0, np.float32(1) / scale, np.float32(0)).astype(np.float32)
+    q = np.clip(np.rint(blocks * inv[..., None]), -INT8_MAX, INT8_MAX).astype(np.int8)
+    sums = blocks.astype(np.float64).sum(axis=-1)
+    return Int8Blocks(q.reshape(t, k), scale, sums, sums - scale * q.sum(axis=-1, dtype=np.int64))
+
+
+def matmul_q4_1_ref(x: np.ndarray, qs: np.ndarray, dm: np.ndarray, bias: np.ndarray | None = None) -> np.ndarray:
+    """y = x @ W^T of the op (int8 activations, Q4_1 weights), float64 accumulation; float32 [..., N]."""
+    w = Q4_1Weights.unpack(qs, dm)
+    n, k = w.q.shape
+    x = np.asarray(x, dtype=np.float32)
+    if x.shape[-1] != k:
+        raise ValueError(f"x's last dimension {x.shape[-1]} is not the weight's K = {k}")
+    lead = x.shape[:-1]
+    acts = quantize_activations(x.reshape(-1, k))
+    t = acts.q.shape[0]
+    # integer dots per (token, row, block), exact in int64
+    dots: np.ndarray = np.einsum("tbi,nbi->tnb", acts.q.reshape(t, -1, BLOCK).astype(np.int64),
+                     w.q.reshape(n, -1, BLOCK).astype(np.int64))
+    d, m = w.d.astype(np.float64), w.m.astype(np.float64)
+    y: np.ndarray = ((dots * d[None] * acts.scale.astype(np.float64)[:, None]).sum(-1) + acts.sums @ m.T
+                     + CENTRE * acts.sum_errors @ d.T)
+    if bias is not None:
+        y = y + bias.astype(np.float64)
+    return y.astype(np.float32).reshape(*lead, n)
+
+
+def make_single_op_model(weights: Q4_1Weights, bias: np.ndarray | None = None, rank: int = 2) -> ModelProto:
+    """A one-node ONNX model y = kiln.MatMulQ4_1(x, qs, dm[, bias]) with constant weights, for tests
+    and benchmarks. x is [T, K] (rank 2) or [B, T, K] (rank 3), the leading dims symbolic."""
+    from onnx import TensorProto, helper, numpy_helper  # compile-time dependency only
+
+    n, k = weights.q.shape
+    qs, dm = weights.pack()
+    lead = ["B", "T"][3 - rank:]
+    inits = [numpy_helper.from_array(qs, "qs"), numpy_helper.from_array(dm, "dm")]
+    if bias is not None:
+        inits.append(numpy_helper.from_array(bias.astype(np.float32), "bias"))
+    names = ["x", "qs", "dm"] + (["bias"] if bias is not None else [])
+    node = helper.make_node(OP_TYPE, names, ["y"], domain=OP_DOMAIN)
+    graph = helper.make_graph([node], "matmul_q4_1",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [*lead, k])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [*lead, n])], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid(OP_DOMAIN, 1)])
+    model.ir_version = 8
+    return model

@@ -1,0 +1,268 @@
+// kiln.MatMulQ4_1 (domain "kiln", version 1): the ONNX Runtime CPU kernel.
+//
+// The contract (inputs, weight layout, semantics) is written once, with its numpy reference
+// implementation, in kiln/matmul_q4_1.py; this file implements it.
+//
+//   1. validate the shapes;
+//   2. quantize each activation row per block of 32 to int8 (step max|x| / 127, exact float sum and
+//      what int8 loses of it),
+//      zero-padded to whole block pairs and to whole groups of 8 steps;
+//   3. work items (a chunk of output channels x a chunk of activation rows) run on ONNX Runtime's
+//      intra-op thread pool. Each computes tiles of up to 4 channels x 1 row (decode) or 2 channels
+//      x up to 4 rows: every unpacked weight pair feeds all rows of the tile, every activation
+//      block all its channels. A block's dot is _mm256_maddubs_epi16 (unsigned nibbles x signed
+//      int8) + _mm256_madd_epi16 into int32, scaled by d * xs in float (the products of 8 blocks
+//      at a time); the minimum's term sum_b m * sum(x_block) and the centring term (see the spec)
+//      are separate 8-wide dots per tile.
+//
+// Built with -O3 -mavx2 -mfma -mf16c (AVX2 only: no AVX-512 or VNNI is assumed).
+#define ORT_API_MANUAL_INIT
+#include "onnxruntime_lite_custom_op.h"
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "matmul_q4_1.h"
+#include "simd.h"
+
+namespace kiln {
+namespace {
+
+constexpr int64_t kBlock = 32;
+constexpr int64_t kPairBytes = 32;          // the nibbles of two blocks
+constexpr int64_t kChannelsPerItem = 32;    // output channels per work item (a multiple of 4)
+constexpr int64_t kRowsPerItem = 32;        // activation rows per work item
+constexpr int64_t kParallelQuantize = 1 << 15;  // activation elements from which quantizing is parallel
+
+[[noreturn]] void fail_q4(const std::string& msg) {
+  throw Ort::Exception("kiln.MatMulQ4_1: " + msg, ORT_INVALID_ARGUMENT);
+}
+
+std::string shape_text(const std::vector<int64_t>& s) {
+  std::string r = "[";
+  for (size_t i = 0; i < s.size(); ++i) r += (i ? ", " : "") + std::to_string(s[i]);
+  return r + "]";
+}
+
+template <typename F>
+void parallel_for_q4(OrtKernelContext* ctx, size_t n, F& f) {
+  if (n == 0) return;
+  if (n == 1) return f(0);
+  Ort::KernelContext(ctx).ParallelFor([](void* fn, size_t i) { (*static_cast<F*>(fn))(i); }, n, 0, &f);
+}
+
+// Activation rows quantized per block of 32: llama.cpp's q8_1, with the block sums in float.
+// Rows are padded with zeros: q to whole block pairs, scale and sum to whole groups of 8 blocks.
+struct Int8Rows {
+  int64_t q_stride, s_stride;
+  std::vector<int8_t> q;      // [T, q_stride]
+  std::vector<float> scale;   // [T, s_stride]
+  std::vector<float> sum;     // [T, s_stride]
+  std::vector<float> sum_error;  // [T, s_stride]: sum(x) - xs * sum(xq), what int8 loses of the block sum
+};
+
+void quantize_row(const float* x, int64_t nb, int8_t* q, float* scale, float* sum, float* sum_error) {
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);  // undoes packs' lane interleave
+  for (int64_t b = 0; b < nb; ++b, x += kBlock, q += kBlock) {
+    const __m256 v0 = _mm256_loadu_ps(x), v1 = _mm256_loadu_ps(x + 8);
+    const __m256 v2 = _mm256_loadu_ps(x + 16), v3 = _mm256_loadu_ps(x + 24);
+    const __m256 amax = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v0), _mm256_andnot_ps(sign, v1)),
+                                      _mm256_max_ps(_mm256_andnot_ps(sign, v2), _mm256_andnot_ps(sign, v3)));
+    __m128 h = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    h = _mm_max_ss(h, _mm_movehdup_ps(h));
+    const float step = _mm_cvtss_f32(h) / 127.f;
+    const __m256 inv = _mm256_set1_ps(step > 0.f ? 1.f / step : 0.f);
+    scale[b] = step;
+    sum[b] = hsum(_mm256_add_ps(_mm256_add_ps(v0, v1), _mm256_add_ps(v2, v3)));
+    constexpr int kRound = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;  // half to even, as np.rint
+    const __m256i i0 = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v0, inv), kRound));
+    const __m256i i1 = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v1, inv), kRound));
+    const __m256i i2 = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v2, inv), kRound));
+    const __m256i i3 = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v3, inv), kRound));
+    const __m256i isum = _mm256_add_epi32(_mm256_add_epi32(i0, i1), _mm256_add_epi32(i2, i3));
+    sum_error[b] = sum[b] - step * hsum(_mm256_cvtepi32_ps(isum));
+    const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(i0, i1), _mm256_packs_epi32(i2, i3));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), _mm256_permutevar8x32_epi32(bytes, order));
+  }
+}
+
+struct Problem {
+  const uint8_t* qs;    // [N, pairs, 32]
+  const uint16_t* dm;   // [N, 2, nb] float16: d then m
+  const float* bias;    // [N] or nullptr
+  const Int8Rows* x;
+  float* y;             // [T, N]
+  int64_t N, nb, pairs;
+};
+
+// 8 float16 from p (count < 8: the rest 0) as floats.
+inline __m256 load_f16x8(const uint16_t* p, int64_t count) {
+  if (count >= 8) return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  alignas(16) uint16_t tmp[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  std::memcpy(tmp, p, static_cast<size_t>(count) * sizeof(uint16_t));
+  return _mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(tmp)));
+}
+
+// y for channels [n0, n0 + NC) x rows [t0, t0 + NT).
+//
+// Per block pair and (channel, row): two maddubs (int16 lanes of 2 products) folded by one hadd
+// into lanes 0-1, 4-5 (block 2j) and 2-3, 6-7 (block 2j + 1), one madd into int32, one float FMA
+// with the steps laid out the same way: (d0 xs0, d0 xs0, d1 xs1, d1 xs1) twice.
+template <int NC, int NT>
+void tile(const Problem& p, int64_t n0, int64_t t0) {
+  const __m256i low = _mm256_set1_epi8(0x0F);
+  const __m256i ones = _mm256_set1_epi16(1);
+  const uint8_t* w[NC];
+  const uint16_t* dm[NC];
+  const int8_t* xq[NT];
+  const float* xs[NT];
+  const float* xsum[NT];
+  const float* xerr[NT];
+  __m256 acc[NC][NT];
+  for (int c = 0; c < NC; ++c) {
+    w[c] = p.qs + (n0 + c) * p.pairs * kPairBytes;
+    dm[c] = p.dm + (n0 + c) * 2 * p.nb;
+    for (int r = 0; r < NT; ++r) acc[c][r] = _mm256_setzero_ps();
+  }
+  for (int r = 0; r < NT; ++r) {
+    xq[r] = p.x->q.data() + (t0 + r) * p.x->q_stride;
+    xs[r] = p.x->scale.data() + (t0 + r) * p.x->s_stride;
+    xsum[r] = p.x->sum.data() + (t0 + r) * p.x->s_stride;
+    xerr[r] = p.x->sum_error.data() + (t0 + r) * p.x->s_stride;
+  }
+  for (int64_t j = 0; j < p.pairs; ++j) {
+    __m256 xstep[NT];  // (xs0, xs1) repeated
+    for (int r = 0; r < NT; ++r) xstep[r] = _mm256_castpd_ps(_mm256_broadcast_sd(reinterpret_cast<const double*>(xs[r] + 2 * j)));
+    for (int c = 0; c < NC; ++c) {
+      const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w[c] + j * kPairBytes));
+      const __m256i lo = _mm256_and_si256(raw, low), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
+      int32_t d01;  // the steps of blocks 2j, 2j + 1 (for an odd nb the last one reads m[0]: its x is 0)
+      std::memcpy(&d01, dm[c] + 2 * j, sizeof(d01));
+      const __m256 d = _mm256_cvtph_ps(_mm_set1_epi32(d01));  // (d0, d1) repeated
+      for (int r = 0; r < NT; ++r) {
+        const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq[r] + j * 2 * kBlock));
+        const __m256i x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq[r] + j * 2 * kBlock + kBlock));
+        const __m256i sums = _mm256_hadd_epi16(_mm256_maddubs_epi16(lo, x0), _mm256_maddubs_epi16(hi, x1));
+        const __m256 step = _mm256_permute_ps(_mm256_mul_ps(d, xstep[r]), _MM_SHUFFLE(1, 1, 0, 0));
+        acc[c][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(sums, ones)), step, acc[c][r]);
+      }
+    }
+  }
+  // the minimum's term sum_b m * sum(x_block), and the centring's sum_b 7.5 d * sum_error, 8 blocks at a time
+  for (int64_t b8 = 0; b8 < p.nb; b8 += 8) {
+    const int64_t count = std::min<int64_t>(8, p.nb - b8);
+    for (int c = 0; c < NC; ++c) {
+      const __m256 m = load_f16x8(dm[c] + p.nb + b8, count);
+      const __m256 centre = _mm256_mul_ps(load_f16x8(dm[c] + b8, count), _mm256_set1_ps(7.5f));
+      for (int r = 0; r < NT; ++r) {
+        acc[c][r] = _mm256_fmadd_ps(m, _mm256_loadu_ps(xsum[r] + b8), acc[c][r]);
+        acc[c][r] = _mm256_fmadd_ps(centre, _mm256_loadu_ps(xerr[r] + b8), acc[c][r]);
+      }
+    }
+  }
+  for (int r = 0; r < NT; ++r)
+    for (int c = 0; c < NC; ++c)
+      p.y[(t0 + r) * p.N + n0 + c] = hsum(acc[c][r]) + (p.bias ? p.bias[n0 + c] : 0.f);
+}
+
+// Decode-sized work (one row): 4 channels a tile; otherwise 2 channels x up to 4 rows.
+void run_item(const Problem& p, int64_t n_begin, int64_t n_end, int64_t t_begin, int64_t t_end) {
+  if (t_end - t_begin == 1) {
+    int64_t n = n_begin;
+    for (; n + 4 <= n_end; n += 4) tile<4, 1>(p, n, t_begin);
+    switch (n_end - n) {
+      case 3: return tile<3, 1>(p, n, t_begin);
+      case 2: return tile<2, 1>(p, n, t_begin);
+      case 1: return tile<1, 1>(p, n, t_begin);
+      default: return;
+    }
+  }
+  for (int64_t n = n_begin; n < n_end; n += 2) {
+    const bool two = n + 1 < n_end;
+    int64_t t = t_begin;
+    for (; t + 4 <= t_end; t += 4) two ? tile<2, 4>(p, n, t) : tile<1, 4>(p, n, t);
+    switch (t_end - t) {
+      case 3: two ? tile<2, 3>(p, n, t) : tile<1, 3>(p, n, t); break;
+      case 2: two ? tile<2, 2>(p, n, t) : tile<1, 2>(p, n, t); break;
+      case 1: two ? tile<2, 1>(p, n, t) : tile<1, 1>(p, n, t); break;
+      default: break;
+    }
+  }
+}
+
+struct MatMulQ4_1 {
+  MatMulQ4_1(const OrtApi*, const OrtKernelInfo*) {}
+
+  Ort::Status Compute(OrtKernelContext* ctx, const Ort::Custom::Tensor<float>& x,
+                      const Ort::Custom::Tensor<uint8_t>& qs, const Ort::Custom::Tensor<Ort::Float16_t>& dm,
+                      std::optional<const Ort::Custom::Tensor<float>*> bias, Ort::Custom::Tensor<float>& y) {
+    try {
+      run(ctx, x, qs, dm, bias.value_or(nullptr), y);
+    } catch (const Ort::Exception& e) {
+      return Ort::Status(e.what(), e.GetOrtErrorCode());
+    } catch (const std::exception& e) {
+      return Ort::Status((std::string("kiln.MatMulQ4_1: ") + e.what()).c_str(), ORT_FAIL);
+    }
+    return Ort::Status{nullptr};
+  }
+
+  void run(OrtKernelContext* ctx, const Ort::Custom::Tensor<float>& x, const Ort::Custom::Tensor<uint8_t>& qs,
+           const Ort::Custom::Tensor<Ort::Float16_t>& dm, const Ort::Custom::Tensor<float>* bias,
+           Ort::Custom::Tensor<float>& y) const {
+    const std::vector<int64_t>& ds = dm.Shape();
+    const std::vector<int64_t>& qss = qs.Shape();
+    std::vector<int64_t> xs = x.Shape();
+    if (ds.size() != 3 || ds[0] <= 0 || ds[1] != 2 || ds[2] <= 0)
+      fail_q4("dm must be float16 [N, 2, nb] (rows d and m of each block), got " + shape_text(ds));
+    const int64_t N = ds[0], nb = ds[2], K = nb * kBlock, pairs = (nb + 1) / 2;
+    if (qss != std::vector<int64_t>{N, pairs, kPairBytes})
+      fail_q4("qs must be uint8 [N, ceil(nb / 2), 32] = " + shape_text({N, pairs, kPairBytes}) + " for dm " +
+              shape_text(ds) + ", got " + shape_text(qss));
+    if (xs.empty() || xs.back() != K)
+      fail_q4("x must be [..., K = " + std::to_string(K) + "] for dm " + shape_text(ds) + ", got " + shape_text(xs));
+    if (bias != nullptr && bias->Shape() != std::vector<int64_t>{N})
+      fail_q4("bias must be [N = " + std::to_string(N) + "], got " + shape_text(bias->Shape()));
+    const int64_t T = x.NumberOfElement() / K;
+    xs.back() = N;
+    Problem p{qs.Data(), reinterpret_cast<const uint16_t*>(dm.Data()), bias ? bias->Data() : nullptr, nullptr,
+              y.Allocate(xs), N, nb, pairs};
+    if (T == 0) return;
+
+    const int64_t q_stride = pairs * 2 * kBlock, s_stride = (nb + 7) / 8 * 8;
+    Int8Rows rows{q_stride, s_stride, std::vector<int8_t>(T * q_stride), std::vector<float>(T * s_stride),
+                  std::vector<float>(T * s_stride), std::vector<float>(T * s_stride)};
+    const float* xd = x.Data();
+    auto quantize = [&](size_t t) {
+      quantize_row(xd + t * K, nb, rows.q.data() + t * q_stride, rows.scale.data() + t * s_stride,
+                   rows.sum.data() + t * s_stride, rows.sum_error.data() + t * s_stride);
+    };
+    if (T * K >= kParallelQuantize) parallel_for_q4(ctx, T, quantize);
+    else for (int64_t t = 0; t < T; ++t) quantize(t);
+    p.x = &rows;
+
+    const int64_t channel_chunks = (N + kChannelsPerItem - 1) / kChannelsPerItem;
+    const int64_t row_chunks = (T + kRowsPerItem - 1) / kRowsPerItem;
+    auto item = [&](size_t i) {
+      const int64_t c = static_cast<int64_t>(i) % channel_chunks, r = static_cast<int64_t>(i) / channel_chunks;
+      run_item(p, c * kChannelsPerItem, std::min(N, (c + 1) * kChannelsPerItem), r * kRowsPerItem,
+               std::min(T, (r + 1) * kRowsPerItem));
+    };
+    parallel_for_q4(ctx, static_cast<size_t>(channel_chunks * row_chunks), item);
+  }
+};
+
+}  // namespace
+
+void add_matmul_q4_1(Ort::CustomOpDomain& domain) {
+  domain.Add(Ort::Custom::CreateLiteCustomOp<MatMulQ4_1>("MatMulQ4_1", "CPUExecutionProvider"));
+}
+
+}  // namespace kiln

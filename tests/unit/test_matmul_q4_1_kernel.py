@@ -1,0 +1,108 @@
+"""kiln.MatMulQ4_1: the numpy reference against fp32 x @ W.T, and the ONNX Runtime CPU kernel
+(libkiln_ops.so) against the reference: odd and ragged shapes, bias, rank 3, errors on bad shapes."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kiln.matmul_q4_1 import (
+    BLOCK,
+    Q4_1Weights,
+    make_single_op_model,
+    matmul_q4_1_ref,
+    quantize_activations,
+)
+from kiln.optimize.quant.rtn import quantize_q4_1
+
+ort = pytest.importorskip("onnxruntime")
+ops = pytest.importorskip("kiln.runtime.ops")
+
+try:
+    LIBRARY = ops.library_path()
+except ops.OpLibraryError as exc:  # pragma: no cover - the install builds it
+    pytest.skip(str(exc), allow_module_level=True)
+
+
+def session(model, threads: int = 2):
+    so = ort.SessionOptions()
+    so.register_custom_ops_library(LIBRARY)
+    so.intra_op_num_threads = threads
+    return ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+
+
+def random_case(rng, t: int, k: int, n: int) -> tuple[np.ndarray, Q4_1Weights]:
+    """Activations with an outlier channel and a zero block, and Q4_1 weights of random weights."""
+    x = rng.standard_normal((t, k)).astype(np.float32)
+    x[:, 3] *= 20  # an outlier widens its block's int8 step
+    if k > BLOCK:
+        x[0, BLOCK:2 * BLOCK] = 0  # an all-zero block: step 0
+    w = (rng.standard_normal((n, k)) * 0.05 - 0.01).astype(np.float32)
+    return x, quantize_q4_1(w)
+
+
+def scale_of(x: np.ndarray, w: Q4_1Weights) -> float:
+    """|x| @ |W|.T: the size the float rounding of a sum of products is relative to."""
+    return float((np.abs(x) @ np.abs(w.dequantize()).T).max())
+
+
+@pytest.mark.parametrize("k", [96, 128])  # an odd and an even number of blocks
+def test_pack_round_trips_in_the_documented_layout(k):
+    rng = np.random.default_rng(0)
+    w = quantize_q4_1(rng.standard_normal((3, k)).astype(np.float32))
+    qs, dm = w.pack()
+    assert qs.shape == (3, 2, 32) and qs.dtype == np.uint8 and dm.shape == (3, 2, k // 32) and dm.dtype == np.float16
+    back = Q4_1Weights.unpack(qs, dm)
+    np.testing.assert_array_equal(back.q, w.q)
+    np.testing.assert_array_equal(back.d, w.d)
+    np.testing.assert_array_equal(back.m, w.m)
+    # byte i of pair j: element i of block 2j | element i of block 2j + 1 << 4
+    assert qs[1, 0, 5] == w.q[1, 5] | (w.q[1, 32 + 5] << 4)
+    assert qs[1, 1, 7] == w.q[1, 64 + 7] | ((w.q[1, 96 + 7] if k == 128 else 0) << 4)
+    np.testing.assert_array_equal(dm[:, 0], w.d)
+
+
+def test_reference_is_x_at_w_up_to_int8_activations():
+    rng = np.random.default_rng(1)
+    x, weights = random_case(rng, 5, 96, 7)
+    w = weights.dequantize()
+    exact = x.astype(np.float64) @ w.T
+    y = matmul_q4_1_ref(x, *weights.pack())
+    # int8 rounding (half a step per element) only meets the centred nibbles |q - 7.5| * d
+    acts = quantize_activations(x)
+    centred = np.abs(weights.q - 7.5) * np.repeat(weights.d.astype(np.float64), BLOCK, axis=1)
+    bound = (np.repeat(acts.scale, BLOCK, axis=1) / 2) @ centred.T
+    assert np.all(np.abs(y - exact) <= bound + 1e-5 * scale_of(x, weights))
+    assert np.abs(y - exact).max() > 1e-6  # int8 activations do move the result
+    np.testing.assert_array_equal(acts.q.reshape(5, 3, 32)[0, 1], 0)  # the zero block stays zero
+
+
+@pytest.mark.parametrize("t, k, n", [(1, 32, 1), (1, 96, 7), (1, 576, 960), (3, 64, 17), (7, 96, 33), (37, 160, 5),
+                                     (64, 1536, 66), (5, 288, 3)])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_kernel_matches_reference(t, k, n, threads):
+    rng = np.random.default_rng(t * 1000 + n)
+    x, w = random_case(rng, t, k, n)
+    y = session(make_single_op_model(w), threads).run(None, {"x": x})[0]
+    assert y.shape == (t, n)
+    np.testing.assert_allclose(y, matmul_q4_1_ref(x, *w.pack()), rtol=0, atol=2e-6 * scale_of(x, w))
+
+
+def test_kernel_bias_rank3_and_empty_input():
+    rng = np.random.default_rng(5)
+    x, w = random_case(rng, 6, 96, 9)
+    bias = rng.standard_normal(9).astype(np.float32)
+    sess = session(make_single_op_model(w, bias, rank=3))
+    y = sess.run(None, {"x": x.reshape(2, 3, 96)})[0]
+    np.testing.assert_allclose(y, matmul_q4_1_ref(x, *w.pack(), bias).reshape(2, 3, 9), rtol=0,
+                               atol=2e-6 * scale_of(x, w))
+    assert sess.run(None, {"x": np.zeros((2, 0, 96), np.float32)})[0].shape == (2, 0, 9)
+
+
+def test_kernel_rejects_mismatched_k():
+    rng = np.random.default_rng(6)
+    _, w = random_case(rng, 1, 64, 4)
+    model = make_single_op_model(w)
+    model.graph.input[0].type.tensor_type.shape.dim[1].dim_param = "K"  # let the wrong K reach the kernel
+    with pytest.raises(Exception, match=r"kiln.MatMulQ4_1: x must be \[..., K = 64\]"):
+        session(model).run(None, {"x": np.zeros((2, 96), np.float32)})
