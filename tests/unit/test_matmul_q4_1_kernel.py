@@ -16,12 +16,9 @@ from kiln.matmul_q4_1 import (
 from kiln.optimize.quant.rtn import quantize_q4_1
 
 ort = pytest.importorskip("onnxruntime")
-ops = pytest.importorskip("kiln.runtime.ops")
+from op_library import op_library_or_skip  # noqa: E402
 
-try:
-    LIBRARY = ops.library_path()
-except ops.OpLibraryError as exc:  # pragma: no cover - the install builds it
-    pytest.skip(str(exc), allow_module_level=True)
+LIBRARY = op_library_or_skip()
 
 
 def session(model, threads: int = 2):

@@ -24,12 +24,10 @@ from kiln.paged_attention import (
 )
 
 ort = pytest.importorskip("onnxruntime")
-ops = pytest.importorskip("kiln.runtime.ops")
+from op_library import op_library_or_skip  # noqa: E402
 
-try:
-    LIBRARY = ops.library_path()
-except ops.OpLibraryError as exc:  # pragma: no cover - the install builds it
-    pytest.skip(str(exc), allow_module_level=True)
+ops = pytest.importorskip("kiln.runtime.ops")
+LIBRARY = op_library_or_skip()
 
 
 @dataclass(frozen=True)
