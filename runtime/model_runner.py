@@ -44,29 +44,41 @@ class BatchInput:
         }
 
 
+_Layout = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]
+
+
+def _pack(starts: list[int], token_runs: list[list[int]], block_tables: list[list[int]]) -> _Layout:
+    """(input_ids, position_ids, query_start_loc, seq_lens, block_tables) of rows whose new tokens
+    token_runs[r] start at absolute position starts[r]: the layout both packers share."""
+    num_rows = len(starts)
+    start = np.array(starts, dtype=np.int64)
+    counts = np.fromiter((len(run) for run in token_runs), dtype=np.int64, count=num_rows)
+    qsl = np.zeros(num_rows + 1, dtype=np.int32)
+    np.cumsum(counts, out=qsl[1:])
+    num_tokens = int(qsl[-1])
+    input_ids = np.fromiter(itertools.chain.from_iterable(token_runs), dtype=np.int64, count=num_tokens)
+    # Token i of row r sits at position start[r] + (i - qsl[r]).
+    position_ids = np.arange(num_tokens, dtype=np.int64) + np.repeat(start - qsl[:-1], counts)
+    seq_lens = (start + counts).astype(np.int32)
+    lengths = np.fromiter((len(table) for table in block_tables), dtype=np.int64, count=num_rows)
+    tables = np.zeros((num_rows, int(lengths.max())), dtype=np.int32)
+    in_table = np.arange(tables.shape[1]) < lengths[:, None]
+    tables[in_table] = np.fromiter(itertools.chain.from_iterable(block_tables), dtype=np.int32,
+                                   count=int(lengths.sum()))
+    return input_ids, position_ids, qsl, seq_lens, tables
+
+
 def build_batch(out: SchedulerOutput) -> BatchInput:
     """Pack the new tokens of each scheduled sequence (from its num_computed_tokens on); logits
     for the last token of the rows the scheduler marked as needing them."""
     scheduled = out.scheduled
-    starts = np.fromiter((seq.num_computed_tokens for seq, _ in scheduled), dtype=np.int64, count=len(scheduled))
-    counts = np.fromiter((n for _, n in scheduled), dtype=np.int64, count=len(scheduled))
-    qsl = np.zeros(len(scheduled) + 1, dtype=np.int32)
-    np.cumsum(counts, out=qsl[1:])
-    num_tokens = int(qsl[-1])
-    new_tokens = (seq.token_ids[c:c + n] for (seq, n), c in zip(scheduled, starts.tolist(), strict=True))
-    input_ids = np.fromiter(itertools.chain.from_iterable(new_tokens), dtype=np.int64, count=num_tokens)
-    # Token i of row r sits at position start[r] + (i - qsl[r]).
-    position_ids = np.arange(num_tokens, dtype=np.int64) + np.repeat(starts - qsl[:-1], counts)
-    seq_lens = (starts + counts).astype(np.int32)
-    lengths = np.fromiter((len(seq.block_table) for seq, _ in scheduled), dtype=np.int64, count=len(scheduled))
-    tables = np.zeros((len(scheduled), int(lengths.max())), dtype=np.int32)
-    blocks = itertools.chain.from_iterable(seq.block_table for seq, _ in scheduled)
-    in_table = np.arange(tables.shape[1]) < lengths[:, None]
-    tables[in_table] = np.fromiter(blocks, dtype=np.int32, count=int(lengths.sum()))
+    starts = [seq.num_computed_tokens for seq, _ in scheduled]
+    runs = [seq.token_ids[c:c + n] for (seq, n), c in zip(scheduled, starts, strict=True)]
+    input_ids, position_ids, qsl, seq_lens, tables = _pack(starts, runs, [seq.block_table for seq, _ in scheduled])
     rows = qsl[1:][np.array(out.needs_logits, dtype=bool)].astype(np.int64) - 1
     num_logits = int(rows.size)
     # A step of prefill chunks only still asks for one (ignored) row: some backends dislike empty gathers.
-    logits_indices = rows if num_logits else np.array([num_tokens - 1], dtype=np.int64)
+    logits_indices = rows if num_logits else np.array([int(qsl[-1]) - 1], dtype=np.int64)
     return BatchInput(input_ids, position_ids, qsl, seq_lens, tables, logits_indices, num_logits)
 
 
@@ -106,24 +118,11 @@ def pack_chunks(chunks: list[Chunk], all_rows: bool) -> BatchInput:
     For drivers that place sequences themselves (evaluation, tests); the engine packs its
     scheduled sequences with build_batch.
     """
-    counts = [len(c.tokens) for c in chunks]
-    qsl = np.zeros(len(chunks) + 1, dtype=np.int32)
-    np.cumsum(counts, out=qsl[1:])
-    tables = np.zeros((len(chunks), max(len(c.block_table) for c in chunks)), dtype=np.int32)
-    for row, chunk in enumerate(chunks):
-        tables[row, : len(chunk.block_table)] = chunk.block_table
-    rows = np.arange(qsl[-1], dtype=np.int64) if all_rows else qsl[1:].astype(np.int64) - 1
-    return BatchInput(
-        input_ids=np.fromiter((t for c in chunks for t in c.tokens), dtype=np.int64, count=int(qsl[-1])),
-        position_ids=np.concatenate(
-            [np.arange(c.start, c.start + n, dtype=np.int64) for c, n in zip(chunks, counts, strict=True)]
-        ),
-        query_start_loc=qsl,
-        seq_lens=np.array([c.start + n for c, n in zip(chunks, counts, strict=True)], dtype=np.int32),
-        block_tables=tables,
-        logits_indices=rows,
-        num_logits=len(rows),
+    input_ids, position_ids, qsl, seq_lens, tables = _pack(
+        [c.start for c in chunks], [c.tokens for c in chunks], [c.block_table for c in chunks]
     )
+    rows = np.arange(qsl[-1], dtype=np.int64) if all_rows else qsl[1:].astype(np.int64) - 1
+    return BatchInput(input_ids, position_ids, qsl, seq_lens, tables, rows, len(rows))
 
 
 def available_memory_bytes() -> int:
