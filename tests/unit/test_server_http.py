@@ -317,6 +317,8 @@ def test_disconnect_aborts_request(stream):
 
     chunks = asyncio.run(main())
     assert len(fake.aborted) == 1 and not fake.running and not fake.finished
+    metrics = app.state.metrics.render()
+    assert b"kiln_request_abort_total 1.0" in metrics and b"kiln_request_success_total{" not in metrics
     assert fake.generated < 50
     if stream:
         assert b"[DONE]" not in b"".join(chunks)
