@@ -52,8 +52,8 @@ def load_engine(engine_dir: str | Path, config: RuntimeConfig | None = None) -> 
         eos.append(tokenizer.eos_token_id)
     limits = EngineLimits(max_seq_len=max_model_len, max_num_tokens=build.max_num_tokens, eos_token_ids=tuple(eos))
     threads = config.num_threads or f"onnxruntime's default (one per core; {os.cpu_count()} CPUs)"
-    log.info("KV pool: %d blocks of %d tokens = %d tokens, %.1f MiB; max context %d tokens; %s threads; "
-             "prefix caching %s", runner.num_blocks, runner.block_size, runner.num_blocks * runner.block_size,
+    log.info("KV pool: %d blocks of %d tokens = %d tokens, %.1f MiB; max context %d tokens; threads: %s; "
+             "prefix caching: %s", runner.num_blocks, runner.block_size, runner.num_blocks * runner.block_size,
              runner.kv_pool_bytes / 2**20, max_model_len, threads, "on" if config.enable_prefix_caching else "off")
     return Engine(runner, tokenizer, config, limits, model_name=engine_dir.resolve().name)
 

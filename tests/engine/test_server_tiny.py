@@ -39,7 +39,7 @@ def server(tiny_engine, tmp_path_factory):
 def test_startup_summary_names_pool_context_threads(server):
     log = server.log_path.read_text()
     assert re.search(r"KV pool: \d+ blocks of 16 tokens = \d+ tokens, [\d.]+ MiB; max context 256 tokens; "
-                     r"1 threads; prefix caching off", log), log
+                     r"threads: 1; prefix caching: off", log), log
     assert "as 'tiny'" in log and "queue bound 8" in log and "API key required" in log
 
 
@@ -58,6 +58,13 @@ def test_flags_through_the_official_client(server):
     assert done.usage.completion_tokens == 4
     assert re.search(rf"{done.id}: prompt_tokens={done.usage.prompt_tokens} output_tokens=4 finish_reason=length "
                      r"latency=\d+\.\d+s", server.log_path.read_text())
+
+
+def test_prefix_caching_is_off(server):
+    prompt = list(range(3, 60))  # 57 tokens: three full blocks a prefix cache would find the second time
+    for _ in range(2):
+        done = server.client().completions.create(model="tiny", prompt=prompt, max_tokens=1)
+        assert done.usage.prompt_tokens_details.cached_tokens == 0
 
 
 def test_the_chat_template_file_is_the_one_applied(server):
