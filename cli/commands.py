@@ -167,9 +167,11 @@ def chat(engine_dir: str, system: str | None, max_tokens: int, temperature: floa
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None, help="write the report here")
 @click.option("--server", "server_url", default=None, help="run the workload over HTTP against a running "
               "`kiln serve` at this URL instead (ENGINE_DIR gives the vocabulary)")
+@click.option("--api-key", envvar="KILN_API_KEY", default=None, help="with --server: the server's API key "
+              "(also from $KILN_API_KEY)")
 def bench(engine_dir: str, num_requests: int, input_len: int, output_len: int, concurrency: tuple[int, ...],
           request_rate: float | None, kv_cache_bytes: int | None, max_num_seqs: int, num_threads: int | None,
-          json_path: str | None, server_url: str | None) -> None:
+          json_path: str | None, server_url: str | None, api_key: str | None) -> None:
     """Offline throughput/latency of ENGINE_DIR on a synthetic workload, vs the memory-bandwidth floor."""
     from kiln.runtime.bench.offline import BenchConfig
     from kiln.runtime.bench.offline import bench as run
@@ -179,7 +181,7 @@ def bench(engine_dir: str, num_requests: int, input_len: int, output_len: int, c
         from kiln.runtime.bench.serving import bench_server
 
         bench_server(server_url, engine_dir, BenchConfig(num_requests, input_len, output_len, None, request_rate),
-                     concurrency or (None,), json_path)
+                     concurrency or (None,), json_path, api_key or None)
         return
     run(engine_dir, BenchConfig(num_requests, input_len, output_len, None, request_rate), concurrency or (None,),
         RuntimeConfig(kv_cache_bytes=kv_cache_bytes, max_num_seqs=max_num_seqs, num_threads=num_threads,

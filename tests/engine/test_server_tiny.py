@@ -60,6 +60,16 @@ def test_flags_through_the_official_client(server):
                      r"latency=\d+\.\d+s", server.log_path.read_text())
 
 
+def test_bench_against_a_server_with_a_key(server, tiny_engine, capsys):
+    from kiln.runtime.bench.offline import BenchConfig
+    from kiln.runtime.bench.serving import bench_server
+
+    (run,) = bench_server(server.url, str(tiny_engine), BenchConfig(num_requests=4, input_len=8, output_len=4), (2,),
+                          api_key=KEY)["runs"]
+    assert run["num_errors"] == 0 and run["output_tok_per_s"] > 0 and run["kv_blocks_total"] > 0
+    capsys.readouterr()
+
+
 def test_prefix_caching_is_off(server):
     prompt = list(range(3, 60))  # 57 tokens: three full blocks a prefix cache would find the second time
     for _ in range(2):
@@ -70,8 +80,10 @@ def test_prefix_caching_is_off(server):
 def test_the_chat_template_file_is_the_one_applied(server):
     messages = [{"role": "user", "content": "hi there"}]
     post = lambda body: httpx.post(server.url + "/tokenize", json=body, headers=server.headers, timeout=5).json()  # noqa: E731
-    rendered = post({"prompt": "<<user:hi there>><<assistant:", "add_special_tokens": False})
+    rendered = post({"prompt": "<<user:hi there>><<assistant:", "add_special_tokens": False,
+                     "return_token_strs": True})
     assert post({"messages": messages})["tokens"] == rendered["tokens"]
+    assert len(rendered["token_strs"]) == rendered["count"] and all(rendered["token_strs"])
     text = httpx.post(server.url + "/detokenize", json={"tokens": rendered["tokens"]}, headers=server.headers,
                       timeout=5).json()["prompt"]
     assert text == "<<user:hi there>><<assistant:"
