@@ -67,21 +67,42 @@ def build(model: str, output: Path, kv_dtype: str, block_size: int, max_seq_len:
 @main.command()
 @click.argument("engine_dir", type=click.Path(exists=True, file_okay=False, path_type=Path))
 @click.option("--host", default="127.0.0.1", show_default=True)
-@click.option("--port", type=int, default=8000, show_default=True)
-@click.option("--max-queue", type=int, default=None,
-              help="waiting requests before 503 + Retry-After (default: unbounded)")
-@click.option("--kv-cache-bytes", type=int, default=None, help="KV pool size (default: a fraction of memory)")
-@click.option("--max-num-seqs", type=int, default=64, show_default=True, help="sequences batched per step")
+@click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True)
+@click.option("--api-key", envvar="KILN_API_KEY", default=None,
+              help="require 'Authorization: Bearer KEY' on every route but /health (also from $KILN_API_KEY)")
 @click.option("--served-model-name", default=None, help="model name clients use (default: the engine's)")
-def serve(engine_dir: Path, host: str, port: int, max_queue: int | None, kv_cache_bytes: int | None,
-          max_num_seqs: int, served_model_name: str | None) -> None:
+@click.option("--chat-template", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
+              help="a Jinja chat template file replacing the engine's")
+@click.option("--max-model-len", type=click.IntRange(min=1), default=None,
+              help="longest prompt + output served (default and at most: the engine's --max-seq-len)")
+@click.option("--max-queue", type=click.IntRange(min=1), default=None,
+              help="waiting requests before 503 + Retry-After (default: unbounded)")
+@click.option("--max-num-seqs", type=click.IntRange(min=1), default=64, show_default=True,
+              help="sequences batched per step")
+@click.option("--kv-cache-bytes", type=click.IntRange(min=1), default=None,
+              help="KV pool size; must hold one --max-model-len sequence (default: 10% of available memory)")
+@click.option("--num-threads", type=click.IntRange(min=1), default=None,
+              help="onnxruntime threads (default: one per core)")
+@click.option("--disable-prefix-caching", is_flag=True, help="never reuse the KV blocks of a shared prompt prefix")
+@click.option("--shutdown-timeout", type=click.FloatRange(min=0), default=30.0, show_default=True,
+              help="seconds running requests get after SIGTERM; streams still running then end with an error event")
+@click.option("--log-level", type=click.Choice(["critical", "error", "warning", "info", "debug"]), default="info",
+              show_default=True, help="info logs the start-up summary and one line per request")
+def serve(engine_dir: Path, host: str, port: int, api_key: str | None, served_model_name: str | None,
+          chat_template: Path | None, max_model_len: int | None, max_queue: int | None, max_num_seqs: int,
+          kv_cache_bytes: int | None, num_threads: int | None, disable_prefix_caching: bool,
+          shutdown_timeout: float, log_level: str) -> None:
     """Serve ENGINE_DIR over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions)."""
     from kiln.runtime.params import RuntimeConfig
-    from kiln.runtime.server.app import ServeOptions
-    from kiln.runtime.server.app import serve as run_server
+    from kiln.runtime.server.launch import ServeOptions
+    from kiln.runtime.server.launch import serve as run_server
 
-    run_server(engine_dir, RuntimeConfig(kv_cache_bytes=kv_cache_bytes, max_num_seqs=max_num_seqs),
-               ServeOptions(host=host, port=port, served_model_name=served_model_name, max_queue=max_queue))
+    config = RuntimeConfig(kv_cache_bytes=kv_cache_bytes, max_num_seqs=max_num_seqs, num_threads=num_threads,
+                           max_model_len=max_model_len, enable_prefix_caching=not disable_prefix_caching,
+                           chat_template=chat_template.read_text() if chat_template else None)
+    run_server(engine_dir, config, ServeOptions(host=host, port=port, served_model_name=served_model_name,
+                                                max_queue=max_queue, shutdown_timeout=shutdown_timeout,
+                                                log_level=log_level, api_key=api_key or None))
 
 
 def _sampling(max_tokens: int | None, temperature: float, top_p: float, top_k: int, seed: int | None
@@ -133,21 +154,24 @@ def chat(engine_dir: str, system: str | None, max_tokens: int, temperature: floa
 
 @main.command()
 @click.argument("engine_dir", type=click.Path(exists=True, file_okay=False))
-@click.option("--num-requests", type=int, default=32, show_default=True)
-@click.option("--input-len", type=int, default=128, show_default=True)
-@click.option("--output-len", type=int, default=64, show_default=True)
-@click.option("--concurrency", type=int, multiple=True, help="max requests in flight; repeat for several runs "
-              "(default: all at once)")
-@click.option("--request-rate", type=float, default=None, help="Poisson arrivals per second (default: all at t=0)")
-@click.option("--kv-cache-bytes", type=int, default=None)
-@click.option("--max-num-seqs", type=int, default=64, show_default=True)
-@click.option("--num-threads", type=int, default=None)
+@click.option("--num-requests", type=click.IntRange(min=1), default=32, show_default=True)
+@click.option("--input-len", type=click.IntRange(min=1), default=128, show_default=True)
+@click.option("--output-len", type=click.IntRange(min=1), default=64, show_default=True)
+@click.option("--concurrency", type=click.IntRange(min=1), multiple=True,
+              help="max requests in flight; repeat for several runs (default: all at once)")
+@click.option("--request-rate", type=click.FloatRange(min=0, min_open=True), default=None,
+              help="Poisson arrivals per second (default: all at t=0)")
+@click.option("--kv-cache-bytes", type=click.IntRange(min=1), default=None)
+@click.option("--max-num-seqs", type=click.IntRange(min=1), default=64, show_default=True)
+@click.option("--num-threads", type=click.IntRange(min=1), default=None)
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None, help="write the report here")
 @click.option("--server", "server_url", default=None, help="run the workload over HTTP against a running "
               "`kiln serve` at this URL instead (ENGINE_DIR gives the vocabulary)")
+@click.option("--api-key", envvar="KILN_API_KEY", default=None, help="with --server: the server's API key "
+              "(also from $KILN_API_KEY)")
 def bench(engine_dir: str, num_requests: int, input_len: int, output_len: int, concurrency: tuple[int, ...],
           request_rate: float | None, kv_cache_bytes: int | None, max_num_seqs: int, num_threads: int | None,
-          json_path: str | None, server_url: str | None) -> None:
+          json_path: str | None, server_url: str | None, api_key: str | None) -> None:
     """Offline throughput/latency of ENGINE_DIR on a synthetic workload, vs the memory-bandwidth floor."""
     from kiln.runtime.bench.offline import BenchConfig
     from kiln.runtime.bench.offline import bench as run
@@ -157,7 +181,7 @@ def bench(engine_dir: str, num_requests: int, input_len: int, output_len: int, c
         from kiln.runtime.bench.serving import bench_server
 
         bench_server(server_url, engine_dir, BenchConfig(num_requests, input_len, output_len, None, request_rate),
-                     concurrency or (None,), json_path)
+                     concurrency or (None,), json_path, api_key or None)
         return
     run(engine_dir, BenchConfig(num_requests, input_len, output_len, None, request_rate), concurrency or (None,),
         RuntimeConfig(kv_cache_bytes=kv_cache_bytes, max_num_seqs=max_num_seqs, num_threads=num_threads,

@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kiln.errors import InvalidParamError
 from kiln.runtime.detokenizer import ChatMessage, TextTokenizer, with_token_text
 from kiln.runtime.engine import Engine, EngineRequest
 from kiln.runtime.llm import as_engine
@@ -54,6 +55,44 @@ class _Stream:
             pass
 
 
+class RequestStream:
+    """The output deltas of one queued request (AsyncLLM.add_request), as an async iterator.
+
+    Closing it before its last output aborts the request and frees its blocks; the engine's
+    rejection or failure of the request is raised from ``__anext__``.
+    """
+
+    def __init__(self, llm: AsyncLLM, request_id: str, stream: _Stream) -> None:
+        self._llm, self.request_id, self._stream = llm, request_id, stream
+        self._done = False
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self._done:
+            raise StopAsyncIteration
+        item = await self._stream.queue.get()
+        if isinstance(item, BaseException):
+            self._release(abort=False)  # the engine refused or failed it: it holds nothing
+            raise item
+        if item.finished:
+            self._release(abort=False)
+        return with_token_text(self._llm.tokenizer, item)
+
+    def close(self) -> None:
+        """Stop listening; a request that has not finished is aborted."""
+        if not self._done:
+            self._release(abort=True)
+
+    async def aclose(self) -> None:
+        self.close()
+
+    def _release(self, abort: bool) -> None:
+        self._done = True
+        self._llm._release(self.request_id, abort)
+
+
 class AsyncLLM:
     def __init__(self, engine: str | Path | Engine, config: RuntimeConfig | None = None) -> None:
         """engine: an engine directory (loaded with config) or an already built Engine."""
@@ -82,24 +121,39 @@ class AsyncLLM:
 
     @property
     def num_waiting(self) -> int:
-        """Requests accepted but not yet running (for queue bounds)."""
-        return self._pending_adds + len(self.engine.scheduler.waiting)
+        """Requests accepted but not yet running (for queue bounds). Exact at the moment of the call:
+        a request is counted from add_request until the scheduler starts it."""
+        with self._lock:
+            return self._pending_adds + len(self.engine.scheduler.waiting)
 
     def stats(self) -> EngineStats:
         stats = self.engine.stats()
         stats.num_waiting += self._pending_adds
         return stats
 
-    def apply_chat_template(self, messages: list[ChatMessage]) -> str:
-        return self.engine.tokenizer.apply_chat_template(messages)
+    def apply_chat_template(self, messages: list[ChatMessage], add_generation_prompt: bool = True) -> str:
+        return self.engine.tokenizer.apply_chat_template(messages, add_generation_prompt)
+
+    def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.engine.tokenizer.encode(text, add_special_tokens)
+
+    def detokenize(self, token_ids: list[int]) -> str:
+        """The text of token ids, special tokens included; InvalidParamError for an id outside the vocabulary."""
+        vocab = self.engine.runner.vocab_size
+        bad = next((t for t in token_ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise InvalidParamError(f"tokens must be in [0, {vocab}), got {bad}", "tokens")
+        return self.engine.tokenizer.decode(token_ids, skip_special_tokens=False)
+
+    def token_strings(self, token_ids: list[int]) -> list[str]:
+        """Each token's own string in the vocabulary (e.g. "Ġworld"), as vLLM's /tokenize returns them."""
+        return [self.engine.tokenizer.id_to_token(t) or "" for t in token_ids]
 
     # -- requests ---------------------------------------------------------------------------
 
-    async def generate(
-        self, prompt: str | list[int], params: SamplingParams, request_id: str,
-    ) -> AsyncIterator[RequestOutput]:
-        """Yield what each step adds (deltas; merge_outputs builds the whole) as tokens arrive;
-        ValueError at once for bad input."""
+    def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: str) -> RequestStream:
+        """Validate, tokenize and queue a request now (InvalidParamError / ValueError at once for bad
+        input; num_waiting counts it on return); iterate the returned stream for its deltas."""
         if self._closed:
             raise RuntimeError("AsyncLLM has been shut down")
         request = self.engine.prepare(request_id, prompt, params)
@@ -110,21 +164,25 @@ class AsyncLLM:
             self._streams[request_id] = stream
             self._pending_adds += 1
         self._inbox.put(_Add(request))
-        finished = False
+        return RequestStream(self, request_id, stream)
+
+    async def generate(
+        self, prompt: str | list[int], params: SamplingParams, request_id: str,
+    ) -> AsyncIterator[RequestOutput]:
+        """Yield what each step adds (deltas; merge_outputs builds the whole) as tokens arrive;
+        ValueError at the first iteration for bad input. Leaving the loop early aborts the request."""
+        stream = self.add_request(prompt, params, request_id)
         try:
-            while True:
-                item = await stream.queue.get()
-                if isinstance(item, BaseException):
-                    raise item
-                finished = item.finished
-                yield with_token_text(self.engine.tokenizer, item)
-                if finished:
-                    return
+            async for output in stream:
+                yield output
         finally:
-            if not finished:
-                self._inbox.put(_Abort(request_id))  # the client went away: free its blocks
-            with self._lock:
-                self._streams.pop(request_id, None)
+            stream.close()
+
+    def _release(self, request_id: str, abort: bool) -> None:
+        if abort:
+            self._inbox.put(_Abort(request_id))  # the listener went away: free its blocks
+        with self._lock:
+            self._streams.pop(request_id, None)
 
     async def abort(self, request_id: str) -> None:
         """Abort a request (its stream ends with finish_reason "abort") and free its blocks."""
@@ -153,14 +211,16 @@ class AsyncLLM:
             return False
         if isinstance(command, _Add):
             request_id = command.request.request_id
-            with self._lock:
+            with self._lock:  # one step, so num_waiting never sees the request in neither count
                 self._pending_adds -= 1
-                alive = request_id in self._streams
-            if alive:
-                try:
-                    self.engine.add(command.request)
-                except ValueError as exc:
-                    self._deliver(request_id, exc)
+                error = None
+                if request_id in self._streams:
+                    try:
+                        self.engine.add(command.request)
+                    except ValueError as exc:
+                        error = exc
+            if error is not None:
+                self._deliver(request_id, error)
         else:
             output = self.engine.abort(command.request_id)
             if output is not None:

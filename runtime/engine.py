@@ -148,8 +148,10 @@ class Engine:
                 raise InvalidParamError(f"prompt has {len(ids)} tokens, which leaves no room under max_seq_len {limit}",
                                         "prompt")
         elif len(ids) + params.max_tokens > limit:
+            # Name the field the caller can change: the prompt when it alone leaves no room, else max_tokens.
+            param = "prompt" if len(ids) >= limit else "max_tokens"
             raise InvalidParamError(
-                f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds max_seq_len ({limit})", "prompt"
+                f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds max_seq_len ({limit})", param
             )
         return request
 

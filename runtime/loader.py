@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from kiln import contract
 from kiln.contract import KvPoolSpec
+from kiln.errors import InvalidParamError
 from kiln.manifest import BACKEND_ORT_CPU, EngineLoadError, Manifest, read_manifest
 from kiln.runtime.engine import Engine, EngineLimits
-from kiln.runtime.model_runner import choose_num_blocks
+from kiln.runtime.model_runner import KvBudget, choose_num_blocks
 from kiln.runtime.params import RuntimeConfig
 from kiln.runtime.tokenizer import Tokenizer
 
@@ -37,24 +39,34 @@ def load_engine(engine_dir: str | Path, config: RuntimeConfig | None = None) -> 
     for name in ("model.onnx", "tokenizer.json"):
         if not (engine_dir / name).is_file():
             raise EngineLoadError(f"engine file {name} is missing from {engine_dir}")
-    tokenizer = Tokenizer(engine_dir)
+    tokenizer = Tokenizer(engine_dir, config.chat_template)
     build = manifest.build
-    max_useful = config.max_num_seqs * -(-build.max_seq_len // build.block_size)
-    num_blocks = choose_num_blocks(
-        engine_kv_pools(manifest).bytes_per_block, config.kv_cache_bytes, config.kv_cache_fraction, max_useful
-    )
+    max_model_len = served_max_model_len(build.max_seq_len, config.max_model_len)
+    pools = engine_kv_pools(manifest)
+    budget = KvBudget(pools.bytes_per_block, build.block_size, min_tokens=max_model_len,
+                      max_useful_tokens=config.max_num_seqs * max_model_len)
+    num_blocks = choose_num_blocks(budget, config.kv_cache_bytes, config.kv_cache_fraction)
     runner = open_engine_runner(engine_dir, manifest, num_blocks, config.num_threads)
     eos = list(manifest.spec.eos_token_ids)
     if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in eos:
         eos.append(tokenizer.eos_token_id)
-    limits = EngineLimits(
-        max_seq_len=manifest.build.max_seq_len,
-        max_num_tokens=manifest.build.max_num_tokens,
-        eos_token_ids=tuple(eos),
-    )
-    log.info("KV pool: %d blocks of %d tokens per layer (%.1f MiB in all)", runner.num_blocks, runner.block_size,
-             runner.kv_pool_bytes / 2**20)
+    limits = EngineLimits(max_seq_len=max_model_len, max_num_tokens=build.max_num_tokens, eos_token_ids=tuple(eos))
+    threads = config.num_threads or f"onnxruntime's default (one per core; {os.cpu_count()} CPUs)"
+    log.info("KV pool: %d blocks of %d tokens = %d tokens, %.1f MiB; max context %d tokens; threads: %s; "
+             "prefix caching: %s", runner.num_blocks, runner.block_size, runner.num_blocks * runner.block_size,
+             runner.kv_pool_bytes / 2**20, max_model_len, threads, "on" if config.enable_prefix_caching else "off")
     return Engine(runner, tokenizer, config, limits, model_name=engine_dir.resolve().name)
+
+
+def served_max_model_len(built: int, requested: int | None) -> int:
+    """The longest sequence served: the engine's max_seq_len, or less when asked; never more
+    (the graph was built and tested up to it)."""
+    if requested is None:
+        return built
+    if requested > built:
+        raise InvalidParamError(f"max_model_len {requested} exceeds the engine's max_seq_len {built}; rebuild "
+                                f"the engine with --max-seq-len {requested} to serve longer sequences", "max_model_len")
+    return requested
 
 
 def engine_kv_pools(manifest: Manifest) -> KvPoolSpec:

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kiln import contract
+from kiln.errors import InvalidParamError
 from kiln.runtime.scheduler import SchedulerOutput
 
 
@@ -136,16 +137,47 @@ def available_memory_bytes() -> int:
     return 4 << 30
 
 
-def choose_num_blocks(
-    bytes_per_block: int, kv_cache_bytes: int | None, kv_cache_fraction: float | None, max_useful_blocks: int,
-) -> int:
+@dataclass(frozen=True)
+class KvBudget:
+    """How the KV pool is sized (RuntimeConfig's fields) and what it must hold."""
+
+    bytes_per_block: int  # all layers' K and V of one block
+    block_size: int
+    min_tokens: int  # one sequence of the served max_model_len: any accepted request can finish
+    max_useful_tokens: int  # max_num_seqs sequences of max_model_len: the default budget's cap
+
+
+def choose_num_blocks(budget: KvBudget, kv_cache_bytes: int | None, kv_cache_fraction: float | None,
+                      available: int | None = None) -> int:
     """Blocks in each layer's pool: an explicit byte budget, or a fraction of available memory.
 
     The default (neither given) is 10% of available memory, capped at what max_num_seqs
-    sequences of max_seq_len tokens could ever use.
+    sequences of max_model_len tokens could ever use and raised to one such sequence. A pool
+    that cannot hold one max_model_len sequence, or that is larger than the available memory,
+    is refused with one sentence naming the setting to change (it would fail under load).
     """
+    available = available_memory_bytes() if available is None else available
+    bpb = budget.bytes_per_block
+    min_blocks = -(-budget.min_tokens // budget.block_size)
+    need = f"one sequence of max_model_len {budget.min_tokens} tokens needs {min_blocks * bpb:,} bytes"
     if kv_cache_bytes is not None:
-        return max(1, kv_cache_bytes // bytes_per_block)
-    budget = int(available_memory_bytes() * (kv_cache_fraction if kv_cache_fraction is not None else 0.1))
-    blocks = max(1, budget // bytes_per_block)
-    return blocks if kv_cache_fraction is not None else min(blocks, max_useful_blocks)
+        if kv_cache_bytes > available:
+            raise InvalidParamError(f"kv_cache_bytes {kv_cache_bytes:,} is more than the available memory "
+                                    f"({available:,} bytes); lower it", "kv_cache_bytes")
+        blocks = kv_cache_bytes // bpb
+        if blocks < min_blocks:
+            raise InvalidParamError(f"kv_cache_bytes {kv_cache_bytes:,} holds {blocks * budget.block_size} tokens but "
+                                    f"{need}; raise it or lower max_model_len", "kv_cache_bytes")
+        return blocks
+    if kv_cache_fraction is not None:
+        blocks = int(available * kv_cache_fraction) // bpb
+        if blocks < min_blocks:
+            raise InvalidParamError(f"kv_cache_fraction {kv_cache_fraction} of the available memory holds "
+                                    f"{blocks * budget.block_size} tokens but {need}; raise it or lower "
+                                    "max_model_len", "kv_cache_fraction")
+        return blocks
+    if min_blocks * bpb > available:
+        raise InvalidParamError(f"{need}, more than the available memory ({available:,} bytes); lower max_model_len",
+                                "max_model_len")
+    max_useful = -(-budget.max_useful_tokens // budget.block_size)
+    return max(min(int(available * 0.1) // bpb, max_useful), min_blocks)

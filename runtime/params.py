@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from kiln.errors import require as _require
@@ -38,6 +39,9 @@ class SamplingParams:
             object.__setattr__(self, "stop", (self.stop,))
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)  # NaN passes no range check with a useful message: name it first
+            _require(isinstance(value, int | float) and math.isfinite(value), name, "a finite number", value)
         _require(isinstance(self.n, int) and self.n >= 1, "n", ">= 1", self.n)
         _require(self.temperature >= 0, "temperature", ">= 0", self.temperature)
         _require(0 < self.top_p <= 1, "top_p", "in (0, 1]", self.top_p)
@@ -73,6 +77,8 @@ class RuntimeConfig:
     max_num_tokens: int | None = None  # per-step token budget; default: the manifest's
     enable_prefix_caching: bool = True
     num_threads: int | None = None
+    max_model_len: int | None = None  # longest sequence served; default (and at most): the engine's max_seq_len
+    chat_template: str | None = None  # a Jinja chat template replacing the engine's tokenizer_config.json one
 
     def __post_init__(self) -> None:
         _require(self.kv_cache_bytes is None or self.kv_cache_bytes > 0, "kv_cache_bytes", "> 0", self.kv_cache_bytes)
@@ -87,3 +93,4 @@ class RuntimeConfig:
         _require(self.max_num_seqs >= 1, "max_num_seqs", ">= 1", self.max_num_seqs)
         _require(self.max_num_tokens is None or self.max_num_tokens >= 1, "max_num_tokens", ">= 1", self.max_num_tokens)
         _require(self.num_threads is None or self.num_threads >= 1, "num_threads", ">= 1", self.num_threads)
+        _require(self.max_model_len is None or self.max_model_len >= 1, "max_model_len", ">= 1", self.max_model_len)

@@ -27,7 +27,8 @@ def _token_text(value: str | dict[str, str] | None) -> str | None:
 
 
 class Tokenizer:
-    def __init__(self, engine_dir: Path) -> None:
+    def __init__(self, engine_dir: Path, chat_template: str | None = None) -> None:
+        """chat_template: a Jinja template replacing the one in tokenizer_config.json (checked here)."""
         engine_dir = Path(engine_dir)
         self._tok = HFTokenizer.from_file(str(engine_dir / "tokenizer.json"))
         config_path = engine_dir / "tokenizer_config.json"
@@ -38,8 +39,13 @@ class Tokenizer:
         if isinstance(template, list):  # [{"name": "default", "template": ...}, ...]
             named = {t["name"]: t["template"] for t in template}
             template = named.get("default") or next(iter(named.values()), None)
-        self.chat_template: str | None = template
+        self.chat_template: str | None = template if chat_template is None else chat_template
         self._compiled: Template | None = None
+        if chat_template is not None:
+            try:  # a broken template fails at load, in one sentence, not on every chat request
+                self._compile()
+            except TemplateError as exc:
+                raise InvalidParamError(f"the chat template is not valid Jinja: {exc}", "chat_template") from exc
 
     @property
     def vocab_size(self) -> int:
@@ -62,16 +68,19 @@ class Tokenizer:
         if not self.chat_template:
             raise InvalidParamError("this engine's tokenizer_config.json has no chat_template; pass a plain prompt",
                                     "messages")
-        if self._compiled is None:
-            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-            env.globals["raise_exception"] = _raise_exception
-            env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-            env.filters["tojson"] = lambda x, indent=None: json.dumps(x, ensure_ascii=False, indent=indent)
-            self._compiled = env.from_string(self.chat_template)
         try:
-            return self._compiled.render(
+            return self._compile().render(
                 messages=messages, add_generation_prompt=add_generation_prompt,
                 bos_token=self.bos_token or "", eos_token=self.eos_token or "", tools=None,
             )
         except TemplateError as exc:
             raise InvalidParamError(f"chat template rejected the messages: {exc}", "messages") from exc
+
+    def _compile(self) -> Template:
+        if self._compiled is None:
+            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+            env.globals["raise_exception"] = _raise_exception
+            env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+            env.filters["tojson"] = lambda x, indent=None: json.dumps(x, ensure_ascii=False, indent=indent)
+            self._compiled = env.from_string(self.chat_template or "")
+        return self._compiled

@@ -57,8 +57,12 @@ class CharTokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return "".join(self.ALPHABET[i % len(self.ALPHABET)] for i in ids)
 
-    def apply_chat_template(self, messages: list[dict]) -> str:
-        return "".join(f"{m['role']}:{m['content']};" for m in messages) + "assistant:"
+    def id_to_token(self, token_id: int) -> str | None:
+        return self.ALPHABET[token_id] if 0 <= token_id < len(self.ALPHABET) else None
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        turns = "".join(f"{m['role']}:{m['content']};" for m in messages)
+        return turns + ("assistant:" if add_generation_prompt else "")
 
 
 def make_fake_engine(num_blocks: int, block_size: int = 4, vocab_size: int = 64, max_seq_len: int = 64,

@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 
+from kiln.errors import require
 from kiln.runtime.engine import Engine
 from kiln.runtime.loader import load_engine
 from kiln.runtime.params import RuntimeConfig, SamplingParams
@@ -34,6 +35,14 @@ class BenchConfig:
     concurrency: int | None = None  # max requests in flight (None: all)
     request_rate: float | None = None  # Poisson arrivals per second (None: all at t=0)
     seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("num_requests", "input_len", "output_len"):
+            require(getattr(self, name) >= 1, name, ">= 1", getattr(self, name))
+        require(self.concurrency is None or self.concurrency >= 1, "concurrency", ">= 1 (omit it for all at once)",
+                self.concurrency)
+        require(self.request_rate is None or self.request_rate > 0, "request_rate",
+                "> 0 (omit it for all at t=0)", self.request_rate)
 
 
 def say(message: str) -> None:

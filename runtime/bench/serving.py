@@ -80,8 +80,9 @@ async def _kv_sampler(client: httpx.AsyncClient, url: str, peak: list[float]) ->
         await asyncio.sleep(0.25)
 
 
-async def run_server_workload(url: str, cfg: BenchConfig, prompts: list[list[int]]) -> dict[str, Any]:
-    """Drive the server over the workload; returns the offline bench's measurements."""
+async def run_server_workload(url: str, cfg: BenchConfig, prompts: list[list[int]],
+                              api_key: str | None = None) -> dict[str, Any]:
+    """Drive the server over the workload (as Bearer api_key, when given); returns the offline bench's measurements."""
     import httpx
 
     limit = cfg.concurrency or cfg.num_requests
@@ -89,7 +90,8 @@ async def run_server_workload(url: str, cfg: BenchConfig, prompts: list[list[int
     gaps = rng.exponential(1.0 / cfg.request_rate, cfg.num_requests) if cfg.request_rate else np.zeros(cfg.num_requests)
     arrivals = np.cumsum(gaps) - gaps[0]
     limits = httpx.Limits(max_connections=limit + 1, max_keepalive_connections=limit + 1)
-    async with httpx.AsyncClient(timeout=httpx.Timeout(3600.0), limits=limits) as client:
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    async with httpx.AsyncClient(timeout=httpx.Timeout(3600.0), limits=limits, headers=headers) as client:
         gate = asyncio.Semaphore(limit)
         peak = [0.0, 0.0]
         t0 = time.perf_counter()
@@ -130,7 +132,7 @@ async def run_server_workload(url: str, cfg: BenchConfig, prompts: list[list[int
 
 
 def bench_server(url: str, engine_dir: str, cfg: BenchConfig, concurrencies: tuple[int | None, ...] = (None,),
-                 json_path: str | None = None) -> dict[str, Any]:
+                 json_path: str | None = None, api_key: str | None = None) -> dict[str, Any]:
     """`kiln bench --server`: one run of the workload per concurrency; prints and returns the report."""
     from kiln.manifest import read_manifest
 
@@ -139,13 +141,13 @@ def bench_server(url: str, engine_dir: str, cfg: BenchConfig, concurrencies: tup
 
     async def main() -> list[dict[str, Any]]:
         warm = replace(cfg, num_requests=2, input_len=16, output_len=4, concurrency=None, request_rate=None)
-        await run_server_workload(url, warm, bench_prompts(warm, vocab))
+        await run_server_workload(url, warm, bench_prompts(warm, vocab), api_key)
         runs = []
         for conc in concurrencies:
             run_cfg = replace(cfg, concurrency=conc)
             say(f"server {url}: {run_cfg.num_requests} requests x ({run_cfg.input_len} in, {run_cfg.output_len} "
                 f"out), concurrency {conc or 'all'}, rate {run_cfg.request_rate or 'inf'}")
-            result = await run_server_workload(url, run_cfg, bench_prompts(run_cfg, vocab))
+            result = await run_server_workload(url, run_cfg, bench_prompts(run_cfg, vocab), api_key)
             say(f"  {result['requests_per_s']} req/s, {result['output_tok_per_s']} output tok/s, "
                 f"TTFT p50/p90/p99 {'/'.join(str(v) for v in result['ttft_ms'].values())} ms, "
                 f"ITL p50/p90/p99 {'/'.join(str(v) for v in result['itl_ms'].values())} ms, "

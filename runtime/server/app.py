@@ -1,27 +1,21 @@
-"""`kiln serve`: an OpenAI-compatible HTTP server (FastAPI + uvicorn) on AsyncLLM.
+"""`kiln serve`'s ASGI app: an OpenAI-compatible HTTP API (FastAPI) on AsyncLLM.
 
-One HTTP request is one (or, for a batch of prompts, several) engine requests. A request
-is bound to its connection: when the client goes away (noticed at once by a watcher on
-the ASGI receive channel, or by Starlette cancelling the response stream) its engine
-requests are aborted and their KV blocks freed. Errors use OpenAI's body shape; an engine
-exception fails only the request that raised it.
+One HTTP request is one (or, for a batch of prompts, several) engine requests, admitted
+against the queue bound in one step with no await in between, so a burst cannot pass the
+check together. A request is bound to its connection (see streams.py): when the client goes
+away its engine requests are aborted and their KV blocks freed. Errors use OpenAI's body
+shape; an engine exception fails only the request that raised it.
 """
 
 from __future__ import annotations
 
-import asyncio
-import json
 import logging
-import signal
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 try:
-    import anyio
     from fastapi import FastAPI, Request
     from fastapi.exceptions import RequestValidationError
     from fastapi.openapi.utils import get_openapi
@@ -30,33 +24,33 @@ try:
 except ImportError as e:  # the bare runtime install has no HTTP stack
     raise ImportError(f"kiln serve needs the server extras (pip install 'kiln[server]'): {e}") from e
 
-from kiln.errors import InvalidParamError
-from kiln.runtime.outputs import RequestOutput, merge_outputs
-from kiln.runtime.params import RuntimeConfig, SamplingParams
-from kiln.runtime.server.metrics import CONTENT_TYPE, RequestTimer, ServerMetrics
+import kiln
+from kiln.errors import InvalidParamError, require
+from kiln.runtime.outputs import merge_outputs
+from kiln.runtime.params import SamplingParams
+from kiln.runtime.server.auth import ApiKeyAuth
+from kiln.runtime.server.metrics import CONTENT_TYPE, ServerMetrics
 from kiln.runtime.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
+    DetokenizeResponse,
     ErrorResponse,
     ResponseFormatter,
+    TokenizeRequest,
+    TokenizeResponse,
     error_body,
+)
+from kiln.runtime.server.streams import (
+    ClientDisconnected,
+    Drain,
+    OutputStream,
+    ServerShuttingDown,
+    engine_stream,
+    sse_stream,
 )
 
 log = logging.getLogger("kiln.server")
-
-
-@dataclass(frozen=True)
-class ServeOptions:
-    host: str = "127.0.0.1"
-    port: int = 8000
-    served_model_name: str | None = None  # default: the engine's model name
-    max_queue: int | None = None  # 503 + Retry-After once this many requests wait
-    graceful_timeout: float = 30.0  # seconds in-flight requests get after SIGTERM
-    log_level: str = "info"
-
-
-class ClientDisconnected(Exception):
-    pass
 
 
 class APIError(Exception):
@@ -70,136 +64,60 @@ class APIError(Exception):
                             status_code=self.status, headers=self.headers)
 
 
-# ---- one HTTP request's engine requests ----------------------------------------------
-
-async def _wait_disconnect(request: Request) -> None:
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
-
-
-async def _abort(llm: Any, request_id: str) -> None:
-    try:
-        with anyio.move_on_after(5.0):  # never hang a handler on an engine that is going away
-            await llm.abort(request_id)
-    except Exception:  # already finished or unknown: nothing to free
-        log.debug("abort(%s) failed", request_id, exc_info=True)
-
-
-_EngineStream = AsyncGenerator[tuple[int, RequestOutput], None]  # (prompt index, output delta)
-
-
-async def _engine_stream(request: Request, prompts: list[str | list[int]], params: SamplingParams,
-                         base_id: str) -> _EngineStream:
-    """Merged (prompt index, output delta) stream of one engine request per prompt.
-
-    Raises ClientDisconnected when the client leaves; on any exit, aborts what is unfinished.
-    """
-    llm, metrics = request.app.state.llm, request.app.state.metrics
-    ids = [base_id if len(prompts) == 1 else f"{base_id}-{i}" for i in range(len(prompts))]
-    timers = [RequestTimer(metrics) for _ in prompts]
-    # (prompt index, output delta or None once its stream ends, the exception that ended it)
-    queue: asyncio.Queue[tuple[int, RequestOutput | None, Exception | None]] = asyncio.Queue()
-
-    async def pump(i: int) -> None:
-        try:
-            async for out in llm.generate(prompts[i], params, ids[i]):
-                queue.put_nowait((i, out, None))
-            queue.put_nowait((i, None, None))  # ended (normally after a finished output)
-        except Exception as e:  # handed to the consumer, which raises it in the handler
-            queue.put_nowait((i, None, e))
-
-    live = set(range(len(prompts)))
-    started: set[int] = set()
-    num_tokens = [0] * len(prompts)
-    tasks = [asyncio.create_task(pump(i)) for i in range(len(prompts))]
-    watcher = asyncio.create_task(_wait_disconnect(request))
-    try:
-        while live:
-            get = asyncio.ensure_future(queue.get())
-            done, _ = await asyncio.wait((get, watcher), return_when=asyncio.FIRST_COMPLETED)
-            if get not in done:
-                get.cancel()
-                raise ClientDisconnected()
-            i, out, err = get.result()
-            if err is not None:
-                live.discard(i)  # the engine rejected or failed it: nothing left to abort there
-                raise err
-            if out is None:
-                live.discard(i)
-                continue
-            if i not in started:
-                started.add(i)
-                metrics.prompt_tokens.inc(len(out.prompt_token_ids))
-            num_tokens[i] += sum(len(o.token_ids) for o in out.outputs)
-            timers[i].on_tokens(num_tokens[i])
-            if out.finished:
-                live.discard(i)
-                timers[i].on_finish([o.finish_reason for o in out.outputs])
-            yield i, out
-    finally:
-        watcher.cancel()
-        for t in tasks:
-            t.cancel()
-        with anyio.CancelScope(shield=True):
-            for i in live:
-                metrics.finished.labels(finish_reason="abort").inc(params.n)
-                await _abort(llm, ids[i])
-            await asyncio.gather(*tasks, watcher, return_exceptions=True)
-
-
-def _sse(data: dict[str, Any] | str) -> str:
-    return f"data: {data if isinstance(data, str) else json.dumps(data, separators=(',', ':'))}\n\n"
-
-
-async def _sse_stream(first: tuple[int, RequestOutput], stream: _EngineStream, fmt: ResponseFormatter,
-                      include_usage: bool) -> AsyncIterator[str]:
-    deltas: dict[int, list[RequestOutput]] = {}
-    try:
-        item = first
-        while True:
-            deltas.setdefault(item[0], []).append(item[1])
-            for chunk in fmt.chunks(item[0], item[1], include_usage):
-                yield _sse(chunk)
-            try:
-                item = await stream.__anext__()
-            except StopAsyncIteration:
-                break
-        if include_usage:
-            yield _sse(fmt.usage_chunk({i: merge_outputs(d) for i, d in deltas.items()}))
-    except ClientDisconnected:
-        return
-    except InvalidParamError as e:  # headers are sent: report in-band, then end the stream
-        yield _sse(error_body(400, str(e), e.param))
-    except Exception as e:
-        log.exception("request %s failed mid-stream", fmt.id)
-        yield _sse(error_body(500, str(e) or type(e).__name__))
-    finally:
-        await stream.aclose()
-    yield _sse("[DONE]")
-
-
 # ---- handlers --------------------------------------------------------------------------
+
+def _check_model(state: Any, model: str | None) -> None:
+    if model is not None and model not in state.model_names:
+        raise APIError(404, f"The model '{model}' does not exist; this server serves "
+                            f"'{state.model_names[0]}'.", "model", "model_not_found")
+
+
+def _admit(state: Any, prompts: list[str | list[int]], params: SamplingParams, ids: list[str]) -> list[OutputStream]:
+    """Check the queue bound and queue the prompts' engine requests, in one step of the event loop:
+    nothing awaits between the check and AsyncLLM counting the requests, so the bound is exact."""
+    llm, max_queue = state.llm, state.max_queue
+    if max_queue is not None:
+        if len(prompts) > max_queue:
+            raise APIError(400, f"A batch of {len(prompts)} prompts is more than the server's queue bound "
+                                f"({max_queue}); send at most {max_queue} at a time.", "prompt")
+        if llm.num_waiting + len(prompts) > max_queue:
+            raise APIError(503, f"The server is at its queue bound ({max_queue} waiting requests); retry later.",
+                           code="queue_full", headers={"Retry-After": "1"})
+    streams: list[OutputStream] = []
+    try:
+        for prompt, request_id in zip(prompts, ids, strict=True):
+            streams.append(llm.add_request(prompt, params, request_id))
+    except BaseException:
+        for stream in streams:  # a later prompt of the batch was refused: none of it runs
+            stream.close()
+        raise
+    return streams
+
 
 async def _run(request: Request, body: CompletionRequest | ChatCompletionRequest,
                prompts: list[str | list[int]], chat: bool) -> Response:
     state = request.app.state
-    if body.model is not None and body.model not in state.model_names:
-        raise APIError(404, f"The model '{body.model}' does not exist; this server serves "
-                            f"'{state.model_names[0]}'.", "model", "model_not_found")
+    _check_model(state, body.model)
+    if state.drain.expired.is_set():
+        raise APIError(503, "The server is shutting down.", code="server_shutting_down")
+    request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+    ids = [request_id if len(prompts) == 1 else f"{request_id}-{i}" for i in range(len(prompts))]
     try:
         params = body.sampling_params()
+        streams = _admit(state, prompts, params, ids)
     except InvalidParamError as e:
         raise APIError(400, str(e), e.param) from None
-    if state.max_queue is not None and state.llm.num_waiting >= state.max_queue:
-        raise APIError(503, f"The server is at its queue bound ({state.max_queue} waiting requests); "
-                            "retry later.", code="queue_full", headers={"Retry-After": "1"})
-    request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+    except APIError:
+        raise
+    except Exception as e:
+        log.exception("request %s failed", request_id)
+        raise APIError(500, f"Internal error: {type(e).__name__}: {e}") from None
     fmt = ResponseFormatter(chat, request_id, state.model_names[0], params)
-    stream = _engine_stream(request, prompts, params, request_id)
+    stream = engine_stream(request, streams, ids, params, request_id)
     try:
         first = await stream.__anext__()
         if body.stream:
-            return StreamingResponse(_sse_stream(first, stream, fmt, body.include_usage),
+            return StreamingResponse(sse_stream(first, stream, fmt, body.include_usage),
                                      media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         deltas = {first[0]: [first[1]]}
@@ -208,6 +126,8 @@ async def _run(request: Request, body: CompletionRequest | ChatCompletionRequest
         return JSONResponse(fmt.response({i: merge_outputs(d) for i, d in deltas.items()}))
     except ClientDisconnected:
         return Response(status_code=499)
+    except ServerShuttingDown as e:
+        raise APIError(503, str(e), code="server_shutting_down") from None
     except InvalidParamError as e:
         raise APIError(400, str(e), e.param) from None
     except APIError:
@@ -215,6 +135,9 @@ async def _run(request: Request, body: CompletionRequest | ChatCompletionRequest
     except Exception as e:
         log.exception("request %s failed", request_id)
         raise APIError(500, f"Internal error: {type(e).__name__}: {e}") from None
+    finally:
+        if not body.stream:
+            await stream.aclose()
 
 
 _UNION_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
@@ -237,10 +160,13 @@ def _validation_error(request: Request, exc: RequestValidationError) -> JSONResp
     return APIError(400, message, param).response()
 
 
-def build_app(load_llm: Callable[[], Any], served_model_name: str | None = None,
-              max_queue: int | None = None) -> FastAPI:
+def build_app(load_llm: Callable[[], Any], served_model_name: str | None = None, max_queue: int | None = None,
+              api_key: str | None = None) -> FastAPI:
     """The ASGI app. ``load_llm`` is called at startup (inside the event loop); the engine
-    is shut down when the app's lifespan ends (uvicorn's graceful shutdown, e.g. SIGTERM)."""
+    is shut down when the app's lifespan ends (uvicorn's graceful shutdown, e.g. SIGTERM).
+    max_queue: 503 once that many engine requests wait; api_key: Bearer auth on all but /health."""
+    require(max_queue is None or max_queue >= 1, "max_queue", ">= 1 (omit it for no bound)", max_queue)
+    require(api_key is None or bool(api_key), "api_key", "a non-empty string", api_key)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -252,12 +178,23 @@ def build_app(load_llm: Callable[[], Any], served_model_name: str | None = None,
             app.state.llm = None
             await llm.shutdown()
 
-    app = FastAPI(title="kiln", version="0.1.0", lifespan=lifespan,
+    app = FastAPI(title="kiln", version=kiln.__version__, lifespan=lifespan,
                   description="OpenAI-compatible completions and chat completions on a kiln engine.")
     app.state.llm = None
     app.state.max_queue = max_queue
+    app.state.drain = Drain()
     app.state.metrics = ServerMetrics(lambda: app.state.llm.stats() if app.state.llm is not None else None)
+    if api_key is not None:
+        app.add_middleware(ApiKeyAuth, api_key=api_key,
+                           on_reject=lambda: app.state.metrics.rejected.labels(status="401").inc())
+    _add_error_handlers(app)
+    _add_generation_routes(app)
+    _add_info_routes(app)
+    app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]  # FastAPI's documented way to replace it
+    return app
 
+
+def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:
         request.app.state.metrics.rejected.labels(status=str(exc.status)).inc()
@@ -274,37 +211,81 @@ def build_app(load_llm: Callable[[], Any], served_model_name: str | None = None,
     async def _internal_error(request: Request, exc: Exception) -> JSONResponse:
         return JSONResponse(error_body(500, f"Internal error: {type(exc).__name__}"), status_code=500)
 
-    generation_responses: dict[int | str, dict[str, Any]] = {
-        200: {"description": "A completion (JSON), or with `stream: true` server-sent events ending in "
-                             "`data: [DONE]`", "content": {"text/event-stream": {}}},
-        400: {"model": ErrorResponse, "description": "Invalid JSON or parameter; prompt + max_tokens too long"},
-        404: {"model": ErrorResponse, "description": "Unknown model"},
-        500: {"model": ErrorResponse, "description": "The engine failed on this request"},
-        503: {"model": ErrorResponse, "description": "Queue bound reached (see Retry-After)"},
-    }
 
-    @app.post("/v1/completions", summary="Create a completion", responses=generation_responses)
+_GENERATION_RESPONSES: dict[int | str, dict[str, Any]] = {
+    200: {"description": "A completion (JSON), or with `stream: true` server-sent events ending in "
+                         "`data: [DONE]`", "content": {"text/event-stream": {}}},
+    400: {"model": ErrorResponse, "description": "Invalid JSON or parameter; prompt + max_tokens too long"},
+    401: {"model": ErrorResponse, "description": "Missing or wrong API key (when the server has one)"},
+    404: {"model": ErrorResponse, "description": "Unknown model"},
+    500: {"model": ErrorResponse, "description": "The engine failed on this request"},
+    503: {"model": ErrorResponse, "description": "Queue bound reached (see Retry-After), or shutting down"},
+}
+_INFO_RESPONSES: dict[int | str, dict[str, Any]] = {
+    400: _GENERATION_RESPONSES[400], 401: _GENERATION_RESPONSES[401], 404: _GENERATION_RESPONSES[404]}
+
+
+def _add_generation_routes(app: FastAPI) -> None:
+    @app.post("/v1/completions", summary="Create a completion", responses=_GENERATION_RESPONSES)
     async def completions(body: CompletionRequest, request: Request) -> Response:
         return await _run(request, body, body.prompts(), chat=False)
 
-    @app.post("/v1/chat/completions", summary="Create a chat completion", responses=generation_responses)
+    @app.post("/v1/chat/completions", summary="Create a chat completion", responses=_GENERATION_RESPONSES)
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-        llm = request.app.state.llm
-        try:
-            prompt = llm.apply_chat_template([m.as_dict() for m in body.messages])
-        except Exception as e:  # a template may reject a conversation (e.g. role order)
-            raise APIError(400, f"messages: the chat template rejected them: {e}", "messages") from None
+        prompt = _render_chat(request.app.state.llm, body.messages)
         return await _run(request, body, [prompt], chat=True)
 
-    # response_model=None: the return annotations are for the type checker, not a response schema.
-    @app.get("/v1/models", summary="List the served model", response_model=None)
-    async def models(request: Request) -> dict[str, Any]:
-        llm = request.app.state.llm
-        card = {"id": request.app.state.model_names[0], "object": "model", "created": 0,
-                "owned_by": "kiln", "max_model_len": llm.max_seq_len}
-        return {"object": "list", "data": [card]}
 
-    @app.get("/health", summary="Liveness", response_model=None)
+def _render_chat(llm: Any, messages: list[Any], add_generation_prompt: bool = True) -> str:
+    try:
+        return str(llm.apply_chat_template([m.as_dict() for m in messages], add_generation_prompt))
+    except Exception as e:  # a template may reject a conversation (e.g. role order)
+        raise APIError(400, f"messages: the chat template rejected them: {e}", "messages") from None
+
+
+def _model_card(state: Any) -> dict[str, Any]:
+    return {"id": state.model_names[0], "object": "model", "created": 0, "owned_by": "kiln",
+            "max_model_len": state.llm.max_seq_len}
+
+
+def _add_info_routes(app: FastAPI) -> None:
+    # response_model=None: the return annotations are for the type checker, not a response schema.
+    @app.get("/v1/models", summary="List the served model", response_model=None, responses=_INFO_RESPONSES)
+    async def models(request: Request) -> dict[str, Any]:
+        return {"object": "list", "data": [_model_card(request.app.state)]}
+
+    @app.get("/v1/models/{model:path}", summary="Describe a served model", response_model=None,
+             responses=_INFO_RESPONSES)
+    async def model(model: str, request: Request) -> dict[str, Any]:
+        _check_model(request.app.state, model)
+        return _model_card(request.app.state)
+
+    @app.post("/tokenize", summary="Tokenize a prompt or chat messages (vLLM's API)", responses=_INFO_RESPONSES)
+    async def tokenize(body: TokenizeRequest, request: Request) -> TokenizeResponse:
+        state = request.app.state
+        _check_model(state, body.model)
+        if body.messages is not None:
+            text = _render_chat(state.llm, body.messages, body.add_generation_prompt)
+            special = bool(body.add_special_tokens)
+        else:
+            text, special = body.prompt or "", body.add_special_tokens is not False
+        tokens = state.llm.tokenize(text, special)
+        return TokenizeResponse(count=len(tokens), max_model_len=state.llm.max_seq_len, tokens=tokens,
+                                token_strs=state.llm.token_strings(tokens) if body.return_token_strs else None)
+
+    @app.post("/detokenize", summary="Token ids to text (vLLM's API)", responses=_INFO_RESPONSES)
+    async def detokenize(body: DetokenizeRequest, request: Request) -> DetokenizeResponse:
+        _check_model(request.app.state, body.model)
+        try:
+            return DetokenizeResponse(prompt=request.app.state.llm.detokenize(body.tokens))
+        except InvalidParamError as e:
+            raise APIError(400, str(e), e.param) from None
+
+    @app.get("/version", summary="kiln's version", response_model=None)
+    async def version() -> dict[str, str]:
+        return {"version": kiln.__version__}
+
+    @app.get("/health", summary="Liveness (never needs the API key)", response_model=None)
     async def health(request: Request) -> dict[str, str]:
         if request.app.state.llm is None:
             raise APIError(503, "The engine is not loaded.")
@@ -314,42 +295,15 @@ def build_app(load_llm: Callable[[], Any], served_model_name: str | None = None,
     async def metrics(request: Request) -> Response:
         return Response(request.app.state.metrics.render(), media_type=CONTENT_TYPE)
 
-    def openapi() -> dict[str, Any]:  # validation errors are answered 400 in OpenAI's shape, not FastAPI's 422
-        if app.openapi_schema is None:
-            schema = get_openapi(title=app.title, version=app.version, description=app.description,
-                                 routes=app.routes)
-            for path in schema["paths"].values():
-                for operation in path.values():
-                    operation.get("responses", {}).pop("422", None)
-            for name in ("HTTPValidationError", "ValidationError"):
-                schema.get("components", {}).get("schemas", {}).pop(name, None)
-            app.openapi_schema = schema
-        return app.openapi_schema
 
-    app.openapi = openapi  # type: ignore[method-assign]  # FastAPI's documented way to replace the schema
-    return app
-
-
-def serve(engine_dir: str | Path, config: RuntimeConfig | None = None, options: ServeOptions = ServeOptions()) -> None:
-    """Load ``engine_dir`` and serve it until SIGTERM/SIGINT; returns normally (exit 0).
-
-    The engine loads before the server binds its port, so a bad engine dir fails with the
-    loader's one-sentence error and nothing listens half-ready.
-    """
-    import uvicorn
-
-    from kiln.runtime import AsyncLLM
-
-    # uvicorn shuts down gracefully on SIGTERM/SIGINT, then re-raises the signal under the handler
-    # it found installed: make that one exit 0 (also when the signal comes before uvicorn is up).
-    signal.signal(signal.SIGTERM, _exit_zero)
-    signal.signal(signal.SIGINT, _exit_zero)
-    llm = AsyncLLM(engine_dir, config)
-    app = build_app(lambda: llm, options.served_model_name, options.max_queue)
-    uvicorn.run(app, host=options.host, port=options.port, log_level=options.log_level,
-                # uvicorn annotates int but hands it to asyncio.wait_for, which takes any seconds
-                timeout_graceful_shutdown=options.graceful_timeout)  # type: ignore[arg-type]
-
-
-def _exit_zero(signum: int, frame: Any) -> None:
-    raise SystemExit(0)
+def _openapi(app: FastAPI) -> dict[str, Any]:
+    """The schema without FastAPI's 422: validation errors are answered 400 in OpenAI's shape."""
+    if app.openapi_schema is None:
+        schema = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
+        for path in schema["paths"].values():
+            for operation in path.values():
+                operation.get("responses", {}).pop("422", None)
+        for name in ("HTTPValidationError", "ValidationError"):
+            schema.get("components", {}).get("schemas", {}).pop(name, None)
+        app.openapi_schema = schema
+    return app.openapi_schema

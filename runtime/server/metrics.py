@@ -69,6 +69,9 @@ class ServerMetrics:
                              buckets=_TTFT_BUCKETS, registry=self.registry)
         self.finished = Counter("kiln_request_success", "Finished completions (choices) by finish reason.",
                                 ["finish_reason"], registry=self.registry)
+        # Not a finish reason of success: a completion cut short by its client leaving or by shutdown.
+        self.aborted = Counter("kiln_request_abort", "Completions (choices) aborted before they finished "
+                               "(the client left, or the server shut down).", registry=self.registry)
         self.rejected = Counter("kiln_request_rejected", "Requests answered with an error, by HTTP status.",
                                 ["status"], registry=self.registry)
         self.prompt_tokens = Counter("kiln_prompt_tokens", "Prompt tokens of admitted requests.",
@@ -104,4 +107,7 @@ class RequestTimer:
     def on_finish(self, finish_reasons: list[str | None]) -> None:
         self._m.e2e.observe(time.perf_counter() - self._start)
         for reason in finish_reasons:
-            self._m.finished.labels(finish_reason=reason or "unknown").inc()
+            if reason == "abort":
+                self._m.aborted.inc()
+            else:
+                self._m.finished.labels(finish_reason=reason or "unknown").inc()

@@ -2,8 +2,9 @@
 contract the server enforces), their mapping onto SamplingParams, and the response pieces.
 
 Requests ignore fields they do not know (OpenAI clients send e.g. ``user``); every field
-they do know is type-checked strictly (no "1" for 1) and range-checked here, before the
-engine sees it.
+they do know is type-checked strictly (no "1" for 1, no NaN or infinity) and range-checked
+here, before the engine sees it. An integral number is an integer whatever its spelling
+(4.0 is 4, as JSON Schema's "integer" says; 4.5 is not).
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from __future__ import annotations
 import time
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
 
 from kiln.errors import InvalidParamError
 from kiln.runtime.outputs import CompletionOutput, Logprob, RequestOutput, merge_completions
@@ -21,7 +22,17 @@ MAX_LOGPROBS = 20
 MAX_N = 16
 MAX_SEED = 2**63 - 1
 
-TokenId = Annotated[int, Field(ge=0, le=2**31 - 1)]
+
+
+def _integral(value: Any) -> Any:
+    """4.0 -> 4 (JSON has one number type); any other value is left for the strict int check."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
+
+
+Int = Annotated[int, BeforeValidator(_integral)]
+TokenId = Annotated[Int, Field(ge=0, le=2**31 - 1)]
 StopString = Annotated[str, Field(min_length=1)]
 
 
@@ -43,18 +54,18 @@ class StreamOptions(BaseModel):
 class _SamplingRequest(BaseModel):
     """Fields shared by /v1/completions and /v1/chat/completions (None: the default)."""
 
-    model_config = ConfigDict(extra="ignore", strict=True)
+    model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
 
     model: str | None = Field(None, description="The served model's name; omitted: that model.")
-    n: int = Field(1, ge=1, le=MAX_N)
+    n: Int = Field(1, ge=1, le=MAX_N)
     temperature: float | None = Field(None, ge=0, le=2, description="0 is greedy; default 1.")
     top_p: float | None = Field(None, gt=0, le=1)
-    top_k: int | None = Field(None, ge=-1, description="0 or -1: off.")
+    top_k: Int | None = Field(None, ge=-1, description="0 or -1: off.")
     min_p: float | None = Field(None, ge=0, le=1)
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
     repetition_penalty: float | None = Field(None, gt=0, le=10)
-    seed: int | None = Field(None, ge=0, le=MAX_SEED)
+    seed: Int | None = Field(None, ge=0, le=MAX_SEED)
     stop: StopString | list[StopString] | None = None
     stop_token_ids: list[TokenId] | None = None
     ignore_eos: bool = False
@@ -115,11 +126,11 @@ class CompletionRequest(_SamplingRequest):
         | Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1, max_length=64)]
         | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1, max_length=64)]
     ) = Field(description="A string, a list of token ids, or a batch of either.")
-    max_tokens: int | None = Field(16, ge=1, description="null: up to the model's context length.")
-    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="Top logprobs per token.")
+    max_tokens: Int | None = Field(16, ge=1, description="null: up to the model's context length.")
+    logprobs: Int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="Top logprobs per token.")
     echo: Annotated[bool, Unsupported] = Field(False, description="Not supported: false only.")
     suffix: Annotated[str | None, Unsupported] = Field(None, description="Not supported: null or empty only.")
-    best_of: int | None = Field(None, ge=1, description="Not supported beyond 1 (use n).")
+    best_of: Int | None = Field(None, ge=1, description="Not supported beyond 1 (use n).")
 
     @field_validator("best_of")
     @classmethod
@@ -160,10 +171,10 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(_SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = Field(None, ge=1, description="Deprecated alias of max_completion_tokens.")
-    max_completion_tokens: int | None = Field(None, ge=1, description="null: up to the context length.")
+    max_tokens: Int | None = Field(None, ge=1, description="Deprecated alias of max_completion_tokens.")
+    max_completion_tokens: Int | None = Field(None, ge=1, description="null: up to the context length.")
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="Needs logprobs: true.")
+    top_logprobs: Int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="Needs logprobs: true.")
 
     def sampling_params(self) -> SamplingParams:
         if self.top_logprobs is not None and not self.logprobs:
@@ -172,9 +183,49 @@ class ChatCompletionRequest(_SamplingRequest):
         return self._sampling_params(max_tokens, (self.top_logprobs or 0) if self.logprobs else None)
 
 
+# ---- /tokenize and /detokenize (vLLM's shapes) ------------------------------------------
+
+class TokenizeRequest(BaseModel):
+    """A prompt, or chat messages rendered with the chat template, to token ids."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+    model: str | None = None
+    prompt: str | None = Field(None, description="Text to tokenize (give this or messages).")
+    messages: list[ChatMessage] | None = Field(None, min_length=1, description="A conversation to render and "
+                                               "tokenize (give this or prompt).")
+    add_generation_prompt: bool = Field(True, description="messages only: end with the assistant's turn opening.")
+    add_special_tokens: bool | None = Field(None, description="Default: true for prompt, false for messages "
+                                            "(the template writes them).")
+    return_token_strs: bool = Field(False, description="Also return each token's vocabulary string.")
+
+    @model_validator(mode="after")
+    def _prompt_or_messages(self) -> TokenizeRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of prompt or messages")
+        return self
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+    model: str | None = None
+    tokens: list[TokenId]
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
+
+
 # ---- errors ---------------------------------------------------------------------------
 
-ERROR_TYPES = {400: "invalid_request_error", 404: "not_found_error", 405: "invalid_request_error",
+ERROR_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "not_found_error",
+               405: "invalid_request_error",
                500: "internal_server_error", 503: "service_unavailable"}
 
 

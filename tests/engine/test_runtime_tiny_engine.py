@@ -69,7 +69,7 @@ def test_text_generation_and_chat_match_transformers(tiny_model_dir, big):
 
 
 def test_preemption_with_a_tiny_pool_keeps_outputs(tiny_engine, reference):
-    small = LLM(tiny_engine, RuntimeConfig(kv_cache_bytes=14 * 8192, enable_prefix_caching=False))
+    small = LLM(tiny_engine, RuntimeConfig(kv_cache_bytes=14 * 8192, enable_prefix_caching=False, max_model_len=224))
     assert small.engine.runner.num_blocks == 14
     outs = small.generate(token_prompts(), GREEDY)
     assert [o.outputs[0].token_ids for o in outs] == reference

@@ -191,7 +191,7 @@ def test_shared_system_prompt_is_prefilled_once(engine_dir):
     system = tok.encode(_corpus())[:300]
     first, second = system + tok.encode(" First question: what is JSON?"), system + tok.encode(" Second: logging?")
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-    warm = load_engine(engine_dir, RuntimeConfig(kv_cache_bytes=64 << 20))
+    warm = load_engine(engine_dir, RuntimeConfig(kv_cache_bytes=64 << 20, max_model_len=1024))
     outs = []
     for i, p in enumerate((first, second)):
         before = warm.stats().num_prompt_tokens_computed
@@ -203,7 +203,8 @@ def test_shared_system_prompt_is_prefilled_once(engine_dir):
         computed = warm.stats().num_prompt_tokens_computed - before
     assert outs[1].num_cached_tokens == 288  # 18 full blocks of the shared 300 tokens
     assert computed == len(second) - 288
-    cold = load_engine(engine_dir, RuntimeConfig(kv_cache_bytes=64 << 20, enable_prefix_caching=False))
+    cold = load_engine(engine_dir, RuntimeConfig(kv_cache_bytes=64 << 20, enable_prefix_caching=False,
+                                                 max_model_len=1024))
     cold.add_request("c", second, params)
     deltas = []
     while cold.has_unfinished():

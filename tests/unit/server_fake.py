@@ -31,17 +31,34 @@ class FakeAsyncLLM:
         self.shut_down = False
         self.requests: list[tuple[object, SamplingParams]] = []
 
-    def apply_chat_template(self, messages: list[dict]) -> str:
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         if messages[-1]["role"] == "assistant" and messages[-1]["content"] == "REJECT":
             raise ValueError("template rejects this conversation")
-        return "".join(f"<{m['role']}>{m['content']}" for m in messages) + "<assistant>"
+        turns = "".join(f"<{m['role']}>{m['content']}" for m in messages)
+        return turns + ("<assistant>" if add_generation_prompt else "")
 
-    async def generate(self, prompt, params: SamplingParams, request_id: str):
+    def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return ([1] if add_special_tokens else []) + [ord(c) for c in text]  # 1: a BOS-like special token
+
+    def detokenize(self, token_ids: list[int]) -> str:
+        if any(t >= 0x110000 for t in token_ids):
+            raise InvalidParamError("tokens must be in [0, 1114112)", "tokens")
+        return "".join(chr(t) for t in token_ids)
+
+    def token_strings(self, token_ids: list[int]) -> list[str]:
+        return [f"<{chr(t)}>" for t in token_ids]
+
+    def add_request(self, prompt, params: SamplingParams, request_id: str):
+        """Like AsyncLLM's: bad input is refused here, at once; the stream runs the request."""
         ids = [ord(c) for c in prompt] if isinstance(prompt, str) else list(prompt)
         max_tokens = params.max_tokens or (self.max_seq_len - len(ids))
         if len(ids) + max_tokens > self.max_seq_len:
             raise InvalidParamError(f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) exceeds "
-                                    f"max_seq_len ({self.max_seq_len})", "prompt")
+                                    f"max_seq_len ({self.max_seq_len})",
+                                    "prompt" if len(ids) >= self.max_seq_len else "max_tokens")
+        return _Stream(self._run(prompt, ids, max_tokens, params, request_id))
+
+    async def _run(self, prompt, ids: list[int], max_tokens: int, params: SamplingParams, request_id: str):
         if isinstance(prompt, str) and "CRASH" in prompt:
             raise RuntimeError("engine exploded")
         self.requests.append((prompt, params))
@@ -99,3 +116,24 @@ class FakeAsyncLLM:
 
     async def shutdown(self) -> None:
         self.shut_down = True
+
+
+class _Stream:
+    """AsyncLLM's RequestStream over the fake's generator: iterate it; close() before the start drops it."""
+
+    def __init__(self, gen):
+        self.gen = gen
+
+    def __aiter__(self):
+        return self.gen
+
+    def close(self) -> None:
+        self.gen = _empty()
+
+    async def aclose(self) -> None:
+        await self.gen.aclose()
+
+
+async def _empty():
+    return
+    yield

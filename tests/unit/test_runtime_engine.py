@@ -98,8 +98,13 @@ def test_max_tokens_none_runs_to_max_seq_len():
 
 def test_bad_input_raises_value_error_naming_it():
     engine = llm(max_seq_len=32)
-    with pytest.raises(ValueError, match=r"prompt \(30 tokens\) \+ max_tokens \(16\) exceeds max_seq_len \(32\)"):
+    too_long = r"prompt \(30 tokens\) \+ max_tokens \(16\) exceeds max_seq_len \(32\)"
+    with pytest.raises(ValueError, match=too_long) as err:
         engine.generate([[1] * 30], SamplingParams(max_tokens=16))
+    assert err.value.param == "max_tokens"  # the prompt fits: max_tokens is what to lower
+    with pytest.raises(ValueError, match=r"prompt \(32 tokens\) \+ max_tokens \(1\)") as err:
+        engine.generate([[1] * 32], SamplingParams(max_tokens=1))
+    assert err.value.param == "prompt"  # no max_tokens would fit
     with pytest.raises(ValueError, match="prompt is empty"):
         engine.generate([[]], GREEDY)
     with pytest.raises(ValueError, match="prompt token ids"):

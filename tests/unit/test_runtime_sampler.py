@@ -157,6 +157,14 @@ def test_invalid_sampling_params_name_the_field(field, value):
     assert err.value.param == field  # what the server reports as OpenAI's error param
 
 
+@pytest.mark.parametrize("field", ["temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
+                                   "frequency_penalty"])
+def test_nan_sampling_param_is_named_not_finite(field):
+    with pytest.raises(ValueError, match=f"^{field} must be a finite number, got nan") as err:
+        SamplingParams(**{field: float("nan")})
+    assert err.value.param == field
+
+
 def test_temperature_message_and_stop_normalization():
     with pytest.raises(ValueError, match=r"temperature must be >= 0, got -1"):
         SamplingParams(temperature=-1)

@@ -197,17 +197,17 @@ def test_unknown_model_is_404(client):
 
 
 @pytest.mark.parametrize("stream", [False, True])
-def test_too_long_is_400(client, stream):
-    r = client.post("/v1/completions", json={"prompt": "x" * 60, "max_tokens": 10, "stream": stream})
-    assert_error(r, 400, "prompt", contains="max_seq_len")
+@pytest.mark.parametrize("prompt_len,param", [(60, "max_tokens"), (64, "prompt")])
+def test_too_long_is_400_naming_what_to_shorten(client, stream, prompt_len, param):
+    r = client.post("/v1/completions", json={"prompt": "x" * prompt_len, "max_tokens": 10, "stream": stream})
+    assert_error(r, 400, param, contains="max_seq_len")
 
 
 def _engine_raising(fake, monkeypatch, exc: Exception) -> None:
-    async def generate(prompt, params, request_id):
+    def add_request(prompt, params, request_id):
         raise exc
-        yield  # an async generator, as AsyncLLM.generate is
 
-    monkeypatch.setattr(fake, "generate", generate)
+    monkeypatch.setattr(fake, "add_request", add_request)
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -317,6 +317,8 @@ def test_disconnect_aborts_request(stream):
 
     chunks = asyncio.run(main())
     assert len(fake.aborted) == 1 and not fake.running and not fake.finished
+    metrics = app.state.metrics.render()
+    assert b"kiln_request_abort_total 1.0" in metrics and b"kiln_request_success_total{" not in metrics
     assert fake.generated < 50
     if stream:
         assert b"[DONE]" not in b"".join(chunks)

@@ -1,0 +1,103 @@
+"""`kiln serve`: load an engine, then run the app under uvicorn until SIGTERM/SIGINT.
+
+Shutdown: uvicorn stops accepting connections and waits for running requests; ours end
+themselves at ``shutdown_timeout`` (streams with an error event and ``[DONE]``, see
+streams.Drain), so uvicorn's own cancellation, a few seconds later, is only a backstop
+for a client that stopped reading. Then the lifespan shuts the engine down; exit 0.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import socket
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+try:
+    import uvicorn
+except ImportError as e:  # the bare runtime install has no HTTP stack
+    raise ImportError(f"kiln serve needs the server extras (pip install 'kiln[server]'): {e}") from e
+
+from kiln.errors import require
+from kiln.runtime.params import RuntimeConfig
+from kiln.runtime.server.app import build_app
+
+log = logging.getLogger("kiln.server")
+
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
+_BACKSTOP_S = 5.0  # after the deadline, how long uvicorn waits before cancelling what still runs
+
+
+@dataclass(frozen=True)
+class ServeOptions:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    served_model_name: str | None = None  # default: the engine's model name
+    max_queue: int | None = None  # 503 + Retry-After once this many engine requests wait
+    shutdown_timeout: float = 30.0  # seconds running requests get after SIGTERM before they are ended
+    log_level: str = "info"
+    api_key: str | None = None  # Bearer auth on every route but /health
+
+    def __post_init__(self) -> None:
+        require(0 <= self.port <= 65535, "port", "in [0, 65535]", self.port)
+        require(self.max_queue is None or self.max_queue >= 1, "max_queue", ">= 1 (omit it for no bound)",
+                self.max_queue)
+        require(self.shutdown_timeout >= 0, "shutdown_timeout", ">= 0", self.shutdown_timeout)
+        require(self.log_level in LOG_LEVELS, "log_level", f"one of {list(LOG_LEVELS)}", self.log_level)
+        require(self.api_key is None or bool(self.api_key), "api_key", "a non-empty string", self.api_key)
+
+
+def configure_logging(level: str) -> None:
+    """kiln's loggers (the start-up summary, one line per request) at ``level``, on stderr."""
+    logger = logging.getLogger("kiln")
+    logger.setLevel(level.upper())
+    if not logger.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        logger.addHandler(handler)
+        logger.propagate = False
+
+
+def serve(engine_dir: str | Path, config: RuntimeConfig | None = None, options: ServeOptions = ServeOptions()) -> None:
+    """Load ``engine_dir`` and serve it until SIGTERM/SIGINT; returns normally (exit 0).
+
+    The engine loads before the server binds its port, so a bad engine dir fails with the
+    loader's one-sentence error and nothing listens half-ready.
+    """
+    from kiln.runtime import AsyncLLM
+
+    configure_logging(options.log_level)
+    # uvicorn shuts down gracefully on SIGTERM/SIGINT, then re-raises the signal under the handler
+    # it found installed: make that one exit 0 (also when the signal comes before uvicorn is up).
+    signal.signal(signal.SIGTERM, _exit_zero)
+    signal.signal(signal.SIGINT, _exit_zero)
+    llm = AsyncLLM(engine_dir, config)
+    app = build_app(lambda: llm, options.served_model_name, options.max_queue, options.api_key)
+    log.info("serving %s as %r on http://%s:%d (max_num_seqs %d, queue bound %s, shutdown deadline %g s, "
+             "API key %s)", engine_dir, options.served_model_name or llm.model_name, options.host, options.port,
+             llm.engine.config.max_num_seqs, options.max_queue or "none", options.shutdown_timeout,
+             "required" if options.api_key else "off")
+    uvicorn_config = uvicorn.Config(
+        app, host=options.host, port=options.port, log_level=options.log_level,
+        # uvicorn annotates int but hands it to asyncio.wait_for, which takes any seconds
+        timeout_graceful_shutdown=options.shutdown_timeout + _BACKSTOP_S)  # type: ignore[arg-type]
+    _DrainingServer(uvicorn_config, lambda: app.state.drain.start(options.shutdown_timeout)).run()
+
+
+def _exit_zero(signum: int, frame: Any) -> None:
+    raise SystemExit(0)
+
+
+class _DrainingServer(uvicorn.Server):
+    """uvicorn's Server, telling the app when shutdown begins so it can start its deadline."""
+
+    def __init__(self, config: uvicorn.Config, on_shutdown: Callable[[], None]) -> None:
+        super().__init__(config)
+        self._on_shutdown = on_shutdown
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        self._on_shutdown()
+        await super().shutdown(sockets)

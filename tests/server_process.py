@@ -1,0 +1,79 @@
+"""`kiln serve` as a real subprocess for end-to-end tests: started on a free port, waited for
+until /health answers, read through the official openai client, /metrics, and its log."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import openai
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    def __init__(self, engine: Path, log: Path, *extra: str, env: dict[str, str] | None = None,
+                 api_key: str = "none"):
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.api_key = api_key
+        self.log_path = log
+        self.log = open(log, "w")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "kiln.cli", "serve", str(engine), "--port", str(self.port), *extra],
+            stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            assert self.proc.poll() is None, Path(log).read_text()
+            try:
+                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        raise TimeoutError(Path(log).read_text())
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"}
+
+    def client(self, **kw):
+        return openai.OpenAI(base_url=self.url + "/v1", api_key=self.api_key, max_retries=0, **kw)
+
+    def async_client(self, **kw):
+        return openai.AsyncOpenAI(base_url=self.url + "/v1", api_key=self.api_key, max_retries=0, **kw)
+
+    def metric(self, name: str) -> float:
+        text = httpx.get(self.url + "/metrics", headers=self.headers, timeout=5).text
+        return float(re.search(rf"^{re.escape(name)} (\S+)$", text, re.M).group(1))
+
+    def finished(self) -> dict[str, float]:
+        """kiln_request_success_total by finish reason."""
+        text = httpx.get(self.url + "/metrics", headers=self.headers, timeout=5).text
+        pattern = r'^kiln_request_success_total\{finish_reason="(\w+)"\} (\S+)$'
+        return {m[1]: float(m[2]) for m in re.finditer(pattern, text, re.M)}
+
+    def aborted(self) -> float:
+        """kiln_request_abort_total: completions cut short (not a finish reason of success)."""
+        return self.metric("kiln_request_abort_total")
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+        self.log.close()
+        return self.proc.wait()

@@ -1,0 +1,61 @@
+"""Sizing the KV pool (model_runner.choose_num_blocks) and the served max_model_len (loader): sizes
+that could never serve a max-length sequence, or that memory cannot back, are refused in one sentence."""
+
+from __future__ import annotations
+
+import pytest
+
+from kiln.errors import InvalidParamError
+from kiln.runtime.loader import served_max_model_len
+from kiln.runtime.model_runner import KvBudget, choose_num_blocks
+
+GIB = 1 << 30
+# 1 KiB per block of 16 tokens; one 2,048-token sequence is 128 blocks = 128 KiB; 64 of them 8 MiB
+BUDGET = KvBudget(bytes_per_block=1024, block_size=16, min_tokens=2048, max_useful_tokens=64 * 2048)
+
+
+def test_explicit_bytes_are_used_as_given():
+    assert choose_num_blocks(BUDGET, 1 << 20, None, available=GIB) == 1024
+
+
+def test_explicit_bytes_larger_than_memory_are_refused():
+    with pytest.raises(InvalidParamError, match=r"^kv_cache_bytes 2,147,483,648 is more than the available memory "
+                                                r"\(1,073,741,824 bytes\); lower it$") as err:
+        choose_num_blocks(BUDGET, 2 * GIB, None, available=GIB)
+    assert err.value.param == "kv_cache_bytes"
+
+
+@pytest.mark.parametrize("kv_bytes", [1, 1023, 127 * 1024])
+def test_explicit_bytes_below_one_max_length_sequence_are_refused(kv_bytes):
+    with pytest.raises(InvalidParamError, match=r"one sequence of max_model_len 2048 tokens needs 131,072 bytes; "
+                                                r"raise it or lower max_model_len$") as err:
+        choose_num_blocks(BUDGET, kv_bytes, None, available=GIB)
+    assert err.value.param == "kv_cache_bytes" and str(err.value).startswith(f"kv_cache_bytes {kv_bytes:,} holds ")
+
+
+def test_exactly_one_sequence_is_enough():
+    assert choose_num_blocks(BUDGET, 128 * 1024, None, available=GIB) == 128
+
+
+def test_a_fraction_too_small_for_one_sequence_is_refused():
+    assert choose_num_blocks(BUDGET, None, 0.5, available=GIB) == GIB // 2 // 1024
+    with pytest.raises(InvalidParamError, match=r"^kv_cache_fraction 0.1 of the available memory holds 1552 tokens"):
+        choose_num_blocks(BUDGET, None, 0.1, available=1_000_000)
+
+
+def test_the_default_is_a_tenth_of_memory_capped_and_raised_to_one_sequence():
+    assert choose_num_blocks(BUDGET, None, None, available=GIB) == 8 * 1024  # capped: 64 sequences
+    assert choose_num_blocks(BUDGET, None, None, available=4 << 20) == 409  # a tenth of 4 MiB
+    assert choose_num_blocks(BUDGET, None, None, available=400_000) == 128  # raised to one sequence
+    with pytest.raises(InvalidParamError, match=r"more than the available memory \(100,000 bytes\); lower "
+                                                r"max_model_len$") as err:
+        choose_num_blocks(BUDGET, None, None, available=100_000)
+    assert err.value.param == "max_model_len"
+
+
+def test_max_model_len_may_lower_the_engine_limit_but_not_raise_it():
+    assert served_max_model_len(2048, None) == 2048
+    assert served_max_model_len(2048, 512) == 512
+    with pytest.raises(InvalidParamError, match=r"^max_model_len 4096 exceeds the engine's max_seq_len 2048; "
+                                                r"rebuild the engine with --max-seq-len 4096"):
+        served_max_model_len(2048, 4096)
