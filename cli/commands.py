@@ -73,15 +73,18 @@ def build(model: str, output: Path, kv_dtype: str, block_size: int, max_seq_len:
 @click.option("--kv-cache-bytes", type=int, default=None, help="KV pool size (default: a fraction of memory)")
 @click.option("--max-num-seqs", type=int, default=64, show_default=True, help="sequences batched per step")
 @click.option("--served-model-name", default=None, help="model name clients use (default: the engine's)")
+@click.option("--no-web-ui", "no_web_ui", is_flag=True, help="leave out the chat page at /")
 def serve(engine_dir: Path, host: str, port: int, max_queue: int | None, kv_cache_bytes: int | None,
-          max_num_seqs: int, served_model_name: str | None) -> None:
-    """Serve ENGINE_DIR over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions)."""
+          max_num_seqs: int, served_model_name: str | None, no_web_ui: bool) -> None:
+    """Serve ENGINE_DIR over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions), with a
+    chat page at /."""
     from kiln.runtime.params import RuntimeConfig
     from kiln.runtime.server.app import ServeOptions
     from kiln.runtime.server.app import serve as run_server
 
     run_server(engine_dir, RuntimeConfig(kv_cache_bytes=kv_cache_bytes, max_num_seqs=max_num_seqs),
-               ServeOptions(host=host, port=port, served_model_name=served_model_name, max_queue=max_queue))
+               ServeOptions(host=host, port=port, served_model_name=served_model_name, max_queue=max_queue,
+                            web_ui=not no_web_ui))
 
 
 def _sampling(max_tokens: int | None, temperature: float, top_p: float, top_k: int, seed: int | None

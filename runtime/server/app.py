@@ -41,6 +41,7 @@ from kiln.runtime.server.protocol import (
     ResponseFormatter,
     error_body,
 )
+from kiln.runtime.server.web import add_web_ui
 
 log = logging.getLogger("kiln.server")
 
@@ -53,6 +54,7 @@ class ServeOptions:
     max_queue: int | None = None  # 503 + Retry-After once this many requests wait
     graceful_timeout: float = 30.0  # seconds in-flight requests get after SIGTERM
     log_level: str = "info"
+    web_ui: bool = True  # the chat page at / (kiln.runtime.server.web)
 
 
 class ClientDisconnected(Exception):
@@ -330,6 +332,14 @@ def build_app(load_llm: Callable[[], Any], served_model_name: str | None = None,
     return app
 
 
+def serving_app(load_llm: Callable[[], Any], options: ServeOptions) -> FastAPI:
+    """The app `serve` runs: the API, and the chat page unless ``options.web_ui`` is off."""
+    app = build_app(load_llm, options.served_model_name, options.max_queue)
+    if options.web_ui:
+        add_web_ui(app)
+    return app
+
+
 def serve(engine_dir: str | Path, config: RuntimeConfig | None = None, options: ServeOptions = ServeOptions()) -> None:
     """Load ``engine_dir`` and serve it until SIGTERM/SIGINT; returns normally (exit 0).
 
@@ -345,8 +355,7 @@ def serve(engine_dir: str | Path, config: RuntimeConfig | None = None, options: 
     signal.signal(signal.SIGTERM, _exit_zero)
     signal.signal(signal.SIGINT, _exit_zero)
     llm = AsyncLLM(engine_dir, config)
-    app = build_app(lambda: llm, options.served_model_name, options.max_queue)
-    uvicorn.run(app, host=options.host, port=options.port, log_level=options.log_level,
+    uvicorn.run(serving_app(lambda: llm, options), host=options.host, port=options.port, log_level=options.log_level,
                 # uvicorn annotates int but hands it to asyncio.wait_for, which takes any seconds
                 timeout_graceful_shutdown=options.graceful_timeout)  # type: ignore[arg-type]
 
