@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import click
 
 from kiln.contract import KV_DTYPES
-from kiln.errors import KilnError
+from kiln.errors import InvalidParamError, KilnError
 
 if TYPE_CHECKING:
     from kiln.runtime.params import SamplingParams
@@ -148,23 +148,36 @@ def chat(engine_dir: str, system: str | None, max_tokens: int, temperature: floa
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None, help="write the report here")
 @click.option("--server", "server_url", default=None, help="run the workload over HTTP against a running "
               "`kiln serve` at this URL instead (ENGINE_DIR gives the vocabulary)")
+@click.option("--sweep", is_flag=True, help="one run per concurrency 1, 2, 4, ... up to --num-requests")
+@click.option("--plot", "plot_dir", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="write PNG charts of the sweep here: output tok/s, TTFT and ITL against concurrency "
+              "(needs kiln[plot])")
 def bench(engine_dir: str, num_requests: int, input_len: int, output_len: int, concurrency: tuple[int, ...],
           request_rate: float | None, kv_cache_bytes: int | None, max_num_seqs: int, num_threads: int | None,
-          json_path: str | None, server_url: str | None) -> None:
+          json_path: str | None, server_url: str | None, sweep: bool, plot_dir: Path | None) -> None:
     """Offline throughput/latency of ENGINE_DIR on a synthetic workload, vs the memory-bandwidth floor."""
-    from kiln.runtime.bench.offline import BenchConfig
+    from kiln.cli.charts import check_plottable, concurrency_sweep, write_bench_charts
+    from kiln.runtime.bench.offline import BenchConfig, say
     from kiln.runtime.bench.offline import bench as run
     from kiln.runtime.params import RuntimeConfig
 
+    if sweep and concurrency:
+        raise InvalidParamError("give --sweep or --concurrency values, not both", "sweep")
+    levels: tuple[int | None, ...] = concurrency_sweep(num_requests) if sweep else (concurrency or (None,))
+    if plot_dir is not None:
+        check_plottable({c or num_requests for c in levels})  # before minutes of benchmark, not after
+    cfg = BenchConfig(num_requests, input_len, output_len, None, request_rate)
     if server_url:
         from kiln.runtime.bench.serving import bench_server
 
-        bench_server(server_url, engine_dir, BenchConfig(num_requests, input_len, output_len, None, request_rate),
-                     concurrency or (None,), json_path)
-        return
-    run(engine_dir, BenchConfig(num_requests, input_len, output_len, None, request_rate), concurrency or (None,),
-        RuntimeConfig(kv_cache_bytes=kv_cache_bytes, max_num_seqs=max_num_seqs, num_threads=num_threads,
-                      enable_prefix_caching=False), json_path)
+        report = bench_server(server_url, engine_dir, cfg, levels, json_path)
+    else:
+        report = run(engine_dir, cfg, levels, RuntimeConfig(kv_cache_bytes=kv_cache_bytes, max_num_seqs=max_num_seqs,
+                                                            num_threads=num_threads, enable_prefix_caching=False),
+                     json_path)
+    if plot_dir is not None:
+        for path in write_bench_charts(report, plot_dir):
+            say(f"chart written to {path}")
 
 
 from kiln.cli.calibration import calibrate, evaluate  # noqa: E402
