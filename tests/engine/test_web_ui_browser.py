@@ -121,7 +121,8 @@ def sent_requests(driver, path: str) -> list[dict]:
         request = message["params"]["request"]
         if request["url"].endswith(path):
             body = json.loads(request["postData"]) if request.get("postData") else None
-            found.append({"url": request["url"], "method": request["method"], "headers": request["headers"], "body": body})
+            found.append({"url": request["url"], "method": request["method"], "headers": request["headers"],
+                          "body": body})
     return found
 
 
