@@ -224,6 +224,14 @@ def test_a_server_error_shows_the_servers_message(page, server):
     assert "unsent" in user.get_attribute("class")  # out of the history; its text is back in the input box
     assert field.get_property("value") == prompt
 
+    field.clear()  # the next message clears the failed exchange and is sent without it
+    set_field(page, "max-tokens", "4")
+    ask(page, "Hi!")
+    wait_for(lambda: finished(page), "the next answer")
+    assert page.find_elements(By.CSS_SELECTOR, "#messages li.failed") == []
+    assert [li.get_attribute("data-state") for li in answers(page)] == ["done"]
+    assert sent_requests(page, "/v1/chat/completions")[-1]["body"]["messages"] == [{"role": "user", "content": "Hi!"}]
+
 
 def test_the_api_key_is_kept_in_the_browser_and_sent_as_bearer(page):
     set_field(page, "api-key", "sk-kiln-test")

@@ -129,7 +129,7 @@ async function answer() {
   const controller = new AbortController();
   setBusy(controller);
   const timing = {start: performance.now(), first: null, last: null};
-  let text = "", chunks = 0, usage = null;
+  let text = "", chunks = 0, usage = null, ended = false;
   try {
     const resp = await fetch("/v1/chat/completions", {
       method: "POST", signal: controller.signal,
@@ -138,7 +138,10 @@ async function answer() {
     });
     if (!resp.ok) throw await serverError(resp);
     for await (const data of sseData(resp.body)) {
-      if (data === "[DONE]") break;
+      if (data === "[DONE]") {
+        ended = true;
+        break;
+      }
       const chunk = JSON.parse(data);
       if (chunk.error) throw new ServerError(chunk.error.message, chunk.error.code);
       if (chunk.usage) usage = chunk.usage;
@@ -152,6 +155,7 @@ async function answer() {
         item.scrollIntoView({block: "end"});
       }
     }
+    if (!ended) throw new ServerError("The connection closed before the answer was complete.");
     item.dataset.state = "done";
   } catch (e) {
     if (e.name === "AbortError") {
@@ -164,10 +168,14 @@ async function answer() {
     }
   }
   if (current !== conversation) return;
-  if (item.dataset.state === "error" && !text) {
-    history.pop();  // nothing was answered: the user's turn goes back to the input box, to edit or resend
-    if (!$("input").value) $("input").value = item.previousElementSibling.querySelector(".text").textContent;
-    item.previousElementSibling.classList.add("unsent");
+  if (!text && item.dataset.state !== "done") {
+    // Nothing was answered (an error, or stopped before the first token): the user's turn leaves the history
+    // and goes back to the input box, to edit or resend; both bubbles stay on screen until the next message.
+    if (item.dataset.state === "stopped") textEl.textContent = "(stopped before the first token)";
+    const asked = history.pop();
+    if (!$("input").value) $("input").value = asked.content;
+    item.classList.add("failed");
+    item.previousElementSibling.classList.add("failed", "unsent");
   } else {
     history.push({role: "assistant", content: text});
     const tokens = usage ? usage.completion_tokens : chunks;
@@ -177,10 +185,15 @@ async function answer() {
   setBusy(null);
 }
 
+function clearFailed() {
+  for (const item of $("messages").querySelectorAll("li.failed")) item.remove();
+}
+
 async function send(event) {
   event.preventDefault();
   const text = $("input").value.trim();
   if (!text || inflight) return;
+  clearFailed();
   $("input").value = "";
   history.push({role: "user", content: text});
   addMessage("user", text);
@@ -190,6 +203,7 @@ async function send(event) {
 async function regenerate() {
   if (inflight || history[history.length - 1].role !== "assistant") return;
   history.pop();
+  clearFailed();
   const answers = $("messages").querySelectorAll("li.assistant");
   answers[answers.length - 1].remove();
   await answer();
