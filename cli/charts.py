@@ -85,7 +85,8 @@ def bench_figures(report: dict[str, Any]) -> dict[str, Figure]:
     values = [r["output_tok_per_s"] for r in runs]
     ax.plot(levels, values, marker="o", color="#c2410c")
     for x, y in zip(levels, values, strict=True):
-        ax.annotate(f"{y:.0f}", (x, y), textcoords="offset points", xytext=(0, 6), ha="center", fontsize=8)
+        label = f"{y:.0f}" if y >= 100 else f"{y:.3g}"
+        ax.annotate(label, (x, y), textcoords="offset points", xytext=(0, 6), ha="center", fontsize=8)
     ax.set_ylim(0, max(values) * 1.15)
     figures["throughput"] = figure
     for stem, key, what in (("ttft", "ttft_ms", "Time to first token"), ("itl", "itl_ms", "Inter-token latency")):

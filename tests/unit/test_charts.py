@@ -54,6 +54,11 @@ def test_bench_charts_plot_each_run_against_requests_in_flight():
     assert "32 requests of 128 in / 64 out" in figures["ttft"].axes[0].get_title()
 
 
+def test_bench_charts_of_a_server_run_say_so():
+    figures = bench_figures({**REPORT, "server": "http://127.0.0.1:8000"})
+    assert "kiln serve at http://127.0.0.1:8000" in figures["throughput"].axes[0].get_title()
+
+
 def test_bench_charts_need_two_concurrency_levels():
     with pytest.raises(InvalidParamError, match="--sweep or two or more"):
         bench_figures({**REPORT, "runs": [_run(None, 1.0, 1.0, 1.0), _run(32, 1.0, 1.0, 1.0)]})

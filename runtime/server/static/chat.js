@@ -82,6 +82,14 @@ function addMessage(role, text) {
   return item;
 }
 
+// Keeps the newest text in view unless the reader has scrolled up to read something else.
+function follow(grow) {
+  const list = $("messages");
+  const atBottom = list.scrollHeight - list.scrollTop - list.clientHeight < 40;
+  grow();
+  if (atBottom) list.scrollTop = list.scrollHeight;
+}
+
 function numberSetting(id, parse) {
   const value = parse($(id).value);
   return Number.isFinite(value) ? value : undefined;  // empty: the server's default
@@ -126,6 +134,7 @@ async function answer() {
   item.dataset.state = "streaming";
   const current = conversation;
   const textEl = item.querySelector(".text");
+  const textNode = textEl.appendChild(document.createTextNode(""));  // appended to: no re-render of the whole
   const controller = new AbortController();
   setBusy(controller);
   const timing = {start: performance.now(), first: null, last: null};
@@ -151,8 +160,7 @@ async function answer() {
         if (timing.first === null) timing.first = timing.last;
         chunks += 1;
         text += delta;
-        textEl.textContent = text;
-        item.scrollIntoView({block: "end"});
+        follow(() => textNode.appendData(delta));
       }
     }
     if (!ended) throw new ServerError("The connection closed before the answer was complete.");
