@@ -4,9 +4,12 @@ What the page does in a browser is tests/engine/test_web_ui_browser.py."""
 from __future__ import annotations
 
 import re
+from fnmatch import fnmatch
 from html.parser import HTMLParser
+from pathlib import Path
 
 import pytest
+import tomllib
 
 pytest.importorskip("fastapi")
 from fastapi.testclient import TestClient  # noqa: E402
@@ -113,3 +116,10 @@ def test_serve_has_the_page_unless_no_web_ui(monkeypatch, tmp_path, flags, has_p
     assert result.exit_code == 0, result.output
     with TestClient(apps[0]) as c:
         assert (c.get("/").status_code == 200) is has_page
+
+
+def test_the_assets_ship_as_package_data():
+    pyproject = tomllib.loads((Path(__file__).resolve().parents[2] / "pyproject.toml").read_text())
+    patterns = pyproject["tool"]["setuptools"]["package-data"]["kiln.runtime.server"]
+    for name, _ in ASSETS.values():
+        assert any(fnmatch(f"static/{name}", p) for p in patterns), f"{name} is not in the wheel"
