@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import click
 
 from kiln.contract import KV_DTYPES
-from kiln.errors import KilnError
+from kiln.errors import InvalidParamError, KilnError
 
 if TYPE_CHECKING:
     from kiln.runtime.params import SamplingParams
@@ -86,13 +86,15 @@ def build(model: str, output: Path, kv_dtype: str, block_size: int, max_seq_len:
 @click.option("--disable-prefix-caching", is_flag=True, help="never reuse the KV blocks of a shared prompt prefix")
 @click.option("--shutdown-timeout", type=click.FloatRange(min=0), default=30.0, show_default=True,
               help="seconds running requests get after SIGTERM; streams still running then end with an error event")
+@click.option("--no-web-ui", "no_web_ui", is_flag=True, help="leave out the chat page at /")
 @click.option("--log-level", type=click.Choice(["critical", "error", "warning", "info", "debug"]), default="info",
               show_default=True, help="info logs the start-up summary and one line per request")
 def serve(engine_dir: Path, host: str, port: int, api_key: str | None, served_model_name: str | None,
           chat_template: Path | None, max_model_len: int | None, max_queue: int | None, max_num_seqs: int,
           kv_cache_bytes: int | None, num_threads: int | None, disable_prefix_caching: bool,
-          shutdown_timeout: float, log_level: str) -> None:
-    """Serve ENGINE_DIR over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions)."""
+          shutdown_timeout: float, no_web_ui: bool, log_level: str) -> None:
+    """Serve ENGINE_DIR over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions), with a
+    chat page at /."""
     from kiln.runtime.params import RuntimeConfig
     from kiln.runtime.server.launch import ServeOptions
     from kiln.runtime.server.launch import serve as run_server
@@ -102,7 +104,8 @@ def serve(engine_dir: Path, host: str, port: int, api_key: str | None, served_mo
                            chat_template=chat_template.read_text() if chat_template else None)
     run_server(engine_dir, config, ServeOptions(host=host, port=port, served_model_name=served_model_name,
                                                 max_queue=max_queue, shutdown_timeout=shutdown_timeout,
-                                                log_level=log_level, api_key=api_key or None))
+                                                log_level=log_level, api_key=api_key or None,
+                                                web_ui=not no_web_ui))
 
 
 def _sampling(max_tokens: int | None, temperature: float, top_p: float, top_k: int, seed: int | None
@@ -169,23 +172,37 @@ def chat(engine_dir: str, system: str | None, max_tokens: int, temperature: floa
               "`kiln serve` at this URL instead (ENGINE_DIR gives the vocabulary)")
 @click.option("--api-key", envvar="KILN_API_KEY", default=None, help="with --server: the server's API key "
               "(also from $KILN_API_KEY)")
+@click.option("--sweep", is_flag=True, help="one run per concurrency 1, 2, 4, ... up to --num-requests")
+@click.option("--plot", "plot_dir", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="write PNG charts of the sweep here: output tok/s, TTFT and ITL against concurrency "
+              "(needs kiln[plot])")
 def bench(engine_dir: str, num_requests: int, input_len: int, output_len: int, concurrency: tuple[int, ...],
           request_rate: float | None, kv_cache_bytes: int | None, max_num_seqs: int, num_threads: int | None,
-          json_path: str | None, server_url: str | None, api_key: str | None) -> None:
+          json_path: str | None, server_url: str | None, api_key: str | None, sweep: bool,
+          plot_dir: Path | None) -> None:
     """Offline throughput/latency of ENGINE_DIR on a synthetic workload, vs the memory-bandwidth floor."""
-    from kiln.runtime.bench.offline import BenchConfig
+    from kiln.cli.charts import check_plottable, concurrency_sweep, write_bench_charts
+    from kiln.runtime.bench.offline import BenchConfig, say
     from kiln.runtime.bench.offline import bench as run
     from kiln.runtime.params import RuntimeConfig
 
+    if sweep and concurrency:
+        raise InvalidParamError("give --sweep or --concurrency values, not both", "sweep")
+    levels: tuple[int | None, ...] = concurrency_sweep(num_requests) if sweep else (concurrency or (None,))
+    if plot_dir is not None:
+        check_plottable({c or num_requests for c in levels})  # before minutes of benchmark, not after
+    cfg = BenchConfig(num_requests, input_len, output_len, None, request_rate)
     if server_url:
         from kiln.runtime.bench.serving import bench_server
 
-        bench_server(server_url, engine_dir, BenchConfig(num_requests, input_len, output_len, None, request_rate),
-                     concurrency or (None,), json_path, api_key or None)
-        return
-    run(engine_dir, BenchConfig(num_requests, input_len, output_len, None, request_rate), concurrency or (None,),
-        RuntimeConfig(kv_cache_bytes=kv_cache_bytes, max_num_seqs=max_num_seqs, num_threads=num_threads,
-                      enable_prefix_caching=False), json_path)
+        report = bench_server(server_url, engine_dir, cfg, levels, json_path, api_key or None)
+    else:
+        report = run(engine_dir, cfg, levels, RuntimeConfig(kv_cache_bytes=kv_cache_bytes, max_num_seqs=max_num_seqs,
+                                                            num_threads=num_threads, enable_prefix_caching=False),
+                     json_path)
+    if plot_dir is not None:
+        for path in write_bench_charts(report, plot_dir):
+            say(f"chart written to {path}")
 
 
 from kiln.cli.calibration import calibrate, evaluate  # noqa: E402

@@ -1,6 +1,6 @@
 """kiln against onnxruntime-genai and llama.cpp in one sitting, in interleaved rounds (run setup.py first).
 
-    .venv/bin/python benchmarks/peers/run.py --kiln-engine w8a8=engines/w8a8 [--kiln-engine NAME=DIR ...]
+    .venv/bin/python benchmarks/peers/run.py --kiln-engine w8a8=engines/w8a8 [--kiln-engine NAME=DIR ...] [--plot DIR]
 
 Each round runs every system back to back (this machine's speed drifts 10–30% within minutes, so
 kiln/peer ratios are taken within a round), first the offline shapes, then the serving load:
@@ -147,7 +147,11 @@ def main() -> int:
     parser.add_argument("--batches", default="16,32", help="batch sizes of the chat-prompt shapes")
     parser.add_argument("--serve-requests", type=int, default=64, help="requests of the serving load (0: skip it)")
     parser.add_argument("--json", type=Path, default=None, help="where to write the JSON (default: in --dir)")
+    parser.add_argument("--plot", type=Path, default=None, metavar="DIR",
+                        help="also write DIR/ratios.png, the ratios as a grouped bar chart (needs kiln[plot])")
     args = parser.parse_args()
+    if args.plot:
+        import plot  # fails here, not after an hour of rounds, where matplotlib is missing
     lay = PeerLayout(args.dir.expanduser().resolve())
     check_setup(lay)
     engines = parse_engines(args.kiln_engine)
@@ -165,13 +169,17 @@ def main() -> int:
     print(f"\n{args.rounds} interleaved rounds, {args.threads} threads, {time.perf_counter() - started:.0f} s\n")
     print(text)
     out = args.json or lay.root / f"results-{time.strftime('%Y%m%d-%H%M%S')}.json"
-    out.write_text(json.dumps({
+    result = {
         "engines": {k: str(v) for k, v in engines.items()}, "threads": args.threads, "rounds": rounds,
         "serving_load": load.__dict__ if load else None, "workload_prompt_lengths": {
             "prefill": len(work.prefill_prompt), "single": len(work.single_prompt),
             **{f"batch{b}": [len(p) for p in ps] for b, ps in work.batches.items()}},
-        "summary": report.summary(rounds, figures, kiln, peers)}, indent=2))
+        "figures": {f.key: {"label": f.label, "unit": f.unit} for f in figures},
+        "summary": report.summary(rounds, figures, kiln, peers)}
+    out.write_text(json.dumps(result, indent=2))
     say(f"JSON written to {out}")
+    if args.plot:
+        say(f"chart written to {plot.write_ratio_chart(result, args.plot)}")
     return 0
 
 

@@ -1,4 +1,4 @@
-"""`--api-key`: Bearer authentication on every route but /health (liveness probes carry no key).
+"""`--api-key`: Bearer authentication on every route but /health and the chat page's static files.
 
 A plain ASGI middleware, not Starlette's BaseHTTPMiddleware: that one wraps the receive
 channel, which the handlers watch to notice a client leaving.
@@ -14,7 +14,11 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from kiln.runtime.server.protocol import error_body
 
-OPEN_PATHS = frozenset({"/health"})
+from kiln.runtime.server.web import ASSETS
+
+# Liveness probes carry no key, and a browser opening the chat page cannot send one: the page
+# asks for the key and sends it with its own API calls.
+OPEN_PATHS = frozenset({"/health", *ASSETS})
 
 
 class ApiKeyAuth:

@@ -21,9 +21,12 @@ try:
 except ImportError as e:  # the bare runtime install has no HTTP stack
     raise ImportError(f"kiln serve needs the server extras (pip install 'kiln[server]'): {e}") from e
 
+from fastapi import FastAPI
+
 from kiln.errors import require
 from kiln.runtime.params import RuntimeConfig
 from kiln.runtime.server.app import build_app
+from kiln.runtime.server.web import add_web_ui
 
 log = logging.getLogger("kiln.server")
 
@@ -39,7 +42,8 @@ class ServeOptions:
     max_queue: int | None = None  # 503 + Retry-After once this many engine requests wait
     shutdown_timeout: float = 30.0  # seconds running requests get after SIGTERM before they are ended
     log_level: str = "info"
-    api_key: str | None = None  # Bearer auth on every route but /health
+    api_key: str | None = None  # Bearer auth on every route but /health and the chat page's files
+    web_ui: bool = True  # the chat page at / (kiln.runtime.server.web)
 
     def __post_init__(self) -> None:
         require(0 <= self.port <= 65535, "port", "in [0, 65535]", self.port)
@@ -61,6 +65,14 @@ def configure_logging(level: str) -> None:
         logger.propagate = False
 
 
+def serving_app(load_llm: Callable[[], Any], options: ServeOptions) -> FastAPI:
+    """The app `serve` runs: the API, and the chat page unless ``options.web_ui`` is off."""
+    app = build_app(load_llm, options.served_model_name, options.max_queue, options.api_key)
+    if options.web_ui:
+        add_web_ui(app)
+    return app
+
+
 def serve(engine_dir: str | Path, config: RuntimeConfig | None = None, options: ServeOptions = ServeOptions()) -> None:
     """Load ``engine_dir`` and serve it until SIGTERM/SIGINT; returns normally (exit 0).
 
@@ -75,7 +87,7 @@ def serve(engine_dir: str | Path, config: RuntimeConfig | None = None, options: 
     signal.signal(signal.SIGTERM, _exit_zero)
     signal.signal(signal.SIGINT, _exit_zero)
     llm = AsyncLLM(engine_dir, config)
-    app = build_app(lambda: llm, options.served_model_name, options.max_queue, options.api_key)
+    app = serving_app(lambda: llm, options)
     log.info("serving %s as %r on http://%s:%d (max_num_seqs %d, queue bound %s, shutdown deadline %g s, "
              "API key %s)", engine_dir, options.served_model_name or llm.model_name, options.host, options.port,
              llm.engine.config.max_num_seqs, options.max_queue or "none", options.shutdown_timeout,
