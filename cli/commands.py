@@ -44,7 +44,8 @@ def main() -> None:
 @click.option("--kv-dtype", type=click.Choice(list(KV_DTYPES)), default="float32", show_default=True,
               help="KV-cache element type; int8 takes per-head scales from --calibration")
 @click.option("--block-size", type=int, default=16, show_default=True, help="tokens per KV-cache block")
-@click.option("--max-seq-len", type=int, default=2048, show_default=True)
+@click.option("--max-seq-len", type=int, default=None,
+              help="context length in tokens (default: the model's max_position_embeddings, at most 2048)")
 @click.option("--quantization", default="none", show_default=True,
               help="none | int8-weight-only | int4-rtn-g{32,64,128} | int4-awq-g{32,64,128} | int4-q4_1 | "
                    "w8a8-smoothquant")
@@ -52,7 +53,7 @@ def main() -> None:
               help="artifact of `kiln calibrate` (needed by int4-awq-*, w8a8-smoothquant and --kv-dtype int8)")
 @click.option("--lm-head", type=click.Choice(["int8", "int4"]), default="int8", show_default=True,
               help="the tied LM head's weights under an int4 quantization (int8 keeps more of fp32's perplexity)")
-def build(model: str, output: Path, kv_dtype: str, block_size: int, max_seq_len: int, quantization: str,
+def build(model: str, output: Path, kv_dtype: str, block_size: int, max_seq_len: int | None, quantization: str,
           calibration: Path | None, lm_head: str) -> None:
     """Compile MODEL (an HF checkpoint dir, a .gguf file, or `default` for SmolLM2) into an engine dir."""
     from kiln.manifest import BuildOptions

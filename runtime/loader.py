@@ -39,7 +39,7 @@ def load_engine(engine_dir: str | Path, config: RuntimeConfig | None = None) -> 
             raise EngineLoadError(f"engine file {name} is missing from {engine_dir}")
     tokenizer = Tokenizer(engine_dir)
     build = manifest.build
-    max_useful = config.max_num_seqs * -(-build.max_seq_len // build.block_size)
+    max_useful = config.max_num_seqs * -(-manifest.max_seq_len // build.block_size)
     num_blocks = choose_num_blocks(
         engine_kv_pools(manifest).bytes_per_block, config.kv_cache_bytes, config.kv_cache_fraction, max_useful
     )
@@ -48,7 +48,7 @@ def load_engine(engine_dir: str | Path, config: RuntimeConfig | None = None) -> 
     if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in eos:
         eos.append(tokenizer.eos_token_id)
     limits = EngineLimits(
-        max_seq_len=manifest.build.max_seq_len,
+        max_seq_len=manifest.max_seq_len,
         max_num_tokens=manifest.build.max_num_tokens,
         eos_token_ids=tuple(eos),
     )
