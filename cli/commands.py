@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import click
 
+from kiln.cli.extras import missing_extra
 from kiln.contract import KV_DTYPES
 from kiln.errors import KilnError
 
@@ -19,8 +20,9 @@ CommandFunction = TypeVar("CommandFunction", bound=Callable[..., Any])
 
 
 class _Group(click.Group):
-    """Prints a KilnError (bad option, broken engine dir, unusable model or artifact) as one line;
-    anything else is a bug and keeps its traceback, as KILN_DEBUG=1 keeps every one."""
+    """Prints a KilnError (bad option, broken engine dir, unusable model or artifact) and a module of an
+    extra that is not installed as one line; anything else is a bug and keeps its traceback, as
+    KILN_DEBUG=1 keeps every one."""
 
     def invoke(self, ctx: click.Context) -> Any:
         try:
@@ -29,6 +31,11 @@ class _Group(click.Group):
             if os.environ.get("KILN_DEBUG"):
                 raise
             raise click.ClickException(str(exc)) from exc
+        except ImportError as exc:
+            message = missing_extra(exc, ctx.invoked_subcommand)
+            if message is None or os.environ.get("KILN_DEBUG"):
+                raise
+            raise click.ClickException(message) from exc
 
 
 @click.group(cls=_Group)
@@ -126,7 +133,7 @@ def generate(engine_dir: str, prompt: str | None, chat: str | None, max_tokens: 
 @sampling_options
 def chat(engine_dir: str, system: str | None, max_tokens: int, temperature: float, top_p: float, top_k: int,
          seed: int | None) -> None:
-    """Chat with ENGINE_DIR interactively (history kept; /reset, /exit)."""
+    """Chat with ENGINE_DIR interactively (history kept; /help lists the commands)."""
     from kiln.cli.generation import chat_repl
 
     chat_repl(engine_dir, _sampling(max_tokens, temperature, top_p, top_k, seed), system)

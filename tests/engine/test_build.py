@@ -22,7 +22,7 @@ def test_engine_dir_and_manifest(tiny_engine):
     assert set(manifest.files) == {"model.onnx", "model.onnx.data", "tokenizer.json", "tokenizer_config.json"}
     assert manifest.backend == BACKEND_ORT_CPU
     assert manifest.spec.num_layers == 2
-    assert manifest.max_seq_len == manifest.spec.max_position_embeddings == 512  # the model's, under 2048
+    assert manifest.max_seq_len == manifest.spec.max_position_embeddings == 2048
     layers = range(manifest.spec.num_layers)
     assert manifest.graph_inputs == (
         contract.INPUT_IDS, contract.POSITION_IDS, contract.QUERY_START_LOC, contract.SEQ_LENS,
