@@ -24,6 +24,7 @@ import onnx_ir as ir
 
 from kiln import contract
 from kiln.errors import KilnError
+from kiln.export.progress import progress_bar
 from kiln.manifest import (
     BACKEND_ORT_CPU,
     DEFAULT_MAX_SEQ_LEN,
@@ -100,7 +101,7 @@ def build_engine(
                 with _stage(say, f"quantize {options.quantization}"):
                     quantize_model(model, options.quantization, options.lm_head, say)
             with _stage(say, "write engine"):
-                ir.save(model, staging / MODEL_FILE, external_data=DATA_FILE)
+                _save_graph(model, staging)
                 _write_tokenizer(checkpoint, staging)
         graph_inputs = tuple(v.name for v in model.graph.inputs)
         graph_outputs = tuple(v.name for v in model.graph.outputs)
@@ -241,6 +242,16 @@ def _move_into_place(staging: Path, out_dir: Path) -> None:
     out_dir.rename(previous)
     staging.rename(out_dir)
     shutil.rmtree(previous)
+
+
+def _save_graph(model: ir.Model, engine_dir: Path) -> None:
+    """model.onnx + its weights in model.onnx.data, with a bar over the tensors written."""
+    with progress_bar("write engine", unit="tensor") as bar:
+        def written(_tensor, info) -> None:
+            bar.total = info.total
+            bar.update(1)
+
+        ir.save(model, engine_dir / MODEL_FILE, external_data=DATA_FILE, callback=written)
 
 
 def _write_tokenizer(checkpoint, out_dir: Path) -> None:

@@ -123,3 +123,16 @@ def test_an_interrupted_build_leaves_no_half_engine(tmp_path, monkeypatch, tiny_
     assert [p.name for p in tmp_path.iterdir()] == (["engine"] if previous_engine else [])
     if previous_engine:
         assert read_manifest(out).files == read_manifest(tiny_engine).files
+
+
+def test_a_build_shows_progress_for_export_quantization_and_writing(tmp_path, tiny_model_dir, recorded_bars):
+    """Each long stage has a bar that runs to its end: the export over the traced layers and the exporter's
+    phases, the quantization pass over the linears, the writer over the tensors."""
+    manifest = build_engine(tiny_model_dir, tmp_path / "engine", BuildOptions(quantization=QuantScheme.parse(
+        "int8-weight-only")), progress=lambda _msg: None)
+    bars = {description: (done, total) for description, done, total in recorded_bars}
+    assert list(bars) == ["export onnx", "quantize int8", "write engine"]
+    layers = manifest.spec.num_layers
+    assert bars["export onnx"] == (layers + 4, layers + 4)  # layers, 3 exporter phases, the save
+    assert bars["quantize int8"] == (4 * layers + 1, 4 * layers + 1)  # qkv, o, gate-up, down per layer; the LM head
+    assert bars["write engine"][0] == bars["write engine"][1] > 0
