@@ -81,7 +81,7 @@ def test_manifests_of_older_builds_still_load(tiny_engine, tmp_path):
     assert build.calibration is None and build.quantization == QuantScheme.parse("int8-weight-only")
     manifest["build"]["quantization"] = "int4-rtn-g7"
     (engine / "manifest.json").write_text(json.dumps(manifest))
-    with pytest.raises(EngineLoadError, match="field build.quantization is invalid: unknown quantization 'int4-rtn-g7'"):
+    with pytest.raises(EngineLoadError, match="build.quantization is invalid: unknown quantization 'int4-rtn-g7'"):
         read_manifest(engine)
 
 

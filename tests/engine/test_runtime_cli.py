@@ -5,7 +5,6 @@ import os
 import signal
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 from click.testing import CliRunner

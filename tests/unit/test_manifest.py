@@ -57,7 +57,7 @@ def test_a_written_manifest_reads_back(engine_dir):
     (lambda d: d["model_spec"].update(tie_word_embeddings=1), "tie_word_embeddings must be true or false, got 1"),
     (lambda d: d["model_spec"].update(eos_token_ids=[2, None]), r"model_spec.eos_token_ids\[1\] must be an integer"),
     (lambda d: d["model_spec"]["rope_scaling"].pop("factor"), "lacks the field model_spec.rope_scaling.factor"),
-    (lambda d: d["model_spec"].update(num_kv_heads=3), "model_spec is inconsistent: num_heads \\(4\\) is not a multiple"),
+    (lambda d: d["model_spec"].update(num_kv_heads=3), "model_spec is inconsistent: num_heads .4. is not a multiple"),
     (lambda d: d["model_spec"].update(n_experts=8), "manifest.json has an unknown field model_spec.n_experts"),
     (lambda d: d["build"].update(calibration=0), "field build.calibration must be a string or null, got 0"),
     (lambda d: d["build"].update(kv_dtype="int3"), "field build.kv_dtype is invalid: kv_dtype must be one of"),
