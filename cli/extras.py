@@ -5,7 +5,7 @@ from __future__ import annotations
 
 # Import names of each extra's distributions (tests/unit/test_extras.py keeps this equal to pyproject).
 EXTRA_MODULES: dict[str, frozenset[str]] = {
-    "compile": frozenset({"torch", "onnx", "onnx_ir", "onnxscript", "safetensors", "gguf", "transformers"}),
+    "compile": frozenset({"torch", "onnx", "onnx_ir", "onnxscript", "safetensors", "gguf", "transformers", "tqdm"}),
     "server": frozenset({"fastapi", "starlette", "pydantic", "anyio", "uvicorn", "prometheus_client", "httpx"}),
 }
 
