@@ -5,18 +5,16 @@ from __future__ import annotations
 
 import re
 import subprocess
-import sys
 from importlib.metadata import packages_distributions
 from pathlib import Path
 
 import pytest
 import tomllib
+from blocked_extras import command_line
 
 from kiln.cli.extras import EXTRA_MODULES
 
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO / "tests"))
-from blocked_extras import command_line  # noqa: E402
 
 
 def _kiln_without(extras: str, *args: str) -> subprocess.CompletedProcess[str]:
