@@ -17,6 +17,12 @@ from tqdm import tqdm
 T = TypeVar("T")
 
 
+def print_above_bars(message: str) -> None:
+    """A stage message on stderr that an active bar neither garbles nor overwrites (the bar is redrawn below)."""
+    tqdm.write(message, file=sys.stderr)
+    sys.stderr.flush()
+
+
 def progress_bar(description: str, total: int | None = None, unit: str = "step") -> tqdm:
     """A bar to update() by hand (use it as a context manager, or close() it)."""
     return tqdm(total=total, desc=description, unit=unit, file=sys.stderr, leave=False, dynamic_ncols=True)

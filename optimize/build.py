@@ -13,7 +13,6 @@ import json
 import os
 import secrets
 import shutil
-import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -24,7 +23,7 @@ import onnx_ir as ir
 
 from kiln import contract
 from kiln.errors import KilnError
-from kiln.export.progress import progress_bar
+from kiln.export.progress import print_above_bars, progress_bar
 from kiln.manifest import (
     BACKEND_ORT_CPU,
     DEFAULT_MAX_SEQ_LEN,
@@ -49,7 +48,7 @@ class BuildError(KilnError, RuntimeError):
 
 
 def stderr_progress(message: str) -> None:
-    print(f"[kiln build] {message}", file=sys.stderr, flush=True)
+    print_above_bars(f"[kiln build] {message}")
 
 
 DEFAULT_BUILD_OPTIONS = BuildOptions()  # frozen: one shared default is safe
