@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import torch
 
+from kiln.export.progress import track
+
 from .collect import ActivationStats
 from .fake_quant import int4_groupwise
 from .smoothing import SmoothGroup
@@ -50,7 +52,7 @@ def search(groups: list[SmoothGroup], stats: ActivationStats, weights: dict[str,
            group_size: int) -> tuple[dict[str, torch.Tensor], dict[str, dict]]:
     """(scales by group name, per-group report {ratio, error, error_rtn})."""
     scales, report = {}, {}
-    for group in groups:
+    for group in track(groups, "awq scales", "group"):
         first = stats.linears[group.linears[0]]
         ws = [weights[f"{name}.weight"] for name in group.linears]
         x = first.sample_rows()
@@ -117,7 +119,7 @@ def clip_all(groups: list[SmoothGroup], stats: ActivationStats, weights: dict[st
     AWQ-scaled weights and inputs (linears outside any smoothing group, e.g. o_proj under GQA, as they are)."""
     scale_of = {lin: scales[g.name] for g in groups if g.name in scales for lin in g.linears}
     clips, report = {}, {}
-    for name, st in stats.linears.items():
+    for name, st in track(stats.linears.items(), "awq clips", "linear", len(stats.linears)):
         if not name.endswith(CLIP_LINEARS) or f"{name}.weight" not in weights:
             continue
         x, w = st.sample_rows(), weights[f"{name}.weight"]

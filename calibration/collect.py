@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from kiln.errors import InvalidParamError
+from kiln.export.progress import track
 
 Progress = Callable[[str], None]
 
@@ -97,7 +98,7 @@ def collect(model: nn.Module, windows: list[torch.Tensor], rows_per_window: int 
         hooks.append(layer.self_attn.v_proj.register_forward_hook(kv_hook(i, False)))
     try:
         tokens = 0
-        for i, ids in enumerate(windows):
+        for i, ids in enumerate(track(windows, "calibration windows", "window")):
             run_layers(model, ids[None], torch.arange(ids.numel(), dtype=torch.int64)[None])
             tokens += ids.numel()
             say(f"calibration window {i + 1}/{len(windows)} ({tokens} tokens)")

@@ -31,6 +31,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.utils import parametrize
 
+from kiln.export.progress import track
+
 from .collect import run_layers
 from .fake_quant import int4_groupwise, int8_per_channel
 
@@ -112,7 +114,8 @@ def tune_norms(spec, fp32_weights: dict[str, torch.Tensor], quant_weights: dict[
     total, step = epochs * len(windows), 0
     order = torch.Generator().manual_seed(0)
     for epoch in range(epochs):
-        for i in torch.randperm(len(windows), generator=order).tolist():
+        order_ids = torch.randperm(len(windows), generator=order).tolist()
+        for i in track(order_ids, f"norm tuning epoch {epoch + 1}/{epochs}", "window"):
             for group in optimizer.param_groups:  # cosine decay to 0 over all steps
                 group["lr"] = lr * 0.5 * (1 + math.cos(math.pi * step / total))
             loss = _kl(targets[i].float(), _log_probs(student, head, windows[i]))

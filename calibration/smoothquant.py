@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from kiln.export.progress import track
+
 from .collect import ActivationStats
 from .fake_quant import int8_per_channel, int8_per_token
 from .smoothing import SmoothGroup
@@ -34,7 +36,7 @@ def search(groups: list[SmoothGroup], stats: ActivationStats, weights: dict[str,
            alpha: float | None = None) -> tuple[dict[str, torch.Tensor], dict[str, dict]]:
     """(scales by group name, per-group report {alpha, error, error_unsmoothed})."""
     scales, report = {}, {}
-    for group in groups:
+    for group in track(groups, "smoothquant scales", "group"):
         first = stats.linears[group.linears[0]]
         ws = [weights[f"{name}.weight"] for name in group.linears]
         if alpha is not None:

@@ -15,6 +15,13 @@ def _say(message: str) -> None:
     print(f"[kiln] {message}", file=sys.stderr, flush=True)
 
 
+def _say_above_bars(message: str) -> None:
+    """`kiln calibrate`'s messages, between its progress bars (`kiln eval` has none: it runs without tqdm)."""
+    from kiln.export.progress import print_above_bars
+
+    print_above_bars(f"[kiln] {message}")
+
+
 @click.command()
 @click.argument("model")
 @click.option("--method", type=click.Choice(["smoothquant", "awq"]), required=True)
@@ -46,7 +53,8 @@ def calibrate(model: str, method: str, output: Path, alpha: float | None, group_
         checkpoint = load_checkpoint(model)
     except (FileNotFoundError, ValueError) as exc:  # the exporter names an unusable model source in one sentence
         raise click.ClickException(str(exc)) from exc
-    artifact = run(checkpoint, tokenize(checkpoint, text), config, _say, corpus=f"janeaustenr:{CALIBRATION_BOOK}")
+    artifact = run(checkpoint, tokenize(checkpoint, text), config, _say_above_bars,
+                   corpus=f"janeaustenr:{CALIBRATION_BOOK}")
     _say(f"wrote {artifact.save(output)}")
 
 

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import click
 
+from kiln.cli.extras import missing_extra
 from kiln.contract import KV_DTYPES
 from kiln.errors import InvalidParamError, KilnError
 
@@ -19,8 +20,9 @@ CommandFunction = TypeVar("CommandFunction", bound=Callable[..., Any])
 
 
 class _Group(click.Group):
-    """Prints a KilnError (bad option, broken engine dir, unusable model or artifact) as one line;
-    anything else is a bug and keeps its traceback, as KILN_DEBUG=1 keeps every one."""
+    """Prints a KilnError (bad option, broken engine dir, unusable model or artifact) and a module of an
+    extra that is not installed as one line; anything else is a bug and keeps its traceback, as
+    KILN_DEBUG=1 keeps every one."""
 
     def invoke(self, ctx: click.Context) -> Any:
         try:
@@ -29,6 +31,11 @@ class _Group(click.Group):
             if os.environ.get("KILN_DEBUG"):
                 raise
             raise click.ClickException(str(exc)) from exc
+        except ImportError as exc:
+            message = missing_extra(exc, ctx.invoked_subcommand)
+            if message is None or os.environ.get("KILN_DEBUG"):
+                raise
+            raise click.ClickException(message) from exc
 
 
 @click.group(cls=_Group)
@@ -44,7 +51,8 @@ def main() -> None:
 @click.option("--kv-dtype", type=click.Choice(list(KV_DTYPES)), default="float32", show_default=True,
               help="KV-cache element type; int8 takes per-head scales from --calibration")
 @click.option("--block-size", type=int, default=16, show_default=True, help="tokens per KV-cache block")
-@click.option("--max-seq-len", type=int, default=2048, show_default=True)
+@click.option("--max-seq-len", type=int, default=None,
+              help="context length in tokens (default: the model's max_position_embeddings, at most 2048)")
 @click.option("--quantization", default="none", show_default=True,
               help="none | int8-weight-only | int4-rtn-g{32,64,128} | int4-awq-g{32,64,128} | int4-q4_1 | "
                    "w8a8-smoothquant")
@@ -52,7 +60,7 @@ def main() -> None:
               help="artifact of `kiln calibrate` (needed by int4-awq-*, w8a8-smoothquant and --kv-dtype int8)")
 @click.option("--lm-head", type=click.Choice(["int8", "int4"]), default="int8", show_default=True,
               help="the tied LM head's weights under an int4 quantization (int8 keeps more of fp32's perplexity)")
-def build(model: str, output: Path, kv_dtype: str, block_size: int, max_seq_len: int, quantization: str,
+def build(model: str, output: Path, kv_dtype: str, block_size: int, max_seq_len: int | None, quantization: str,
           calibration: Path | None, lm_head: str) -> None:
     """Compile MODEL (an HF checkpoint dir, a .gguf file, or `default` for SmolLM2) into an engine dir."""
     from kiln.manifest import BuildOptions
@@ -149,7 +157,7 @@ def generate(engine_dir: str, prompt: str | None, chat: str | None, max_tokens: 
 @sampling_options
 def chat(engine_dir: str, system: str | None, max_tokens: int, temperature: float, top_p: float, top_k: int,
          seed: int | None) -> None:
-    """Chat with ENGINE_DIR interactively (history kept; /reset, /exit)."""
+    """Chat with ENGINE_DIR interactively (history kept; /help lists the commands)."""
     from kiln.cli.generation import chat_repl
 
     chat_repl(engine_dir, _sampling(max_tokens, temperature, top_p, top_k, seed), system)

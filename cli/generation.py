@@ -7,16 +7,31 @@ import sys
 from typing import TextIO
 
 from kiln.errors import InvalidParamError
+from kiln.runtime.detokenizer import ChatMessage
 from kiln.runtime.engine import Engine
 from kiln.runtime.loader import load_engine
 from kiln.runtime.params import RuntimeConfig, SamplingParams
 
+# `kiln chat`'s commands and what /help says of each.
+CHAT_COMMANDS = {
+    "/help": "list these commands",
+    "/reset": "forget the conversation (a --system message stays)",
+    "/exit": "quit (as do Ctrl-D and Ctrl-C at the prompt)",
+}
 
-def stream_text(engine: Engine, prompt: str | list[int], params: SamplingParams, out: TextIO) -> str:
-    """Run one request, writing its text to `out` as it becomes stable; returns the full text."""
+
+@dataclasses.dataclass(frozen=True)
+class Streamed:
+    text: str
+    finish_reason: str | None  # "stop" | "length" | "abort" (Ctrl-C)
+
+
+def stream_text(engine: Engine, prompt: str | list[int], params: SamplingParams, out: TextIO) -> Streamed:
+    """Run one request, writing its text to `out` as it becomes stable; Ctrl-C aborts it."""
     request_id = f"cli-{id(prompt)}-{len(engine.requests)}"
     engine.add_request(request_id, prompt, params)
     shown: list[str] = []
+    finish_reason = None
     try:
         while engine.has_unfinished():
             for output in engine.step():
@@ -24,9 +39,11 @@ def stream_text(engine: Engine, prompt: str | list[int], params: SamplingParams,
                 out.write(text)
                 out.flush()
                 shown.append(text)
+                finish_reason = output.outputs[0].finish_reason or finish_reason
     except KeyboardInterrupt:
         engine.abort(request_id)
-    return "".join(shown)
+        finish_reason = "abort"
+    return Streamed("".join(shown), finish_reason)
 
 
 def generate(engine_dir: str, prompt: str | None, chat: str | None, params: SamplingParams,
@@ -39,41 +56,64 @@ def generate(engine_dir: str, prompt: str | None, chat: str | None, params: Samp
     if chat is not None:
         prompt = engine.tokenizer.apply_chat_template([{"role": "user", "content": chat}])
     assert prompt is not None  # exactly one of the two, checked above
-    text = stream_text(engine, prompt, params, out)
+    text = stream_text(engine, prompt, params, out).text
     out.write("\n")
     return text
 
 
 def chat_repl(engine_dir: str, params: SamplingParams, system: str | None = None,
               config: RuntimeConfig | None = None, inp: TextIO | None = None, out: TextIO | None = None) -> None:
-    """`kiln chat`: an interactive conversation; /reset clears history, /exit or EOF quits."""
+    """`kiln chat`: an interactive conversation until /exit, EOF or Ctrl-C at the prompt."""
     inp, out = inp or sys.stdin, out or sys.stdout
     engine = load_engine(engine_dir, config)
-    base = [{"role": "system", "content": system}] if system else []
+    base: list[ChatMessage] = [{"role": "system", "content": system}] if system else []
     history = list(base)
-    out.write(f"kiln chat with {engine.model_name} (/reset clears history, /exit quits)\n")
+    out.write(f"kiln chat with {engine.model_name} (/help lists the commands)\n")
     while True:
         out.write("> ")
         out.flush()
-        line = inp.readline()
-        if not line or line.strip() == "/exit":
-            break
-        line = line.strip()
+        try:
+            line = inp.readline()
+        except KeyboardInterrupt:  # at the prompt Ctrl-C means "leave", not an error
+            line = ""
         if not line:
+            out.write("\n")
+            return
+        line = line.strip()
+        if line.startswith("/") and not line.startswith("//"):
+            command = line.split()[0]
+            if command == "/exit":
+                return
+            if command == "/reset":
+                history = list(base)
+                out.write("[conversation cleared]\n")
+            elif command == "/help":
+                out.write("".join(f"  {name:<8}{what}\n" for name, what in CHAT_COMMANDS.items())
+                          + "  //...   send a message that starts with /\n")
+            else:
+                out.write(f"[unknown command {command}; /help lists the commands]\n")
             continue
-        if line == "/reset":
-            history = list(base)
-            continue
-        history.append({"role": "user", "content": line})
-        prompt = engine.tokenizer.apply_chat_template(history)
-        ids = engine.tokenizer.encode(prompt)
-        room = engine.max_seq_len - len(ids)
-        if room < 1:
-            out.write("[history is longer than the engine's max_seq_len; /reset to start over]\n")
-            history.pop()
-            continue
-        turn = params if params.max_tokens is None or params.max_tokens <= room else \
-            dataclasses.replace(params, max_tokens=room)
-        reply = stream_text(engine, ids, turn, out)
-        out.write("\n")
-        history.append({"role": "assistant", "content": reply})
+        if line:
+            _chat_turn(engine, params, history, line.removeprefix("/"), out)
+
+
+def _chat_turn(engine: Engine, params: SamplingParams, history: list[ChatMessage], message: str,
+               out: TextIO) -> None:
+    """Answer message with the history as context; the reply joins the history, marked when it was cut."""
+    history.append({"role": "user", "content": message})
+    ids = engine.tokenizer.encode(engine.tokenizer.apply_chat_template(history))
+    room = engine.max_seq_len - len(ids)
+    if room < 1:
+        out.write("[the conversation is longer than the engine's max_seq_len; /reset to start over]\n")
+        history.pop()
+        return
+    fits = params.max_tokens is not None and params.max_tokens <= room
+    turn = params if fits else dataclasses.replace(params, max_tokens=room)
+    reply = stream_text(engine, ids, turn, out)
+    if reply.finish_reason == "length":
+        out.write(f" [cut at --max-tokens {turn.max_tokens}]" if fits else
+                  f" [cut at the engine's max_seq_len ({engine.max_seq_len} tokens); /reset to start over]")
+    elif reply.finish_reason == "abort":
+        out.write(" [interrupted]")
+    out.write("\n")
+    history.append({"role": "assistant", "content": reply.text})

@@ -8,16 +8,20 @@ Weights go to ``<name>.data`` (external data) beside the graph.
 
 from __future__ import annotations
 
+import io
 import logging
 import time
 import warnings
 from collections.abc import Callable
+from contextlib import redirect_stdout
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
 
 from kiln import contract
 from kiln.export.checkpoint_types import Checkpoint
+from kiln.export.progress import progress_bar
 from kiln.export.reference import ReferenceModel
 
 Progress = Callable[[str], None]
@@ -37,23 +41,63 @@ def export_onnx(checkpoint: Checkpoint, out_path: str | Path, progress: Progress
     tokens = torch.export.Dim("T", min=1)  # no max: a packed step may exceed max_position_embeddings
     start = time.perf_counter()
     logging.getLogger("torch.onnx").setLevel(logging.ERROR)  # "torchvision is not installed" etc.
-    with warnings.catch_warnings(), torch.no_grad():
-        warnings.simplefilter("ignore")  # the exporter's deprecation chatter
-        program = torch.onnx.export(
-            model,
-            (input_ids, position_ids),
-            input_names=[contract.INPUT_IDS, contract.POSITION_IDS],
-            output_names=["logits"],
-            dynamic_shapes={"input_ids": {1: tokens}, "position_ids": {1: tokens}},
-            dynamo=True,
-            optimize=True,
-            verbose=False,
-        )
-    say(f"traced in {time.perf_counter() - start:.1f}s")
-    if out_path.exists():
-        out_path.unlink()
-    data = out_path.with_name(out_path.name + ".data")
-    if data.exists():
-        data.unlink()
-    program.save(str(out_path), external_data=True)
+    layers = list(model.model.layers)
+    with progress_bar("export onnx", len(layers) + len(_EXPORTER_PHASES) + 1) as bar:
+        hooks = [layer.register_forward_pre_hook(_count_traced(bar, i, len(layers))) for i, layer in enumerate(layers)]
+        try:
+            with warnings.catch_warnings(), torch.no_grad(), redirect_stdout(_ExporterPhases(bar)):
+                warnings.simplefilter("ignore")  # the exporter's deprecation chatter
+                program = torch.onnx.export(
+                    model,
+                    (input_ids, position_ids),
+                    input_names=[contract.INPUT_IDS, contract.POSITION_IDS],
+                    output_names=["logits"],
+                    dynamic_shapes={"input_ids": {1: tokens}, "position_ids": {1: tokens}},
+                    dynamo=True,
+                    optimize=True,
+                    verbose=True,  # its phase lines go to _ExporterPhases, which shows them as the bar's steps
+                )
+        finally:
+            for hook in hooks:
+                hook.remove()
+        say(f"traced in {time.perf_counter() - start:.1f}s")
+        if out_path.exists():
+            out_path.unlink()
+        data = out_path.with_name(out_path.name + ".data")
+        if data.exists():
+            data.unlink()
+        bar.set_postfix_str("save")
+        program.save(str(out_path), external_data=True)
+        bar.update(1)
     return out_path
+
+
+# The exporter's phases after tracing, as its verbose output names them ("[torch.onnx] <phase>... ✅").
+_EXPORTER_PHASES = ("Run decompositions", "Translate the graph into ONNX", "Optimize the ONNX graph")
+
+
+def _count_traced(bar: tqdm, index: int, num_layers: int) -> Callable[..., None]:
+    def hook(*_args: object) -> None:
+        if bar.n < num_layers:  # a retried trace strategy would run the layers again
+            bar.set_postfix_str(f"trace layer {index + 1}/{num_layers}")
+            bar.update(1)
+    return hook
+
+
+class _ExporterPhases(io.TextIOBase):
+    """Stands in for stdout during the export: a finished phase of the exporter's verbose lines advances
+    the bar, the start of one names it, the rest is dropped (as verbose=False would)."""
+
+    def __init__(self, bar: tqdm) -> None:
+        super().__init__()
+        self._bar, self._pending = bar, ""
+
+    def write(self, text: str) -> int:
+        *lines, self._pending = (self._pending + text).split("\n")
+        for line in lines:
+            message = line.removeprefix("[torch.onnx]").strip()
+            if message.removesuffix("... ✅") in _EXPORTER_PHASES:
+                self._bar.update(1)
+            elif message.removesuffix("...") in _EXPORTER_PHASES:
+                self._bar.set_postfix_str(message.removesuffix("..."))
+        return len(text)

@@ -1,20 +1,24 @@
 """The engine directory contract: manifest.json, written at build time, checked first at load.
 
-Loading fails with one sentence for: no manifest, unknown format version, a missing or
-corrupted file (sha256), an unavailable backend, or an op-library ABI mismatch.
+Loading fails with one sentence for: no manifest, a manifest that does not fit its schema (the
+field named), unknown format version, a missing, corrupted (sha256) or unlisted file, an
+unavailable backend, or an op-library ABI mismatch.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
+import types
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Union
 
 from kiln import __version__
 from kiln.contract import KV_DTYPES, OP_LIBRARY_ABI, OP_LIBRARY_MIN_ABI
-from kiln.errors import KilnError, require
+from kiln.errors import InvalidParamError, KilnError, require
 from kiln.quant_scheme import LmHead, QuantScheme
 from kiln.spec import ModelSpec
 
@@ -22,8 +26,7 @@ FORMAT_VERSION = 1
 MANIFEST_NAME = "manifest.json"
 BACKEND_ORT_CPU = "onnxruntime-cpu"
 BACKEND_TENSORRT = "tensorrt"
-
-
+DEFAULT_MAX_SEQ_LEN = 2048  # the context a build gets unless --max-seq-len says otherwise (or the model is shorter)
 
 
 class EngineLoadError(KilnError, RuntimeError):
@@ -40,7 +43,7 @@ class BuildOptions:
     quantization: QuantScheme = QuantScheme()
     kv_dtype: str = "float32"  # a key of kiln.contract.KV_DTYPES
     block_size: int = 16
-    max_seq_len: int = 2048
+    max_seq_len: int | None = None  # None: the model's max_position_embeddings, at most DEFAULT_MAX_SEQ_LEN
     max_num_tokens: int = 2048  # per-step token budget the graph was built and tested for
     calibration: Path | None = None  # artifact of `kiln calibrate`: scales folded in (SmoothQuant / AWQ), int8 KV steps
     lm_head: LmHead = LmHead.INT8  # the LM head's weights under an int4 scheme
@@ -51,7 +54,8 @@ class BuildOptions:
         require(self.kv_dtype in KV_DTYPES, "kv_dtype", f"one of {list(KV_DTYPES)}", self.kv_dtype)
         for name in ("block_size", "max_seq_len", "max_num_tokens"):
             value = getattr(self, name)
-            require(isinstance(value, int) and value > 0, name, "a positive integer", value)
+            require(isinstance(value, int) and value > 0 or name == "max_seq_len" and value is None, name,
+                    "a positive integer", value)
         require(self.calibration is None or isinstance(self.calibration, Path), "calibration", "a Path or None",
                 self.calibration)
         require(isinstance(self.lm_head, LmHead), "lm_head", "an LmHead (LmHead.parse(name))", self.lm_head)
@@ -86,6 +90,16 @@ class Manifest:
     kiln_version: str = __version__
     op_library_abi: int = OP_LIBRARY_ABI
 
+    def __post_init__(self) -> None:
+        require(self.build.max_seq_len is not None, "build.max_seq_len",
+                "set in a manifest (the build resolves the model's default)", None)
+
+    @property
+    def max_seq_len(self) -> int:
+        """The context the engine was built for (a manifest always holds it; see __post_init__)."""
+        assert self.build.max_seq_len is not None
+        return self.build.max_seq_len
+
     def to_json(self) -> str:
         data = {
             "format_version": self.format_version,
@@ -101,16 +115,32 @@ class Manifest:
 
     @classmethod
     def from_json(cls, text: str) -> Manifest:
-        data = json.loads(text)
+        """Parse manifest.json: its schema first (one sentence naming the first field that does not fit),
+        then the values each type checks itself."""
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise EngineLoadError(f"{MANIFEST_NAME} is not valid JSON ({exc})") from None
+        if not isinstance(data, dict):
+            raise EngineLoadError(f"{MANIFEST_NAME} must be a JSON object, got {_json_type(data)}")
         version = data.get("format_version")
         if version != FORMAT_VERSION:
             raise EngineLoadError(
                 f"engine format version {version!r} is not supported by this kiln "
                 f"(it reads version {FORMAT_VERSION}); rebuild the engine with kiln {__version__}"
             )
+        _check_schema(data, _SCHEMA, "")
+        try:
+            spec = ModelSpec.from_dict(data["model_spec"])
+        except ValueError as exc:
+            raise EngineLoadError(f"{MANIFEST_NAME} field model_spec is inconsistent: {exc}") from None
+        try:
+            build = BuildOptions.from_dict(data["build"])
+        except InvalidParamError as exc:
+            raise EngineLoadError(f"{MANIFEST_NAME} field build.{exc.param} is invalid: {exc}") from None
         return cls(
-            spec=ModelSpec.from_dict(data["model_spec"]),
-            build=BuildOptions.from_dict(data["build"]),
+            spec=spec,
+            build=build,
             backend=data["backend"],
             graph_inputs=tuple(data["graph"]["inputs"]),
             graph_outputs=tuple(data["graph"]["outputs"]),
@@ -119,6 +149,87 @@ class Manifest:
             kiln_version=data["kiln_version"],
             op_library_abi=data["op_library_abi"],
         )
+
+
+# manifest.json's schema: each field's type as Python annotates it, a nested dict for a JSON object
+# ("?" ends an optional key); model_spec is ModelSpec's own fields, so the schema follows the dataclass.
+# "dtype" (always float32) and a "" calibration are what builds before the typed options wrote.
+_BUILD_SCHEMA: dict[str, Any] = {
+    "quantization": str, "kv_dtype": str, "block_size": int, "max_seq_len": int, "max_num_tokens": int,
+    "calibration?": str | None, "lm_head?": str, "dtype?": str,
+}
+_SCHEMA: dict[str, Any] = {
+    "format_version": int, "kiln_version": str, "backend": str, "op_library_abi": int,
+    "model_spec": ModelSpec, "build": _BUILD_SCHEMA,
+    "graph": {"inputs": list[str], "outputs": list[str]}, "files": dict[str, str],
+}
+_RULES = {bool: "true or false", int: "an integer", float: "a number", str: "a string", type(None): "null"}
+
+
+def _json_type(value: Any) -> str:
+    names = {dict: "an object", list: "a list", str: "a string", bool: "a boolean", int: "a number",
+             float: "a number", type(None): "null"}
+    return names.get(type(value), type(value).__name__)
+
+
+def _object_fields(schema: Any) -> dict[str, tuple[Any, bool]]:
+    """key -> (type, required) of a dict schema or a dataclass."""
+    if isinstance(schema, dict):
+        return {key.rstrip("?"): (hint, not key.endswith("?")) for key, hint in schema.items()}
+    hints = typing.get_type_hints(schema)
+    return {f.name: (hints[f.name], f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING)
+            for f in dataclasses.fields(schema)}
+
+
+def _describe(schema: Any) -> str:
+    origin = typing.get_origin(schema)
+    if isinstance(schema, dict) or dataclasses.is_dataclass(schema) or origin is dict:
+        return "an object"
+    if origin in (list, tuple):
+        return f"a list of {_describe(typing.get_args(schema)[0]).removeprefix('a ').removeprefix('an ')}s"
+    if origin in (Union, types.UnionType):
+        return " or ".join(_describe(option) for option in typing.get_args(schema))
+    return _RULES[schema]
+
+
+def _fits(value: Any, schema: Any) -> bool:
+    """Whether value has schema's JSON type at this level (bool is not a number; an int is a float)."""
+    origin = typing.get_origin(schema)
+    if isinstance(schema, dict) or dataclasses.is_dataclass(schema) or origin is dict:
+        return isinstance(value, dict)
+    if origin in (list, tuple):
+        return isinstance(value, list)
+    if origin in (Union, types.UnionType):
+        return any(_fits(value, option) for option in typing.get_args(schema))
+    if schema in (int, float) and isinstance(value, bool):
+        return False
+    return isinstance(value, (int, float) if schema is float else schema)
+
+
+def _check_schema(value: Any, schema: Any, where: str) -> None:
+    """Raise EngineLoadError naming the first field of value (at path `where`) that does not fit schema."""
+    if not _fits(value, schema):
+        raise EngineLoadError(f"{MANIFEST_NAME} field {where} must be {_describe(schema)}, got {value!r}")
+    origin = typing.get_origin(schema)
+    prefix = f"{where}." if where else ""
+    if isinstance(schema, dict) or dataclasses.is_dataclass(schema):
+        fields = _object_fields(schema)
+        for key in value:
+            if key not in fields:
+                raise EngineLoadError(f"{MANIFEST_NAME} has an unknown field {prefix}{key}")
+        for key, (hint, required) in fields.items():
+            if key in value:
+                _check_schema(value[key], hint, prefix + key)
+            elif required:
+                raise EngineLoadError(f"{MANIFEST_NAME} lacks the field {prefix}{key}")
+    elif origin is dict:
+        for key, item in value.items():
+            _check_schema(item, typing.get_args(schema)[1], f"{where}[{key!r}]")
+    elif origin in (list, tuple):
+        for index, item in enumerate(value):
+            _check_schema(item, typing.get_args(schema)[0], f"{where}[{index}]")
+    elif origin in (Union, types.UnionType):
+        _check_schema(value, next(option for option in typing.get_args(schema) if _fits(value, option)), where)
 
 
 def sha256_file(path: Path) -> str:
@@ -160,6 +271,9 @@ def read_manifest(engine_dir: Path, verify_checksums: bool = True) -> Manifest:
             f"provides ABI {OP_LIBRARY_ABI} (and runs engines of ABI {OP_LIBRARY_MIN_ABI} to {OP_LIBRARY_ABI}); "
             "rebuild the engine"
         )
+    for name in manifest.files:
+        if Path(name).is_absolute() or ".." in Path(name).parts:
+            raise EngineLoadError(f"{MANIFEST_NAME} lists {name!r}, which is not a path inside the engine directory")
     if verify_checksums:
         for name, expected in manifest.files.items():
             file = engine_dir / name
@@ -167,4 +281,15 @@ def read_manifest(engine_dir: Path, verify_checksums: bool = True) -> Manifest:
                 raise EngineLoadError(f"engine file {name} is missing from {engine_dir}")
             if sha256_file(file) != expected:
                 raise EngineLoadError(f"engine file {name} is corrupted (sha256 does not match the manifest)")
+        _refuse_unlisted_files(engine_dir, manifest)
     return manifest
+
+
+def _refuse_unlisted_files(engine_dir: Path, manifest: Manifest) -> None:
+    """Only checksummed files may be loaded, and ONNX Runtime reads whatever external-data file the graph
+    names: so an engine directory holds exactly its manifest and the files the manifest checksums."""
+    for path in sorted(engine_dir.rglob("*")):
+        name = str(path.relative_to(engine_dir))
+        if path.is_file() and name != MANIFEST_NAME and name not in manifest.files:
+            raise EngineLoadError(f"engine file {name} is not checksummed by {MANIFEST_NAME} and kiln loads only "
+                                  "checksummed engine files; remove it or rebuild the engine")

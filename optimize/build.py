@@ -8,9 +8,11 @@ fired. The result is loaded once in ONNX Runtime with the kiln op library before
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import os
+import secrets
 import shutil
-import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -21,7 +23,15 @@ import onnx_ir as ir
 
 from kiln import contract
 from kiln.errors import KilnError
-from kiln.manifest import BACKEND_ORT_CPU, MANIFEST_NAME, BuildOptions, Manifest, write_manifest
+from kiln.export.progress import print_above_bars, progress_bar
+from kiln.manifest import (
+    BACKEND_ORT_CPU,
+    DEFAULT_MAX_SEQ_LEN,
+    MANIFEST_NAME,
+    BuildOptions,
+    Manifest,
+    write_manifest,
+)
 from kiln.optimize.fuse_attention import AttentionConfig
 from kiln.optimize.pipeline import optimize_model
 from kiln.optimize.quantize import QuantizationError, check_lm_head, prepare_checkpoint, quantize_model
@@ -38,7 +48,7 @@ class BuildError(KilnError, RuntimeError):
 
 
 def stderr_progress(message: str) -> None:
-    print(f"[kiln build] {message}", file=sys.stderr, flush=True)
+    print_above_bars(f"[kiln build] {message}")
 
 
 DEFAULT_BUILD_OPTIONS = BuildOptions()  # frozen: one shared default is safe
@@ -48,7 +58,11 @@ def build_engine(
     model_path: str | Path, out_dir: str | Path, options: BuildOptions = DEFAULT_BUILD_OPTIONS,
     progress: Progress | None = None,
 ) -> Manifest:
-    """Build the engine directory out_dir from an HF dir, a .gguf file or "default"."""
+    """Build the engine directory out_dir from an HF dir, a .gguf file or "default".
+
+    Everything is checked before the export starts; the engine is written into a hidden directory
+    beside out_dir and moved into place only once complete and verified, so a failed or interrupted
+    build leaves out_dir as it was (absent, or the previous engine)."""
     say = progress or stderr_progress
     _check_options(options)
     out_dir = Path(out_dir)
@@ -57,42 +71,52 @@ def build_engine(
 
     with _stage(say, "load checkpoint"):
         checkpoint = _load_checkpoint(model_path)
+        options = _check_model(checkpoint, options)
         try:
             checkpoint = prepare_checkpoint(checkpoint, options.quantization, _scheme_artifact(options), say)
         except QuantizationError as exc:
             raise BuildError(str(exc)) from exc
         kv_scales = _kv_scales(checkpoint, options.calibration, say) if options.kv_dtype == "int8" else None
     spec = checkpoint.spec
-    say(f"model: {spec.family}, {spec.num_layers} layers, hidden {spec.hidden_size}, vocab {spec.vocab_size}")
-    with tempfile.TemporaryDirectory(prefix="kiln-build-") as work:
-        raw_path = Path(work) / "raw.onnx"
-        with _stage(say, "export onnx"):
-            export_onnx(checkpoint, raw_path, say)
-        with _stage(say, "optimize"):
-            model = ir.load(raw_path)
-            attention = AttentionConfig(options.kv_dtype, options.block_size, spec.sliding_window, kv_scales,
-                                        rotary_positions=options.max_seq_len)
-            counts = optimize_model(model, attention)
-            for name, count in counts.items():
-                say(f"  {name}: fired {count}x")
-            _check_counts(counts, spec.num_layers)
-        if options.quantization.method is not QuantMethod.NONE:
-            with _stage(say, f"quantize {options.quantization}"):
-                quantize_model(model, options.quantization, options.lm_head, say)
-        with _stage(say, "write engine"):
-            _prepare_dir(out_dir)
-            ir.save(model, out_dir / MODEL_FILE, external_data=DATA_FILE)
-            _write_tokenizer(checkpoint, out_dir)
-    graph_inputs = tuple(v.name for v in model.graph.inputs)
-    graph_outputs = tuple(v.name for v in model.graph.outputs)
-    del model
-    manifest = Manifest(
-        spec=spec, build=options, backend=BACKEND_ORT_CPU, graph_inputs=graph_inputs, graph_outputs=graph_outputs
-    )
-    with _stage(say, "manifest"):
-        manifest = write_manifest(out_dir, manifest)
-    with _stage(say, "verify (load in onnxruntime)"):
-        verify_engine(out_dir)
+    say(f"model: {spec.family}, {spec.num_layers} layers, hidden {spec.hidden_size}, vocab {spec.vocab_size}, "
+        f"context {options.max_seq_len}")
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    staging = out_dir.parent / f".{out_dir.name}.building-{os.getpid()}-{secrets.token_hex(4)}"
+    staging.mkdir()  # not mkdtemp: the engine dir gets the umask's permissions, not 0700
+    try:
+        with tempfile.TemporaryDirectory(prefix="kiln-build-") as work:
+            raw_path = Path(work) / "raw.onnx"
+            with _stage(say, "export onnx"):
+                export_onnx(checkpoint, raw_path, say)
+            with _stage(say, "optimize"):
+                model = ir.load(raw_path)
+                attention = AttentionConfig(options.kv_dtype, options.block_size, spec.sliding_window, kv_scales,
+                                            rotary_positions=options.max_seq_len)
+                counts = optimize_model(model, attention)
+                for name, count in counts.items():
+                    say(f"  {name}: fired {count}x")
+                _check_counts(counts, spec.num_layers)
+            if options.quantization.method is not QuantMethod.NONE:
+                with _stage(say, f"quantize {options.quantization}"):
+                    quantize_model(model, options.quantization, options.lm_head, say)
+            with _stage(say, "write engine"):
+                _save_graph(model, staging)
+                _write_tokenizer(checkpoint, staging)
+        graph_inputs = tuple(v.name for v in model.graph.inputs)
+        graph_outputs = tuple(v.name for v in model.graph.outputs)
+        del model
+        manifest = Manifest(
+            spec=spec, build=options, backend=BACKEND_ORT_CPU, graph_inputs=graph_inputs,
+            graph_outputs=graph_outputs,
+        )
+        with _stage(say, "manifest"):
+            manifest = write_manifest(staging, manifest)
+        with _stage(say, "verify (load in onnxruntime)"):
+            verify_engine(staging)
+        _move_into_place(staging, out_dir)
+    finally:  # after a failure (or Ctrl-C) the half-written engine goes; after _move_into_place it is gone
+        shutil.rmtree(staging, ignore_errors=True)
+    say(f"engine written to {out_dir}")
     return manifest
 
 
@@ -186,6 +210,20 @@ def _check_counts(counts: dict[str, int], num_layers: int) -> None:
         raise BuildError("could not find the LM head (the graph's logits are not produced by a MatMul)")
 
 
+def _check_model(checkpoint, options: BuildOptions) -> BuildOptions:
+    """What the model decides before any work: a tokenizer to ship, and the context (max_seq_len, the
+    model's own up to DEFAULT_MAX_SEQ_LEN unless given; never past the positions it was trained on)."""
+    if checkpoint.tokenizer is None:
+        raise BuildError(f"{checkpoint.source} carries no tokenizer (tokenizer.json); an engine needs one")
+    limit = checkpoint.spec.max_position_embeddings
+    if options.max_seq_len is None:
+        return dataclasses.replace(options, max_seq_len=min(DEFAULT_MAX_SEQ_LEN, limit))
+    if options.max_seq_len > limit:
+        raise BuildError(f"max_seq_len {options.max_seq_len} is longer than the model's context "
+                         f"(max_position_embeddings {limit}); build with --max-seq-len {limit} or less")
+    return options
+
+
 def _check_out_dir(out_dir: Path) -> None:
     """An existing engine dir may be replaced; any other non-empty path is refused."""
     is_engine_dir = (out_dir / MANIFEST_NAME).is_file()
@@ -193,15 +231,28 @@ def _check_out_dir(out_dir: Path) -> None:
         raise BuildError(f"{out_dir} exists, is not empty and is not a kiln engine directory; refusing to overwrite it")
 
 
-def _prepare_dir(out_dir: Path) -> None:
-    _check_out_dir(out_dir)
-    if out_dir.exists():
-        shutil.rmtree(out_dir)
-    out_dir.mkdir(parents=True)
+def _move_into_place(staging: Path, out_dir: Path) -> None:
+    """Rename the complete engine to out_dir; a previous engine there is set aside first and deleted last."""
+    _check_out_dir(out_dir)  # again: the build took minutes
+    if not out_dir.exists():
+        staging.rename(out_dir)
+        return
+    previous = staging.with_name(staging.name.replace(".building-", ".previous-"))
+    out_dir.rename(previous)
+    staging.rename(out_dir)
+    shutil.rmtree(previous)
+
+
+def _save_graph(model: ir.Model, engine_dir: Path) -> None:
+    """model.onnx + its weights in model.onnx.data, with a bar over the tensors written."""
+    with progress_bar("write engine", unit="tensor") as bar:
+        def written(_tensor, info) -> None:
+            bar.total = info.total
+            bar.update(1)
+
+        ir.save(model, engine_dir / MODEL_FILE, external_data=DATA_FILE, callback=written)
 
 
 def _write_tokenizer(checkpoint, out_dir: Path) -> None:
-    if checkpoint.tokenizer is None:
-        raise BuildError(f"{checkpoint.source} carries no tokenizer (tokenizer.json); an engine needs one")
     (out_dir / "tokenizer.json").write_text(checkpoint.tokenizer.tokenizer_json)
     (out_dir / "tokenizer_config.json").write_text(json.dumps(checkpoint.tokenizer.tokenizer_config, indent=2))

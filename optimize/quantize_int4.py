@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import onnx_ir as ir
 
+from kiln.export.progress import track
 from kiln.quant_scheme import INT4_GROUP_SIZES
 
 from .quant.graph import ensure_opset, find_linears, is_lm_head, prune, replace_linear
@@ -26,7 +27,7 @@ def quantize_int4(model: ir.Model, group_size: int = 128, int4_lm_head: bool = F
     if group_size not in INT4_GROUP_SIZES:
         raise ValueError(f"int4 group size must be one of {INT4_GROUP_SIZES}, not {group_size}")
     linears = find_linears(model)
-    for lin in linears:
+    for lin in track(linears, "quantize int4", "linear"):
         if is_lm_head(lin) and not int4_lm_head:
             qw, name = per_channel_as_groups(lin.weight, group_size), f"{lin.weight_name}.int8"
         else:

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import onnx_ir as ir
 
+from kiln.export.progress import track
+
 from .quant.graph import ensure_opset, find_linears, prune, replace_linear
 from .quant.nbits import MS_DOMAIN, make_matmul_nbits
 from .quant.rtn import per_channel_as_groups
@@ -19,7 +21,7 @@ BLOCK_SIZE = 128  # layout granularity only: all blocks of a row share one scale
 def quantize_int8_weight_only(model: ir.Model, block_size: int = BLOCK_SIZE) -> int:
     """Rewrite every linear MatMul in place; return how many were converted."""
     linears = find_linears(model)
-    for lin in linears:
+    for lin in track(linears, "quantize int8", "linear"):
         qw = per_channel_as_groups(lin.weight, block_size)
         node = make_matmul_nbits(model, lin.activation, qw, f"{lin.weight_name}.int8", lin.bias)
         replace_linear(model, lin, [node], node.outputs[0])

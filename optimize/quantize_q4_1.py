@@ -12,6 +12,7 @@ from __future__ import annotations
 import onnx_ir as ir
 
 from kiln.contract import OP_DOMAIN
+from kiln.export.progress import track
 from kiln.matmul_q4_1 import BLOCK, OP_TYPE
 
 from .quant.graph import ensure_opset, find_linears, initializer, is_lm_head, prune, replace_linear
@@ -22,7 +23,7 @@ from .quant.rtn import per_channel_as_groups, quantize_q4_1
 def quantize_q4_1_pass(model: ir.Model, int4_lm_head: bool = False) -> int:
     """Rewrite every linear MatMul in place; return how many were converted."""
     linears = find_linears(model)
-    for lin in linears:
+    for lin in track(linears, "quantize q4_1", "linear"):
         if (is_lm_head(lin) and not int4_lm_head) or lin.weight.shape[1] % BLOCK:
             node = make_matmul_nbits(model, lin.activation, per_channel_as_groups(lin.weight, 128),
                                      f"{lin.weight_name}.int8", lin.bias)

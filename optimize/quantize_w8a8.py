@@ -23,6 +23,8 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 
+from kiln.export.progress import track
+
 from .quant.graph import ensure_opset, find_linears, initializer, onnx_opset, prune, replace_linear
 from .quant.nbits import MS_DOMAIN
 from .quant.rtn import quantize_per_channel_int8
@@ -61,7 +63,7 @@ def quantize_w8a8(model: ir.Model) -> int:
         return 0
     c = _constants(model)
     quantized: dict[int, tuple[ir.Value, ir.Value]] = {}  # id(activation) -> (xq, per-token scale)
-    for lin in linears:
+    for lin in track(linears, "quantize w8a8", "linear"):
         nodes = []
         if id(lin.activation) not in quantized:
             act_nodes, xq, xs = _quantize_activation(model, lin.activation, c)

@@ -41,7 +41,7 @@ def load_engine(engine_dir: str | Path, config: RuntimeConfig | None = None) -> 
             raise EngineLoadError(f"engine file {name} is missing from {engine_dir}")
     tokenizer = Tokenizer(engine_dir, config.chat_template)
     build = manifest.build
-    max_model_len = served_max_model_len(build.max_seq_len, config.max_model_len)
+    max_model_len = served_max_model_len(manifest.max_seq_len, config.max_model_len)
     pools = engine_kv_pools(manifest)
     budget = KvBudget(pools.bytes_per_block, build.block_size, min_tokens=max_model_len,
                       max_useful_tokens=config.max_num_seqs * max_model_len)

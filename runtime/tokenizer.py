@@ -13,6 +13,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
 
 from kiln.errors import InvalidParamError
+from kiln.manifest import EngineLoadError
 from kiln.runtime.detokenizer import ChatMessage
 
 
@@ -26,13 +27,45 @@ def _token_text(value: str | dict[str, str] | None) -> str | None:
     return value
 
 
+def _read_tokenizer(path: Path) -> HFTokenizer:
+    try:
+        return HFTokenizer.from_file(str(path))
+    except Exception as exc:  # tokenizers raises a bare Exception for unreadable or malformed JSON
+        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise EngineLoadError(f"engine file {path.name} is not a valid tokenizer ({reason})") from None
+
+
+def _read_config(path: Path) -> dict[str, Any]:
+    """tokenizer_config.json: an object whose special tokens are strings (or {"content": ...}) and whose
+    chat_template is a string or a list of {"name", "template"}; {} when the engine has none."""
+    if not path.is_file():
+        return {}
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise EngineLoadError(f"engine file {path.name} is not valid JSON ({exc})") from None
+    if not isinstance(config, dict):
+        raise EngineLoadError(f"engine file {path.name} must hold a JSON object")
+    for key in ("bos_token", "eos_token"):
+        value = config.get(key)
+        if not (value is None or isinstance(value, str) or isinstance(value, dict) and
+                isinstance(value.get("content"), str)):
+            raise EngineLoadError(f"engine file {path.name}: {key} must be a token string, got {value!r}")
+    template = config.get("chat_template")
+    if not (template is None or isinstance(template, str) or isinstance(template, list) and all(
+            isinstance(t, dict) and isinstance(t.get("name"), str) and isinstance(t.get("template"), str)
+            for t in template)):
+        raise EngineLoadError(f"engine file {path.name}: chat_template must be a string or a list of "
+                              '{"name", "template"} objects')
+    return config
+
+
 class Tokenizer:
     def __init__(self, engine_dir: Path, chat_template: str | None = None) -> None:
         """chat_template: a Jinja template replacing the one in tokenizer_config.json (checked here)."""
         engine_dir = Path(engine_dir)
-        self._tok = HFTokenizer.from_file(str(engine_dir / "tokenizer.json"))
-        config_path = engine_dir / "tokenizer_config.json"
-        self.config: dict[str, Any] = json.loads(config_path.read_text()) if config_path.is_file() else {}
+        self._tok = _read_tokenizer(engine_dir / "tokenizer.json")
+        self.config = _read_config(engine_dir / "tokenizer_config.json")
         self.bos_token = _token_text(self.config.get("bos_token"))
         self.eos_token = _token_text(self.config.get("eos_token"))
         template = self.config.get("chat_template")

@@ -34,6 +34,24 @@ def kiln_source_hash() -> str:
     return digest.hexdigest()
 
 
+@pytest.fixture
+def recorded_bars(monkeypatch) -> list[tuple[str, int, int | None]]:
+    """(description, steps done, total) of each build-stage progress bar, as it closes."""
+    from tqdm import tqdm
+
+    closed: list[tuple[str, int, int | None]] = []
+
+    class Recording(tqdm):
+        def close(self) -> None:
+            if not getattr(self, "_recorded", False):
+                self._recorded = True
+                closed.append((self.desc, self.n, self.total))
+            super().close()
+
+    monkeypatch.setattr("kiln.export.progress.tqdm", Recording)
+    return closed
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> Path:
     """A tiny random llama checkpoint (HF format + tokenizer)."""

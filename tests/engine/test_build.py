@@ -22,6 +22,7 @@ def test_engine_dir_and_manifest(tiny_engine):
     assert set(manifest.files) == {"model.onnx", "model.onnx.data", "tokenizer.json", "tokenizer_config.json"}
     assert manifest.backend == BACKEND_ORT_CPU
     assert manifest.spec.num_layers == 2
+    assert manifest.max_seq_len == manifest.spec.max_position_embeddings == 2048
     layers = range(manifest.spec.num_layers)
     assert manifest.graph_inputs == (
         contract.INPUT_IDS, contract.POSITION_IDS, contract.QUERY_START_LOC, contract.SEQ_LENS,
@@ -80,7 +81,7 @@ def test_manifests_of_older_builds_still_load(tiny_engine, tmp_path):
     assert build.calibration is None and build.quantization == QuantScheme.parse("int8-weight-only")
     manifest["build"]["quantization"] = "int4-rtn-g7"
     (engine / "manifest.json").write_text(json.dumps(manifest))
-    with pytest.raises(EngineLoadError, match="malformed .*unknown quantization 'int4-rtn-g7'"):
+    with pytest.raises(EngineLoadError, match="build.quantization is invalid: unknown quantization 'int4-rtn-g7'"):
         read_manifest(engine)
 
 
@@ -101,3 +102,37 @@ def test_refuses_to_overwrite_a_non_engine_dir(tmp_path, tiny_model_dir):
     with pytest.raises(BuildError, match="not a kiln engine directory"):
         build_engine(tiny_model_dir, out, progress=lambda _msg: None)
     assert (out / "notes.txt").read_text() == "keep me"
+
+
+@pytest.mark.parametrize("previous_engine", [False, True])
+def test_an_interrupted_build_leaves_no_half_engine(tmp_path, monkeypatch, tiny_model_dir, tiny_engine,
+                                                    previous_engine):
+    """Interrupted once the graph and manifest are written: the output is as before (absent, or the previous
+    engine intact) and no hidden staging directory is left beside it."""
+    out = tmp_path / "engine"
+    if previous_engine:
+        shutil.copytree(tiny_engine, out)
+
+    def interrupted(_engine_dir):
+        assert (Path(_engine_dir) / "model.onnx").is_file() and (Path(_engine_dir) / "manifest.json").is_file()
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("kiln.optimize.build.verify_engine", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        build_engine(tiny_model_dir, out, progress=lambda _msg: None)
+    assert [p.name for p in tmp_path.iterdir()] == (["engine"] if previous_engine else [])
+    if previous_engine:
+        assert read_manifest(out).files == read_manifest(tiny_engine).files
+
+
+def test_a_build_shows_progress_for_export_quantization_and_writing(tmp_path, tiny_model_dir, recorded_bars):
+    """Each long stage has a bar that runs to its end: the export over the traced layers and the exporter's
+    phases, the quantization pass over the linears, the writer over the tensors."""
+    manifest = build_engine(tiny_model_dir, tmp_path / "engine", BuildOptions(quantization=QuantScheme.parse(
+        "int8-weight-only")), progress=lambda _msg: None)
+    bars = {description: (done, total) for description, done, total in recorded_bars}
+    assert list(bars) == ["export onnx", "quantize int8", "write engine"]
+    layers = manifest.spec.num_layers
+    assert bars["export onnx"] == (layers + 4, layers + 4)  # layers, 3 exporter phases, the save
+    assert bars["quantize int8"] == (4 * layers + 1, 4 * layers + 1)  # qkv, o, gate-up, down per layer; the LM head
+    assert bars["write engine"][0] == bars["write engine"][1] > 0

@@ -63,3 +63,42 @@ def test_a_bug_keeps_its_traceback(monkeypatch, tmp_path, bug):
     _build_raising(monkeypatch, bug)
     with pytest.raises(type(bug)):
         CliRunner().invoke(main, ["build", str(tmp_path), "-o", str(tmp_path / "engine")], catch_exceptions=False)
+
+
+def _copy(tiny_engine, tmp_path):
+    import shutil
+
+    engine = tmp_path / "engine"
+    shutil.copytree(tiny_engine, engine)
+    return engine
+
+
+def test_a_corrupt_tokenizer_the_manifest_vouches_for_is_one_line(tiny_engine, tmp_path):
+    """A tokenizer.json broken before the checksums were taken (or with them rewritten) still fails in one line."""
+    from kiln.manifest import read_manifest, write_manifest
+
+    engine = _copy(tiny_engine, tmp_path)
+    (engine / "tokenizer.json").write_text('{"version": "1.0", "model": ')
+    write_manifest(engine, read_manifest(engine, verify_checksums=False))
+    result = _run("generate", str(engine), "hello")
+    assert result.exit_code == 1 and len(result.output.splitlines()) == 1
+    assert result.output.startswith("Error: engine file tokenizer.json is not a valid tokenizer (")
+
+
+def test_a_weights_file_the_manifest_does_not_list_is_refused(tiny_engine, tmp_path):
+    """model.onnx.data dropped from the manifest's checksums and a byte flipped: it must not load and generate."""
+    import json
+
+    engine = _copy(tiny_engine, tmp_path)
+    manifest = json.loads((engine / "manifest.json").read_text())
+    del manifest["files"]["model.onnx.data"]
+    (engine / "manifest.json").write_text(json.dumps(manifest))
+    with open(engine / "model.onnx.data", "r+b") as f:
+        f.seek(100)
+        byte = f.read(1)
+        f.seek(100)
+        f.write(bytes([byte[0] ^ 0x40]))
+    result = _run("generate", str(engine), "hello", "--max-tokens", "2")
+    assert result.exit_code == 1
+    assert result.output == ("Error: engine file model.onnx.data is not checksummed by manifest.json and kiln loads "
+                             "only checksummed engine files; remove it or rebuild the engine\n")

@@ -1,6 +1,10 @@
 """`kiln generate`, `kiln chat` and `kiln bench` on the tiny engine."""
 
 import json
+import os
+import signal
+import subprocess
+import sys
 
 import pytest
 from click.testing import CliRunner
@@ -21,12 +25,68 @@ def test_generate_needs_exactly_one_prompt(tiny_engine):
     assert result.exit_code == 1 and "Error: give exactly one of PROMPT or --chat" in result.output
 
 
-def test_chat_repl_keeps_history(tiny_engine):
-    result = CliRunner().invoke(main, ["chat", str(tiny_engine), "--max-tokens", "4"],
-                                input="hi\n/reset\nhello again\n/exit\n")
+def test_generate_runs_on_a_plain_install(tiny_engine):
+    """`pip install kiln` with no extras serves an engine dir: no torch, onnx, fastapi... is imported."""
+    from blocked_extras import command_line
+
+    result = subprocess.run(command_line("compile,server", "generate", str(tiny_engine), "hello there",
+                                         "--max-tokens", "12"), capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    expected = LLM(tiny_engine).generate("hello there", SamplingParams(temperature=0, max_tokens=12))
+    assert result.stdout == expected[0].outputs[0].text + "\n"
+
+
+def _chat(tiny_engine, lines: str, *options: str) -> list[str]:
+    result = CliRunner().invoke(main, ["chat", str(tiny_engine), *options], input=lines)
     assert result.exit_code == 0, result.output
-    assert result.output.startswith("kiln chat with engine")
-    assert result.output.count("> ") >= 3
+    head, *turns = result.output.split("> ")
+    assert head == "kiln chat with engine (/help lists the commands)\n"
+    return turns
+
+
+def _reply(tiny_engine, messages: list[dict], max_tokens: int):
+    llm = LLM(tiny_engine)
+    prompt = llm.engine.tokenizer.apply_chat_template(messages)
+    return llm.generate(prompt, SamplingParams(temperature=0, max_tokens=max_tokens))[0].outputs[0]
+
+
+def test_chat_commands_answer_and_are_never_sent_to_the_model(tiny_engine):
+    turns = _chat(tiny_engine, "/help\n/frobnicate now\n/reset\n/exit\n")
+    assert turns[0] == ("  /help   list these commands\n  /reset  forget the conversation (a --system message stays)\n"
+                        "  /exit   quit (as do Ctrl-D and Ctrl-C at the prompt)\n"
+                        "  //...   send a message that starts with /\n")
+    assert turns[1] == "[unknown command /frobnicate; /help lists the commands]\n"
+    assert turns[2] == "[conversation cleared]\n"
+    assert turns[3:] == [""]  # /exit: nothing more, exit 0
+
+
+def test_chat_keeps_history_until_reset_and_marks_a_cut_reply(tiny_engine):
+    """Each reply is the model's answer to the whole conversation; /reset starts over; a reply stopped by
+    --max-tokens ends with a mark (the tiny random model rarely stops by itself within 3 tokens)."""
+    first = _reply(tiny_engine, [{"role": "user", "content": "hi"}], 3)
+    second = _reply(tiny_engine, [{"role": "user", "content": "hi"}, {"role": "assistant", "content": first.text},
+                                  {"role": "user", "content": "again"}], 3)
+    assert first.finish_reason == second.finish_reason == "length"
+    turns = _chat(tiny_engine, "hi\nagain\n/reset\nhi\n", "--max-tokens", "3")
+    mark = " [cut at --max-tokens 3]\n"
+    assert turns == [first.text + mark, second.text + mark, "[conversation cleared]\n", first.text + mark, "\n"]
+
+
+def test_ctrl_c_at_the_chat_prompt_exits_quietly(tiny_engine):
+    chat = subprocess.Popen([sys.executable, "-m", "kiln.cli", "chat", str(tiny_engine)], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        shown = ""
+        while not shown.endswith("> "):
+            char = chat.stdout.read(1)
+            assert char, chat.stderr.read()
+            shown += char
+        chat.send_signal(signal.SIGINT)
+        stdout, stderr = chat.communicate(timeout=60)
+    finally:
+        chat.kill()
+    assert (chat.returncode, stdout, stderr) == (0, "\n", "")
 
 
 def test_bench_reports_json(tiny_engine, tmp_path):

@@ -80,12 +80,14 @@ def outlier_checkpoint(tmp_path):
     return type(ck)(spec=ck.spec, weights=weights, tokenizer=ck.tokenizer, source=ck.source)
 
 
-def test_smoothquant_artifact_roundtrip_and_exact_apply(outlier_checkpoint, tmp_path):
+def test_smoothquant_artifact_roundtrip_and_exact_apply(outlier_checkpoint, tmp_path, recorded_bars):
     ck = outlier_checkpoint
     config = CalibrationConfig("smoothquant", num_windows=4, window=64, rows_per_window=32)
     messages = []
     artifact = calibrate(ck, random_ids(400).tolist(), config, messages.append, corpus="random ids")
     assert messages and "window 4/4" in " ".join(messages)
+    groups = len(artifact.info["groups"])
+    assert recorded_bars == [("calibration windows", 4, 4), ("smoothquant scales", groups, groups)]
     report = artifact.info["groups"]
     qkv = report["model.layers.0.self_attn.qkv"]
     assert qkv["alpha"] is not None and qkv["error"] < 0.5 * qkv["error_unsmoothed"]
@@ -205,7 +207,7 @@ def test_awq_clips_are_recorded_round_trip_and_applied_at_build(outlier_checkpoi
     assert not any(k.startswith(awq.CLIP_PREFIX) for k in plain.scales) and "clips" not in plain.info
 
 
-def test_awq_norm_tuning_pulls_the_int4_model_towards_fp32(outlier_checkpoint, tmp_path):
+def test_awq_norm_tuning_pulls_the_int4_model_towards_fp32(outlier_checkpoint, tmp_path, recorded_bars):
     from kiln.calibration import norm_tuning
 
     ck = outlier_checkpoint
@@ -213,6 +215,10 @@ def test_awq_norm_tuning_pulls_the_int4_model_towards_fp32(outlier_checkpoint, t
     config = CalibrationConfig("awq", num_windows=4, window=64, rows_per_window=32, group_size=32)
     ids = random_ids(400)
     artifact = calibrate(ck, ids.tolist(), config, messages.append)
+    groups, linears = len(artifact.info["groups"]), 7 * ck.spec.num_layers  # clip_all looks at every linear
+    epochs = [(f"norm tuning epoch {e + 1}/{norm_tuning.EPOCHS}", 4, 4) for e in range(norm_tuning.EPOCHS)]
+    assert recorded_bars == [("calibration windows", 4, 4), ("awq scales", groups, groups),
+                             ("awq clips", linears, linears), *epochs]
     report = artifact.info["norm_tuning"]
     assert report["kl_after"] < 0.97 * report["kl_before"]
     assert any("norm tuning" in m for m in messages)

@@ -41,7 +41,7 @@ RUNTIME_API = {"kiln.runtime", "kiln.runtime.params", "kiln.runtime.ops", "kiln.
 # opens it through the loader instead. Then delete this entry: the test fails while one is unused.
 RUNTIME_INTERNALS_IN_USE: dict[str, set[str]] = {}
 # Packages only the compile extra installs: nothing the runtime loads imports them.
-COMPILE_ONLY = {"torch", "transformers", "safetensors", "gguf", "onnx", "onnxscript", "onnx_ir"}
+COMPILE_ONLY = {"torch", "transformers", "safetensors", "gguf", "onnx", "onnxscript", "onnx_ir", "tqdm"}
 
 
 SETUPTOOLS = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]

@@ -99,7 +99,7 @@ def test_older_manifests_build_object_still_reads():
     old = {"dtype": "float32", "quantization": "int8-weight-only", "kv_dtype": "float16", "block_size": 16,
            "max_seq_len": 2048, "max_num_tokens": 2048, "calibration": ""}
     assert BuildOptions.from_dict(old) == BuildOptions(quantization=QuantScheme.parse("int8-weight-only"),
-                                                       kv_dtype="float16")
+                                                       kv_dtype="float16", max_seq_len=2048)
     assert BuildOptions.from_dict(old).lm_head is LmHead.INT8
     with pytest.raises(InvalidParamError, match="unknown quantization 'int9'"):
         BuildOptions.from_dict({**old, "quantization": "int9"})
