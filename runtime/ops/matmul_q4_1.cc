@@ -38,6 +38,11 @@ constexpr int64_t kBlock = 32;
 constexpr int64_t kPairBytes = 32;          // the nibbles of two blocks
 constexpr int64_t kChannelsPerItem = 32;    // output channels per work item (a multiple of 4)
 constexpr int64_t kRowsPerItem = 32;        // activation rows per work item
+#ifndef KILN_Q4_TILE_ROWS
+#define KILN_Q4_TILE_ROWS 3
+#endif
+constexpr int kTileChannels = 4;            // output channels per tile for T > 1 (row_edge's switch)
+constexpr int kTileRows = KILN_Q4_TILE_ROWS;  // activation rows per tile for T > 1
 constexpr int64_t kParallelQuantize = 1 << 15;  // activation elements from which quantizing is parallel
 
 [[noreturn]] void fail_q4(const std::string& msg) {
@@ -58,16 +63,28 @@ void parallel_for_q4(OrtKernelContext* ctx, size_t n, F& f) {
 }
 
 // Activation rows quantized per block of 32: llama.cpp's q8_1, with the block sums in float.
-// Rows are padded with zeros: q to whole block pairs, scale and sum to whole groups of 8 blocks.
+// Rows are padded with zeros: q to whole block pairs, sum and sum_error to whole groups of 8 blocks.
 struct Int8Rows {
-  int64_t q_stride, s_stride;
-  std::vector<int8_t> q;      // [T, q_stride]
-  std::vector<float> scale;   // [T, s_stride]
-  std::vector<float> sum;     // [T, s_stride]
+  int64_t q_stride, step_stride, s_stride;
+  std::vector<int8_t> q;         // [T, q_stride]
+  std::vector<float> step;       // [T, step_stride]: per block pair j, (xs0, xs0, xs1, xs1) twice (see tile)
+  std::vector<float> sum;        // [T, s_stride]
   std::vector<float> sum_error;  // [T, s_stride]: sum(x) - xs * sum(xq), what int8 loses of the block sum
 };
 
-void quantize_row(const float* x, int64_t nb, int8_t* q, float* scale, float* sum, float* sum_error) {
+// The 64 bytes of a block pair (a, b) -> (A, B): A = a[0:8] b[8:16] a[16:24] b[24:32] and
+// B = a[8:16] b[0:8] a[24:32] b[16:24]. Applied to both the weights' nibbles and the activations,
+// maddubs(A_w, A_x) + maddubs(B_w, B_x) holds block a's products in int16 lanes 0-3 of each 128-bit
+// half and block b's in lanes 4-7: the two blocks' dots are separated without a (slow) hadd.
+inline void interleave_pair(__m256i a, __m256i b, __m256i& A, __m256i& B) {
+  A = _mm256_blend_epi32(a, b, 0xCC);
+  B = _mm256_shuffle_epi32(_mm256_blend_epi32(a, b, 0x33), _MM_SHUFFLE(1, 0, 3, 2));
+}
+
+// Quantizes nb blocks of x into q (pairs * 64 bytes, each pair interleaved; an odd nb's last
+// pair has a zero second block), their steps into step8 and their float sums.
+void quantize_row(const float* x, int64_t nb, int8_t* q, float* step8, float* sum, float* sum_error) {
+  int8_t* const q_row = q;
   const __m256 sign = _mm256_set1_ps(-0.f);
   const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);  // undoes packs' lane interleave
   for (int64_t b = 0; b < nb; ++b, x += kBlock, q += kBlock) {
@@ -80,7 +97,8 @@ void quantize_row(const float* x, int64_t nb, int8_t* q, float* scale, float* su
     h = _mm_max_ss(h, _mm_movehdup_ps(h));
     const float step = _mm_cvtss_f32(h) / 127.f;
     const __m256 inv = _mm256_set1_ps(step > 0.f ? 1.f / step : 0.f);
-    scale[b] = step;
+    float* lanes = step8 + (b / 2) * 8 + (b % 2) * 2;  // this block's lanes of its pair: 2 of each 4
+    lanes[0] = lanes[1] = lanes[4] = lanes[5] = step;
     sum[b] = hsum(_mm256_add_ps(_mm256_add_ps(v0, v1), _mm256_add_ps(v2, v3)));
     constexpr int kRound = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;  // half to even, as np.rint
     const __m256i i0 = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v0, inv), kRound));
@@ -91,6 +109,13 @@ void quantize_row(const float* x, int64_t nb, int8_t* q, float* scale, float* su
     sum_error[b] = sum[b] - step * hsum(_mm256_cvtepi32_ps(isum));
     const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(i0, i1), _mm256_packs_epi32(i2, i3));
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), _mm256_permutevar8x32_epi32(bytes, order));
+  }
+  for (int64_t j = 0; j < (nb + 1) / 2; ++j) {
+    __m256i* pair = reinterpret_cast<__m256i*>(q_row + j * 2 * kBlock);
+    __m256i A, B;
+    interleave_pair(_mm256_loadu_si256(pair), _mm256_loadu_si256(pair + 1), A, B);
+    _mm256_storeu_si256(pair, A);
+    _mm256_storeu_si256(pair + 1, B);
   }
 }
 
@@ -103,77 +128,100 @@ struct Problem {
   int64_t N, nb, pairs;
 };
 
-// 8 float16 from p (count < 8: the rest 0) as floats.
-inline __m256 load_f16x8(const uint16_t* p, int64_t count) {
+// 8 float16 at p as floats, lanes from `count` on zeroed. `readable` says whether all 8 may be read
+// (they lie inside dm: a tail then reads the next plane's numbers, which the mask drops).
+inline __m256 load_f16x8(const uint16_t* p, int64_t count, bool readable) {
   if (count >= 8) return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  alignas(16) uint16_t tmp[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-  std::memcpy(tmp, p, static_cast<size_t>(count) * sizeof(uint16_t));
-  return _mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(tmp)));
+  if (!readable) {
+    alignas(16) uint16_t tmp[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    std::memcpy(tmp, p, static_cast<size_t>(count) * sizeof(uint16_t));
+    return _mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(tmp)));
+  }
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  const __m256 keep = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(count)), lane));
+  return _mm256_and_ps(keep, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
 }
 
 // y for channels [n0, n0 + NC) x rows [t0, t0 + NT).
 //
-// Per block pair and (channel, row): two maddubs (int16 lanes of 2 products) folded by one hadd
-// into lanes 0-1, 4-5 (block 2j) and 2-3, 6-7 (block 2j + 1), one madd into int32, one float FMA
-// with the steps laid out the same way: (d0 xs0, d0 xs0, d1 xs1, d1 xs1) twice.
+// Per block pair, each channel's 32 bytes are unpacked once (low nibbles block 2j, high 2j + 1) and
+// interleaved as the rows' int8 are (interleave_pair), and each row's 64 int8 are read from L1 by
+// every channel. Per (channel, row): two maddubs (int16 lanes of 2 products) and an add give block
+// 2j's sums in int16 lanes 0-3 and 2j + 1's in 4-7 of each half, one madd folds them into int32
+// lanes 0-1, 4-5 and 2-3, 6-7, and one float FMA scales them by the steps laid out the same way:
+// the channel's (d0, d0, d1, d1) twice times the row's (xs0, xs0, xs1, xs1) twice (from quantize_row).
 template <int NC, int NT>
 void tile(const Problem& p, int64_t n0, int64_t t0) {
   const __m256i low = _mm256_set1_epi8(0x0F);
   const __m256i ones = _mm256_set1_epi16(1);
-  const uint8_t* w[NC];
-  const uint16_t* dm[NC];
-  const int8_t* xq[NT];
-  const float* xs[NT];
-  const float* xsum[NT];
-  const float* xerr[NT];
+  const Int8Rows& x = *p.x;
+  const uint8_t* w = p.qs + n0 * p.pairs * kPairBytes;
+  const uint16_t* dm = p.dm + n0 * 2 * p.nb;
+  const int64_t w_stride = p.pairs * kPairBytes, dm_stride = 2 * p.nb;
+  const int8_t* xq = x.q.data() + t0 * x.q_stride;
+  const float* xstep = x.step.data() + t0 * x.step_stride;
   __m256 acc[NC][NT];
-  for (int c = 0; c < NC; ++c) {
-    w[c] = p.qs + (n0 + c) * p.pairs * kPairBytes;
-    dm[c] = p.dm + (n0 + c) * 2 * p.nb;
+  for (int c = 0; c < NC; ++c)
     for (int r = 0; r < NT; ++r) acc[c][r] = _mm256_setzero_ps();
-  }
-  for (int r = 0; r < NT; ++r) {
-    xq[r] = p.x->q.data() + (t0 + r) * p.x->q_stride;
-    xs[r] = p.x->scale.data() + (t0 + r) * p.x->s_stride;
-    xsum[r] = p.x->sum.data() + (t0 + r) * p.x->s_stride;
-    xerr[r] = p.x->sum_error.data() + (t0 + r) * p.x->s_stride;
-  }
   for (int64_t j = 0; j < p.pairs; ++j) {
-    __m256 xstep[NT];  // (xs0, xs1) repeated
-    for (int r = 0; r < NT; ++r) xstep[r] = _mm256_castpd_ps(_mm256_broadcast_sd(reinterpret_cast<const double*>(xs[r] + 2 * j)));
     for (int c = 0; c < NC; ++c) {
-      const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w[c] + j * kPairBytes));
-      const __m256i lo = _mm256_and_si256(raw, low), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
+      const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + c * w_stride + j * kPairBytes));
+      __m256i wa, wb;
+      interleave_pair(_mm256_and_si256(raw, low), _mm256_and_si256(_mm256_srli_epi16(raw, 4), low), wa, wb);
       int32_t d01;  // the steps of blocks 2j, 2j + 1 (for an odd nb the last one reads m[0]: its x is 0)
-      std::memcpy(&d01, dm[c] + 2 * j, sizeof(d01));
-      const __m256 d = _mm256_cvtph_ps(_mm_set1_epi32(d01));  // (d0, d1) repeated
+      std::memcpy(&d01, dm + c * dm_stride + 2 * j, sizeof(d01));
+      const __m256 d = _mm256_permute_ps(_mm256_cvtph_ps(_mm_set1_epi32(d01)), _MM_SHUFFLE(1, 1, 0, 0));
       for (int r = 0; r < NT; ++r) {
-        const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq[r] + j * 2 * kBlock));
-        const __m256i x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq[r] + j * 2 * kBlock + kBlock));
-        const __m256i sums = _mm256_hadd_epi16(_mm256_maddubs_epi16(lo, x0), _mm256_maddubs_epi16(hi, x1));
-        const __m256 step = _mm256_permute_ps(_mm256_mul_ps(d, xstep[r]), _MM_SHUFFLE(1, 1, 0, 0));
+        const int8_t* xr = xq + r * x.q_stride + j * 2 * kBlock;
+        const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr));
+        const __m256i x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr + kBlock));
+        const __m256i sums = _mm256_add_epi16(_mm256_maddubs_epi16(wa, x0), _mm256_maddubs_epi16(wb, x1));
+        const __m256 step = _mm256_mul_ps(d, _mm256_loadu_ps(xstep + r * x.step_stride + j * 8));
         acc[c][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(sums, ones)), step, acc[c][r]);
       }
     }
   }
-  // the minimum's term sum_b m * sum(x_block), and the centring's sum_b 7.5 d * sum_error, 8 blocks at a time
+  // the minimum's term sum_b m * sum(x_block), and the centring's sum_b 7.5 d * sum_error, 8 blocks at a
+  // time (the rows' sums are zero-padded to whole groups of 8)
   for (int64_t b8 = 0; b8 < p.nb; b8 += 8) {
     const int64_t count = std::min<int64_t>(8, p.nb - b8);
     for (int c = 0; c < NC; ++c) {
-      const __m256 m = load_f16x8(dm[c] + p.nb + b8, count);
-      const __m256 centre = _mm256_mul_ps(load_f16x8(dm[c] + b8, count), _mm256_set1_ps(7.5f));
+      const uint16_t* d = dm + c * dm_stride + b8;
+      const bool last = n0 + c == p.N - 1;  // its m plane ends the tensor
+      const __m256 m = load_f16x8(d + p.nb, count, !last);
+      const __m256 centre = _mm256_mul_ps(load_f16x8(d, count, p.nb >= 7), _mm256_set1_ps(7.5f));
       for (int r = 0; r < NT; ++r) {
-        acc[c][r] = _mm256_fmadd_ps(m, _mm256_loadu_ps(xsum[r] + b8), acc[c][r]);
-        acc[c][r] = _mm256_fmadd_ps(centre, _mm256_loadu_ps(xerr[r] + b8), acc[c][r]);
+        acc[c][r] = _mm256_fmadd_ps(m, _mm256_loadu_ps(x.sum.data() + (t0 + r) * x.s_stride + b8), acc[c][r]);
+        acc[c][r] = _mm256_fmadd_ps(centre, _mm256_loadu_ps(x.sum_error.data() + (t0 + r) * x.s_stride + b8),
+                                    acc[c][r]);
       }
     }
   }
-  for (int r = 0; r < NT; ++r)
-    for (int c = 0; c < NC; ++c)
-      p.y[(t0 + r) * p.N + n0 + c] = hsum(acc[c][r]) + (p.bias ? p.bias[n0 + c] : 0.f);
+  for (int r = 0; r < NT; ++r) {
+    float* y = p.y + (t0 + r) * p.N + n0;
+    int c = 0;
+    for (; c + 4 <= NC; c += 4) {
+      __m128 v = hsum4(acc[c][r], acc[c + 1][r], acc[c + 2][r], acc[c + 3][r]);
+      if (p.bias) v = _mm_add_ps(v, _mm_loadu_ps(p.bias + n0 + c));
+      _mm_storeu_ps(y + c, v);
+    }
+    for (; c < NC; ++c) y[c] = hsum(acc[c][r]) + (p.bias ? p.bias[n0 + c] : 0.f);
+  }
 }
 
-// Decode-sized work (one row): 4 channels a tile; otherwise 2 channels x up to 4 rows.
+// A tile of NC channels x `rows` (< kTileRows) rows: the rows left at the end of a work item.
+template <int NC>
+void row_edge(const Problem& p, int64_t n, int64_t t, int64_t rows) {
+  static_assert(kTileRows <= 4, "row_edge covers up to 3 rows");
+  switch (rows) {
+    case 3: return tile<NC, 3>(p, n, t);
+    case 2: return tile<NC, 2>(p, n, t);
+    case 1: return tile<NC, 1>(p, n, t);
+    default: return;
+  }
+}
+
+// Decode-sized work (one row): 4 channels a tile; otherwise kTileChannels x kTileRows.
 void run_item(const Problem& p, int64_t n_begin, int64_t n_end, int64_t t_begin, int64_t t_end) {
   if (t_end - t_begin == 1) {
     int64_t n = n_begin;
@@ -185,15 +233,24 @@ void run_item(const Problem& p, int64_t n_begin, int64_t n_end, int64_t t_begin,
       default: return;
     }
   }
-  for (int64_t n = n_begin; n < n_end; n += 2) {
-    const bool two = n + 1 < n_end;
+  for (int64_t n = n_begin; n < n_end; n += kTileChannels) {
+    const int64_t channels = std::min<int64_t>(kTileChannels, n_end - n);
     int64_t t = t_begin;
-    for (; t + 4 <= t_end; t += 4) two ? tile<2, 4>(p, n, t) : tile<1, 4>(p, n, t);
-    switch (t_end - t) {
-      case 3: two ? tile<2, 3>(p, n, t) : tile<1, 3>(p, n, t); break;
-      case 2: two ? tile<2, 2>(p, n, t) : tile<1, 2>(p, n, t); break;
-      case 1: two ? tile<2, 1>(p, n, t) : tile<1, 1>(p, n, t); break;
-      default: break;
+    for (; t + kTileRows <= t_end; t += kTileRows) {
+      switch (channels) {
+        case 4: tile<4, kTileRows>(p, n, t); break;
+        case 3: tile<3, kTileRows>(p, n, t); break;
+        case 2: tile<2, kTileRows>(p, n, t); break;
+        default: tile<1, kTileRows>(p, n, t); break;
+      }
+    }
+    const int64_t rows = t_end - t;
+    if (rows == 0) continue;
+    switch (channels) {
+      case 4: row_edge<4>(p, n, t, rows); break;
+      case 3: row_edge<3>(p, n, t, rows); break;
+      case 2: row_edge<2>(p, n, t, rows); break;
+      default: row_edge<1>(p, n, t, rows); break;
     }
   }
 }
@@ -236,12 +293,13 @@ struct MatMulQ4_1 {
               y.Allocate(xs), N, nb, pairs};
     if (T == 0) return;
 
-    const int64_t q_stride = pairs * 2 * kBlock, s_stride = (nb + 7) / 8 * 8;
-    Int8Rows rows{q_stride, s_stride, std::vector<int8_t>(T * q_stride), std::vector<float>(T * s_stride),
-                  std::vector<float>(T * s_stride), std::vector<float>(T * s_stride)};
+    const int64_t q_stride = pairs * 2 * kBlock, step_stride = pairs * 8, s_stride = (nb + 7) / 8 * 8;
+    Int8Rows rows{q_stride, step_stride, s_stride, std::vector<int8_t>(T * q_stride),
+                  std::vector<float>(T * step_stride), std::vector<float>(T * s_stride),
+                  std::vector<float>(T * s_stride)};
     const float* xd = x.Data();
     auto quantize = [&](size_t t) {
-      quantize_row(xd + t * K, nb, rows.q.data() + t * q_stride, rows.scale.data() + t * s_stride,
+      quantize_row(xd + t * K, nb, rows.q.data() + t * q_stride, rows.step.data() + t * step_stride,
                    rows.sum.data() + t * s_stride, rows.sum_error.data() + t * s_stride);
     };
     if (T * K >= kParallelQuantize) parallel_for_q4(ctx, T, quantize);
