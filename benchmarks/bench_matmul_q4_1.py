@@ -12,7 +12,7 @@ Shapes: the fused qkv (576 -> 960), o (576 -> 576), fused gate/up (576 -> 3072) 
 --repeats batches of ~20 ms, the three graphs' batches interleaved (a drift hits all three alike).
 
     python benchmarks/bench_matmul_q4_1.py [--repeats 7] [--tokens 1 16 32 512] [--linears qkv down]
-        [--baseline-library OTHER/libkiln_ops.so]
+        [--baseline-library OTHER/libkiln_ops.so] [--copies 60]
 
 --baseline-library adds a fourth way, "base": kiln.MatMulQ4_1 from another build of the op library
 (e.g. main's), timed interleaved with the others for a before/after ratio in one sitting.
@@ -89,23 +89,27 @@ def session(model: bytes, threads: int, library: str | None = None) -> ort.Infer
     return ort.InferenceSession(model, so, providers=["CPUExecutionProvider"])
 
 
-def time_us(sessions: dict[str, ort.InferenceSession], x: np.ndarray, clock, repeats: int) -> list[float]:
-    """Median microseconds per run of each session over `repeats` rounds, each round one ~20 ms batch
-    of every session in turn."""
+def time_us(sessions: dict[str, list[ort.InferenceSession]], x: np.ndarray, clock, repeats: int) -> list[float]:
+    """Median microseconds per run of each way over `repeats` rounds, each round one ~20 ms batch of
+    every way in turn; a way's calls cycle through its sessions (copies of the weights)."""
     feed = {"x": x}
+
+    def run_batch(copies: list[ort.InferenceSession], calls: int) -> None:
+        for i in range(calls):
+            copies[i % len(copies)].run(None, feed)
+
     calls = {}
-    for name, sess in sessions.items():
-        sess.run(None, feed)
+    for name, copies in sessions.items():
+        run_batch(copies, len(copies))
         start, calls[name] = clock(), 0
-        while clock() - start < 0.02:
-            sess.run(None, feed)
+        while clock() - start < 0.02 or calls[name] % len(copies):
+            copies[calls[name] % len(copies)].run(None, feed)
             calls[name] += 1
     batches: dict[str, list[float]] = {name: [] for name in sessions}
     for _ in range(repeats):
-        for name, sess in sessions.items():
+        for name, copies in sessions.items():
             start = clock()
-            for _ in range(calls[name]):
-                sess.run(None, feed)
+            run_batch(copies, calls[name])
             batches[name].append((clock() - start) / calls[name] * 1e6)
     return [statistics.median(b) for b in batches.values()]
 
@@ -116,6 +120,10 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, nargs="+", default=list(TOKENS), help="activation rows T")
     parser.add_argument("--linears", nargs="+", choices=list(SHAPES), default=list(SHAPES))
     parser.add_argument("--baseline-library", help="another libkiln_ops.so whose kiln.MatMulQ4_1 to time as 'base'")
+    parser.add_argument("--copies", type=int, default=1,
+                        help="1-thread sessions per way, called in turn: e.g. 60 copies of a linear's weights outgrow "
+                             "the caches, as a model's 30 layers do in decode (default 1: the weights stay cached; "
+                             "more than 1 skips the 2-thread wall times)")
     args = parser.parse_args()
     libraries = {"q4_1": None, "nbits": None, "offsets": None}
     if args.baseline_library:
@@ -132,10 +140,11 @@ def main() -> None:
             ref = session(graphs["offsets"], 1).run(None, {"x": x})[0]
             y = session(graphs["q4_1"], 1).run(None, {"x": x})[0]
             assert np.abs(y - ref).max() < 0.02 * np.abs(ref).max()  # the same linear (nbits: the same bits)
-            cpu = time_us({g: session(graphs[g], 1, lib) for g, lib in libraries.items()}, x, time.process_time,
-                          args.repeats)
-            wall = time_us({g: session(graphs[g], 2, lib) for g, lib in libraries.items()}, x, time.perf_counter,
-                           args.repeats)
+            cpu = time_us({g: [session(graphs[g], 1, lib) for _ in range(args.copies)] for g, lib in libraries.items()},
+                          x, time.process_time, args.repeats)
+            # copies x 2-thread sessions would each spin a pool thread: wall time only with one copy
+            wall = (time_us({g: [session(graphs[g], 2, lib)] for g, lib in libraries.items()}, x, time.perf_counter,
+                            args.repeats) if args.copies == 1 else [float("nan")] * len(cpu))
             cpu_text, wall_text = (" / ".join(f"{v:7.1f}" for v in times) for times in (cpu, wall))
             ratios = f"q4_1/nbits CPU {cpu[0] / cpu[1]:.2f}x wall {wall[0] / wall[1]:.2f}x"
             if len(cpu) > 3:
