@@ -7,10 +7,15 @@ Three ways to run one linear y = x @ W^T:
   offsets  MatMulNBits with integer zero points + Reshape/ReduceSum/MatMul/Add over the 32-wide
            block sums: int4-q4_1 engines before kiln.MatMulQ4_1.
 Shapes: the fused qkv (576 -> 960), o (576 -> 576), fused gate/up (576 -> 3072) and down (1536 ->
-576), at T = 1 (decode) and T = 64 (prefill). Times: 1-thread CPU time (process_time; other load on
-a shared machine barely moves it) and 2-thread wall time, median of --repeats batches.
+576), at T = 1 (decode), 16 and 32 (batched decode) and 512 (prefill). Times: 1-thread CPU time
+(process_time; other load on a shared machine barely moves it) and 2-thread wall time, median of
+--repeats batches of ~20 ms, the three graphs' batches interleaved (a drift hits all three alike).
 
-    python benchmarks/bench_matmul_q4_1.py [--repeats 7]
+    python benchmarks/bench_matmul_q4_1.py [--repeats 7] [--tokens 1 16 32 512] [--linears qkv down]
+        [--baseline-library OTHER/libkiln_ops.so] [--copies 60]
+
+--baseline-library adds a fourth way, "base": kiln.MatMulQ4_1 from another build of the op library
+(e.g. main's), timed interleaved with the others for a before/after ratio in one sitting.
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ from kiln.optimize.quant.rtn import quantize_q4_1
 from kiln.runtime.ops import library_path
 
 SHAPES = {"qkv": (576, 960), "o": (576, 576), "gate/up": (576, 3072), "down": (1536, 576)}
-TOKENS = (1, 64)
+TOKENS = (1, 16, 32, 512)
 
 
 def _nbits_node(n: int, k: int, q: np.ndarray, scales: np.ndarray, zero_points: np.ndarray) -> tuple[list, object]:
@@ -77,49 +82,74 @@ def models(w: np.ndarray) -> dict[str, bytes]:
     return out
 
 
-def session(model: bytes, threads: int) -> ort.InferenceSession:
+def session(model: bytes, threads: int, library: str | None = None) -> ort.InferenceSession:
     so = ort.SessionOptions()
-    so.register_custom_ops_library(library_path())
+    so.register_custom_ops_library(library or library_path())
     so.intra_op_num_threads = threads
     return ort.InferenceSession(model, so, providers=["CPUExecutionProvider"])
 
 
-def time_us(sess: ort.InferenceSession, x: np.ndarray, clock, repeats: int) -> float:
-    """Median microseconds per run over `repeats` batches of ~20 ms each."""
+def time_us(sessions: dict[str, list[ort.InferenceSession]], x: np.ndarray, clock, repeats: int) -> list[float]:
+    """Median microseconds per run of each way over `repeats` rounds, each round one ~20 ms batch of
+    every way in turn; a way's calls cycle through its sessions (copies of the weights)."""
     feed = {"x": x}
-    sess.run(None, feed)
-    start = clock()
-    calls = 0
-    while clock() - start < 0.02:
-        sess.run(None, feed)
-        calls += 1
-    batches = []
+
+    def run_batch(copies: list[ort.InferenceSession], calls: int) -> None:
+        for i in range(calls):
+            copies[i % len(copies)].run(None, feed)
+
+    calls = {}
+    for name, copies in sessions.items():
+        run_batch(copies, len(copies))
+        start, calls[name] = clock(), 0
+        while clock() - start < 0.02 or calls[name] % len(copies):
+            copies[calls[name] % len(copies)].run(None, feed)
+            calls[name] += 1
+    batches: dict[str, list[float]] = {name: [] for name in sessions}
     for _ in range(repeats):
-        start = clock()
-        for _ in range(calls):
-            sess.run(None, feed)
-        batches.append((clock() - start) / calls * 1e6)
-    return statistics.median(batches)
+        for name, copies in sessions.items():
+            start = clock()
+            run_batch(copies, calls[name])
+            batches[name].append((clock() - start) / calls[name] * 1e6)
+    return [statistics.median(b) for b in batches.values()]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--tokens", type=int, nargs="+", default=list(TOKENS), help="activation rows T")
+    parser.add_argument("--linears", nargs="+", choices=list(SHAPES), default=list(SHAPES))
+    parser.add_argument("--baseline-library", help="another libkiln_ops.so whose kiln.MatMulQ4_1 to time as 'base'")
+    parser.add_argument("--copies", type=int, default=1,
+                        help="1-thread sessions per way, called in turn: e.g. 60 copies of a linear's weights outgrow "
+                             "the caches, as a model's 30 layers do in decode (default 1: the weights stay cached; "
+                             "more than 1 skips the 2-thread wall times)")
     args = parser.parse_args()
+    libraries = {"q4_1": None, "nbits": None, "offsets": None}
+    if args.baseline_library:
+        libraries["base"] = args.baseline_library
     rng = np.random.default_rng(0)
-    print(f"{'linear':8} {'T':>3}  {'1-thread CPU us: q4_1 / nbits / offsets':>40}  "
-          f"{'2-thread wall us: q4_1 / nbits / offsets':>41}")
-    for name, (k, n) in SHAPES.items():
+    ways = " / ".join(libraries)
+    print(f"{'linear':8} {'T':>3}  {'1-thread CPU us: ' + ways:>48}  {'2-thread wall us: ' + ways:>49}")
+    for name in args.linears:
+        k, n = SHAPES[name]
         graphs = models((rng.standard_normal((n, k)) * 0.05).astype(np.float32))
-        for t in TOKENS:
+        graphs["base"] = graphs["q4_1"]
+        for t in args.tokens:
             x = rng.standard_normal((t, k)).astype(np.float32)
             ref = session(graphs["offsets"], 1).run(None, {"x": x})[0]
             y = session(graphs["q4_1"], 1).run(None, {"x": x})[0]
             assert np.abs(y - ref).max() < 0.02 * np.abs(ref).max()  # the same linear (nbits: the same bits)
-            cpu = [time_us(session(graphs[g], 1), x, time.process_time, args.repeats) for g in graphs]
-            wall = [time_us(session(graphs[g], 2), x, time.perf_counter, args.repeats) for g in graphs]
+            cpu = time_us({g: [session(graphs[g], 1, lib) for _ in range(args.copies)] for g, lib in libraries.items()},
+                          x, time.process_time, args.repeats)
+            # copies x 2-thread sessions would each spin a pool thread: wall time only with one copy
+            wall = (time_us({g: [session(graphs[g], 2, lib)] for g, lib in libraries.items()}, x, time.perf_counter,
+                            args.repeats) if args.copies == 1 else [float("nan")] * len(cpu))
             cpu_text, wall_text = (" / ".join(f"{v:7.1f}" for v in times) for times in (cpu, wall))
-            print(f"{name:8} {t:3}  {cpu_text:>40}  {wall_text:>41}   q4_1/nbits CPU {cpu[0] / cpu[1]:.2f}x")
+            ratios = f"q4_1/nbits CPU {cpu[0] / cpu[1]:.2f}x wall {wall[0] / wall[1]:.2f}x"
+            if len(cpu) > 3:
+                ratios += f", q4_1/base CPU {cpu[0] / cpu[3]:.2f}x wall {wall[0] / wall[3]:.2f}x"
+            print(f"{name:8} {t:3}  {cpu_text:>48}  {wall_text:>49}   {ratios}", flush=True)
 
 
 if __name__ == "__main__":

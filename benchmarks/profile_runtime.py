@@ -9,6 +9,10 @@ update, appending tokens, stop checks). The runtime's share is Python / (model +
 The absolute Python milliseconds do not depend on the engine's weights; the share does.
 
     python benchmarks/profile_runtime.py ENGINE_DIR [--batches 1 32] [--max-tokens 128] [--threads 2]
+        [--clock cpu]
+
+--clock cpu times with the process's CPU time instead of the wall clock: with --threads 1 the model
+and the Python side then run on one thread and a busy shared machine's preemption stays out of both.
 """
 
 from __future__ import annotations
@@ -46,17 +50,21 @@ class StepTimes:
     steps: int = 0
 
 
+CLOCKS: dict[str, Callable[[], float]] = {"wall": time.perf_counter, "cpu": time.process_time}
+
+
 @contextmanager
-def timed_method(owner: type, name: str, sink: dict[str, float], part: str) -> Iterator[None]:
+def timed_method(owner: type, name: str, sink: dict[str, float], part: str,
+                 clock: Callable[[], float]) -> Iterator[None]:
     """Wrap owner.name so its time accumulates in sink[part] (the profiler's own hook, undone on exit)."""
     original: Callable[..., Any] = getattr(owner, name)
 
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        start = time.perf_counter()
+        start = clock()
         try:
             return original(*args, **kwargs)
         finally:
-            sink[part] += time.perf_counter() - start
+            sink[part] += clock() - start
 
     setattr(owner, name, wrapper)
     try:
@@ -65,7 +73,7 @@ def timed_method(owner: type, name: str, sink: dict[str, float], part: str) -> I
         setattr(owner, name, original)
 
 
-def run_batch(llm_engine: Engine, batch: int, params: SamplingParams) -> StepTimes:
+def run_batch(llm_engine: Engine, batch: int, params: SamplingParams, clock: Callable[[], float]) -> StepTimes:
     """Generate batch requests together, timing every step's parts; only pure decode steps count."""
     tok = llm_engine.tokenizer
     for i in range(batch):
@@ -73,21 +81,21 @@ def run_batch(llm_engine: Engine, batch: int, params: SamplingParams) -> StepTim
         llm_engine.add_request(f"profile-{batch}-{i}", prompt, params)
     totals = StepTimes()
     step_parts = dict.fromkeys(PARTS, 0.0)
-    with (timed_method(type(llm_engine.sampler), "__call__", step_parts, "sample"),
-          timed_method(detokenizer.IncrementalDetokenizer, "add", step_parts, "detokenize"),
-          timed_method(detokenizer.IncrementalDetokenizer, "find_stop", step_parts, "detokenize"),
-          timed_method(engine.Request, "take_output", step_parts, "outputs")):
+    with (timed_method(type(llm_engine.sampler), "__call__", step_parts, "sample", clock),
+          timed_method(detokenizer.IncrementalDetokenizer, "add", step_parts, "detokenize", clock),
+          timed_method(detokenizer.IncrementalDetokenizer, "find_stop", step_parts, "detokenize", clock),
+          timed_method(engine.Request, "take_output", step_parts, "outputs", clock)):
         while llm_engine.has_unfinished():
             step_parts.update(dict.fromkeys(PARTS, 0.0))
-            t0 = time.perf_counter()
+            t0 = clock()
             out = llm_engine.scheduler.schedule()
-            t1 = time.perf_counter()
+            t1 = clock()
             batch_input = build_batch(out)
-            t2 = time.perf_counter()
+            t2 = clock()
             logits = llm_engine.runner.execute(batch_input)
-            t3 = time.perf_counter()
+            t3 = clock()
             llm_engine._postprocess(out, logits)
-            t4 = time.perf_counter()
+            t4 = clock()
             if out.num_tokens != len(out.scheduled):
                 continue  # a prefill step
             totals.steps += 1
@@ -115,15 +123,17 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--kinds", nargs="+", default=list(KINDS), choices=list(KINDS))
+    parser.add_argument("--clock", choices=list(CLOCKS), default="wall")
     args = parser.parse_args()
     llm_engine = load_engine(args.engine_dir, RuntimeConfig(max_num_seqs=max(args.batches), num_threads=args.threads))
     header = " | ".join(PARTS)
-    print(f"per decode step, ms (engine {args.engine_dir}, {args.threads} threads, {args.max_tokens} tokens)")
+    print(f"per decode step, ms of {args.clock} time (engine {args.engine_dir}, {args.threads} threads, "
+          f"{args.max_tokens} tokens)")
     print(f"| {'requests':<22} | batch | model ms | Python ms | share | {header} |")
     for batch in args.batches:
         for kind in args.kinds:
             params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True, **KINDS[kind])
-            print(report(kind, batch, run_batch(llm_engine, batch, params)), flush=True)
+            print(report(kind, batch, run_batch(llm_engine, batch, params, CLOCKS[args.clock])), flush=True)
 
 
 if __name__ == "__main__":

@@ -5,15 +5,15 @@
 //
 //   1. validate the shapes;
 //   2. quantize each activation row per block of 32 to int8 (step max|x| / 127, exact float sum and
-//      what int8 loses of it),
-//      zero-padded to whole block pairs and to whole groups of 8 steps;
+//      what int8 loses of it), zero-padded to whole block pairs and to whole groups of 8 steps, each
+//      block pair's bytes interleaved (interleave_pair) and its steps laid out for the FMA;
 //   3. work items (a chunk of output channels x a chunk of activation rows) run on ONNX Runtime's
-//      intra-op thread pool. Each computes tiles of up to 4 channels x 1 row (decode) or 2 channels
-//      x up to 4 rows: every unpacked weight pair feeds all rows of the tile, every activation
-//      block all its channels. A block's dot is _mm256_maddubs_epi16 (unsigned nibbles x signed
-//      int8) + _mm256_madd_epi16 into int32, scaled by d * xs in float (the products of 8 blocks
-//      at a time); the minimum's term sum_b m * sum(x_block) and the centring term (see the spec)
-//      are separate 8-wide dots per tile.
+//      intra-op thread pool. Decode (one row) reads the weights straight from qs and dm in tiles of
+//      4 channels, prefetching one tile ahead; otherwise each pair of channels is unpacked once per
+//      item and feeds tiles of 4 rows. A block pair's dot is two _mm256_maddubs_epi16 (unsigned
+//      nibbles x signed int8) + _mm256_madd_epi16 into int32, scaled by d * xs in float; the
+//      minimum's term sum_b m * sum(x_block) and the centring term (see the spec) are separate
+//      8-wide dots per tile.
 //
 // Built with -O3 -mavx2 -mfma -mf16c (AVX2 only: no AVX-512 or VNNI is assumed).
 #define ORT_API_MANUAL_INIT
@@ -38,6 +38,10 @@ constexpr int64_t kBlock = 32;
 constexpr int64_t kPairBytes = 32;          // the nibbles of two blocks
 constexpr int64_t kChannelsPerItem = 32;    // output channels per work item (a multiple of 4)
 constexpr int64_t kRowsPerItem = 32;        // activation rows per work item
+// A tile for T > 1: 2 channels x 4 rows, 8 accumulators (measured against 4 x 2, 3 x 3 and 3 x 4:
+// each channel's unpacked pair and steps serve 4 rows, and nothing spills).
+constexpr int kTileChannels = 2;
+constexpr int kTileRows = 4;
 constexpr int64_t kParallelQuantize = 1 << 15;  // activation elements from which quantizing is parallel
 
 [[noreturn]] void fail_q4(const std::string& msg) {
@@ -58,16 +62,28 @@ void parallel_for_q4(OrtKernelContext* ctx, size_t n, F& f) {
 }
 
 // Activation rows quantized per block of 32: llama.cpp's q8_1, with the block sums in float.
-// Rows are padded with zeros: q to whole block pairs, scale and sum to whole groups of 8 blocks.
+// Rows are padded with zeros: q to whole block pairs, sum and sum_error to whole groups of 8 blocks.
 struct Int8Rows {
-  int64_t q_stride, s_stride;
-  std::vector<int8_t> q;      // [T, q_stride]
-  std::vector<float> scale;   // [T, s_stride]
-  std::vector<float> sum;     // [T, s_stride]
+  int64_t q_stride, step_stride, s_stride;
+  std::vector<int8_t> q;         // [T, q_stride]
+  std::vector<float> step;       // [T, step_stride]: per block pair j, (xs0, xs0, xs1, xs1) twice (see tile)
+  std::vector<float> sum;        // [T, s_stride]
   std::vector<float> sum_error;  // [T, s_stride]: sum(x) - xs * sum(xq), what int8 loses of the block sum
 };
 
-void quantize_row(const float* x, int64_t nb, int8_t* q, float* scale, float* sum, float* sum_error) {
+// The 64 bytes of a block pair (a, b) -> (A, B): A = a[0:8] b[8:16] a[16:24] b[24:32] and
+// B = a[8:16] b[0:8] a[24:32] b[16:24]. Applied to both the weights' nibbles and the activations,
+// maddubs(A_w, A_x) + maddubs(B_w, B_x) holds block a's products in int16 lanes 0-3 of each 128-bit
+// half and block b's in lanes 4-7: the two blocks' dots are separated without a (slow) hadd.
+inline void interleave_pair(__m256i a, __m256i b, __m256i& A, __m256i& B) {
+  A = _mm256_blend_epi32(a, b, 0xCC);
+  B = _mm256_shuffle_epi32(_mm256_blend_epi32(a, b, 0x33), _MM_SHUFFLE(1, 0, 3, 2));
+}
+
+// Quantizes nb blocks of x into q (pairs * 64 bytes, each pair interleaved; an odd nb's last
+// pair has a zero second block), their steps into step8 and their float sums.
+void quantize_row(const float* x, int64_t nb, int8_t* q, float* step8, float* sum, float* sum_error) {
+  int8_t* const q_row = q;
   const __m256 sign = _mm256_set1_ps(-0.f);
   const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);  // undoes packs' lane interleave
   for (int64_t b = 0; b < nb; ++b, x += kBlock, q += kBlock) {
@@ -80,7 +96,8 @@ void quantize_row(const float* x, int64_t nb, int8_t* q, float* scale, float* su
     h = _mm_max_ss(h, _mm_movehdup_ps(h));
     const float step = _mm_cvtss_f32(h) / 127.f;
     const __m256 inv = _mm256_set1_ps(step > 0.f ? 1.f / step : 0.f);
-    scale[b] = step;
+    float* lanes = step8 + (b / 2) * 8 + (b % 2) * 2;  // this block's lanes of its pair: 2 of each 4
+    lanes[0] = lanes[1] = lanes[4] = lanes[5] = step;
     sum[b] = hsum(_mm256_add_ps(_mm256_add_ps(v0, v1), _mm256_add_ps(v2, v3)));
     constexpr int kRound = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;  // half to even, as np.rint
     const __m256i i0 = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v0, inv), kRound));
@@ -91,6 +108,13 @@ void quantize_row(const float* x, int64_t nb, int8_t* q, float* scale, float* su
     sum_error[b] = sum[b] - step * hsum(_mm256_cvtepi32_ps(isum));
     const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(i0, i1), _mm256_packs_epi32(i2, i3));
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), _mm256_permutevar8x32_epi32(bytes, order));
+  }
+  for (int64_t j = 0; j < (nb + 1) / 2; ++j) {
+    __m256i* pair = reinterpret_cast<__m256i*>(q_row + j * 2 * kBlock);
+    __m256i A, B;
+    interleave_pair(_mm256_loadu_si256(pair), _mm256_loadu_si256(pair + 1), A, B);
+    _mm256_storeu_si256(pair, A);
+    _mm256_storeu_si256(pair + 1, B);
   }
 }
 
@@ -103,98 +127,199 @@ struct Problem {
   int64_t N, nb, pairs;
 };
 
-// 8 float16 from p (count < 8: the rest 0) as floats.
-inline __m256 load_f16x8(const uint16_t* p, int64_t count) {
+// 8 float16 at p as floats, lanes from `count` on zeroed. `readable` says whether all 8 may be read
+// (they lie inside dm: a tail then reads the next plane's numbers, which the mask drops).
+inline __m256 load_f16x8(const uint16_t* p, int64_t count, bool readable) {
   if (count >= 8) return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  alignas(16) uint16_t tmp[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-  std::memcpy(tmp, p, static_cast<size_t>(count) * sizeof(uint16_t));
-  return _mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(tmp)));
+  if (!readable) {
+    alignas(16) uint16_t tmp[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    std::memcpy(tmp, p, static_cast<size_t>(count) * sizeof(uint16_t));
+    return _mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(tmp)));
+  }
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  const __m256 keep = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(count)), lane));
+  return _mm256_and_ps(keep, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
 }
 
-// y for channels [n0, n0 + NC) x rows [t0, t0 + NT).
-//
-// Per block pair and (channel, row): two maddubs (int16 lanes of 2 products) folded by one hadd
-// into lanes 0-1, 4-5 (block 2j) and 2-3, 6-7 (block 2j + 1), one madd into int32, one float FMA
-// with the steps laid out the same way: (d0 xs0, d0 xs0, d1 xs1, d1 xs1) twice.
-template <int NC, int NT>
-void tile(const Problem& p, int64_t n0, int64_t t0) {
+// One (channel, row) dot of a block pair, accumulated: maddubs(wa, xa) + maddubs(wb, xb) holds block
+// 2j's sums in int16 lanes 0-3 and 2j + 1's in 4-7 of each half (see interleave_pair), one madd folds
+// them into int32 lanes 0-1, 4-5 and 2-3, 6-7, and one float FMA scales them by the steps laid out
+// the same way: the channel's (d0, d0, d1, d1) twice times the row's (xs0, xs0, xs1, xs1) twice.
+inline __m256 accumulate_pair(__m256i wa, __m256i wb, const int8_t* x, __m256 d, const float* xstep, __m256 acc) {
+  const __m256i xa = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
+  const __m256i xb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + kBlock));
+  const __m256i sums = _mm256_add_epi16(_mm256_maddubs_epi16(wa, xa), _mm256_maddubs_epi16(wb, xb));
+  const __m256 step = _mm256_mul_ps(d, _mm256_loadu_ps(xstep));
+  return _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(sums, _mm256_set1_epi16(1))), step, acc);
+}
+
+// Channel c's block pair j: its nibbles unpacked and interleaved, its steps as (d0, d0, d1, d1) twice
+// (for an odd nb the last pair's d1 reads m[0]: its x is 0).
+inline void unpack_pair(const uint8_t* qs, const uint16_t* d, __m256i& wa, __m256i& wb, __m256& step) {
   const __m256i low = _mm256_set1_epi8(0x0F);
-  const __m256i ones = _mm256_set1_epi16(1);
-  const uint8_t* w[NC];
-  const uint16_t* dm[NC];
-  const int8_t* xq[NT];
-  const float* xs[NT];
-  const float* xsum[NT];
-  const float* xerr[NT];
-  __m256 acc[NC][NT];
-  for (int c = 0; c < NC; ++c) {
-    w[c] = p.qs + (n0 + c) * p.pairs * kPairBytes;
-    dm[c] = p.dm + (n0 + c) * 2 * p.nb;
-    for (int r = 0; r < NT; ++r) acc[c][r] = _mm256_setzero_ps();
-  }
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs));
+  interleave_pair(_mm256_and_si256(raw, low), _mm256_and_si256(_mm256_srli_epi16(raw, 4), low), wa, wb);
+  int32_t d01;
+  std::memcpy(&d01, d, sizeof(d01));
+  step = _mm256_permute_ps(_mm256_cvtph_ps(_mm_set1_epi32(d01)), _MM_SHUFFLE(1, 1, 0, 0));
+}
+
+// y[rows t0.., channels n0..] = the tile's accumulators summed (+ bias).
+template <int NC, int NT>
+void store_tile(const Problem& p, const __m256 (&acc)[NC][NT], int64_t n0, int64_t t0) {
   for (int r = 0; r < NT; ++r) {
-    xq[r] = p.x->q.data() + (t0 + r) * p.x->q_stride;
-    xs[r] = p.x->scale.data() + (t0 + r) * p.x->s_stride;
-    xsum[r] = p.x->sum.data() + (t0 + r) * p.x->s_stride;
-    xerr[r] = p.x->sum_error.data() + (t0 + r) * p.x->s_stride;
+    float* y = p.y + (t0 + r) * p.N + n0;
+    int c = 0;
+    for (; c + 4 <= NC; c += 4) {
+      __m128 v = hsum4(acc[c][r], acc[c + 1][r], acc[c + 2][r], acc[c + 3][r]);
+      if (p.bias) v = _mm_add_ps(v, _mm_loadu_ps(p.bias + n0 + c));
+      _mm_storeu_ps(y + c, v);
+    }
+    for (; c < NC; ++c) y[c] = hsum(acc[c][r]) + (p.bias ? p.bias[n0 + c] : 0.f);
   }
+}
+
+// Decode (one row): y for channels [n0, n0 + NC), the weights read straight from qs and dm, the next
+// tile's prefetched one tile ahead (decode streams the weights from DRAM; a prefetch past the tensor
+// does not fault).
+template <int NC>
+void tile_decode(const Problem& p, int64_t n0, int64_t t) {
+  const Int8Rows& x = *p.x;
+  const uint8_t* w = p.qs + n0 * p.pairs * kPairBytes;
+  const uint16_t* dm = p.dm + n0 * 2 * p.nb;
+  const int64_t w_stride = p.pairs * kPairBytes, dm_stride = 2 * p.nb;
+  const int8_t* xq = x.q.data() + t * x.q_stride;
+  const float* xstep = x.step.data() + t * x.step_stride;
+  __m256 acc[NC][1];
+  for (int c = 0; c < NC; ++c) acc[c][0] = _mm256_setzero_ps();
   for (int64_t j = 0; j < p.pairs; ++j) {
-    __m256 xstep[NT];  // (xs0, xs1) repeated
-    for (int r = 0; r < NT; ++r) xstep[r] = _mm256_castpd_ps(_mm256_broadcast_sd(reinterpret_cast<const double*>(xs[r] + 2 * j)));
     for (int c = 0; c < NC; ++c) {
-      const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w[c] + j * kPairBytes));
-      const __m256i lo = _mm256_and_si256(raw, low), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
-      int32_t d01;  // the steps of blocks 2j, 2j + 1 (for an odd nb the last one reads m[0]: its x is 0)
-      std::memcpy(&d01, dm[c] + 2 * j, sizeof(d01));
-      const __m256 d = _mm256_cvtph_ps(_mm_set1_epi32(d01));  // (d0, d1) repeated
-      for (int r = 0; r < NT; ++r) {
-        const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq[r] + j * 2 * kBlock));
-        const __m256i x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq[r] + j * 2 * kBlock + kBlock));
-        const __m256i sums = _mm256_hadd_epi16(_mm256_maddubs_epi16(lo, x0), _mm256_maddubs_epi16(hi, x1));
-        const __m256 step = _mm256_permute_ps(_mm256_mul_ps(d, xstep[r]), _MM_SHUFFLE(1, 1, 0, 0));
-        acc[c][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(sums, ones)), step, acc[c][r]);
-      }
+      _mm_prefetch(reinterpret_cast<const char*>(w + (NC + c) * w_stride + j * kPairBytes), _MM_HINT_T0);
+      if (j * 32 < dm_stride)  // 32 float16 a cache line
+        _mm_prefetch(reinterpret_cast<const char*>(dm + (NC + c) * dm_stride + j * 32), _MM_HINT_T0);
+      __m256i wa, wb;
+      __m256 d;
+      unpack_pair(w + c * w_stride + j * kPairBytes, dm + c * dm_stride + 2 * j, wa, wb, d);
+      acc[c][0] = accumulate_pair(wa, wb, xq + j * 2 * kBlock, d, xstep + j * 8, acc[c][0]);
     }
   }
-  // the minimum's term sum_b m * sum(x_block), and the centring's sum_b 7.5 d * sum_error, 8 blocks at a time
+  // the minimum's term sum_b m * sum(x_block) and the centring's sum_b 7.5 d * sum_error, 8 blocks at a
+  // time (the row's sums are zero-padded to whole groups of 8)
   for (int64_t b8 = 0; b8 < p.nb; b8 += 8) {
     const int64_t count = std::min<int64_t>(8, p.nb - b8);
     for (int c = 0; c < NC; ++c) {
-      const __m256 m = load_f16x8(dm[c] + p.nb + b8, count);
-      const __m256 centre = _mm256_mul_ps(load_f16x8(dm[c] + b8, count), _mm256_set1_ps(7.5f));
-      for (int r = 0; r < NT; ++r) {
-        acc[c][r] = _mm256_fmadd_ps(m, _mm256_loadu_ps(xsum[r] + b8), acc[c][r]);
-        acc[c][r] = _mm256_fmadd_ps(centre, _mm256_loadu_ps(xerr[r] + b8), acc[c][r]);
+      const uint16_t* d = dm + c * dm_stride + b8;
+      const bool last = n0 + c == p.N - 1;  // its m plane ends the tensor
+      const __m256 m = load_f16x8(d + p.nb, count, !last);
+      const __m256 centre = _mm256_mul_ps(load_f16x8(d, count, p.nb >= 7), _mm256_set1_ps(7.5f));
+      acc[c][0] = _mm256_fmadd_ps(m, _mm256_loadu_ps(x.sum.data() + t * x.s_stride + b8), acc[c][0]);
+      acc[c][0] = _mm256_fmadd_ps(centre, _mm256_loadu_ps(x.sum_error.data() + t * x.s_stride + b8), acc[c][0]);
+    }
+  }
+  store_tile<NC, 1>(p, acc, n0, t);
+}
+
+// kTileChannels channels unpacked once per work item and reused by all its row tiles (T > 1).
+struct UnpackedChannels {
+  int64_t w_stride, step_stride, s_stride;
+  std::vector<int8_t> w;      // [channel, pairs, 64]: interleaved nibbles
+  std::vector<float> step;    // [channel, pairs, 8]: (d0, d0, d1, d1) twice
+  std::vector<float> m;       // [channel, s_stride]: the minima, zero-padded
+  std::vector<float> centre;  // [channel, s_stride]: 7.5 d, zero-padded
+
+  UnpackedChannels(const Problem& p, int64_t s_stride_)
+      : w_stride(p.pairs * 2 * kBlock), step_stride(p.pairs * 8), s_stride(s_stride_),
+        w(kTileChannels * w_stride), step(kTileChannels * step_stride), m(kTileChannels * s_stride),
+        centre(kTileChannels * s_stride) {}
+
+  void unpack(const Problem& p, int64_t n0, int channels) {
+    for (int c = 0; c < channels; ++c) {
+      const uint8_t* qs = p.qs + (n0 + c) * p.pairs * kPairBytes;
+      const uint16_t* dm = p.dm + (n0 + c) * 2 * p.nb;
+      for (int64_t j = 0; j < p.pairs; ++j) {
+        __m256i wa, wb;
+        __m256 d;
+        unpack_pair(qs + j * kPairBytes, dm + 2 * j, wa, wb, d);
+        __m256i* out = reinterpret_cast<__m256i*>(w.data() + c * w_stride + j * 2 * kBlock);
+        _mm256_storeu_si256(out, wa);
+        _mm256_storeu_si256(out + 1, wb);
+        _mm256_storeu_ps(step.data() + c * step_stride + j * 8, d);
+      }
+      for (int64_t b = 0; b < p.nb; ++b) {
+        m[c * s_stride + b] = _cvtsh_ss(dm[p.nb + b]);
+        centre[c * s_stride + b] = 7.5f * _cvtsh_ss(dm[b]);
       }
     }
   }
-  for (int r = 0; r < NT; ++r)
-    for (int c = 0; c < NC; ++c)
-      p.y[(t0 + r) * p.N + n0 + c] = hsum(acc[c][r]) + (p.bias ? p.bias[n0 + c] : 0.f);
+};
+
+// y for rows [t0, t0 + NT) x the unpacked channels [0, NC) (output channels n0..).
+template <int NC, int NT>
+void tile_rows(const Problem& p, const UnpackedChannels& u, int64_t n0, int64_t t0) {
+  const Int8Rows& x = *p.x;
+  __m256 acc[NC][NT];
+  for (int c = 0; c < NC; ++c)
+    for (int r = 0; r < NT; ++r) acc[c][r] = _mm256_setzero_ps();
+  const int8_t* xq = x.q.data() + t0 * x.q_stride;
+  const float* xstep = x.step.data() + t0 * x.step_stride;
+  for (int64_t j = 0; j < p.pairs; ++j) {
+    for (int c = 0; c < NC; ++c) {
+      const int8_t* w = u.w.data() + c * u.w_stride + j * 2 * kBlock;
+      const __m256i wa = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w));
+      const __m256i wb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + kBlock));
+      const __m256 d = _mm256_loadu_ps(u.step.data() + c * u.step_stride + j * 8);
+      for (int r = 0; r < NT; ++r)
+        acc[c][r] = accumulate_pair(wa, wb, xq + r * x.q_stride + j * 2 * kBlock, d,
+                                    xstep + r * x.step_stride + j * 8, acc[c][r]);
+    }
+  }
+  for (int64_t b8 = 0; b8 < p.nb; b8 += 8) {  // the minimum's and the centring's terms, as tile_decode
+    for (int c = 0; c < NC; ++c) {
+      const __m256 m = _mm256_loadu_ps(u.m.data() + c * u.s_stride + b8);
+      const __m256 centre = _mm256_loadu_ps(u.centre.data() + c * u.s_stride + b8);
+      for (int r = 0; r < NT; ++r) {
+        acc[c][r] = _mm256_fmadd_ps(m, _mm256_loadu_ps(x.sum.data() + (t0 + r) * x.s_stride + b8), acc[c][r]);
+        acc[c][r] = _mm256_fmadd_ps(centre, _mm256_loadu_ps(x.sum_error.data() + (t0 + r) * x.s_stride + b8),
+                                    acc[c][r]);
+      }
+    }
+  }
+  store_tile<NC, NT>(p, acc, n0, t0);
 }
 
-// Decode-sized work (one row): 4 channels a tile; otherwise 2 channels x up to 4 rows.
+// NC unpacked channels x `rows` (< kTileRows) rows: the rows left at the end of a work item.
+template <int NC>
+void row_edge(const Problem& p, const UnpackedChannels& u, int64_t n0, int64_t t, int64_t rows) {
+  static_assert(kTileRows == 4, "row_edge covers up to 3 rows");
+  switch (rows) {
+    case 3: return tile_rows<NC, 3>(p, u, n0, t);
+    case 2: return tile_rows<NC, 2>(p, u, n0, t);
+    case 1: return tile_rows<NC, 1>(p, u, n0, t);
+    default: return;
+  }
+}
+
+// Decode-sized work (one row): 4 channels a tile straight from the weights. Otherwise, per
+// kTileChannels channels: unpack them once, then tiles of kTileRows rows.
 void run_item(const Problem& p, int64_t n_begin, int64_t n_end, int64_t t_begin, int64_t t_end) {
   if (t_end - t_begin == 1) {
     int64_t n = n_begin;
-    for (; n + 4 <= n_end; n += 4) tile<4, 1>(p, n, t_begin);
+    for (; n + 4 <= n_end; n += 4) tile_decode<4>(p, n, t_begin);
     switch (n_end - n) {
-      case 3: return tile<3, 1>(p, n, t_begin);
-      case 2: return tile<2, 1>(p, n, t_begin);
-      case 1: return tile<1, 1>(p, n, t_begin);
+      case 3: return tile_decode<3>(p, n, t_begin);
+      case 2: return tile_decode<2>(p, n, t_begin);
+      case 1: return tile_decode<1>(p, n, t_begin);
       default: return;
     }
   }
-  for (int64_t n = n_begin; n < n_end; n += 2) {
+  static_assert(kTileChannels == 2, "the channel edge below is one channel");
+  UnpackedChannels u(p, p.x->s_stride);
+  for (int64_t n = n_begin; n < n_end; n += kTileChannels) {
     const bool two = n + 1 < n_end;
+    u.unpack(p, n, two ? 2 : 1);
     int64_t t = t_begin;
-    for (; t + 4 <= t_end; t += 4) two ? tile<2, 4>(p, n, t) : tile<1, 4>(p, n, t);
-    switch (t_end - t) {
-      case 3: two ? tile<2, 3>(p, n, t) : tile<1, 3>(p, n, t); break;
-      case 2: two ? tile<2, 2>(p, n, t) : tile<1, 2>(p, n, t); break;
-      case 1: two ? tile<2, 1>(p, n, t) : tile<1, 1>(p, n, t); break;
-      default: break;
-    }
+    for (; t + kTileRows <= t_end; t += kTileRows) two ? tile_rows<2, kTileRows>(p, u, n, t) : tile_rows<1, kTileRows>(p, u, n, t);
+    if (t < t_end) two ? row_edge<2>(p, u, n, t, t_end - t) : row_edge<1>(p, u, n, t, t_end - t);
   }
 }
 
@@ -236,12 +361,13 @@ struct MatMulQ4_1 {
               y.Allocate(xs), N, nb, pairs};
     if (T == 0) return;
 
-    const int64_t q_stride = pairs * 2 * kBlock, s_stride = (nb + 7) / 8 * 8;
-    Int8Rows rows{q_stride, s_stride, std::vector<int8_t>(T * q_stride), std::vector<float>(T * s_stride),
-                  std::vector<float>(T * s_stride), std::vector<float>(T * s_stride)};
+    const int64_t q_stride = pairs * 2 * kBlock, step_stride = pairs * 8, s_stride = (nb + 7) / 8 * 8;
+    Int8Rows rows{q_stride, step_stride, s_stride, std::vector<int8_t>(T * q_stride),
+                  std::vector<float>(T * step_stride), std::vector<float>(T * s_stride),
+                  std::vector<float>(T * s_stride)};
     const float* xd = x.Data();
     auto quantize = [&](size_t t) {
-      quantize_row(xd + t * K, nb, rows.q.data() + t * q_stride, rows.scale.data() + t * s_stride,
+      quantize_row(xd + t * K, nb, rows.q.data() + t * q_stride, rows.step.data() + t * step_stride,
                    rows.sum.data() + t * s_stride, rows.sum_error.data() + t * s_stride);
     };
     if (T * K >= kParallelQuantize) parallel_for_q4(ctx, T, quantize);

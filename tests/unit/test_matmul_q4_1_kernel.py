@@ -16,6 +16,7 @@ from kiln.matmul_q4_1 import (
 from kiln.optimize.quant.rtn import quantize_q4_1
 
 ort = pytest.importorskip("onnxruntime")
+from onnx import numpy_helper  # noqa: E402
 from op_library import op_library_or_skip  # noqa: E402
 
 LIBRARY = op_library_or_skip()
@@ -74,8 +75,11 @@ def test_reference_is_x_at_w_up_to_int8_activations():
     np.testing.assert_array_equal(acts.q.reshape(5, 3, 32)[0, 1], 0)  # the zero block stays zero
 
 
+# decode tiles of 4/3/2/1 channels; row tiles of 4 and edges of 3/2/1 rows over 2 or 1 channels; nb = 1..48, odd
+# and even, with and without a partial group of 8 blocks (nb = 7 is the smallest whose tail reads ahead unmasked)
 @pytest.mark.parametrize("t, k, n", [(1, 32, 1), (1, 96, 7), (1, 576, 960), (3, 64, 17), (7, 96, 33), (37, 160, 5),
-                                     (64, 1536, 66), (5, 288, 3)])
+                                     (64, 1536, 66), (5, 288, 3), (2, 224, 9), (10, 608, 6), (1, 224, 6),
+                                     (33, 576, 35)])
 @pytest.mark.parametrize("threads", [1, 2])
 def test_kernel_matches_reference(t, k, n, threads):
     rng = np.random.default_rng(t * 1000 + n)
@@ -103,3 +107,22 @@ def test_kernel_rejects_mismatched_k():
     model.graph.input[0].type.tensor_type.shape.dim[1].dim_param = "K"  # let the wrong K reach the kernel
     with pytest.raises(Exception, match=r"kiln.MatMulQ4_1: x must be \[..., K = 64\]"):
         session(model).run(None, {"x": np.zeros((2, 96), np.float32)})
+
+
+@pytest.mark.parametrize("t", [1, 6])  # the decode tiles and the row tiles
+def test_partial_block_group_ignores_the_next_channels_numbers(t):
+    """With nb = 9 the last group of 8 blocks holds one: its other lanes read the next channel's d, which the
+    kernel must drop, not multiply by the zero padding (an inf there would turn channel 0 into nan)."""
+    rng = np.random.default_rng(7)
+    x, w = random_case(rng, t, 288, 3)
+    qs, dm = w.pack()
+    dm = dm.copy()
+    dm[1, 0, 0] = np.inf  # channel 1's first step
+    model = make_single_op_model(w)
+    for init in model.graph.initializer:
+        if init.name == "dm":
+            init.CopyFrom(numpy_helper.from_array(dm, "dm"))
+    y = session(model).run(None, {"x": x})[0]
+    np.testing.assert_allclose(y[:, [0, 2]], matmul_q4_1_ref(x, qs[[0, 2]], dm[[0, 2]]), rtol=0,
+                               atol=2e-6 * scale_of(x, w))
+    assert not np.isfinite(y[:, 1]).any()
