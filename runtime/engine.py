@@ -234,9 +234,12 @@ class Engine:
                 requests.append(ProposalRequest(seq, min(share, left - 1)))
         if not requests:
             return out
-        proposals = self.proposer.propose(requests)
-        self._proposals = {r.seq: p for r, p in zip(requests, proposals, strict=True) if p.token_ids}
-        return self.scheduler.add_proposals(out, {seq: p.token_ids for seq, p in self._proposals.items()})
+        proposed = {r.seq: p for r, p in zip(requests, self.proposer.propose(requests), strict=True) if p.token_ids}
+        out = self.scheduler.add_proposals(out, {seq: p.token_ids for seq, p in proposed.items()})
+        # what the budget and the free blocks let through
+        self._proposals = {seq: proposed[seq].head(len(granted))
+                           for (seq, _), granted in zip(out.scheduled, out.proposals, strict=True) if granted}
+        return out
 
     def _postprocess(self, out: SchedulerOutput, logits: np.ndarray) -> list[RequestOutput]:
         self.peak_blocks_used = max(self.peak_blocks_used, self.block_manager.num_used_blocks)

@@ -39,6 +39,13 @@ class Proposal:
             raise ValueError(f"probs has {self.probs.shape[0]} rows for {len(self.token_ids)} proposed tokens")
 
 
+    def head(self, n: int) -> Proposal:
+        """The first n proposed tokens."""
+        if n == len(self.token_ids):
+            return self
+        return Proposal(self.token_ids[:n], None if self.probs is None else self.probs[:n])
+
+
 NO_PROPOSAL = Proposal()
 
 
