@@ -145,7 +145,8 @@ def test_stops_max_tokens_logprobs_and_n_work_with_several_tokens_per_step():
     cases = [
         SamplingParams(temperature=0, max_tokens=7, ignore_eos=True),
         SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, stop=[text[9:11]]),
-        SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, stop_token_ids=(base[2].outputs[0].token_ids[6],)),
+        SamplingParams(temperature=0, max_tokens=24, ignore_eos=True,
+                       stop_token_ids=(base[2].outputs[0].token_ids[6],)),
         SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, logprobs=3),
         SamplingParams(n=3, temperature=0, max_tokens=20, ignore_eos=True),
         SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, repetition_penalty=1.3, frequency_penalty=0.5),
@@ -204,7 +205,7 @@ def test_batch_asks_logits_for_every_verified_row():
     out = e._speculate(e.scheduler.schedule())
     batch = build_batch(out)
     expected, start = [], 0
-    for (seq, n), proposal in zip(out.scheduled, out.proposals, strict=True):
+    for (_seq, n), proposal in zip(out.scheduled, out.proposals, strict=True):
         start += n + len(proposal)
         expected += list(range(start - len(proposal) - 1, start))
     assert any(out.proposals)
@@ -236,11 +237,13 @@ class OracleProposer(Proposer):
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(num_blocks=st.integers(14, 40), max_num_tokens=st.integers(2, 24), k=st.integers(1, 6),
-       every=st.integers(1, 4), caching=st.booleans(),
+@given(num_blocks=st.integers(14, 40), max_num_tokens=st.integers(2, 24),
+       k_every=st.tuples(st.integers(1, 6), st.integers(1, 4)), caching=st.booleans(),
        draws=st.lists(st.integers(0, 1000), min_size=1, max_size=30),
        lengths=st.lists(st.integers(2, 20), min_size=2, max_size=8))
-def test_rollback_keeps_block_manager_invariants(num_blocks, max_num_tokens, k, every, caching, draws, lengths):
+def test_rollback_keeps_block_manager_invariants(num_blocks, max_num_tokens, k_every, caching, draws, lengths):
+    """Every acceptance length from 0 to k, any budget, pool size (preemption) and arrival spacing."""
+    k, every = k_every
     ps = [[(7 * i + 3 * j) % 60 + 1 for j in range(n)] for i, n in enumerate(lengths)]
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     reference = token_ids(run_staggered(engine(256), ps, params))

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 import sys
-from functools import lru_cache
+from functools import cache
 
 import numpy as np
 import pytest
@@ -27,7 +27,7 @@ def model_logits(context: list[int], salt: int = 0) -> np.ndarray:
     return _model_logits(tuple(context), salt)
 
 
-@lru_cache(maxsize=None)
+@cache
 def _model_logits(context: tuple[int, ...], salt: int) -> np.ndarray:
     """A tiny context-dependent model (salt 1 is the draft: another model, close to the target)."""
     h = sum((t + 1) * (i + 3) for i, t in enumerate(context)) + 7 * salt
