@@ -13,7 +13,7 @@ from kiln.contract import KV_DTYPES
 from kiln.errors import KilnError
 
 if TYPE_CHECKING:
-    from kiln.runtime.params import SamplingParams
+    from kiln.runtime.params import SamplingParams, SpeculativeConfig
 
 CommandFunction = TypeVar("CommandFunction", bound=Callable[..., Any])
 
@@ -64,6 +64,35 @@ def build(model: str, output: Path, kv_dtype: str, block_size: int, max_seq_len:
     build_engine(model, output, options)
 
 
+_speculative_options = [
+    click.option("--speculative", "speculative", type=click.Choice(["ngram", "draft", "medusa"]), default=None,
+                 help="speculative decoding: ngram (prompt lookup), draft (a second engine, --draft), medusa"),
+    click.option("--num-speculative-tokens", type=int, default=4, show_default=True,
+                 help="tokens proposed per sequence and step (with --speculative)"),
+    click.option("--draft", "draft", type=click.Path(exists=True, file_okay=False), default=None,
+                 help="the draft engine dir of --speculative draft (same tokenizer)"),
+]
+
+
+def speculative_options(func: CommandFunction) -> CommandFunction:
+    for option in reversed(_speculative_options):
+        func = option(func)
+    return func
+
+
+def _speculative(method: str | None, num_tokens: int, draft: str | None) -> SpeculativeConfig | None:
+    from kiln.errors import InvalidParamError
+    from kiln.runtime.params import SpeculativeConfig
+
+    if method is None:
+        if draft is not None:
+            raise InvalidParamError("--draft needs --speculative draft", "draft")
+        return None
+    if method == "draft" and draft is None:
+        raise InvalidParamError("--speculative draft needs --draft ENGINE_DIR", "draft")
+    return SpeculativeConfig(method, num_tokens=num_tokens, draft_engine=draft)
+
+
 @main.command()
 @click.argument("engine_dir", type=click.Path(exists=True, file_okay=False, path_type=Path))
 @click.option("--host", default="127.0.0.1", show_default=True)
@@ -73,14 +102,18 @@ def build(model: str, output: Path, kv_dtype: str, block_size: int, max_seq_len:
 @click.option("--kv-cache-bytes", type=int, default=None, help="KV pool size (default: a fraction of memory)")
 @click.option("--max-num-seqs", type=int, default=64, show_default=True, help="sequences batched per step")
 @click.option("--served-model-name", default=None, help="model name clients use (default: the engine's)")
+@speculative_options
 def serve(engine_dir: Path, host: str, port: int, max_queue: int | None, kv_cache_bytes: int | None,
-          max_num_seqs: int, served_model_name: str | None) -> None:
+          max_num_seqs: int, served_model_name: str | None, speculative: str | None, num_speculative_tokens: int,
+          draft: str | None) -> None:
     """Serve ENGINE_DIR over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions)."""
     from kiln.runtime.params import RuntimeConfig
     from kiln.runtime.server.app import ServeOptions
     from kiln.runtime.server.app import serve as run_server
 
-    run_server(engine_dir, RuntimeConfig(kv_cache_bytes=kv_cache_bytes, max_num_seqs=max_num_seqs),
+    config = RuntimeConfig(kv_cache_bytes=kv_cache_bytes, max_num_seqs=max_num_seqs,
+                           speculative=_speculative(speculative, num_speculative_tokens, draft))
+    run_server(engine_dir, config,
                ServeOptions(host=host, port=port, served_model_name=served_model_name, max_queue=max_queue))
 
 
@@ -111,24 +144,31 @@ def sampling_options(func: CommandFunction) -> CommandFunction:
 @click.argument("prompt", required=False)
 @click.option("--chat", "chat", default=None, help="a user message, wrapped in the engine's chat template")
 @sampling_options
+@speculative_options
 def generate(engine_dir: str, prompt: str | None, chat: str | None, max_tokens: int, temperature: float,
-             top_p: float, top_k: int, seed: int | None) -> None:
+             top_p: float, top_k: int, seed: int | None, speculative: str | None, num_speculative_tokens: int,
+             draft: str | None) -> None:
     """Generate from ENGINE_DIR for PROMPT (or --chat TEXT), streaming the text to stdout."""
     from kiln.cli.generation import generate as run
+    from kiln.runtime.params import RuntimeConfig
 
-    run(engine_dir, prompt, chat, _sampling(max_tokens, temperature, top_p, top_k, seed))
+    config = RuntimeConfig(speculative=_speculative(speculative, num_speculative_tokens, draft))
+    run(engine_dir, prompt, chat, _sampling(max_tokens, temperature, top_p, top_k, seed), config)
 
 
 @main.command()
 @click.argument("engine_dir", type=click.Path(exists=True, file_okay=False))
 @click.option("--system", default=None, help="a system message that starts the conversation")
 @sampling_options
+@speculative_options
 def chat(engine_dir: str, system: str | None, max_tokens: int, temperature: float, top_p: float, top_k: int,
-         seed: int | None) -> None:
+         seed: int | None, speculative: str | None, num_speculative_tokens: int, draft: str | None) -> None:
     """Chat with ENGINE_DIR interactively (history kept; /reset, /exit)."""
     from kiln.cli.generation import chat_repl
+    from kiln.runtime.params import RuntimeConfig
 
-    chat_repl(engine_dir, _sampling(max_tokens, temperature, top_p, top_k, seed), system)
+    config = RuntimeConfig(speculative=_speculative(speculative, num_speculative_tokens, draft))
+    chat_repl(engine_dir, _sampling(max_tokens, temperature, top_p, top_k, seed), system, config)
 
 
 @main.command()
@@ -145,23 +185,30 @@ def chat(engine_dir: str, system: str | None, max_tokens: int, temperature: floa
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None, help="write the report here")
 @click.option("--server", "server_url", default=None, help="run the workload over HTTP against a running "
               "`kiln serve` at this URL instead (ENGINE_DIR gives the vocabulary)")
+@speculative_options
 def bench(engine_dir: str, num_requests: int, input_len: int, output_len: int, concurrency: tuple[int, ...],
           request_rate: float | None, kv_cache_bytes: int | None, max_num_seqs: int, num_threads: int | None,
-          json_path: str | None, server_url: str | None) -> None:
+          json_path: str | None, server_url: str | None, speculative: str | None, num_speculative_tokens: int,
+          draft: str | None) -> None:
     """Offline throughput/latency of ENGINE_DIR on a synthetic workload, vs the memory-bandwidth floor."""
     from kiln.runtime.bench.offline import BenchConfig
     from kiln.runtime.bench.offline import bench as run
     from kiln.runtime.params import RuntimeConfig
 
+    spec = _speculative(speculative, num_speculative_tokens, draft)
     if server_url:
+        from kiln.errors import InvalidParamError
         from kiln.runtime.bench.serving import bench_server
 
+        if spec is not None:
+            raise InvalidParamError("--speculative is the server's setting (kiln serve --speculative), not the "
+                                    "client's, with --server", "speculative")
         bench_server(server_url, engine_dir, BenchConfig(num_requests, input_len, output_len, None, request_rate),
                      concurrency or (None,), json_path)
         return
     run(engine_dir, BenchConfig(num_requests, input_len, output_len, None, request_rate), concurrency or (None,),
         RuntimeConfig(kv_cache_bytes=kv_cache_bytes, max_num_seqs=max_num_seqs, num_threads=num_threads,
-                      enable_prefix_caching=False), json_path)
+                      enable_prefix_caching=False, speculative=spec), json_path)
 
 
 from kiln.cli.calibration import calibrate, evaluate  # noqa: E402
