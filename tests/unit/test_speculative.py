@@ -253,3 +253,51 @@ def test_rollback_keeps_block_manager_invariants(num_blocks, max_num_tokens, k_e
     assert token_ids(run_staggered(e, ps, params, every)) == reference  # check() ran after every step
     bm = e.block_manager
     assert bm.num_free_blocks == bm.num_blocks and not bm.owners
+
+
+# -- the draft proposer -------------------------------------------------------------------------
+
+def draft_engine(num_blocks, draft_runner, k=4, caching=True):
+    from kiln.runtime.speculative.draft import DraftProposer
+
+    spec = SpeculativeConfig("draft", num_tokens=k, draft_engine="(fake)", max_batch_tokens=64)
+    config = RuntimeConfig(enable_prefix_caching=caching, speculative=spec)
+    e = make_fake_engine(num_blocks, max_num_tokens=32, max_seq_len=96, config=config,
+                         proposer=DraftProposer(draft_runner))
+    e.runner = CopyingRunner(num_blocks, e.runner.block_size, e.runner.vocab_size)
+    return e
+
+
+@pytest.mark.parametrize("same_model", [True, False])
+@pytest.mark.parametrize("sampled", [False, True])
+def test_draft_proposer_keeps_outputs_and_its_pool_in_step(same_model, sampled):
+    """A draft that is the target itself has every greedy guess kept; another model has some rejected,
+    so its KV is rolled back. Greedy outputs equal plain decoding's; the draft pool ends empty."""
+    ps = prompts()
+    params = SamplingParams(temperature=0.8, top_p=0.9, seed=5, max_tokens=24, ignore_eos=True) if sampled \
+        else GREEDY
+    draft_runner = (CopyingRunner if same_model else FakeModelRunner)(64, 4, 64)
+    e = draft_engine(24, draft_runner)
+    checked = []
+    real_step = e.step
+
+    def step():
+        out = real_step()
+        e.proposer.block_manager.check()
+        checked.append(1)
+        return out
+
+    e.step = step
+    got = run_staggered(e, ps, params)
+    stats = e.stats()
+    assert stats.num_spec_verifications > 0 and stats.num_preemptions > 0
+    if not sampled:
+        assert token_ids(got) == token_ids(run_staggered(engine(256), ps, params))
+        if same_model:
+            assert stats.num_spec_accepted_tokens == stats.num_spec_proposed_tokens
+        else:
+            assert 0 < stats.num_spec_accepted_tokens < stats.num_spec_proposed_tokens
+    else:
+        assert all(len(o.outputs[0].token_ids) == 24 for o in got)
+    bm = e.proposer.block_manager
+    assert bm.num_free_blocks == bm.num_blocks and not e.proposer.mirrors
