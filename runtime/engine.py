@@ -251,6 +251,7 @@ class Engine:
         starts = np.cumsum([0, *widths[:-1]])
         plain = [i for i, w in enumerate(widths) if w == 1]
         changed: dict[str, Request] = {}
+        next_rows = starts.tolist()  # per sequence, the row that chose its latest token
         if plain:
             rows = logits[: len(plain)] if len(plain) == len(widths) else logits[starts[plain]]
             sampled = self.sampler(rows, [seqs[i] for i in plain])
@@ -261,8 +262,11 @@ class Engine:
         for i, width in enumerate(widths):
             if width > 1:
                 request = self._by_seq[seqs[i].seq_id]
-                self._accept(seqs[i], request, logits[starts[i]:starts[i] + width])
+                next_rows[i] += self._accept(seqs[i], request, logits[starts[i]:starts[i] + width])
                 changed[request.request_id] = request
+        if self.proposer is not None:
+            live = [i for i, seq in enumerate(seqs) if not seq.is_finished]
+            self.proposer.observe([seqs[i] for i in live], [next_rows[i] for i in live], self.runner.extra_outputs())
         results = []
         for request in changed.values():
             results.append(request.take_output())
@@ -274,9 +278,9 @@ class Engine:
                         self.proposer.release(seq)
         return results
 
-    def _accept(self, seq: Sequence, request: Request, logits: np.ndarray) -> None:
+    def _accept(self, seq: Sequence, request: Request, logits: np.ndarray) -> int:
         """Verify seq's proposals against its k + 1 rows of logits; append what is kept, one token at a
-        time (stops apply to each), then roll its KV back to the kept tokens."""
+        time (stops apply to each), then roll its KV back to the kept tokens. Returns how many were kept."""
         proposal = self._proposals.pop(seq)
         verdict = verify(seq, logits, proposal)
         self.spec_stats.record(len(proposal.token_ids), verdict.num_accepted)
@@ -286,8 +290,9 @@ class Engine:
         for row in range(len(tokens)):
             self._append(seq, request, sampled, row)
             if seq.is_finished:
-                return  # its blocks are freed with it
+                return verdict.num_accepted  # its blocks are freed with it
         self.scheduler.settle(seq, verdict.num_accepted)
+        return verdict.num_accepted
 
     def _append(self, seq: Sequence, request: Request, sampled: SamplerOutput, row: int) -> None:
         """Append a sampled token to seq and its pending output; fork the other samples after

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import abc
 import itertools
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -103,6 +104,11 @@ class ModelRunner(abc.ABC):
     @abc.abstractmethod
     def execute(self, batch: BatchInput) -> np.ndarray:
         """float32 logits [len(batch.logits_indices), vocab_size]."""
+
+    def extra_outputs(self) -> Mapping[str, np.ndarray]:
+        """The last execute's graph outputs besides the logits, one row per logits row (e.g. Medusa heads'
+        logits, read by a proposer's observe hook); none by default."""
+        return {}
 
     def close(self) -> None:  # noqa: B027 - optional
         pass

@@ -83,7 +83,7 @@ class SpeculativeConfig:
     ngram_max: int = 4
     ngram_min: int = 1
     draft_engine: str | None = None
-    max_batch_tokens: int = 16
+    max_batch_tokens: int = 8
 
     def __post_init__(self) -> None:
         _require(self.method in SPECULATIVE_METHODS, "speculative method", f"one of {list(SPECULATIVE_METHODS)}",

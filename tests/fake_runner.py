@@ -62,11 +62,11 @@ class CharTokenizer:
 
 
 def make_fake_engine(num_blocks: int, block_size: int = 4, vocab_size: int = 64, max_seq_len: int = 64,
-                     max_num_tokens: int = 32, config=None, proposer=None):
+                     max_num_tokens: int = 32, config=None):
     """An Engine over FakeModelRunner and CharTokenizer (eos: token 0)."""
     from kiln.runtime.engine import Engine, EngineLimits
     from kiln.runtime.params import RuntimeConfig
 
     runner = FakeModelRunner(num_blocks, block_size, vocab_size)
     limits = EngineLimits(max_seq_len=max_seq_len, max_num_tokens=max_num_tokens, eos_token_ids=(0,))
-    return Engine(runner, CharTokenizer(), config or RuntimeConfig(), limits, model_name="fake", proposer=proposer)
+    return Engine(runner, CharTokenizer(), config or RuntimeConfig(), limits, model_name="fake")

@@ -1,9 +1,10 @@
 """The proposer interface of speculative decoding: guesses of the next tokens, checked by the target.
 
 A proposer sees each sequence before a step (`propose`) and, after the step, the target's per-row
-extra graph outputs for the row that predicts each sequence's next token (`observe`): that is the
-hook a proposer fed by the target's own state (Medusa heads' logits) reads; n-gram and draft
-proposers ignore it. `release` drops whatever a proposer keeps for a finished sequence.
+extra graph outputs for the row that chose each sequence's latest token (`observe`): that is the
+hook a proposer fed by the target's own state reads (Medusa head i on that row's hidden state guesses
+the token i + 1 places after the latest); n-gram and draft proposers ignore it. `release` drops
+whatever a proposer keeps for a finished sequence.
 """
 
 from __future__ import annotations
@@ -55,9 +56,10 @@ class Proposer(abc.ABC):
         """One proposal per request (NO_PROPOSAL where it has no guess), each within its max_tokens."""
 
     def observe(self, seqs: list[Sequence], rows: list[int], extras: Mapping[str, np.ndarray]) -> None:  # noqa: B027
-        """After a step: for each sequence that got tokens, `rows[i]` is the row of the runner's
-        per-row extra outputs (`extras`, the graph outputs beside the logits, one row per logits row)
-        whose hidden state predicts seqs[i]'s next token. Optional."""
+        """After a step: for each sequence that got tokens and goes on, `rows[i]` is the row of the
+        runner's per-row extra outputs (`extras`, the graph outputs beside the logits, one row per logits
+        row) whose logits chose seqs[i]'s latest token (a verified row: the first rejected or the bonus
+        one). Optional."""
 
     def release(self, seq: Sequence) -> None:  # noqa: B027 - optional
         """seq finished or was aborted: drop what is kept for it."""

@@ -258,14 +258,16 @@ def test_rollback_keeps_block_manager_invariants(num_blocks, max_num_tokens, k_e
 # -- the draft proposer -------------------------------------------------------------------------
 
 def draft_engine(num_blocks, draft_runner, k=4, caching=True):
+    from fake_runner import CharTokenizer
+
+    from kiln.runtime.engine import EngineLimits
     from kiln.runtime.speculative.draft import DraftProposer
 
     spec = SpeculativeConfig("draft", num_tokens=k, draft_engine="(fake)", max_batch_tokens=64)
     config = RuntimeConfig(enable_prefix_caching=caching, speculative=spec)
-    e = make_fake_engine(num_blocks, max_num_tokens=32, max_seq_len=96, config=config,
-                         proposer=DraftProposer(draft_runner))
-    e.runner = CopyingRunner(num_blocks, e.runner.block_size, e.runner.vocab_size)
-    return e
+    limits = EngineLimits(max_seq_len=96, max_num_tokens=32, eos_token_ids=(0,))
+    return Engine(CopyingRunner(num_blocks, 4, 64), CharTokenizer(), config, limits,
+                  proposer=DraftProposer(draft_runner))
 
 
 @pytest.mark.parametrize("same_model", [True, False])
@@ -301,3 +303,34 @@ def test_draft_proposer_keeps_outputs_and_its_pool_in_step(same_model, sampled):
         assert all(len(o.outputs[0].token_ids) == 24 for o in got)
     bm = e.proposer.block_manager
     assert bm.num_free_blocks == bm.num_blocks and not e.proposer.mirrors
+
+
+class PositionsRunner(CopyingRunner):
+    """Returns, as an extra per-row output, the position each logits row was computed at."""
+
+    def execute(self, batch):
+        self.positions = batch.position_ids[batch.logits_indices][:, None]
+        return super().execute(batch)
+
+    def extra_outputs(self):
+        return {"position": self.positions}
+
+
+class ObservingProposer(NgramProposer):
+    def __init__(self):
+        super().__init__(3, 1)
+        self.seen = 0
+
+    def observe(self, seqs, rows, extras):
+        for seq, row in zip(seqs, rows, strict=True):
+            # the row that chose seq's latest token sits one position before it
+            assert int(extras["position"][row, 0]) == len(seq) - 2, (seq, row)
+            self.seen += 1
+
+
+def test_observe_hook_names_the_row_that_chose_each_latest_token():
+    proposer = ObservingProposer()
+    e = engine(spec=NGRAM, proposer=proposer)
+    e.runner = PositionsRunner(256, e.runner.block_size, e.runner.vocab_size)
+    run_staggered(e, prompts(6), GREEDY)
+    assert e.stats().num_spec_accepted_tokens > 0 and proposer.seen > 50
