@@ -140,7 +140,8 @@ def main() -> None:
         if outputs[name] != outputs["plain"]:
             print(f"warning: {name} greedy output differs from plain decoding")
     for r in range(args.rounds):
-        for name, engine in engines.items():
+        order = list(engines.items()) if r % 2 == 0 else list(engines.items())[::-1]  # no method always first
+        for name, engine in order:
             before = _spec_counts(engine)
             tokens, seconds = single_stream(engine, ids, params, now)
             results[name]["single"].append({"tok_s": tokens / seconds, **spec_summary(engine, before)})
