@@ -14,7 +14,7 @@ from kiln.contract import KV_DTYPES
 from kiln.errors import InvalidParamError, KilnError
 
 if TYPE_CHECKING:
-    from kiln.runtime.params import SamplingParams
+    from kiln.runtime.params import SamplingParams, SpeculativeConfig
 
 CommandFunction = TypeVar("CommandFunction", bound=Callable[..., Any])
 
@@ -72,6 +72,35 @@ def build(model: str, output: Path, kv_dtype: str, block_size: int, max_seq_len:
     build_engine(model, output, options)
 
 
+_speculative_options = [
+    click.option("--speculative", "speculative", type=click.Choice(["ngram", "draft", "medusa"]), default=None,
+                 help="speculative decoding: ngram (prompt lookup), draft (a second engine, --draft), medusa"),
+    click.option("--num-speculative-tokens", type=int, default=4, show_default=True,
+                 help="tokens proposed per sequence and step (with --speculative)"),
+    click.option("--draft", "draft", type=click.Path(exists=True, file_okay=False), default=None,
+                 help="the draft engine dir of --speculative draft (same tokenizer)"),
+]
+
+
+def speculative_options(func: CommandFunction) -> CommandFunction:
+    for option in reversed(_speculative_options):
+        func = option(func)
+    return func
+
+
+def _speculative(method: str | None, num_tokens: int, draft: str | None) -> SpeculativeConfig | None:
+    from kiln.errors import InvalidParamError
+    from kiln.runtime.params import SpeculativeConfig
+
+    if method is None:
+        if draft is not None:
+            raise InvalidParamError("--draft needs --speculative draft", "draft")
+        return None
+    if method == "draft" and draft is None:
+        raise InvalidParamError("--speculative draft needs --draft ENGINE_DIR", "draft")
+    return SpeculativeConfig(method, num_tokens=num_tokens, draft_engine=draft)
+
+
 @main.command()
 @click.argument("engine_dir", type=click.Path(exists=True, file_okay=False, path_type=Path))
 @click.option("--host", default="127.0.0.1", show_default=True)
@@ -95,12 +124,14 @@ def build(model: str, output: Path, kv_dtype: str, block_size: int, max_seq_len:
 @click.option("--shutdown-timeout", type=click.FloatRange(min=0), default=30.0, show_default=True,
               help="seconds running requests get after SIGTERM; streams still running then end with an error event")
 @click.option("--no-web-ui", "no_web_ui", is_flag=True, help="leave out the chat page at /")
+@speculative_options
 @click.option("--log-level", type=click.Choice(["critical", "error", "warning", "info", "debug"]), default="info",
               show_default=True, help="info logs the start-up summary and one line per request")
 def serve(engine_dir: Path, host: str, port: int, api_key: str | None, served_model_name: str | None,
           chat_template: Path | None, max_model_len: int | None, max_queue: int | None, max_num_seqs: int,
           kv_cache_bytes: int | None, num_threads: int | None, disable_prefix_caching: bool,
-          shutdown_timeout: float, no_web_ui: bool, log_level: str) -> None:
+          shutdown_timeout: float, no_web_ui: bool, speculative: str | None, num_speculative_tokens: int,
+          draft: str | None, log_level: str) -> None:
     """Serve ENGINE_DIR over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions), with a
     chat page at /."""
     from kiln.runtime.params import RuntimeConfig
@@ -109,7 +140,8 @@ def serve(engine_dir: Path, host: str, port: int, api_key: str | None, served_mo
 
     config = RuntimeConfig(kv_cache_bytes=kv_cache_bytes, max_num_seqs=max_num_seqs, num_threads=num_threads,
                            max_model_len=max_model_len, enable_prefix_caching=not disable_prefix_caching,
-                           chat_template=chat_template.read_text() if chat_template else None)
+                           chat_template=chat_template.read_text() if chat_template else None,
+                           speculative=_speculative(speculative, num_speculative_tokens, draft))
     run_server(engine_dir, config, ServeOptions(host=host, port=port, served_model_name=served_model_name,
                                                 max_queue=max_queue, shutdown_timeout=shutdown_timeout,
                                                 log_level=log_level, api_key=api_key or None,
@@ -143,24 +175,31 @@ def sampling_options(func: CommandFunction) -> CommandFunction:
 @click.argument("prompt", required=False)
 @click.option("--chat", "chat", default=None, help="a user message, wrapped in the engine's chat template")
 @sampling_options
+@speculative_options
 def generate(engine_dir: str, prompt: str | None, chat: str | None, max_tokens: int, temperature: float,
-             top_p: float, top_k: int, seed: int | None) -> None:
+             top_p: float, top_k: int, seed: int | None, speculative: str | None, num_speculative_tokens: int,
+             draft: str | None) -> None:
     """Generate from ENGINE_DIR for PROMPT (or --chat TEXT), streaming the text to stdout."""
     from kiln.cli.generation import generate as run
+    from kiln.runtime.params import RuntimeConfig
 
-    run(engine_dir, prompt, chat, _sampling(max_tokens, temperature, top_p, top_k, seed))
+    config = RuntimeConfig(speculative=_speculative(speculative, num_speculative_tokens, draft))
+    run(engine_dir, prompt, chat, _sampling(max_tokens, temperature, top_p, top_k, seed), config)
 
 
 @main.command()
 @click.argument("engine_dir", type=click.Path(exists=True, file_okay=False))
 @click.option("--system", default=None, help="a system message that starts the conversation")
 @sampling_options
+@speculative_options
 def chat(engine_dir: str, system: str | None, max_tokens: int, temperature: float, top_p: float, top_k: int,
-         seed: int | None) -> None:
+         seed: int | None, speculative: str | None, num_speculative_tokens: int, draft: str | None) -> None:
     """Chat with ENGINE_DIR interactively (history kept; /help lists the commands)."""
     from kiln.cli.generation import chat_repl
+    from kiln.runtime.params import RuntimeConfig
 
-    chat_repl(engine_dir, _sampling(max_tokens, temperature, top_p, top_k, seed), system)
+    config = RuntimeConfig(speculative=_speculative(speculative, num_speculative_tokens, draft))
+    chat_repl(engine_dir, _sampling(max_tokens, temperature, top_p, top_k, seed), system, config)
 
 
 @main.command()
@@ -184,10 +223,11 @@ def chat(engine_dir: str, system: str | None, max_tokens: int, temperature: floa
 @click.option("--plot", "plot_dir", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="write PNG charts of the sweep here: output tok/s, TTFT and ITL against concurrency "
               "(needs kiln[plot])")
+@speculative_options
 def bench(engine_dir: str, num_requests: int, input_len: int, output_len: int, concurrency: tuple[int, ...],
           request_rate: float | None, kv_cache_bytes: int | None, max_num_seqs: int, num_threads: int | None,
           json_path: str | None, server_url: str | None, api_key: str | None, sweep: bool,
-          plot_dir: Path | None) -> None:
+          plot_dir: Path | None, speculative: str | None, num_speculative_tokens: int, draft: str | None) -> None:
     """Offline throughput/latency of ENGINE_DIR on a synthetic workload, vs the memory-bandwidth floor."""
     from kiln.cli.charts import check_plottable, concurrency_sweep, write_bench_charts
     from kiln.runtime.bench.offline import BenchConfig, say
@@ -200,13 +240,18 @@ def bench(engine_dir: str, num_requests: int, input_len: int, output_len: int, c
     if plot_dir is not None:
         check_plottable({c or num_requests for c in levels})  # before minutes of benchmark, not after
     cfg = BenchConfig(num_requests, input_len, output_len, None, request_rate)
+    spec = _speculative(speculative, num_speculative_tokens, draft)
     if server_url:
         from kiln.runtime.bench.serving import bench_server
 
+        if spec is not None:
+            raise InvalidParamError("--speculative is the server's setting (kiln serve --speculative), not the "
+                                    "client's, with --server", "speculative")
         report = bench_server(server_url, engine_dir, cfg, levels, json_path, api_key or None)
     else:
         report = run(engine_dir, cfg, levels, RuntimeConfig(kv_cache_bytes=kv_cache_bytes, max_num_seqs=max_num_seqs,
-                                                            num_threads=num_threads, enable_prefix_caching=False),
+                                                            num_threads=num_threads, enable_prefix_caching=False,
+                                                            speculative=spec),
                      json_path)
     if plot_dir is not None:
         for path in write_bench_charts(report, plot_dir):

@@ -138,6 +138,22 @@ class BlockManager:
         seq.block_hashes = []
         self.owners.pop(seq.seq_id, None)
 
+    def truncate(self, seq: Sequence, num_tokens: int) -> None:
+        """Roll seq back to the blocks its first num_tokens tokens need (rejected speculative tokens):
+        the surplus tail blocks go back to the free queue. Their content was never hashed (commit hashes
+        only computed blocks), so nothing findable is lost; empty, they are the next to be reused."""
+        keep = self.blocks_needed(num_tokens)
+        assert keep >= len(seq.block_hashes), (seq, num_tokens)
+        for block_id in reversed(seq.block_table[keep:]):
+            block = self.blocks[block_id]
+            assert block.ref_count == 1 and block.hash is NO_HASH, block  # a speculative tail is private
+            block.ref_count = 0
+            self.free_ids[block_id] = None
+            self.free_ids.move_to_end(block_id, last=False)  # no cached content: reuse these first
+        del seq.block_table[keep:]
+        if not seq.block_table:
+            self.owners.pop(seq.seq_id, None)
+
     def commit(self, seq: Sequence) -> None:
         """Hash the blocks a step has just filled, making them findable by later prefixes."""
         bs = self.block_size

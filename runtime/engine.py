@@ -22,6 +22,9 @@ from kiln.runtime.params import RuntimeConfig, SamplingParams
 from kiln.runtime.sampler import Sampler, SamplerOutput
 from kiln.runtime.scheduler import Scheduler, SchedulerOutput
 from kiln.runtime.sequence import Sequence
+from kiln.runtime.speculative.ngram import NgramProposer
+from kiln.runtime.speculative.proposer import Proposal, ProposalRequest, Proposer
+from kiln.runtime.speculative.verify import SpecStats, verify
 
 
 @dataclass(frozen=True)
@@ -108,8 +111,10 @@ class Request:
 class Engine:
     def __init__(
         self, runner: ModelRunner, tokenizer: TextTokenizer, config: RuntimeConfig, limits: EngineLimits,
-        model_name: str = "kiln",
+        model_name: str = "kiln", proposer: Proposer | None = None,
     ) -> None:
+        """proposer: the speculative proposer config.speculative asks for; the n-gram one is made here,
+        others (they need files: a draft engine) come from the loader."""
         self.model_name = model_name
         self.runner = runner
         self.tokenizer = tokenizer
@@ -123,6 +128,18 @@ class Engine:
         self._by_seq: dict[int, Request] = {}
         self.num_generated_tokens = 0
         self.peak_blocks_used = 0
+        self.proposer = proposer or self._default_proposer()
+        self.spec_stats = SpecStats()
+        self._proposals: dict[Sequence, Proposal] = {}  # this step's, by sequence
+
+    def _default_proposer(self) -> Proposer | None:
+        spec = self.config.speculative
+        if spec is None:
+            return None
+        if spec.method == "ngram":
+            return NgramProposer(spec.ngram_max, spec.ngram_min)
+        raise InvalidParamError(f"speculative method {spec.method!r} needs its proposer from the loader "
+                                "(load_engine)", "speculative")
 
     @property
     def max_seq_len(self) -> int:
@@ -177,6 +194,8 @@ class Engine:
             if not seq.is_finished:
                 self.scheduler.finish(seq, "abort")
             self._by_seq.pop(seq.seq_id, None)
+            if self.proposer is not None:
+                self.proposer.release(seq)
         return request.take_output()
 
     def has_unfinished(self) -> bool:
@@ -191,8 +210,38 @@ class Engine:
             if self.scheduler.waiting and not self.scheduler.running:
                 raise RuntimeError("no request can be scheduled: the KV pool is too small for the waiting requests")
             return []
+        if self.proposer is not None:
+            out = self._speculate(out)
         logits = self.runner.execute(build_batch(out))
         return self._postprocess(out, logits)
+
+    def _speculate(self, out: SchedulerOutput) -> SchedulerOutput:
+        """Proposals for the step's decodes, while the step stays within max_batch_tokens (past that,
+        checking guesses costs more than it saves: docs/design.md), shared evenly among them."""
+        spec = self.config.speculative
+        assert spec is not None and self.proposer is not None
+        decodes = [seq for (seq, n), need in zip(out.scheduled, out.needs_logits, strict=True)
+                   if need and n == 1 and seq.num_output_tokens > 0]
+        room = min(spec.max_batch_tokens, self.scheduler.max_num_tokens) - out.num_tokens
+        share = min(spec.num_tokens, room // len(decodes)) if decodes else 0
+        if share < 1:
+            return out
+        requests = []
+        for seq in decodes:
+            # k proposals emit up to k + 1 tokens: stay within max_tokens and max_seq_len
+            left = self.max_seq_len - len(seq)
+            if seq.params.max_tokens is not None:
+                left = min(left, seq.params.max_tokens - seq.num_output_tokens)
+            if left > 1:
+                requests.append(ProposalRequest(seq, min(share, left - 1)))
+        if not requests:
+            return out
+        proposed = {r.seq: p for r, p in zip(requests, self.proposer.propose(requests), strict=True) if p.token_ids}
+        out = self.scheduler.add_proposals(out, {seq: p.token_ids for seq, p in proposed.items()})
+        # what the budget and the free blocks let through
+        self._proposals = {seq: proposed[seq].head(len(granted))
+                           for (seq, _), granted in zip(out.scheduled, out.proposals, strict=True) if granted}
+        return out
 
     def _postprocess(self, out: SchedulerOutput, logits: np.ndarray) -> list[RequestOutput]:
         self.peak_blocks_used = max(self.peak_blocks_used, self.block_manager.num_used_blocks)
@@ -200,12 +249,26 @@ class Engine:
         seqs = out.to_sample
         if not seqs:
             return []
-        sampled = self.sampler(logits[: len(seqs)], seqs)
+        widths = [len(out.proposals_of(r)) + 1 for r, need in enumerate(out.needs_logits) if need]
+        starts = np.cumsum([0, *widths[:-1]])
+        plain = [i for i, w in enumerate(widths) if w == 1]
         changed: dict[str, Request] = {}
-        for row, seq in enumerate(seqs):
-            request = self._by_seq[seq.seq_id]
-            self._append(seq, request, sampled, row)
-            changed[request.request_id] = request
+        next_rows = starts.tolist()  # per sequence, the row that chose its latest token
+        if plain:
+            rows = logits[: len(plain)] if len(plain) == len(widths) else logits[starts[plain]]
+            sampled = self.sampler(rows, [seqs[i] for i in plain])
+            for row, i in enumerate(plain):
+                request = self._by_seq[seqs[i].seq_id]
+                self._append(seqs[i], request, sampled, row)
+                changed[request.request_id] = request
+        for i, width in enumerate(widths):
+            if width > 1:
+                request = self._by_seq[seqs[i].seq_id]
+                next_rows[i] += self._accept(seqs[i], request, logits[starts[i]:starts[i] + width])
+                changed[request.request_id] = request
+        if self.proposer is not None:
+            live = [i for i, seq in enumerate(seqs) if not seq.is_finished]
+            self.proposer.observe([seqs[i] for i in live], [next_rows[i] for i in live], self.runner.extra_outputs())
         results = []
         for request in changed.values():
             results.append(request.take_output())
@@ -213,7 +276,25 @@ class Engine:
                 self.requests.pop(request.request_id, None)
                 for seq in request.seqs:
                     self._by_seq.pop(seq.seq_id, None)
+                    if self.proposer is not None:
+                        self.proposer.release(seq)
         return results
+
+    def _accept(self, seq: Sequence, request: Request, logits: np.ndarray) -> int:
+        """Verify seq's proposals against its k + 1 rows of logits; append what is kept, one token at a
+        time (stops apply to each), then roll its KV back to the kept tokens. Returns how many were kept."""
+        proposal = self._proposals.pop(seq)
+        verdict = verify(seq, logits, proposal)
+        self.spec_stats.record(len(proposal.token_ids), verdict.num_accepted)
+        tokens = np.array(verdict.token_ids, dtype=np.int64)
+        lp = self.sampler.logprobs(logits[: len(tokens)], tokens, [seq] * len(tokens))
+        sampled = SamplerOutput(tokens, *lp)
+        for row in range(len(tokens)):
+            self._append(seq, request, sampled, row)
+            if seq.is_finished:
+                return verdict.num_accepted  # its blocks are freed with it
+        self.scheduler.settle(seq, verdict.num_accepted)
+        return verdict.num_accepted
 
     def _append(self, seq: Sequence, request: Request, sampled: SamplerOutput, row: int) -> None:
         """Append a sampled token to seq and its pending output; fork the other samples after
@@ -261,4 +342,7 @@ class Engine:
             num_preemptions=s.num_preemptions,
             num_generated_tokens=self.num_generated_tokens,
             num_prompt_tokens_computed=s.num_prompt_tokens_computed,
+            num_spec_verifications=self.spec_stats.verifications,
+            num_spec_proposed_tokens=self.spec_stats.proposed,
+            num_spec_accepted_tokens=self.spec_stats.accepted,
         )

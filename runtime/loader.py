@@ -10,10 +10,11 @@ from typing import TYPE_CHECKING
 from kiln import contract
 from kiln.contract import KvPoolSpec
 from kiln.errors import InvalidParamError
-from kiln.manifest import BACKEND_ORT_CPU, EngineLoadError, Manifest, read_manifest
+from kiln.manifest import BACKEND_ORT_CPU, EngineLoadError, Manifest, read_manifest, sha256_file
 from kiln.runtime.engine import Engine, EngineLimits
 from kiln.runtime.model_runner import KvBudget, choose_num_blocks
-from kiln.runtime.params import RuntimeConfig
+from kiln.runtime.params import RuntimeConfig, SpeculativeConfig
+from kiln.runtime.speculative.proposer import Proposer
 from kiln.runtime.tokenizer import Tokenizer
 
 if TYPE_CHECKING:  # onnxruntime is imported once an engine is opened, not with the runtime package
@@ -55,7 +56,40 @@ def load_engine(engine_dir: str | Path, config: RuntimeConfig | None = None) -> 
     log.info("KV pool: %d blocks of %d tokens = %d tokens, %.1f MiB; max context %d tokens; threads: %s; "
              "prefix caching: %s", runner.num_blocks, runner.block_size, runner.num_blocks * runner.block_size,
              runner.kv_pool_bytes / 2**20, max_model_len, threads, "on" if config.enable_prefix_caching else "off")
-    return Engine(runner, tokenizer, config, limits, model_name=engine_dir.resolve().name)
+    proposer = None
+    if config.speculative is not None and config.speculative.method != "ngram":
+        proposer = open_proposer(config.speculative, engine_dir, manifest, runner, config.num_threads)
+    return Engine(runner, tokenizer, config, limits, model_name=engine_dir.resolve().name, proposer=proposer)
+
+
+def open_proposer(spec: SpeculativeConfig, engine_dir: Path, manifest: Manifest, target: OrtModelRunner,
+                  num_threads: int | None) -> Proposer:
+    """The proposer of a speculative method that needs files: a draft engine (checked against the target)."""
+    if spec.method == "medusa":
+        raise EngineLoadError(f"speculative method 'medusa' needs Medusa heads in the engine, and {engine_dir} "
+                              "has none (build it with them, or use --speculative ngram or draft)")
+    from kiln.runtime.speculative.draft import DraftProposer
+
+    assert spec.draft_engine is not None  # SpeculativeConfig requires it for 'draft'
+    draft_dir = Path(spec.draft_engine)
+    draft = read_manifest(draft_dir)
+    if draft.backend != BACKEND_ORT_CPU:
+        raise EngineLoadError(f"draft engine backend {draft.backend!r} is not available in this runtime")
+    if sha256_file(draft_dir / "tokenizer.json") != sha256_file(engine_dir / "tokenizer.json"):
+        raise EngineLoadError(f"draft engine {draft_dir} has another tokenizer than {engine_dir}: its token ids "
+                              "would mean other text")
+    if draft.max_seq_len < manifest.max_seq_len:
+        raise EngineLoadError(f"draft engine max_seq_len {draft.max_seq_len} is below the target's "
+                              f"{manifest.max_seq_len}")
+    # room for as many tokens as the target's pool holds
+    tokens = target.num_blocks * target.block_size
+    runner = open_engine_runner(draft_dir, draft, -(-tokens // draft.build.block_size), num_threads)
+    if runner.vocab_size != target.vocab_size:
+        raise EngineLoadError(f"draft engine vocabulary ({runner.vocab_size}) differs from the target's "
+                              f"({target.vocab_size})")
+    log.info("draft engine %s: KV pool of %d blocks (%.1f MiB)", draft_dir, runner.num_blocks,
+             runner.kv_pool_bytes / 2**20)
+    return DraftProposer(runner)
 
 
 def served_max_model_len(built: int, requested: int | None) -> int:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import abc
 import itertools
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -70,13 +71,24 @@ def _pack(starts: list[int], token_runs: list[list[int]], block_tables: list[lis
 
 
 def build_batch(out: SchedulerOutput) -> BatchInput:
-    """Pack the new tokens of each scheduled sequence (from its num_computed_tokens on); logits
-    for the last token of the rows the scheduler marked as needing them."""
+    """Pack the new tokens of each scheduled sequence (from its num_computed_tokens on) and its
+    speculative tokens; logits for the last token of the rows the scheduler marked as needing them,
+    and for a row with k proposals its last k + 1 tokens (in row order)."""
     scheduled = out.scheduled
     starts = [seq.num_computed_tokens for seq, _ in scheduled]
     runs = [seq.token_ids[c:c + n] for (seq, n), c in zip(scheduled, starts, strict=True)]
+    if out.proposals:
+        runs = [run + list(proposal) for run, proposal in zip(runs, out.proposals, strict=True)]
     input_ids, position_ids, qsl, seq_lens, tables = _pack(starts, runs, [seq.block_table for seq, _ in scheduled])
-    rows = qsl[1:][np.array(out.needs_logits, dtype=bool)].astype(np.int64) - 1
+    needs = np.array(out.needs_logits, dtype=bool)
+    ends = qsl[1:][needs].astype(np.int64)
+    if out.proposals:
+        widths = np.array([len(p) + 1 for p in out.proposals], dtype=np.int64)[needs]
+        # the last widths[r] tokens of each row that needs logits
+        rows = np.repeat(ends - widths, widths) + np.arange(int(widths.sum())) - np.repeat(np.cumsum(widths) - widths,
+                                                                                            widths)
+    else:
+        rows = ends - 1
     num_logits = int(rows.size)
     # A step of prefill chunks only still asks for one (ignored) row: some backends dislike empty gathers.
     logits_indices = rows if num_logits else np.array([int(qsl[-1]) - 1], dtype=np.int64)
@@ -93,6 +105,11 @@ class ModelRunner(abc.ABC):
     @abc.abstractmethod
     def execute(self, batch: BatchInput) -> np.ndarray:
         """float32 logits [len(batch.logits_indices), vocab_size]."""
+
+    def extra_outputs(self) -> Mapping[str, np.ndarray]:
+        """The last execute's graph outputs besides the logits, one row per logits row (e.g. Medusa heads'
+        logits, read by a proposer's observe hook); none by default."""
+        return {}
 
     def close(self) -> None:  # noqa: B027 - optional
         pass

@@ -83,3 +83,17 @@ class EngineStats:
     num_preemptions: int = 0
     num_generated_tokens: int = 0
     num_prompt_tokens_computed: int = 0  # prompt tokens run through the model (not served from the cache)
+    num_spec_verifications: int = 0  # sequence-steps that checked speculative tokens
+    num_spec_proposed_tokens: int = 0
+    num_spec_accepted_tokens: int = 0
+
+    @property
+    def spec_acceptance_rate(self) -> float | None:
+        """Kept proposals / proposals (None before any)."""
+        return self.num_spec_accepted_tokens / self.num_spec_proposed_tokens if self.num_spec_proposed_tokens else None
+
+    @property
+    def spec_tokens_per_verification(self) -> float | None:
+        """Tokens a sequence gained per step that checked proposals: the kept ones plus the target's own."""
+        v = self.num_spec_verifications
+        return 1 + self.num_spec_accepted_tokens / v if v else None

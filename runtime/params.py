@@ -67,6 +67,42 @@ class SamplingParams:
         return self.temperature == 0
 
 
+SPECULATIVE_METHODS = ("ngram", "draft", "medusa")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding: a proposer guesses up to num_tokens tokens per sequence, the target checks
+    them in one step (runtime/speculative/).
+
+    ngram: prompt lookup, the tokens that followed the latest earlier occurrence of the sequence's
+    last n tokens (n from ngram_max down to ngram_min). draft: a second engine dir (draft_engine) with
+    the same tokenizer. medusa: heads compiled into the target engine. A step speculates only while its
+    tokens, proposals included, stay within max_batch_tokens: past that, verifying costs more than it
+    saves (docs/design.md, "Speculative decoding").
+    """
+
+    method: str
+    num_tokens: int = 4
+    ngram_max: int = 4
+    ngram_min: int = 1
+    draft_engine: str | None = None
+    max_batch_tokens: int = 8
+
+    def __post_init__(self) -> None:
+        _require(self.method in SPECULATIVE_METHODS, "speculative method", f"one of {list(SPECULATIVE_METHODS)}",
+                 self.method)
+        _require(isinstance(self.num_tokens, int) and 1 <= self.num_tokens <= 32, "num_speculative_tokens",
+                 "in [1, 32]", self.num_tokens)
+        _require(isinstance(self.ngram_min, int) and self.ngram_min >= 1, "ngram_min", ">= 1", self.ngram_min)
+        _require(isinstance(self.ngram_max, int) and self.ngram_max >= self.ngram_min, "ngram_max",
+                 f">= ngram_min ({self.ngram_min})", self.ngram_max)
+        _require((self.draft_engine is not None) == (self.method == "draft"), "draft_engine",
+                 "given exactly when the speculative method is 'draft'", self.draft_engine)
+        _require(isinstance(self.max_batch_tokens, int) and self.max_batch_tokens >= 2, "max_batch_tokens", ">= 2",
+                 self.max_batch_tokens)
+
+
 @dataclass(frozen=True)
 class RuntimeConfig:
     """Engine-wide settings chosen at load time (the graph does not fix them)."""
@@ -79,6 +115,7 @@ class RuntimeConfig:
     num_threads: int | None = None
     max_model_len: int | None = None  # longest sequence served; default (and at most): the engine's max_seq_len
     chat_template: str | None = None  # a Jinja chat template replacing the engine's tokenizer_config.json one
+    speculative: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
         _require(self.kv_cache_bytes is None or self.kv_cache_bytes > 0, "kv_cache_bytes", "> 0", self.kv_cache_bytes)
@@ -94,3 +131,5 @@ class RuntimeConfig:
         _require(self.max_num_tokens is None or self.max_num_tokens >= 1, "max_num_tokens", ">= 1", self.max_num_tokens)
         _require(self.num_threads is None or self.num_threads >= 1, "num_threads", ">= 1", self.num_threads)
         _require(self.max_model_len is None or self.max_model_len >= 1, "max_model_len", ">= 1", self.max_model_len)
+        _require(self.speculative is None or isinstance(self.speculative, SpeculativeConfig), "speculative",
+                 "a SpeculativeConfig or None", self.speculative)

@@ -19,12 +19,15 @@ with WIDEN times as many, up to a full sort, so the distribution is exact, never
 
 from __future__ import annotations
 
+from collections.abc import Sequence as SequenceOf
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 import numpy.typing as npt
 
-from kiln.runtime.sequence import Sequence
+from kiln.runtime.params import SamplingParams
+from kiln.runtime.sequence import Sequence, TokenCounts
 
 Floats = npt.NDArray[np.float32]
 Doubles = npt.NDArray[np.float64]
@@ -36,6 +39,17 @@ GROUPS_PER_CANDIDATE = 8  # strided groups per wanted candidate: more groups, fe
 MIN_GROUPS = 1024
 MAX_PADDED = 4096  # rows keeping more tokens than this sample over the full row, in blocks
 BLOCK = 256  # tokens per block of the full-row inverse CDF
+
+
+class SamplingState(Protocol):
+    """What a row's distribution depends on: its request's settings and, for penalties, the token
+    counts so far (a Sequence; or a Sequence with speculative tokens counted, during verification)."""
+
+    @property
+    def params(self) -> SamplingParams: ...
+
+    @property
+    def token_counts(self) -> TokenCounts | None: ...
 
 
 @dataclass
@@ -59,7 +73,7 @@ class RowSettings:
             raise ValueError("temperature must be > 0 for every sampled (non-greedy) row")
 
     @classmethod
-    def of(cls, seqs: list[Sequence]) -> RowSettings:
+    def of(cls, seqs: SequenceOf[SamplingState]) -> RowSettings:
         params = [s.params for s in seqs]
         return cls(
             np.array([p.temperature for p in params], dtype=np.float64),
@@ -72,7 +86,7 @@ class RowSettings:
         return RowSettings(self.temperature[rows], self.top_k[rows], self.top_p[rows], self.min_p[rows])
 
 
-def apply_penalties(logits: Floats, seqs: list[Sequence]) -> Floats:
+def apply_penalties(logits: Floats, seqs: SequenceOf[SamplingState]) -> Floats:
     """Repetition (prompt + output tokens), frequency and presence (output tokens) penalties, in place.
 
     Reads each penalised sequence's token_counts (kept up to date as tokens are appended), so
@@ -277,7 +291,7 @@ def keep_thresholds(logits: Floats, row_max: Floats, settings: RowSettings) -> F
     return thresholds
 
 
-def filtered_probs(logits: Floats, seqs: list[Sequence]) -> Doubles:
+def filtered_probs(logits: Floats, seqs: SequenceOf[SamplingState]) -> Doubles:
     """The distribution each (non-greedy) row samples from, after temperature/min_p/top_k/top_p."""
     logits = np.ascontiguousarray(logits, dtype=np.float32)
     settings = RowSettings.of(seqs)
@@ -376,6 +390,12 @@ class Sampler:
             uniforms = np.array([s.rng.random() for s in sampled], dtype=np.float64)
             tokens[rows] = sample(processed if rows.size == len(seqs) else processed[rows], RowSettings.of(sampled),
                                   uniforms)
+        return SamplerOutput(tokens, *self.logprobs(raw, tokens, seqs))
+
+    @staticmethod
+    def logprobs(raw: Floats, tokens: Ints, seqs: SequenceOf[SamplingState]
+                 ) -> tuple[list[float | None], list[dict[int, tuple[float, int]] | None]]:
+        """Per row, the raw logprob of its token and the top logprobs, for rows whose request asks for them."""
         sampled_lp: list[float | None] = [None] * len(seqs)
         top: list[dict[int, tuple[float, int]] | None] = [None] * len(seqs)
         lp_rows = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
@@ -383,7 +403,7 @@ class Sampler:
             ks = [seqs[i].params.logprobs or 0 for i in lp_rows]
             for i, (chosen, best) in zip(lp_rows, raw_logprobs(raw[lp_rows], tokens[lp_rows], ks), strict=True):
                 sampled_lp[i], top[i] = chosen, best
-        return SamplerOutput(tokens, sampled_lp, top)
+        return sampled_lp, top
 
 
 def raw_logprobs(logits: Floats, tokens: Ints, ks: list[int]) -> list[tuple[float, dict[int, tuple[float, int]]]]:

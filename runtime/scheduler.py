@@ -33,15 +33,24 @@ class SchedulerOutput:
     scheduled: tuple[tuple[Sequence, int], ...] = ()
     needs_logits: tuple[bool, ...] = ()  # per scheduled row
     preempted: tuple[Sequence, ...] = ()
+    # Per scheduled row, speculative tokens checked after its own (empty: none; () for all: no speculation).
+    # A row with k proposals computes n + k tokens and needs logits for its last k + 1.
+    proposals: tuple[tuple[int, ...], ...] = ()
 
     def __post_init__(self) -> None:
         if len(self.needs_logits) != len(self.scheduled):
             raise ValueError(f"needs_logits has {len(self.needs_logits)} entries for {len(self.scheduled)} "
                              "scheduled sequences")
+        if self.proposals and len(self.proposals) != len(self.scheduled):
+            raise ValueError(f"proposals has {len(self.proposals)} entries for {len(self.scheduled)} "
+                             "scheduled sequences")
 
     @property
     def num_tokens(self) -> int:
-        return sum(n for _, n in self.scheduled)
+        return sum(n for _, n in self.scheduled) + sum(len(p) for p in self.proposals)
+
+    def proposals_of(self, row: int) -> tuple[int, ...]:
+        return self.proposals[row] if self.proposals else ()
 
     @property
     def to_sample(self) -> list[Sequence]:
@@ -164,6 +173,32 @@ class Scheduler:
     def _release(self, seq: Sequence) -> None:
         self.bm.free(seq)
         seq.num_computed_tokens = 0  # its K/V went with the blocks
+
+    def add_proposals(self, out: SchedulerOutput, proposals: dict[Sequence, tuple[int, ...]]) -> SchedulerOutput:
+        """out with speculative tokens after the decodes in `proposals`, each cut to what the step's
+        token budget and the free blocks allow. Speculation never preempts: a proposal that finds no
+        free block is dropped (or shortened), the decode itself is already placed."""
+        budget = self.max_num_tokens - out.num_tokens
+        rows = []
+        for (seq, num_new), need in zip(out.scheduled, out.needs_logits, strict=True):
+            proposal = proposals.get(seq, ()) if need and budget > 0 else ()
+            if proposal:
+                fit = self.bm.can_fit(seq, num_new + min(len(proposal), budget)) - num_new
+                proposal = proposal[:max(fit, 0)]
+            if proposal:
+                allocated = self.bm.allocate(seq, seq.num_computed_tokens + num_new + len(proposal))
+                assert allocated
+                budget -= len(proposal)
+            rows.append(proposal)
+        return SchedulerOutput(out.scheduled, out.needs_logits, out.preempted, tuple(rows))
+
+    def settle(self, seq: Sequence, num_accepted: int) -> None:
+        """After verification (the engine has appended the accepted tokens and the bonus token): the
+        accepted proposals' K/V count as computed; the rejected ones' blocks are freed, and the blocks
+        the accepted ones filled are hashed."""
+        seq.num_computed_tokens += num_accepted
+        self.bm.truncate(seq, seq.num_computed_tokens)
+        self.bm.commit(seq)
 
     # -- after the model ran ----------------------------------------------------------------
 

@@ -39,6 +39,12 @@ class TokenCounts:
         """Output occurrences of each id in `ids` (0 for a prompt-only token)."""
         return self._counts[: len(self._slot)]
 
+    def copy(self) -> TokenCounts:
+        """An independent tally (speculative verification counts tokens it may still reject)."""
+        twin = TokenCounts.__new__(TokenCounts)
+        twin._slot, twin._ids, twin._counts = dict(self._slot), self._ids.copy(), self._counts.copy()
+        return twin
+
     def add(self, token_id: int) -> None:
         """Count one output token."""
         slot = self._slot.get(token_id)

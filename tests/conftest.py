@@ -83,6 +83,15 @@ def smollm2_engine() -> Path:
     return cached_engine("smollm2-fp32", "default")
 
 
+@pytest.fixture(scope="session")
+def smollm2_q4_1_engine(smollm2_engine) -> Path:
+    """SmolLM2-135M-Instruct with int4-q4_1 weights (the draft of the speculative tests), cached likewise."""
+    from kiln.manifest import BuildOptions
+    from kiln.quant_scheme import QuantScheme
+
+    return cached_engine("smollm2-q4_1", "default", BuildOptions(quantization=QuantScheme.parse("int4-q4_1")))
+
+
 def cached_engine(name: str, model: str, options=None) -> Path:
     from kiln.manifest import BuildOptions, EngineLoadError, read_manifest
     from kiln.optimize.build import build_engine

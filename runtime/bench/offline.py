@@ -24,6 +24,7 @@ import numpy as np
 from kiln.errors import require
 from kiln.runtime.engine import Engine
 from kiln.runtime.loader import load_engine
+from kiln.runtime.outputs import EngineStats
 from kiln.runtime.params import RuntimeConfig, SamplingParams
 
 
@@ -103,7 +104,8 @@ def run_workload(
     next_req, peak_blocks, steps = 0, 0, 0
     t0 = time.perf_counter()
     last_report = t0
-    preempt0 = engine.stats().num_preemptions
+    stats0 = engine.stats()
+    preempt0 = stats0.num_preemptions
     while done < cfg.num_requests:
         now = time.perf_counter() - t0
         while next_req < cfg.num_requests and arrivals[next_req] <= now and len(start_of) - done < limit:
@@ -146,6 +148,7 @@ def run_workload(
         "kv_blocks_peak": peak_blocks,
         "kv_peak_fraction": round(peak_blocks / engine.block_manager.num_blocks, 4),
         "num_preemptions": engine.stats().num_preemptions - preempt0,
+        "speculative": speculation_summary(engine, stats0),
     }
 
 
@@ -154,13 +157,31 @@ def single_stream(engine: Engine, input_len: int = 16, output_len: int = 64) -> 
     prompt = synthetic_prompts(BenchConfig(num_requests=1, input_len=input_len), engine.runner.vocab_size)[0]
     engine.add_request("single", prompt, SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True))
     times = []
+    tokens = 0  # a speculative step may add several
     t0 = time.perf_counter()
     while engine.has_unfinished():
-        if engine.step():
+        outputs = engine.step()
+        if outputs:
             times.append(time.perf_counter())
+            tokens += len(outputs[0].outputs[0].token_ids)
     return {
         "prefill_tok_per_s": round(input_len / (times[0] - t0), 2),
-        "decode_tok_per_s": round((len(times) - 1) / (times[-1] - times[0]), 2),
+        "decode_tok_per_s": round((tokens - 1) / (times[-1] - times[0]), 2),
+    }
+
+
+def speculation_summary(engine: Engine, before: EngineStats) -> dict[str, Any] | None:
+    """Acceptance since `before` (None without speculation)."""
+    if engine.proposer is None:
+        return None
+    s = engine.stats()
+    verifications = s.num_spec_verifications - before.num_spec_verifications
+    proposed = s.num_spec_proposed_tokens - before.num_spec_proposed_tokens
+    accepted = s.num_spec_accepted_tokens - before.num_spec_accepted_tokens
+    return {
+        "verifications": verifications,
+        "acceptance_rate": round(accepted / proposed, 4) if proposed else None,
+        "tokens_per_verification": round(1 + accepted / verifications, 3) if verifications else None,
     }
 
 
@@ -196,6 +217,9 @@ def bench(engine_dir: str, cfg: BenchConfig, concurrencies: tuple[int | None, ..
         say(f"  {result['requests_per_s']} req/s, {result['output_tok_per_s']} output tok/s, "
             f"TTFT p50 {result['ttft_ms']['p50']} ms, ITL p50 {result['itl_ms']['p50']} ms, "
             f"KV peak {result['kv_blocks_peak']}/{result['kv_blocks_total']} blocks")
+        if (spec := result["speculative"]) is not None:
+            say(f"  speculative: acceptance rate {spec['acceptance_rate']}, {spec['tokens_per_verification']} "
+                f"tokens per verification ({spec['verifications']} verifications)")
         runs.append(result)
     report = {
         "engine": str(engine_dir),

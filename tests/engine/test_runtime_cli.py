@@ -111,3 +111,36 @@ def test_bench_reports_json(tiny_engine, tmp_path):
     bound = report["memory_bandwidth"]["read_gbps"] * 1e9 / weights
     assert report["bandwidth_bound_decode_tok_per_s"] == pytest.approx(bound, rel=1e-2)
     assert report["single_stream"]["decode_tok_per_s"] > 0  # a timing: nothing to hold it to
+
+
+def test_generate_with_speculation_streams_the_same_text(tiny_engine):
+    prompt = "ab ab ab ab ab ab"
+    plain = CliRunner().invoke(main, ["generate", str(tiny_engine), prompt, "--max-tokens", "24"])
+    for method in (["ngram"], ["draft", "--draft", str(tiny_engine)]):  # the engine as its own draft
+        result = CliRunner().invoke(main, ["generate", str(tiny_engine), prompt, "--max-tokens", "24",
+                                           "--speculative", *method[:1], "--num-speculative-tokens", "3",
+                                           *method[1:]])
+        assert result.exit_code == 0, result.output
+        assert result.output == plain.output, method
+
+
+def test_speculative_options_are_checked(tiny_engine):
+    result = CliRunner().invoke(main, ["generate", str(tiny_engine), "hi", "--speculative", "draft"])
+    assert result.exit_code == 1 and "--speculative draft needs --draft ENGINE_DIR" in result.output
+    result = CliRunner().invoke(main, ["generate", str(tiny_engine), "hi", "--speculative", "medusa"])
+    assert result.exit_code == 1 and "needs Medusa heads in the engine" in result.output
+    result = CliRunner().invoke(main, ["generate", str(tiny_engine), "hi", "--speculative", "ngram",
+                                       "--num-speculative-tokens", "0"])
+    assert result.exit_code == 1 and "num_speculative_tokens must be in [1, 32]" in result.output
+
+
+def test_bench_reports_speculation(tiny_engine, tmp_path):
+    out = tmp_path / "bench.json"
+    result = CliRunner().invoke(main, [
+        "bench", str(tiny_engine), "--num-requests", "2", "--input-len", "16", "--output-len", "8",
+        "--concurrency", "1", "--speculative", "draft", "--draft", str(tiny_engine), "--json", str(out),
+    ])
+    assert result.exit_code == 0, result.output
+    spec = json.loads(out.read_text())["runs"][0]["speculative"]
+    assert spec["acceptance_rate"] == 1.0 and spec["tokens_per_verification"] > 1  # the target as its own draft
+    assert "speculative: acceptance rate 1.0" in result.output

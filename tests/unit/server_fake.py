@@ -112,7 +112,8 @@ class FakeAsyncLLM:
         used = len(self.running)
         return EngineStats(num_running=used, num_waiting=self.num_waiting, kv_blocks_total=self.kv_blocks_total,
                            kv_blocks_used=used, prefix_cache_queries=10, prefix_cache_hits=4,
-                           num_generated_tokens=self.generated)
+                           num_generated_tokens=self.generated, num_spec_verifications=4,
+                           num_spec_proposed_tokens=16, num_spec_accepted_tokens=10)
 
     async def shutdown(self) -> None:
         self.shut_down = True

@@ -261,6 +261,9 @@ def test_models_health_metrics(client):
     assert 'kiln_request_success_total{finish_reason="length"} 1.0' in text
     assert "kiln_prefix_cache_hit_rate 0.4" in text
     assert "kiln_output_tokens_total 3.0" in text
+    assert "kiln_spec_acceptance_rate 0.625" in text  # 10 of 16 proposals kept
+    assert "kiln_spec_tokens_per_verification 3.5" in text  # 1 + 10 / 4
+    assert "kiln_spec_accepted_tokens_total 10.0" in text
 
 
 def test_served_model_name_and_shutdown(fake):
