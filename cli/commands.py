@@ -165,6 +165,8 @@ def bench(engine_dir: str, num_requests: int, input_len: int, output_len: int, c
 
 
 from kiln.cli.calibration import calibrate, evaluate  # noqa: E402
+from kiln.cli.medusa import train_medusa  # noqa: E402
 
 main.add_command(calibrate)
 main.add_command(evaluate)
+main.add_command(train_medusa)
