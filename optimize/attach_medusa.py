@@ -77,7 +77,7 @@ def attach_medusa(model: ir.Model, weights: np.ndarray, biases: np.ndarray) -> i
     graph.insert_after(head, [num_mk, out_sizes, split_out, medusa])
     squeeze.replace_input_with(0, split_out.outputs[0])
 
-    _restate_shapes(head, split_x, split_out, hidden, vocab)
+    _restate_shapes(gather, head, split_x, split_out, hidden, vocab)
     out = medusa.outputs[0]
     out.name = contract.MEDUSA_LOGITS
     out.type = ir.TensorType(ir.DataType.FLOAT)
@@ -109,11 +109,11 @@ def _logits_chain(graph: ir.Graph) -> tuple[ir.Node, ir.Node, ir.Node, ir.Node]:
     return squeeze, head, norm, gather
 
 
-def _restate_shapes(head: ir.Node, split_x: ir.Node, split_out: ir.Node, hidden: int, vocab: int) -> None:
+def _restate_shapes(gather: ir.Node, head: ir.Node, split_x: ir.Node, split_out: ir.Node, hidden: int,
+                    vocab: int) -> None:
     """Rows between the Gather and the outputs are symbolic: L + M, L, M, L + M*K."""
-    gather_rows = ir.Shape([1, "num_logits_and_medusa", hidden])
-    for value in (split_x.inputs[0],):
-        value.shape = gather_rows
+    for value in (gather.outputs[0], split_x.inputs[0]):  # the gathered rows and the final norm's output
+        value.shape = ir.Shape([1, "num_logits_and_medusa", hidden])
     split_x.outputs[0].shape = ir.Shape([1, "num_logits", hidden])
     split_x.outputs[1].shape = ir.Shape([1, "num_medusa", hidden])
     for value in split_x.outputs:
