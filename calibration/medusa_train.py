@@ -148,7 +148,7 @@ def train_heads(x: torch.Tensor, labels: torch.Tensor, lm_head: torch.Tensor, co
             schedule.step()
             total_loss += loss.item() * len(batch)
             step += 1
-            if step % 50 == 0 or step == total:
+            if step % 10 == 0 or step == total:
                 elapsed = time.perf_counter() - start
                 say(f"training step {step}/{total} (epoch {epoch + 1}), loss {loss.item():.3f}, "
                     f"{elapsed:.0f}s (eta {elapsed / step * (total - step):.0f}s)")
