@@ -39,8 +39,8 @@ class MedusaConfig:
     chat_prompts: int = 24  # paragraphs of the text inside a chat request
     prompt_tokens: int = 64  # tokens per text window
     new_tokens: int = 48  # greedy tokens generated after each prompt
-    epochs: int = 2
-    batch_rows: int = 128
+    epochs: int = 5
+    batch_rows: int = 32
     learning_rate: float = 1e-3
     seed: int = 0
     generate_batch: int = 32  # prompts decoded together

@@ -22,7 +22,7 @@ def _say(message: str) -> None:
 @click.option("--prompts", type=int, default=24, show_default=True,
               help="calibration-text prompts of each kind (text windows, chat requests); 1 in 8 held out")
 @click.option("--new-tokens", type=int, default=48, show_default=True, help="greedy tokens generated per prompt")
-@click.option("--epochs", type=int, default=2, show_default=True)
+@click.option("--epochs", type=int, default=5, show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True)
 def train_medusa(model: str, output: Path, num_heads: int, prompts: int, new_tokens: int, epochs: int,
                  seed: int) -> None:
