@@ -60,15 +60,18 @@ def main() -> None:
               help="artifact of `kiln calibrate` (needed by int4-awq-*, w8a8-smoothquant and --kv-dtype int8)")
 @click.option("--lm-head", type=click.Choice(["int8", "int4"]), default="int8", show_default=True,
               help="the tied LM head's weights under an int4 quantization (int8 keeps more of fp32's perplexity)")
+@click.option("--medusa", type=click.Path(exists=True, file_okay=False, path_type=Path), default=None,
+              help="heads of `kiln train-medusa`: the graph also returns their logits (medusa_logits)")
 def build(model: str, output: Path, kv_dtype: str, block_size: int, max_seq_len: int | None, quantization: str,
-          calibration: Path | None, lm_head: str) -> None:
+          calibration: Path | None, lm_head: str, medusa: Path | None) -> None:
     """Compile MODEL (an HF checkpoint dir, a .gguf file, or `default` for SmolLM2) into an engine dir."""
     from kiln.manifest import BuildOptions
     from kiln.optimize.build import build_engine
     from kiln.quant_scheme import LmHead, QuantScheme
 
     options = BuildOptions(quantization=QuantScheme.parse(quantization), kv_dtype=kv_dtype, block_size=block_size,
-                           max_seq_len=max_seq_len, calibration=calibration, lm_head=LmHead.parse(lm_head))
+                           max_seq_len=max_seq_len, calibration=calibration, lm_head=LmHead.parse(lm_head),
+                           medusa=medusa)
     build_engine(model, output, options)
 
 
@@ -259,6 +262,8 @@ def bench(engine_dir: str, num_requests: int, input_len: int, output_len: int, c
 
 
 from kiln.cli.calibration import calibrate, evaluate  # noqa: E402
+from kiln.cli.medusa import train_medusa  # noqa: E402
 
 main.add_command(calibrate)
 main.add_command(evaluate)
+main.add_command(train_medusa)

@@ -10,11 +10,15 @@ Inputs
   seq_lens         int32  [num_seqs]              context length of each sequence *after* this step
   block_tables     int32  [num_seqs, max_blocks]  physical block ids of each sequence, row-padded
   logits_indices   int64  [num_logits]            rows of the packed batch that need logits
+  medusa_indices   int64  [num_medusa]            rows that need Medusa heads' logits (engines built with --medusa only;
+                                                  typically every logits row of the sequences that speculate)
   kv_cache.{i}     kv dtype [num_blocks, 2, num_kv_heads, block_size, head_dim]   one pool per layer
                    (a KV_DTYPES value; the runtime picks num_blocks, KvPoolSpec fixes the rest)
 
 Outputs
   logits           float32 [num_logits, vocab_size]
+  medusa_logits    float32 [num_medusa, K, vocab_size]   head i's logits at medusa_indices[r] in [r, i-1]
+                   (engines built with --medusa only; kiln/medusa.py specifies the heads)
   kv_cache_out.{i} the same buffer as kv_cache.{i}: the runtime binds one OrtValue to both,
                    and kiln.PagedAttention writes the new tokens' K/V in place.
 
@@ -47,6 +51,8 @@ SEQ_LENS = "seq_lens"
 BLOCK_TABLES = "block_tables"
 LOGITS_INDICES = "logits_indices"
 LOGITS = "logits"
+MEDUSA_INDICES = "medusa_indices"
+MEDUSA_LOGITS = "medusa_logits"
 
 
 def kv_cache_input(layer: int) -> str:

@@ -19,6 +19,7 @@ from typing import Any, Union
 from kiln import __version__
 from kiln.contract import KV_DTYPES, OP_LIBRARY_ABI, OP_LIBRARY_MIN_ABI
 from kiln.errors import InvalidParamError, KilnError, require
+from kiln.medusa import MedusaSpec
 from kiln.quant_scheme import LmHead, QuantScheme
 from kiln.spec import ModelSpec
 
@@ -47,6 +48,7 @@ class BuildOptions:
     max_num_tokens: int = 2048  # per-step token budget the graph was built and tested for
     calibration: Path | None = None  # artifact of `kiln calibrate`: scales folded in (SmoothQuant / AWQ), int8 KV steps
     lm_head: LmHead = LmHead.INT8  # the LM head's weights under an int4 scheme
+    medusa: Path | None = None  # artifact of `kiln train-medusa`: heads compiled into the graph (kiln/medusa.py)
 
     def __post_init__(self) -> None:
         require(isinstance(self.quantization, QuantScheme), "quantization", "a QuantScheme (QuantScheme.parse(name))",
@@ -59,22 +61,25 @@ class BuildOptions:
         require(self.calibration is None or isinstance(self.calibration, Path), "calibration", "a Path or None",
                 self.calibration)
         require(isinstance(self.lm_head, LmHead), "lm_head", "an LmHead (LmHead.parse(name))", self.lm_head)
+        require(self.medusa is None or isinstance(self.medusa, Path), "medusa", "a Path or None", self.medusa)
 
     def to_dict(self) -> dict[str, Any]:
         """The manifest's "build" object: the scheme by name, the artifact as a path string or null."""
         return {"quantization": self.quantization.name, "kv_dtype": self.kv_dtype, "block_size": self.block_size,
                 "max_seq_len": self.max_seq_len, "max_num_tokens": self.max_num_tokens,
                 "calibration": None if self.calibration is None else str(self.calibration),
-                "lm_head": self.lm_head.value}
+                "lm_head": self.lm_head.value, "medusa": None if self.medusa is None else str(self.medusa)}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> BuildOptions:
         """Read to_dict's object, and that of older manifests: they also carry "dtype" (always float32,
-        the only one builds accepted) and "" for no calibration artifact, and lack "lm_head" (int8 then)."""
+        the only one builds accepted) and "" for no calibration artifact, and lack "lm_head" (int8 then)
+        and "medusa" (no heads)."""
         fields = {key: value for key, value in data.items() if key != "dtype"}
         calibration = fields.pop("calibration", None)
+        medusa = fields.pop("medusa", None)
         return cls(quantization=QuantScheme.parse(fields.pop("quantization", "none")),
-                   calibration=Path(calibration) if calibration else None,
+                   calibration=Path(calibration) if calibration else None, medusa=Path(medusa) if medusa else None,
                    lm_head=LmHead.parse(fields.pop("lm_head", LmHead.INT8.value)), **fields)
 
 
@@ -89,6 +94,7 @@ class Manifest:
     format_version: int = FORMAT_VERSION
     kiln_version: str = __version__
     op_library_abi: int = OP_LIBRARY_ABI
+    medusa: MedusaSpec | None = None  # the Medusa heads in the graph; None (older engines too): none
 
     def __post_init__(self) -> None:
         require(self.build.max_seq_len is not None, "build.max_seq_len",
@@ -110,6 +116,7 @@ class Manifest:
             "build": self.build.to_dict(),
             "graph": {"inputs": list(self.graph_inputs), "outputs": list(self.graph_outputs)},
             "files": self.files,
+            "medusa": None if self.medusa is None else self.medusa.to_dict(),
         }
         return json.dumps(data, indent=2, sort_keys=True)
 
@@ -148,6 +155,7 @@ class Manifest:
             format_version=version,
             kiln_version=data["kiln_version"],
             op_library_abi=data["op_library_abi"],
+            medusa=MedusaSpec.from_dict(data["medusa"]) if data.get("medusa") else None,
         )
 
 
@@ -156,12 +164,13 @@ class Manifest:
 # "dtype" (always float32) and a "" calibration are what builds before the typed options wrote.
 _BUILD_SCHEMA: dict[str, Any] = {
     "quantization": str, "kv_dtype": str, "block_size": int, "max_seq_len": int, "max_num_tokens": int,
-    "calibration?": str | None, "lm_head?": str, "dtype?": str,
+    "calibration?": str | None, "lm_head?": str, "dtype?": str, "medusa?": str | None,
 }
 _SCHEMA: dict[str, Any] = {
     "format_version": int, "kiln_version": str, "backend": str, "op_library_abi": int,
     "model_spec": ModelSpec, "build": _BUILD_SCHEMA,
     "graph": {"inputs": list[str], "outputs": list[str]}, "files": dict[str, str],
+    "medusa?": MedusaSpec | None,
 }
 _RULES = {bool: "true or false", int: "an integer", float: "a number", str: "a string", type(None): "null"}
 
@@ -211,6 +220,8 @@ def _check_schema(value: Any, schema: Any, where: str) -> None:
     if not _fits(value, schema):
         raise EngineLoadError(f"{MANIFEST_NAME} field {where} must be {_describe(schema)}, got {value!r}")
     origin = typing.get_origin(schema)
+    if origin in (Union, types.UnionType):  # check inside the option the value fits (e.g. an object, not null)
+        return _check_schema(value, next(o for o in typing.get_args(schema) if _fits(value, o)), where)
     prefix = f"{where}." if where else ""
     if isinstance(schema, dict) or dataclasses.is_dataclass(schema):
         fields = _object_fields(schema)

@@ -32,6 +32,7 @@ from kiln.manifest import (
     Manifest,
     write_manifest,
 )
+from kiln.optimize.attach_medusa import MedusaGraphError, attach_medusa
 from kiln.optimize.fuse_attention import AttentionConfig
 from kiln.optimize.pipeline import optimize_model
 from kiln.optimize.quantize import QuantizationError, check_lm_head, prepare_checkpoint, quantize_model
@@ -73,6 +74,7 @@ def build_engine(
         checkpoint = _load_checkpoint(model_path)
         options = _check_model(checkpoint, options)
         try:
+            heads = _medusa_heads(checkpoint, options.medusa, say) if options.medusa is not None else None
             checkpoint = prepare_checkpoint(checkpoint, options.quantization, _scheme_artifact(options), say)
         except QuantizationError as exc:
             raise BuildError(str(exc)) from exc
@@ -96,6 +98,11 @@ def build_engine(
                 for name, count in counts.items():
                     say(f"  {name}: fired {count}x")
                 _check_counts(counts, spec.num_layers)
+                if heads is not None:
+                    try:
+                        say(f"  attach_medusa: {attach_medusa(model, *heads.arrays())} heads")
+                    except MedusaGraphError as exc:
+                        raise BuildError(str(exc)) from exc
             if options.quantization.method is not QuantMethod.NONE:
                 with _stage(say, f"quantize {options.quantization}"):
                     quantize_model(model, options.quantization, options.lm_head, say)
@@ -107,7 +114,7 @@ def build_engine(
         del model
         manifest = Manifest(
             spec=spec, build=options, backend=BACKEND_ORT_CPU, graph_inputs=graph_inputs,
-            graph_outputs=graph_outputs,
+            graph_outputs=graph_outputs, medusa=None if heads is None else heads.spec(),
         )
         with _stage(say, "manifest"):
             manifest = write_manifest(staging, manifest)
@@ -186,6 +193,21 @@ def _kv_scales(checkpoint, calibration: Path | None, say: Progress):
     say(f"int8 KV cache: K steps {scales[:, 0].min():.3g}..{scales[:, 0].max():.3g}, "
         f"V steps {scales[:, 1].min():.3g}..{scales[:, 1].max():.3g} from {calibration}")
     return scales
+
+
+def _medusa_heads(checkpoint, medusa: Path, say: Progress):
+    """The artifact's heads, checked against the checkpoint they will read (before any scales are folded:
+    the folding leaves the final hidden state unchanged, so the heads fit every weight scheme)."""
+    from kiln.calibration.medusa_heads import MedusaArtifact, MedusaError
+
+    try:
+        artifact = MedusaArtifact.load(medusa)
+        artifact.check_model(checkpoint)
+    except MedusaError as exc:
+        raise BuildError(str(exc)) from exc
+    say(f"{artifact.num_heads} Medusa heads from {medusa} (held-out top-1 accuracy "
+        f"{artifact.spec().top1_accuracy})")
+    return artifact
 
 
 def _check_options(options: BuildOptions) -> None:

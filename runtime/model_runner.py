@@ -27,6 +27,8 @@ class BatchInput:
     block_tables: np.ndarray  # int32 [S, max_blocks]
     logits_indices: np.ndarray  # int64 [L]
     num_logits: int  # rows of the result that are real (logits_indices may carry one dummy row)
+    # int64 [M]: rows that need the Medusa heads' logits too (engines with heads; None: no row)
+    medusa_indices: np.ndarray | None = None
 
     FEEDS = (contract.INPUT_IDS, contract.POSITION_IDS, contract.QUERY_START_LOC, contract.SEQ_LENS,
              contract.BLOCK_TABLES, contract.LOGITS_INDICES)
@@ -95,12 +97,21 @@ def build_batch(out: SchedulerOutput) -> BatchInput:
     return BatchInput(input_ids, position_ids, qsl, seq_lens, tables, logits_indices, num_logits)
 
 
+@dataclass(frozen=True)
+class RunnerOutput:
+    """What one step returns: the logits, and the Medusa heads' where the engine has heads."""
+
+    logits: np.ndarray  # float32 [len(logits_indices), vocab_size]
+    medusa_logits: np.ndarray | None = None  # float32 [len(medusa_indices), num_medusa_heads, vocab_size]
+
+
 class ModelRunner(abc.ABC):
     """Runs one packed batch through the model, writing K/V into its paged pools in place."""
 
     num_blocks: int
     block_size: int
     vocab_size: int
+    num_medusa_heads: int = 0  # K of an engine built with --medusa (kiln/medusa.py)
 
     @abc.abstractmethod
     def execute(self, batch: BatchInput) -> np.ndarray:
@@ -110,6 +121,12 @@ class ModelRunner(abc.ABC):
         """The last execute's graph outputs besides the logits, one row per logits row (e.g. Medusa heads'
         logits, read by a proposer's observe hook); none by default."""
         return {}
+
+    def execute_all(self, batch: BatchInput) -> RunnerOutput:
+        """The logits and, for an engine with Medusa heads, their logits at batch.medusa_indices."""
+        if batch.medusa_indices is not None and len(batch.medusa_indices):
+            raise ValueError(f"{type(self).__name__} has no Medusa heads; leave medusa_indices unset")
+        return RunnerOutput(self.execute(batch))
 
     def close(self) -> None:  # noqa: B027 - optional
         pass

@@ -19,7 +19,9 @@ import onnxruntime as ort
 from kiln import contract
 from kiln.contract import KvPoolSpec
 from kiln.manifest import EngineLoadError
-from kiln.runtime.model_runner import BatchInput, ModelRunner
+from kiln.runtime.model_runner import BatchInput, ModelRunner, RunnerOutput
+
+_NO_ROWS = np.zeros(0, dtype=np.int64)
 
 
 def open_session(graph: Path, num_threads: int | None = None) -> ort.InferenceSession:
@@ -67,7 +69,11 @@ class OrtModelRunner(ModelRunner):
         if declared != pools:
             raise EngineLoadError(f"the engine graph's KV pools are {declared}, not the {pools} it is described "
                                   f"with; rebuild the engine")
+        outputs = {o.name: o for o in session.get_outputs()}
+        medusa = outputs.get(contract.MEDUSA_LOGITS)
         fed = set(BatchInput.FEEDS) | {contract.kv_cache_input(i) for i in range(pools.num_layers)}
+        if medusa is not None:
+            fed.add(contract.MEDUSA_INDICES)
         unknown = [i.name for i in session.get_inputs() if i.name not in fed]
         if unknown:
             raise EngineLoadError(f"engine graph inputs {unknown} are not fed by this runtime; rebuild the engine")
@@ -80,10 +86,14 @@ class OrtModelRunner(ModelRunner):
         self.num_blocks = num_blocks
         self.block_size = pools.block_size
         self.vocab_size = vocab
+        self.num_medusa_heads = int(medusa.shape[1]) if medusa is not None else 0
         self.pools = [np.zeros(pools.pool_shape(num_blocks), dtype=pools.dtype) for _ in range(pools.num_layers)]
         self._pool_values = [ort.OrtValue.ortvalue_from_numpy(p) for p in self.pools]
         self.binding = session.io_binding()
-        self.binding.bind_output(contract.LOGITS, "cpu")  # first output: logits, allocated per run
+        # outputs allocated per run, bound first so get_outputs() returns them first: logits (and the heads')
+        self.binding.bind_output(contract.LOGITS, "cpu")
+        if self.num_medusa_heads:
+            self.binding.bind_output(contract.MEDUSA_LOGITS, "cpu")
         for i, value in enumerate(self._pool_values):
             self.binding.bind_ortvalue_input(contract.kv_cache_input(i), value)
             self.binding.bind_ortvalue_output(contract.kv_cache_output(i), value)
@@ -93,12 +103,23 @@ class OrtModelRunner(ModelRunner):
         return self.num_blocks * self.pool_spec.bytes_per_block
 
     def execute(self, batch: BatchInput) -> np.ndarray:
+        return self.execute_all(batch).logits
+
+    def execute_all(self, batch: BatchInput) -> RunnerOutput:
         for name, array in batch.feeds().items():
             self.binding.bind_cpu_input(name, array)
+        if self.num_medusa_heads:
+            rows = _NO_ROWS if batch.medusa_indices is None else batch.medusa_indices
+            self.binding.bind_cpu_input(contract.MEDUSA_INDICES, rows)
+            self.binding.bind_output(contract.MEDUSA_LOGITS, "cpu")
+        elif batch.medusa_indices is not None and len(batch.medusa_indices):
+            raise ValueError("this engine has no Medusa heads (it was built without --medusa); "
+                             "leave medusa_indices unset")
         self.binding.bind_output(contract.LOGITS, "cpu")
         self.session.run_with_iobinding(self.binding)
-        logits: np.ndarray = self.binding.get_outputs()[0].numpy()
-        return logits
+        outputs = self.binding.get_outputs()  # in binding order: rebinding a name keeps its place
+        medusa = outputs[1].numpy() if self.num_medusa_heads else None
+        return RunnerOutput(outputs[0].numpy(), medusa)
 
     def close(self) -> None:
         self.binding.clear_binding_inputs()

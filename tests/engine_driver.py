@@ -7,11 +7,12 @@ shaped as the graph's kv_cache.{i} inputs declare, so a bare optimized graph nee
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import numpy as np
 
-from kiln.runtime.model_runner import Chunk, pack_chunks
+from kiln.runtime.model_runner import Chunk, RunnerOutput, pack_chunks
 from kiln.runtime.ort_runner import OrtModelRunner, graph_kv_pools, open_session
 
 
@@ -25,6 +26,17 @@ class PagedDriver:
 
     def step(self, chunks: list[tuple[int, list[int]]], all_rows: bool = False) -> np.ndarray:
         """Run new tokens of each (seq_id, token_ids); logits of each chunk's last row (or all rows)."""
+        return self.runner.execute(self._pack(chunks, all_rows))
+
+    def step_medusa(self, chunks: list[tuple[int, list[int]]], all_rows: bool = False,
+                    medusa_rows: list[int] | None = None) -> RunnerOutput:
+        """step(), also asking for the Medusa heads' logits at medusa_rows (rows of the packed batch;
+        default: the rows that get logits)."""
+        batch = self._pack(chunks, all_rows)
+        rows = batch.logits_indices if medusa_rows is None else np.array(medusa_rows, dtype=np.int64)
+        return self.runner.execute_all(dataclasses.replace(batch, medusa_indices=rows))
+
+    def _pack(self, chunks: list[tuple[int, list[int]]], all_rows: bool):
         packed = []
         for seq, tokens in chunks:
             start = self.lens.get(seq, 0)
@@ -35,4 +47,4 @@ class PagedDriver:
                 table.append(self.next_block)
                 self.next_block += 1
             packed.append(Chunk(start, tokens, table))
-        return self.runner.execute(pack_chunks(packed, all_rows))
+        return pack_chunks(packed, all_rows)

@@ -77,11 +77,13 @@ def find_linears(model: ir.Model, min_size: int = 16) -> list[Linear]:
     return found
 
 
-_PASS_THROUGH = ("Squeeze", "Unsqueeze", "Reshape", "Identity", "Flatten")
+# Split: with Medusa heads the LM head's rows are split into the logits (first part) and the heads' logits
+_PASS_THROUGH = ("Squeeze", "Unsqueeze", "Reshape", "Identity", "Flatten", "Split")
 
 
 def is_lm_head(lin: Linear) -> bool:
-    """True when the linear's output reaches a graph output through shape-only ops (the LM head)."""
+    """True when the linear's output reaches a graph output through shape-only ops (the LM head); through a
+    Split, its first part is followed."""
     value = lin.output
     while True:
         if value.is_graph_output():

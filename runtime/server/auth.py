@@ -13,7 +13,6 @@ from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from kiln.runtime.server.protocol import error_body
-
 from kiln.runtime.server.web import ASSETS
 
 # Liveness probes carry no key, and a browser opening the chat page cannot send one: the page

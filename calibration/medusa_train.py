@@ -1,0 +1,218 @@
+"""train_medusa(): checkpoint + calibration text -> MedusaArtifact (``kiln train-medusa``).
+
+1. Prompts: windows of the text (continued as text) and paragraphs of it inside chat requests; every
+   HOLDOUT_EVERY-th prompt of each kind is held out.
+2. The fp32 reference greedy-decodes each prompt once (medusa_data.greedy_states) and its hidden states
+   are cached: the model never runs again.
+3. Only the heads train: cross-entropy of head i at row j against the greedy token j + i, through the
+   frozen shared LM head (AdamW, cosine schedule, shuffled with the seed: the run is deterministic).
+4. Scored on the held-out prompts and on CHAT_QUESTIONS (open questions, never trained on): per-head
+   top-1 agreement with the greedy continuation, and the mean tokens a greedy chain of the K heads'
+   guesses would get accepted per verification step (1 + the leading heads that are right).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.nn.functional as F
+
+from kiln import medusa
+from kiln.errors import require
+
+from .medusa_data import CHAT_QUESTIONS, CHAT_REQUESTS, Continuations, greedy_states, lm_head_weight, render_chat
+from .medusa_heads import MedusaArtifact, MedusaError, MedusaHeads
+
+Progress = Callable[[str], None]
+HOLDOUT_EVERY = 8
+IGNORE = -100
+
+
+@dataclass(frozen=True)
+class MedusaConfig:
+    num_heads: int = 4
+    text_prompts: int = 24  # windows of the text, continued as text
+    chat_prompts: int = 24  # paragraphs of the text inside a chat request
+    prompt_tokens: int = 64  # tokens per text window
+    new_tokens: int = 48  # greedy tokens generated after each prompt
+    epochs: int = 5
+    batch_rows: int = 32
+    learning_rate: float = 1e-3
+    seed: int = 0
+    generate_batch: int = 32  # prompts decoded together
+
+    def __post_init__(self) -> None:
+        for name in ("num_heads", "prompt_tokens", "new_tokens", "epochs", "batch_rows", "generate_batch"):
+            value = getattr(self, name)
+            require(isinstance(value, int) and value > 0, name, "a positive integer", value)
+        for name in ("text_prompts", "chat_prompts"):
+            value = getattr(self, name)
+            require(isinstance(value, int) and value >= 0, name, "a non-negative integer", value)
+        require(self.text_prompts + self.chat_prompts >= HOLDOUT_EVERY, "text_prompts + chat_prompts",
+                f"at least {HOLDOUT_EVERY} (one in {HOLDOUT_EVERY} is held out)", self.text_prompts + self.chat_prompts)
+        require(self.new_tokens > self.num_heads, "new_tokens", f"more than num_heads ({self.num_heads})",
+                self.new_tokens)
+        require(self.learning_rate > 0, "learning_rate", "positive", self.learning_rate)
+
+
+def build_prompts(checkpoint, text: str, config: MedusaConfig) -> list[list[int]]:
+    """Text windows first, then chat requests around paragraphs, both spread evenly over the text."""
+    from tokenizers import Tokenizer
+
+    if checkpoint.tokenizer is None:
+        raise MedusaError(f"{checkpoint.source} carries no tokenizer; training Medusa heads needs one to read text")
+    tokenizer = Tokenizer.from_str(checkpoint.tokenizer.tokenizer_json)
+    ids = tokenizer.encode(text, add_special_tokens=False).ids
+    windows = len(ids) // config.prompt_tokens
+    if windows < config.text_prompts:
+        raise MedusaError(f"the text has {len(ids)} tokens, too few for {config.text_prompts} prompts of "
+                          f"{config.prompt_tokens}")
+    prompts = [ids[w * config.prompt_tokens:(w + 1) * config.prompt_tokens]
+               for w in _spread(windows, config.text_prompts)]
+    paragraphs = [p for p in text.split("\n\n") if 200 <= len(p) <= 500]
+    if config.chat_prompts and len(paragraphs) < config.chat_prompts:
+        raise MedusaError(f"the text has {len(paragraphs)} paragraphs of 200-500 characters, too few for "
+                          f"{config.chat_prompts} chat prompts")
+    for n, p in enumerate(_spread(len(paragraphs), config.chat_prompts)):
+        request = CHAT_REQUESTS[n % len(CHAT_REQUESTS)].format(paragraphs[p])
+        prompts.append(_chat_ids(tokenizer, checkpoint, request))
+    return prompts
+
+
+def _chat_ids(tokenizer, checkpoint, message: str) -> list[int]:
+    try:
+        rendered = render_chat(checkpoint.tokenizer.tokenizer_config, message)
+    except ValueError as exc:
+        raise MedusaError(f"{checkpoint.source}: {exc}; chat prompts need one") from exc
+    return list(tokenizer.encode(rendered, add_special_tokens=False).ids)
+
+
+def _spread(available: int, count: int) -> list[int]:
+    return [i * available // count for i in range(count)] if count else []
+
+
+def generate(model, prompts: list[list[int]], config: MedusaConfig, say: Progress, what: str) -> list[Continuations]:
+    out = []
+    start = time.perf_counter()
+    for first in range(0, len(prompts), config.generate_batch):
+        out.append(greedy_states(model, prompts[first:first + config.generate_batch], config.new_tokens))
+        done = min(first + config.generate_batch, len(prompts))
+        elapsed = time.perf_counter() - start
+        say(f"{what}: greedy continuations of {done}/{len(prompts)} prompts in {elapsed:.0f}s "
+            f"(eta {elapsed / done * (len(prompts) - done):.0f}s)")
+    return out
+
+
+def rows_and_labels(batches: list[Continuations], model, num_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [n, D]: the final norm's output at every continuation row; labels [n, K]: the greedy token i
+    steps after row j's own prediction (IGNORE past the continuation's end)."""
+    xs, labels = [], []
+    for c in batches:
+        valid = c.valid()
+        n = c.tokens.shape[1]
+        shifted = torch.full((*c.tokens.shape, num_heads), IGNORE, dtype=torch.int64)
+        for i in range(1, num_heads + 1):
+            target = torch.where(valid[:, i:], c.tokens[:, i:], IGNORE)
+            shifted[:, :n - i, i - 1] = target
+        with torch.no_grad():
+            xs.append(model.model.norm(c.states[valid]))
+        labels.append(shifted[valid])
+    return torch.cat(xs), torch.cat(labels)
+
+
+def train_heads(x: torch.Tensor, labels: torch.Tensor, lm_head: torch.Tensor, config: MedusaConfig,
+                say: Progress) -> tuple[MedusaHeads, list[float]]:
+    """Fit the heads on cached rows; returns them and the mean loss of each epoch."""
+    torch.manual_seed(config.seed)
+    heads = MedusaHeads(config.num_heads, x.shape[1])
+    optimizer = torch.optim.AdamW(heads.parameters(), lr=config.learning_rate, weight_decay=0.0)
+    steps_per_epoch = math.ceil(x.shape[0] / config.batch_rows)
+    total = steps_per_epoch * config.epochs
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 0.5 * (1 + math.cos(math.pi * s / total)))
+    order = torch.Generator().manual_seed(config.seed)
+    lm_head = lm_head.detach()
+    losses, start, step = [], time.perf_counter(), 0
+    for epoch in range(config.epochs):
+        total_loss = 0.0
+        for batch in torch.randperm(x.shape[0], generator=order).split(config.batch_rows):
+            logits = heads.logits(x[batch], lm_head)
+            loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels[batch].reshape(-1),
+                                   ignore_index=IGNORE)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+            schedule.step()
+            total_loss += loss.item() * len(batch)
+            step += 1
+            if step % 10 == 0 or step == total:
+                elapsed = time.perf_counter() - start
+                say(f"training step {step}/{total} (epoch {epoch + 1}), loss {loss.item():.3f}, "
+                    f"{elapsed:.0f}s (eta {elapsed / step * (total - step):.0f}s)")
+        losses.append(total_loss / x.shape[0])
+    return heads.requires_grad_(False), losses
+
+
+@torch.no_grad()
+def score(heads: MedusaHeads, x: torch.Tensor, labels: torch.Tensor, lm_head: torch.Tensor) -> dict:
+    """Per-head top-1 agreement with the greedy continuation, and the chain's mean accepted tokens per step."""
+    correct = torch.zeros(labels.shape, dtype=torch.bool)
+    for chunk in torch.arange(x.shape[0]).split(256):
+        correct[chunk] = heads.logits(x[chunk], lm_head).argmax(-1) == labels[chunk]
+    valid = labels != IGNORE
+    accuracy = [float(correct[:, i][valid[:, i]].float().mean()) if valid[:, i].any() else float("nan")
+                for i in range(labels.shape[1])]
+    full = valid.all(1)  # rows with all K labels: the chain can be scored to its end
+    leading = correct[full].int().cumprod(1).sum(1)
+    return {"rows": int(x.shape[0]), "top1_accuracy": [round(a, 4) for a in accuracy],
+            "chain_rows": int(full.sum()),
+            "mean_accepted_tokens": round(float(1 + leading.float().mean()) if full.any() else float("nan"), 4)}
+
+
+def train_medusa(checkpoint, text: str, config: MedusaConfig, progress: Progress | None = None,
+                 corpus: str = "") -> MedusaArtifact:
+    from kiln.export.reference import ReferenceModel
+
+    say = progress or (lambda _m: None)
+    start, cpu_start = time.perf_counter(), time.process_time()
+    model = ReferenceModel.from_checkpoint(checkpoint)
+    lm_head = lm_head_weight(model)
+    prompts = build_prompts(checkpoint, text, config)
+    held = [p for n, p in enumerate(prompts) if n % HOLDOUT_EVERY == HOLDOUT_EVERY - 1]
+    train = [p for n, p in enumerate(prompts) if n % HOLDOUT_EVERY != HOLDOUT_EVERY - 1]
+    tokenizer_ids = _question_ids(checkpoint)
+    data = {name: rows_and_labels(generate(model, p, config, say, name), model, config.num_heads)
+            for name, p in (("train", train), ("heldout", held), ("chat", tokenizer_ids))}
+    generation_s = time.perf_counter() - start
+    say(f"cached {sum(x.shape[0] for x, _ in data.values())} hidden states in {generation_s:.0f}s")
+    heads, losses = train_heads(*data["train"], lm_head, config, say)
+    training_s = time.perf_counter() - start - generation_s
+    results = {name: score(heads, x, labels, lm_head) for name, (x, labels) in data.items()}
+    for name, result in results.items():
+        say(f"{name}: top-1 accuracy per head {result['top1_accuracy']}, "
+            f"mean accepted tokens per step {result['mean_accepted_tokens']}")
+    info = {
+        "format": medusa.ARTIFACT_FORMAT, "num_heads": config.num_heads, "hidden_size": checkpoint.spec.hidden_size,
+        "vocab_size": checkpoint.spec.vocab_size, "model_source": checkpoint.source,
+        "model_fingerprint": checkpoint.fingerprint(), "corpus": corpus, "config": asdict(config),
+        "data": {"train_prompts": len(train), "heldout_prompts": len(held), "chat_questions": len(tokenizer_ids),
+                 "train_rows": results["train"]["rows"]},
+        "epoch_losses": [round(loss, 4) for loss in losses],
+        "seconds": {"generation": round(generation_s, 1), "training": round(training_s, 1),
+                    "total": round(time.perf_counter() - start, 1),
+                    "cpu_total": round(time.process_time() - cpu_start, 1)},  # all threads: what a shared machine's
+                                                                               # wall time hides
+        **results,
+    }
+    return MedusaArtifact(heads.state(), info)
+
+
+def _question_ids(checkpoint) -> list[list[int]]:
+    from tokenizers import Tokenizer
+
+    assert checkpoint.tokenizer is not None  # build_prompts checked
+    tokenizer = Tokenizer.from_str(checkpoint.tokenizer.tokenizer_json)
+    return [_chat_ids(tokenizer, checkpoint, q) for q in CHAT_QUESTIONS]

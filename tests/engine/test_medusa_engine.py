@@ -1,0 +1,141 @@
+"""Medusa heads compiled into the tiny engine: the graph's medusa_logits match the torch heads, the
+logits are unchanged, the quantization passes keep working with the heads present, and the
+build refuses heads trained for another model."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx_ir as ir
+import pytest
+import torch
+from engine_driver import PagedDriver
+from medusa_fixtures import tiny_text
+
+from kiln import contract
+from kiln.manifest import BuildOptions, read_manifest
+from kiln.optimize.quantize import quantize_model
+from kiln.quant_scheme import QuantScheme
+
+PROMPT = [5, 77, 190, 33, 250, 12, 8, 99, 140, 201, 64, 3, 17, 222, 180, 45, 71, 300, 9, 128] * 2
+
+
+@pytest.fixture(scope="module")
+def medusa_dir(tmp_path_factory, tiny_model_dir):
+    from kiln.calibration.medusa_train import MedusaConfig, train_medusa
+    from kiln.export.checkpoint import load_checkpoint
+
+    config = MedusaConfig(num_heads=3, text_prompts=8, chat_prompts=8, prompt_tokens=24, new_tokens=16, epochs=2)
+    artifact = train_medusa(load_checkpoint(tiny_model_dir), tiny_text(), config)
+    with torch.no_grad():  # trained heads on a random model are near zero: make them matter for the comparison
+        for name, tensor in artifact.tensors.items():
+            tensor.add_(0.3 * torch.randn(tensor.shape, generator=torch.Generator().manual_seed(len(name))))
+    return artifact.save(tmp_path_factory.mktemp("medusa") / "heads")
+
+
+@pytest.fixture(scope="module")
+def medusa_engine(tmp_path_factory, tiny_model_dir, medusa_dir):
+    from kiln.optimize.build import build_engine
+
+    out = tmp_path_factory.mktemp("medusa-engine") / "engine"
+    build_engine(tiny_model_dir, out, BuildOptions(medusa=medusa_dir), progress=lambda _m: None)
+    return out
+
+
+def torch_reference(tiny_model_dir, medusa_dir, tokens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(logits [T, V], heads' logits [T, K, V]) of the torch reference model and the torch heads."""
+    from kiln.calibration.collect import run_layers
+    from kiln.calibration.medusa_data import lm_head_weight
+    from kiln.calibration.medusa_heads import MedusaArtifact
+    from kiln.export.checkpoint import load_checkpoint
+    from kiln.export.reference import ReferenceModel
+
+    model = ReferenceModel.from_checkpoint(load_checkpoint(tiny_model_dir))
+    heads = MedusaArtifact.load(medusa_dir).heads()
+    ids = torch.tensor([tokens])
+    with torch.no_grad():
+        x = model.model.norm(run_layers(model, ids, torch.arange(len(tokens))[None]))[0]
+        head = lm_head_weight(model)
+        return x @ head.T, heads.logits(x, head)
+
+
+def test_medusa_logits_match_the_torch_heads(medusa_engine, tiny_model_dir, medusa_dir):
+    manifest = read_manifest(medusa_engine)
+    assert manifest.medusa is not None and manifest.medusa.num_heads == 3
+    assert contract.MEDUSA_INDICES in manifest.graph_inputs and contract.MEDUSA_LOGITS in manifest.graph_outputs
+    logits_ref, heads_ref = torch_reference(tiny_model_dir, medusa_dir, PROMPT)
+    driver = PagedDriver(medusa_engine / "model.onnx", threads=1, num_blocks=16)
+    assert driver.runner.num_medusa_heads == 3
+    first = driver.step_medusa([(0, PROMPT[:25])], all_rows=True)  # a prefill chunk, then the rest
+    rest = driver.step_medusa([(0, PROMPT[25:])], all_rows=True)
+    logits = np.concatenate([first.logits, rest.logits])
+    heads = np.concatenate([first.medusa_logits, rest.medusa_logits])
+    assert heads.shape == (len(PROMPT), 3, logits.shape[-1])
+    np.testing.assert_allclose(logits, logits_ref.numpy(), atol=1e-3, rtol=0)
+    np.testing.assert_allclose(heads, heads_ref.numpy(), atol=1e-3, rtol=0)
+    # the heads differ from the LM head and from each other: a graph that dropped them would fail above
+    assert np.abs(heads - logits[:, None]).max() > 0.1
+
+
+def test_medusa_rows_are_their_own_input(medusa_engine, tiny_model_dir, medusa_dir):
+    logits_ref, heads_ref = torch_reference(tiny_model_dir, medusa_dir, PROMPT[:12])
+    driver = PagedDriver(medusa_engine / "model.onnx", threads=1, num_blocks=16)
+    out = driver.step_medusa([(0, PROMPT[:12])], all_rows=False, medusa_rows=[3, 11, 7])
+    np.testing.assert_allclose(out.logits, logits_ref[-1:].numpy(), atol=1e-3, rtol=0)
+    np.testing.assert_allclose(out.medusa_logits, heads_ref[[3, 11, 7]].numpy(), atol=1e-3, rtol=0)
+    # no Medusa rows: the step is an ordinary one
+    none = PagedDriver(medusa_engine / "model.onnx", threads=1, num_blocks=16).step_medusa(
+        [(0, PROMPT[:12])], medusa_rows=[])
+    assert none.medusa_logits.shape == (0, 3, out.logits.shape[-1])
+    np.testing.assert_allclose(none.logits, out.logits, atol=1e-5, rtol=0)
+
+
+def test_engine_without_heads_is_unchanged(tiny_engine, medusa_engine):
+    plain = read_manifest(tiny_engine)
+    assert plain.medusa is None and plain.build.medusa is None
+    assert contract.MEDUSA_INDICES not in plain.graph_inputs
+    driver = PagedDriver(tiny_engine / "model.onnx", threads=1, num_blocks=16)
+    assert driver.runner.num_medusa_heads == 0
+    out = driver.step_medusa([(0, PROMPT[:12])], medusa_rows=[])
+    assert out.medusa_logits is None
+    with pytest.raises(ValueError, match="no Medusa heads"):
+        driver.step_medusa([(0, PROMPT[12:14])], medusa_rows=[0])
+    with_heads = PagedDriver(medusa_engine / "model.onnx", threads=1, num_blocks=16).step([(0, PROMPT[:12])])
+    np.testing.assert_allclose(with_heads, out.logits, atol=1e-5, rtol=0)
+
+
+def quantized(engine, out_dir, scheme: str):
+    model = ir.load(engine / "model.onnx")
+    count = quantize_model(model, QuantScheme.parse(scheme))
+    out_dir.mkdir()
+    ir.save(model, out_dir / "model.onnx", external_data="model.onnx.data")
+    return out_dir / "model.onnx", count
+
+
+def rel_error(got: np.ndarray, want: np.ndarray) -> float:
+    return float(np.abs(got - want).max() / np.abs(want).max())
+
+
+@pytest.mark.parametrize("scheme", ["int8-weight-only", "int4-rtn-g32", "int4-q4_1", "w8a8-smoothquant"])
+def test_quantized_engine_with_heads(tiny_engine, medusa_engine, tmp_path, scheme):
+    """Every weight scheme quantizes the heads' fused linear with the rest; the logits rows are exactly those
+    of the same scheme without heads, and the heads' logits stray from fp32 no more than the logits do."""
+    path, count = quantized(medusa_engine, tmp_path / "heads", scheme)
+    assert count == 2 * 4 + 1 + 1  # per layer fused qkv, o, fused gate/up, down; the LM head; the heads' linear
+    plain_path, _ = quantized(tiny_engine, tmp_path / "plain", scheme)
+    fp32 = PagedDriver(medusa_engine / "model.onnx", threads=1, num_blocks=16).step_medusa([(0, PROMPT)], True)
+    out = PagedDriver(path, threads=1, num_blocks=16).step_medusa([(0, PROMPT)], True)
+    plain = PagedDriver(plain_path, threads=1, num_blocks=16).step([(0, PROMPT)], True)
+    np.testing.assert_allclose(out.logits, plain, atol=1e-4 * np.abs(plain).max(), rtol=0)
+    assert rel_error(out.medusa_logits, fp32.medusa_logits) < 2 * rel_error(out.logits, fp32.logits) + 0.02
+
+
+def test_build_refuses_heads_of_another_model(tmp_path, medusa_dir):
+    from helpers import make_tiny_hf_model
+
+    from kiln.optimize.build import BuildError, build_engine
+
+    other = make_tiny_hf_model(tmp_path / "other", family="llama", seed=7)
+    with pytest.raises(BuildError, match="fingerprints differ"):
+        build_engine(other, tmp_path / "engine", BuildOptions(medusa=medusa_dir), progress=lambda _m: None)
+    with pytest.raises(BuildError, match="not a Medusa heads directory"):
+        build_engine(other, tmp_path / "engine", BuildOptions(medusa=tmp_path), progress=lambda _m: None)

@@ -1,0 +1,151 @@
+"""Medusa heads, build-time side: self-distillation data from the torch reference, training on a tiny
+model, scoring, the artifact, and the manifest's record of the heads (old manifests still load)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+from helpers import make_tiny_hf_model
+from medusa_fixtures import tiny_text
+
+from kiln.calibration.medusa_data import Continuations, greedy_states
+from kiln.calibration.medusa_heads import MedusaArtifact, MedusaError, MedusaHeads
+from kiln.calibration.medusa_train import IGNORE, MedusaConfig, rows_and_labels, score, train_heads, train_medusa
+from kiln.errors import InvalidParamError
+from kiln.export.checkpoint import load_checkpoint
+from kiln.export.reference import ReferenceModel
+from kiln.manifest import BuildOptions, Manifest
+from kiln.medusa import MedusaSpec
+
+FAST = MedusaConfig(num_heads=2, text_prompts=4, chat_prompts=4, prompt_tokens=16, new_tokens=12, epochs=3,
+                    batch_rows=32)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return load_checkpoint(make_tiny_hf_model(tmp_path_factory.mktemp("tiny"), family="mistral", sliding_window=8))
+
+
+@pytest.fixture(scope="module")
+def artifact(checkpoint):
+    return train_medusa(checkpoint, tiny_text(), FAST)
+
+
+def test_greedy_states_are_the_reference_models(checkpoint):
+    """Cached, left-padded, sliding-window generation gives the reference's own greedy tokens and states."""
+    from kiln.calibration.collect import run_layers
+
+    model = ReferenceModel.from_checkpoint(checkpoint)
+    prompts = [[5, 6, 7, 8, 9, 10, 11], [20, 21, 22], [40] * 12]
+    out = greedy_states(model, prompts, 10)
+    for b, prompt in enumerate(prompts):
+        ids = torch.tensor([prompt + out.tokens[b].tolist()])
+        positions = torch.arange(ids.shape[1])[None]
+        with torch.no_grad():
+            assert model(ids, positions)[0, len(prompt) - 1:-1].argmax(-1).tolist() == out.tokens[b].tolist()
+            states = run_layers(model, ids, positions)[0, len(prompt) - 1:-1]
+        torch.testing.assert_close(out.states[b], states, atol=1e-4, rtol=0)
+
+
+def test_labels_are_the_tokens_i_steps_ahead_and_stop_at_the_end():
+    tokens = torch.tensor([[10, 11, 12, 13, 14], [20, 21, 22, 23, 24]])
+    c = Continuations(torch.randn(2, 5, 4), tokens, torch.tensor([5, 3]))  # row 1 ends at its 3rd token
+
+    class Model:  # rows_and_labels reads the final norm only
+        class model:  # noqa: N801
+            norm = staticmethod(lambda x: x)
+
+    x, labels = rows_and_labels([c], Model, num_heads=2)
+    assert x.shape == (8, 4)
+    assert labels.tolist() == [[11, 12], [12, 13], [13, 14], [14, IGNORE], [IGNORE, IGNORE],
+                               [21, 22], [22, IGNORE], [IGNORE, IGNORE]]
+
+
+def test_score_counts_a_chain_up_to_its_first_miss():
+    heads = MedusaHeads(2, 4)  # zero: each head says what the "LM head" (identity) says
+    x = torch.eye(4)  # row r predicts token r with every head
+    labels = torch.tensor([[0, 0], [1, 9], [9, 2], [3, IGNORE]])
+    result = score(heads, x, labels, torch.eye(4))
+    assert result["top1_accuracy"] == [pytest.approx(3 / 4, abs=1e-4), pytest.approx(2 / 3, abs=1e-4)]
+    assert result["chain_rows"] == 3
+    assert result["mean_accepted_tokens"] == pytest.approx(1 + (2 + 1 + 0) / 3, abs=1e-4)
+
+
+def test_training_fits_the_heads_and_is_deterministic(checkpoint, artifact):
+    info = artifact.info
+    assert info["num_heads"] == 2 and info["hidden_size"] == checkpoint.spec.hidden_size
+    assert info["model_fingerprint"] == checkpoint.fingerprint()
+    assert info["data"]["train_prompts"] == 7 and info["data"]["heldout_prompts"] == 1
+    assert info["epoch_losses"][-1] < info["epoch_losses"][0]
+    for split in ("train", "heldout", "chat"):
+        assert len(info[split]["top1_accuracy"]) == 2 and 1 <= info[split]["mean_accepted_tokens"] <= 3
+    # the same rows and seed give the same heads; zero heads (the LM head) score worse on what they trained on
+    model = ReferenceModel.from_checkpoint(checkpoint)
+    continuations = greedy_states(model, [[5, 6, 7, 8], [9, 10, 11, 12, 13]], 12)
+    x, labels = rows_and_labels([continuations], model, 2)
+    config = dataclasses.replace(FAST, epochs=10, batch_rows=8, learning_rate=1e-2)
+    head = model.model.embed_tokens.weight
+    first, _ = train_heads(x, labels, head, config, lambda _m: None)
+    second, _ = train_heads(x, labels, head, config, lambda _m: None)
+    assert torch.equal(first.weight, second.weight) and torch.equal(first.bias, second.bias)
+
+    def loss(heads: MedusaHeads) -> float:
+        logits = heads.logits(x, head)
+        return float(F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=IGNORE))
+
+    assert loss(first) < 0.9 * loss(MedusaHeads(2, x.shape[1]))
+
+
+def test_artifact_round_trip_and_refusals(artifact, checkpoint, tmp_path):
+    out = artifact.save(tmp_path / "heads")
+    loaded = MedusaArtifact.load(out)
+    assert loaded.info == json.loads(json.dumps(artifact.info))
+    for name, tensor in artifact.tensors.items():
+        assert torch.equal(loaded.tensors[name], tensor)
+    loaded.check_model(checkpoint)
+    assert loaded.spec() == MedusaSpec(2, checkpoint.spec.hidden_size,
+                                       tuple(artifact.info["heldout"]["top1_accuracy"]))
+    weights, biases = loaded.arrays()
+    assert weights.shape == (2, checkpoint.spec.hidden_size, checkpoint.spec.hidden_size)
+    assert biases.shape == (2, checkpoint.spec.hidden_size)
+
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "notes.txt").write_text("x")
+    with pytest.raises(MedusaError, match="refusing to overwrite"):
+        artifact.save(tmp_path / "other")
+    with pytest.raises(MedusaError, match="not a Medusa heads directory"):
+        MedusaArtifact.load(tmp_path / "other")
+    info = json.loads((out / "medusa.json").read_text())
+    (out / "medusa.json").write_text(json.dumps({**info, "format": 99}))
+    with pytest.raises(MedusaError, match="format 99"):
+        MedusaArtifact.load(out)
+    other = load_checkpoint(make_tiny_hf_model(tmp_path / "m", family="llama", seed=3))
+    with pytest.raises(MedusaError, match="fingerprints differ"):
+        loaded.check_model(other)
+
+
+def test_config_names_a_bad_field():
+    with pytest.raises(InvalidParamError, match="num_heads must be a positive integer"):
+        MedusaConfig(num_heads=0)
+    with pytest.raises(InvalidParamError, match="new_tokens must be more than num_heads"):
+        MedusaConfig(num_heads=4, new_tokens=4)
+
+
+def test_manifest_records_the_heads_and_old_manifests_load(checkpoint, tmp_path):
+    spec = MedusaSpec(3, checkpoint.spec.hidden_size, (0.6, 0.4, 0.3))
+    manifest = Manifest(spec=checkpoint.spec, build=BuildOptions(max_seq_len=2048, medusa=tmp_path), backend="onnxruntime-cpu",
+                        graph_inputs=("input_ids",), graph_outputs=("logits", "medusa_logits"), medusa=spec)
+    again = Manifest.from_json(manifest.to_json())
+    assert again == manifest and again.medusa == spec and again.build.medusa == tmp_path
+    old = json.loads(manifest.to_json())
+    del old["medusa"], old["build"]["medusa"]  # what kiln wrote before Medusa heads
+    legacy = Manifest.from_json(json.dumps(old))
+    assert legacy.medusa is None and legacy.build.medusa is None
+    with pytest.raises(InvalidParamError, match="num_heads"):
+        MedusaSpec(0, 64)
+    with pytest.raises(InvalidParamError, match="top1_accuracy"):
+        MedusaSpec(2, 64, (0.5,))
