@@ -3,27 +3,15 @@
 from __future__ import annotations
 
 import json
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from jinja2 import Template
 from jinja2.exceptions import TemplateError
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
 
+from kiln.chat_template import ChatTemplate
 from kiln.errors import InvalidParamError
 from kiln.runtime.detokenizer import ChatMessage
-
-
-def _raise_exception(message: str) -> None:
-    raise TemplateError(message)
-
-
-def _token_text(value: str | dict[str, str] | None) -> str | None:
-    if isinstance(value, dict):  # {"content": "<|im_end|>", ...}
-        return value.get("content")
-    return value
 
 
 class Tokenizer:
@@ -32,14 +20,9 @@ class Tokenizer:
         self._tok = HFTokenizer.from_file(str(engine_dir / "tokenizer.json"))
         config_path = engine_dir / "tokenizer_config.json"
         self.config: dict[str, Any] = json.loads(config_path.read_text()) if config_path.is_file() else {}
-        self.bos_token = _token_text(self.config.get("bos_token"))
-        self.eos_token = _token_text(self.config.get("eos_token"))
-        template = self.config.get("chat_template")
-        if isinstance(template, list):  # [{"name": "default", "template": ...}, ...]
-            named = {t["name"]: t["template"] for t in template}
-            template = named.get("default") or next(iter(named.values()), None)
-        self.chat_template: str | None = template
-        self._compiled: Template | None = None
+        self._chat = ChatTemplate(self.config)
+        self.bos_token, self.eos_token = self._chat.bos_token, self._chat.eos_token
+        self.chat_template: str | None = self._chat.template
 
     @property
     def vocab_size(self) -> int:
@@ -62,16 +45,7 @@ class Tokenizer:
         if not self.chat_template:
             raise InvalidParamError("this engine's tokenizer_config.json has no chat_template; pass a plain prompt",
                                     "messages")
-        if self._compiled is None:
-            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-            env.globals["raise_exception"] = _raise_exception
-            env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-            env.filters["tojson"] = lambda x, indent=None: json.dumps(x, ensure_ascii=False, indent=indent)
-            self._compiled = env.from_string(self.chat_template)
         try:
-            return self._compiled.render(
-                messages=messages, add_generation_prompt=add_generation_prompt,
-                bos_token=self.bos_token or "", eos_token=self.eos_token or "", tools=None,
-            )
+            return self._chat.render(messages, add_generation_prompt)
         except TemplateError as exc:
             raise InvalidParamError(f"chat template rejected the messages: {exc}", "messages") from exc
