@@ -17,6 +17,7 @@ from . import corpus as text_corpus
 from .artifact import METHODS, CalibrationArtifact, CalibrationError, apply_artifact
 from .collect import collect, token_windows
 from .smoothing import smooth_groups
+from .windows import domain_windows
 
 Progress = Callable[[str], None]
 
@@ -88,7 +89,7 @@ def corpus_windows(checkpoint, config: CalibrationConfig,
         domains = [d for d in text_corpus.DOMAINS if d != "chat" or template.template is not None]
         counts = [config.num_windows // len(domains) + (i < config.num_windows % len(domains))
                   for i in range(len(domains))]
-        per_domain = [text_corpus.domain_windows(d, "calibration", encode, config.window, n, template)
+        per_domain = [domain_windows(d, "calibration", encode, config.window, n, template)
                       for d, n in zip(domains, counts, strict=True) if n]
         sources = text_corpus.source_records(tuple(domains))
     if not any(d.windows for d in per_domain):

@@ -240,6 +240,7 @@ def _domain_windows(session: EngineSession, options: EvalOptions) -> tuple[str, 
     from kiln.chat_template import ChatTemplate
 
     from . import corpus
+    from .windows import domain_windows
 
     if options.text_file is not None:
         text = options.text_file.read_text(encoding="utf-8")
@@ -255,7 +256,7 @@ def _domain_windows(session: EngineSession, options: EvalOptions) -> tuple[str, 
     template = ChatTemplate(json.loads(p.read_text()) if (p := session.engine_dir / "tokenizer_config.json").is_file()
                             else {})
     domains = tuple(d for d in corpus.DOMAINS if d != "chat" or template.template is not None)
-    per_domain = [corpus.domain_windows(d, options.split, session.encode, options.window, options.num_windows,
+    per_domain = [domain_windows(d, options.split, session.encode, options.window, options.num_windows,
                                         template) for d in domains]
     prose = next(d for d in corpus.documents() if d.domain == "prose" and d.split == options.split)
     manifest = corpus.manifest(options.split, options.window, per_domain, corpus.source_records(domains))

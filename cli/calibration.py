@@ -35,7 +35,7 @@ def calibrate(model: str, method: str, output: Path, alpha: float | None, group_
     """Collect activation statistics of MODEL on the corpus's calibration split (prose, technical, code and
     chat windows in equal shares) or on --calibration-text, and write scales to OUTPUT."""
     from kiln.calibration.calibrate import CalibrationConfig, calibrate_windows, corpus_windows
-    from kiln.calibration.corpus import CorpusNotFound
+    from kiln.calibration.debian import CorpusNotFound
     from kiln.export.checkpoint import load_checkpoint
 
     config = CalibrationConfig(method, windows, window_tokens, alpha=alpha, group_size=int(group_size),
@@ -69,7 +69,7 @@ def evaluate(engine_dir: Path, reference: Path | None, windows: int, window_toke
              text_file: Path | None, split: str) -> None:
     """Perplexity per domain (prose, technical, code, chat) on the corpus's evaluation split, greedy
     agreement with --reference, decode tok/s, size."""
-    from kiln.calibration.corpus import CorpusNotFound
+    from kiln.calibration.debian import CorpusNotFound
     from kiln.calibration.evaluate import EvalOptions
     from kiln.calibration.evaluate import evaluate as run
 

@@ -137,8 +137,9 @@ def test_kiln_eval_report_against_another_model(tiny_engine, tiny_model_dir, tor
     from click.testing import CliRunner
     from helpers import make_tiny_hf_model
 
-    from kiln.calibration.corpus import DOMAINS, domain_windows, evaluation_text, token_digest
+    from kiln.calibration.corpus import DOMAINS, evaluation_text, token_digest
     from kiln.calibration.evaluate import CHAT_QUESTIONS
+    from kiln.calibration.windows import domain_windows
     from kiln.cli import main
     from kiln.optimize.build import build_engine
 

@@ -12,6 +12,7 @@ from helpers import TINY_CHAT_TEMPLATE, make_tiny_hf_model
 from kiln.calibration import chat_mix, corpus
 from kiln.calibration.artifact import CalibrationArtifact
 from kiln.calibration.calibrate import CalibrationConfig, calibrate_windows, corpus_windows
+from kiln.calibration.windows import domain_windows
 from kiln.chat_template import ChatTemplate
 from kiln.errors import InvalidParamError
 from kiln.export.checkpoint import load_checkpoint
@@ -50,7 +51,7 @@ def test_every_domain_has_every_split_and_the_evaluation_split_is_large_enough()
         for split in corpus.SPLITS:
             assert any(d.domain == domain and d.split == split for d in docs), (domain, split)
     for domain in corpus.DOMAINS:  # >= 16 windows of 512 tokens: 8k tokens even at ~4 bytes a token
-        windows = corpus.domain_windows(domain, "evaluation", _encode, 2048, 16, TEMPLATE).windows
+        windows = domain_windows(domain, "evaluation", _encode, 2048, 16, TEMPLATE).windows
         assert len(windows) == 16, domain
 
 
@@ -73,7 +74,7 @@ def test_calibration_validation_and_evaluation_splits_are_disjoint():
     assert not text["validation"] & (text["calibration"] | text["evaluation"])
     # the windows, chat included, come from disjoint documents too
     for domain in corpus.DOMAINS:
-        used = {s: set(corpus.domain_windows(domain, s, _encode, 512, 8, TEMPLATE).documents) for s in corpus.SPLITS}
+        used = {s: set(domain_windows(domain, s, _encode, 512, 8, TEMPLATE).documents) for s in corpus.SPLITS}
         assert used["evaluation"] and used["calibration"]
         assert not used["evaluation"] & (used["calibration"] | used["validation"]), domain
         assert not used["calibration"] & used["validation"], domain
@@ -83,15 +84,15 @@ def test_calibration_validation_and_evaluation_splits_are_disjoint():
 def test_corpus_windows_are_deterministic():
     _corpus_or_skip()
     for domain in corpus.DOMAINS:
-        a = corpus.domain_windows(domain, "calibration", _encode, 1024, 8, TEMPLATE)
-        b = corpus.domain_windows(domain, "calibration", _encode, 1024, 8, TEMPLATE)
+        a = domain_windows(domain, "calibration", _encode, 1024, 8, TEMPLATE)
+        b = domain_windows(domain, "calibration", _encode, 1024, 8, TEMPLATE)
         assert len(a.windows) == 8 and all(len(w) == 1024 for w in a.windows)
         assert a == b and corpus.token_digest(a.windows) == corpus.token_digest(b.windows)
         assert len(set(a.documents)) > 1, domain  # the passage order mixes documents from the first windows on
     # the windows are the start of the fixed passage stream, cut without overlap
     stream = [p.text + "\n\n" for p in corpus.split_passages("prose", "calibration")]
     ids = _encode("".join(stream[:20]))
-    windows = corpus.domain_windows("prose", "calibration", _encode, 256, 6).windows
+    windows = domain_windows("prose", "calibration", _encode, 256, 6).windows
     assert windows == [ids[i * 256:(i + 1) * 256] for i in range(6)]
 
 
@@ -108,9 +109,9 @@ def test_chat_domain_renders_faq_questions_and_continuations_with_the_template()
     text = TEMPLATE.render(convs[0].messages, add_generation_prompt=False)
     assert "<|im_start|>user" in text and "<|im_start|>assistant" in text
     with pytest.raises(InvalidParamError, match="chat template"):
-        corpus.domain_windows("chat", "evaluation", _encode, 64, 1, ChatTemplate({}))
+        domain_windows("chat", "evaluation", _encode, 64, 1, ChatTemplate({}))
     with pytest.raises(InvalidParamError, match="unknown corpus split"):
-        corpus.domain_windows("prose", "test", _encode, 64, 1)
+        domain_windows("prose", "test", _encode, 64, 1)
 
 
 def test_missing_source_names_the_install_step(tmp_path, monkeypatch):
@@ -160,3 +161,11 @@ def test_calibration_text_file_or_dir_replaces_the_corpus(tmp_path):
     (own / "c.bin").write_bytes(b"\xff\xfe\x00")
     with pytest.raises(InvalidParamError, match="not UTF-8"):
         corpus_windows(ck, config, own)
+
+
+def test_eval_options_name_the_split():
+    from kiln.calibration.evaluate import EvalOptions
+
+    assert EvalOptions(split="validation").split == "validation"
+    with pytest.raises(InvalidParamError, match="split must be one of"):
+        EvalOptions(split="test")
