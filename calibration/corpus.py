@@ -31,6 +31,7 @@ import hashlib
 import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from functools import cache
 from pathlib import Path
 
 from kiln.errors import InvalidParamError
@@ -82,7 +83,12 @@ def load_book(name: str) -> str:
     """One Austen novel as plain text: one line per paragraph, paragraphs separated by a blank line."""
     if name not in BOOKS:
         raise ValueError(f"unknown book {name!r}; the corpus has {BOOKS}")
-    return read_book(_data_dir(), name)
+    return _book(_data_dir(), name)
+
+
+@cache
+def _book(data: Path, name: str) -> str:
+    return read_book(data, name)
 
 
 def calibration_text() -> str:
@@ -93,12 +99,19 @@ def evaluation_text() -> str:
     return load_book(EVALUATION_BOOK)
 
 
+@cache
+def _read(path: Path) -> str:
+    """A source file's text (gunzipped if .gz), read once per process: the splits re-read every document."""
+    raw = path.read_bytes()
+    return (gzip.decompress(raw) if path.suffix == ".gz" else raw).decode("utf-8")
+
+
 def _gz_text(source: DebianSource, path: str) -> Callable[[], str]:
-    return lambda: gzip.decompress((source.root() / path).read_bytes()).decode("utf-8")
+    return lambda: _read(source.root() / path)
 
 
 def _plain_text(source: DebianSource, path: str) -> Callable[[], str]:
-    return lambda: (source.root() / path).read_text(encoding="utf-8")
+    return lambda: _read(source.root() / path)
 
 
 def _devil() -> str:
