@@ -169,3 +169,22 @@ def test_eval_options_name_the_split():
     assert EvalOptions(split="validation").split == "validation"
     with pytest.raises(InvalidParamError, match="split must be one of"):
         EvalOptions(split="test")
+
+
+def test_debian_sources_come_from_the_cache_with_their_recorded_version(tmp_path, monkeypatch):
+    from kiln.calibration import debian
+
+    monkeypatch.setenv("KILN_CACHE_DIR", str(tmp_path))
+    source = debian.DebianSource("kiln-test-pkg", "usr/share/doc/kiln-test-pkg/text", "CC0-1.0")
+    fetched = []
+    monkeypatch.setattr(debian, "_download", lambda packages: fetched.append(packages))
+    with pytest.raises(debian.CorpusNotFound, match="kiln-test-pkg"):
+        debian.fetch([source])  # the (stubbed) download put nothing there
+    assert fetched == [["kiln-test-pkg"]]
+    root = tmp_path / "corpus" / "kiln-test-pkg"
+    (root / source.probe).parent.mkdir(parents=True)
+    (root / source.probe).write_text("text")
+    (root / debian.SOURCE_FILE).write_text(json.dumps({"version": "1.0-1", "deb_sha256": "ab" * 32}))
+    assert debian.fetch([source]) == [root] and len(fetched) == 1  # cached: nothing downloaded
+    assert source.record() == {"package": "kiln-test-pkg", "licence": "CC0-1.0", "version": "1.0-1",
+                               "deb_sha256": "ab" * 32}
