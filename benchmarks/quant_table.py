@@ -70,6 +70,8 @@ def main(argv: list[str] | None = None) -> None:
     reports = []
     for path in args.reports:
         text = path.read_text()
+        if "{" not in text:
+            raise SystemExit(f"quant_table: {path} holds no `kiln eval` report")
         reports.append(json.loads(text[text.index("{"):]))
     sys.stdout.write(table(reports))
 

@@ -46,3 +46,10 @@ def test_reports_on_other_windows_are_refused():
                            _report("int4-q4_1", "float32", {"prose": 40.1}, digest="x")])
     with pytest.raises(SystemExit, match="exactly one fp32"):
         quant_table.table([_report("int4-q4_1", "float32", {"prose": 40.1})])
+
+
+def test_an_empty_report_file_is_named(tmp_path):
+    empty = tmp_path / "empty.json"
+    empty.write_text("")
+    with pytest.raises(SystemExit, match="empty.json holds no"):
+        quant_table.main([str(empty)])
