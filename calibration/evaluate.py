@@ -1,10 +1,11 @@
-"""``kiln eval ENGINE``: perplexity on the evaluation split, greedy agreement with a reference
-(fp32) engine, decode speed and engine size.
+"""``kiln eval ENGINE``: perplexity per domain on the corpus's evaluation split, greedy agreement with a
+reference (fp32) engine, decode speed and engine size.
 
 The engine runs through kiln.runtime's ONNX Runtime model runner (the same session, op library
 and in-place KV pools as serving), one sequence at a time:
-  * perplexity: non-overlapping windows of the evaluation book, each a fresh sequence from
-    position 0, prefilled in chunks with logits on every row;
+  * perplexity per domain (prose, technical, code, chat; corpus.py): non-overlapping windows of
+    the split's text, each a fresh sequence from position 0, prefilled in chunks with logits on
+    every row (or windows of one text file, reported as the domain "text");
   * greedy agreement: the reference engine continues each fixed prompt greedily; the engine
     under test is teacher-forced on that continuation and its argmax compared token by token;
   * decode tok/s: single-stream, one token per step after a short prompt (median step time);
@@ -82,19 +83,24 @@ def _nll(logits: np.ndarray, targets: np.ndarray) -> np.ndarray:
 def perplexity(session: EngineSession, token_ids: list[int], window: int = 512, num_windows: int = 8,
                progress: Progress | None = None) -> tuple[float, int]:
     """(perplexity, number of predicted tokens) over the first num_windows windows."""
-    total, count = 0.0, 0
     n = min(num_windows, len(token_ids) // window)
     if n == 0:
         raise InvalidParamError(f"the text has {len(token_ids)} tokens, not one window of {window}; use a longer "
                                 f"text or fewer window tokens", "window")
-    for w in range(n):
-        tokens = token_ids[w * window:(w + 1) * window]
+    return windows_perplexity(session, [token_ids[w * window:(w + 1) * window] for w in range(n)], progress)
+
+
+def windows_perplexity(session: EngineSession, windows: list[list[int]], progress: Progress | None = None,
+                       label: str = "perplexity") -> tuple[float, int]:
+    """(perplexity, number of predicted tokens) over windows, each a fresh sequence from position 0."""
+    total, count = 0.0, 0
+    for w, tokens in enumerate(windows):
         logits = session.prefill(tokens)
         nll = _nll(logits[:-1], np.asarray(tokens[1:]))
         total += float(nll.sum())
         count += len(nll)
         if progress:
-            progress(f"perplexity window {w + 1}/{n}: running ppl {np.exp(total / count):.3f}")
+            progress(f"{label} window {w + 1}/{len(windows)}: running ppl {np.exp(total / count):.3f}")
     return float(np.exp(total / count)), count
 
 
@@ -191,9 +197,9 @@ class EvalReport:
     engine: str
     quantization: str
     kv_dtype: str
-    text: str  # what the perplexity and the agreement prompts were measured on
-    perplexity: float
-    eval_tokens: int
+    text: str  # what the perplexity and the agreement prompts were measured on: a corpus split or a file
+    perplexity: dict[str, float]  # per domain (prose, technical, code, chat), or {"text": ...} for --text
+    eval_tokens: dict[str, int]  # predicted tokens per domain
     greedy_agreement: float | None  # vs the reference engine; None without one
     decode_tok_s: float
     engine_mb: float
@@ -201,6 +207,7 @@ class EvalReport:
     # of those, answers the reference engine also loops on once put on the same first divergent token
     degenerate_in_reference_too: int | None
     chat: list[dict]
+    corpus: dict  # the windows' manifest (corpus.manifest): sources, documents, token digests
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2)
@@ -209,29 +216,61 @@ class EvalReport:
 @dataclass(frozen=True)
 class EvalOptions:
     """What `kiln eval` measures on: the reference engine (for greedy agreement; None to skip it), the
-    perplexity windows, the onnxruntime threads (None: all cores), and the text (None: the evaluation split)."""
+    perplexity windows per domain, the onnxruntime threads (None: all cores), the text (None: the
+    corpus's domains) and the corpus split (evaluation; validation when choosing a method)."""
 
     reference_dir: Path | None = None
-    num_windows: int = 16
+    num_windows: int = 16  # per domain: 16 x 511 predicted tokens = 8k
     window: int = 512  # tokens per perplexity window
     threads: int | None = None
     text_file: Path | None = None
+    split: str = "evaluation"
 
     def __post_init__(self) -> None:
+        from .corpus import SPLITS
+
+        require(self.split in SPLITS, "split", f"one of {SPLITS}", self.split)
         require(self.num_windows >= 1, "num_windows", "at least 1", self.num_windows)
         require(self.window >= 2, "window", "at least 2 tokens (one to predict from, one predicted)", self.window)
         require(self.threads is None or self.threads >= 1, "threads", "None or >= 1", self.threads)
 
 
-def evaluate(engine_dir: str | Path, options: EvalOptions, progress: Progress | None = None) -> EvalReport:
-    """The report on the evaluation split, or on the text of options.text_file (another domain)."""
-    from .corpus import EVALUATION_BOOK, evaluation_text
+def _domain_windows(session: EngineSession, options: EvalOptions) -> tuple[str, str, list, dict]:
+    """(what was measured, the prompts' text, [DomainWindows], manifest) for the options."""
+    from kiln.chat_template import ChatTemplate
 
-    text_file, threads = options.text_file, options.threads
-    text = text_file.read_text(encoding="utf-8") if text_file else evaluation_text()
-    source = str(text_file) if text_file else f"janeaustenr:{EVALUATION_BOOK}"
+    from . import corpus
+    from .windows import domain_windows
+
+    if options.text_file is not None:
+        text = options.text_file.read_text(encoding="utf-8")
+        ids = session.encode(text)
+        if len(ids) < options.window:
+            raise InvalidParamError(f"the text has {len(ids)} tokens, not one window of {options.window}; use a "
+                                    f"longer text or fewer window tokens", "window")
+        n = min(options.num_windows, len(ids) // options.window)
+        windows = [ids[w * options.window:(w + 1) * options.window] for w in range(n)]
+        per_domain = [corpus.DomainWindows("text", windows, [str(options.text_file)])]
+        sources = [{"package": "user", "path": str(options.text_file), "licence": "supplied by the user"}]
+        return str(options.text_file), text, per_domain, corpus.manifest("text", options.window, per_domain, sources)
+    template = ChatTemplate(json.loads(p.read_text()) if (p := session.engine_dir / "tokenizer_config.json").is_file()
+                            else {})
+    domains = tuple(d for d in corpus.DOMAINS if d != "chat" or template.template is not None)
+    per_domain = [domain_windows(d, options.split, session.encode, options.window, options.num_windows,
+                                        template) for d in domains]
+    prose = next(d for d in corpus.documents() if d.domain == "prose" and d.split == options.split)
+    manifest = corpus.manifest(options.split, options.window, per_domain, corpus.source_records(domains))
+    return f"corpus:{options.split}", prose.text, per_domain, manifest
+
+
+def evaluate(engine_dir: str | Path, options: EvalOptions, progress: Progress | None = None) -> EvalReport:
+    """The report on the corpus's domains (evaluation split), or on the text of options.text_file."""
+    threads = options.threads
     session = EngineSession(engine_dir, max_tokens=max(options.window, 1024), threads=threads)
-    ppl, count = perplexity(session, session.encode(text), options.window, options.num_windows, progress)
+    source, text, per_domain, manifest = _domain_windows(session, options)
+    ppl, counts = {}, {}
+    for d in per_domain:
+        ppl[d.domain], counts[d.domain] = windows_perplexity(session, d.windows, progress, f"{d.domain} perplexity")
     prompts = prompt_set(text, session)
     agreement = reference = None
     if options.reference_dir is not None:
@@ -244,5 +283,5 @@ def evaluate(engine_dir: str | Path, options: EvalOptions, progress: Progress | 
     in_reference = None if reference is None else trace_loops(reference, answers)
     for a in answers:
         del a["prompt_ids"], a["answer_ids"]
-    return EvalReport(str(engine_dir), build.quantization.name, build.kv_dtype, source, ppl, count, agreement, speed,
-                      size_mb, sum(a["degenerate"] for a in answers), in_reference, answers)
+    return EvalReport(str(engine_dir), build.quantization.name, build.kv_dtype, source, ppl, counts, agreement, speed,
+                      size_mb, sum(a["degenerate"] for a in answers), in_reference, answers, manifest)

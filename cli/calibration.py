@@ -35,26 +35,28 @@ def _say_above_bars(message: str) -> None:
               help="AWQ: then train the norm gains of the int4-simulated model against fp32 (KL), end to end")
 @click.option("--windows", type=int, default=16, show_default=True, help="calibration windows")
 @click.option("--window-tokens", type=int, default=512, show_default=True, help="tokens per window")
+@click.option("--calibration-text", type=click.Path(exists=True, path_type=Path), default=None,
+              help="UTF-8 FILE, or DIR of them, to calibrate on instead of the mixed corpus (your own domain)")
 def calibrate(model: str, method: str, output: Path, alpha: float | None, group_size: str, clip: bool,
-              tune_norms: bool, windows: int, window_tokens: int) -> None:
-    """Collect activation statistics of MODEL on the calibration split and write scales to OUTPUT."""
-    from kiln.calibration.calibrate import CalibrationConfig, tokenize
-    from kiln.calibration.calibrate import calibrate as run
-    from kiln.calibration.corpus import CALIBRATION_BOOK, CorpusNotFound, calibration_text
+              tune_norms: bool, windows: int, window_tokens: int, calibration_text: Path | None) -> None:
+    """Collect activation statistics of MODEL on the corpus's calibration split (prose, technical, code and
+    chat windows in equal shares) or on --calibration-text, and write scales to OUTPUT."""
+    from kiln.calibration.calibrate import CalibrationConfig, calibrate_windows, corpus_windows
+    from kiln.calibration.debian import CorpusNotFound
     from kiln.export.checkpoint import load_checkpoint
 
     config = CalibrationConfig(method, windows, window_tokens, alpha=alpha, group_size=int(group_size),
                                clip=clip, tune_norms=tune_norms)
     try:
-        text = calibration_text()
-    except CorpusNotFound as exc:
-        raise click.ClickException(str(exc)) from exc
-    try:
         checkpoint = load_checkpoint(model)
     except (FileNotFoundError, ValueError) as exc:  # the exporter names an unusable model source in one sentence
         raise click.ClickException(str(exc)) from exc
-    artifact = run(checkpoint, tokenize(checkpoint, text), config, _say_above_bars,
-                   corpus=f"janeaustenr:{CALIBRATION_BOOK}")
+    try:
+        token_windows, manifest = corpus_windows(checkpoint, config, calibration_text)
+    except CorpusNotFound as exc:
+        raise click.ClickException(str(exc)) from exc
+    _say("calibration windows: " + ", ".join(f"{d} {m['windows']}" for d, m in manifest["domains"].items()))
+    artifact = calibrate_windows(checkpoint, token_windows, config, _say_above_bars, corpus=manifest)
     _say(f"wrote {artifact.save(output)}")
 
 
@@ -62,19 +64,23 @@ def calibrate(model: str, method: str, output: Path, alpha: float | None, group_
 @click.argument("engine_dir", type=click.Path(exists=True, file_okay=False, path_type=Path))
 @click.option("--reference", type=click.Path(exists=True, file_okay=False, path_type=Path), default=None,
               help="fp32 engine of the same model, for greedy agreement")
-@click.option("--windows", type=int, default=16, show_default=True, help="evaluation windows of --window-tokens")
+@click.option("--windows", type=int, default=16, show_default=True,
+              help="perplexity windows of --window-tokens per domain")
 @click.option("--window-tokens", type=int, default=512, show_default=True)
 @click.option("--threads", type=int, default=None, help="onnxruntime intra-op threads (default: all cores)")
 @click.option("--text", "text_file", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
-              help="UTF-8 text file to measure on instead of the evaluation split (e.g. your own domain)")
+              help="UTF-8 text file to measure on instead of the corpus's domains (e.g. your own domain)")
+@click.option("--split", type=click.Choice(["evaluation", "validation"]), default="evaluation", show_default=True,
+              help="corpus split: validation is the one to choose methods and hyperparameters on")
 def evaluate(engine_dir: Path, reference: Path | None, windows: int, window_tokens: int, threads: int | None,
-             text_file: Path | None) -> None:
-    """Perplexity on the evaluation split, greedy agreement with --reference, decode tok/s, size."""
-    from kiln.calibration.corpus import CorpusNotFound
+             text_file: Path | None, split: str) -> None:
+    """Perplexity per domain (prose, technical, code, chat) on the corpus's evaluation split, greedy
+    agreement with --reference, decode tok/s, size."""
+    from kiln.calibration.debian import CorpusNotFound
     from kiln.calibration.evaluate import EvalOptions
     from kiln.calibration.evaluate import evaluate as run
 
-    options = EvalOptions(reference, windows, window_tokens, threads, text_file)
+    options = EvalOptions(reference, windows, window_tokens, threads, text_file, split)
     try:
         report = run(engine_dir, options, _say)
     except (CorpusNotFound, UnicodeDecodeError) as exc:

@@ -29,7 +29,8 @@ def train_medusa(model: str, output: Path, num_heads: int, prompts: int, new_tok
     """Train Medusa heads for MODEL on its own greedy continuations of the calibration text."""
     import torch
 
-    from kiln.calibration.corpus import CALIBRATION_BOOK, CorpusNotFound, calibration_text
+    from kiln.calibration.corpus import CALIBRATION_BOOK, calibration_text
+    from kiln.calibration.debian import CorpusNotFound
     from kiln.calibration.medusa_train import MedusaConfig
     from kiln.calibration.medusa_train import train_medusa as run
     from kiln.export.checkpoint import load_checkpoint

@@ -3,28 +3,16 @@
 from __future__ import annotations
 
 import json
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from jinja2 import Template
 from jinja2.exceptions import TemplateError
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
 
+from kiln.chat_template import ChatTemplate
 from kiln.errors import InvalidParamError
 from kiln.manifest import EngineLoadError
 from kiln.runtime.detokenizer import ChatMessage
-
-
-def _raise_exception(message: str) -> None:
-    raise TemplateError(message)
-
-
-def _token_text(value: str | dict[str, str] | None) -> str | None:
-    if isinstance(value, dict):  # {"content": "<|im_end|>", ...}
-        return value.get("content")
-    return value
 
 
 def _read_tokenizer(path: Path) -> HFTokenizer:
@@ -66,17 +54,13 @@ class Tokenizer:
         engine_dir = Path(engine_dir)
         self._tok = _read_tokenizer(engine_dir / "tokenizer.json")
         self.config = _read_config(engine_dir / "tokenizer_config.json")
-        self.bos_token = _token_text(self.config.get("bos_token"))
-        self.eos_token = _token_text(self.config.get("eos_token"))
-        template = self.config.get("chat_template")
-        if isinstance(template, list):  # [{"name": "default", "template": ...}, ...]
-            named = {t["name"]: t["template"] for t in template}
-            template = named.get("default") or next(iter(named.values()), None)
-        self.chat_template: str | None = template if chat_template is None else chat_template
-        self._compiled: Template | None = None
+        override = {} if chat_template is None else {"chat_template": chat_template}
+        self._chat = ChatTemplate({**self.config, **override})
+        self.bos_token, self.eos_token = self._chat.bos_token, self._chat.eos_token
+        self.chat_template: str | None = self._chat.template
         if chat_template is not None:
             try:  # a broken template fails at load, in one sentence, not on every chat request
-                self._compile()
+                self._chat.compile()
             except TemplateError as exc:
                 raise InvalidParamError(f"the chat template is not valid Jinja: {exc}", "chat_template") from exc
 
@@ -102,18 +86,6 @@ class Tokenizer:
             raise InvalidParamError("this engine's tokenizer_config.json has no chat_template; pass a plain prompt",
                                     "messages")
         try:
-            return self._compile().render(
-                messages=messages, add_generation_prompt=add_generation_prompt,
-                bos_token=self.bos_token or "", eos_token=self.eos_token or "", tools=None,
-            )
+            return self._chat.render(messages, add_generation_prompt)
         except TemplateError as exc:
             raise InvalidParamError(f"chat template rejected the messages: {exc}", "messages") from exc
-
-    def _compile(self) -> Template:
-        if self._compiled is None:
-            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-            env.globals["raise_exception"] = _raise_exception
-            env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-            env.filters["tojson"] = lambda x, indent=None: json.dumps(x, ensure_ascii=False, indent=indent)
-            self._compiled = env.from_string(self.chat_template or "")
-        return self._compiled

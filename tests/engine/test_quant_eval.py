@@ -137,8 +137,9 @@ def test_kiln_eval_report_against_another_model(tiny_engine, tiny_model_dir, tor
     from click.testing import CliRunner
     from helpers import make_tiny_hf_model
 
-    from kiln.calibration.corpus import evaluation_text
+    from kiln.calibration.corpus import DOMAINS, evaluation_text, token_digest
     from kiln.calibration.evaluate import CHAT_QUESTIONS
+    from kiln.calibration.windows import domain_windows
     from kiln.cli import main
     from kiln.optimize.build import build_engine
 
@@ -149,12 +150,27 @@ def test_kiln_eval_report_against_another_model(tiny_engine, tiny_model_dir, tor
                                        "--windows", "2", "--window-tokens", "64", "--threads", "1"])
     assert result.exit_code == 0, result.output
     report = json.loads(result.output[result.output.index("{"):])
-    assert report["text"] == "janeaustenr:persuasion" and report["eval_tokens"] == 2 * 63
+    assert report["text"] == "corpus:evaluation"
+    assert report["eval_tokens"] == {domain: 2 * 63 for domain in DOMAINS}
+    assert list(report["corpus"]["domains"]) == list(DOMAINS)
+
+    # each domain's windows, chat rendered by transformers' own apply_chat_template
+    class HFTemplate:
+        template = "transformers"
+
+        @staticmethod
+        def render(messages, add_generation_prompt):
+            return torch_model.tokenizer.apply_chat_template(messages, tokenize=False,
+                                                             add_generation_prompt=add_generation_prompt)
+
+    for domain in DOMAINS:
+        windows = domain_windows(domain, "evaluation", torch_model.encode, 64, 2, HFTemplate).windows
+        assert report["corpus"]["domains"][domain]["token_sha256"] == token_digest(windows)
+        expected = torch_perplexity(torch_model, [t for w in windows for t in w], 64, 2)
+        assert report["perplexity"][domain] == pytest.approx(expected, rel=1e-4), domain
 
     other = TorchModel(other_dir)
     text = evaluation_text()
-    assert report["perplexity"] == pytest.approx(torch_perplexity(torch_model, torch_model.encode(text), 64, 2),
-                                                 rel=1e-4)
     prompts = evaluate.prompt_set(text, torch_model)
     agreement = torch_agreement(torch_model, other, prompts, 32)
     assert 0 < agreement < 1  # two random models: the figure can disagree either way
@@ -211,9 +227,9 @@ def test_kiln_eval_on_a_text_file_and_a_too_short_one(tiny_engine, torch_model, 
     result = CliRunner().invoke(main, args + [str(text)])
     assert result.exit_code == 0, result.output
     report = json.loads(result.output[result.output.index("{"):])
-    assert report["text"] == str(text) and report["eval_tokens"] == 2 * 63
+    assert report["text"] == str(text) and report["eval_tokens"] == {"text": 2 * 63}
     expected = torch_perplexity(torch_model, torch_model.encode(text.read_text()), 64, 2)
-    assert report["perplexity"] == pytest.approx(expected, rel=1e-4)
+    assert report["perplexity"] == {"text": pytest.approx(expected, rel=1e-4)}
     short = tmp_path / "short.txt"
     short.write_text("Too short.")
     result = CliRunner().invoke(main, args + [str(short)])

@@ -137,8 +137,9 @@ def test_config_names_a_bad_field():
 
 def test_manifest_records_the_heads_and_old_manifests_load(checkpoint, tmp_path):
     spec = MedusaSpec(3, checkpoint.spec.hidden_size, (0.6, 0.4, 0.3))
-    manifest = Manifest(spec=checkpoint.spec, build=BuildOptions(max_seq_len=2048, medusa=tmp_path), backend="onnxruntime-cpu",
-                        graph_inputs=("input_ids",), graph_outputs=("logits", "medusa_logits"), medusa=spec)
+    manifest = Manifest(spec=checkpoint.spec, build=BuildOptions(max_seq_len=2048, medusa=tmp_path),
+                        backend="onnxruntime-cpu", graph_inputs=("input_ids",),
+                        graph_outputs=("logits", "medusa_logits"), medusa=spec)
     again = Manifest.from_json(manifest.to_json())
     assert again == manifest and again.medusa == spec and again.build.medusa == tmp_path
     old = json.loads(manifest.to_json())
