@@ -138,3 +138,28 @@ class _Stream:
 async def _empty():
     return
     yield
+
+
+async def post_completion_asgi(app, body: dict, on_message, gone: asyncio.Event) -> None:
+    """POST ``body`` to /v1/completions over raw ASGI: ``on_message`` sees every message the app sends,
+    and the client hangs up (http.disconnect) once ``gone`` is set."""
+    import json
+
+    sent = False
+
+    async def receive():
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": json.dumps(body).encode(), "more_body": False}
+        await gone.wait()
+        return {"type": "http.disconnect"}
+
+    async def send(message):
+        on_message(message)
+
+    scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": "1.1",
+             "method": "POST", "scheme": "http", "path": "/v1/completions", "raw_path": b"/v1/completions",
+             "query_string": b"", "root_path": "", "headers": [(b"content-type", b"application/json")],
+             "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 8000)}
+    await app(scope, receive, send)

@@ -4,13 +4,13 @@ whose steps take a while, so no admitted request can finish while the burst is d
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 
 import pytest
 
 pytest.importorskip("fastapi")
 from fake_runner import CharTokenizer, FakeModelRunner  # noqa: E402
+from server_fake import post_completion_asgi  # noqa: E402
 
 from kiln.runtime.async_llm import AsyncLLM  # noqa: E402
 from kiln.runtime.engine import Engine, EngineLimits  # noqa: E402
@@ -44,25 +44,11 @@ def slow_engine() -> tuple[Engine, list[str]]:
 
 async def _post(app, body: dict, statuses: list[int], gone: asyncio.Event) -> None:
     """One raw-ASGI request; its status lands in ``statuses``; the client hangs up when ``gone`` is set."""
-    sent = False
-
-    async def receive():
-        nonlocal sent
-        if not sent:
-            sent = True
-            return {"type": "http.request", "body": json.dumps(body).encode(), "more_body": False}
-        await gone.wait()
-        return {"type": "http.disconnect"}
-
-    async def send(message):
+    def on_message(message: dict) -> None:
         if message["type"] == "http.response.start":
             statuses.append(message["status"])
 
-    scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": "1.1",
-             "method": "POST", "scheme": "http", "path": "/v1/completions", "raw_path": b"/v1/completions",
-             "query_string": b"", "root_path": "", "headers": [(b"content-type", b"application/json")],
-             "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 8000)}
-    await app(scope, receive, send)
+    await post_completion_asgi(app, body, on_message, gone)
 
 
 @pytest.mark.parametrize("attempt", range(5))

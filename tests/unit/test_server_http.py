@@ -9,7 +9,7 @@ import pytest
 
 pytest.importorskip("fastapi")
 from fastapi.testclient import TestClient  # noqa: E402
-from server_fake import FakeAsyncLLM  # noqa: E402
+from server_fake import FakeAsyncLLM, post_completion_asgi  # noqa: E402
 
 from kiln.errors import InvalidParamError  # noqa: E402
 from kiln.runtime.server.app import build_app  # noqa: E402
@@ -279,30 +279,17 @@ def test_served_model_name_and_shutdown(fake):
 async def _asgi_request(app, body: dict, disconnect_after_chunks: int) -> list[bytes]:
     """Drive the app over raw ASGI; the client vanishes after receiving N body chunks."""
     gone = asyncio.Event()
-    sent = False
     chunks: list[bytes] = []
 
-    async def receive():
-        nonlocal sent
-        if not sent:
-            sent = True
-            return {"type": "http.request", "body": json.dumps(body).encode(), "more_body": False}
-        await gone.wait()
-        return {"type": "http.disconnect"}
-
-    async def send(message):
+    def on_message(message: dict) -> None:
         if message["type"] == "http.response.body" and message.get("body"):
             chunks.append(message["body"])
             if len(chunks) >= disconnect_after_chunks:
                 gone.set()
 
-    scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": "1.1",
-             "method": "POST", "scheme": "http", "path": "/v1/completions", "raw_path": b"/v1/completions",
-             "query_string": b"", "root_path": "", "headers": [(b"content-type", b"application/json")],
-             "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 8000)}
     if disconnect_after_chunks == 0:
         asyncio.get_running_loop().call_later(0.05, gone.set)
-    await asyncio.wait_for(app(scope, receive, send), timeout=10)
+    await asyncio.wait_for(post_completion_asgi(app, body, on_message, gone), timeout=10)
     return chunks
 
 
