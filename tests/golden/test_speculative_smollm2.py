@@ -22,7 +22,8 @@ from kiln.runtime.params import SpeculativeConfig
 
 pytestmark = pytest.mark.slow
 
-NEW_TOKENS = 40
+NEW_TOKENS = 32
+MAX_MODEL_LEN = 256  # prompts of ~60-130 tokens + NEW_TOKENS: lets the small pools hold one whole sequence
 TIE_GAP = 1e-3
 SYSTEM = ("You are a careful assistant. When asked to repeat, quote or edit a text, you reproduce it exactly, "
           "changing only what you are asked to change.")
@@ -77,7 +78,7 @@ def _run(engine: Engine, prompts: list[list[int]], params: SamplingParams) -> li
 @pytest.fixture(scope="module")
 def reference(smollm2_engine: Path):
     """Plain decoding's tokens and top-2 logprobs per position, and the prompts."""
-    engine = load_engine(smollm2_engine, RuntimeConfig(kv_cache_bytes=256 << 20))
+    engine = load_engine(smollm2_engine, RuntimeConfig(kv_cache_bytes=256 << 20, max_model_len=MAX_MODEL_LEN))
     prompts = _prompts(engine)
     params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=2)
     deltas: dict[str, list] = {}
@@ -109,7 +110,8 @@ NGRAM = SpeculativeConfig("ngram", num_tokens=4)
 
 @pytest.mark.parametrize("kv_bytes", [256 << 20, 12 << 20], ids=["roomy", "small-pool"])
 def test_ngram_greedy_matches_plain_decoding(smollm2_engine, reference, kv_bytes):
-    engine = load_engine(smollm2_engine, RuntimeConfig(kv_cache_bytes=kv_bytes, speculative=NGRAM))
+    engine = load_engine(smollm2_engine, RuntimeConfig(kv_cache_bytes=kv_bytes, max_model_len=MAX_MODEL_LEN,
+                                                       speculative=NGRAM))
     got = _run(engine, reference[0], GREEDY)
     _assert_same(got, reference)
     stats = engine.stats()
@@ -121,7 +123,8 @@ def test_ngram_greedy_matches_plain_decoding(smollm2_engine, reference, kv_bytes
 
 def test_draft_greedy_matches_plain_decoding(smollm2_engine, smollm2_q4_1_engine, reference):
     spec = SpeculativeConfig("draft", num_tokens=3, draft_engine=str(smollm2_q4_1_engine))
-    engine = load_engine(smollm2_engine, RuntimeConfig(kv_cache_bytes=24 << 20, speculative=spec))
+    engine = load_engine(smollm2_engine, RuntimeConfig(kv_cache_bytes=24 << 20, max_model_len=MAX_MODEL_LEN,
+                                                       speculative=spec))
     got = _run(engine, reference[0], GREEDY)
     _assert_same(got, reference)
     stats = engine.stats()
