@@ -17,7 +17,6 @@ from dataclasses import dataclass, fields
 import numpy as np
 import torch
 
-
 from kiln.paged_attention import PagedAttentionAttrs, PagedAttentionInputs
 from kiln.plugins_trt.attention import merge_splits_kernel, paged_attention_kernel
 from kiln.plugins_trt.kv_write import kv_write_kernel

@@ -8,14 +8,13 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
-from triton.language.extra import libdevice
 
 # How the pool stores K/V (a constexpr of every kernel): plain floats, or per-head quantized with a step.
 POOL_FLOAT = 0  # float32 / float16 / bfloat16: values rounded to the pool's dtype
 POOL_INT8 = 1  # clamp(round_half_even(x / step), -127, 127)
 POOL_FP8 = 2  # float8 e4m3fn of clamp(x / step, -448, 448), round to nearest even
-INT8_MAX: tl.constexpr = 127.0
-FP8_E4M3_MAX: tl.constexpr = 448.0
+INT8_MAX = 127  # the kernels spell these bounds as literals (the interpreter drops constexpr globals)
+FP8_E4M3_MAX = 448.0
 
 
 @triton.jit
@@ -73,9 +72,11 @@ def load_rotated(base_ptr, row_offsets, positions, row_mask, cos_ptr, sin_ptr,
 def quantize(x, step, POOL_KIND: tl.constexpr):
     """x [float32 tile] as the pool stores it (the caller's store casts to the pool's element type)."""
     if POOL_KIND == 1:
-        # rint is round-half-even, as numpy's and the C++ kernel's
-        return tl.clamp(libdevice.rint(x / step), -INT8_MAX, INT8_MAX).to(tl.int8)
+        # clamp, then round half to even (numpy's rint, the C++ kernel's nearbyint) by the float32 magic number
+        # 1.5 * 2^23: |y| <= 127 leaves no bits below the unit in y + 12582912, so the add rounds y exactly once
+        y = tl.minimum(tl.maximum(x / step, -127.0), 127.0)
+        return ((y + 12582912.0) - 12582912.0).to(tl.int8)
     elif POOL_KIND == 2:
-        return tl.clamp(x / step, -FP8_E4M3_MAX, FP8_E4M3_MAX).to(tl.float8e4nv)
+        return tl.minimum(tl.maximum(x / step, -448.0), 448.0).to(tl.float8e4nv)
     else:
         return x
