@@ -6,7 +6,7 @@ KILN := $(VENV)/bin/kiln
 ENGINE ?= engines/smollm2-fp32
 PROMPT ?= What is the capital of France?
 
-.PHONY: install build-engine test test-fast bench lint clean
+.PHONY: install build-engine test test-fast bench lint clean gpu-check
 
 OPS_LIB := runtime/ops/libkiln_ops.so
 
@@ -50,6 +50,11 @@ lint: install
 
 bench: install
 	$(PY) -m kiln.cli bench $(ENGINE)
+
+# On a CUDA machine with torch, triton 3.6 and pytest installed (the GPU image; no network needed, installs
+# nothing): tests/gpu and the decode-bandwidth table (gpu-bandwidth.json). tools/gpu_check.py says how.
+gpu-check:
+	$(PYTHON) tools/gpu_check.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info .cache engines $(OPS_LIB)

@@ -30,7 +30,7 @@ import triton.language as tl
 
 from kiln.plugins_trt.triton_common import last_start_at_or_before, load_rotated
 
-LOG2E: tl.constexpr = 1.4426950408889634
+LOG2E = tl.constexpr(1.4426950408889634)
 
 
 @triton.jit
