@@ -21,6 +21,11 @@ num_seqs * num_kv_heads programs would leave most SMs idle.
 
 Quantized pools (int8, fp8) are dequantized in registers: q.k is scaled by the K step of head g (one scalar
 per program) and the output by the V step, the factoring the spec states.
+
+Parameter order: tensor inputs, int32 scalars, tensor outputs (out, then the split partials), the launch ABI of
+a TensorRT AOT plugin (trt_plugin.py), whose extra arguments are int32 only: the softmax scale is the
+constexpr SCALE. The single-pass kernel compiled for TensorRT has partial_ptr and stats_ptr specialized to
+None (aot.py), so its PTX parameters are exactly the plugin's inputs, scalars and one output.
 """
 
 from __future__ import annotations
@@ -36,9 +41,9 @@ LOG2E = tl.constexpr(1.4426950408889634)
 @triton.jit
 def paged_attention_kernel(
     query_ptr, kv_cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr, kv_scale_ptr, cos_ptr, sin_ptr,
+    num_seqs, block_table_stride,
     out_ptr, partial_ptr, stats_ptr,
-    num_seqs, block_table_stride, scale,
-    NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, GROUP_PAD: tl.constexpr,
+    SCALE: tl.constexpr, NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, GROUP_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_Q: tl.constexpr, TILE: tl.constexpr, SLIDING_WINDOW: tl.constexpr,
     HALF_ROTARY: tl.constexpr, INTERLEAVED: tl.constexpr, POOL_KIND: tl.constexpr, NUM_SPLITS: tl.constexpr,
@@ -68,7 +73,7 @@ def paged_attention_kernel(
     q = load_rotated(query_ptr, q_rows, pos, row_ok, cos_ptr, sin_ptr, HEAD_DIM, HEAD_DIM_PAD, HALF_ROTARY,
                      INTERLEAVED)
 
-    qk_scale = scale * LOG2E
+    qk_scale = SCALE * LOG2E
     v_step = 1.0
     if POOL_KIND != 0:
         qk_scale = qk_scale * tl.load(kv_scale_ptr + kv_head)

@@ -5,6 +5,11 @@ block_tables[s][pos // block_size], slot pos % block_size, as kiln/paged_attenti
 pool's dtype; int8 and fp8 pools quantized with the per-head steps kv_scale[0|1][g]). Nothing else of the pool
 is touched, so the pool is updated in place; a token whose position or block is out of range writes nothing
 (the host-side checks in launcher.py refuse such inputs before a launch).
+
+Parameter order: tensor inputs, int32 scalars, tensor outputs, the launch ABI of a TensorRT AOT plugin
+(trt_plugin.py). The pool comes twice: kv_cache_ptr among the inputs and kv_cache_out_ptr as the output, one
+buffer (TensorRT aliases the plugin's output to its input; the torch launcher passes the pool twice); the
+kernel writes through the output and never reads the input.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ def kv_write_kernel(
     key_ptr, value_ptr, kv_cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr, kv_scale_ptr,
     cos_ptr, sin_ptr,
     num_seqs, num_blocks, block_table_stride,
+    kv_cache_out_ptr,
     NUM_KV_HEADS: tl.constexpr, KV_HEADS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, HALF_ROTARY: tl.constexpr, INTERLEAVED: tl.constexpr, POOL_KIND: tl.constexpr,
 ):
@@ -47,7 +53,7 @@ def kv_write_kernel(
     head_stride = BLOCK_SIZE * HEAD_DIM
     k_slots = (block.to(tl.int64) * (2 * NUM_KV_HEADS * head_stride) + heads * head_stride
                + (pos % BLOCK_SIZE) * HEAD_DIM)
-    dst = kv_cache_ptr + k_slots[:, None] + d[None, :]
-    element = kv_cache_ptr.dtype.element_ty
+    dst = kv_cache_out_ptr + k_slots[:, None] + d[None, :]
+    element = kv_cache_out_ptr.dtype.element_ty
     tl.store(dst, quantize(k, k_step[:, None], POOL_KIND).to(element), mask=mask)
     tl.store(dst + NUM_KV_HEADS * head_stride, quantize(v, v_step[:, None], POOL_KIND).to(element), mask=mask)

@@ -136,7 +136,7 @@ def paged_attention(inputs: DeviceInputs, attrs: PagedAttentionAttrs, plan: Atte
              "HALF_ROTARY": half_rotary, "INTERLEAVED": attrs.rotary_interleaved, "POOL_KIND": kind}
     kv_write_kernel[(T,)](
         inputs.key, inputs.value, pool, inputs.block_tables, inputs.seq_lens, inputs.query_start_loc, scale_t,
-        cos, sin, S, pool.shape[0], inputs.block_tables.stride(0),
+        cos, sin, S, pool.shape[0], inputs.block_tables.stride(0), pool,
         NUM_KV_HEADS=num_kv_heads, KV_HEADS_PAD=next_power_of_2(num_kv_heads), **shape,
     )
     splits = plan.num_splits
@@ -147,9 +147,10 @@ def paged_attention(inputs: DeviceInputs, attrs: PagedAttentionAttrs, plan: Atte
     scale = attrs.scale or 1.0 / float(np.sqrt(head_dim))
     paged_attention_kernel[plan.grid(T, S, num_kv_heads)](
         inputs.query, pool, inputs.block_tables, inputs.seq_lens, inputs.query_start_loc, scale_t, cos, sin,
-        out, partial, stats, S, inputs.block_tables.stride(0), scale,
-        NUM_HEADS=attrs.num_heads, NUM_KV_HEADS=num_kv_heads, GROUP_PAD=plan.group_pad, BLOCK_Q=plan.block_q,
-        TILE=plan.tile, SLIDING_WINDOW=attrs.sliding_window, NUM_SPLITS=splits, INTERPRET=interpreted(),
+        S, inputs.block_tables.stride(0), out, partial, stats,
+        SCALE=scale, NUM_HEADS=attrs.num_heads, NUM_KV_HEADS=num_kv_heads, GROUP_PAD=plan.group_pad,
+        BLOCK_Q=plan.block_q, TILE=plan.tile, SLIDING_WINDOW=attrs.sliding_window, NUM_SPLITS=splits,
+        INTERPRET=interpreted(),
         num_warps=plan.num_warps, num_stages=plan.num_stages, **shape,
     )
     if splits > 1:
