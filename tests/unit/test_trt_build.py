@@ -73,3 +73,26 @@ def test_plugins_without_tensorrt_say_so_in_one_sentence():
                             text=True, timeout=60)
     assert result.returncode != 0
     assert "kiln's TensorRT plugins need the tensorrt package (TensorRT 10.8 or newer" in result.stderr
+
+
+def test_the_runtime_refuses_a_tensorrt_engine_it_cannot_serve_in_one_sentence():
+    from kiln.manifest import EngineLoadError, Manifest, TensorRTPlan
+    from kiln.runtime.loader import check_backend
+    from kiln.runtime.trt_runner import check_plan
+
+    if importlib.util.find_spec("tensorrt") is None:
+        with pytest.raises(EngineLoadError, match=r"backend 'tensorrt' is not available in this runtime: serving it "
+                                                  r"needs a CUDA GPU with TensorRT 10 and cuda-python, and tensorrt"):
+            check_backend("tensorrt")
+    with pytest.raises(EngineLoadError, match="backend 'onnx-gpu' is not available"):
+        check_backend("onnx-gpu")
+    manifest = Manifest(spec=SPEC, build=BuildOptions(max_seq_len=512), backend="tensorrt", graph_inputs=(),
+                        graph_outputs=())
+    with pytest.raises(EngineLoadError, match="no TensorRT plan: build it on this GPU machine with"):
+        check_plan(manifest, "10.13.0", "9.0")
+    built = Manifest(**{**manifest.__dict__, "tensorrt": TensorRTPlan("10.13.0", "9.0")})
+    check_plan(built, "10.13.0", "9.0")
+    with pytest.raises(EngineLoadError, match="built with TensorRT 10.13.0, but this machine has TensorRT 10.9.0"):
+        check_plan(built, "10.9.0", "9.0")
+    with pytest.raises(EngineLoadError, match="built for GPU architecture sm 9.0, but this GPU is sm 8.0"):
+        check_plan(built, "10.13.0", "8.0")
