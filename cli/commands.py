@@ -62,8 +62,11 @@ def main() -> None:
               help="the tied LM head's weights under an int4 quantization (int8 keeps more of fp32's perplexity)")
 @click.option("--medusa", type=click.Path(exists=True, file_okay=False, path_type=Path), default=None,
               help="heads of `kiln train-medusa`: the graph also returns their logits (medusa_logits)")
+@click.option("--backend", type=click.Choice(["onnxruntime-cpu", "tensorrt"]), default="onnxruntime-cpu",
+              show_default=True, help="tensorrt: the graph lowered for TensorRT's ONNX parser with kiln's plugins, "
+              "and model.plan where tensorrt is importable (else built later by python -m kiln.plugins_trt.trt_build)")
 def build(model: str, output: Path, kv_dtype: str, block_size: int, max_seq_len: int | None, quantization: str,
-          calibration: Path | None, lm_head: str, medusa: Path | None) -> None:
+          calibration: Path | None, lm_head: str, medusa: Path | None, backend: str) -> None:
     """Compile MODEL (an HF checkpoint dir, a .gguf file, or `default` for SmolLM2) into an engine dir."""
     from kiln.manifest import BuildOptions
     from kiln.optimize.build import build_engine
@@ -72,7 +75,7 @@ def build(model: str, output: Path, kv_dtype: str, block_size: int, max_seq_len:
     options = BuildOptions(quantization=QuantScheme.parse(quantization), kv_dtype=kv_dtype, block_size=block_size,
                            max_seq_len=max_seq_len, calibration=calibration, lm_head=LmHead.parse(lm_head),
                            medusa=medusa)
-    build_engine(model, output, options)
+    build_engine(model, output, options, backend=backend)
 
 
 _speculative_options = [

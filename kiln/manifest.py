@@ -84,6 +84,18 @@ class BuildOptions:
 
 
 @dataclass(frozen=True)
+class TensorRTPlan:
+    """What a TensorRT engine's model.plan was built with: a plan runs only on this TensorRT version and GPU
+    architecture (compute capability "major.minor"), which the TensorRT runner checks before deserializing."""
+
+    version: str
+    compute_capability: str
+
+    def to_dict(self) -> dict[str, str]:
+        return {"version": self.version, "compute_capability": self.compute_capability}
+
+
+@dataclass(frozen=True)
 class Manifest:
     spec: ModelSpec
     build: BuildOptions
@@ -95,6 +107,7 @@ class Manifest:
     kiln_version: str = __version__
     op_library_abi: int = OP_LIBRARY_ABI
     medusa: MedusaSpec | None = None  # the Medusa heads in the graph; None (older engines too): none
+    tensorrt: TensorRTPlan | None = None  # backend "tensorrt" with its model.plan built; None: no plan (yet)
 
     def __post_init__(self) -> None:
         require(self.build.max_seq_len is not None, "build.max_seq_len",
@@ -117,6 +130,7 @@ class Manifest:
             "graph": {"inputs": list(self.graph_inputs), "outputs": list(self.graph_outputs)},
             "files": self.files,
             "medusa": None if self.medusa is None else self.medusa.to_dict(),
+            "tensorrt": None if self.tensorrt is None else self.tensorrt.to_dict(),
         }
         return json.dumps(data, indent=2, sort_keys=True)
 
@@ -156,6 +170,7 @@ class Manifest:
             kiln_version=data["kiln_version"],
             op_library_abi=data["op_library_abi"],
             medusa=MedusaSpec.from_dict(data["medusa"]) if data.get("medusa") else None,
+            tensorrt=TensorRTPlan(**data["tensorrt"]) if data.get("tensorrt") else None,
         )
 
 
@@ -170,7 +185,7 @@ _SCHEMA: dict[str, Any] = {
     "format_version": int, "kiln_version": str, "backend": str, "op_library_abi": int,
     "model_spec": ModelSpec, "build": _BUILD_SCHEMA,
     "graph": {"inputs": list[str], "outputs": list[str]}, "files": dict[str, str],
-    "medusa?": MedusaSpec | None,
+    "medusa?": MedusaSpec | None, "tensorrt?": TensorRTPlan | None,
 }
 _RULES = {bool: "true or false", int: "an integer", float: "a number", str: "a string", type(None): "null"}
 

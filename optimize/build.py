@@ -9,6 +9,7 @@ fired. The result is loaded once in ONNX Runtime with the kiln op library before
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
 import os
 import secrets
@@ -26,6 +27,7 @@ from kiln.errors import KilnError
 from kiln.export.progress import print_above_bars, progress_bar
 from kiln.manifest import (
     BACKEND_ORT_CPU,
+    BACKEND_TENSORRT,
     DEFAULT_MAX_SEQ_LEN,
     MANIFEST_NAME,
     BuildOptions,
@@ -57,15 +59,17 @@ DEFAULT_BUILD_OPTIONS = BuildOptions()  # frozen: one shared default is safe
 
 def build_engine(
     model_path: str | Path, out_dir: str | Path, options: BuildOptions = DEFAULT_BUILD_OPTIONS,
-    progress: Progress | None = None,
+    progress: Progress | None = None, backend: str = BACKEND_ORT_CPU,
 ) -> Manifest:
-    """Build the engine directory out_dir from an HF dir, a .gguf file or "default".
+    """Build the engine directory out_dir from an HF dir, a .gguf file or "default", for `backend`.
 
     Everything is checked before the export starts; the engine is written into a hidden directory
     beside out_dir and moved into place only once complete and verified, so a failed or interrupted
-    build leaves out_dir as it was (absent, or the previous engine)."""
+    build leaves out_dir as it was (absent, or the previous engine). A TensorRT engine gets its graph
+    lowered for TensorRT's parser (optimize/lower_tensorrt.py) and, where tensorrt is importable, its plan."""
     say = progress or stderr_progress
     _check_options(options)
+    _check_backend(options, backend)
     out_dir = Path(out_dir)
     _check_out_dir(out_dir)
     from kiln.export.onnx_export import export_onnx
@@ -106,6 +110,9 @@ def build_engine(
             if options.quantization.method is not QuantMethod.NONE:
                 with _stage(say, f"quantize {options.quantization}"):
                     quantize_model(model, options.quantization, options.lm_head, say)
+            if backend == BACKEND_TENSORRT:
+                with _stage(say, "lower for TensorRT"):
+                    _lower_for_tensorrt(model, say)
             with _stage(say, "write engine"):
                 _save_graph(model, staging)
                 _write_tokenizer(checkpoint, staging)
@@ -113,13 +120,16 @@ def build_engine(
         graph_outputs = tuple(v.name for v in model.graph.outputs)
         del model
         manifest = Manifest(
-            spec=spec, build=options, backend=BACKEND_ORT_CPU, graph_inputs=graph_inputs,
+            spec=spec, build=options, backend=backend, graph_inputs=graph_inputs,
             graph_outputs=graph_outputs, medusa=None if heads is None else heads.spec(),
         )
         with _stage(say, "manifest"):
             manifest = write_manifest(staging, manifest)
-        with _stage(say, "verify (load in onnxruntime)"):
-            verify_engine(staging)
+        if backend == BACKEND_TENSORRT:
+            manifest = _finish_tensorrt(staging, say)
+        else:
+            with _stage(say, "verify (load in onnxruntime)"):
+                verify_engine(staging)
         _move_into_place(staging, out_dir)
     finally:  # after a failure (or Ctrl-C) the half-written engine goes; after _move_into_place it is gone
         shutil.rmtree(staging, ignore_errors=True)
@@ -141,6 +151,46 @@ def verify_engine(engine_dir: str | Path) -> None:
     missing = {contract.INPUT_IDS, contract.POSITION_IDS, contract.LOGITS_INDICES} - names
     if missing:
         raise BuildError(f"the built graph lacks the inputs {sorted(missing)}")
+
+
+def _check_backend(options: BuildOptions, backend: str) -> None:
+    if backend not in (BACKEND_ORT_CPU, BACKEND_TENSORRT):
+        raise BuildError(f"backend {backend!r} is not one of {[BACKEND_ORT_CPU, BACKEND_TENSORRT]}")
+    if backend == BACKEND_TENSORRT and options.quantization.method is not QuantMethod.NONE:
+        raise BuildError(f"--backend tensorrt serves float weights; --quantization {options.quantization} makes "
+                         "ONNX Runtime CPU kernels (build it without --quantization)")
+    if backend == BACKEND_TENSORRT and options.medusa is not None:
+        raise BuildError("--medusa is not supported with --backend tensorrt yet (its runner reads the logits only)")
+
+
+def _lower_for_tensorrt(model: ir.Model, say: Progress) -> None:
+    from kiln.optimize.lower_tensorrt import TensorRTLoweringError, lower_for_tensorrt
+
+    try:
+        counts = lower_for_tensorrt(model)
+    except TensorRTLoweringError as exc:
+        raise BuildError(str(exc)) from exc
+    for name, count in counts.items():
+        say(f"  lower {name}: fired {count}x")
+
+
+def _finish_tensorrt(staging: Path, say: Progress) -> Manifest:
+    """Check the lowered graph (the ONNX checker: ONNX Runtime cannot load plugin nodes) and add the plan where
+    TensorRT is importable; elsewhere the engine keeps graph and manifest, and its plan is built later."""
+    import onnx
+
+    from kiln.manifest import read_manifest
+
+    with _stage(say, "verify (onnx checker)"):
+        onnx.checker.check_model(str(staging / MODEL_FILE))
+    if importlib.util.find_spec("tensorrt") is None:
+        say("tensorrt is not importable here, so the engine has no model.plan yet: run `python -m "
+            "kiln.plugins_trt.trt_build ENGINE_DIR` on the GPU machine that will serve it")
+        return read_manifest(staging)
+    from kiln.plugins_trt.trt_build import add_plan
+
+    with _stage(say, "TensorRT plan"):
+        return add_plan(staging, say)
 
 
 @contextmanager

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import os
 from pathlib import Path
@@ -10,15 +11,16 @@ from typing import TYPE_CHECKING
 from kiln import contract
 from kiln.contract import KvPoolSpec
 from kiln.errors import InvalidParamError
-from kiln.manifest import BACKEND_ORT_CPU, EngineLoadError, Manifest, read_manifest, sha256_file
+from kiln.manifest import BACKEND_ORT_CPU, BACKEND_TENSORRT, EngineLoadError, Manifest, read_manifest, sha256_file
 from kiln.runtime.engine import Engine, EngineLimits
-from kiln.runtime.model_runner import KvBudget, choose_num_blocks
+from kiln.runtime.model_runner import KvBudget, ModelRunner, choose_num_blocks
 from kiln.runtime.params import RuntimeConfig, SpeculativeConfig
 from kiln.runtime.speculative.proposer import Proposer
 from kiln.runtime.tokenizer import Tokenizer
 
 if TYPE_CHECKING:  # onnxruntime is imported once an engine is opened, not with the runtime package
     from kiln.runtime.ort_runner import OrtModelRunner
+    from kiln.runtime.trt_runner import TrtModelRunner
 
 log = logging.getLogger("kiln.runtime")
 
@@ -27,16 +29,14 @@ def load_engine(engine_dir: str | Path, config: RuntimeConfig | None = None) -> 
     """The Engine serving an engine directory (the one factory: engine.py knows nothing of files)."""
     engine_dir, config = Path(engine_dir), config or RuntimeConfig()
     manifest = read_manifest(engine_dir)
-    if manifest.backend != BACKEND_ORT_CPU:
-        raise EngineLoadError(
-            f"engine backend {manifest.backend!r} is not available in this runtime (it serves {BACKEND_ORT_CPU!r})"
-        )
-    from kiln.runtime import ops
+    check_backend(manifest.backend)
+    if manifest.backend == BACKEND_ORT_CPU:
+        from kiln.runtime import ops
 
-    try:
-        ops.check_abi()
-    except ops.OpLibraryError as exc:
-        raise EngineLoadError(str(exc)) from exc
+        try:
+            ops.check_abi()
+        except ops.OpLibraryError as exc:
+            raise EngineLoadError(str(exc)) from exc
     for name in ("model.onnx", "tokenizer.json"):
         if not (engine_dir / name).is_file():
             raise EngineLoadError(f"engine file {name} is missing from {engine_dir}")
@@ -46,8 +46,15 @@ def load_engine(engine_dir: str | Path, config: RuntimeConfig | None = None) -> 
     pools = engine_kv_pools(manifest)
     budget = KvBudget(pools.bytes_per_block, build.block_size, min_tokens=max_model_len,
                       max_useful_tokens=config.max_num_seqs * max_model_len)
-    num_blocks = choose_num_blocks(budget, config.kv_cache_bytes, config.kv_cache_fraction)
-    runner = open_engine_runner(engine_dir, manifest, num_blocks, config.num_threads)
+    runner: OrtModelRunner | TrtModelRunner
+    if manifest.backend == BACKEND_TENSORRT:
+        from kiln.runtime.trt_runner import TrtModelRunner, device_free_bytes
+
+        num_blocks = choose_num_blocks(budget, config.kv_cache_bytes, config.kv_cache_fraction, device_free_bytes())
+        runner = TrtModelRunner(engine_dir, manifest, pools, num_blocks)
+    else:
+        num_blocks = choose_num_blocks(budget, config.kv_cache_bytes, config.kv_cache_fraction)
+        runner = open_engine_runner(engine_dir, manifest, num_blocks, config.num_threads)
     eos = list(manifest.spec.eos_token_ids)
     if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in eos:
         eos.append(tokenizer.eos_token_id)
@@ -62,7 +69,21 @@ def load_engine(engine_dir: str | Path, config: RuntimeConfig | None = None) -> 
     return Engine(runner, tokenizer, config, limits, model_name=engine_dir.resolve().name, proposer=proposer)
 
 
-def open_proposer(spec: SpeculativeConfig, engine_dir: Path, manifest: Manifest, target: OrtModelRunner,
+def check_backend(backend: str) -> None:
+    """The runtime serves ONNX Runtime CPU engines, and TensorRT engines where tensorrt and cuda-python import."""
+    if backend == BACKEND_ORT_CPU:
+        return
+    if backend == BACKEND_TENSORRT:
+        missing = [m for m in ("tensorrt", "cuda") if importlib.util.find_spec(m) is None]
+        if not missing:
+            return
+        raise EngineLoadError(f"engine backend {backend!r} is not available in this runtime: serving it needs a CUDA "
+                              f"GPU with TensorRT 10 and cuda-python, and {' and '.join(missing)} cannot be imported")
+    raise EngineLoadError(f"engine backend {backend!r} is not available in this runtime (it serves "
+                          f"{BACKEND_ORT_CPU!r} and {BACKEND_TENSORRT!r})")
+
+
+def open_proposer(spec: SpeculativeConfig, engine_dir: Path, manifest: Manifest, target: ModelRunner,
                   num_threads: int | None) -> Proposer:
     """The proposer of a speculative method that needs files: a draft engine (checked against the target)."""
     if spec.method == "medusa":

@@ -19,11 +19,12 @@ TREE = REPO / ".cache" / "typecheck"
 CHECKED_PACKAGES = ("kiln.runtime", "kiln.cli")  # and kiln's own modules; the build stages are typed loosely
 
 
-def mirror_packages() -> None:
-    """.cache/typecheck/kiln/... : one symlink per module or subpackage folder, as the install lays them out."""
+def mirror_packages(tree: Path = TREE) -> None:
+    """tree/kiln/... (.cache/typecheck by default): one symlink per module or subpackage folder, as the install
+    lays them out (tools/gpu_check.py puts such a tree on PYTHONPATH instead of installing kiln)."""
     package_dir = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]
-    shutil.rmtree(TREE, ignore_errors=True)
-    root = TREE / "kiln"
+    shutil.rmtree(tree, ignore_errors=True)
+    root = tree / "kiln"
     root.mkdir(parents=True)
     for module in (REPO / package_dir["kiln"]).glob("*.py"):
         (root / module.name).symlink_to(module)

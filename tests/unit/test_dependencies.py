@@ -14,8 +14,12 @@ import tomllib
 
 REPO = Path(__file__).resolve().parents[2]
 PYPROJECT = tomllib.loads((REPO / "pyproject.toml").read_text())
-# kiln.runtime is the deployed half: it may import only the base install and the server extra.
-RUNTIME_PACKAGE, RUNTIME_EXTRAS = "kiln.runtime", ("server",)
+# kiln.runtime is the deployed half: it may import only the base install, the server extra, and the tensorrt
+# extra (runtime/trt_runner.py, imported only when a TensorRT engine is opened).
+RUNTIME_PACKAGE, RUNTIME_EXTRAS = "kiln.runtime", ("server", "tensorrt")
+# Import names of the tensorrt extra's distributions, which cannot be installed here (no NVIDIA index, no GPU),
+# so the installed metadata cannot map them.
+NOT_INSTALLABLE_HERE = {"tensorrt": ["tensorrt"], "cuda": ["cuda-python"]}
 # Extras that ship nothing importable by kiln itself (the tests' tools).
 TOOL_EXTRAS = ("dev",)
 
@@ -65,7 +69,7 @@ def third_party_imports(path: Path) -> set[str]:
 
 def distributions_imported(packages: list[str]) -> dict[str, set[str]]:
     """distribution -> the files of ``packages`` importing it (an unmapped import name fails here)."""
-    to_distribution = packages_distributions()
+    to_distribution = {**NOT_INSTALLABLE_HERE, **packages_distributions()}
     modules = shipped_modules()
     found: dict[str, set[str]] = {}
     for path in (path for package in packages for path in modules[package]):

@@ -27,8 +27,8 @@ ALLOWED = {
     "kiln.runtime": {"kiln", "kiln.runtime"},
     "kiln.export": {"kiln", "kiln.export"},
     "kiln.calibration": {"kiln", "kiln.export", "kiln.calibration", "kiln.runtime"},
-    "kiln.optimize": {"kiln", "kiln.export", "kiln.calibration", "kiln.optimize", "kiln.runtime"},
-    "kiln.plugins_trt": {"kiln", "kiln.runtime"},
+    "kiln.optimize": {"kiln", "kiln.export", "kiln.calibration", "kiln.optimize", "kiln.runtime", "kiln.plugins_trt"},
+    "kiln.plugins_trt": {"kiln", "kiln.runtime", "kiln.plugins_trt"},
     "kiln.cli": {"kiln", "kiln.runtime", "kiln.export", "kiln.calibration", "kiln.optimize", "kiln.cli"},
 }
 RUNTIME_FRONT_ENDS = ("kiln.runtime.server", "kiln.runtime.bench")
