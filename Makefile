@@ -36,8 +36,11 @@ build-engine: install
 	$(KILN) build default -o $(ENGINE)
 	$(KILN) generate $(ENGINE) --chat "$(PROMPT)" --max-tokens 48
 
+# Two pytest-xdist workers, one per core (tests/conftest.py gives each one engine thread); a file's tests
+# stay on one worker, so module fixtures (servers, Ray) are made once. TEST_WORKERS=0 runs in-process.
+TEST_WORKERS ?= 2
 test: install
-	$(PY) -m pytest -q -ra tests
+	$(PY) -m pytest -q -ra -n $(TEST_WORKERS) --dist loadfile tests
 
 # The unit tier: builds no engine, under a minute on 2 cores.
 test-fast: install

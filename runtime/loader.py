@@ -18,6 +18,8 @@ from kiln.runtime.params import RuntimeConfig, SpeculativeConfig
 from kiln.runtime.speculative.proposer import Proposer
 from kiln.runtime.tokenizer import Tokenizer
 
+NUM_THREADS_ENV = "KILN_NUM_THREADS"
+
 if TYPE_CHECKING:  # onnxruntime is imported once an engine is opened, not with the runtime package
     from kiln.runtime.ort_runner import OrtModelRunner
     from kiln.runtime.trt_runner import TrtModelRunner
@@ -28,6 +30,7 @@ log = logging.getLogger("kiln.runtime")
 def load_engine(engine_dir: str | Path, config: RuntimeConfig | None = None) -> Engine:
     """The Engine serving an engine directory (the one factory: engine.py knows nothing of files)."""
     engine_dir, config = Path(engine_dir), config or RuntimeConfig()
+    num_threads = config.num_threads or threads_from_env()
     manifest = read_manifest(engine_dir)
     check_backend(manifest.backend)
     if manifest.backend == BACKEND_ORT_CPU:
@@ -54,19 +57,30 @@ def load_engine(engine_dir: str | Path, config: RuntimeConfig | None = None) -> 
         runner = TrtModelRunner(engine_dir, manifest, pools, num_blocks)
     else:
         num_blocks = choose_num_blocks(budget, config.kv_cache_bytes, config.kv_cache_fraction)
-        runner = open_engine_runner(engine_dir, manifest, num_blocks, config.num_threads)
+        runner = open_engine_runner(engine_dir, manifest, num_blocks, num_threads)
     eos = list(manifest.spec.eos_token_ids)
     if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in eos:
         eos.append(tokenizer.eos_token_id)
     limits = EngineLimits(max_seq_len=max_model_len, max_num_tokens=build.max_num_tokens, eos_token_ids=tuple(eos))
-    threads = config.num_threads or f"onnxruntime's default (one per core; {os.cpu_count()} CPUs)"
+    threads = num_threads or f"onnxruntime's default (one per core; {os.cpu_count()} CPUs)"
     log.info("KV pool: %d blocks of %d tokens = %d tokens, %.1f MiB; max context %d tokens; threads: %s; "
              "prefix caching: %s", runner.num_blocks, runner.block_size, runner.num_blocks * runner.block_size,
              runner.kv_pool_bytes / 2**20, max_model_len, threads, "on" if config.enable_prefix_caching else "off")
     proposer = None
     if config.speculative is not None and config.speculative.method != "ngram":
-        proposer = open_proposer(config.speculative, engine_dir, manifest, runner, config.num_threads)
+        proposer = open_proposer(config.speculative, engine_dir, manifest, runner, num_threads)
     return Engine(runner, tokenizer, config, limits, model_name=engine_dir.resolve().name, proposer=proposer)
+
+
+def threads_from_env() -> int | None:
+    """KILN_NUM_THREADS: the thread count of engines whose RuntimeConfig leaves num_threads unset (as
+    OMP_NUM_THREADS is for OpenMP programs), e.g. one thread per test worker or per co-located server."""
+    value = os.environ.get(NUM_THREADS_ENV, "").strip()
+    if not value:
+        return None
+    if not value.isdigit() or int(value) < 1:
+        raise InvalidParamError(f"{NUM_THREADS_ENV} must be a positive integer, got {value!r}", "num_threads")
+    return int(value)
 
 
 def check_backend(backend: str) -> None:

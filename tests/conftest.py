@@ -9,9 +9,17 @@ from __future__ import annotations
 
 import fcntl
 import hashlib
+import os
 from pathlib import Path
 
 import pytest
+
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # `make test` runs two pytest-xdist workers on two cores: one thread each (ONNX Runtime through
+    # KILN_NUM_THREADS, torch through OMP_NUM_THREADS, read at its import), inherited by the servers
+    # the tests start, so the workers never oversubscribe the cores with spinning thread pools.
+    os.environ.setdefault("KILN_NUM_THREADS", "1")
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 REPO = Path(__file__).resolve().parent.parent
 ENGINE_CACHE = REPO / ".cache" / "engines"
