@@ -134,12 +134,22 @@ def test_page_loads_its_assets_and_names_the_model(page, server):
     assert not severe, severe  # a CSP violation or a failed asset load would be logged here
 
 
+# Records the answer text's length before every change the page makes to it (a MutationObserver sees each
+# append, however loaded the machine is; polling the DOM from the test could miss most of them).
+WATCH_TEXT_LENGTHS = """
+window.textLengths = [];
+new MutationObserver(records => {
+  for (const r of records) if (r.type === "characterData") window.textLengths.push(r.oldValue.length);
+}).observe(document.getElementById("messages"), {subtree: true, characterData: true, characterDataOldValue: true});
+"""
+
+
 def test_an_answer_streams_token_by_token(page, reference):
+    page.execute_script(WATCH_TEXT_LENGTHS)
     ask(page, "Hi!")
     item = wait_for(lambda: (answers(page) or [None])[-1], "the answer to appear")
-    seen = set()
-    while item.get_attribute("data-state") == "streaming":
-        seen.add(len(text_of(item)))
+    wait_for(lambda: item.get_attribute("data-state") != "streaming", "the answer to finish", timeout=120)
+    seen = set(page.execute_script("return window.textLengths"))
     expected = reference([{"role": "user", "content": "Hi!"}], LONG)
     assert item.get_attribute("data-state") == "done"
     assert text_of(item) == expected and len(expected) == LONG
