@@ -1,0 +1,433 @@
+// The sampler's full-vocabulary work, called from runtime/sampler.py through ctypes (not an ORT op).
+//
+// Per row of float32 logits x (vocabulary V) with temperature T, top_k, top_p, min_p, the kept set is
+// {x >= threshold}: min_p's threshold is max + T·log(min_p) in closed form; top_k's is the k-th largest
+// logit, found among the tokens that reach the k-th largest maximum of 8k strided groups (one vertical
+// max pass, one compare pass); top_p's is the logit of the last token of the nucleus, found from a
+// histogram of the kept tokens' weights exp((x - max) / T) by their distance from the max: the bins
+// above the one where the cumulative mass reaches top_p are whole, that bin alone is gathered and
+// sorted. No row is sorted whole and no selection is retried. The draw is the inverse CDF in
+// vocabulary order over the kept tokens, with one uniform per row: over the gathered candidates when
+// top_k made them, else over 256-token block sums of the row and then within one block.
+//
+// Weights are float64 (exp of (x - max) / T in float64, as numpy's reference computes them), so the
+// thresholds and tokens equal the float64 reference's except where two sums in different orders round
+// apart (relative 1e-16). Rows are independent: a row's result never depends on the other rows.
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <functional>
+#include <limits>
+#include <vector>
+
+namespace kiln_sampling {
+namespace {
+
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+constexpr int64_t kBlock = 256;            // tokens per block of the full-row inverse CDF
+constexpr int kBins = 1024;                // top_p histogram bins; the last one holds everything further
+constexpr double kBinsPerUnit = 16.0;      // bins per unit of (max - x) / T
+constexpr int64_t kGroupsPerCandidate = 8;  // strided groups per wanted top_k candidate
+constexpr int64_t kMinGroups = 1024;
+
+// Eight logits from i on; lanes past n read -inf.
+inline __m256 load8(const float* x, int64_t i, int64_t n) {
+  if (i + 8 <= n) return _mm256_loadu_ps(x + i);
+  alignas(32) float tail[8];
+  for (int j = 0; j < 8; ++j) tail[j] = i + j < n ? x[i + j] : kNegInf;
+  return _mm256_load_ps(tail);
+}
+
+// exp(x) for x <= 0 in float64 (about 1 ulp); 0 below -708 (where exp is subnormal) and for -inf/NaN.
+inline __m256d exp_pd(__m256d x) {
+  const __m256d lowest = _mm256_set1_pd(-708.0);
+  const __m256d keep = _mm256_cmp_pd(x, lowest, _CMP_GE_OQ);
+  x = _mm256_max_pd(x, lowest);
+  const __m256d n = _mm256_round_pd(_mm256_mul_pd(x, _mm256_set1_pd(1.4426950408889634)),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256d r = _mm256_fnmadd_pd(n, _mm256_set1_pd(6.93147180369123816490e-01), x);
+  r = _mm256_fnmadd_pd(n, _mm256_set1_pd(1.90821492927058770002e-10), r);  // |r| <= ln2 / 2
+  // Taylor series to r^12 (truncation below 2e-16 relative on |r| <= 0.347), by Estrin's scheme: a
+  // short dependency chain, so the loops' independent exps overlap.
+  const auto c = [](double v) { return _mm256_set1_pd(v); };
+  const __m256d r2 = _mm256_mul_pd(r, r), r4 = _mm256_mul_pd(r2, r2), r8 = _mm256_mul_pd(r4, r4);
+  const __m256d q0 = _mm256_fmadd_pd(r, c(1.0), c(1.0)), q1 = _mm256_fmadd_pd(r, c(1.0 / 6), c(1.0 / 2));
+  const __m256d q2 = _mm256_fmadd_pd(r, c(1.0 / 120), c(1.0 / 24));
+  const __m256d q3 = _mm256_fmadd_pd(r, c(1.0 / 5040), c(1.0 / 720));
+  const __m256d q4 = _mm256_fmadd_pd(r, c(1.0 / 362880), c(1.0 / 40320));
+  const __m256d q5 = _mm256_fmadd_pd(r, c(1.0 / 39916800), c(1.0 / 3628800));
+  const __m256d s0 = _mm256_fmadd_pd(q1, r2, q0), s1 = _mm256_fmadd_pd(q3, r2, q2);
+  const __m256d s2 = _mm256_fmadd_pd(c(1.0 / 479001600), r4, _mm256_fmadd_pd(q5, r2, q4));
+  const __m256d p = _mm256_fmadd_pd(s2, r8, _mm256_fmadd_pd(s1, r4, s0));
+  const __m128i ni = _mm256_cvtpd_epi32(n);  // in [-1022, 0]
+  const __m256i bits = _mm256_slli_epi64(_mm256_add_epi64(_mm256_cvtepi32_epi64(ni), _mm256_set1_epi64x(1023)), 52);
+  return _mm256_and_pd(keep, _mm256_mul_pd(p, _mm256_castsi256_pd(bits)));
+}
+
+// Weights exp((x - max) * inv_t) of 8 logits (lanes 0-3 in lo, 4-7 in hi), 0 where x < threshold.
+inline void weights8(__m256 x, float threshold, double max, double inv_t, __m256d& lo, __m256d& hi) {
+  x = _mm256_blendv_ps(_mm256_set1_ps(kNegInf), x, _mm256_cmp_ps(x, _mm256_set1_ps(threshold), _CMP_GE_OQ));
+  const __m256d m = _mm256_set1_pd(max), s = _mm256_set1_pd(inv_t);
+  lo = exp_pd(_mm256_mul_pd(_mm256_sub_pd(_mm256_cvtps_pd(_mm256_castps256_ps128(x)), m), s));
+  hi = exp_pd(_mm256_mul_pd(_mm256_sub_pd(_mm256_cvtps_pd(_mm256_extractf128_ps(x, 1)), m), s));
+}
+
+inline void weights8(__m256 x, float threshold, double max, double inv_t, double* w) {
+  __m256d lo, hi;
+  weights8(x, threshold, max, inv_t, lo, hi);
+  _mm256_storeu_pd(w, lo);
+  _mm256_storeu_pd(w + 4, hi);
+}
+
+inline double weight1(float x, float threshold, double max, double inv_t) {
+  alignas(32) double w[8];
+  weights8(_mm256_set1_ps(x), threshold, max, inv_t, w);
+  return w[0];
+}
+
+float row_max(const float* x, int64_t n) {
+  __m256 m0 = _mm256_set1_ps(kNegInf), m1 = m0, m2 = m0, m3 = m0;
+  int64_t i = 0;
+  for (; i + 32 <= n; i += 32) {
+    m0 = _mm256_max_ps(m0, _mm256_loadu_ps(x + i));
+    m1 = _mm256_max_ps(m1, _mm256_loadu_ps(x + i + 8));
+    m2 = _mm256_max_ps(m2, _mm256_loadu_ps(x + i + 16));
+    m3 = _mm256_max_ps(m3, _mm256_loadu_ps(x + i + 24));
+  }
+  for (; i < n; i += 8) m0 = _mm256_max_ps(m0, load8(x, i, n));
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, _mm256_max_ps(_mm256_max_ps(m0, m1), _mm256_max_ps(m2, m3)));
+  return *std::max_element(lanes, lanes + 8);
+}
+
+// The smallest float >= v, so that x >= result exactly when x >= v for every float x.
+float float_at_least(double v) {
+  float r = static_cast<float>(v);
+  if (static_cast<double>(r) < v) r = std::nextafter(r, std::numeric_limits<float>::infinity());
+  return r;
+}
+
+// A row's tokens at or above a floor, in vocabulary order.
+struct Candidates {
+  std::vector<float> value;
+  std::vector<int64_t> id;
+
+  void gather(const float* x, int64_t n, float floor) {
+    value.clear();
+    id.clear();
+    const __m256 f = _mm256_set1_ps(floor);
+    for (int64_t i = 0; i < n; i += 8) {
+      unsigned mask = _mm256_movemask_ps(_mm256_cmp_ps(load8(x, i, n), f, _CMP_GE_OQ));
+      while (mask) {
+        const int j = __builtin_ctz(mask);
+        mask &= mask - 1;
+        if (i + j < n) {
+          value.push_back(x[i + j]);
+          id.push_back(i + j);
+        }
+      }
+    }
+  }
+};
+
+// The k-th largest of values (1 <= k <= size), using scratch.
+float kth_largest(const std::vector<float>& values, int64_t k, std::vector<float>& scratch) {
+  scratch.assign(values.begin(), values.end());
+  std::nth_element(scratch.begin(), scratch.begin() + (k - 1), scratch.end(), std::greater<float>());
+  return scratch[k - 1];
+}
+
+// Gathers into cands a set of tokens holding the row's k largest (every token >= a floor that at least
+// k tokens reach: the k-th largest maximum of strided groups), and returns the k-th largest logit.
+float top_k_threshold(const float* x, int64_t n, int64_t k, Candidates& cands, std::vector<float>& scratch) {
+  int64_t groups = std::max(k * kGroupsPerCandidate, kMinGroups);
+  groups = (groups + 7) / 8 * 8;
+  if (2 * groups > n) {  // too few groups to save anything: the whole row is the candidate set
+    cands.gather(x, n, kNegInf);
+    return kth_largest(cands.value, k, scratch);
+  }
+  // Group j holds tokens j, j + groups, ...; the tail past the last whole stride are groups of one.
+  const int64_t body = n - n % groups;
+  scratch.assign(x, x + groups);
+  for (int64_t c = groups; c < body; c += groups)
+    for (int64_t j = 0; j < groups; j += 8)
+      _mm256_storeu_ps(scratch.data() + j, _mm256_max_ps(_mm256_loadu_ps(scratch.data() + j), _mm256_loadu_ps(x + c + j)));
+  scratch.insert(scratch.end(), x + body, x + n);
+  std::nth_element(scratch.begin(), scratch.begin() + (k - 1), scratch.end(), std::greater<float>());
+  cands.gather(x, n, scratch[k - 1]);
+  return kth_largest(cands.value, k, scratch);
+}
+
+// Indices of the candidates with value >= threshold, most likely first (ties in vocabulary order).
+void descending_kept(const Candidates& cands, float threshold, std::vector<int64_t>& order) {
+  order.clear();
+  for (int64_t i = 0; i < static_cast<int64_t>(cands.value.size()); ++i)
+    if (cands.value[i] >= threshold) order.push_back(i);
+  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return cands.value[a] > cands.value[b]; });
+}
+
+// top_p's threshold among candidates that hold every token >= threshold: the logit of the first token,
+// most likely first, at which the cumulative weight reaches top_p of the kept weight.
+float top_p_among(const Candidates& cands, float threshold, double max, double inv_t, double top_p,
+                  std::vector<int64_t>& order) {
+  descending_kept(cands, threshold, order);
+  std::vector<double> w(order.size());
+  double total = 0.0;
+  for (size_t i = 0; i < order.size(); ++i) total += (w[i] = weight1(cands.value[order[i]], threshold, max, inv_t));
+  const double target = top_p * total;
+  double cumulative = 0.0;
+  for (size_t i = 0; i < order.size(); ++i) {
+    cumulative += w[i];
+    if (cumulative >= target && w[i] > 0) return cands.value[order[i]];
+  }
+  return threshold;  // rounding kept the mass below target: keep everything
+}
+
+inline __m256i bins8(__m256 x, float max, float bin_scale) {
+  const __m256 d = _mm256_mul_ps(_mm256_sub_ps(_mm256_set1_ps(max), x), _mm256_set1_ps(bin_scale));
+  // min_ps returns its second operand for NaN (x = -inf gives d = inf): such tokens land in the last bin
+  return _mm256_cvttps_epi32(_mm256_min_ps(d, _mm256_set1_ps(static_cast<float>(kBins - 1))));
+}
+
+// top_p's threshold over a whole row whose kept tokens are those >= threshold: a histogram of their
+// weights by distance from the max, then the one bin where the cumulative weight reaches top_p, sorted.
+// Leaves every token's weight (0 below threshold) in weights, padded to a multiple of 8.
+float top_p_over_row(const float* x, int64_t n, float threshold, float max, double inv_t, double top_p,
+                     std::vector<double>& weights, Candidates& bin, std::vector<int64_t>& order) {
+  const float bin_scale = static_cast<float>(inv_t * kBinsPerUnit);
+  std::vector<double> mass(kBins, 0.0);
+  weights.assign((n + 7) / 8 * 8, 0.0);
+  alignas(32) int32_t b[8];
+  const __m256 t = _mm256_set1_ps(threshold);
+  for (int64_t i = 0; i < n; i += 8) {
+    const __m256 v = load8(x, i, n);
+    if (!_mm256_movemask_ps(_mm256_cmp_ps(v, t, _CMP_GE_OQ))) continue;
+    double* w = weights.data() + i;
+    weights8(v, threshold, max, inv_t, w);
+    _mm256_store_si256(reinterpret_cast<__m256i*>(b), bins8(v, max, bin_scale));
+    for (int j = 0; j < 8; ++j) mass[b[j]] += w[j];  // 0 for tokens below threshold and past n
+  }
+  double total = 0.0;
+  for (double m : mass) total += m;
+  const double target = top_p * total;
+  double above = 0.0;
+  int first = 0;
+  while (first < kBins - 1 && above + mass[first] < target) above += mass[first++];
+  // Rounding may leave the crossing in a later bin than the sums say: walk on until it is found.
+  for (int k = first; k < kBins; ++k) {
+    if (mass[k] == 0.0) continue;
+    bin.value.clear();
+    bin.id.clear();
+    for (int64_t i = 0; i < n; i += 8) {
+      const __m256 v = load8(x, i, n);
+      unsigned in = _mm256_movemask_ps(_mm256_and_ps(
+          _mm256_cmp_ps(v, t, _CMP_GE_OQ),
+          _mm256_castsi256_ps(_mm256_cmpeq_epi32(bins8(v, max, bin_scale), _mm256_set1_epi32(k)))));
+      while (in) {
+        const int j = __builtin_ctz(in);
+        in &= in - 1;
+        if (i + j < n) {
+          bin.value.push_back(x[i + j]);
+          bin.id.push_back(i + j);
+        }
+      }
+    }
+    descending_kept(bin, threshold, order);
+    for (int64_t i : order) {
+      const double wi = weights[bin.id[i]];
+      above += wi;
+      if (above >= target && wi > 0) return bin.value[i];
+    }
+  }
+  return threshold;
+}
+
+// Inverse CDF in vocabulary order over candidates (all tokens >= threshold among them).
+int64_t draw_among(const Candidates& cands, float threshold, double max, double inv_t, double u) {
+  std::vector<double> w(cands.value.size());
+  double total = 0.0;
+  for (size_t i = 0; i < w.size(); ++i) total += (w[i] = weight1(cands.value[i], threshold, max, inv_t));
+  const double target = std::max(u * total, std::numeric_limits<double>::min());
+  double cumulative = 0.0;
+  int64_t last = -1;
+  for (size_t i = 0; i < w.size(); ++i) {
+    if (w[i] <= 0) continue;
+    cumulative += w[i];
+    last = cands.id[i];
+    if (cumulative >= target) return last;
+  }
+  return last;
+}
+
+// Inverse CDF in vocabulary order over a whole row: block sums find the block, then the token in it.
+int64_t draw_over_row(const float* x, int64_t n, float threshold, double max, double inv_t, double u,
+                      std::vector<double>& sums) {
+  const int64_t blocks = (n + kBlock - 1) / kBlock;
+  sums.assign(blocks, 0.0);
+  alignas(32) double w[8];
+  const __m256 t = _mm256_set1_ps(threshold);
+  for (int64_t blk = 0; blk < blocks; ++blk) {
+    __m256d acc = _mm256_setzero_pd();
+    const int64_t end = std::min(n, (blk + 1) * kBlock);
+    for (int64_t i = blk * kBlock; i < end; i += 8) {
+      const __m256 v = load8(x, i, n);
+      if (!_mm256_movemask_ps(_mm256_cmp_ps(v, t, _CMP_GE_OQ))) continue;
+      __m256d lo, hi;
+      weights8(v, threshold, max, inv_t, lo, hi);
+      acc = _mm256_add_pd(acc, _mm256_add_pd(lo, hi));
+    }
+    alignas(32) double lanes[4];
+    _mm256_store_pd(lanes, acc);
+    sums[blk] = (lanes[0] + lanes[1]) + (lanes[2] + lanes[3]);
+  }
+  double total = 0.0;
+  for (double s : sums) total += s;
+  const double target = std::max(u * total, std::numeric_limits<double>::min());
+  double before = 0.0;
+  int64_t blk = 0, last_with_mass = 0;
+  for (; blk < blocks; ++blk) {
+    if (sums[blk] > 0) last_with_mass = blk;
+    if (sums[blk] > 0 && before + sums[blk] >= target) break;
+    before += sums[blk];
+  }
+  if (blk == blocks) blk = last_with_mass;  // rounding: the last block with mass
+  int64_t last = -1;
+  const int64_t end = std::min(n, (blk + 1) * kBlock);
+  for (int64_t i = blk * kBlock; i < end; i += 8) {
+    weights8(load8(x, i, n), threshold, max, inv_t, w);
+    for (int j = 0; j < 8 && i + j < end; ++j) {
+      if (w[j] <= 0) continue;
+      before += w[j];
+      last = i + j;
+      if (before >= target) return last;
+    }
+  }
+  return last;  // rounding left the block's sum short of target: its last token with mass
+}
+
+// Inverse CDF in vocabulary order over the tokens >= threshold, from their weights already computed.
+int64_t draw_from_weights(const float* x, int64_t n, float threshold, const std::vector<double>& weights, double u,
+                          std::vector<double>& sums) {
+  const int64_t blocks = (n + kBlock - 1) / kBlock;
+  sums.assign(blocks, 0.0);
+  const __m256 t = _mm256_set1_ps(threshold);
+  for (int64_t blk = 0; blk < blocks; ++blk) {
+    __m256d acc = _mm256_setzero_pd();
+    const int64_t end = std::min(n, (blk + 1) * kBlock);
+    for (int64_t i = blk * kBlock; i < end; i += 8) {
+      const __m256 kept = _mm256_cmp_ps(load8(x, i, n), t, _CMP_GE_OQ);
+      if (!_mm256_movemask_ps(kept)) continue;
+      const __m256d lo = _mm256_castps_pd(_mm256_permutevar8x32_ps(kept, _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3)));
+      const __m256d hi = _mm256_castps_pd(_mm256_permutevar8x32_ps(kept, _mm256_setr_epi32(4, 4, 5, 5, 6, 6, 7, 7)));
+      acc = _mm256_add_pd(acc, _mm256_add_pd(_mm256_and_pd(lo, _mm256_loadu_pd(weights.data() + i)),
+                                             _mm256_and_pd(hi, _mm256_loadu_pd(weights.data() + i + 4))));
+    }
+    alignas(32) double lanes[4];
+    _mm256_store_pd(lanes, acc);
+    sums[blk] = (lanes[0] + lanes[1]) + (lanes[2] + lanes[3]);
+  }
+  double total = 0.0;
+  for (double s : sums) total += s;
+  const double target = std::max(u * total, std::numeric_limits<double>::min());
+  double before = 0.0;
+  int64_t blk = 0, last_with_mass = 0;
+  for (; blk < blocks; ++blk) {
+    if (sums[blk] > 0) last_with_mass = blk;
+    if (sums[blk] > 0 && before + sums[blk] >= target) break;
+    before += sums[blk];
+  }
+  if (blk == blocks) blk = last_with_mass;
+  int64_t last = -1;
+  for (int64_t i = blk * kBlock; i < std::min(n, (blk + 1) * kBlock); ++i) {
+    if (!(x[i] >= threshold) || weights[i] <= 0) continue;
+    before += weights[i];
+    last = i;
+    if (before >= target) return last;
+  }
+  return last;
+}
+
+struct Scratch {
+  Candidates cands, bin;
+  std::vector<float> values;
+  std::vector<int64_t> order;
+  std::vector<double> sums, weights;
+};
+
+// One row: its keep threshold, and (when uniform >= 0) its token. Returns false if no logit is finite.
+bool sample_row(const float* x, int64_t n, double temperature, int64_t top_k, double top_p, double min_p,
+                double uniform, float* threshold_out, int64_t* token_out, Scratch& s) {
+  const float max = row_max(x, n);
+  if (!std::isfinite(max)) return false;
+  const double inv_t = 1.0 / temperature;
+  float threshold = min_p > 0 ? float_at_least(static_cast<double>(max) + temperature * std::log(min_p)) : kNegInf;
+  const bool by_k = top_k > 0 && top_k < n;
+  if (by_k) threshold = std::max(threshold, top_k_threshold(x, n, top_k, s.cands, s.values));
+  const bool by_p = top_p < 1;
+  if (by_p) {
+    threshold = by_k ? top_p_among(s.cands, threshold, max, inv_t, top_p, s.order)
+                     : top_p_over_row(x, n, threshold, max, inv_t, top_p, s.weights, s.bin, s.order);
+  }
+  *threshold_out = threshold;
+  if (uniform < 0) return true;
+  if (by_k)
+    *token_out = draw_among(s.cands, threshold, max, inv_t, uniform);
+  else if (by_p)
+    *token_out = draw_from_weights(x, n, threshold, s.weights, uniform, s.sums);
+  else
+    *token_out = draw_over_row(x, n, threshold, max, inv_t, uniform, s.sums);
+  return true;
+}
+
+// The k largest logits of a row and their ids, most likely first (ties in vocabulary order).
+void top_tokens_row(const float* x, int64_t n, int64_t k, int64_t* ids, float* values, Scratch& s) {
+  if (k < n) {
+    const float kth = top_k_threshold(x, n, k, s.cands, s.values);
+    descending_kept(s.cands, kth, s.order);
+  } else {
+    s.cands.gather(x, n, kNegInf);
+    descending_kept(s.cands, kNegInf, s.order);
+  }
+  for (int64_t i = 0; i < k; ++i) {
+    const int64_t c = s.order[std::min<int64_t>(i, s.order.size() - 1)];
+    ids[i] = s.cands.id[c];
+    values[i] = s.cands.value[c];
+  }
+}
+
+}  // namespace
+}  // namespace kiln_sampling
+
+extern "C" {
+
+// Per row r of logits [rows, vocab] (rows contiguous): thresholds[r], the logit from which on tokens stay
+// in the distribution after min_p, top_k and top_p (top_k 0: off; top_p 1: off; min_p 0: off), and, when
+// uniforms is not null, tokens[r], the inverse CDF of that distribution at uniforms[r] in [0, 1).
+// Returns 0, or r + 1 for the first row without a finite logit (its outputs are left unset).
+__attribute__((visibility("default"))) int64_t kiln_sample_rows(
+    const float* logits, int64_t rows, int64_t vocab, const double* temperature, const int64_t* top_k,
+    const double* top_p, const double* min_p, const double* uniforms, float* thresholds, int64_t* tokens) {
+  kiln_sampling::Scratch scratch;
+  int64_t ignored = 0;
+  for (int64_t r = 0; r < rows; ++r) {
+    if (!kiln_sampling::sample_row(logits + r * vocab, vocab, temperature[r], top_k[r], top_p[r], min_p[r],
+                                   uniforms ? uniforms[r] : -1.0, thresholds + r, uniforms ? tokens + r : &ignored,
+                                   scratch))
+      return r + 1;
+  }
+  return 0;
+}
+
+// Per row of logits [rows, vocab]: the ids and logits of its k largest (1 <= k <= vocab), most likely first,
+// ties in vocabulary order, into ids / values [rows, k].
+__attribute__((visibility("default"))) void kiln_top_tokens(const float* logits, int64_t rows, int64_t vocab,
+                                                            int64_t k, int64_t* ids, float* values) {
+  kiln_sampling::Scratch scratch;
+  for (int64_t r = 0; r < rows; ++r)
+    kiln_sampling::top_tokens_row(logits + r * vocab, vocab, k, ids + r * k, values + r * k, scratch);
+}
+
+}  // extern "C"
