@@ -82,6 +82,34 @@ inline void weights8(__m256 x, float threshold, double max, double inv_t, double
   _mm256_storeu_pd(w + 4, hi);
 }
 
+// exp(x) for x <= 0 in float32 (Cephes' polynomial, about 1e-7 relative); 0 below -87 and for -inf/NaN.
+inline __m256 exp_ps(__m256 x) {
+  const __m256 lowest = _mm256_set1_ps(-87.f);
+  const __m256 keep = _mm256_cmp_ps(x, lowest, _CMP_GE_OQ);
+  x = _mm256_max_ps(x, lowest);
+  const __m256 fx = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
+  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
+  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
+  y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.f)));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(fx), _mm256_set1_epi32(127)), 23);
+  return _mm256_and_ps(keep, _mm256_mul_ps(y, _mm256_castsi256_ps(e)));
+}
+
+// float32 weights exp((x - max) * inv_t) of 8 logits, 0 where x < threshold: the full-row draw's, where a
+// weight's 1e-7 relative error moves a token's probability by as much (the numpy sampler's precision).
+inline __m256 weights8f(__m256 x, float threshold, float max, float inv_t) {
+  const __m256 kept = _mm256_cmp_ps(x, _mm256_set1_ps(threshold), _CMP_GE_OQ);
+  const __m256 w = exp_ps(_mm256_mul_ps(_mm256_sub_ps(x, _mm256_set1_ps(max)), _mm256_set1_ps(inv_t)));
+  return _mm256_and_ps(kept, w);
+}
+
 inline double weight1(float x, float threshold, double max, double inv_t) {
   alignas(32) double w[8];
   weights8(_mm256_set1_ps(x), threshold, max, inv_t, w);
@@ -199,13 +227,17 @@ float top_p_over_row(const float* x, int64_t n, float threshold, float max, doub
                      std::vector<double>& weights, Candidates& bin, std::vector<int64_t>& order) {
   const float bin_scale = static_cast<float>(inv_t * kBinsPerUnit);
   std::vector<double> mass(kBins, 0.0);
-  weights.assign((n + 7) / 8 * 8, 0.0);
+  weights.resize((n + 7) / 8 * 8);
   alignas(32) int32_t b[8];
   const __m256 t = _mm256_set1_ps(threshold);
   for (int64_t i = 0; i < n; i += 8) {
     const __m256 v = load8(x, i, n);
-    if (!_mm256_movemask_ps(_mm256_cmp_ps(v, t, _CMP_GE_OQ))) continue;
     double* w = weights.data() + i;
+    if (!_mm256_movemask_ps(_mm256_cmp_ps(v, t, _CMP_GE_OQ))) {
+      _mm256_storeu_pd(w, _mm256_setzero_pd());
+      _mm256_storeu_pd(w + 4, _mm256_setzero_pd());
+      continue;
+    }
     weights8(v, threshold, max, inv_t, w);
     _mm256_store_si256(reinterpret_cast<__m256i*>(b), bins8(v, max, bin_scale));
     for (int j = 0; j < 8; ++j) mass[b[j]] += w[j];  // 0 for tokens below threshold and past n
@@ -262,25 +294,31 @@ int64_t draw_among(const Candidates& cands, float threshold, double max, double 
   return last;
 }
 
-// Inverse CDF in vocabulary order over a whole row: block sums find the block, then the token in it.
-int64_t draw_over_row(const float* x, int64_t n, float threshold, double max, double inv_t, double u,
+// Inverse CDF in vocabulary order over a whole row: block sums find the block, then the token in it
+// (float32 weights, float64 sums).
+int64_t draw_over_row(const float* x, int64_t n, float threshold, float max, double inv_t, double u,
                       std::vector<double>& sums) {
   const int64_t blocks = (n + kBlock - 1) / kBlock;
+  const float inv_tf = static_cast<float>(inv_t);
   sums.assign(blocks, 0.0);
-  alignas(32) double w[8];
   const __m256 t = _mm256_set1_ps(threshold);
   for (int64_t blk = 0; blk < blocks; ++blk) {
-    __m256d acc = _mm256_setzero_pd();
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = acc0;
     const int64_t end = std::min(n, (blk + 1) * kBlock);
-    for (int64_t i = blk * kBlock; i < end; i += 8) {
-      const __m256 v = load8(x, i, n);
-      if (!_mm256_movemask_ps(_mm256_cmp_ps(v, t, _CMP_GE_OQ))) continue;
-      __m256d lo, hi;
-      weights8(v, threshold, max, inv_t, lo, hi);
-      acc = _mm256_add_pd(acc, _mm256_add_pd(lo, hi));
+    int64_t i = blk * kBlock;
+    for (; i + 16 <= end; i += 16) {
+      const __m256 a = _mm256_loadu_ps(x + i), b = _mm256_loadu_ps(x + i + 8);
+      if (!_mm256_movemask_ps(_mm256_or_ps(_mm256_cmp_ps(a, t, _CMP_GE_OQ), _mm256_cmp_ps(b, t, _CMP_GE_OQ))))
+        continue;
+      acc0 = _mm256_add_ps(acc0, weights8f(a, threshold, max, inv_tf));
+      acc1 = _mm256_add_ps(acc1, weights8f(b, threshold, max, inv_tf));
     }
+    for (; i < end; i += 8) acc0 = _mm256_add_ps(acc0, weights8f(load8(x, i, n), threshold, max, inv_tf));
+    const __m256 acc = _mm256_add_ps(acc0, acc1);
+    const __m256d wide = _mm256_add_pd(_mm256_cvtps_pd(_mm256_castps256_ps128(acc)),
+                                       _mm256_cvtps_pd(_mm256_extractf128_ps(acc, 1)));
     alignas(32) double lanes[4];
-    _mm256_store_pd(lanes, acc);
+    _mm256_store_pd(lanes, wide);
     sums[blk] = (lanes[0] + lanes[1]) + (lanes[2] + lanes[3]);
   }
   double total = 0.0;
@@ -296,8 +334,9 @@ int64_t draw_over_row(const float* x, int64_t n, float threshold, double max, do
   if (blk == blocks) blk = last_with_mass;  // rounding: the last block with mass
   int64_t last = -1;
   const int64_t end = std::min(n, (blk + 1) * kBlock);
+  alignas(32) float w[8];
   for (int64_t i = blk * kBlock; i < end; i += 8) {
-    weights8(load8(x, i, n), threshold, max, inv_t, w);
+    _mm256_store_ps(w, weights8f(load8(x, i, n), threshold, max, inv_tf));
     for (int j = 0; j < 8 && i + j < end; ++j) {
       if (w[j] <= 0) continue;
       before += w[j];
