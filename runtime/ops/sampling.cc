@@ -116,16 +116,25 @@ inline double weight1(float x, float threshold, double max, double inv_t) {
   return w[0];
 }
 
+// The row's largest logit; NaN if any logit is NaN (the selections below need a total order).
 float row_max(const float* x, int64_t n) {
-  __m256 m0 = _mm256_set1_ps(kNegInf), m1 = m0, m2 = m0, m3 = m0;
+  __m256 m0 = _mm256_set1_ps(kNegInf), m1 = m0, m2 = m0, m3 = m0, nan = _mm256_setzero_ps();
   int64_t i = 0;
   for (; i + 32 <= n; i += 32) {
-    m0 = _mm256_max_ps(m0, _mm256_loadu_ps(x + i));
-    m1 = _mm256_max_ps(m1, _mm256_loadu_ps(x + i + 8));
-    m2 = _mm256_max_ps(m2, _mm256_loadu_ps(x + i + 16));
-    m3 = _mm256_max_ps(m3, _mm256_loadu_ps(x + i + 24));
+    const __m256 a = _mm256_loadu_ps(x + i), b = _mm256_loadu_ps(x + i + 8);
+    const __m256 c = _mm256_loadu_ps(x + i + 16), d = _mm256_loadu_ps(x + i + 24);
+    m0 = _mm256_max_ps(m0, a);
+    m1 = _mm256_max_ps(m1, b);
+    m2 = _mm256_max_ps(m2, c);
+    m3 = _mm256_max_ps(m3, d);
+    nan = _mm256_or_ps(nan, _mm256_or_ps(_mm256_cmp_ps(a, b, _CMP_UNORD_Q), _mm256_cmp_ps(c, d, _CMP_UNORD_Q)));
   }
-  for (; i < n; i += 8) m0 = _mm256_max_ps(m0, load8(x, i, n));
+  for (; i < n; i += 8) {
+    const __m256 a = load8(x, i, n);
+    m0 = _mm256_max_ps(m0, a);
+    nan = _mm256_or_ps(nan, _mm256_cmp_ps(a, a, _CMP_UNORD_Q));
+  }
+  if (_mm256_movemask_ps(nan)) return std::numeric_limits<float>::quiet_NaN();
   alignas(32) float lanes[8];
   _mm256_store_ps(lanes, _mm256_max_ps(_mm256_max_ps(m0, m1), _mm256_max_ps(m2, m3)));
   return *std::max_element(lanes, lanes + 8);
@@ -396,7 +405,8 @@ struct Scratch {
   std::vector<double> sums, weights;
 };
 
-// One row: its keep threshold, and (when uniform >= 0) its token. Returns false if no logit is finite.
+// One row: its keep threshold, and (when uniform >= 0) its token. Returns false for a row with a NaN, an
+// infinite maximum or no finite logit.
 bool sample_row(const float* x, int64_t n, double temperature, int64_t top_k, double top_p, double min_p,
                 double uniform, float* threshold_out, int64_t* token_out, Scratch& s) {
   const float max = row_max(x, n);
@@ -445,7 +455,7 @@ extern "C" {
 // Per row r of logits [rows, vocab] (rows contiguous): thresholds[r], the logit from which on tokens stay
 // in the distribution after min_p, top_k and top_p (top_k 0: off; top_p 1: off; min_p 0: off), and, when
 // uniforms is not null, tokens[r], the inverse CDF of that distribution at uniforms[r] in [0, 1).
-// Returns 0, or r + 1 for the first row without a finite logit (its outputs are left unset).
+// Returns 0, or r + 1 for the first row with a NaN, +inf or no finite logit (its outputs are left unset).
 __attribute__((visibility("default"))) int64_t kiln_sample_rows(
     const float* logits, int64_t rows, int64_t vocab, const double* temperature, const int64_t* top_k,
     const double* top_p, const double* min_p, const double* uniforms, float* thresholds, int64_t* tokens) {

@@ -67,7 +67,7 @@ def sample_rows(logits: npt.ArrayLike, temperature: Doubles, top_k: Ints, top_p:
                                       None if u is None else _ptr(u), _ptr(thresholds),
                                       None if tokens is None else _ptr(tokens))
     if bad:
-        raise KilnError(f"logits row {bad - 1} has no finite value to sample from")
+        raise KilnError(f"logits row {bad - 1} cannot be sampled: it holds a NaN or +inf, or no finite value")
     return thresholds, tokens
 
 

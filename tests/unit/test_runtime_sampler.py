@@ -343,19 +343,26 @@ def test_top_logprobs_of_a_large_vocabulary_match_a_full_sort():
 # -- the op-library kernels' own contract ------------------------------------------------------
 
 
-def test_kernel_rejects_a_row_without_a_finite_logit_and_bad_shapes():
+@pytest.mark.parametrize("column,value", [(slice(None), -np.inf), (5, np.nan), (37, np.nan), (37, np.inf)])
+def test_kernel_names_a_row_it_cannot_sample(column, value):
     from kiln.errors import KilnError
     from kiln.runtime.ops import sampling as kernels
 
-    logits = np.zeros((2, 10), dtype=np.float32)
-    logits[1] = -np.inf
+    logits = np.zeros((2, 40), dtype=np.float32)
+    logits[1, column] = value  # columns 5 and 37: the kernel's 32-wide body and its tail
     one = np.ones(2)
-    with pytest.raises(KilnError, match="logits row 1 has no finite value"):
-        kernels.sample_rows(logits, one, np.zeros(2, dtype=np.int64), one, np.zeros(2), np.zeros(2))
+    with pytest.raises(KilnError, match="logits row 1 cannot be sampled"):
+        kernels.sample_rows(logits, one, np.full(2, 5), one, np.zeros(2), np.zeros(2))
+
+
+def test_kernel_checks_shapes():
+    from kiln.runtime.ops import sampling as kernels
+
+    logits, one = np.zeros((2, 40), dtype=np.float32), np.ones(2)
     with pytest.raises(ValueError, match="one value per row"):
         kernels.sample_rows(logits, one[:1], np.zeros(2, dtype=np.int64), one, np.zeros(2), None)
-    with pytest.raises(ValueError, match=r"k must be in \[1, 10\]"):
-        kernels.top_tokens(logits[:1], 11)
+    with pytest.raises(ValueError, match=r"k must be in \[1, 40\]"):
+        kernels.top_tokens(logits[:1], 41)
 
 
 @pytest.mark.parametrize("vocab", [49152, 3000, 7])
