@@ -29,6 +29,7 @@ namespace {
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 constexpr int64_t kBlock = 256;            // tokens per block of the full-row inverse CDF
 constexpr int kBins = 1024;                // top_p histogram bins; the last one holds everything further
+constexpr int kNearBins = 256;             // the float32 pass's bins: (max - x) / T < 16, then one more
 constexpr double kBinsPerUnit = 16.0;      // bins per unit of (max - x) / T
 constexpr int64_t kGroupsPerCandidate = 8;  // strided groups per wanted top_k candidate
 constexpr int64_t kMinGroups = 1024;
@@ -223,17 +224,75 @@ float top_p_among(const Candidates& cands, float threshold, double max, double i
   return threshold;  // rounding kept the mass below target: keep everything
 }
 
-inline __m256i bins8(__m256 x, float max, float bin_scale) {
+// Each logit's histogram bin: its distance from the max in 1/16 units of (max - x) / T, the last bin
+// holding everything further.
+inline __m256i bins8(__m256 x, float max, float bin_scale, int last_bin) {
   const __m256 d = _mm256_mul_ps(_mm256_sub_ps(_mm256_set1_ps(max), x), _mm256_set1_ps(bin_scale));
   // min_ps returns its second operand for NaN (x = -inf gives d = inf): such tokens land in the last bin
-  return _mm256_cvttps_epi32(_mm256_min_ps(d, _mm256_set1_ps(static_cast<float>(kBins - 1))));
+  return _mm256_cvttps_epi32(_mm256_min_ps(d, _mm256_set1_ps(static_cast<float>(last_bin))));
 }
 
-// top_p's threshold over a whole row whose kept tokens are those >= threshold: a histogram of their
-// weights by distance from the max, then the one bin where the cumulative weight reaches top_p, sorted.
-// Leaves every token's weight (0 below threshold) in weights, padded to a multiple of 8.
-float top_p_over_row(const float* x, int64_t n, float threshold, float max, double inv_t, double top_p,
-                     std::vector<double>& weights, Candidates& bin, std::vector<int64_t>& order) {
+// Where top_p's cumulative mass crosses its target: the cut (the logit of the nucleus' last token) and
+// the cumulative weights just before and at that token. found is false only if rounding kept every sum
+// short of the target.
+struct Cut {
+  float value;
+  double target, before, at;
+  bool found;
+  int bin;  // where it was found
+};
+
+// The cut from a histogram of the kept tokens' weights by distance from the max: walks the bins to the
+// one where the cumulative weight reaches top_p of the total, gathers and sorts that bin alone.
+template <typename W>
+Cut find_cut(const float* x, int64_t n, float threshold, float max, float bin_scale, const std::vector<double>& mass,
+             const std::vector<W>& weights, double top_p, Candidates& bin, std::vector<int64_t>& order) {
+  double total = 0.0;
+  for (double m : mass) total += m;
+  Cut cut{threshold, top_p * total, 0.0, 0.0, false, 0};
+  const int bins = static_cast<int>(mass.size());
+  int first = 0;
+  while (first < bins - 1 && cut.at + mass[first] < cut.target) cut.at += mass[first++];
+  const __m256 t = _mm256_set1_ps(threshold);
+  // Rounding may leave the crossing in a later bin than the sums say: walk on until it is found.
+  for (int k = first; k < bins; ++k) {
+    if (mass[k] == 0.0) continue;
+    bin.value.clear();
+    bin.id.clear();
+    for (int64_t i = 0; i < n; i += 8) {
+      const __m256 v = load8(x, i, n);
+      unsigned in = _mm256_movemask_ps(_mm256_and_ps(
+          _mm256_cmp_ps(v, t, _CMP_GE_OQ),
+          _mm256_castsi256_ps(_mm256_cmpeq_epi32(bins8(v, max, bin_scale, bins - 1), _mm256_set1_epi32(k)))));
+      while (in) {
+        const int j = __builtin_ctz(in);
+        in &= in - 1;
+        if (i + j < n) {
+          bin.value.push_back(x[i + j]);
+          bin.id.push_back(i + j);
+        }
+      }
+    }
+    descending_kept(bin, threshold, order);
+    for (int64_t i : order) {
+      const double w = weights[bin.id[i]];
+      cut.before = cut.at;
+      cut.at += w;
+      if (cut.at >= cut.target && w > 0) {
+        cut.value = bin.value[i];
+        cut.found = true;
+        cut.bin = k;
+        return cut;
+      }
+    }
+  }
+  return cut;
+}
+
+// top_p's threshold over a whole row whose kept tokens are those >= threshold, from float64 weights:
+// exact up to float64 rounding. Leaves every token's weight (0 below threshold) in weights.
+float top_p_exact(const float* x, int64_t n, float threshold, float max, double inv_t, double top_p,
+                  std::vector<double>& weights, Candidates& bin, std::vector<int64_t>& order) {
   const float bin_scale = static_cast<float>(inv_t * kBinsPerUnit);
   std::vector<double> mass(kBins, 0.0);
   weights.resize((n + 7) / 8 * 8);
@@ -248,42 +307,64 @@ float top_p_over_row(const float* x, int64_t n, float threshold, float max, doub
       continue;
     }
     weights8(v, threshold, max, inv_t, w);
-    _mm256_store_si256(reinterpret_cast<__m256i*>(b), bins8(v, max, bin_scale));
+    _mm256_store_si256(reinterpret_cast<__m256i*>(b), bins8(v, max, bin_scale, kBins - 1));
     for (int j = 0; j < 8; ++j) mass[b[j]] += w[j];  // 0 for tokens below threshold and past n
   }
-  double total = 0.0;
-  for (double m : mass) total += m;
-  const double target = top_p * total;
-  double above = 0.0;
-  int first = 0;
-  while (first < kBins - 1 && above + mass[first] < target) above += mass[first++];
-  // Rounding may leave the crossing in a later bin than the sums say: walk on until it is found.
-  for (int k = first; k < kBins; ++k) {
-    if (mass[k] == 0.0) continue;
-    bin.value.clear();
-    bin.id.clear();
-    for (int64_t i = 0; i < n; i += 8) {
-      const __m256 v = load8(x, i, n);
-      unsigned in = _mm256_movemask_ps(_mm256_and_ps(
-          _mm256_cmp_ps(v, t, _CMP_GE_OQ),
-          _mm256_castsi256_ps(_mm256_cmpeq_epi32(bins8(v, max, bin_scale), _mm256_set1_epi32(k)))));
-      while (in) {
-        const int j = __builtin_ctz(in);
-        in &= in - 1;
-        if (i + j < n) {
-          bin.value.push_back(x[i + j]);
-          bin.id.push_back(i + j);
-        }
-      }
+  const Cut cut = find_cut(x, n, threshold, max, bin_scale, mass, weights, top_p, bin, order);
+  return cut.value;
+}
+
+// The same from float32 weights (a third of the float64 pass's cost), with a bound on their error: each
+// weight is within (|a| + 2)·2^-21 of exp(a) relative (a = (x - max) / T rounded to float, Cephes exp),
+// and a token below exp's float range is within e^-87 absolute. Only tokens within 16 of the max in
+// (max - x) / T are binned one by one; the rest are summed 8 at a time into the last bin. Returns false
+// when the cut lies in that last bin, or the sums at the cut lie within twice the error bound of the
+// target: the float64 pass must then decide.
+bool top_p_fast(const float* x, int64_t n, float threshold, float max, double inv_t, double top_p,
+                std::vector<float>& weights, Candidates& bin, std::vector<int64_t>& order, float* cut_out) {
+  const float bin_scale = static_cast<float>(inv_t * kBinsPerUnit), inv_tf = static_cast<float>(inv_t);
+  std::vector<double> mass(kNearBins + 1, 0.0);
+  weights.resize((n + 7) / 8 * 8);
+  alignas(32) int32_t b[8];
+  const __m256 t = _mm256_set1_ps(threshold), near = _mm256_set1_ps(static_cast<float>(kNearBins));
+  const __m256 per_unit = _mm256_set1_ps(static_cast<float>(1.0 / kBinsPerUnit)), two = _mm256_set1_ps(2.f);
+  const __m256 far = _mm256_set1_ps(static_cast<float>(kBins) * static_cast<float>(kBinsPerUnit));
+  __m256 error = _mm256_setzero_ps();
+  __m256d far_lo = _mm256_setzero_pd(), far_hi = far_lo;  // float64 sums: their rounding stays negligible
+  for (int64_t i = 0; i < n; i += 8) {
+    const __m256 v = load8(x, i, n);
+    float* w = weights.data() + i;
+    if (!_mm256_movemask_ps(_mm256_cmp_ps(v, t, _CMP_GE_OQ))) {
+      _mm256_storeu_ps(w, _mm256_setzero_ps());
+      continue;
     }
-    descending_kept(bin, threshold, order);
-    for (int64_t i : order) {
-      const double wi = weights[bin.id[i]];
-      above += wi;
-      if (above >= target && wi > 0) return bin.value[i];
+    const __m256 wv = weights8f(v, threshold, max, inv_tf);
+    _mm256_storeu_ps(w, wv);
+    const __m256 d = _mm256_min_ps(_mm256_mul_ps(_mm256_sub_ps(_mm256_set1_ps(max), v), _mm256_set1_ps(bin_scale)), far);
+    error = _mm256_fmadd_ps(wv, _mm256_fmadd_ps(d, per_unit, two), error);  // w·(|a| + 2)
+    const __m256 is_near = _mm256_cmp_ps(d, near, _CMP_LT_OQ);
+    const __m256 far_w = _mm256_andnot_ps(is_near, wv);
+    far_lo = _mm256_add_pd(far_lo, _mm256_cvtps_pd(_mm256_castps256_ps128(far_w)));
+    far_hi = _mm256_add_pd(far_hi, _mm256_cvtps_pd(_mm256_extractf128_ps(far_w, 1)));
+    unsigned lanes = _mm256_movemask_ps(is_near);
+    if (!lanes) continue;
+    _mm256_store_si256(reinterpret_cast<__m256i*>(b), _mm256_cvttps_epi32(d));
+    while (lanes) {
+      const int j = __builtin_ctz(lanes);
+      lanes &= lanes - 1;
+      mass[b[j]] += w[j];
     }
   }
-  return threshold;
+  alignas(32) double far_lanes[4];
+  _mm256_store_pd(far_lanes, _mm256_add_pd(far_lo, far_hi));
+  mass[kNearBins] = (far_lanes[0] + far_lanes[1]) + (far_lanes[2] + far_lanes[3]);
+  alignas(32) float lanes[8];  // the bound itself needs no precision: it is used with a factor 2 to spare
+  _mm256_store_ps(lanes, error);
+  double bound = static_cast<double>(n) * 1.7e-38;  // tokens below exp's float range count 0
+  for (float e : lanes) bound += std::ldexp(static_cast<double>(e), -21);
+  const Cut cut = find_cut(x, n, threshold, max, bin_scale, mass, weights, top_p, bin, order);
+  *cut_out = cut.value;
+  return cut.found && cut.bin < kNearBins && cut.target - cut.before > 2 * bound && cut.at - cut.target > 2 * bound;
 }
 
 // Inverse CDF in vocabulary order over candidates (all tokens >= threshold among them).
@@ -357,25 +438,24 @@ int64_t draw_over_row(const float* x, int64_t n, float threshold, float max, dou
 }
 
 // Inverse CDF in vocabulary order over the tokens >= threshold, from their weights already computed.
-int64_t draw_from_weights(const float* x, int64_t n, float threshold, const std::vector<double>& weights, double u,
+template <typename W>
+int64_t draw_from_weights(const float* x, int64_t n, float threshold, const std::vector<W>& weights, double u,
                           std::vector<double>& sums) {
   const int64_t blocks = (n + kBlock - 1) / kBlock;
   sums.assign(blocks, 0.0);
   const __m256 t = _mm256_set1_ps(threshold);
   for (int64_t blk = 0; blk < blocks; ++blk) {
-    __m256d acc = _mm256_setzero_pd();
+    double sum = 0.0;
     const int64_t end = std::min(n, (blk + 1) * kBlock);
     for (int64_t i = blk * kBlock; i < end; i += 8) {
-      const __m256 kept = _mm256_cmp_ps(load8(x, i, n), t, _CMP_GE_OQ);
-      if (!_mm256_movemask_ps(kept)) continue;
-      const __m256d lo = _mm256_castps_pd(_mm256_permutevar8x32_ps(kept, _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3)));
-      const __m256d hi = _mm256_castps_pd(_mm256_permutevar8x32_ps(kept, _mm256_setr_epi32(4, 4, 5, 5, 6, 6, 7, 7)));
-      acc = _mm256_add_pd(acc, _mm256_add_pd(_mm256_and_pd(lo, _mm256_loadu_pd(weights.data() + i)),
-                                             _mm256_and_pd(hi, _mm256_loadu_pd(weights.data() + i + 4))));
+      unsigned kept = _mm256_movemask_ps(_mm256_cmp_ps(load8(x, i, n), t, _CMP_GE_OQ));
+      while (kept) {  // few tokens pass top_p's cut: add them one by one
+        const int j = __builtin_ctz(kept);
+        kept &= kept - 1;
+        sum += weights[i + j];  // 0 past n
+      }
     }
-    alignas(32) double lanes[4];
-    _mm256_store_pd(lanes, acc);
-    sums[blk] = (lanes[0] + lanes[1]) + (lanes[2] + lanes[3]);
+    sums[blk] = sum;
   }
   double total = 0.0;
   for (double s : sums) total += s;
@@ -403,6 +483,7 @@ struct Scratch {
   std::vector<float> values;
   std::vector<int64_t> order;
   std::vector<double> sums, weights;
+  std::vector<float> weights_f;
 };
 
 // One row: its keep threshold, and (when uniform >= 0) its token. Returns false for a row with a NaN, an
@@ -416,16 +497,21 @@ bool sample_row(const float* x, int64_t n, double temperature, int64_t top_k, do
   const bool by_k = top_k > 0 && top_k < n;
   if (by_k) threshold = std::max(threshold, top_k_threshold(x, n, top_k, s.cands, s.values));
   const bool by_p = top_p < 1;
-  if (by_p) {
-    threshold = by_k ? top_p_among(s.cands, threshold, max, inv_t, top_p, s.order)
-                     : top_p_over_row(x, n, threshold, max, inv_t, top_p, s.weights, s.bin, s.order);
+  bool fast = false;  // top_p's cut came from float32 weights (certified), which the draw then uses
+  if (by_p && by_k) {
+    threshold = top_p_among(s.cands, threshold, max, inv_t, top_p, s.order);
+  } else if (by_p) {
+    float cut;
+    fast = top_p_fast(x, n, threshold, max, inv_t, top_p, s.weights_f, s.bin, s.order, &cut);
+    threshold = fast ? cut : top_p_exact(x, n, threshold, max, inv_t, top_p, s.weights, s.bin, s.order);
   }
   *threshold_out = threshold;
   if (uniform < 0) return true;
   if (by_k)
     *token_out = draw_among(s.cands, threshold, max, inv_t, uniform);
   else if (by_p)
-    *token_out = draw_from_weights(x, n, threshold, s.weights, uniform, s.sums);
+    *token_out = fast ? draw_from_weights(x, n, threshold, s.weights_f, uniform, s.sums)
+                      : draw_from_weights(x, n, threshold, s.weights, uniform, s.sums);
   else
     *token_out = draw_over_row(x, n, threshold, max, inv_t, uniform, s.sums);
   return true;

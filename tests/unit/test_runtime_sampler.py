@@ -258,6 +258,19 @@ def test_nuclei_of_every_width_and_temperature():
     check_against_full_sort(logits, params)
 
 
+def test_top_p_cuts_on_a_rounding_boundary_match_the_float64_reference():
+    """A top_p within 1e-12..1e-10 of the head token's share: float64 tells the sides apart, the kernel's
+    float32 pass (weights within ~1e-7) cannot, so its error bound must send the row to the float64 pass."""
+    rng = np.random.default_rng(13)
+    logits = rng.normal(-12, 2, size=49152).astype(np.float32)
+    logits[[10, 20000, 40000]] = [np.log(3.0), 0.0, np.log(0.5)]
+    x = logits.astype(np.float64)
+    w = np.exp(x - x.max())
+    first = w[10] / w.sum()  # the head token's share: the nucleus is it alone below, more above
+    for top_p in (first - 1e-12, first + 1e-12, first - 1e-10, first + 1e-10):
+        check_against_full_sort(logits[None], [SamplingParams(top_p=float(top_p))])
+
+
 def reference_token(probs: np.ndarray, u: float) -> int:
     return int(np.searchsorted(np.cumsum(probs), u * probs.sum()))
 
