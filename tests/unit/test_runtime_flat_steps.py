@@ -1,5 +1,5 @@
 """No per-step work grows with the output's length: counted (ids decoded, tokens merged, outputs
-handed out), never timed."""
+handed out) over hundreds to thousands of tokens, never timed."""
 
 from fake_runner import CharTokenizer, make_fake_engine
 
@@ -62,8 +62,8 @@ def test_stream_formatter_merges_held_deltas_once():
 
 
 def test_each_engine_step_hands_out_only_what_is_new():
-    engine = make_fake_engine(300, max_seq_len=1100)
-    engine.add_request("long", [3, 4, 5], SamplingParams(temperature=0.8, seed=1, max_tokens=1000, ignore_eos=True))
+    engine = make_fake_engine(200, max_seq_len=700)
+    engine.add_request("long", [3, 4, 5], SamplingParams(temperature=0.8, seed=1, max_tokens=600, ignore_eos=True))
     request = engine.requests["long"]
     steps = 0
     while engine.has_unfinished():
@@ -72,4 +72,4 @@ def test_each_engine_step_hands_out_only_what_is_new():
             (sample,) = out.outputs
             assert len(sample.token_ids) <= 1 and len(sample.text) <= 1
             assert len(request.pending[0].detok.ids) <= 8
-    assert steps >= 1000
+    assert steps >= 600
