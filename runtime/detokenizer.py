@@ -5,8 +5,9 @@ tokens; decoding such a prefix yields U+FFFD. The detokenizer decodes a short wi
 recent tokens and emits only the text that has become stable, never a partial character.
 Stop strings are searched in the produced text; while a sequence runs, the last
 len(longest stop) - 1 characters are held back so a stop string is never streamed before
-it is recognised. Only the text not yet taken is kept, so each token costs the same
-however long the output has grown.
+it is recognised. Only the window of recent ids and the text not yet taken are kept, so each
+token costs the same however long the output has grown (a run of tokens that add no text, such
+as skipped special tokens, does not widen the window either).
 """
 
 from __future__ import annotations
@@ -58,9 +59,12 @@ class IncrementalDetokenizer:
         full = self._decode(self.ids[self.prefix_offset:])
         if len(full) > len(prefix) and not full.endswith("\ufffd"):
             delta = full[len(prefix):]
-            self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+            del self.ids[:self.read_offset]  # the window moves on: keep only what the next decode reads
+            self.prefix_offset, self.read_offset = 0, len(self.ids)
             self.pending += delta
             return delta
+        if full == prefix:  # tokens that add no text (skipped special tokens) never widen the window
+            del self.ids[self.read_offset:]
         return ""
 
     def find_stop(self, num_new_chars: int) -> str | None:

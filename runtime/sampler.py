@@ -1,4 +1,4 @@
-"""Sampler: numpy, vectorized over the rows of a step's logits, without sorting the vocabulary.
+"""Sampler: numpy around one op-library kernel per step, vectorized over the rows of a step's logits.
 
 Per row (one sequence): penalties on the raw logits (repetition over prompt + output tokens,
 frequency and presence over output tokens), then greedy argmax when temperature is 0;
@@ -9,12 +9,11 @@ sequence's own Generator by inverse CDF in vocabulary order. One draw per sample
 a per-sequence Generator, and arithmetic that never mixes rows, make a seeded request's text
 independent of whatever else shares its batch. Logprobs are taken from the raw model distribution.
 
-Each filter keeps the tokens whose logit reaches a threshold, so the sampler finds one
-threshold per row and never sorts the vocabulary: min_p's is max + T·log(min_p); top_k's and
-top_p's come from the row's largest logits (the candidates), found through the maxima of
-strided groups of the row and sorted alone. top_p's nucleus needs the mass of the tokens above
-top_k and min_p; when the candidates do not hold the whole nucleus the row is tried again
-with WIDEN times as many, up to a full sort, so the distribution is exact, never an approximation.
+Each filter keeps the tokens whose logit reaches a threshold, so no row is ever sorted: the
+thresholds and the draw come from runtime/ops/sampling.cc (min_p in closed form, top_k from
+strided group maxima, top_p from a histogram of the weights, the draw over block sums; float64
+weights), which reads each row a few times in C instead of the dozen numpy passes a
+vectorized selection takes. The filters' definition in plain numpy is the tests' reference.
 """
 
 from __future__ import annotations
@@ -26,19 +25,13 @@ from typing import Protocol
 import numpy as np
 import numpy.typing as npt
 
+from kiln.runtime.ops import sampling as kernels
 from kiln.runtime.params import SamplingParams
 from kiln.runtime.sequence import Sequence, TokenCounts
 
 Floats = npt.NDArray[np.float32]
 Doubles = npt.NDArray[np.float64]
 Ints = npt.NDArray[np.int64]
-
-FIRST_WIDTH = 512  # candidates per row at first; unresolved top_p rows retry with WIDEN times as many
-WIDEN = 8
-GROUPS_PER_CANDIDATE = 8  # strided groups per wanted candidate: more groups, fewer surplus candidates
-MIN_GROUPS = 1024
-MAX_PADDED = 4096  # rows keeping more tokens than this sample over the full row, in blocks
-BLOCK = 256  # tokens per block of the full-row inverse CDF
 
 
 class SamplingState(Protocol):
@@ -113,181 +106,11 @@ def apply_penalties(logits: Floats, seqs: SequenceOf[SamplingState]) -> Floats:
     return logits
 
 
-def _float32_at_least(x: Doubles) -> Floats:
-    """The smallest float32 >= x, so that `logit >= result` holds exactly when `logit >= x` does."""
-    rounded = x.astype(np.float32)
-    return np.where(rounded < x, np.nextafter(rounded, np.float32(np.inf)), rounded).astype(np.float32)
-
-
-def _group_maxima(logits: Floats, num_groups: int) -> Floats:
-    """The maximum of each of num_groups strided groups (token j in group j % num_groups) of every
-    row, plus the tail that does not fill a whole stride as groups of one; a strided view, no copy."""
-    rows, vocab = logits.shape
-    body = vocab - vocab % num_groups
-    view = np.lib.stride_tricks.as_strided(
-        logits, shape=(rows, body // num_groups, num_groups),
-        strides=(logits.strides[0], num_groups * logits.strides[1], logits.strides[1]), writeable=False,
-    )
-    maxima: Floats = view.max(axis=1)
-    return np.concatenate([maxima, logits[:, body:]], axis=1) if body < vocab else maxima
-
-
-@dataclass(frozen=True)
-class _Candidates:
-    """Per row, at least `width` of its largest logits (all tokens with a logit >= floor), descending."""
-
-    descending: Floats  # [rows, max count], padded with -inf
-    count: Ints  # [rows]
-    floor: Floats  # [rows]; -inf when the candidates are the whole row
-
-    def take(self, rows: Ints) -> _Candidates:
-        return _Candidates(self.descending[rows], self.count[rows], self.floor[rows])
-
-    def kth_largest(self, k: Ints) -> Floats:
-        """The k-th largest logit of each row (k within the candidates), -inf where k is 0."""
-        kth = self.descending[np.arange(k.size), np.maximum(k, 1) - 1]
-        return np.where(k > 0, kth, np.float32(-np.inf))
-
-    def weights(self, threshold: Floats, row_max: Floats, temperature: Doubles) -> tuple[Doubles, Doubles]:
-        """exp((logit - max) / T) of the candidates at or above threshold (0 for the others and the
-        padding), and their running sum, most likely first (sequential: padding never changes a row's sums)."""
-        kept = (np.arange(self.descending.shape[1]) < self.count[:, None]) & (self.descending >= threshold[:, None])
-        scaled = (self.descending.astype(np.float64) - row_max[:, None]) / temperature[:, None]
-        e = np.where(kept, np.exp(scaled), 0.0)
-        return e, np.cumsum(e, axis=1)
-
-
-def _selection_floor(logits: Floats, width: int) -> Floats | None:
-    """Per row, a logit that at least `width` tokens reach, and few more: the width-th largest maximum
-    of the row's strided groups. None when that would not save much over taking the whole row."""
-    groups = max(width * GROUPS_PER_CANDIDATE, MIN_GROUPS)
-    if groups >= logits.shape[1]:
-        return None
-    maxima = _group_maxima(logits, groups)
-    kth = maxima.shape[1] - width
-    floor: Floats = np.partition(maxima, kth, axis=1)[:, kth]
-    return floor
-
-
-def _at_or_above(logits: Floats, floor: Floats) -> tuple[Floats, Ints, Ints]:
-    """The tokens of each row with logit >= floor, padded to [rows, max count] in vocabulary order:
-    their logits (padding -inf), their ids (padding 0), and how many each row has."""
-    rows, vocab = logits.shape
-    flat = np.flatnonzero(logits >= floor[:, None])
-    row_of = flat // vocab
-    count = np.bincount(row_of, minlength=rows).astype(np.int64)
-    col = np.arange(flat.size) - (np.cumsum(count) - count)[row_of]
-    values = np.full((rows, int(count.max())), -np.inf, dtype=np.float32)
-    values[row_of, col] = logits.ravel()[flat]
-    ids = np.zeros(values.shape, dtype=np.int64)
-    ids[row_of, col] = flat - row_of * vocab
-    return values, ids, count
-
-
-def _top_candidates(logits: Floats, width: int) -> _Candidates:
-    """At least `width` of each row's largest logits, with every tie (the whole row when a
-    selection would not save much: a full sort, the fallback)."""
-    rows, vocab = logits.shape
-    floor = _selection_floor(logits, width)
-    if floor is None:
-        return _Candidates(-np.sort(-logits, axis=1), np.full(rows, vocab, dtype=np.int64),
-                           np.full(rows, -np.inf, dtype=np.float32))
-    values, _, count = _at_or_above(logits, floor)
-    return _Candidates(-np.sort(-values, axis=1), count, floor)
-
-
-def _top_ids(logits: Floats, k: int) -> tuple[Ints, Floats]:
-    """The ids and logits of each row's k largest logits, most likely first (ties in vocabulary order)."""
-    floor = _selection_floor(logits, k)
-    if floor is None:
-        values, ids = logits, np.broadcast_to(np.arange(logits.shape[1]), logits.shape)
-    else:
-        values, ids, _ = _at_or_above(logits, floor)
-    order = np.argsort(-values, axis=1, kind="stable")[:, :k]
-    return np.take_along_axis(ids, order, axis=1), np.take_along_axis(values, order, axis=1)
-
-
-def _exp_weights(logits: Floats, row_max: Floats, threshold: Floats, temperature: Doubles) -> Floats:
-    """exp((logit - max) / T) over whole rows, 0 below each row's threshold (float32: one full pass each)."""
-    e = logits - row_max[:, None]
-    e *= (1 / temperature).astype(np.float32)[:, None]
-    np.exp(e, out=e)
-    if np.isfinite(threshold).any():
-        e *= logits >= threshold[:, None]
-    return e
-
-
-def _block_sums(e: Floats) -> Floats:
-    """Sums of consecutive BLOCK-token blocks of each row, the last (partial or empty) block included."""
-    rows, vocab = e.shape
-    full = vocab // BLOCK
-    blocks = np.lib.stride_tricks.as_strided(
-        e, shape=(rows, full, BLOCK), strides=(e.strides[0], BLOCK * e.strides[1], e.strides[1]), writeable=False,
-    )
-    return np.concatenate([blocks.sum(axis=2), e[:, full * BLOCK:].sum(axis=1)[:, None]], axis=1)
-
-
-def _mass_from(logits: Floats, row_max: Floats, threshold: Floats, temperature: Doubles) -> Doubles:
-    """Per row, the sum of exp((logit - max) / T) over the tokens with logit >= threshold (a full pass)."""
-    mass: Doubles = _block_sums(_exp_weights(logits, row_max, threshold, temperature)).sum(axis=1, dtype=np.float64)
-    return mass
-
-
-def _rows(a: Floats, rows: Ints) -> Floats:
-    """a's rows (a itself, not a copy, when rows are all of them in order)."""
-    return a if rows.size == a.shape[0] and np.array_equal(rows, np.arange(rows.size)) else a[rows]
-
-
-def _top_p_cut(logits: Floats, cands: _Candidates, start: Floats, row_max: Floats, settings: RowSettings,
-               width: int) -> Floats:
-    """top_p's threshold on rows whose distribution is the tokens at or above `start` (after min_p
-    and top_k): the logit of the last token of the nucleus, ties included. The candidates came from
-    `width`; rows whose nucleus reaches past them retry with WIDEN times as many."""
-    cut = start.copy()
-    temperature, top_p = settings.temperature, settings.top_p
-    e, cumulative = cands.weights(start, row_max, temperature)
-    mass = cumulative[:, -1].copy()
-    outside = np.flatnonzero(start < cands.floor)  # tokens at or above start that are not candidates
-    if outside.size:
-        mass[outside] = _mass_from(logits[outside], row_max[outside], start[outside], temperature[outside])
-    todo = np.arange(start.size)
-    while True:
-        before = (cumulative - e) / mass[todo, None]  # mass strictly before each token, most likely first
-        kept = np.count_nonzero(e > 0, axis=1)
-        nucleus = np.count_nonzero((e > 0) & (before < top_p[todo, None]), axis=1)
-        done = (start[todo] >= cands.floor) | (nucleus < kept)
-        cut[todo[done]] = cands.descending[np.flatnonzero(done), nucleus[done] - 1]
-        todo = todo[~done]
-        if not todo.size:
-            return cut
-        width *= WIDEN
-        cands = _top_candidates(logits[todo], width)
-        e, cumulative = cands.weights(start[todo], row_max[todo], temperature[todo])
-        inside = np.flatnonzero(start[todo] >= cands.floor)  # the candidates' own sum is exact in float64
-        mass[todo[inside]] = cumulative[inside, -1]
-
-
-def keep_thresholds(logits: Floats, row_max: Floats, settings: RowSettings) -> Floats:
+def keep_thresholds(logits: Floats, settings: RowSettings) -> Floats:
     """Per row, the logit from which on tokens stay in the distribution after min_p, top_k and
-    top_p (the kept set is {logit >= threshold}, so ties at any cut are kept)."""
-    with np.errstate(divide="ignore"):  # min_p 0: log 0 = -inf, no floor
-        floor = _float32_at_least(row_max + settings.temperature * np.log(settings.min_p))
-    thresholds = floor.copy()
-    todo = np.flatnonzero((settings.top_k > 0) | (settings.top_p < 1))
-    # Each row starts at the first width that holds its top_k, so its cut never depends on other rows.
-    width = np.full(todo.size, FIRST_WIDTH, dtype=np.int64)
-    while np.any(grow := width < settings.top_k[todo]):
-        width[grow] *= WIDEN
-    for w in np.unique(width).tolist():
-        rows = todo[width == w]
-        sub, row_settings = _rows(logits, rows), settings.subset(rows)
-        cands = _top_candidates(sub, w)
-        start = np.maximum(floor[rows], cands.kth_largest(np.minimum(row_settings.top_k, logits.shape[1])))
-        thresholds[rows] = start
-        p = np.flatnonzero(row_settings.top_p < 1)
-        if p.size:
-            thresholds[rows[p]] = _top_p_cut(_rows(sub, p), cands.take(p), start[p], row_max[rows[p]],
-                                             row_settings.subset(p), w)
+    top_p (the kept set is {logit >= threshold}, so ties at any cut are kept; -inf: no filter)."""
+    thresholds, _ = kernels.sample_rows(logits, settings.temperature, settings.top_k, settings.top_p,
+                                        settings.min_p, None)
     return thresholds
 
 
@@ -296,80 +119,18 @@ def filtered_probs(logits: Floats, seqs: SequenceOf[SamplingState]) -> Doubles:
     logits = np.ascontiguousarray(logits, dtype=np.float32)
     settings = RowSettings.of(seqs)
     row_max = logits.max(axis=1)
-    thresholds = keep_thresholds(logits, row_max, settings)
+    thresholds = keep_thresholds(logits, settings)
     scaled = (logits.astype(np.float64) - row_max[:, None]) / settings.temperature[:, None]
     e = np.where(logits >= thresholds[:, None], np.exp(scaled), 0.0)
     probs: Doubles = e / e.sum(axis=1, keepdims=True)
     return probs
 
 
-def _pick(cumulative: Doubles, uniforms: Doubles) -> Ints:
-    """Inverse CDF: per row, the first position whose cumulative mass reaches u * total, never a
-    zero-mass position (u = 0 picks the first token with mass)."""
-    target = np.maximum(uniforms * cumulative[:, -1], np.finfo(np.float64).tiny)
-    position: Ints = np.count_nonzero(cumulative < target[:, None], axis=1).astype(np.int64)
-    return position
-
-
-def _sample_candidates(logits: Floats, threshold: Floats, row_max: Floats, temperature: Doubles,
-                       uniforms: Doubles) -> tuple[Ints, npt.NDArray[np.bool_]]:
-    """Sample rows keeping at most MAX_PADDED tokens from those tokens alone; returns the tokens
-    and which rows were sampled (the others keep too many tokens for it)."""
-    rows, vocab = logits.shape
-    flat = np.flatnonzero(logits >= threshold[:, None])  # ascending: rows in order, vocabulary order within
-    row_of = flat // vocab
-    count = np.bincount(row_of, minlength=rows)
-    narrow = count <= MAX_PADDED
-    chosen = narrow[row_of]
-    flat, row_of = flat[chosen], row_of[chosen]
-    count = np.where(narrow, count, 0)
-    col = np.arange(flat.size) - (np.cumsum(count) - count)[row_of]
-    width = max(int(count.max()), 1)
-    e = np.zeros((rows, width), dtype=np.float64)
-    e[row_of, col] = np.exp((logits.ravel()[flat] - row_max[row_of].astype(np.float64)) / temperature[row_of])
-    tokens = np.zeros((rows, width), dtype=np.int64)
-    tokens[row_of, col] = flat - row_of * vocab
-    picked = np.minimum(_pick(np.cumsum(e, axis=1), uniforms), np.maximum(count, 1) - 1)
-    return tokens[np.arange(rows), picked], narrow
-
-
-def _sample_full_rows(logits: Floats, threshold: Floats, row_max: Floats, temperature: Doubles,
-                      uniforms: Doubles) -> Ints:
-    """Inverse CDF over whole rows without a full cumulative sum: block sums find the block, then
-    a cumulative sum within that block finds the token."""
-    rows, vocab = logits.shape
-    e = _exp_weights(logits, row_max, threshold, temperature)
-    cumulative = np.cumsum(_block_sums(e), axis=1, dtype=np.float64)
-    block = np.minimum(_pick(cumulative, uniforms), vocab // BLOCK)  # a block with mass (see _pick)
-    index = np.arange(rows)
-    before = np.where(block > 0, cumulative[index, np.maximum(block, 1) - 1], 0.0)
-    columns = block[:, None] * BLOCK + np.arange(BLOCK)
-    segment = np.where(columns < vocab, e[index[:, None], np.minimum(columns, vocab - 1)], 0).astype(np.float64)
-    within = np.cumsum(segment, axis=1)
-    target = np.maximum(uniforms * cumulative[:, -1] - before, np.finfo(np.float64).tiny)
-    position = np.count_nonzero(within < target[:, None], axis=1)
-    last_with_mass = BLOCK - 1 - np.argmax(segment[:, ::-1] > 0, axis=1)  # rounding may overshoot the block
-    tokens: Ints = block * BLOCK + np.minimum(position, last_with_mass)
-    return tokens
-
-
 def sample(logits: Floats, settings: RowSettings, uniforms: Doubles) -> Ints:
     """One token per row from its filtered distribution, by inverse CDF with the row's uniform."""
-    row_max = logits.max(axis=1)
-    thresholds = keep_thresholds(logits, row_max, settings)
-    tokens = np.empty(logits.shape[0], dtype=np.int64)
-    wide = ~np.isfinite(thresholds)  # no filter: every token is kept
-    filtered = np.flatnonzero(~wide)
-    if filtered.size:
-        t = settings.temperature[filtered]
-        picked, narrow = _sample_candidates(logits[filtered], thresholds[filtered], row_max[filtered], t,
-                                            uniforms[filtered])
-        tokens[filtered[narrow]] = picked[narrow]
-        wide[filtered[~narrow]] = True
-    rest = np.flatnonzero(wide)
-    if rest.size:
-        tokens[rest] = _sample_full_rows(logits[rest], thresholds[rest], row_max[rest], settings.temperature[rest],
-                                         uniforms[rest])
+    _, tokens = kernels.sample_rows(logits, settings.temperature, settings.top_k, settings.top_p, settings.min_p,
+                                    uniforms)
+    assert tokens is not None
     return tokens
 
 
@@ -411,10 +172,10 @@ def raw_logprobs(logits: Floats, tokens: Ints, ks: list[int]) -> list[tuple[floa
     for that token and the row's k most likely ones (rank 1 = most likely; ties in vocabulary order)."""
     index = np.arange(logits.shape[0])
     row_max = logits.max(axis=1)
-    log_total = row_max + np.log(_block_sums(np.exp(logits - row_max[:, None])).sum(axis=1, dtype=np.float64))
+    log_total = row_max + np.log(np.exp(logits - row_max[:, None]).sum(axis=1, dtype=np.float64))
     chosen = logits[index, tokens]
     ranks = np.count_nonzero(logits > chosen[:, None], axis=1) + 1
-    best_ids, best_logits = _top_ids(logits, max(*ks, 1))
+    best_ids, best_logits = kernels.top_tokens(logits, min(max(*ks, 1), logits.shape[1]))
     results = []
     for row, k in enumerate(ks):
         total = float(log_total[row])

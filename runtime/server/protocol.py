@@ -302,7 +302,8 @@ class ResponseFormatter:
         self.created = int(time.time())
         self.object = "chat.completion" if chat else "text_completion"
         self.sent: dict[int, int] = {}  # choice index -> characters streamed
-        self.held: dict[int, CompletionOutput] = {}  # tokens without text yet: their logprobs go with the next chunk
+        # deltas of tokens without text yet, merged once when text comes (their logprobs go with it)
+        self.held: dict[int, list[CompletionOutput]] = {}
 
     def _logprobs(self, out: CompletionOutput, start_char: int) -> dict[str, Any] | None:
         if self.params.logprobs is None:
@@ -320,13 +321,13 @@ class ResponseFormatter:
         for out in ro.outputs:
             index = prompt_index * self.params.n + out.index
             chars = self.sent.get(index, 0)
-            if index in self.held:
-                out = merge_completions([self.held.pop(index), out])
-            delta = out.text
-            if not delta and out.finish_reason is None and index in self.sent:
+            if not out.text and out.finish_reason is None and index in self.sent:
                 if out.token_ids:
-                    self.held[index] = out
+                    self.held.setdefault(index, []).append(out)
                 continue
+            if index in self.held:
+                out = merge_completions([*self.held.pop(index), out])
+            delta = out.text
             choice: dict[str, Any] = {"index": index}
             if self.chat:
                 choice["delta"] = {"content": delta} if index in self.sent else {"role": "assistant", "content": delta}
@@ -342,9 +343,9 @@ class ResponseFormatter:
             chunks.append(chunk)
         return chunks
 
-    def usage_chunk(self, finals: dict[int, RequestOutput]) -> dict[str, Any]:
+    def usage_chunk(self, usage: Usage) -> dict[str, Any]:
         chunk = self._head(self.object + ".chunk" if self.chat else self.object)
-        chunk.update(choices=[], usage=_usage(finals))
+        chunk.update(choices=[], usage=usage.as_dict())
         return chunk
 
     def response(self, finals: dict[int, RequestOutput]) -> dict[str, Any]:
@@ -365,9 +366,28 @@ class ResponseFormatter:
         return body
 
 
+class Usage:
+    """A response's token counts, added up from its outputs (deltas or merged) as they come, so a
+    stream keeps counts rather than its outputs."""
+
+    def __init__(self) -> None:
+        self.prompt: dict[int, int] = {}  # prompt index -> prompt tokens
+        self.cached: dict[int, int] = {}  # prompt index -> of which served from the prefix cache
+        self.completion = 0
+
+    def add(self, prompt_index: int, ro: RequestOutput) -> None:
+        self.prompt[prompt_index] = len(ro.prompt_token_ids)
+        self.cached[prompt_index] = ro.num_cached_tokens
+        self.completion += sum(len(o.token_ids) for o in ro.outputs)
+
+    def as_dict(self) -> dict[str, Any]:
+        prompt = sum(self.prompt.values())
+        return {"prompt_tokens": prompt, "completion_tokens": self.completion, "total_tokens": prompt + self.completion,
+                "prompt_tokens_details": {"cached_tokens": sum(self.cached.values())}}
+
+
 def _usage(finals: dict[int, RequestOutput]) -> dict[str, Any]:
-    prompt = sum(len(ro.prompt_token_ids) for ro in finals.values())
-    completion = sum(len(o.token_ids) for ro in finals.values() for o in ro.outputs)
-    cached = sum(ro.num_cached_tokens for ro in finals.values())
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": cached}}
+    usage = Usage()
+    for i, ro in finals.items():
+        usage.add(i, ro)
+    return usage.as_dict()

@@ -20,10 +20,10 @@ import anyio
 from starlette.requests import Request
 
 from kiln.errors import InvalidParamError
-from kiln.runtime.outputs import RequestOutput, merge_outputs
+from kiln.runtime.outputs import RequestOutput
 from kiln.runtime.params import SamplingParams
 from kiln.runtime.server.metrics import RequestTimer
-from kiln.runtime.server.protocol import ResponseFormatter, error_body
+from kiln.runtime.server.protocol import ResponseFormatter, Usage, error_body
 
 log = logging.getLogger("kiln.server")
 
@@ -172,11 +172,11 @@ def sse(data: dict[str, Any] | str) -> str:
 
 async def sse_stream(first: tuple[int, RequestOutput], stream: EngineStream, fmt: ResponseFormatter,
                      include_usage: bool) -> AsyncIterator[str]:
-    deltas: dict[int, list[RequestOutput]] = {}
+    usage = Usage()
     try:
         item = first
         while True:
-            deltas.setdefault(item[0], []).append(item[1])
+            usage.add(*item)
             for chunk in fmt.chunks(item[0], item[1], include_usage):
                 yield sse(chunk)
             try:
@@ -184,7 +184,7 @@ async def sse_stream(first: tuple[int, RequestOutput], stream: EngineStream, fmt
             except StopAsyncIteration:
                 break
         if include_usage:
-            yield sse(fmt.usage_chunk({i: merge_outputs(d) for i, d in deltas.items()}))
+            yield sse(fmt.usage_chunk(usage))
     except ClientDisconnected:
         return
     except InvalidParamError as e:  # headers are sent: report in-band, then end the stream

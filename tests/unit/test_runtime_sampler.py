@@ -5,7 +5,6 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from kiln.runtime import sampler as sampler_module
 from kiln.runtime.params import RuntimeConfig, SamplingParams
 from kiln.runtime.sampler import RowSettings, Sampler, apply_penalties, filtered_probs, sample
 from kiln.runtime.sequence import Sequence
@@ -245,21 +244,31 @@ def test_tiny_vocabularies():
         check_against_full_sort(logits, [SamplingParams(**f) for f in FILTERS])
 
 
-def test_a_nucleus_wider_than_the_first_candidates_widens_the_search(monkeypatch):
-    widths = []
-    select = sampler_module._top_candidates
-
-    def spy(logits, width):
-        widths.append(width)
-        return select(logits, width)
-
-    monkeypatch.setattr(sampler_module, "_top_candidates", spy)
+def test_nuclei_of_every_width_and_temperature():
+    """top_p's cut is found in one histogram bin of the weights by distance from the max: nuclei of
+    one token, of most of a flat row (the cut deep in the bins), past the last bin (tiny temperature:
+    the far tokens share it), and with min_p / top_k before it."""
     rng = np.random.default_rng(7)
-    logits = rng.normal(0, 0.3, size=(3, 49152)).astype(np.float32)  # flat: the 0.9 nucleus holds ~40k tokens
-    logits[2] = rng.normal(0, 8, size=49152)  # peaked: its nucleus is within the first candidates
-    params = [SamplingParams(top_p=0.9), SamplingParams(top_p=0.5, min_p=0.5), SamplingParams(top_p=0.9)]
+    logits = rng.normal(0, 0.3, size=(6, 49152)).astype(np.float32)  # flat: the 0.9 nucleus holds ~40k tokens
+    logits[2] = rng.normal(0, 8, size=49152)  # peaked
+    logits[3, 123] = 50.0  # one token holds nearly all the mass
+    params = [SamplingParams(top_p=0.9), SamplingParams(top_p=0.5, min_p=0.5), SamplingParams(top_p=0.9),
+              SamplingParams(top_p=0.99), SamplingParams(temperature=0.01, top_p=0.999999),
+              SamplingParams(temperature=5.0, top_p=0.95, top_k=30000)]
     check_against_full_sort(logits, params)
-    assert widths[0] == sampler_module.FIRST_WIDTH and max(widths) > sampler_module.FIRST_WIDTH
+
+
+def test_top_p_cuts_on_a_rounding_boundary_match_the_float64_reference():
+    """A top_p within 1e-12..1e-10 of the head token's share: float64 tells the sides apart, the kernel's
+    float32 pass (weights within ~1e-7) cannot, so its error bound must send the row to the float64 pass."""
+    rng = np.random.default_rng(13)
+    logits = rng.normal(-12, 2, size=49152).astype(np.float32)
+    logits[[10, 20000, 40000]] = [np.log(3.0), 0.0, np.log(0.5)]
+    x = logits.astype(np.float64)
+    w = np.exp(x - x.max())
+    first = w[10] / w.sum()  # the head token's share: the nucleus is it alone below, more above
+    for top_p in (first - 1e-12, first + 1e-12, first - 1e-10, first + 1e-10):
+        check_against_full_sort(logits[None], [SamplingParams(top_p=float(top_p))])
 
 
 def reference_token(probs: np.ndarray, u: float) -> int:
@@ -342,3 +351,41 @@ def test_top_logprobs_of_a_large_vocabulary_match_a_full_sort():
         for t, (lp, _) in top.items():
             assert lp == pytest.approx(ref[row, t], abs=1e-5)
         assert out.sampled_logprobs[row] == pytest.approx(ref[row, token], abs=1e-5)
+
+
+# -- the op-library kernels' own contract ------------------------------------------------------
+
+
+@pytest.mark.parametrize("column,value", [(slice(None), -np.inf), (5, np.nan), (37, np.nan), (37, np.inf)])
+def test_kernel_names_a_row_it_cannot_sample(column, value):
+    from kiln.errors import KilnError
+    from kiln.runtime.ops import sampling as kernels
+
+    logits = np.zeros((2, 40), dtype=np.float32)
+    logits[1, column] = value  # columns 5 and 37: the kernel's 32-wide body and its tail
+    one = np.ones(2)
+    with pytest.raises(KilnError, match="logits row 1 cannot be sampled"):
+        kernels.sample_rows(logits, one, np.full(2, 5), one, np.zeros(2), np.zeros(2))
+
+
+def test_kernel_checks_shapes():
+    from kiln.runtime.ops import sampling as kernels
+
+    logits, one = np.zeros((2, 40), dtype=np.float32), np.ones(2)
+    with pytest.raises(ValueError, match="one value per row"):
+        kernels.sample_rows(logits, one[:1], np.zeros(2, dtype=np.int64), one, np.zeros(2), None)
+    with pytest.raises(ValueError, match=r"k must be in \[1, 40\]"):
+        kernels.top_tokens(logits[:1], 41)
+
+
+@pytest.mark.parametrize("vocab", [49152, 3000, 7])
+def test_top_tokens_equal_a_stable_full_sort(vocab):
+    from kiln.runtime.ops import sampling as kernels
+
+    rng = np.random.default_rng(12)
+    logits = np.round(rng.normal(0, 2, size=(4, vocab)) * 2).astype(np.float32) / 2  # ties
+    for k in sorted({1, min(5, vocab), min(20, vocab), vocab}):
+        ids, values = kernels.top_tokens(logits, k)
+        want = np.argsort(-logits, axis=1, kind="stable")[:, :k]
+        np.testing.assert_array_equal(ids, want)
+        np.testing.assert_array_equal(values, np.take_along_axis(logits, want, axis=1))

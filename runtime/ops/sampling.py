@@ -1,0 +1,84 @@
+"""The sampler's row kernels in the op library (runtime/ops/sampling.cc), called through ctypes.
+
+Not ONNX Runtime ops: the runtime calls them on the logits a step returned, one call per step for
+all its sampled rows. The C file's header says how each row is computed.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from functools import cache
+
+import numpy as np
+import numpy.typing as npt
+
+from kiln.errors import KilnError
+from kiln.runtime.ops import OpLibraryError, library_path
+
+Floats = npt.NDArray[np.float32]
+Doubles = npt.NDArray[np.float64]
+Ints = npt.NDArray[np.int64]
+
+_P = ctypes.c_void_p
+_I64 = ctypes.c_int64
+
+
+@cache
+def _library() -> ctypes.CDLL:
+    path = library_path()
+    lib = ctypes.CDLL(path)
+    try:
+        lib.kiln_sample_rows.argtypes = [_P, _I64, _I64, _P, _P, _P, _P, _P, _P, _P]
+        lib.kiln_sample_rows.restype = _I64
+        lib.kiln_top_tokens.argtypes = [_P, _I64, _I64, _I64, _P, _P]
+        lib.kiln_top_tokens.restype = None
+    except AttributeError as exc:
+        raise OpLibraryError(f"{path} has no sampling kernels (built before them); rebuild it with "
+                             "`python runtime/ops/build_ops.py` or reinstall kiln") from exc
+    return lib
+
+
+def _ptr(a: np.ndarray) -> int:
+    return int(a.ctypes.data)
+
+
+def _rows(logits: npt.ArrayLike) -> Floats:
+    x: Floats = np.ascontiguousarray(logits, dtype=np.float32)
+    if x.ndim != 2 or x.shape[1] == 0:
+        raise ValueError(f"logits must be [rows, vocab] with vocab >= 1, got shape {x.shape}")
+    return x
+
+
+def sample_rows(logits: npt.ArrayLike, temperature: Doubles, top_k: Ints, top_p: Doubles, min_p: Doubles,
+                uniforms: Doubles | None) -> tuple[Floats, Ints | None]:
+    """Per row, the logit from which on tokens stay in its distribution after min_p, top_k and top_p
+    (top_k 0, top_p 1, min_p 0: off; temperature > 0), and, given one uniform in [0, 1) per row, the
+    token at that uniform's inverse CDF in vocabulary order (None without uniforms)."""
+    x = _rows(logits)
+    rows, vocab = x.shape
+    columns = [np.ascontiguousarray(c, dtype=d) for c, d in ((temperature, np.float64), (top_k, np.int64),
+                                                              (top_p, np.float64), (min_p, np.float64))]
+    if any(c.shape != (rows,) for c in columns):
+        raise ValueError(f"each sampling setting needs one value per row ({rows})")
+    thresholds = np.empty(rows, dtype=np.float32)
+    tokens = None if uniforms is None else np.empty(rows, dtype=np.int64)
+    u = None if uniforms is None else np.ascontiguousarray(uniforms, dtype=np.float64)
+    bad = _library().kiln_sample_rows(_ptr(x), rows, vocab, *(_ptr(c) for c in columns),
+                                      None if u is None else _ptr(u), _ptr(thresholds),
+                                      None if tokens is None else _ptr(tokens))
+    if bad:
+        raise KilnError(f"logits row {bad - 1} cannot be sampled: it holds a NaN or +inf, or no finite value")
+    return thresholds, tokens
+
+
+def top_tokens(logits: npt.ArrayLike, k: int) -> tuple[Ints, Floats]:
+    """The ids and logits of each row's k largest logits (1 <= k <= vocab), most likely first, ties in
+    vocabulary order."""
+    x = _rows(logits)
+    rows, vocab = x.shape
+    if not 1 <= k <= vocab:
+        raise ValueError(f"k must be in [1, {vocab}], got {k}")
+    ids = np.empty((rows, k), dtype=np.int64)
+    values = np.empty((rows, k), dtype=np.float32)
+    _library().kiln_top_tokens(_ptr(x), rows, vocab, k, _ptr(ids), _ptr(values))
+    return ids, values
