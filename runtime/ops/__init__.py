@@ -31,16 +31,24 @@ def library_path() -> str:
     return str(path)
 
 
+_RUNTIME_SYMBOLS = ("kiln_sample_rows", "kiln_top_tokens")
+
+
 def check_abi() -> int:
     """Load the library and check its ABI version against kiln.contract.OP_LIBRARY_ABI; returns it."""
     path = library_path()
     try:
-        found = int(ctypes.CDLL(path).kiln_ops_abi_version())
+        lib = ctypes.CDLL(path)
+        found = int(lib.kiln_ops_abi_version())
     except (OSError, AttributeError) as exc:
         raise OpLibraryError(f"{path} cannot be loaded as a kiln op library ({exc}); rebuild it") from exc
+    rebuild = f"rebuild it with `python {_HERE / 'build_ops.py'}`"
     if found != OP_LIBRARY_ABI:
-        raise OpLibraryError(
-            f"{path} implements op-library ABI {found} but this kiln expects ABI {OP_LIBRARY_ABI}; rebuild it "
-            f"with `python {_HERE / 'build_ops.py'}`"
-        )
+        raise OpLibraryError(f"{path} implements op-library ABI {found} but this kiln expects ABI {OP_LIBRARY_ABI}; "
+                             f"{rebuild}")
+    # The sampler's C routines are not ORT ops (the engines' ABI does not cover them): a library built before
+    # them is refused here, at load, not at the first sampled step.
+    missing = [name for name in _RUNTIME_SYMBOLS if not hasattr(lib, name)]
+    if missing:
+        raise OpLibraryError(f"{path} lacks {', '.join(missing)} (built before them); {rebuild}")
     return found
