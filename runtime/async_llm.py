@@ -130,6 +130,11 @@ class AsyncLLM:
         with self._lock:
             return self._pending_adds + len(self.engine.scheduler.waiting)
 
+    @property
+    def engine_thread_alive(self) -> bool:
+        """False once the engine thread has ended (shutdown, or a crash that escaped the step's handler)."""
+        return self._thread.is_alive()
+
     def stats(self) -> EngineStats:
         stats = self.engine.stats()
         stats.num_waiting += self._pending_adds

@@ -251,6 +251,7 @@ class Engine:
             seq.num_cached_tokens = kv.num_cached_tokens
             first = SamplerOutput(np.array([kv.first_token]), [kv.first_logprob], [kv.first_top_logprobs])
             self._append(seq, request, first, 0)
+            self.num_generated_tokens -= 1  # the prefill engine generated (and counted) it
             changed[request.request_id] = request
         return changed
 
