@@ -14,7 +14,7 @@ from typing import Any
 from ray.serve.request_router import FIFOMixin, PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 from kiln.runtime.cluster.protocol import ReplicaRequest
-from kiln.runtime.cluster.routing import ReplicaTable, RoutingConfig, RoutingPolicy
+from kiln.runtime.cluster.routing import RoutingConfig, RoutingPolicy
 
 PREFIX_BLOCKS = "prefix_blocks"  # the routing_stats key of a replica's cached block hashes
 
@@ -22,8 +22,8 @@ PREFIX_BLOCKS = "prefix_blocks"  # the routing_stats key of a replica's cached b
 class KilnRequestRouter(FIFOMixin, RequestRouter):  # type: ignore[misc]  # Ray's classes are untyped
     def initialize_state(self, **kwargs: Any) -> None:
         """kwargs: RoutingConfig's fields (RequestRouterConfig.request_router_kwargs, JSON)."""
-        self._table = ReplicaTable()
-        self._policy = RoutingPolicy(RoutingConfig(**kwargs), self._table)
+        self._policy = RoutingPolicy(RoutingConfig(**kwargs))
+        self._table = self._policy.table
         self._seen_stats: dict[str, object] = {}  # the routing_stats dict last read per replica
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],

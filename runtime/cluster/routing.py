@@ -1,12 +1,13 @@
 """Which replica serves a request: the routing policies of `kiln serve --replicas`, in pure Python.
 
-The Ray Serve request router (router.py) keeps one ReplicaTable and asks RoutingPolicy.rank for every
-request; nothing here knows Ray, so the policy is unit-tested on its own (tests/unit/test_cluster_routing.py).
+The Ray Serve request router (router.py) keeps one RoutingPolicy (and its ReplicaTable) and asks
+RoutingPolicy.rank for every request; nothing here knows Ray, so the policy is unit-tested on its own (tests/unit/test_cluster_routing.py).
 
 prefix: a request goes to the replica holding the longest cached prefix of its prompt (compared as the
-block manager's chained block hashes), when that prefix is at least `min_match_blocks` blocks; otherwise,
-or when the replicas' loads differ by more than `imbalance_threshold` requests, to the less loaded of two
-random replicas (power of two choices). least-loaded: always the latter. round-robin: in turn.
+block manager's chained block hashes), when that prefix is at least `min_match_blocks` blocks; otherwise to
+the one of two random replicas that holds fewer prefix blocks (a new prefix goes where it evicts least), and
+when the replicas' loads differ by more than `imbalance_threshold` requests, to the less loaded of two
+(power of two choices). least-loaded: always the latter. round-robin: in turn.
 
 What a replica holds is known two ways: the snapshot each replica reports (its prefix cache's hashes,
 every `record_routing_stats` period), and what this router sent it since (a prompt routed to a replica
@@ -20,6 +21,7 @@ from __future__ import annotations
 import random
 import time
 from collections.abc import Callable, Sequence
+from typing import Any
 from dataclasses import dataclass, field
 
 from kiln.errors import require
@@ -57,8 +59,9 @@ class _Replica:
 class ReplicaTable:
     """The router's view of each replica: its reported prefix blocks, what was routed to it, its load."""
 
-    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, optimistic_ttl_s: float, clock: Callable[[], float] = time.monotonic) -> None:
         self._replicas: dict[str, _Replica] = {}
+        self._ttl = optimistic_ttl_s
         self._clock = clock
 
     def __contains__(self, replica: str) -> bool:
@@ -95,11 +98,17 @@ class ReplicaTable:
     def load(self, replica: str) -> int:
         return self._replicas[replica].in_flight
 
-    def match(self, replica: str, hashes: Sequence[int], ttl: float) -> int:
+    def cached_size(self, replica: str) -> int:
+        """How many prefix blocks the replica is believed to hold (reported, or routed there and not expired)."""
+        entry, now = self._replicas[replica], self._clock()
+        return len(entry.reported) + sum(1 for h, t in entry.routed.items()
+                                         if now - t < self._ttl and h not in entry.reported)
+
+    def match(self, replica: str, hashes: Sequence[int]) -> int:
         """How many leading blocks of a prompt (its chained hashes) the replica holds."""
         entry, now = self._replicas[replica], self._clock()
         for i, h in enumerate(hashes):
-            if not entry.holds(h, now, ttl):
+            if not entry.holds(h, now, self._ttl):
                 return i
         return len(hashes)
 
@@ -107,9 +116,10 @@ class ReplicaTable:
 class RoutingPolicy:
     """Ranks candidate replicas for one request: the first rank is tried first (router.py's contract)."""
 
-    def __init__(self, config: RoutingConfig, table: ReplicaTable, rng: random.Random | None = None) -> None:
+    def __init__(self, config: RoutingConfig, rng: random.Random | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.config = config
-        self.table = table
+        self.table = ReplicaTable(config.optimistic_ttl_s, clock)
         self._rng = rng or random.Random()
         self._next = 0  # round-robin position
         self.num_prefix_routed = 0  # requests sent to a replica for its cached prefix
@@ -125,7 +135,7 @@ class RoutingPolicy:
             self._next += 1
             return [[chosen], [c for c in candidates if c != chosen]]
         if policy == "prefix" and hashes and not self._imbalanced(candidates):
-            matches = {c: self.table.match(c, hashes, self.config.optimistic_ttl_s) for c in candidates}
+            matches = {c: self.table.match(c, hashes) for c in candidates}
             best = max(matches.values())
             if best >= self.config.min_match_blocks:
                 self.num_prefix_routed += 1
@@ -133,13 +143,15 @@ class RoutingPolicy:
                 top.sort(key=self.table.load)
                 return [top, [c for c in candidates if matches[c] != best]]
         self.num_balanced += 1
-        return self._power_of_two(candidates)
+        if policy == "prefix":  # a new prefix: to where it evicts the least (SGLang's cache-aware router does so)
+            return self._power_of_two(candidates, key=lambda c: (self.table.cached_size(c), self.table.load(c)))
+        return self._power_of_two(candidates, key=self.table.load)
 
     def _imbalanced(self, candidates: Sequence[str]) -> bool:
         loads = [self.table.load(c) for c in candidates]
         return max(loads) - min(loads) > self.config.imbalance_threshold
 
-    def _power_of_two(self, candidates: Sequence[str]) -> list[list[str]]:
+    def _power_of_two(self, candidates: Sequence[str], key: Callable[[str], Any]) -> list[list[str]]:
         pair = self._rng.sample(list(candidates), min(2, len(candidates)))
-        pair.sort(key=self.table.load)
+        pair.sort(key=key)
         return [pair, [c for c in candidates if c not in pair]]
