@@ -15,7 +15,7 @@ import asyncio
 import dataclasses
 import time
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, cast
 
 import ray
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
@@ -37,7 +37,7 @@ class ReplicaFailed(RuntimeError):
 class ClusterStream:
     """One request's output deltas from its replica; closing it early cancels the call there (an abort)."""
 
-    def __init__(self, llm: ClusterLLM, request_id: str, response: DeploymentResponseGenerator) -> None:
+    def __init__(self, llm: ClusterLLM, request_id: str, response: DeploymentResponseGenerator[Any]) -> None:
         self._llm, self.request_id, self._response = llm, request_id, response
         self._done = False
 
@@ -70,7 +70,7 @@ class ClusterStream:
 
     def close(self) -> None:
         if not self._done:
-            self._response.cancel()
+            self._response.cancel()  # type: ignore[no-untyped-call]
             self._release()
 
     async def aclose(self) -> None:
@@ -90,8 +90,8 @@ class ClusterLLM:
     """engine: the handle of the engine deployment (decode, with disaggregation); prefill: the prefill
     deployment's handle, or None. Every replica serves the same engine dir with the same config (info)."""
 
-    def __init__(self, engine: DeploymentHandle, info: ReplicaInfo, tokenizer: TextTokenizer,
-                 prefill: DeploymentHandle | None = None, stats_period_s: float = 1.0) -> None:
+    def __init__(self, engine: DeploymentHandle[Any], info: ReplicaInfo, tokenizer: TextTokenizer,
+                 prefill: DeploymentHandle[Any] | None = None, stats_period_s: float = 1.0) -> None:
         self._engine, self._prefill = engine, prefill
         self.info = info
         self.tokenizer = tokenizer
@@ -178,7 +178,8 @@ class ClusterLLM:
         kv: Any = None
         if self._prefill is not None:
             kv = self._prefill.prefill.remote(request)  # resolved on the decode replica, from the object store
-        response = self._engine.options(stream=True).generate.remote(request, kv)
+        streaming = self._engine.options(stream=True)
+        response = cast(DeploymentResponseGenerator[Any], streaming.generate.remote(request, kv))
         stream = ClusterStream(self, request_id, response)
         self._streams[request_id] = stream
         self._unstarted.add(request_id)

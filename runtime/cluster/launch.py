@@ -21,7 +21,7 @@ from kiln.runtime.params import RuntimeConfig
 
 log = logging.getLogger("kiln.cluster")
 
-ENGINE_APP, PREFILL_APP = "kiln", "kiln-prefill"
+ENGINE_APP = "kiln"  # and "kiln-prefill" with disaggregation
 
 
 @dataclass(frozen=True)
@@ -57,8 +57,29 @@ def replica_config(config: RuntimeConfig, options: ClusterOptions) -> RuntimeCon
 
 def start_cluster(engine_dir: str | Path, config: RuntimeConfig, options: ClusterOptions) -> Any:
     """Connect to (or start) Ray, deploy the replicas and return the ClusterLLM on them."""
+    connect_ray(options, replica_config(config, options))
+    return deploy(engine_dir, config, options)
+
+
+def connect_ray(options: ClusterOptions, config: RuntimeConfig) -> None:
+    """ray.init (local: CPUs for every replica's threads, no dashboard, replica logs not forwarded; or the
+    cluster at options.ray_address) and Serve without its HTTP proxy. Nothing when Ray is already up."""
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")  # no usage report: this machine has no network
     import ray
+    from ray import serve
+
+    if not ray.is_initialized():
+        if options.ray_address is None:
+            threads = config.num_threads or 1
+            ray.init(num_cpus=max(os.cpu_count() or 1, options.num_replicas * threads), include_dashboard=False,
+                     log_to_driver=False, object_store_memory=512 * 2**20, logging_level=logging.WARNING)
+        else:
+            ray.init(address=options.ray_address, log_to_driver=False, logging_level=logging.WARNING)
+    serve.start(proxy_location="Disabled")
+
+
+def deploy(engine_dir: str | Path, config: RuntimeConfig, options: ClusterOptions, app: str = ENGINE_APP) -> Any:
+    """Deploy the engine replicas (and the prefill ones) as Serve apps `app` (and `app`-prefill); the ClusterLLM."""
     from ray import serve
 
     from kiln.runtime.cluster.ingress import ClusterLLM
@@ -66,27 +87,28 @@ def start_cluster(engine_dir: str | Path, config: RuntimeConfig, options: Cluste
 
     engine_dir = Path(engine_dir).resolve()
     config = replica_config(config, options)
-    assert config.num_threads is not None
     tokenizer = Tokenizer(engine_dir, config.chat_template)  # fails here, in one sentence, for a bad engine dir
-    if not ray.is_initialized():
-        if options.ray_address is None:
-            ray.init(num_cpus=max(os.cpu_count() or 1, options.num_replicas * config.num_threads),
-                     include_dashboard=False, log_to_driver=False, object_store_memory=512 * 2**20,
-                     logging_level=logging.WARNING)
-        else:
-            ray.init(address=options.ray_address, log_to_driver=False, logging_level=logging.WARNING)
-    serve.start(proxy_location="Disabled")
     prefill = None
     if options.prefill_replicas:
         prefill = serve.run(_deployment("prefill", options.prefill_replicas, config, options)
-                            .bind(str(engine_dir), config), name=PREFILL_APP, route_prefix=None)
+                            .bind(str(engine_dir), config), name=f"{app}-prefill", route_prefix=None)
     engine = serve.run(_deployment("engine", options.replicas, config, options).bind(str(engine_dir), config),
-                       name=ENGINE_APP, route_prefix=None)
+                       name=app, route_prefix=None)
     info = engine.info.remote().result()
-    log.info("%d engine replica(s)%s of %s on Ray %s, %d thread(s) each, routing %s", options.replicas,
+    log.info("%d engine replica(s)%s of %s on Ray %s, %s thread(s) each, routing %s", options.replicas,
              f" (decode) + {options.prefill_replicas} prefill" if prefill else "", engine_dir,
              options.ray_address or "(local)", config.num_threads, options.routing)
     return ClusterLLM(engine, info, tokenizer, prefill)
+
+
+def undeploy(app: str = ENGINE_APP) -> None:
+    """Delete the Serve apps deploy() made under this name."""
+    from ray import serve
+
+    deployed = serve.status().applications
+    for name in (app, f"{app}-prefill"):
+        if name in deployed:
+            serve.delete(name)
 
 
 def _deployment(name: str, num_replicas: int, config: RuntimeConfig, options: ClusterOptions) -> Any:
@@ -97,12 +119,15 @@ def _deployment(name: str, num_replicas: int, config: RuntimeConfig, options: Cl
     from kiln.runtime.cluster.router import KilnRequestRouter
 
     routing = RoutingConfig(options.routing)
-    router = RequestRouterConfig(
-        request_router_class=KilnRequestRouter,
-        request_router_kwargs={"policy": routing.policy},
-        request_routing_stats_period_s=options.routing_stats_period_s,
-        request_routing_stats_timeout_s=max(5.0, 5 * options.routing_stats_period_s))
-    return serve.deployment(EngineReplica, name=name).options(
+    router_options: dict[str, Any] = {
+        "request_router_class": KilnRequestRouter,
+        "request_router_kwargs": {"policy": routing.policy},
+        "request_routing_stats_period_s": options.routing_stats_period_s,
+        "request_routing_stats_timeout_s": max(5.0, 5 * options.routing_stats_period_s),
+    }
+    router = RequestRouterConfig(**router_options)
+    deployment: Any = serve.deployment
+    return deployment(EngineReplica, name=name).options(
         num_replicas=num_replicas,
         ray_actor_options={"num_cpus": config.num_threads},
         max_ongoing_requests=options.max_ongoing_requests or 2 * config.max_num_seqs,
@@ -121,13 +146,10 @@ def stop_cluster(options: ClusterOptions) -> None:
     if not ray.is_initialized():
         return
     if options.ray_address is None:
-        serve.shutdown()
+        serve.shutdown()  # type: ignore[no-untyped-call]
         ray.shutdown()
     else:
-        deployed = serve.status().applications
-        for app in (ENGINE_APP, PREFILL_APP):
-            if app in deployed:
-                serve.delete(app)
+        undeploy(ENGINE_APP)
         ray.shutdown()
 
 

@@ -19,7 +19,7 @@ from kiln.runtime.cluster.routing import RoutingConfig, RoutingPolicy
 PREFIX_BLOCKS = "prefix_blocks"  # the routing_stats key of a replica's cached block hashes
 
 
-class KilnRequestRouter(FIFOMixin, RequestRouter):  # type: ignore[misc]  # Ray's classes are untyped
+class KilnRequestRouter(FIFOMixin, RequestRouter):
     def initialize_state(self, **kwargs: Any) -> None:
         """kwargs: RoutingConfig's fields (RequestRouterConfig.request_router_kwargs, JSON)."""
         self._policy = RoutingPolicy(RoutingConfig(**kwargs))

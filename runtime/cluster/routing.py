@@ -1,7 +1,8 @@
 """Which replica serves a request: the routing policies of `kiln serve --replicas`, in pure Python.
 
 The Ray Serve request router (router.py) keeps one RoutingPolicy (and its ReplicaTable) and asks
-RoutingPolicy.rank for every request; nothing here knows Ray, so the policy is unit-tested on its own (tests/unit/test_cluster_routing.py).
+RoutingPolicy.rank for every request; nothing here knows Ray, so the policy is unit-tested on its own
+(tests/unit/test_cluster_routing.py).
 
 prefix: a request goes to the replica holding the longest cached prefix of its prompt (compared as the
 block manager's chained block hashes), when that prefix is at least `min_match_blocks` blocks; otherwise to
@@ -21,8 +22,8 @@ from __future__ import annotations
 import random
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
 from dataclasses import dataclass, field
+from typing import Any
 
 from kiln.errors import require
 

@@ -132,8 +132,8 @@ class LruCache:
 @pytest.mark.parametrize("name, low, high", [("prefix", 0.9, 1.0), ("round-robin", 0.0, 0.7)])
 def test_shared_system_prompts_hit_rate(name, low, high):
     """8 system prompts x 16 questions, in random order, 6 in flight, on 2 replicas whose caches hold 28 blocks
-    (7 system prompts' worth, questions included): prefix routing keeps each system prompt on one replica (near the ideal hit rate);
-    round-robin needs all 8 on each and thrashes."""
+    (7 system prompts' worth, questions included): prefix routing keeps each system prompt on one replica (near
+    the ideal hit rate); round-robin needs all 8 on each and thrashes."""
     p = policy(name, replicas=["a", "b"])
     caches = {"a": LruCache(28), "b": LruCache(28)}
     systems = [[1000 * s + j for j in range(64)] for s in range(8)]  # 4 blocks each
