@@ -9,6 +9,7 @@ aborts the engine request, so its blocks are freed as when an HTTP client leaves
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +27,7 @@ from kiln.runtime.params import RuntimeConfig
 class ReplicaStats:
     replica_id: str
     pid: int  # the replica actor's process (what dies when a replica fails)
+    cpu_s: float  # CPU seconds its process has used, all threads (benchmarks/bench_cluster.py)
     stats: EngineStats
 
 
@@ -53,7 +55,8 @@ class EngineReplica:
     def stats(self) -> ReplicaStats:
         from ray import serve
 
-        return ReplicaStats(serve.get_replica_context().replica_id.unique_id, os.getpid(), self.llm.stats())
+        return ReplicaStats(serve.get_replica_context().replica_id.unique_id, os.getpid(), time.process_time(),
+                            self.llm.stats())
 
     def record_routing_stats(self) -> dict[str, list[int]]:
         """Polled by the Serve controller every request_routing_stats_period_s; read by router.py."""
