@@ -20,6 +20,12 @@ PREFIX_BLOCKS = "prefix_blocks"  # the routing_stats key of a replica's cached b
 
 
 class KilnRequestRouter(FIFOMixin, RequestRouter):
+    # Serve probes the first rank's queue lengths and falls to the next rank when a replica does not answer in
+    # time; a replica busy in a model step on a loaded machine answers late, and falling through loses the
+    # cached prefix, so kiln waits longer than Serve's default (0.1 s) before it does.
+    queue_len_response_deadline_s = 1.0
+    max_queue_len_response_deadline_s = 5.0
+
     def initialize_state(self, **kwargs: Any) -> None:
         """kwargs: RoutingConfig's fields (RequestRouterConfig.request_router_kwargs, JSON)."""
         self._policy = RoutingPolicy(RoutingConfig(**kwargs))

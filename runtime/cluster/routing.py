@@ -82,11 +82,20 @@ class ReplicaTable:
             self._replicas[replica].reported = cached_hashes
 
     def routed(self, replica: str, hashes: Sequence[int]) -> None:
+        """A request was sent to the replica: one more in flight there, and its prompt soon cached there."""
+        entry = self._replicas.get(replica)
+        if entry is None:
+            return
+        entry.in_flight += 1
+        self.expect(replica, hashes)
+
+    def expect(self, replica: str, hashes: Sequence[int]) -> None:
+        """The prompt is about to be cached at the replica (chosen, not yet sent): concurrent routing decisions
+        see it at once, so a burst of new prefixes spreads instead of all seeing the same empty table."""
         entry = self._replicas.get(replica)
         if entry is None:
             return
         now = self._clock()
-        entry.in_flight += 1
         entry.routed.update((h, now) for h in hashes)
         if len(entry.routed) > 4 * max(len(entry.reported), 1024):  # forget expired entries now and then
             entry.routed = {h: t for h, t in entry.routed.items() if now - t < 60.0}
@@ -140,13 +149,18 @@ class RoutingPolicy:
             best = max(matches.values())
             if best >= self.config.min_match_blocks:
                 self.num_prefix_routed += 1
-                top = [c for c in candidates if matches[c] == best]
-                top.sort(key=self.table.load)
-                return [top, [c for c in candidates if matches[c] != best]]
+                top = sorted((c for c in candidates if matches[c] == best), key=self.table.load)
+                return self._expected(top[0], hashes, candidates)
         self.num_balanced += 1
         if policy == "prefix":  # a new prefix: to where it evicts the least (SGLang's cache-aware router does so)
-            return self._power_of_two(candidates, key=lambda c: (self.table.cached_size(c), self.table.load(c)))
+            pair = self._power_of_two(candidates, key=lambda c: (self.table.cached_size(c), self.table.load(c)))
+            return self._expected(pair[0][0], hashes, candidates)
         return self._power_of_two(candidates, key=self.table.load)
+
+    def _expected(self, chosen: str, hashes: Sequence[int], candidates: Sequence[str]) -> list[list[str]]:
+        """chosen first (its prompt expected there now), the others after it if chosen refuses the request."""
+        self.table.expect(chosen, hashes)
+        return [[chosen], [c for c in candidates if c != chosen]]
 
     def _imbalanced(self, candidates: Sequence[str]) -> bool:
         loads = [self.table.load(c) for c in candidates]

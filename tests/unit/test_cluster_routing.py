@@ -153,3 +153,10 @@ def test_shared_system_prompts_hit_rate(name, low, high):
         if len(in_flight) > 6:
             p.table.completed(in_flight.pop(0))
     assert low <= hits / ideal <= high
+
+
+def test_a_burst_of_new_prefixes_spreads_before_any_is_sent():
+    """Serve ranks several pending requests before it sends any: each choice counts at once."""
+    p = policy(replicas=["a", "b"])
+    firsts = [p.rank(["a", "b"], prompt_block_hashes([100 * s + j for j in range(64)], 16))[0][0] for s in range(8)]
+    assert sorted(firsts) == ["a"] * 4 + ["b"] * 4
