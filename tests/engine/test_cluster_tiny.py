@@ -121,6 +121,7 @@ def test_a_replica_killed_under_load(prefix_cluster):
                     if len(alive) == 2 and victim not in alive or time.monotonic() > deadline:
                         break
                     await asyncio.sleep(1.0)
+                await llm.refresh_stats()  # a scrape reads the last refresh (it never waits on the replicas)
                 metrics = (await client.get("/metrics")).text
                 return results, after, alive, victim, metrics
 
