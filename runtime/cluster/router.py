@@ -3,7 +3,7 @@
 Ray Serve instantiates this class inside every handle to the engine deployment (in `kiln serve
 --replicas`, the ingress process) and calls `choose_replicas` for each request; within the rank it
 returns, Serve still probes queue lengths and skips replicas at max_ongoing_requests, so back-pressure
-stays Serve's. A replica's prefix-cache snapshot arrives as its `routing_stats` (replica.py's
+stays Serve's; the replica found is given to the request it was chosen for. A replica's prefix-cache snapshot arrives as its `routing_stats` (replica.py's
 `record_routing_stats`, polled by the Serve controller every `request_routing_stats_period_s`).
 """
 
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ray.serve.request_router import FIFOMixin, PendingRequest, ReplicaID, RequestRouter, RunningReplica
+from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 from kiln.runtime.cluster.protocol import ReplicaRequest
 from kiln.runtime.cluster.routing import RoutingConfig, RoutingPolicy
@@ -19,7 +19,10 @@ from kiln.runtime.cluster.routing import RoutingConfig, RoutingPolicy
 PREFIX_BLOCKS = "prefix_blocks"  # the routing_stats key of a replica's cached block hashes
 
 
-class KilnRequestRouter(FIFOMixin, RequestRouter):
+class KilnRequestRouter(RequestRouter):
+    # Not FIFOMixin: it hands the replica chosen for one request to the oldest pending request, whose prompt
+    # may have another prefix (with 8 in flight, about one request in ten lost its cached prefix that way); the
+    # base class gives the replica to the request it was chosen for.
     # Serve probes the first rank's queue lengths and falls to the next rank when a replica does not answer in
     # time; a replica busy in a model step on a loaded machine answers late, and falling through loses the
     # cached prefix, so kiln waits longer than Serve's default (0.1 s) before it does.
