@@ -21,8 +21,8 @@ PREFIX_BLOCKS = "prefix_blocks"  # the routing_stats key of a replica's cached b
 
 class KilnRequestRouter(RequestRouter):
     # Not FIFOMixin: it hands the replica chosen for one request to the oldest pending request, whose prompt
-    # may have another prefix (with 8 in flight, about one request in ten lost its cached prefix that way); the
-    # base class gives the replica to the request it was chosen for.
+    # may have another prefix (the shared-system-prompt test reached 0.85 of the ideal hit rate with it, 0.95-0.97
+    # without); the base class gives the replica to the request it was chosen for.
     # Serve probes the first rank's queue lengths and falls to the next rank when a replica does not answer in
     # time; a replica busy in a model step on a loaded machine answers late, and falling through loses the
     # cached prefix, so kiln waits longer than Serve's default (0.1 s) before it does.

@@ -79,10 +79,9 @@ def test_prefix_routing_reaches_the_ideal_hit_rate_and_round_robin_does_not(pref
     finally:
         undeploy("rr")
     print(f"hit rate of the ideal: prefix {prefix:.2f}, round-robin {round_robin:.2f}")
-    # issue 13 asks prefix >= 0.9 of the ideal; on this loaded 2-core machine runs measured 0.79-0.91 (round-robin
-    # 0.61-0.72), so this checks what holds reliably here: prefix clearly ahead (see the report / design.md)
-    assert prefix >= 0.75
-    assert round_robin <= prefix - 0.1
+    # issue 13: prefix >= 0.9 of the ideal (runs here: 0.93-0.97; round-robin 0.6-0.7)
+    assert prefix >= 0.9
+    assert round_robin <= prefix - 0.15
 
 
 class AsgiStream:
