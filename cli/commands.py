@@ -131,15 +131,27 @@ def _speculative(method: str | None, num_tokens: int, draft: str | None) -> Spec
               help="seconds running requests get after SIGTERM; streams still running then end with an error event")
 @click.option("--no-web-ui", "no_web_ui", is_flag=True, help="leave out the chat page at /")
 @speculative_options
+@click.option("--replicas", type=click.IntRange(min=1), default=None,
+              help="serve on N engine replicas (Ray Serve; kiln[cluster]), each with its own KV pool and threads")
+@click.option("--prefill-replicas", type=click.IntRange(min=1), default=None,
+              help="disaggregate: P replicas compute prompts and hand their KV to --decode-replicas")
+@click.option("--decode-replicas", type=click.IntRange(min=1), default=None,
+              help="with --prefill-replicas: D replicas that decode from the handed-over KV")
+@click.option("--routing", type=click.Choice(["prefix", "least-loaded", "round-robin"]), default="prefix",
+              show_default=True, help="with replicas: to the replica caching the longest prompt prefix (else the "
+              "less loaded of two), the less loaded of two, or in turn")
+@click.option("--ray-address", default=None, help="with replicas: an existing Ray cluster (e.g. ray://head:10001 or "
+              "auto) instead of a local Ray on this machine")
 @click.option("--log-level", type=click.Choice(["critical", "error", "warning", "info", "debug"]), default="info",
               show_default=True, help="info logs the start-up summary and one line per request")
 def serve(engine_dir: Path, host: str, port: int, api_key: str | None, served_model_name: str | None,
           chat_template: Path | None, max_model_len: int | None, max_queue: int | None, max_num_seqs: int,
           kv_cache_bytes: int | None, num_threads: int | None, disable_prefix_caching: bool,
           shutdown_timeout: float, no_web_ui: bool, speculative: str | None, num_speculative_tokens: int,
-          draft: str | None, log_level: str) -> None:
+          draft: str | None, replicas: int | None, prefill_replicas: int | None, decode_replicas: int | None,
+          routing: str, ray_address: str | None, log_level: str) -> None:
     """Serve ENGINE_DIR over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions), with a
-    chat page at /."""
+    chat page at /; on several replicas with --replicas N (or --prefill-replicas P --decode-replicas D)."""
     from kiln.runtime.params import RuntimeConfig
     from kiln.runtime.server.launch import ServeOptions
     from kiln.runtime.server.launch import serve as run_server
@@ -148,10 +160,35 @@ def serve(engine_dir: Path, host: str, port: int, api_key: str | None, served_mo
                            max_model_len=max_model_len, enable_prefix_caching=not disable_prefix_caching,
                            chat_template=chat_template.read_text() if chat_template else None,
                            speculative=_speculative(speculative, num_speculative_tokens, draft))
-    run_server(engine_dir, config, ServeOptions(host=host, port=port, served_model_name=served_model_name,
-                                                max_queue=max_queue, shutdown_timeout=shutdown_timeout,
-                                                log_level=log_level, api_key=api_key or None,
-                                                web_ui=not no_web_ui))
+    options = ServeOptions(host=host, port=port, served_model_name=served_model_name, max_queue=max_queue,
+                           shutdown_timeout=shutdown_timeout, log_level=log_level, api_key=api_key or None,
+                           web_ui=not no_web_ui)
+    cluster = _cluster_options(replicas, prefill_replicas, decode_replicas, routing, ray_address)
+    if cluster is None:
+        run_server(engine_dir, config, options)
+    else:
+        from kiln.runtime.cluster.launch import serve_cluster
+
+        serve_cluster(engine_dir, config, cluster, options)
+
+
+def _cluster_options(replicas: int | None, prefill: int | None, decode: int | None, routing: str,
+                     ray_address: str | None) -> Any:
+    """ClusterOptions when a replica option is given, else None (one engine in this process)."""
+    if (prefill is None) != (decode is None):
+        raise InvalidParamError("--prefill-replicas and --decode-replicas go together", "prefill_replicas")
+    if prefill is not None and replicas is not None:
+        raise InvalidParamError("give --replicas, or --prefill-replicas with --decode-replicas, not both", "replicas")
+    if replicas is None and prefill is None:
+        if ray_address is not None or routing != "prefix":
+            option = "--ray-address" if ray_address is not None else "--routing"
+            raise InvalidParamError(f"{option} needs --replicas (or --prefill-replicas/--decode-replicas)",
+                                    option.lstrip("-").replace("-", "_"))
+        return None
+    from kiln.runtime.cluster.launch import ClusterOptions
+
+    return ClusterOptions(replicas=replicas or decode or 1, prefill_replicas=prefill or 0, routing=routing,
+                          ray_address=ray_address)
 
 
 def _sampling(max_tokens: int | None, temperature: float, top_p: float, top_k: int, seed: int | None

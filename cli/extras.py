@@ -7,6 +7,7 @@ from __future__ import annotations
 EXTRA_MODULES: dict[str, frozenset[str]] = {
     "compile": frozenset({"torch", "onnx", "onnx_ir", "onnxscript", "safetensors", "gguf", "transformers", "tqdm"}),
     "server": frozenset({"fastapi", "starlette", "pydantic", "anyio", "uvicorn", "prometheus_client", "httpx"}),
+    "cluster": frozenset({"ray"}),
 }
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import queue
 import threading
 from collections.abc import AsyncIterator
@@ -18,6 +19,7 @@ from pathlib import Path
 from kiln.errors import InvalidParamError
 from kiln.runtime.detokenizer import ChatMessage, TextTokenizer, with_token_text
 from kiln.runtime.engine import Engine, EngineRequest
+from kiln.runtime.kv_transfer import KvHandoff
 from kiln.runtime.llm import as_engine
 from kiln.runtime.outputs import EngineStats, RequestOutput
 from kiln.runtime.params import RuntimeConfig, SamplingParams
@@ -26,6 +28,8 @@ from kiln.runtime.params import RuntimeConfig, SamplingParams
 @dataclass
 class _Add:
     request: EngineRequest
+    kv: KvHandoff | None = None
+    export_kv: bool = False
 
 
 @dataclass
@@ -126,6 +130,11 @@ class AsyncLLM:
         with self._lock:
             return self._pending_adds + len(self.engine.scheduler.waiting)
 
+    @property
+    def engine_thread_alive(self) -> bool:
+        """False once the engine thread has ended (shutdown, or a crash that escaped the step's handler)."""
+        return self._thread.is_alive()
+
     def stats(self) -> EngineStats:
         stats = self.engine.stats()
         stats.num_waiting += self._pending_adds
@@ -151,19 +160,37 @@ class AsyncLLM:
 
     # -- requests ---------------------------------------------------------------------------
 
-    def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: str) -> RequestStream:
+    def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: str,
+                    kv: KvHandoff | None = None) -> RequestStream:
         """Validate, tokenize and queue a request now (InvalidParamError / ValueError at once for bad
-        input; num_waiting counts it on return); iterate the returned stream for its deltas."""
+        input; num_waiting counts it on return); iterate the returned stream for its deltas.
+        kv: the prompt's KV and first token from a prefill engine (AsyncLLM.prefill): decoding starts on them."""
+        return self._queue(self.engine.prepare(request_id, prompt, params), kv, export_kv=False)
+
+    async def prefill(self, prompt: str | list[int], params: SamplingParams, request_id: str) -> KvHandoff:
+        """Compute the prompt and its first token only, and return them with the prompt's KV for another
+        engine to decode from (add_request(..., kv=)); the blocks here are freed (prefix-cached) after."""
+        params = dataclasses.replace(params, max_tokens=1, n=1)
+        stream = self._queue(self.engine.prepare(request_id, prompt, params), None, export_kv=True)
+        try:
+            async for output in stream:
+                if output.kv_handoff is not None:
+                    return output.kv_handoff
+        finally:
+            stream.close()
+        raise RuntimeError(f"request {request_id} ended before its first token (aborted)")
+
+    def _queue(self, request: EngineRequest, kv: KvHandoff | None, export_kv: bool) -> RequestStream:
         if self._closed:
             raise RuntimeError("AsyncLLM has been shut down")
-        request = self.engine.prepare(request_id, prompt, params)
+        request_id = request.request_id
         stream = _Stream(asyncio.get_running_loop())
         with self._lock:
             if request_id in self._streams:
                 raise ValueError(f"request_id {request_id!r} is already in use")
             self._streams[request_id] = stream
             self._pending_adds += 1
-        self._inbox.put(_Add(request))
+        self._inbox.put(_Add(request, kv, export_kv))
         return RequestStream(self, request_id, stream)
 
     async def generate(
@@ -216,7 +243,7 @@ class AsyncLLM:
                 error = None
                 if request_id in self._streams:
                     try:
-                        self.engine.add(command.request)
+                        self.engine.add(command.request, command.kv, command.export_kv)
                     except ValueError as exc:
                         error = exc
             if error is not None:

@@ -34,8 +34,26 @@ class Block:
         return f"Block({self.block_id}, ref={self.ref_count}, hash={self.hash})"
 
 
+# The chain's root. Not None: before Python 3.12 hash(None) is the object's address, so a hash chained
+# from None would differ between processes, and the cluster router hashes prompts in another process
+# than the replicas that cache them (hashes of ints and tuples of ints are the same in every process).
+_ROOT = 0x6B696C6E
+
+
 def chain_hash(prev: int | None, token_ids: tuple[int, ...]) -> int:
-    return hash((prev, token_ids))
+    return hash((_ROOT if prev is None else prev, token_ids))
+
+
+def prompt_block_hashes(token_ids: list[int], block_size: int, max_blocks: int | None = None) -> list[int]:
+    """The chained hashes of the full blocks of a token list, as the block manager names them once cached
+    (at most max_blocks of them): what a router compares with a replica's cached blocks."""
+    count = len(token_ids) // block_size if max_blocks is None else min(max_blocks, len(token_ids) // block_size)
+    hashes: list[int] = []
+    prev = None
+    for i in range(count):
+        prev = chain_hash(prev, tuple(token_ids[i * block_size:(i + 1) * block_size]))
+        hashes.append(prev)
+    return hashes
 
 
 class BlockManager:

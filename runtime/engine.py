@@ -9,6 +9,7 @@ thread: LLM's caller, or AsyncLLM's engine thread. A step's outputs are deltas.
 from __future__ import annotations
 
 import time
+from collections import deque
 from dataclasses import dataclass
 
 import numpy as np
@@ -16,6 +17,7 @@ import numpy as np
 from kiln.errors import InvalidParamError
 from kiln.runtime.block_manager import BlockManager
 from kiln.runtime.detokenizer import Decoder, IncrementalDetokenizer, TextTokenizer
+from kiln.runtime.kv_transfer import KvHandoff
 from kiln.runtime.model_runner import ModelRunner, build_batch
 from kiln.runtime.outputs import CompletionOutput, EngineStats, Logprob, RequestOutput
 from kiln.runtime.params import RuntimeConfig, SamplingParams
@@ -78,11 +80,38 @@ class _PendingOutput:
         return out
 
 
+def prepare_request(request_id: str, prompt: str | list[int], params: SamplingParams, tokenizer: TextTokenizer,
+                    vocab_size: int, max_seq_len: int) -> EngineRequest:
+    """Tokenize and check a request against an engine's vocabulary and context; InvalidParamError naming the
+    problem. Engine.prepare, and the cluster ingress (which holds no engine), both check requests here."""
+    if isinstance(prompt, str):
+        text, ids = prompt, tokenizer.encode(prompt)
+    else:
+        text, ids = None, [int(t) for t in prompt]
+    request = EngineRequest(request_id, text, ids, params)
+    if min(ids) < 0 or max(ids) >= vocab_size:
+        raise InvalidParamError(f"prompt token ids must be in [0, {vocab_size}), got {min(ids)}..{max(ids)}", "prompt")
+    limit = max_seq_len
+    if params.max_tokens is None:
+        if len(ids) >= limit:
+            raise InvalidParamError(f"prompt has {len(ids)} tokens, which leaves no room under max_seq_len {limit}",
+                                    "prompt")
+    elif len(ids) + params.max_tokens > limit:
+        # Name the field the caller can change: the prompt when it alone leaves no room, else max_tokens.
+        param = "prompt" if len(ids) >= limit else "max_tokens"
+        raise InvalidParamError(
+            f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds max_seq_len ({limit})", param
+        )
+    return request
+
+
 class Request:
     """One request's state: its n sequences (sample 0 computes the prompt; the others fork from it)."""
 
-    def __init__(self, prepared: EngineRequest, tokenizer: Decoder) -> None:
+    def __init__(self, prepared: EngineRequest, tokenizer: Decoder, export_kv: bool = False) -> None:
         self.prepared = prepared
+        self.export_kv = export_kv  # hand the prompt's KV out with the first token (a prefill engine)
+        self.handoff: KvHandoff | None = None
         params, ids = prepared.params, prepared.prompt_token_ids
         arrival = time.monotonic()
         self.seqs = [Sequence(ids, params, index=i, arrival=arrival) for i in range(params.n)]
@@ -105,7 +134,7 @@ class Request:
         p = self.prepared
         outputs = [pending.take(seq) for seq, pending in zip(self.seqs, self.pending, strict=True)]
         return RequestOutput(p.request_id, p.prompt, p.prompt_token_ids, outputs, self.finished,
-                             self.seqs[0].num_cached_tokens)
+                             self.seqs[0].num_cached_tokens, self.handoff)
 
 
 class Engine:
@@ -131,6 +160,7 @@ class Engine:
         self.proposer = proposer or self._default_proposer()
         self.spec_stats = SpecStats()
         self._proposals: dict[Sequence, Proposal] = {}  # this step's, by sequence
+        self._imports: deque[tuple[Request, KvHandoff]] = deque()  # handed-off requests waiting for blocks
 
     def _default_proposer(self) -> Proposer | None:
         spec = self.config.speculative
@@ -151,36 +181,26 @@ class Engine:
     def prepare(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> EngineRequest:
         """Tokenize and check a request; ValueError naming the problem. Reads only what never
         changes after loading, so any thread may call it."""
-        if isinstance(prompt, str):
-            text, ids = prompt, self.tokenizer.encode(prompt)
-        else:
-            text, ids = None, [int(t) for t in prompt]
-        request = EngineRequest(request_id, text, ids, params)
-        vocab = self.runner.vocab_size
-        if min(ids) < 0 or max(ids) >= vocab:
-            raise InvalidParamError(f"prompt token ids must be in [0, {vocab}), got {min(ids)}..{max(ids)}", "prompt")
-        limit = self.max_seq_len
-        if params.max_tokens is None:
-            if len(ids) >= limit:
-                raise InvalidParamError(f"prompt has {len(ids)} tokens, which leaves no room under max_seq_len {limit}",
-                                        "prompt")
-        elif len(ids) + params.max_tokens > limit:
-            # Name the field the caller can change: the prompt when it alone leaves no room, else max_tokens.
-            param = "prompt" if len(ids) >= limit else "max_tokens"
-            raise InvalidParamError(
-                f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds max_seq_len ({limit})", param
-            )
-        return request
+        return prepare_request(request_id, prompt, params, self.tokenizer, self.runner.vocab_size, self.max_seq_len)
 
-    def add(self, prepared: EngineRequest) -> None:
-        """Queue a prepared request; its outputs come from step()."""
+    def add(self, prepared: EngineRequest, kv: KvHandoff | None = None, export_kv: bool = False) -> None:
+        """Queue a prepared request; its outputs come from step().
+
+        kv: the prompt's KV and first token from another engine (a prefill replica): the request starts
+        decoding on them, without computing its prompt. export_kv: the request's output that carries its
+        first token also carries its prompt's KV (RequestOutput.kv_handoff) for another engine."""
         if prepared.request_id in self.requests:
             raise InvalidParamError(f"request_id {prepared.request_id!r} is already in use", "request_id")
-        request = Request(prepared, self.tokenizer)
+        if kv is not None:
+            kv.check(prepared.prompt_token_ids, self.runner.block_size, self.runner.kv_layout())
+        request = Request(prepared, self.tokenizer, export_kv)
         self.requests[prepared.request_id] = request
         for seq in request.seqs:
             self._by_seq[seq.seq_id] = request
-        self.scheduler.add(request.seqs[0])
+        if kv is None:
+            self.scheduler.add(request.seqs[0])
+        else:
+            self._imports.append((request, kv))
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> None:
         """prepare + add, for callers on the engine's own thread (CLI, bench, tests)."""
@@ -190,6 +210,7 @@ class Engine:
         request = self.requests.pop(request_id, None)
         if request is None:
             return None
+        self._imports = deque(item for item in self._imports if item[0] is not request)
         for seq in request.seqs:
             if not seq.is_finished:
                 self.scheduler.finish(seq, "abort")
@@ -205,15 +226,34 @@ class Engine:
 
     def step(self) -> list[RequestOutput]:
         """One model step; returns, for each request it advanced, what is new (a delta)."""
+        changed = self._admit_imports()
         out = self.scheduler.schedule()
         if not out:
             if self.scheduler.waiting and not self.scheduler.running:
                 raise RuntimeError("no request can be scheduled: the KV pool is too small for the waiting requests")
-            return []
+            return self._take_outputs(changed)
         if self.proposer is not None:
             out = self._speculate(out)
         logits = self.runner.execute(build_batch(out))
-        return self._postprocess(out, logits)
+        return self._postprocess(out, logits, changed)
+
+    def _admit_imports(self) -> dict[str, Request]:
+        """Start handed-off requests, in arrival order, while blocks allow: their KV is written into this
+        engine's pools and their first token taken as sampled here (it is emitted with this step)."""
+        changed: dict[str, Request] = {}
+        while self._imports:
+            request, kv = self._imports[0]
+            seq = request.seqs[0]
+            write = lambda ids, idx, kv=kv: self.runner.write_kv_blocks(ids, kv.blocks[:, idx])  # noqa: E731
+            if not self.scheduler.admit_computed(seq, len(seq), write):
+                break
+            self._imports.popleft()
+            seq.num_cached_tokens = kv.num_cached_tokens
+            first = SamplerOutput(np.array([kv.first_token]), [kv.first_logprob], [kv.first_top_logprobs])
+            self._append(seq, request, first, 0)
+            self.num_generated_tokens -= 1  # the prefill engine generated (and counted) it
+            changed[request.request_id] = request
+        return changed
 
     def _speculate(self, out: SchedulerOutput) -> SchedulerOutput:
         """Proposals for the step's decodes, while the step stays within max_batch_tokens (past that,
@@ -243,16 +283,18 @@ class Engine:
                            for (seq, _), granted in zip(out.scheduled, out.proposals, strict=True) if granted}
         return out
 
-    def _postprocess(self, out: SchedulerOutput, logits: np.ndarray) -> list[RequestOutput]:
+    def _postprocess(self, out: SchedulerOutput, logits: np.ndarray, changed: dict[str, Request] | None = None
+                     ) -> list[RequestOutput]:
+        """changed: requests that already have output this step (handed-off ones that started)."""
+        changed = {} if changed is None else changed
         self.peak_blocks_used = max(self.peak_blocks_used, self.block_manager.num_used_blocks)
         self.scheduler.update(out)
         seqs = out.to_sample
         if not seqs:
-            return []
+            return self._take_outputs(changed)
         widths = [len(out.proposals_of(r)) + 1 for r, need in enumerate(out.needs_logits) if need]
         starts = np.cumsum([0, *widths[:-1]])
         plain = [i for i, w in enumerate(widths) if w == 1]
-        changed: dict[str, Request] = {}
         next_rows = starts.tolist()  # per sequence, the row that chose its latest token
         if plain:
             rows = logits[: len(plain)] if len(plain) == len(widths) else logits[starts[plain]]
@@ -269,6 +311,9 @@ class Engine:
         if self.proposer is not None:
             live = [i for i, seq in enumerate(seqs) if not seq.is_finished]
             self.proposer.observe([seqs[i] for i in live], [next_rows[i] for i in live], self.runner.extra_outputs())
+        return self._take_outputs(changed)
+
+    def _take_outputs(self, changed: dict[str, Request]) -> list[RequestOutput]:
         results = []
         for request in changed.values():
             results.append(request.take_output())
@@ -302,6 +347,8 @@ class Engine:
         token = int(sampled.token_ids[row])
         seq.append(token)
         self.num_generated_tokens += 1
+        if request.export_kv and request.handoff is None:
+            request.handoff = self._export(seq, sampled, row)
         pending = request.pending[seq.index]
         pending.token_ids.append(token)
         top, logprob = sampled.top_logprobs[row], sampled.sampled_logprobs[row]
@@ -313,6 +360,13 @@ class Engine:
             for child in request.seqs[1:]:
                 self.scheduler.add_forked(seq, child)
         self._check_stop(seq, pending.detok, token)
+
+    def _export(self, seq: Sequence, sampled: SamplerOutput, row: int) -> KvHandoff:
+        """The prompt's KV and the first token, read before a stop could free the blocks."""
+        blocks = seq.block_table[: self.block_manager.blocks_needed(seq.num_prompt_tokens)]
+        return KvHandoff(tuple(seq.token_ids[: seq.num_prompt_tokens]), int(sampled.token_ids[row]),
+                         sampled.sampled_logprobs[row], sampled.top_logprobs[row], seq.num_cached_tokens,
+                         self.runner.read_kv_blocks(blocks))
 
     def _check_stop(self, seq: Sequence, detok: IncrementalDetokenizer, token: int) -> None:
         params = seq.params

@@ -14,7 +14,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from kiln import contract
-from kiln.errors import InvalidParamError
+from kiln.errors import InvalidParamError, KilnError
+from kiln.runtime.kv_transfer import KvLayout
 from kiln.runtime.scheduler import SchedulerOutput
 
 
@@ -127,6 +128,18 @@ class ModelRunner(abc.ABC):
         if batch.medusa_indices is not None and len(batch.medusa_indices):
             raise ValueError(f"{type(self).__name__} has no Medusa heads; leave medusa_indices unset")
         return RunnerOutput(self.execute(batch))
+
+    def kv_layout(self) -> KvLayout:
+        """The shape and dtype of one block of the pools (what read/write_kv_blocks move)."""
+        raise KilnError(f"{type(self).__name__} cannot export or import KV blocks")
+
+    def read_kv_blocks(self, block_ids: list[int]) -> np.ndarray:
+        """A copy of these blocks of every layer's pool: [num_layers, len(block_ids), *block_shape]."""
+        raise KilnError(f"{type(self).__name__} cannot export or import KV blocks")
+
+    def write_kv_blocks(self, block_ids: list[int], blocks: np.ndarray) -> None:
+        """Overwrite these blocks of every layer's pool with read_kv_blocks' layout."""
+        raise KilnError(f"{type(self).__name__} cannot export or import KV blocks")
 
     def close(self) -> None:  # noqa: B027 - optional
         pass

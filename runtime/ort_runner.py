@@ -19,6 +19,7 @@ import onnxruntime as ort
 from kiln import contract
 from kiln.contract import KvPoolSpec
 from kiln.manifest import EngineLoadError
+from kiln.runtime.kv_transfer import KvLayout
 from kiln.runtime.model_runner import BatchInput, ModelRunner, RunnerOutput
 
 _NO_ROWS = np.zeros(0, dtype=np.int64)
@@ -120,6 +121,18 @@ class OrtModelRunner(ModelRunner):
         outputs = self.binding.get_outputs()  # in binding order: rebinding a name keeps its place
         medusa = outputs[1].numpy() if self.num_medusa_heads else None
         return RunnerOutput(outputs[0].numpy(), medusa)
+
+    def kv_layout(self) -> KvLayout:
+        return KvLayout(len(self.pools), self.pools[0].shape[1:], self.pools[0].dtype)
+
+    def read_kv_blocks(self, block_ids: list[int]) -> np.ndarray:
+        ids = np.asarray(block_ids, dtype=np.int64)
+        return np.stack([pool[ids] for pool in self.pools])
+
+    def write_kv_blocks(self, block_ids: list[int], blocks: np.ndarray) -> None:
+        ids = np.asarray(block_ids, dtype=np.int64)
+        for pool, layer in zip(self.pools, blocks, strict=True):
+            pool[ids] = layer  # in place: the session's OrtValues wrap these arrays
 
     def close(self) -> None:
         self.binding.clear_binding_inputs()

@@ -11,6 +11,10 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from kiln.runtime.kv_transfer import KvHandoff
 
 
 @dataclass(frozen=True)
@@ -45,6 +49,7 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    kv_handoff: KvHandoff | None = None  # the prompt's KV, from an engine asked to export it (Engine.add)
 
 
 def merge_outputs(deltas: Iterable[RequestOutput]) -> RequestOutput:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import bisect
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from kiln.runtime.block_manager import BlockManager
@@ -146,6 +147,26 @@ class Scheduler:
         seq.status = SequenceStatus.RUNNING
         bisect.insort(self.running, seq, key=_priority)
         return num_new
+
+    def admit_computed(self, seq: Sequence, num_computed: int,
+                       write: Callable[[list[int], list[int]], None]) -> bool:
+        """Start seq running with its first num_computed tokens' K/V computed elsewhere (a KV handoff):
+        it shares the blocks the prefix cache holds, gets blocks for the rest and ``write(block_ids,
+        indices)`` fills those (indices: their places in seq's block table), then the full ones are hashed.
+        False, and nothing held, when max_num_seqs or the free blocks leave no room now."""
+        if len(self.running) >= self.max_num_seqs:
+            return False
+        cached = self.bm.match_prefix(seq)
+        if not self.bm.allocate(seq, num_computed):
+            self.bm.free(seq)
+            return False
+        first = cached // self.bm.block_size
+        write(seq.block_table[first:], list(range(first, len(seq.block_table))))
+        seq.num_computed_tokens = num_computed
+        self.bm.commit(seq)
+        seq.status = SequenceStatus.RUNNING
+        bisect.insort(self.running, seq, key=_priority)
+        return True
 
     def _fit_running(self, seq: Sequence, want: int, scheduled: dict[Sequence, int],
                      preempted: list[Sequence]) -> int:

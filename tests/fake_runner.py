@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from kiln.runtime.kv_transfer import KvLayout
 from kiln.runtime.model_runner import BatchInput, ModelRunner
 
 
@@ -38,6 +39,15 @@ class FakeModelRunner(ModelRunner):
             assert (tokens >= 0).all(), f"row {r} reads an unwritten slot"
             logits[r] = self.logits_for(tokens)
         return logits
+
+    def kv_layout(self) -> KvLayout:
+        return KvLayout(1, (self.block_size,), self.pool.dtype)
+
+    def read_kv_blocks(self, block_ids: list[int]) -> np.ndarray:
+        return self.pool[np.asarray(block_ids, dtype=np.int64)][None]
+
+    def write_kv_blocks(self, block_ids: list[int], blocks: np.ndarray) -> None:
+        self.pool[np.asarray(block_ids, dtype=np.int64)] = blocks[0]
 
     def logits_for(self, tokens: np.ndarray) -> np.ndarray:
         """The model: a smooth, context-dependent score over the vocabulary."""

@@ -82,21 +82,30 @@ def serve(engine_dir: str | Path, config: RuntimeConfig | None = None, options: 
     from kiln.runtime import AsyncLLM
 
     configure_logging(options.log_level)
-    # uvicorn shuts down gracefully on SIGTERM/SIGINT, then re-raises the signal under the handler
-    # it found installed: make that one exit 0 (also when the signal comes before uvicorn is up).
-    signal.signal(signal.SIGTERM, _exit_zero)
-    signal.signal(signal.SIGINT, _exit_zero)
+    install_exit_handlers()
     llm = AsyncLLM(engine_dir, config)
+    serve_llm(llm, f"{engine_dir} (max_num_seqs {llm.engine.config.max_num_seqs})", options)
+
+
+def serve_llm(llm: Any, what: str, options: ServeOptions) -> None:
+    """Serve an AsyncLLM-shaped object (AsyncLLM, or the cluster's ClusterLLM) under uvicorn until
+    SIGTERM/SIGINT; ``what`` names it in the start-up line."""
     app = serving_app(lambda: llm, options)
-    log.info("serving %s as %r on http://%s:%d (max_num_seqs %d, queue bound %s, shutdown deadline %g s, "
-             "API key %s)", engine_dir, options.served_model_name or llm.model_name, options.host, options.port,
-             llm.engine.config.max_num_seqs, options.max_queue or "none", options.shutdown_timeout,
-             "required" if options.api_key else "off")
+    log.info("serving %s as %r on http://%s:%d (queue bound %s, shutdown deadline %g s, API key %s)", what,
+             options.served_model_name or llm.model_name, options.host, options.port, options.max_queue or "none",
+             options.shutdown_timeout, "required" if options.api_key else "off")
     uvicorn_config = uvicorn.Config(
         app, host=options.host, port=options.port, log_level=options.log_level,
         # uvicorn annotates int but hands it to asyncio.wait_for, which takes any seconds
         timeout_graceful_shutdown=options.shutdown_timeout + _BACKSTOP_S)  # type: ignore[arg-type]
     _DrainingServer(uvicorn_config, lambda: app.state.drain.start(options.shutdown_timeout)).run()
+
+
+def install_exit_handlers() -> None:
+    """uvicorn shuts down gracefully on SIGTERM/SIGINT, then re-raises the signal under the handler it
+    found installed: make that one exit 0 (also when the signal comes before uvicorn is up)."""
+    signal.signal(signal.SIGTERM, _exit_zero)
+    signal.signal(signal.SIGINT, _exit_zero)
 
 
 def _exit_zero(signum: int, frame: Any) -> None:

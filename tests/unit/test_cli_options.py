@@ -50,3 +50,19 @@ def test_serve_options_name_the_bad_field():
         with pytest.raises(ValueError, match=f"^{field} must be ") as err:
             ServeOptions(**{field: value})
         assert err.value.param == field
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--replicas", "0"], "'--replicas': 0 is not in the range x>=1"),
+    (["--prefill-replicas", "1"], "--prefill-replicas and --decode-replicas go together"),
+    (["--replicas", "2", "--prefill-replicas", "1", "--decode-replicas", "1"], "not both"),
+    (["--routing", "round-robin"], "--routing needs --replicas"),
+    (["--ray-address", "auto"], "--ray-address needs --replicas"),
+    (["--replicas", "2", "--routing", "random"], "'--routing': 'random' is not one of"),
+])
+def test_replica_options_that_cannot_work_are_one_line(tmp_path, args, message):
+    """Checked before Ray (or an engine) starts."""
+    result = CliRunner().invoke(main, ["serve", str(tmp_path), *args])
+    assert result.exit_code in (1, 2), result.output
+    assert message in result.output and "Traceback" not in result.output
+    assert result.output.count("Error:") == 1

@@ -35,6 +35,13 @@ def test_a_plain_install_names_the_extra_a_command_needs(tmp_path, args, extra):
     assert not (tmp_path / "engine").exists()
 
 
+def test_serving_on_replicas_without_ray_names_the_cluster_extra(tmp_path):
+    result = _kiln_without("cluster", "serve", str(tmp_path), "--replicas", "2")
+    assert result.returncode == 1, result.stderr
+    assert result.stderr.endswith("`kiln serve` needs kiln's cluster extra (ray is not installed): "
+                                  "pip install 'kiln[cluster]'\n"), result.stderr
+
+
 def test_the_extras_modules_are_pyprojects():
     """EXTRA_MODULES holds the import names of exactly the distributions each extra declares."""
     project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]

@@ -31,7 +31,7 @@ ALLOWED = {
     "kiln.plugins_trt": {"kiln", "kiln.runtime", "kiln.plugins_trt"},
     "kiln.cli": {"kiln", "kiln.runtime", "kiln.export", "kiln.calibration", "kiln.optimize", "kiln.cli"},
 }
-RUNTIME_FRONT_ENDS = ("kiln.runtime.server", "kiln.runtime.bench")
+RUNTIME_FRONT_ENDS = ("kiln.runtime.server", "kiln.runtime.bench", "kiln.runtime.cluster")
 # What a build stage may import from the runtime: the LLM API (the package, its params), the op
 # library, and the runner API that drives the engine graph (the loader opens a runner, model_runner
 # has its batch types). Never the policy core (engine, scheduler, block manager, sampler, ...).
