@@ -34,9 +34,9 @@ def slow_engine() -> tuple[Engine, list[str]]:
     taken: list[str] = []
     add = engine.add
 
-    def counting_add(prepared):
+    def counting_add(prepared, *args, **kwargs):
         taken.append(prepared.request_id)
-        add(prepared)
+        add(prepared, *args, **kwargs)
 
     engine.add = counting_add  # type: ignore[method-assign]
     return engine, taken
