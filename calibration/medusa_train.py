@@ -244,7 +244,7 @@ def train_medusa_chat(checkpoint, source: ChatAnswers, config: MedusaConfig,
     model = ReferenceModel.from_checkpoint(checkpoint)
     cut = (0, len(train), len(train) + len(held), len(answers))
     data = {name: teacher_forced_rows(model, answers[a:b], config.num_heads, say)
-            for name, a, b in zip(("train", "heldout", "chat"), cut, cut[1:], strict=True)}
+            for name, a, b in zip(("train", "heldout", "chat"), cut[:-1], cut[1:], strict=True)}
     sizes = {"train_prompts": len(train), "heldout_prompts": len(held), "chat_questions": len(CHAT_QUESTIONS),
              "answers_from": str(source.engine)}
     return _fit(checkpoint, model, data, config, say, _Provenance("chat answers", sizes, start, cpu_start))

@@ -167,3 +167,23 @@ def test_medusa_speculation_needs_heads(tiny_engine):
 
     with pytest.raises(EngineLoadError, match="needs Medusa heads in the engine"):
         load_engine(tiny_engine, RuntimeConfig(speculative=SpeculativeConfig("medusa")))
+
+
+def test_train_medusa_chat_end_to_end(tiny_model_dir, tiny_engine):
+    """`kiln train-medusa --answers-from`: answers from the runtime, teacher-forced rows, heads, scores."""
+    from kiln.calibration import corpus
+    from kiln.calibration.medusa_train import ChatAnswers, MedusaConfig, train_medusa_chat
+    from kiln.export.checkpoint import load_checkpoint
+
+    try:
+        for source in corpus.SOURCES:
+            source.root()
+    except corpus.CorpusNotFound as exc:  # make install fetches it
+        pytest.skip(str(exc))
+    config = MedusaConfig(num_heads=2, new_tokens=6, epochs=1, label_vocabulary=True)
+    artifact = train_medusa_chat(load_checkpoint(tiny_model_dir), ChatAnswers(str(tiny_engine), prompts=8, threads=1),
+                                 config)
+    info = artifact.info
+    assert info["data"]["train_prompts"] == 7 and info["data"]["heldout_prompts"] == 1
+    assert 0 < info["train"]["rows"] <= 7 * 6 and 0 < info["chat"]["rows"] <= 24 * 6  # answers may end early
+    assert len(info["chat"]["top1_accuracy"]) == 2
