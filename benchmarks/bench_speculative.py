@@ -1,7 +1,8 @@
 """Speculative decoding against plain decoding on one engine, in one sitting, interleaved.
 
-Workload: input-grounded chat requests (rewrite, quote or summarise a given passage; edit given
-code), greedy, max_tokens tokens each. Two measurements, each repeated `--rounds` times with the
+Workload (`--workload`): `grounded`, input-grounded chat requests (rewrite, quote or summarise a given
+passage; edit given code), or `open`, open chat questions (the Medusa training's held-out CHAT_QUESTIONS,
+never trained on); greedy, max_tokens tokens each. Two measurements, each repeated `--rounds` times with the
 methods interleaved (the machine is shared and drifts, so only ratios within a round mean much):
 
 - single stream: one request at a time; decode tokens/s = (tokens - 1) / (time from the first
@@ -11,7 +12,11 @@ methods interleaved (the machine is shared and drifts, so only ratios within a r
 Time is the process's CPU time with one ONNX Runtime thread by default (`--clock cpu`; steadier than
 wall time on a loaded machine), or wall time (`--clock wall`, with `--threads`).
 
-    python benchmarks/bench_speculative.py ENGINE_DIR [--draft DRAFT_DIR] [--num-tokens 4] [--rounds 3]
+    python benchmarks/bench_speculative.py ENGINE_DIR [--draft DRAFT_DIR] [--medusa [--medusa-rows 1 2]]
+        [--workload open] [--methods plain medusa] [--num-tokens 4] [--rounds 3]
+
+--medusa (an engine built with --medusa) adds the Medusa proposer with its heads read at every verified row,
+and one more method per --medusa-rows N: heads read at no more than the first N verified rows.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from typing import Any
 from kiln.runtime.engine import Engine
 from kiln.runtime.loader import load_engine
 from kiln.runtime.params import RuntimeConfig, SamplingParams, SpeculativeConfig
+from kiln.runtime.speculative.medusa import MedusaProposer
 
 PASSAGE = (
     "The lighthouse stood at the end of a narrow spit of rock, and for ninety years its keepers had climbed "
@@ -66,9 +72,15 @@ def clock(kind: str) -> Callable[[], float]:
     return time.process_time if kind == "cpu" else time.perf_counter
 
 
-def prompts(engine: Engine) -> list[list[int]]:
+def open_questions() -> list[str]:
+    from kiln.calibration.medusa_data import CHAT_QUESTIONS
+
+    return list(CHAT_QUESTIONS[::3])  # 8 of the 24
+
+
+def prompts(engine: Engine, tasks: list[str]) -> list[list[int]]:
     return [engine.tokenizer.encode(engine.tokenizer.apply_chat_template([{"role": "user", "content": t}]))
-            for t in TASKS]
+            for t in tasks]
 
 
 def single_stream(engine: Engine, ids: list[list[int]], params: SamplingParams, now: Callable[[], float]
@@ -112,6 +124,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("engine", type=Path)
     parser.add_argument("--draft", type=Path, default=None, help="also measure this draft engine")
+    parser.add_argument("--medusa", action="store_true", help="also measure the engine's Medusa heads")
+    parser.add_argument("--medusa-rows", type=int, nargs="*", default=[],
+                        help="Medusa variants reading the heads at no more than N verified rows")
+    parser.add_argument("--no-ngram", action="store_true", help="leave the n-gram proposer out")
+    parser.add_argument("--workload", choices=["grounded", "open"], default="grounded")
     parser.add_argument("--num-tokens", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=96)
     parser.add_argument("--concurrency", type=int, default=16)
@@ -122,15 +139,22 @@ def main() -> None:
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
     now = clock(args.clock)
-    methods: dict[str, SpeculativeConfig | None] = {
-        "plain": None, "ngram": SpeculativeConfig("ngram", num_tokens=args.num_tokens),
-    }
+    methods: dict[str, SpeculativeConfig | None] = {"plain": None}
+    if not args.no_ngram:
+        methods["ngram"] = SpeculativeConfig("ngram", num_tokens=args.num_tokens)
     if args.draft:
         methods["draft"] = SpeculativeConfig("draft", num_tokens=args.num_tokens, draft_engine=str(args.draft))
+    if args.medusa:
+        methods["medusa"] = SpeculativeConfig("medusa", num_tokens=args.num_tokens)
+        for rows in args.medusa_rows:
+            methods[f"medusa-r{rows}"] = methods["medusa"]
     engines = {name: load_engine(args.engine, RuntimeConfig(num_threads=args.threads, speculative=spec,
                                                             enable_prefix_caching=False))
                for name, spec in methods.items()}
-    ids = prompts(engines["plain"])
+    for name, engine in engines.items():
+        if name.startswith("medusa-r"):
+            engine.proposer = MedusaProposer(engine.runner.num_medusa_heads, int(name.removeprefix("medusa-r")))
+    ids = prompts(engines["plain"], TASKS if args.workload == "grounded" else open_questions())
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
     results: dict[str, dict[str, Any]] = {name: {"single": [], "aggregate": []} for name in methods}
     outputs: dict[str, list[list[int]]] = {}
@@ -149,11 +173,11 @@ def main() -> None:
                 before = _spec_counts(engine)
                 tokens, seconds = aggregate(engine, ids, params, args.concurrency, now)
                 results[name]["aggregate"].append({"tok_s": tokens / seconds, **spec_summary(engine, before)})
-            line = f"round {r}: {name:6s} single {results[name]['single'][-1]['tok_s']:.1f} tok/s"
+            line = f"round {r}: {name:9s} single {results[name]['single'][-1]['tok_s']:.1f} tok/s"
             if not args.skip_aggregate:
                 line += f", {args.concurrency}-way {results[name]['aggregate'][-1]['tok_s']:.1f} tok/s"
             print(line, flush=True)
-    report = {"engine": str(args.engine), "clock": args.clock, "threads": args.threads,
+    report = {"engine": str(args.engine), "workload": args.workload, "clock": args.clock, "threads": args.threads,
               "num_tokens": args.num_tokens, "max_tokens": args.max_tokens, "concurrency": args.concurrency,
               "results": results}
     print()
@@ -164,7 +188,7 @@ def main() -> None:
         for name in methods:
             runs = results[name][kind]
             ratios = [x["tok_s"] / b for x, b in zip(runs, base, strict=True)]
-            line = (f"{kind:9s} {name:6s} {statistics.median(x['tok_s'] for x in runs):7.1f} tok/s  "
+            line = (f"{kind:9s} {name:9s} {statistics.median(x['tok_s'] for x in runs):7.1f} tok/s  "
                     f"x{statistics.median(ratios):.2f} vs plain (rounds {min(ratios):.2f}-{max(ratios):.2f})")
             if name != "plain":
                 line += (f"  acceptance {statistics.median(x['acceptance_rate'] for x in runs):.2f}, "

@@ -44,6 +44,7 @@ class MedusaConfig:
     learning_rate: float = 1e-3
     seed: int = 0
     generate_batch: int = 32  # prompts decoded together
+    label_vocabulary: bool = False  # train the softmax over the labels' and their rivals' tokens (label_vocabulary())
 
     def __post_init__(self) -> None:
         for name in ("num_heads", "prompt_tokens", "new_tokens", "epochs", "batch_rows", "generate_batch"):
@@ -124,9 +125,30 @@ def rows_and_labels(batches: list[Continuations], model, num_heads: int) -> tupl
     return torch.cat(xs), torch.cat(labels)
 
 
+def label_vocabulary(x: torch.Tensor, labels: torch.Tensor, lm_head: torch.Tensor,
+                     rivals: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the LM head's rows of the training vocabulary, labels renumbered into it). The vocabulary: the tokens
+    the labels use and, at every row, the LM head's own top `rivals` (where each head starts, so the tokens it
+    must learn to push down). The softmax of training spans that, a fraction of the model's vocabulary
+    (SmolLM2: ~10k of 49k tokens for 20k rows of chat answers), which is where the training time goes;
+    scoring stays on the full head."""
+    used = [labels[labels != IGNORE]]
+    with torch.no_grad():
+        for chunk in x.split(1024):
+            used.append((chunk @ lm_head.T).topk(rivals, dim=-1).indices.reshape(-1))
+    vocab = torch.unique(torch.cat(used))
+    index = torch.full((lm_head.shape[0],), IGNORE, dtype=torch.int64)
+    index[vocab] = torch.arange(len(vocab))
+    renumbered = torch.where(labels == IGNORE, IGNORE, index[labels.clamp(min=0)])
+    return lm_head[vocab], renumbered
+
+
 def train_heads(x: torch.Tensor, labels: torch.Tensor, lm_head: torch.Tensor, config: MedusaConfig,
                 say: Progress) -> tuple[MedusaHeads, list[float]]:
     """Fit the heads on cached rows; returns them and the mean loss of each epoch."""
+    if config.label_vocabulary:
+        lm_head, labels = label_vocabulary(x, labels, lm_head)
+        say(f"training vocabulary: {lm_head.shape[0]} tokens")
     torch.manual_seed(config.seed)
     heads = MedusaHeads(config.num_heads, x.shape[1])
     optimizer = torch.optim.AdamW(heads.parameters(), lr=config.learning_rate, weight_decay=0.0)
@@ -179,13 +201,68 @@ def train_medusa(checkpoint, text: str, config: MedusaConfig, progress: Progress
     say = progress or (lambda _m: None)
     start, cpu_start = time.perf_counter(), time.process_time()
     model = ReferenceModel.from_checkpoint(checkpoint)
-    lm_head = lm_head_weight(model)
     prompts = build_prompts(checkpoint, text, config)
     held = [p for n, p in enumerate(prompts) if n % HOLDOUT_EVERY == HOLDOUT_EVERY - 1]
     train = [p for n, p in enumerate(prompts) if n % HOLDOUT_EVERY != HOLDOUT_EVERY - 1]
     tokenizer_ids = _question_ids(checkpoint)
     data = {name: rows_and_labels(generate(model, p, config, say, name), model, config.num_heads)
             for name, p in (("train", train), ("heldout", held), ("chat", tokenizer_ids))}
+    sizes = {"train_prompts": len(train), "heldout_prompts": len(held), "chat_questions": len(tokenizer_ids)}
+    return _fit(checkpoint, model, data, config, say, _Provenance(corpus, sizes, start, cpu_start))
+
+
+@dataclass(frozen=True)
+class ChatAnswers:
+    """Where `train_medusa_chat` gets its rows: the greedy answers of `engine` (an fp32 engine of the same
+    checkpoint, served by the runtime) to `prompts` chat prompts, 7 in 8 open questions and 1 in 8 corpus chat
+    requests (medusa_chat.py); 1 prompt in HOLDOUT_EVERY is held out, and CHAT_QUESTIONS are scored apart."""
+
+    engine: str
+    prompts: int = 200
+    threads: int | None = None
+
+    def __post_init__(self) -> None:
+        require(isinstance(self.prompts, int) and self.prompts >= HOLDOUT_EVERY, "prompts",
+                f"an integer >= {HOLDOUT_EVERY}", self.prompts)
+
+
+def train_medusa_chat(checkpoint, source: ChatAnswers, config: MedusaConfig,
+                      progress: Progress | None = None) -> MedusaArtifact:
+    """Heads self-distilled on the model's own chat answers (config.new_tokens tokens each)."""
+    from kiln.export.reference import ReferenceModel
+
+    from .medusa_chat import corpus_requests, engine_answers, open_questions, teacher_forced_rows
+
+    say = progress or (lambda _m: None)
+    start, cpu_start = time.perf_counter(), time.process_time()
+    requests = source.prompts // HOLDOUT_EVERY
+    prompts = open_questions(source.prompts - requests) + corpus_requests(requests)
+    held = [p for n, p in enumerate(prompts) if n % HOLDOUT_EVERY == HOLDOUT_EVERY - 1]
+    train = [p for n, p in enumerate(prompts) if n % HOLDOUT_EVERY != HOLDOUT_EVERY - 1]
+    answers = engine_answers(source.engine, train + held + list(CHAT_QUESTIONS), config.new_tokens, source.threads,
+                             say)
+    model = ReferenceModel.from_checkpoint(checkpoint)
+    cut = (0, len(train), len(train) + len(held), len(answers))
+    data = {name: teacher_forced_rows(model, answers[a:b], config.num_heads, say)
+            for name, a, b in zip(("train", "heldout", "chat"), cut[:-1], cut[1:], strict=True)}
+    sizes = {"train_prompts": len(train), "heldout_prompts": len(held), "chat_questions": len(CHAT_QUESTIONS),
+             "answers_from": str(source.engine)}
+    return _fit(checkpoint, model, data, config, say, _Provenance("chat answers", sizes, start, cpu_start))
+
+
+@dataclass(frozen=True)
+class _Provenance:
+    corpus: str
+    data: dict
+    start: float  # perf_counter and process_time when the run began
+    cpu_start: float
+
+
+def _fit(checkpoint, model, data: dict[str, tuple[torch.Tensor, torch.Tensor]], config: MedusaConfig, say: Progress,
+         about: _Provenance) -> MedusaArtifact:
+    """Train on data["train"], score every split, and record how the artifact was made."""
+    start, cpu_start = about.start, about.cpu_start
+    lm_head = lm_head_weight(model)
     generation_s = time.perf_counter() - start
     say(f"cached {sum(x.shape[0] for x, _ in data.values())} hidden states in {generation_s:.0f}s")
     heads, losses = train_heads(*data["train"], lm_head, config, say)
@@ -197,9 +274,8 @@ def train_medusa(checkpoint, text: str, config: MedusaConfig, progress: Progress
     info = {
         "format": medusa.ARTIFACT_FORMAT, "num_heads": config.num_heads, "hidden_size": checkpoint.spec.hidden_size,
         "vocab_size": checkpoint.spec.vocab_size, "model_source": checkpoint.source,
-        "model_fingerprint": checkpoint.fingerprint(), "corpus": corpus, "config": asdict(config),
-        "data": {"train_prompts": len(train), "heldout_prompts": len(held), "chat_questions": len(tokenizer_ids),
-                 "train_rows": results["train"]["rows"]},
+        "model_fingerprint": checkpoint.fingerprint(), "corpus": about.corpus, "config": asdict(config),
+        "data": {**about.data, "train_rows": results["train"]["rows"]},
         "epoch_losses": [round(loss, 4) for loss in losses],
         "seconds": {"generation": round(generation_s, 1), "training": round(training_s, 1),
                     "total": round(time.perf_counter() - start, 1),

@@ -80,7 +80,8 @@ def build(model: str, output: Path, kv_dtype: str, block_size: int, max_seq_len:
 
 _speculative_options = [
     click.option("--speculative", "speculative", type=click.Choice(["ngram", "draft", "medusa"]), default=None,
-                 help="speculative decoding: ngram (prompt lookup), draft (a second engine, --draft), medusa"),
+                 help="speculative decoding: ngram (prompt lookup), draft (a second engine, --draft), medusa (the "
+                      "engine's own heads: kiln build --medusa)"),
     click.option("--num-speculative-tokens", type=int, default=4, show_default=True,
                  help="tokens proposed per sequence and step (with --speculative)"),
     click.option("--draft", "draft", type=click.Path(exists=True, file_okay=False), default=None,

@@ -19,29 +19,43 @@ def _say(message: str) -> None:
 @click.argument("model")
 @click.option("-o", "--output", required=True, type=click.Path(path_type=Path), help="heads directory to write")
 @click.option("--num-heads", type=int, default=4, show_default=True, help="K: head i guesses the token i steps ahead")
-@click.option("--prompts", type=int, default=24, show_default=True,
-              help="calibration-text prompts of each kind (text windows, chat requests); 1 in 8 held out")
-@click.option("--new-tokens", type=int, default=48, show_default=True, help="greedy tokens generated per prompt")
-@click.option("--epochs", type=int, default=5, show_default=True)
+@click.option("--answers-from", "engine", type=click.Path(exists=True, file_okay=False), default=None,
+              help="an fp32 engine dir of MODEL: train on the model's own greedy answers to chat prompts, generated "
+                   "by the runtime (open questions and the corpus's chat requests) instead of continuations of the "
+                   "calibration book")
+@click.option("--prompts", type=int, default=None,
+              help="prompts: of each kind (text windows, chat requests) from the book [24]; or chat prompts with "
+                   "--answers-from [200]; 1 in 8 held out")
+@click.option("--new-tokens", type=int, default=None, help="greedy tokens generated per prompt [48; 96 with "
+                                                           "--answers-from]")
+@click.option("--epochs", type=int, default=None, help="training epochs [5; 2 with --answers-from]")
 @click.option("--seed", type=int, default=0, show_default=True)
-def train_medusa(model: str, output: Path, num_heads: int, prompts: int, new_tokens: int, epochs: int,
-                 seed: int) -> None:
-    """Train Medusa heads for MODEL on its own greedy continuations of the calibration text."""
+@click.option("--threads", type=int, default=None, help="threads of the runtime generating the answers")
+def train_medusa(model: str, output: Path, num_heads: int, engine: str | None, prompts: int | None,
+                 new_tokens: int | None, epochs: int | None, seed: int, threads: int | None) -> None:
+    """Train Medusa heads for MODEL on its own greedy continuations: of chat prompts (--answers-from) or of
+    the calibration book."""
     import torch
 
     from kiln.calibration.corpus import CALIBRATION_BOOK, calibration_text
     from kiln.calibration.debian import CorpusNotFound
-    from kiln.calibration.medusa_train import MedusaConfig
+    from kiln.calibration.medusa_train import ChatAnswers, MedusaConfig, train_medusa_chat
     from kiln.calibration.medusa_train import train_medusa as run
     from kiln.export.checkpoint import load_checkpoint
 
-    config = MedusaConfig(num_heads=num_heads, text_prompts=prompts, chat_prompts=prompts, new_tokens=new_tokens,
-                          epochs=epochs, seed=seed)
+    chat = engine is not None
+    config = MedusaConfig(num_heads=num_heads, text_prompts=prompts or 24, chat_prompts=prompts or 24,
+                          new_tokens=new_tokens or (96 if chat else 48), epochs=epochs or (2 if chat else 5),
+                          seed=seed, label_vocabulary=chat)
     try:
-        text = calibration_text()
         checkpoint = load_checkpoint(model)
+        text = None if chat else calibration_text()
     except (CorpusNotFound, FileNotFoundError, ValueError) as exc:  # each names the problem in one sentence
         raise click.ClickException(str(exc)) from exc
     _say(f"{config.num_heads} heads, {torch.get_num_threads()} threads, seed {config.seed}")
-    artifact = run(checkpoint, text, config, _say, corpus=f"janeaustenr:{CALIBRATION_BOOK}")
+    if engine is not None:
+        artifact = train_medusa_chat(checkpoint, ChatAnswers(engine, prompts or 200, threads), config, _say)
+    else:
+        assert text is not None
+        artifact = run(checkpoint, text, config, _say, corpus=f"janeaustenr:{CALIBRATION_BOOK}")
     _say(f"wrote {artifact.save(output)} in {artifact.info['seconds']['total']:.0f}s")

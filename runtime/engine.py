@@ -8,6 +8,7 @@ thread: LLM's caller, or AsyncLLM's engine thread. A step's outputs are deltas.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -18,7 +19,7 @@ from kiln.errors import InvalidParamError
 from kiln.runtime.block_manager import BlockManager
 from kiln.runtime.detokenizer import Decoder, IncrementalDetokenizer, TextTokenizer
 from kiln.runtime.kv_transfer import KvHandoff
-from kiln.runtime.model_runner import ModelRunner, build_batch
+from kiln.runtime.model_runner import ModelRunner, RunnerOutput, build_batch
 from kiln.runtime.outputs import CompletionOutput, EngineStats, Logprob, RequestOutput
 from kiln.runtime.params import RuntimeConfig, SamplingParams
 from kiln.runtime.sampler import Sampler, SamplerOutput
@@ -234,8 +235,12 @@ class Engine:
             return self._take_outputs(changed)
         if self.proposer is not None:
             out = self._speculate(out)
-        logits = self.runner.execute(build_batch(out))
-        return self._postprocess(out, logits, changed)
+        batch = build_batch(out)
+        heads = self._medusa_rows(out)
+        if heads is None:
+            return self._postprocess(out, RunnerOutput(self.runner.execute(batch)), heads, changed)
+        result = self.runner.execute_all(dataclasses.replace(batch, medusa_indices=batch.logits_indices[heads]))
+        return self._postprocess(out, result, heads, changed)
 
     def _admit_imports(self) -> dict[str, Request]:
         """Start handed-off requests, in arrival order, while blocks allow: their KV is written into this
@@ -254,6 +259,21 @@ class Engine:
             self.num_generated_tokens -= 1  # the prefill engine generated (and counted) it
             changed[request.request_id] = request
         return changed
+
+    def _medusa_rows(self, out: SchedulerOutput) -> np.ndarray | None:
+        """The logits rows to compute the Medusa heads at (the proposer says how many of each sequence's
+        verified rows: the accepted length is known only afterwards); None when the proposer reads no
+        heads or the next step could not speculate anyway (as many decodes as _speculate switches off at)."""
+        if self.proposer is None:
+            return None
+        widths = [len(out.proposals_of(r)) + 1 for r, need in enumerate(out.needs_logits) if need]
+        wanted = [self.proposer.medusa_rows(w) for w in widths]
+        spec = self.config.speculative
+        assert spec is not None
+        if not any(wanted) or (min(spec.max_batch_tokens, self.scheduler.max_num_tokens) - len(widths)) < len(widths):
+            return None
+        starts = np.cumsum([0, *widths[:-1]])
+        return np.concatenate([np.arange(start, start + n) for start, n in zip(starts, wanted, strict=True)])
 
     def _speculate(self, out: SchedulerOutput) -> SchedulerOutput:
         """Proposals for the step's decodes, while the step stays within max_batch_tokens (past that,
@@ -283,10 +303,13 @@ class Engine:
                            for (seq, _), granted in zip(out.scheduled, out.proposals, strict=True) if granted}
         return out
 
-    def _postprocess(self, out: SchedulerOutput, logits: np.ndarray, changed: dict[str, Request] | None = None
-                     ) -> list[RequestOutput]:
-        """changed: requests that already have output this step (handed-off ones that started)."""
+    def _postprocess(self, out: SchedulerOutput, result: RunnerOutput, heads: np.ndarray | None,
+                     changed: dict[str, Request] | None = None) -> list[RequestOutput]:
+        """Sample or verify each sequence's rows; hand the proposer the heads' logits (`heads`: the logits
+        rows they were computed at) of the row that chose each sequence's latest token. changed: requests
+        that already have output this step (handed-off ones that started)."""
         changed = {} if changed is None else changed
+        logits = result.logits
         self.peak_blocks_used = max(self.peak_blocks_used, self.block_manager.num_used_blocks)
         self.scheduler.update(out)
         seqs = out.to_sample
@@ -308,9 +331,12 @@ class Engine:
                 request = self._by_seq[seqs[i].seq_id]
                 next_rows[i] += self._accept(seqs[i], request, logits[starts[i]:starts[i] + width])
                 changed[request.request_id] = request
-        if self.proposer is not None:
-            live = [i for i, seq in enumerate(seqs) if not seq.is_finished]
-            self.proposer.observe([seqs[i] for i in live], [next_rows[i] for i in live], self.runner.extra_outputs())
+        if heads is not None and result.medusa_logits is not None:
+            assert self.proposer is not None
+            where = {int(row): m for m, row in enumerate(heads)}  # logits row -> its row of medusa_logits
+            live = [i for i, seq in enumerate(seqs) if not seq.is_finished and next_rows[i] in where]
+            self.proposer.observe([seqs[i] for i in live], [where[next_rows[i]] for i in live],
+                                  {"medusa_logits": result.medusa_logits})
         return self._take_outputs(changed)
 
     def _take_outputs(self, changed: dict[str, Request]) -> list[RequestOutput]:

@@ -99,10 +99,16 @@ def check_backend(backend: str) -> None:
 
 def open_proposer(spec: SpeculativeConfig, engine_dir: Path, manifest: Manifest, target: ModelRunner,
                   num_threads: int | None) -> Proposer:
-    """The proposer of a speculative method that needs files: a draft engine (checked against the target)."""
+    """The proposer of a speculative method that needs more than the engine loop: the Medusa heads compiled
+    into the target, or a draft engine (checked against the target)."""
     if spec.method == "medusa":
-        raise EngineLoadError(f"speculative method 'medusa' needs Medusa heads in the engine, and {engine_dir} "
-                              "has none (build it with them, or use --speculative ngram or draft)")
+        if not target.num_medusa_heads:
+            raise EngineLoadError(f"speculative method 'medusa' needs Medusa heads in the engine, and {engine_dir} "
+                                  "has none (build it with kiln build --medusa HEADS_DIR, or use --speculative ngram "
+                                  "or draft)")
+        from kiln.runtime.speculative.medusa import MedusaProposer
+
+        return MedusaProposer(target.num_medusa_heads)
     from kiln.runtime.speculative.draft import DraftProposer
 
     assert spec.draft_engine is not None  # SpeculativeConfig requires it for 'draft'

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import abc
 import itertools
-from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -117,11 +116,6 @@ class ModelRunner(abc.ABC):
     @abc.abstractmethod
     def execute(self, batch: BatchInput) -> np.ndarray:
         """float32 logits [len(batch.logits_indices), vocab_size]."""
-
-    def extra_outputs(self) -> Mapping[str, np.ndarray]:
-        """The last execute's graph outputs besides the logits, one row per logits row (e.g. Medusa heads'
-        logits, read by a proposer's observe hook); none by default."""
-        return {}
 
     def execute_all(self, batch: BatchInput) -> RunnerOutput:
         """The logits and, for an engine with Medusa heads, their logits at batch.medusa_indices."""

@@ -33,11 +33,7 @@ class FakeModelRunner(ModelRunner):
             self.pool[tables[s, pos // bs], pos % bs] = batch.input_ids[t]
         logits = np.empty((len(batch.logits_indices), self.vocab_size), dtype=np.float32)
         for r, t in enumerate(batch.logits_indices.tolist()):
-            s, pos = row_of_token[t], int(batch.position_ids[t])
-            ctx = np.arange(pos + 1)
-            tokens = self.pool[tables[s, ctx // bs], ctx % bs]
-            assert (tokens >= 0).all(), f"row {r} reads an unwritten slot"
-            logits[r] = self.logits_for(tokens)
+            logits[r] = self.logits_for(self.context(batch, t))
         return logits
 
     def kv_layout(self) -> KvLayout:
@@ -48,6 +44,15 @@ class FakeModelRunner(ModelRunner):
 
     def write_kv_blocks(self, block_ids: list[int], blocks: np.ndarray) -> None:
         self.pool[np.asarray(block_ids, dtype=np.int64)] = blocks[0]
+
+    def context(self, batch: BatchInput, t: int) -> np.ndarray:
+        """The tokens packed token t attends to (itself included), read back through its block table."""
+        bs, qsl = self.block_size, batch.query_start_loc
+        s, pos = int(np.searchsorted(qsl, t, side="right")) - 1, int(batch.position_ids[t])
+        ctx = np.arange(pos + 1)
+        tokens = self.pool[batch.block_tables[s, ctx // bs], ctx % bs]
+        assert (tokens >= 0).all(), f"token {t} reads an unwritten slot"
+        return tokens
 
     def logits_for(self, tokens: np.ndarray) -> np.ndarray:
         """The model: a smooth, context-dependent score over the vocabulary."""

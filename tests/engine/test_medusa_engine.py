@@ -139,3 +139,51 @@ def test_build_refuses_heads_of_another_model(tmp_path, medusa_dir):
         build_engine(other, tmp_path / "engine", BuildOptions(medusa=medusa_dir), progress=lambda _m: None)
     with pytest.raises(BuildError, match="not a Medusa heads directory"):
         build_engine(other, tmp_path / "engine", BuildOptions(medusa=tmp_path), progress=lambda _m: None)
+
+
+def test_medusa_speculation_is_token_identical_to_plain_decoding(medusa_engine):
+    """The runtime's medusa proposer on the real graph: greedy output as without speculation, over a
+    batch of sequences of different lengths (several verified rows each, heads read at every one)."""
+    from kiln.runtime import LLM, RuntimeConfig, SamplingParams
+    from kiln.runtime.loader import load_engine
+    from kiln.runtime.params import SpeculativeConfig
+
+    prompts = [PROMPT[:n] for n in (5, 12, 20, 33)]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    plain = LLM(load_engine(medusa_engine, RuntimeConfig(num_threads=1))).generate(prompts, params)
+    spec = SpeculativeConfig("medusa", num_tokens=3, max_batch_tokens=16)
+    engine = load_engine(medusa_engine, RuntimeConfig(num_threads=1, speculative=spec))
+    got = LLM(engine).generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in plain]
+    stats = engine.stats()
+    assert stats.num_spec_verifications > 0 and stats.num_spec_proposed_tokens > 0
+
+
+def test_medusa_speculation_needs_heads(tiny_engine):
+    from kiln.manifest import EngineLoadError
+    from kiln.runtime import RuntimeConfig
+    from kiln.runtime.loader import load_engine
+    from kiln.runtime.params import SpeculativeConfig
+
+    with pytest.raises(EngineLoadError, match="needs Medusa heads in the engine"):
+        load_engine(tiny_engine, RuntimeConfig(speculative=SpeculativeConfig("medusa")))
+
+
+def test_train_medusa_chat_end_to_end(tiny_model_dir, tiny_engine):
+    """`kiln train-medusa --answers-from`: answers from the runtime, teacher-forced rows, heads, scores."""
+    from kiln.calibration import corpus
+    from kiln.calibration.medusa_train import ChatAnswers, MedusaConfig, train_medusa_chat
+    from kiln.export.checkpoint import load_checkpoint
+
+    try:
+        for source in corpus.SOURCES:
+            source.root()
+    except corpus.CorpusNotFound as exc:  # make install fetches it
+        pytest.skip(str(exc))
+    config = MedusaConfig(num_heads=2, new_tokens=6, epochs=1, label_vocabulary=True)
+    artifact = train_medusa_chat(load_checkpoint(tiny_model_dir), ChatAnswers(str(tiny_engine), prompts=8, threads=1),
+                                 config)
+    info = artifact.info
+    assert info["data"]["train_prompts"] == 7 and info["data"]["heldout_prompts"] == 1
+    assert 0 < info["train"]["rows"] <= 7 * 6 and 0 < info["chat"]["rows"] <= 24 * 6  # answers may end early
+    assert len(info["chat"]["top1_accuracy"]) == 2

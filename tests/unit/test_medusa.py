@@ -150,3 +150,45 @@ def test_manifest_records_the_heads_and_old_manifests_load(checkpoint, tmp_path)
         MedusaSpec(0, 64)
     with pytest.raises(InvalidParamError, match="top1_accuracy"):
         MedusaSpec(2, 64, (0.5,))
+
+
+def test_teacher_forced_rows_are_the_greedy_states(checkpoint):
+    """Chat answers' rows from one forward of prompt + answer: the states and labels greedy decoding gives."""
+    from kiln.calibration.medusa_chat import teacher_forced_rows
+
+    model = ReferenceModel.from_checkpoint(checkpoint)
+    prompts = [[5, 6, 7, 8, 9, 10, 11], [20, 21, 22]]
+    out = greedy_states(model, prompts, 10)
+    answers = [(p, out.tokens[b].tolist()) for b, p in enumerate(prompts)]
+    x, labels = teacher_forced_rows(model, answers, 3, lambda _m: None)
+    want_x, want_labels = rows_and_labels([dataclasses.replace(out, lengths=torch.tensor([10, 10]))], model, 3)
+    torch.testing.assert_close(x, want_x, atol=1e-4, rtol=0)
+    assert torch.equal(labels, want_labels)
+
+
+def test_label_vocabulary_trains_on_the_labels_tokens(checkpoint):
+    from kiln.calibration.medusa_train import label_vocabulary
+
+    head = torch.arange(10, dtype=torch.float32)[:, None].repeat(1, 3)  # row v is [v, v, v]: token 9 scores best
+    labels = torch.tensor([[7, 2], [2, IGNORE], [IGNORE, 5]])
+    sub, renumbered = label_vocabulary(torch.ones(3, 3), labels, head, rivals=1)
+    assert sub[:, 0].tolist() == [2, 5, 7, 9] and renumbered.tolist() == [[2, 0], [0, IGNORE], [IGNORE, 1]]
+    # heads trained over the labels' vocabulary still fit them through the full LM head
+    model = ReferenceModel.from_checkpoint(checkpoint)
+    x, labels = rows_and_labels([greedy_states(model, [[5, 6, 7, 8], [9, 10, 11, 12, 13]], 12)], model, 2)
+    config = dataclasses.replace(FAST, epochs=10, batch_rows=8, learning_rate=1e-2, label_vocabulary=True)
+    full = model.model.embed_tokens.weight
+    heads, _ = train_heads(x, labels, full, config, lambda _m: None)
+    assert score(heads, x, labels, full)["top1_accuracy"][1] > score(MedusaHeads(2, x.shape[1]), x, labels,
+                                                                     full)["top1_accuracy"][1]
+
+
+def test_open_questions_template_the_headwords_and_skip_the_held_out(monkeypatch):
+    from kiln.calibration import medusa_chat
+
+    monkeypatch.setattr(medusa_chat, "headwords", lambda: ["apple", "bread", "cloud", "door"])
+    questions = medusa_chat.open_questions(4)
+    assert questions == ["What is an apple?", 'Explain the word "bread" in simple terms.',
+                         "Write a short poem about cloud.", "Give me three facts about door."]
+    with pytest.raises(ValueError, match="fewer than 5 questions"):
+        medusa_chat.open_questions(5)

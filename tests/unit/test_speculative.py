@@ -13,9 +13,10 @@ from hypothesis import strategies as st
 from kiln.errors import InvalidParamError
 from kiln.runtime.engine import Engine
 from kiln.runtime.llm import LLM
-from kiln.runtime.model_runner import build_batch
+from kiln.runtime.model_runner import RunnerOutput, build_batch
 from kiln.runtime.outputs import merge_outputs
 from kiln.runtime.params import RuntimeConfig, SamplingParams, SpeculativeConfig
+from kiln.runtime.speculative.medusa import MedusaProposer
 from kiln.runtime.speculative.ngram import NgramProposer, lookup
 from kiln.runtime.speculative.proposer import NO_PROPOSAL, Proposal, ProposalRequest, Proposer
 
@@ -188,7 +189,7 @@ def test_speculation_switches_off_when_the_batch_is_large():
     for _ in range(3):  # 12 decodes: no room under 12 tokens for any proposal
         out = e.scheduler.schedule()
         assert e._speculate(out) is out and out.num_tokens == 12
-        e._postprocess(out, e.runner.execute(build_batch(out)))
+        e._postprocess(out, RunnerOutput(e.runner.execute(build_batch(out))), None)
     for i in range(9):  # 3 left: 9 tokens of room, 3 proposals each at most
         e.abort(f"r{i}")
     out = e._speculate(e.scheduler.schedule())
@@ -305,32 +306,94 @@ def test_draft_proposer_keeps_outputs_and_its_pool_in_step(same_model, sampled):
     assert bm.num_free_blocks == bm.num_blocks and not e.proposer.mirrors
 
 
-class PositionsRunner(CopyingRunner):
-    """Returns, as an extra per-row output, the position each logits row was computed at."""
+# -- the Medusa proposer ------------------------------------------------------------------------
 
-    def execute(self, batch):
-        self.positions = batch.position_ids[batch.logits_indices][:, None]
-        return super().execute(batch)
+class MedusaRunner(CopyingRunner):
+    """The copying fake model with K heads: head i at a row puts all its weight on the model's own greedy
+    token i places after that row's, except in some contexts (a wrong guess there: proposals must fail)."""
 
-    def extra_outputs(self):
-        return {"position": self.positions}
+    num_medusa_heads = 3
+
+    def execute_all(self, batch):
+        logits = self.execute(batch)
+        rows = np.zeros(0, np.int64) if batch.medusa_indices is None else batch.medusa_indices
+        heads = np.zeros((len(rows), self.num_medusa_heads, self.vocab_size), dtype=np.float32)
+        self.head_rows = getattr(self, "head_rows", 0) + len(rows)
+        for m, t in enumerate(rows.tolist()):
+            chain = list(self.context(batch, t))
+            for _ in range(self.num_medusa_heads + 1):
+                chain.append(int(self.logits_for(np.array(chain)).argmax()))
+            for i, guess in enumerate(chain[-self.num_medusa_heads:]):
+                wrong = (len(chain) * 3 + i) % 5 == 0
+                heads[m, i, (guess + 1) % self.vocab_size if wrong else guess] = 1.0
+        return RunnerOutput(logits, heads)
 
 
-class ObservingProposer(NgramProposer):
-    def __init__(self):
-        super().__init__(3, 1)
-        self.seen = 0
-
-    def observe(self, seqs, rows, extras):
-        for seq, row in zip(seqs, rows, strict=True):
-            # the row that chose seq's latest token sits one position before it
-            assert int(extras["position"][row, 0]) == len(seq) - 2, (seq, row)
-            self.seen += 1
+MEDUSA = SpeculativeConfig("medusa", num_tokens=3, max_batch_tokens=64)
 
 
-def test_observe_hook_names_the_row_that_chose_each_latest_token():
-    proposer = ObservingProposer()
-    e = engine(spec=NGRAM, proposer=proposer)
-    e.runner = PositionsRunner(256, e.runner.block_size, e.runner.vocab_size)
-    run_staggered(e, prompts(6), GREEDY)
-    assert e.stats().num_spec_accepted_tokens > 0 and proposer.seen > 50
+def medusa_engine(num_blocks=256, caching=True, max_rows=None, spec=MEDUSA) -> Engine:
+    from fake_runner import CharTokenizer
+
+    from kiln.runtime.engine import EngineLimits
+
+    config = RuntimeConfig(enable_prefix_caching=caching, speculative=spec)
+    limits = EngineLimits(max_seq_len=96, max_num_tokens=32, eos_token_ids=(0,))
+    return Engine(MedusaRunner(num_blocks, 4, 64), CharTokenizer(), config, limits,
+                  proposer=MedusaProposer(3, max_rows))
+
+
+@pytest.mark.parametrize("num_blocks, caching, max_rows", [(256, True, None), (24, True, None), (24, False, None),
+                                                          (256, True, 1)])
+def test_medusa_greedy_is_token_identical_to_plain_decoding(num_blocks, caching, max_rows):
+    """Staggered arrivals, preemption (24 blocks), prefix caching; block manager checked after each step."""
+    ps = prompts()
+    reference = token_ids(run_staggered(engine(256), ps, GREEDY))
+    e = medusa_engine(num_blocks, caching, max_rows)
+    assert token_ids(run_staggered(e, ps, GREEDY)) == reference
+    stats = e.stats()
+    # the heads are right 4 times in 5: most proposals are kept, not all
+    assert 0.5 * stats.num_spec_proposed_tokens < stats.num_spec_accepted_tokens < stats.num_spec_proposed_tokens
+    if num_blocks < 100:
+        assert stats.num_preemptions > 0
+    assert not e.proposer.guesses  # released with their sequences
+
+
+def test_medusa_heads_are_read_where_the_next_step_may_speculate():
+    e = medusa_engine()
+    LLM(e).generate(prompts(1), GREEDY)
+    steps = e.runner.steps
+    assert e.stats().num_spec_verifications > 0.5 * len(steps)  # the first decode already speculates
+    assert e.runner.head_rows == sum(b.num_logits for b in steps)  # every verified row (max_rows None)
+    limited = medusa_engine(max_rows=1)
+    LLM(limited).generate(prompts(1), GREEDY)
+    assert limited.runner.head_rows == len(limited.runner.steps)  # one row per step
+    # 12 decodes leave no room for proposals under max_batch_tokens 12: no heads are computed either
+    off = medusa_engine(spec=SpeculativeConfig("medusa", num_tokens=3, max_batch_tokens=12))
+    LLM(off).generate(prompts(12), SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+    assert off.runner.head_rows < sum(b.num_logits for b in off.runner.steps)
+
+
+def test_medusa_proposes_only_from_heads_of_the_latest_token():
+    from kiln.runtime.sequence import Sequence
+
+    proposer = MedusaProposer(3)
+    seq = Sequence([1, 2, 3], GREEDY)
+    heads = np.zeros((2, 3, 8), np.float32)
+    heads[1, [0, 1, 2], [5, 6, 7]] = 1.0
+    proposer.observe([seq], [1], {"medusa_logits": heads})
+    assert proposer.propose([ProposalRequest(seq, 2)]) == [Proposal((5, 6))]  # k = min(K, max_tokens)
+    seq.append(4)  # a token chosen by a row without heads: the guesses followed another prefix
+    assert proposer.propose([ProposalRequest(seq, 3)]) == [NO_PROPOSAL]
+    proposer.release(seq)
+    assert not proposer.guesses
+
+
+def test_medusa_serves_sampled_requests():
+    """One-hot proposals, as ngram's: verify's rejection sampling (tests/unit/test_speculative_sampling.py)
+    keeps the target's distribution; here sampled requests run to their length with proposals kept."""
+    params = SamplingParams(temperature=0.7, max_tokens=20, ignore_eos=True, seed=3)
+    e = medusa_engine(24)
+    got = run_staggered(e, prompts(6), params)
+    assert all(len(o.outputs[0].token_ids) == 20 for o in got)
+    assert e.stats().num_spec_accepted_tokens > 0 and e.stats().num_preemptions > 0

@@ -1,0 +1,58 @@
+"""The Medusa proposer: heads compiled into the target engine guess the tokens after the latest one.
+
+Head i, read at the row whose logits chose a sequence's latest token, guesses the token i places after
+it (kiln/medusa.py). The engine asks the graph for the heads' logits at the verified rows of each
+sequence (`medusa_indices`), and after the step hands the proposer, per sequence, the heads' logits of
+the row that chose its latest token (`observe`); the next step proposes the heads' top-1 chain.
+
+Guesses are kept with the sequence's length when they were made: they follow exactly that prefix, so a
+sequence whose latest token came from a row without heads (a plain step, or a fork) gets no proposal
+until a step reads its heads again. Preemption recomputes the same tokens, so kept guesses stay valid.
+Proposals are deterministic (one-hot, like ngram's): rejection sampling keeps sampled output exact.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import numpy as np
+
+from kiln.runtime.sequence import Sequence
+from kiln.runtime.speculative.proposer import NO_PROPOSAL, Proposal, ProposalRequest, Proposer
+
+
+class MedusaProposer(Proposer):
+    def __init__(self, num_heads: int, max_rows: int | None = None) -> None:
+        """max_rows: compute the heads at no more than this many of a sequence's verified rows (from the
+        first); None: at all of them."""
+        if num_heads < 1:
+            raise ValueError(f"num_heads must be >= 1, got {num_heads}")
+        if max_rows is not None and max_rows < 1:
+            raise ValueError(f"max_rows must be >= 1 or None, got {max_rows}")
+        self.num_heads = num_heads
+        self.max_rows = max_rows
+        self.guesses: dict[int, tuple[int, tuple[int, ...]]] = {}  # seq_id -> (its length then, the K guesses)
+
+    def propose(self, requests: list[ProposalRequest]) -> list[Proposal]:
+        out = []
+        for request in requests:
+            kept = self.guesses.get(request.seq.seq_id)
+            if kept is None or kept[0] != len(request.seq):
+                out.append(NO_PROPOSAL)
+            else:
+                out.append(Proposal(kept[1][:request.max_tokens]))
+        return out
+
+    def medusa_rows(self, width: int) -> int:
+        return width if self.max_rows is None else min(width, self.max_rows)
+
+    def observe(self, seqs: list[Sequence], rows: list[int], extras: Mapping[str, np.ndarray]) -> None:
+        heads = extras["medusa_logits"]  # [rows, K, V]
+        if not seqs:
+            return
+        best = heads[rows].argmax(axis=-1)  # [len(seqs), K]
+        for seq, guesses in zip(seqs, best.tolist(), strict=True):
+            self.guesses[seq.seq_id] = (len(seq), tuple(guesses))
+
+    def release(self, seq: Sequence) -> None:
+        self.guesses.pop(seq.seq_id, None)
