@@ -56,18 +56,25 @@ def validation_windows(checkpoint, count: int, window: int = 512, split: str = "
 
 
 @torch.no_grad()
-def perplexities(spec, weights: dict[str, torch.Tensor], head: torch.Tensor, windows: dict[str, list]) -> dict:
+def perplexities(spec, weights: dict[str, torch.Tensor], head: torch.Tensor, windows: dict[str, list],
+                 int8_activations: bool = False) -> dict:
     from kiln.calibration.collect import run_layers
+    from kiln.calibration.fake_quant import int8_per_token
     from kiln.export.reference import ReferenceModel
 
     model = ReferenceModel(spec, weights)
+    if int8_activations:  # W8A8: every decoder linear reads per-token int8 activations
+        for name, module in model.named_modules():
+            if isinstance(module, torch.nn.Linear) and ".layers." in name:
+                module.register_forward_pre_hook(lambda _m, args: (int8_per_token(args[0]),))
     out = {}
     for domain, ws in windows.items():
         nll, n = 0.0, 0
         for w in ws:
             ids = torch.tensor(w, dtype=torch.int64)
             x = run_layers(model, ids[None], torch.arange(ids.numel())[None])
-            logits = F.linear(model.model.norm(x)[0], head)
+            h = model.model.norm(x)[0]
+            logits = F.linear(int8_per_token(h) if int8_activations else h, head)  # W8A8 quantizes the head too
             nll += float(F.cross_entropy(logits[:-1], ids[1:], reduction="sum"))
             n += ids.numel() - 1
         out[domain] = math.exp(nll / n)
@@ -91,6 +98,7 @@ def main() -> None:
     ap.add_argument("--int8", nargs="*", default=[], help="regexes of decoder linears kept int8 per channel")
     ap.add_argument("--windows", type=int, default=4, help="validation windows of 512 tokens per domain")
     ap.add_argument("--fp32", action="store_true", help="no quantization at all (the reference row)")
+    ap.add_argument("--w8a8", action="store_true", help="W8A8: int8 per-channel weights, per-token int8 activations")
     ap.add_argument("--no-gains", action="store_true", help="drop the artifact's tuned norm gains")
     ap.add_argument("--scores-out", default=None, help="write int8-fallback scores (calibration split) and stop")
     ap.add_argument("--scores", default=None, help="int8-fallback scores from --scores-out")
@@ -124,11 +132,14 @@ def main() -> None:
         args.int8 += [f"^{m}$" for unit in sorted(scores, key=lambda u: -scores[u])[: args.int8_top]
                       for m in unit.split("+")]
     head = weights["model.embed_tokens.weight" if spec.tie_word_embeddings else "lm_head.weight"]
-    if not args.fp32:
+    if args.w8a8:
+        weights = simulated_weights(weights, args.group_size, [".*"])
+        head = int8_per_channel(head)
+    elif not args.fp32:
         weights = simulated_weights(weights, args.group_size, args.int8)
         head = int8_per_channel(head)
-    ppl = perplexities(spec, weights, head, validation_windows(checkpoint, args.windows))
-    print(json.dumps({"label": args.label or ("fp32" if args.fp32 else args.artifact or "rtn"),
+    ppl = perplexities(spec, weights, head, validation_windows(checkpoint, args.windows), args.w8a8)
+    print(json.dumps({"label": args.label or ("fp32" if args.fp32 else args.artifact or "rtn"), "w8a8": args.w8a8,
                       "group_size": args.group_size, "int8": args.int8, "windows": args.windows,
                       "perplexity": {d: round(p, 3) for d, p in ppl.items()},
                       "seconds": round(time.perf_counter() - start, 1)}))
