@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from . import awq, norm_tuning, smoothquant
+from . import awq, norm_tuning, sensitivity, smoothquant
 from . import corpus as text_corpus
 from .artifact import METHODS, CalibrationArtifact, CalibrationError, apply_artifact
 from .collect import collect, token_windows
@@ -32,12 +32,18 @@ class CalibrationConfig:
     group_size: int = 128  # AWQ: the int4 group size the scales are searched for
     clip: bool = True  # AWQ: search per-(channel, group) weight clip ratios after the scales
     tune_norms: bool = True  # AWQ: then train the norm gains of the int4-simulated model (norm_tuning.py)
+    int8_fallback: int = 0  # AWQ: keep this many most sensitive linears int8 (sensitivity.py)
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
             raise CalibrationError(f"unknown calibration method {self.method!r}; choose one of {list(METHODS)}")
         if self.alpha is not None and not 0.0 <= self.alpha <= 1.0:
             raise CalibrationError(f"SmoothQuant alpha must be in [0, 1], not {self.alpha}")
+        if self.int8_fallback < 0:
+            raise CalibrationError(f"the int8 fallback is a number of linears, not {self.int8_fallback}")
+        if self.int8_fallback and self.method != "awq":
+            raise CalibrationError("an int8 fallback goes with --method awq (the int4 schemes), "
+                                   f"not {self.method}")
 
     def hyperparameters(self) -> dict:
         hp = {"num_windows": self.num_windows, "window": self.window, "rows_per_window": self.rows_per_window}
@@ -50,6 +56,7 @@ class CalibrationConfig:
             hp["clip_grid"] = list(awq.CLIP_GRID) if self.clip else []
             hp["norm_tuning"] = ({"epochs": norm_tuning.EPOCHS, "learning_rate": norm_tuning.LEARNING_RATE}
                                  if self.tune_norms else None)
+            hp["int8_fallback"] = self.int8_fallback
         return hp
 
 
@@ -144,14 +151,25 @@ def calibrate_windows(checkpoint, token_windows: list[list[int]], config: Calibr
     info = {"model_source": checkpoint.source, "corpus": corpus, "num_tokens": stats.num_tokens, "groups": report}
     if config.method == "awq" and config.clip:
         info["clips"] = clip_report
-    artifact = CalibrationArtifact(config.method, checkpoint.fingerprint(), config.hyperparameters(), scales, info)
-    if config.method == "awq" and config.tune_norms:
-        del model, stats
-        # the weights exactly as the build will see them: scales folded, clips applied
-        quant_weights = {k: v.float() for k, v in apply_artifact(checkpoint, artifact).weights.items()}
-        gains, tuning_report = norm_tuning.tune_norms(checkpoint.spec, weights, quant_weights, windows,
-                                                      config.group_size, progress=say)
-        gains = {f"{norm_tuning.GAIN_PREFIX}{name}": g for name, g in gains.items()}
-        artifact = CalibrationArtifact(config.method, artifact.model_fingerprint, artifact.hyperparameters,
-                                       {**scales, **gains}, {**info, "norm_tuning": tuning_report})
-    return artifact
+    hyperparameters = config.hyperparameters()
+    artifact = CalibrationArtifact(config.method, checkpoint.fingerprint(), hyperparameters, scales, info)
+    if config.method != "awq" or not (config.tune_norms or config.int8_fallback):
+        return artifact
+    del model, stats
+    # the weights exactly as the build will see them: scales folded, clips applied
+    quant_weights = {k: v.float() for k, v in apply_artifact(checkpoint, artifact).weights.items()}
+    int8: list[str] = []
+    if config.int8_fallback:
+        scores = sensitivity.unit_scores(checkpoint.spec, quant_weights, windows, config.group_size, say)
+        chosen = sensitivity.most_sensitive(scores, config.int8_fallback)
+        int8 = [name for unit in chosen for name in unit]
+        info["int8_fallback"] = {"+".join(u): round(scores[u], 6) for u in chosen}
+        info["int8_fallback_scores"] = {"+".join(u): round(s, 6) for u, s in scores.items()}
+        hyperparameters = {**hyperparameters, "int8_linears": int8}
+        say(f"int8 fallback: {', '.join(info['int8_fallback'])}")
+    if config.tune_norms:
+        student = norm_tuning.int4_simulated(quant_weights, config.group_size, frozenset(int8))
+        gains, tuning_report = norm_tuning.tune_norms(checkpoint.spec, weights, student, windows, progress=say)
+        scales = {**scales, **{f"{norm_tuning.GAIN_PREFIX}{name}": g for name, g in gains.items()}}
+        info = {**info, "norm_tuning": tuning_report}
+    return CalibrationArtifact(config.method, artifact.model_fingerprint, hyperparameters, scales, info)

@@ -153,10 +153,14 @@ def loops(tokens: list[int], repeats: int = 3) -> bool:
 def chat_answers(engine_dir: str | Path, max_tokens: int = 64, threads: int | None = None) -> list[dict]:
     """[{question, answer, degenerate, prompt_ids, answer_ids}] for CHAT_QUESTIONS, greedy, through
     the serving runtime."""
+    from kiln.manifest import read_manifest
     from kiln.runtime import LLM, SamplingParams
     from kiln.runtime.params import RuntimeConfig
 
-    llm = LLM(engine_dir, RuntimeConfig(kv_cache_bytes=64 << 20, num_threads=threads))
+    # a short question and 64 answer tokens: 512 positions per sequence is plenty, and a 64 MiB pool must hold
+    # one whole sequence (the runtime refuses a pool that cannot; fp32 KV at SmolLM2's 2048 needs 90 MiB)
+    max_model_len = min(512, read_manifest(Path(engine_dir)).max_seq_len)
+    llm = LLM(engine_dir, RuntimeConfig(kv_cache_bytes=64 << 20, num_threads=threads, max_model_len=max_model_len))
     params = SamplingParams(temperature=0, max_tokens=max_tokens)
     outputs = llm.chat([[{"role": "user", "content": q}] for q in CHAT_QUESTIONS], params)
     return [{"question": q, "answer": o.outputs[0].text, "degenerate": loops(list(o.outputs[0].token_ids)),

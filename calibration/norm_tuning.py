@@ -49,12 +49,15 @@ def norm_names(spec) -> list[str]:
     return names + ["model.norm"]
 
 
-def int4_simulated(weights: dict[str, torch.Tensor], group_size: int) -> dict[str, torch.Tensor]:
-    """The weights as the build's int4 pass will dequantize them: every decoder linear int4 RTN."""
+def int4_simulated(weights: dict[str, torch.Tensor], group_size: int,
+                   int8: frozenset[str] = frozenset()) -> dict[str, torch.Tensor]:
+    """The weights as the build's int4 pass will dequantize them: every decoder linear int4 RTN, but
+    the modules named in int8 (the artifact's int8 fallback) int8 per channel."""
     out = dict(weights)
     for name, w in weights.items():
         if ".layers." in name and name.endswith("_proj.weight"):
-            out[name] = int4_groupwise(w.float(), group_size)
+            module = name[: -len(".weight")]
+            out[name] = int8_per_channel(w.float()) if module in int8 else int4_groupwise(w.float(), group_size)
     return out
 
 
@@ -79,11 +82,11 @@ def _kl(teacher: torch.Tensor, student: torch.Tensor) -> torch.Tensor:
     return (teacher.exp() * (teacher - student)).sum(-1).mean()
 
 
-def tune_norms(spec, fp32_weights: dict[str, torch.Tensor], quant_weights: dict[str, torch.Tensor],
-               windows: list[torch.Tensor], group_size: int,
+def tune_norms(spec, fp32_weights: dict[str, torch.Tensor], student_weights: dict[str, torch.Tensor],
+               windows: list[torch.Tensor],
                progress: Callable[[str], None] | None = None) -> tuple[dict[str, torch.Tensor], dict]:
-    """Gains {norm name: [hidden]} for the norms of `quant_weights` (the AWQ-scaled, clipped fp32
-    weights the build will quantize), and a report {kl_before, kl_after, epochs, seconds}."""
+    """Gains {norm name: [hidden]} for the norms of `student_weights` (the AWQ-scaled, clipped weights as
+    the build will dequantize them: int4_simulated), and a report {kl_before, kl_after, epochs, seconds}."""
     from kiln.export.reference import ReferenceModel
 
     say = progress or (lambda _m: None)
@@ -93,8 +96,8 @@ def tune_norms(spec, fp32_weights: dict[str, torch.Tensor], quant_weights: dict[
     with torch.no_grad():
         targets = [_log_probs(teacher, fp32_weights[head_name].float(), ids).to(torch.bfloat16) for ids in windows]
     del teacher
-    student = ReferenceModel(spec, int4_simulated(quant_weights, group_size))
-    head = int8_per_channel(quant_weights[head_name].float())
+    student = ReferenceModel(spec, student_weights)
+    head = int8_per_channel(student_weights[head_name].float())
     gains = {}
     for name in norm_names(spec):
         norm = student.get_submodule(name)

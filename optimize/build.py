@@ -37,7 +37,7 @@ from kiln.manifest import (
 from kiln.optimize.attach_medusa import MedusaGraphError, attach_medusa
 from kiln.optimize.fuse_attention import AttentionConfig
 from kiln.optimize.pipeline import optimize_model
-from kiln.optimize.quantize import QuantizationError, check_lm_head, prepare_checkpoint, quantize_model
+from kiln.optimize.quantize import QuantizationError, check_lm_head, int8_fallback, prepare_checkpoint, quantize_model
 from kiln.optimize.quantize import check_options as check_quantization
 from kiln.quant_scheme import QuantMethod
 
@@ -80,6 +80,7 @@ def build_engine(
         try:
             heads = _medusa_heads(checkpoint, options.medusa, say) if options.medusa is not None else None
             checkpoint = prepare_checkpoint(checkpoint, options.quantization, _scheme_artifact(options), say)
+            int8_modules = int8_fallback(options.quantization, _scheme_artifact(options))
         except QuantizationError as exc:
             raise BuildError(str(exc)) from exc
         kv_scales = _kv_scales(checkpoint, options.calibration, say) if options.kv_dtype == "int8" else None
@@ -109,7 +110,10 @@ def build_engine(
                         raise BuildError(str(exc)) from exc
             if options.quantization.method is not QuantMethod.NONE:
                 with _stage(say, f"quantize {options.quantization}"):
-                    quantize_model(model, options.quantization, options.lm_head, say)
+                    try:
+                        quantize_model(model, options.quantization, options.lm_head, say, int8_modules)
+                    except QuantizationError as exc:
+                        raise BuildError(str(exc)) from exc
             if backend == BACKEND_TENSORRT:
                 with _stage(say, "lower for TensorRT"):
                     _lower_for_tensorrt(model, say)

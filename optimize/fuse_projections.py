@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 import onnx_ir as ir
 
-from kiln.optimize.quant.graph import initializer, onnx_opset
+from kiln.optimize.quant.graph import MODULES_KEY, initializer, linear_modules, onnx_opset
 
 
 @dataclass(frozen=True)
@@ -92,6 +92,9 @@ def _fuse(model: ir.Model, parts: list[_Part]) -> None:
     prefix = f"{first.inputs[1].name}.fused"  # initializer names: unique, the first part's weight + suffix
     weight = initializer(model, prefix, np.concatenate([p.weight for p in parts], axis=1))
     matmul = ir.node("MatMul", [first.inputs[0], weight], name=f"{first.name}.fused")
+    modules = [m for p in parts for m in linear_modules(p.matmul)]
+    if modules:  # the quantization passes find a linear by module name (int8 fallback)
+        matmul.metadata_props[MODULES_KEY] = ",".join(modules)
     nodes, fused = [matmul], matmul.outputs[0]
     if any(p.bias is not None for p in parts):
         biases = [p.bias if p.bias is not None else np.zeros(p.weight.shape[1], np.float32) for p in parts]

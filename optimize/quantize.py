@@ -86,9 +86,23 @@ def prepare_checkpoint(checkpoint, scheme: QuantScheme, calibration: Path | None
     return folded
 
 
+def int8_fallback(scheme: QuantScheme, calibration: Path | None) -> frozenset[str]:
+    """The decoder linears an int4 AWQ artifact keeps int8 (`kiln calibrate --int8-fallback N`); none for the
+    other schemes."""
+    if calibration is None or scheme.method is not QuantMethod.INT4_AWQ:
+        return frozenset()
+    from kiln.calibration.artifact import CalibrationArtifact, CalibrationError
+
+    try:
+        return frozenset(CalibrationArtifact.load(calibration).hyperparameters.get("int8_linears", ()))
+    except CalibrationError as exc:
+        raise QuantizationError(str(exc)) from exc
+
+
 def quantize_model(model: ir.Model, scheme: QuantScheme, lm_head: LmHead = LmHead.INT8,
-                   progress: Progress | None = None) -> int:
-    """Run the scheme's pass on the optimized graph in place; returns how many MatMuls it converted."""
+                   progress: Progress | None = None, int8_modules: frozenset[str] = frozenset()) -> int:
+    """Run the scheme's pass on the optimized graph in place; returns how many MatMuls it converted.
+    int8_modules: decoder linears an int4 scheme keeps int8 per channel (int8_fallback)."""
     check_lm_head(scheme, lm_head)
     int4_head = lm_head is LmHead.INT4
     match scheme.method:
@@ -98,7 +112,11 @@ def quantize_model(model: ir.Model, scheme: QuantScheme, lm_head: LmHead = LmHea
             name, count = "quantize_int8", quantize_int8_weight_only(model)
         case QuantMethod.INT4_RTN | QuantMethod.INT4_AWQ:
             assert scheme.group_size is not None  # QuantScheme gives these methods a group size
-            name, count = "quantize_int4", quantize_int4(model, scheme.group_size, int4_head)
+            try:
+                count = quantize_int4(model, scheme.group_size, int4_head, int8_modules)
+            except ValueError as exc:
+                raise QuantizationError(str(exc)) from exc
+            name = "quantize_int4" + (f" ({len(int8_modules)} linears int8)" if int8_modules else "")
         case QuantMethod.INT4_Q4_1:
             name, count = "quantize_q4_1", quantize_q4_1_pass(model, int4_head)
         case QuantMethod.W8A8_SMOOTHQUANT:

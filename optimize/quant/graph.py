@@ -61,6 +61,20 @@ def _weight(b: ir.Value) -> tuple[np.ndarray, str] | None:
     return np.ascontiguousarray(source), producer.inputs[0].name
 
 
+MODULES_KEY = "kiln.modules"  # metadata of a fused MatMul: the torch modules it computes, comma-separated
+
+
+def linear_modules(node: ir.Node) -> tuple[str, ...]:
+    """The torch modules (e.g. model.layers.3.mlp.down_proj) a linear MatMul computes: from the exporter's
+    namespace metadata, or from fuse_projections' MODULES_KEY on a fused one; () when unknown."""
+    fused = node.metadata_props.get(MODULES_KEY)
+    if fused is not None:
+        return tuple(m for m in fused.split(",") if m)
+    scopes = node.metadata_props.get("namespace", "").split("/")
+    modules = [s.split(": ")[0].strip() for s in scopes if s.endswith(": torch.nn.modules.linear.Linear")]
+    return (modules[-1],) if modules else ()
+
+
 def find_linears(model: ir.Model, min_size: int = 16) -> list[Linear]:
     """Every MatMul with a constant 2-D float weight (both dims >= min_size), in graph order."""
     found = []

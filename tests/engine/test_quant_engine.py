@@ -96,8 +96,10 @@ def test_awq_build_applies_scales_and_clips(tiny_model_dir, tiny_engine, tmp_pat
 
     ck = load_checkpoint(tiny_model_dir)
     ids = torch.randint(3, 320, (512,), generator=torch.Generator().manual_seed(0)).tolist()
-    art = calibrate(ck, ids, CalibrationConfig("awq", num_windows=4, window=128, rows_per_window=32, group_size=32))
+    config = CalibrationConfig("awq", num_windows=4, window=128, rows_per_window=32, group_size=32, int8_fallback=1)
+    art = calibrate(ck, ids, config)
     assert any(k.startswith(awq.CLIP_PREFIX) for k in art.scales)
+    int8 = art.hyperparameters["int8_linears"]  # one unit: q/k/v (fused), o, gate/up (fused) or down
     art_dir = art.save(tmp_path / "awq")
     engine = tmp_path / "awq-g32"
     build_engine(tiny_model_dir, engine,
@@ -111,6 +113,10 @@ def test_awq_build_applies_scales_and_clips(tiny_model_dir, tiny_engine, tmp_pat
     assert np.abs(out - fp32).max() / np.abs(fp32).max() < 0.3
     assert (out.argmax(-1) == fp32.argmax(-1)).mean() >= 0.75
     assert read_manifest(engine).build.quantization.name == "int4-awq-g32"
+    # the int8 fallback's unit is one 8-bit MatMulNBits, next to the int8 LM head; the rest int4
+    bits = sorted(n.attributes["bits"].as_int() for n in ir.load(engine / "model.onnx").graph
+                  if n.op_type == "MatMulNBits")
+    assert 1 <= len(int8) <= 3 and bits.count(8) == 2 and bits.count(4) == len(bits) - 2
 
 
 def test_q4_1_engine_reproduces_q4_1_weights(tiny_engine, tmp_path):

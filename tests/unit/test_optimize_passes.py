@@ -157,6 +157,18 @@ def test_fuse_projections(raw_graph):
     np.testing.assert_allclose(run(after, feeds), run(before, feeds), atol=1e-5, rtol=0)
 
 
+def test_linears_name_their_modules_after_fusion(kiln_raw):
+    """The int4 pass finds an AWQ artifact's int8-fallback linears by module name: the exporter's metadata,
+    carried onto the fused q/k/v and gate/up MatMuls; the order is calibration/sensitivity.py's units."""
+    from kiln.calibration.sensitivity import units
+    from kiln.optimize.quant.graph import find_linears, is_lm_head, linear_modules
+
+    after = ir.load(kiln_raw)
+    fuse_projections(after)
+    modules = [linear_modules(lin.matmul) for lin in find_linears(after) if not is_lm_head(lin)]
+    assert modules == units(LAYERS)
+
+
 def test_fuse_projections_concatenates_biases(tmp_path):
     """Qwen2's q/k/v carry biases: one Add of the concatenated bias follows the fused MatMul."""
     from helpers import make_tiny_hf_model
