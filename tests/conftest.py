@@ -14,6 +14,12 @@ from pathlib import Path
 
 import pytest
 
+# Triton kernels run in Triton's CPU interpreter in `make test` (tests/unit/test_triton_*.py). Triton reads
+# TRITON_INTERPRET when it is first imported, and any file collected earlier may import it (tests/gpu does, to
+# skip), so it is set here, before any test module; tools/gpu_check.py (compiled kernels on a GPU) opts out.
+if not os.environ.get("KILN_GPU_CHECK"):
+    os.environ["TRITON_INTERPRET"] = "1"
+
 if os.environ.get("PYTEST_XDIST_WORKER"):
     # `make test` runs two pytest-xdist workers on two cores: one thread each (ONNX Runtime through
     # KILN_NUM_THREADS, torch through OMP_NUM_THREADS, read at its import), inherited by the servers

@@ -2,14 +2,10 @@
 
 from __future__ import annotations
 
-import os
-
 import pytest
 
-# The Triton kernels run in Triton's CPU interpreter in this tier, and @triton.jit reads this once, when a kernel
-# module is first imported: set before any test module imports kiln.plugins_trt (test_triton_aot.py compiles
-# in a subprocess without it).
-os.environ["TRITON_INTERPRET"] = "1"
+# TRITON_INTERPRET=1 (the Triton kernels in Triton's CPU interpreter) is set by tests/conftest.py;
+# test_triton_aot.py compiles in a subprocess without it.
 
 
 def _no_engine_here():
