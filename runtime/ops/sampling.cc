@@ -272,6 +272,29 @@ int64_t draw_among(const Candidates& cands, float threshold, double max, double 
   return last;
 }
 
+// The block of an inverse-CDF draw from per-block sums: target = u * total, the first block with mass whose
+// running sum reaches it (rounding past the end: the last block with mass), and the mass before that block.
+struct BlockPick {
+  int64_t block;
+  double before, target;
+};
+
+BlockPick pick_block(const std::vector<double>& sums, double u) {
+  const int64_t blocks = static_cast<int64_t>(sums.size());
+  double total = 0.0;
+  for (double s : sums) total += s;
+  const double target = std::max(u * total, std::numeric_limits<double>::min());
+  double before = 0.0;
+  int64_t blk = 0, last_with_mass = 0;
+  for (; blk < blocks; ++blk) {
+    if (sums[blk] > 0) last_with_mass = blk;
+    if (sums[blk] > 0 && before + sums[blk] >= target) break;
+    before += sums[blk];
+  }
+  if (blk == blocks) blk = last_with_mass;
+  return {blk, before, target};
+}
+
 // Inverse CDF in vocabulary order over a whole row: block sums find the block, then the token in it
 // (float32 weights, float64 sums).
 int64_t draw_over_row(const float* x, int64_t n, float threshold, float max, double inv_t, double u,
@@ -299,17 +322,10 @@ int64_t draw_over_row(const float* x, int64_t n, float threshold, float max, dou
     _mm256_store_pd(lanes, wide);
     sums[blk] = (lanes[0] + lanes[1]) + (lanes[2] + lanes[3]);
   }
-  double total = 0.0;
-  for (double s : sums) total += s;
-  const double target = std::max(u * total, std::numeric_limits<double>::min());
-  double before = 0.0;
-  int64_t blk = 0, last_with_mass = 0;
-  for (; blk < blocks; ++blk) {
-    if (sums[blk] > 0) last_with_mass = blk;
-    if (sums[blk] > 0 && before + sums[blk] >= target) break;
-    before += sums[blk];
-  }
-  if (blk == blocks) blk = last_with_mass;  // rounding: the last block with mass
+  const BlockPick pick = pick_block(sums, u);
+  const double target = pick.target;
+  double before = pick.before;
+  const int64_t blk = pick.block;
   int64_t last = -1;
   const int64_t end = std::min(n, (blk + 1) * kBlock);
   alignas(32) float w[8];
@@ -345,17 +361,10 @@ int64_t draw_from_weights(const float* x, int64_t n, float threshold, const std:
     }
     sums[blk] = sum;
   }
-  double total = 0.0;
-  for (double s : sums) total += s;
-  const double target = std::max(u * total, std::numeric_limits<double>::min());
-  double before = 0.0;
-  int64_t blk = 0, last_with_mass = 0;
-  for (; blk < blocks; ++blk) {
-    if (sums[blk] > 0) last_with_mass = blk;
-    if (sums[blk] > 0 && before + sums[blk] >= target) break;
-    before += sums[blk];
-  }
-  if (blk == blocks) blk = last_with_mass;
+  const BlockPick pick = pick_block(sums, u);
+  const double target = pick.target;
+  double before = pick.before;
+  const int64_t blk = pick.block;
   int64_t last = -1;
   for (int64_t i = blk * kBlock; i < std::min(n, (blk + 1) * kBlock); ++i) {
     if (!(x[i] >= threshold) || weights[i] <= 0) continue;
