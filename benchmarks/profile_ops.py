@@ -26,7 +26,7 @@ import onnxruntime as ort
 
 from kiln.runtime.engine import Engine
 from kiln.runtime.loader import load_engine
-from kiln.runtime.model_runner import build_batch
+from kiln.runtime.model_runner import RunnerOutput, build_batch
 from kiln.runtime.ops import library_path
 from kiln.runtime.ort_runner import OrtModelRunner, graph_kv_pools
 from kiln.runtime.params import RuntimeConfig, SamplingParams
@@ -59,7 +59,7 @@ def generate(llm_engine: Engine, batch: int, max_tokens: int) -> list[bool]:
         if not out:
             raise RuntimeError("nothing could be scheduled: the KV pool is too small for the batch")
         decode_runs.append(out.num_tokens == len(out.scheduled))
-        llm_engine._postprocess(out, llm_engine.runner.execute(build_batch(out)))
+        llm_engine._postprocess(out, RunnerOutput(llm_engine.runner.execute(build_batch(out))), None)
     return decode_runs
 
 

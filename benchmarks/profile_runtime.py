@@ -28,7 +28,7 @@ from typing import Any
 from kiln.runtime import detokenizer, engine
 from kiln.runtime.engine import Engine
 from kiln.runtime.loader import load_engine
-from kiln.runtime.model_runner import build_batch
+from kiln.runtime.model_runner import RunnerOutput, build_batch
 from kiln.runtime.params import RuntimeConfig, SamplingParams
 
 KINDS: dict[str, dict[str, Any]] = {
@@ -94,7 +94,7 @@ def run_batch(llm_engine: Engine, batch: int, params: SamplingParams, clock: Cal
             t2 = clock()
             logits = llm_engine.runner.execute(batch_input)
             t3 = clock()
-            llm_engine._postprocess(out, logits)
+            llm_engine._postprocess(out, RunnerOutput(logits), None)
             t4 = clock()
             if out.num_tokens != len(out.scheduled):
                 continue  # a prefill step
