@@ -21,8 +21,12 @@ Inputs
   cos_cache        float32 [P, R/2]       optional 9th and 10th inputs, both or neither: cos and sin of
   sin_cache        float32 [P, R/2]       position p times rotary frequency j (rope scaling folded in at
                                             build time), for p < P; R = rotary dims (even, <= D)
+  Packed QKV: key and value both empty float32 [0] -> query is [T, (H + 2*Hkv)*D], each token's row its H
+  query heads, then its Hkv key heads, then its Hkv value heads (the fused QKV projection's output, read in
+  place: no Split). Batch of one: query (and key/value unless packed) may be [1, T, width]; out is then
+  [1, T, H*D] (the graph's packed batch keeps its leading 1, no Reshape around the op).
 Outputs
-  out              float32 [T, H*D]
+  out              float32 [T, H*D]           ([1, T, H*D] for a rank-3 query)
   kv_cache_out     the pool's dtype and shape; the runtime binds one OrtValue to both kv_cache
                    and kv_cache_out, and the op then writes only the new tokens' slots.
 Attributes
@@ -49,6 +53,7 @@ past seq_lens may hold anything, e.g. -1). Invalid inputs are errors, never out-
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -65,6 +70,7 @@ INPUT_NAMES = ("query", "key", "value", "kv_cache", "block_tables", "seq_lens", 
 KV_SCALE = "kv_scale"  # the optional 8th input (int8 pools only)
 ROTARY_INPUTS = ("cos_cache", "sin_cache")  # the optional 9th and 10th inputs (RoPE inside the op)
 NO_KV_SCALE = "kv_scale.none"  # float32 [0]: the 8th input of a float pool that has cos/sin after it
+PACKED_QKV = "qkv.packed"  # float32 [0]: key and value of an op whose query holds packed Q|K|V
 OUTPUT_NAMES = ("out", "kv_cache_out")
 INT8_MAX = 127
 
@@ -91,6 +97,14 @@ class PagedAttentionAttrs:
         if self.rotary_interleaved not in (0, 1):
             raise ValueError(f"rotary_interleaved must be 0 (rotate_half) or 1 (adjacent pairs), "
                              f"got {self.rotary_interleaved}")
+
+
+@dataclass(frozen=True)
+class QkvLayout:
+    """How query, key and value reach the op: packed into one query (key and value empty), with a leading 1."""
+
+    packed: bool = False
+    batch_of_one: bool = False
 
 
 @dataclass(frozen=True)
@@ -168,8 +182,35 @@ def rotate_query_key(inputs: PagedAttentionInputs, attrs: PagedAttentionAttrs) -
     return query, key
 
 
+def separate_qkv(inputs: PagedAttentionInputs, attrs: PagedAttentionAttrs) -> PagedAttentionInputs:
+    """inputs with query [T, H*D], key and value [T, Hkv*D]: a packed query split, a leading 1 dropped."""
+    query, key, value = inputs.query, inputs.key, inputs.value
+    packed = key.shape == (0,)  # an empty [0] tensor, not [0, width] (a batch without tokens)
+    if packed != (value.shape == (0,)):
+        raise ValueError("key and value are both empty (packed query) or both present")
+    if query.ndim == 3:
+        if query.shape[0] != 1:
+            raise ValueError(f"a rank-3 query must be [1, T, width] (the batch of one), got {query.shape}")
+        query = query[0]
+        key, value = (key, value) if packed else (key[0], value[0])
+    if packed:
+        heads = attrs.num_heads + 2 * attrs.num_kv_heads
+        if query.ndim != 2 or query.shape[1] % heads:
+            raise ValueError(f"a packed query must be [T, (H + 2*Hkv)*D] = [T, {heads}*D], got {query.shape}")
+        q_width = attrs.num_heads * (query.shape[1] // heads)
+        kv_width = (query.shape[1] - q_width) // 2
+        query, key, value = query[:, :q_width], query[:, q_width:q_width + kv_width], query[:, q_width + kv_width:]
+    return dataclasses.replace(inputs, query=query, key=key, value=value)
+
+
 def paged_attention_ref(inputs: PagedAttentionInputs, attrs: PagedAttentionAttrs) -> tuple[np.ndarray, np.ndarray]:
-    """The executable spec: returns (out float32 [T, H*D], the updated copy of kv_cache)."""
+    """The executable spec: returns (out float32 [T, H*D] or [1, T, H*D], the updated copy of kv_cache)."""
+    out, pool = _attention_ref(separate_qkv(inputs, attrs), attrs)
+    return (out[None] if inputs.query.ndim == 3 else out), pool
+
+
+def _attention_ref(inputs: PagedAttentionInputs, attrs: PagedAttentionAttrs) -> tuple[np.ndarray, np.ndarray]:
+    """paged_attention_ref of separate rank-2 query, key and value."""
     query, key = rotate_query_key(inputs, attrs)
     kv_cache, block_tables = inputs.kv_cache, inputs.block_tables
     seq_lens, query_start_loc = inputs.seq_lens, inputs.query_start_loc
@@ -216,13 +257,15 @@ def paged_attention_ref(inputs: PagedAttentionInputs, attrs: PagedAttentionAttrs
 
 def make_single_op_model(
     attrs: PagedAttentionAttrs, head_dim: int, block_size: int, kv_dtype: npt.DTypeLike = np.float32,
-    rotary: bool = False,
+    rotary: bool = False, layout: QkvLayout | None = None,
 ) -> ModelProto:
     """A one-node ONNX model running kiln.PagedAttention with `attrs`, for tests and benchmarks.
 
     An int8 kv_dtype adds the graph input kv_scale [2, num_kv_heads] feeding the op's 8th input;
     rotary adds the graph inputs cos_cache and sin_cache [P, R/2] (the 9th and 10th; a float pool's 8th input
-    is then the empty initializer NO_KV_SCALE).
+    is then the empty initializer NO_KV_SCALE); layout.packed makes the graph input query [T, (H + 2*Hkv)*D] and
+    feeds key and value the empty initializer PACKED_QKV (no key/value graph inputs); layout.batch_of_one gives
+    query (and key/value) and out a leading dim of 1.
     Graph inputs and outputs carry the op's own input/output names; token, block and
     sequence counts are symbolic dims.
     """
@@ -233,10 +276,13 @@ def make_single_op_model(
     int8 = kv_type == TensorProto.INT8
     q_width, kv_width = attrs.num_heads * head_dim, attrs.num_kv_heads * head_dim
     pool: list[str | int] = ["num_blocks", 2, attrs.num_kv_heads, block_size, head_dim]
-    inputs = [
-        helper.make_tensor_value_info("query", TensorProto.FLOAT, ["T", q_width]),
-        helper.make_tensor_value_info("key", TensorProto.FLOAT, ["T", kv_width]),
-        helper.make_tensor_value_info("value", TensorProto.FLOAT, ["T", kv_width]),
+    layout = layout or QkvLayout()
+    lead: list[str | int] = [1, "T"] if layout.batch_of_one else ["T"]
+    width = q_width + 2 * kv_width * layout.packed
+    inputs = [helper.make_tensor_value_info("query", TensorProto.FLOAT, [*lead, width])]
+    if not layout.packed:
+        inputs += [helper.make_tensor_value_info(n, TensorProto.FLOAT, [*lead, kv_width]) for n in ("key", "value")]
+    inputs += [
         helper.make_tensor_value_info("kv_cache", kv_type, pool),
         helper.make_tensor_value_info("block_tables", TensorProto.INT32, ["S", "max_blocks"]),
         helper.make_tensor_value_info("seq_lens", TensorProto.INT32, ["S"]),
@@ -244,6 +290,9 @@ def make_single_op_model(
     ]
     op_inputs = list(INPUT_NAMES)
     initializers = []
+    if layout.packed:
+        op_inputs[1:3] = [PACKED_QKV, PACKED_QKV]
+        initializers.append(numpy_helper.from_array(np.zeros(0, np.float32), PACKED_QKV))
     if int8 or rotary:
         op_inputs.append(KV_SCALE if int8 else NO_KV_SCALE)
     if rotary and not int8:
@@ -254,7 +303,7 @@ def make_single_op_model(
         inputs += [helper.make_tensor_value_info(n, TensorProto.FLOAT, ["P", "half_rotary"]) for n in ROTARY_INPUTS]
         op_inputs += ROTARY_INPUTS
     outputs = [
-        helper.make_tensor_value_info("out", TensorProto.FLOAT, ["T", q_width]),
+        helper.make_tensor_value_info("out", TensorProto.FLOAT, [*lead, q_width]),
         helper.make_tensor_value_info("kv_cache_out", kv_type, pool),
     ]
     node = helper.make_node(

@@ -36,6 +36,7 @@ from kiln.manifest import (
 )
 from kiln.optimize.attach_medusa import MedusaGraphError, attach_medusa
 from kiln.optimize.fuse_attention import AttentionConfig
+from kiln.optimize.pack_attention_inputs import pack_attention_inputs
 from kiln.optimize.pipeline import optimize_model
 from kiln.optimize.quantize import QuantizationError, check_lm_head, int8_fallback, prepare_checkpoint, quantize_model
 from kiln.optimize.quantize import check_options as check_quantization
@@ -117,6 +118,9 @@ def build_engine(
             if backend == BACKEND_TENSORRT:
                 with _stage(say, "lower for TensorRT"):
                     _lower_for_tensorrt(model, say)
+            else:
+                with _stage(say, "lower for onnxruntime"):
+                    say(f"  pack_attention_inputs: fired {pack_attention_inputs(model)}x")
             with _stage(say, "write engine"):
                 _save_graph(model, staging)
                 _write_tokenizer(checkpoint, staging)

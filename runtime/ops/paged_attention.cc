@@ -61,9 +61,10 @@ struct SplitGroup {  // one (sequence, kv head, query chunk) whose context was p
 // Everything a work item reads; built once per Compute call after validation.
 template <typename KvT>
 struct Problem {
-  const float* q;
-  const float* k;
+  const float* q;  // token t's query head h at q + t * q_stride + h * D
+  const float* k;  // token t's KV head g at k + t * kv_stride + g * D (v likewise)
   const float* v;
+  int64_t q_stride, kv_stride;  // packed QKV: both (H + 2 Hkv) D; else H D and Hkv D
   const int32_t* block_tables;
   const int32_t* seq_lens;
   const int32_t* qsl;
@@ -102,10 +103,10 @@ void write_token(const Problem<KvT>& p, int32_t s, int64_t t) {
   thread_local std::vector<float> rotated;
   if (p.cos != nullptr && rotated.size() < static_cast<size_t>(p.D)) rotated.resize(p.D);
   for (int32_t g = 0; g < p.Hkv; ++g) {
-    const float* k = p.k + (t * p.Hkv + g) * p.D;
+    const float* k = p.k + t * p.kv_stride + g * p.D;
     if (p.cos != nullptr) p.rotate(rotated.data(), k, pos), k = rotated.data();
     store_row(p.tile(s, pos / p.block_size, 0, g) + slot * p.D, k, p.D, p.step(0, g));
-    store_row(p.tile(s, pos / p.block_size, 1, g) + slot * p.D, p.v + (t * p.Hkv + g) * p.D, p.D, p.step(1, g));
+    store_row(p.tile(s, pos / p.block_size, 1, g) + slot * p.D, p.v + t * p.kv_stride + g * p.D, p.D, p.step(1, g));
   }
 }
 
@@ -194,7 +195,7 @@ void run_item(const Problem<KvT>& p, const WorkItem& w) {
       const int r = i * static_cast<int>(G) + static_cast<int>(hh);
       const int64_t h = w.kv_head * G + hh;
       st[r] = RowState{qbuf + r * D, accbuf + r * D, -std::numeric_limits<float>::infinity(), 0.f};
-      const float* q = p.q + ((tok0 + w.q_begin + i) * p.H + h) * D;
+      const float* q = p.q + (tok0 + w.q_begin + i) * p.q_stride + h * D;
       if (p.cos == nullptr) {
         scaled_copy(st[r].q, q, q_scale, D);
       } else {
@@ -392,10 +393,10 @@ struct PagedAttention {
     if (interleaved_ != 0 && interleaved_ != 1) fail("rotary_interleaved must be 0 (rotate_half) or 1 (adjacent pairs)");
     if ((rotary.cos == nullptr) != (rotary.sin == nullptr)) fail("cos_cache and sin_cache come together (RoPE needs both)");
     const auto& pool_shape = kv_cache.Shape();
-    validate(query.Shape(), key.Shape(), value.Shape(), pool_shape, block_tables.Shape(), seq_lens.Shape(),
-             query_start_loc.Shape(), num_heads_, num_kv_heads_);
-    const int64_t T = query.Shape()[0], S = block_tables.Shape()[0], max_blocks = block_tables.Shape()[1];
-    const int64_t D = query.Shape()[1] / num_heads_, bs = pool_shape[3];
+    const QkvLayout qkv = validate_qkv(query.Shape(), key.Shape(), value.Shape(), num_heads_, num_kv_heads_);
+    validate(pool_shape, block_tables.Shape(), seq_lens.Shape(), query_start_loc.Shape(), num_kv_heads_, qkv.head_dim);
+    const int64_t T = qkv.num_tokens, S = block_tables.Shape()[0], max_blocks = block_tables.Shape()[1];
+    const int64_t D = qkv.head_dim, bs = pool_shape[3];
     validate_values(block_tables.Data(), seq_lens.Data(), query_start_loc.Data(), S, max_blocks, T, pool_shape[0], bs, window_);
     const float* steps = nullptr;
     if (kv_scale != nullptr && kv_scale->Shape().size() == 1 && kv_scale->Shape()[0] == 0)
@@ -412,8 +413,16 @@ struct PagedAttention {
 
     Problem<KvT> p{};
     p.q = query.Data();
-    p.k = key.Data();
-    p.v = value.Data();
+    if (qkv.packed) {  // one row per token: its H query heads, then Hkv key heads, then Hkv value heads
+      p.k = p.q + num_heads_ * D;
+      p.v = p.k + num_kv_heads_ * D;
+      p.q_stride = p.kv_stride = (num_heads_ + 2 * num_kv_heads_) * D;
+    } else {
+      p.k = key.Data();
+      p.v = value.Data();
+      p.q_stride = num_heads_ * D;
+      p.kv_stride = num_kv_heads_ * D;
+    }
     p.block_tables = block_tables.Data();
     p.seq_lens = seq_lens.Data();
     p.qsl = query_start_loc.Data();
@@ -434,7 +443,7 @@ struct PagedAttention {
       p.rot_half = rotary.cos->Shape()[1];
       p.interleaved = interleaved_ == 1;
     }
-    p.out = out.Allocate({T, num_heads_ * D});
+    p.out = qkv.batch_of_one ? out.Allocate({1, T, num_heads_ * D}) : out.Allocate({T, num_heads_ * D});
     p.pool = kv_cache_out.Allocate(pool_shape);
     if (static_cast<const void*>(p.pool) != static_cast<const void*>(kv_cache.Data()))
       std::memcpy(p.pool, kv_cache.Data(), kv_cache.SizeInBytes());  // not aliased: correct but O(pool)

@@ -21,9 +21,10 @@ from kiln.optimize.fuse_attention import ROTARY_COS, ROTARY_SIN, AttentionConfig
 from kiln.optimize.fuse_projections import fuse_projections
 from kiln.optimize.fuse_rmsnorm import fuse_rmsnorm
 from kiln.optimize.fuse_skip_rmsnorm import fuse_skip_rmsnorm
+from kiln.optimize.pack_attention_inputs import pack_attention_inputs
 from kiln.optimize.pipeline import optimize_model
 from kiln.optimize.select_logits import select_logits
-from kiln.paged_attention import NO_KV_SCALE
+from kiln.paged_attention import NO_KV_SCALE, PACKED_QKV
 
 LAYERS = 2
 T = 13
@@ -263,6 +264,37 @@ def test_fuse_attention_rotary_in_op_matches_rotary_in_graph(raw_graph, tmp_path
     for chunks in steps:
         graph_rope, op_rope = (driver.step(chunks, all_rows=True) for driver in drivers)
         np.testing.assert_allclose(op_rope, graph_rope, atol=1e-5, rtol=1e-5)  # logits up to ~8: float32 rounding
+
+
+def test_pack_attention_inputs(raw_graph, tmp_path):
+    """The op reads the fused QKV projection itself: no Split, no Reshape on either side of it, the
+    projection's [1, T, (H + 2Hkv)D] in and [1, T, H*D] out; logits unchanged (1e-5), prefill and decode."""
+    from engine_driver import PagedDriver
+
+    drivers = []
+    for pack in (False, True):
+        model = ir.load(raw_graph)
+        optimize_model(model)
+        before = op_counts(model)
+        if pack:
+            assert pack_attention_inputs(model) == LAYERS
+            after = op_counts(model)
+            assert after["Split"] == before["Split"] - LAYERS  # gate/up's stays
+            assert after["Reshape"] == before["Reshape"] - 4 * LAYERS, (before, after)
+            for node in model.graph:
+                if node.op_type != "PagedAttention":
+                    continue
+                assert [v.name for v in node.inputs[1:3]] == [PACKED_QKV, PACKED_QKV]
+                assert node.inputs[0].producer().op_type == "MatMul"  # the fused QKV projection
+                assert [u.node.op_type for u in node.outputs[0].uses()] == ["MatMul"]  # the o projection
+                assert pack_attention_inputs(model) == 0  # nothing left to pack
+        ir.save(model, tmp_path / f"model{pack}.onnx", external_data=f"model{pack}.onnx.data")
+        drivers.append(PagedDriver(tmp_path / f"model{pack}.onnx", num_blocks=16))
+    tokens = np.random.default_rng(3).integers(0, vocab_of(ir.load(raw_graph)), 40).tolist()
+    steps = [[(0, tokens[:30]), (1, tokens[5:9])], [(0, tokens[30:31]), (1, tokens[9:20])], [(0, tokens[31:32])]]
+    for chunks in steps:
+        separate, packed = (driver.step(chunks, all_rows=True) for driver in drivers)
+        np.testing.assert_allclose(packed, separate, atol=1e-5, rtol=1e-5)
 
 
 def test_fuse_attention_fires_zero_times_without_attention(kiln_raw):

@@ -17,6 +17,7 @@ from kiln.paged_attention import (
     ROTARY_INPUTS,
     PagedAttentionAttrs,
     PagedAttentionInputs,
+    QkvLayout,
     apply_rotary,
     make_single_op_model,
     paged_attention_ref,
@@ -430,7 +431,7 @@ def test_int8_bad_kv_scale_raises(what):
     model.graph.input[-1].type.tensor_type.shape.dim[0].dim_param = "two"
     model.graph.input[-1].type.tensor_type.shape.dim[1].dim_param = "hkv"
     change, message = KV_SCALE_ERRORS[what]
-    with pytest.raises(Exception, match="kiln.PagedAttention: " + message):
+    with pytest.raises(Exception, match=r"kiln\.PagedAttention: .*" + message):
         model_session(model).run(None, {**feeds, KV_SCALE: change(feeds[KV_SCALE])})
 
 
@@ -606,3 +607,66 @@ def test_kernel_rotary_bad_caches_raise(what):
            "mismatched": {"sin_cache": sin[:, :4]}}[what]
     with pytest.raises(Exception, match="cos_cache and sin_cache"):
         session(op, symbolic=True).run(None, {**feeds, **bad})
+
+
+# ------------------------------------------------------------------ packed Q|K|V and the batch of one
+
+
+def layout_session(op, packed, batch_of_one):
+    model = make_single_op_model(op.attrs, op.head_dim, op.block_size, np.dtype(op.kv_dtype),
+                                 op.rotary_positions > 0, QkvLayout(packed, batch_of_one))
+    return model_session(model)
+
+
+def laid_out(feeds, packed, batch_of_one):
+    """feeds with query/key/value in the given layout (packed: one [T, (H + 2Hkv)D] query, no key/value)."""
+    qkv = {k: feeds[k] for k in ("query", "key", "value")}
+    if packed:
+        qkv = {"query": np.concatenate([qkv["query"], qkv["key"], qkv["value"]], axis=1)}
+    if batch_of_one:
+        qkv = {k: v[None] for k, v in qkv.items()}
+    rest = {k: v for k, v in feeds.items() if k not in ("query", "key", "value")}
+    return {**qkv, **rest}
+
+
+@pytest.mark.parametrize("layout", [(True, False), (False, True), (True, True)],
+                         ids=["packed", "batch-of-one", "packed-batch-of-one"])
+@pytest.mark.parametrize("kv_dtype", ["float32", "float16", "int8"])
+@pytest.mark.parametrize("rotary", [False, True])
+def test_kernel_packed_and_batch_of_one_layouts(layout, kv_dtype, rotary):
+    """The same attention and pool as separate [T, width] inputs, for SmolLM2's 9/3 heads: a packed row's
+    key and value heads read at the right offsets (a wrong stride or offset reads query heads as keys)."""
+    packed, batch_of_one = layout
+    op = rotary_case(9, 3, 64, kv_dtype) if rotary else op_case(9, 3, 64, 16, kv_dtype)
+    feeds = make_case(np.random.default_rng(31), MIXED, op)
+    out, pool = layout_session(op, packed, batch_of_one).run(None, laid_out(feeds, packed, batch_of_one))
+    ref_out, ref_pool = reference(feeds, op)
+    assert out.shape == ((1, *ref_out.shape) if batch_of_one else ref_out.shape)
+    if rotary:
+        check_rotary(out.reshape(ref_out.shape), pool, ref_out, ref_pool, kv_dtype)
+    else:
+        check(out.reshape(ref_out.shape), pool, ref_out, ref_pool)
+    empty = np.zeros(0, np.float32)
+    spec_feeds = {"key": empty, "value": empty, **laid_out(feeds, packed, batch_of_one)}
+    ref_laid_out, _ = paged_attention_ref(PagedAttentionInputs(**spec_feeds), op.attrs)
+    np.testing.assert_array_equal(ref_laid_out.reshape(ref_out.shape), ref_out)  # the spec: layout only
+
+
+LAYOUT_ERRORS = {
+    "only-key-empty": ({"key": np.zeros(0, np.float32)}, "key and value are both empty"),
+    "batch-of-two": ({"query": np.zeros((2, 3, 64), np.float32)}, r"a rank-3 query must be \[1, num_tokens, width\]"),
+    "packed-width": ({"query": np.zeros((7, 64 + 1), np.float32), "key": np.zeros(0, np.float32),
+                      "value": np.zeros(0, np.float32)}, r"query must be \[num_tokens, \(num_heads\+2\*num_kv_heads\)"),
+}
+
+
+@pytest.mark.parametrize("what", sorted(LAYOUT_ERRORS))
+def test_bad_qkv_layouts_raise(what):
+    op = op_case(4, 2, 16, 16)
+    feeds = make_case(np.random.default_rng(32), [(3, 4), (0, 3)], op)
+    model = make_single_op_model(op.attrs, op.head_dim, op.block_size)
+    for value_info in model.graph.input[:3]:  # any rank through to the kernel's validation
+        del value_info.type.tensor_type.shape.dim[:]
+    bad, message = LAYOUT_ERRORS[what]
+    with pytest.raises(Exception, match=r"kiln\.PagedAttention: .*" + message):
+        model_session(model).run(None, {**feeds, **bad})
