@@ -63,7 +63,10 @@ def table(rounds: Rounds, figures: list[Figure], kiln: list[str], peers: list[st
         for system in [*peers, *kiln]:
             s = spread(values_of(rounds, system, fig.key))
             cells.append("—" if s is None else fmt_value(s.median))
-        cells += [fmt_ratio(spread(ratios_of(rounds, k, p, fig.key))) for k, p in ratio_cols]
+        if fig.unit == "count":  # a tally (failed requests), not a speed: no ratio
+            cells += ["—"] * len(ratio_cols)
+        else:
+            cells += [fmt_ratio(spread(ratios_of(rounds, k, p, fig.key))) for k, p in ratio_cols]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

@@ -41,6 +41,7 @@ SERVING_FIGURES = [
     report.Figure("serve_ttft_p50_s", "serving: TTFT median", "s"),
     report.Figure("serve_ttft_p90_s", "serving: TTFT p90", "s"),
     report.Figure("serve_tpot_p50_ms", "serving: TPOT median", "ms"),
+    report.Figure("serve_failed", "serving: failed requests (dropped connections)", "count"),
 ]
 
 

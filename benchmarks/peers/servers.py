@@ -86,7 +86,10 @@ def measure_server(url: str, load: ServingLoad, vocab_size: int) -> dict[str, fl
         return await run_server_workload(url, cfg, synthetic_prompts(cfg, vocab_size))
 
     run = asyncio.run(both())
-    if run["num_errors"]:
-        raise RuntimeError(f"{run['num_errors']} of {load.num_requests} requests failed: {run['first_error']}")
+    if run["num_errors"] == load.num_requests:
+        raise RuntimeError(f"all {load.num_requests} requests failed: {run['first_error']}")
+    if run["num_errors"]:  # recorded (a column of the table), not fatal: the other figures count served requests
+        print(f"[peers] {run['num_errors']} of {load.num_requests} requests failed: {run['first_error']}", flush=True)
     return {"serve_output_tok_s": run["output_tok_per_s"], "serve_ttft_p50_s": run["ttft_ms"]["p50"] / 1000,
-            "serve_ttft_p90_s": run["ttft_ms"]["p90"] / 1000, "serve_tpot_p50_ms": run["tpot_ms"]["p50"]}
+            "serve_ttft_p90_s": run["ttft_ms"]["p90"] / 1000, "serve_tpot_p50_ms": run["tpot_ms"]["p50"],
+            "serve_failed": float(run["num_errors"])}

@@ -112,3 +112,10 @@ def test_summary_is_json_ready_and_holds_the_table_numbers():
 def test_figure_needs_a_key_and_a_label():
     with pytest.raises(ValueError, match="key and label"):
         report.Figure("", "x", "tok/s")
+
+
+def test_a_tally_shows_its_medians_but_no_ratio():
+    rounds = [{"peer": {"serve_failed": 2.0}, "kiln a": {"serve_failed": 0.0}},
+              {"peer": {"serve_failed": 4.0}, "kiln a": {"serve_failed": 0.0}}]
+    text = report.table(rounds, [report.Figure("serve_failed", "failed", "count")], ["kiln a"], ["peer"])
+    assert text.splitlines()[-1] == "| failed (count) | 3 | 0 | — |"
