@@ -4,9 +4,9 @@ Split + QuickGelu + Mul) on x [T, 2F], one thread, per MLP activation.
     .venv/bin/python benchmarks/bench_swiglu.py [--width 1536] [--rows 1 16 64 256] [--rounds 7] [--threads 1]
 
 Each graph holds --nodes copies of the activation reading the same input (common-subexpression elimination
-off), so one session.run times that many nodes and the Python call's overhead is spread over them. Time is
-the calling thread's CPU time at --threads 1 (a shared machine's load does not enter it), wall time otherwise;
-rounds interleave the two graphs; the median per node is printed, with the ratio.
+off), so one session.run times that many activations and the Python call's overhead is spread over them. Time
+is the calling thread's CPU time at --threads 1 (a shared machine's load does not enter it), wall time
+otherwise; rounds interleave the two graphs; the median µs per activation is printed, with the ratio.
 """
 
 from __future__ import annotations
@@ -38,7 +38,8 @@ def graph(fused: bool, width: int, nodes: int) -> ModelProto:
         outputs.append(helper.make_tensor_value_info(f"y{i}", TensorProto.FLOAT, ["T", width]))
     g = helper.make_graph(body, "act", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["T", 2 * width])],
                           outputs, [sizes])
-    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid(OP_DOMAIN, OP_VERSION)])
+    opsets = [helper.make_opsetid("", 18), helper.make_opsetid(OP_DOMAIN, OP_VERSION)]
+    model = helper.make_model(g, opset_imports=opsets)
     model.ir_version = 8
     return model
 
@@ -71,7 +72,7 @@ def main() -> None:
     args = parser.parse_args()
     sessions = {name: session(graph(name == "SwiGLU", args.width, args.nodes), args.threads)
                 for name in ("before", "SwiGLU")}
-    print(f"| rows | Split+QuickGelu+Mul us/node | SwiGLU us/node | SwiGLU ns/element | ratio |\n|---|---|---|---|---|")
+    print("| rows | Split+QuickGelu+Mul µs | SwiGLU µs | SwiGLU ns/element | ratio |\n|---|---|---|---|---|")
     for rows in args.rows:
         x = (np.random.default_rng(0).standard_normal((rows, 2 * args.width)) * 3).astype(np.float32)
         repeats = max(3, 20000 // rows)

@@ -7,7 +7,7 @@
 // and stores (so every element gets the same arithmetic). sigmoid(a) is taken from e = exp(-|a|), which
 // lies in (0, 1] and never overflows: a >= 0 gives 1 / (1 + e), a < 0 gives e / (1 + e). Rows run on
 // ONNX Runtime's intra-op pool only when there are enough of them: a decode step's row (1536 elements for
-// SmolLM2) takes well under a microsecond, less than waking the pool costs.
+// SmolLM2) takes about a microsecond, less than waking the pool costs.
 //
 // Built with -O3 -mavx2 -mfma -mf16c (AVX2 only).
 #define ORT_API_MANUAL_INIT
@@ -26,9 +26,9 @@
 namespace kiln {
 namespace {
 
-// Output elements from which rows are spread over the thread pool, and per work item. Measured with
-// benchmarks/bench_swiglu.py (see docs/design.md): ~0.2 ns per element on one core here, so an item of
-// 32768 elements is a few microseconds, several times a pool dispatch.
+// Output elements from which rows are spread over the thread pool, and per work item. The kernel takes
+// ~0.7-1 ns per element on one core here (benchmarks/bench_swiglu.py, docs/design.md), so a 16-row decode
+// step (~20 us) stays on the calling thread and an item of 32768 elements is ~25 us, well above a dispatch.
 constexpr int64_t kParallelElements = 1 << 16;
 constexpr int64_t kItemElements = 1 << 15;
 
