@@ -12,6 +12,9 @@ The ONNX Runtime graph has three kinds of nodes TensorRT does not know:
   initializer the kernels never read (float pool, RoPE outside the op).
 - SimplifiedLayerNormalization and com.microsoft SkipSimplifiedLayerNormalization (ORT's RMSNorm fusions)
   become the standard ops they fused: x * 1/sqrt(mean(x^2) + eps) * weight, and the residual Add before it.
+- kiln.SwiGLU (the CPU MLP activation) becomes the standard ops it fused: silu(gate) * up as two constant
+  Slices of the last axis, Sigmoid and two Muls (TensorRT fuses the pointwise ops itself). Its input's last
+  dim must be static (it is: the fused gate/up weight's width).
 - Anything else outside the standard domain (an int4/int8 quantized MatMul) is refused: those are ORT CPU
   kernels, and this backend serves float weights.
 
@@ -24,6 +27,7 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 
+from kiln import swiglu
 from kiln.contract import OP_DOMAIN, OP_TYPE
 from kiln.optimize._common import add_opset
 
@@ -42,12 +46,15 @@ class TensorRTLoweringError(ValueError):
 
 def lower_for_tensorrt(model: ir.Model) -> dict[str, int]:
     """Rewrite model in place for TensorRT; returns how often each lowering fired."""
-    counts = {"paged_attention": 0, "rmsnorm": 0, "skip_rmsnorm": 0}
+    counts = {"paged_attention": 0, "rmsnorm": 0, "skip_rmsnorm": 0, "swiglu": 0}
     graph = model.graph
     for node in list(graph):
         if node.domain == OP_DOMAIN and node.op_type == OP_TYPE:
             _split_paged_attention(graph, node)
             counts["paged_attention"] += 1
+        elif node.domain == OP_DOMAIN and node.op_type == swiglu.OP_TYPE:
+            _lower_swiglu(graph, node)
+            counts["swiglu"] += 1
         elif node.op_type == "SimplifiedLayerNormalization" and node.domain in ("", "ai.onnx", "com.microsoft"):
             _lower_rmsnorm(graph, node)
             counts["rmsnorm"] += 1
@@ -164,3 +171,26 @@ def _lower_skip_rmsnorm(graph: ir.Graph, node: ir.Node) -> None:
     out = _rms(nodes, total, gamma, epsilon, name)
     old = [node.outputs[0]] + ([node.outputs[3]] if len(node.outputs) > 3 else [])
     ir.convenience.replace_nodes_and_values(graph, node, [node], nodes, old, [out, total][:len(old)])
+
+
+def _lower_swiglu(graph: ir.Graph, node: ir.Node) -> None:
+    """y = x[..., :F] * Sigmoid(x[..., :F]) * x[..., F:] with constant Slices (F from x's static width)."""
+    x = node.inputs[0]
+    assert x is not None
+    width = _static_width(x)
+    if width is None or width % 2:
+        raise TensorRTLoweringError(f"{node.name}: a kiln.SwiGLU whose input width is not a static even number "
+                                    f"({width}) is not lowered")
+    half, name = width // 2, node.name or "swiglu"
+
+    def const(suffix: str, value: int) -> ir.Node:
+        return ir.node("Constant", [], {"value": ir.tensor(np.array([value], np.int64))}, name=f"{name}/{suffix}")
+
+    zero, mid, end, axis = const("zero", 0), const("half", half), const("end", width), const("axis", -1)
+    gate = ir.node("Slice", [x, zero.outputs[0], mid.outputs[0], axis.outputs[0]], name=f"{name}/gate")
+    up = ir.node("Slice", [x, mid.outputs[0], end.outputs[0], axis.outputs[0]], name=f"{name}/up")
+    sigmoid = ir.node("Sigmoid", [gate.outputs[0]], name=f"{name}/sigmoid")
+    silu = ir.node("Mul", [gate.outputs[0], sigmoid.outputs[0]], name=f"{name}/silu")
+    out = ir.node("Mul", [silu.outputs[0], up.outputs[0]], name=f"{name}/mul")
+    ir.convenience.replace_nodes_and_values(graph, node, [node], [zero, mid, end, axis, gate, up, sigmoid, silu, out],
+                                            [node.outputs[0]], [out.outputs[0]])

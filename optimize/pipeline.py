@@ -18,6 +18,7 @@ from kiln.optimize.fuse_attention import AttentionConfig, fuse_attention
 from kiln.optimize.fuse_projections import fuse_projections
 from kiln.optimize.fuse_rmsnorm import fuse_rmsnorm
 from kiln.optimize.fuse_skip_rmsnorm import fuse_skip_rmsnorm
+from kiln.optimize.fuse_swiglu import fuse_swiglu
 from kiln.optimize.select_logits import select_logits
 
 _CLEANUP_RULES = [transpose_transpose_rule, no_op_transpose_rule, reshape_reshape_rule]
@@ -34,7 +35,8 @@ def optimize_model(model: ir.Model, attention: AttentionConfig = DEFAULT_ATTENTI
         "fuse_rmsnorm": fuse_rmsnorm(model),
         "select_logits": select_logits(model),
         "fuse_skip_rmsnorm": fuse_skip_rmsnorm(model),
-        "fuse_projections": fuse_projections(model),  # last: the fusions above match the separate q/k/v
+        "fuse_projections": fuse_projections(model),  # after the fusions above: they match the separate q/k/v
+        "fuse_swiglu": fuse_swiglu(model),  # the Split the gate/up fusion made
     }
     cleanup(model)
     _order_io(model)

@@ -1,4 +1,4 @@
-"""Compile libkiln_ops.so (the kiln.PagedAttention and kiln.MatMulQ4_1 ONNX Runtime CPU kernels, and the
+"""Compile libkiln_ops.so (the kiln.PagedAttention, kiln.MatMulQ4_1 and kiln.SwiGLU ONNX Runtime CPU kernels, and the
 sampler's row kernels that runtime/ops/sampling.py calls through ctypes) with g++.
 
 Standard library only: setup.py loads this file by path at install time, and `make` or a
@@ -21,8 +21,8 @@ import tempfile
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-SOURCES = ("paged_attention.cc", "matmul_q4_1.cc", "sampling.cc")
-HEADERS = ("simd.h", "validate.h", "matmul_q4_1.h", "sampling_simd.h")
+SOURCES = ("paged_attention.cc", "matmul_q4_1.cc", "swiglu.cc", "sampling.cc")
+HEADERS = ("simd.h", "validate.h", "matmul_q4_1.h", "swiglu.h", "sampling_simd.h")
 LIBRARY_NAME = "libkiln_ops.so"
 MARKER_HEADER = "onnxruntime_lite_custom_op.h"
 DEBIAN_SUITE = "deb http://deb.debian.org/debian trixie main"

@@ -20,6 +20,8 @@ from kiln.optimize.lower_tensorrt import (
     lower_for_tensorrt,
 )
 from kiln.paged_attention import PagedAttentionAttrs, make_single_op_model
+from kiln.swiglu import make_single_op_model as make_swiglu_model
+from kiln.swiglu import swiglu_ref
 
 
 def lowered(proto: onnx.ModelProto) -> tuple[onnx.ModelProto, dict[str, int]]:
@@ -38,7 +40,7 @@ def attributes(node: onnx.NodeProto) -> dict:
 def test_paged_attention_becomes_kv_write_then_attention(kv_dtype, rotary):
     attrs = PagedAttentionAttrs(num_heads=9, num_kv_heads=3, sliding_window=7, rotary_interleaved=int(rotary))
     model, counts = lowered(make_single_op_model(attrs, 64, 16, kv_dtype, rotary=rotary))
-    assert counts == {"paged_attention": 1, "rmsnorm": 0, "skip_rmsnorm": 0}
+    assert counts == {"paged_attention": 1, "rmsnorm": 0, "skip_rmsnorm": 0, "swiglu": 0}
     write, attend = model.graph.node
     assert (write.op_type, attend.op_type) == (KV_WRITE_OP, ATTENTION_OP)
     assert write.domain == attend.domain == PLUGIN_DOMAIN
@@ -84,12 +86,30 @@ def test_rmsnorms_lower_to_standard_ops_with_the_same_numbers():
     feeds = {n: rng.standard_normal((2, 3, 8)).astype(np.float32) for n in ("x", "skip")}
     before = run(rmsnorm_model(), feeds)
     model, counts = lowered(rmsnorm_model())
-    assert counts == {"paged_attention": 0, "rmsnorm": 1, "skip_rmsnorm": 1}
+    assert counts == {"paged_attention": 0, "rmsnorm": 1, "skip_rmsnorm": 1, "swiglu": 0}
     assert all(n.domain == "" for n in model.graph.node)
     assert {n.op_type for n in model.graph.node} == {"Add", "Mul", "ReduceMean", "Sqrt", "Reciprocal", "Constant"}
     after = run(model, feeds)
     for got, want in zip(after, before, strict=True):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("rank", [2, 3])
+def test_swiglu_lowers_to_standard_ops_with_the_same_numbers(rank):
+    """kiln.SwiGLU (an ORT CPU kernel) becomes Slice/Sigmoid/Mul: no kiln op is left for TensorRT's parser."""
+    model, counts = lowered(make_swiglu_model(rank, width=2 * 5))
+    assert counts == {"paged_attention": 0, "rmsnorm": 0, "skip_rmsnorm": 0, "swiglu": 1}
+    assert all(n.domain == "" for n in model.graph.node)
+    assert {o.domain for o in model.opset_import} == {"", PLUGIN_DOMAIN}
+    assert sorted(n.op_type for n in model.graph.node if n.op_type != "Constant") == ["Mul", "Mul", "Sigmoid",
+                                                                                       "Slice", "Slice"]
+    x = (np.random.default_rng(2).standard_normal((3, 4, 10)[3 - rank:]) * 3).astype(np.float32)
+    np.testing.assert_allclose(run(model, {"x": x})[0], swiglu_ref(x), rtol=1e-5, atol=1e-6)
+
+
+def test_swiglu_of_symbolic_width_is_refused():
+    with pytest.raises(TensorRTLoweringError, match="kiln.SwiGLU whose input width is not a static even number"):
+        lower_for_tensorrt(ir.from_proto(make_swiglu_model(2)))
 
 
 def test_quantized_matmuls_are_refused_by_name():

@@ -21,6 +21,7 @@ from kiln.optimize.fuse_attention import ROTARY_COS, ROTARY_SIN, AttentionConfig
 from kiln.optimize.fuse_projections import fuse_projections
 from kiln.optimize.fuse_rmsnorm import fuse_rmsnorm
 from kiln.optimize.fuse_skip_rmsnorm import fuse_skip_rmsnorm
+from kiln.optimize.fuse_swiglu import fuse_swiglu
 from kiln.optimize.pack_attention_inputs import pack_attention_inputs
 from kiln.optimize.pipeline import optimize_model
 from kiln.optimize.select_logits import select_logits
@@ -73,8 +74,12 @@ def raw_graph(request, tmp_path_factory, kiln_raw):
 
 
 def run(model: ir.Model, feeds: dict, output: int = 0) -> np.ndarray:
+    from kiln.runtime.ops import library_path
+
     ir.external_data.load_to_model(model)
-    session = ort.InferenceSession(ir.to_proto(model).SerializeToString(), providers=["CPUExecutionProvider"])
+    options = ort.SessionOptions()
+    options.register_custom_ops_library(library_path())  # kiln.SwiGLU
+    session = ort.InferenceSession(ir.to_proto(model).SerializeToString(), options, providers=["CPUExecutionProvider"])
     return session.run(None, feeds)[output]
 
 
@@ -158,6 +163,40 @@ def test_fuse_projections(raw_graph):
     np.testing.assert_allclose(run(after, feeds), run(before, feeds), atol=1e-5, rtol=0)
 
 
+def test_fuse_swiglu(raw_graph):
+    """After the gate/up fusion, each layer's Split -> silu(gate) * up becomes one kiln.SwiGLU."""
+    before, after = ir.load(raw_graph), ir.load(raw_graph)
+    fuse_projections(before)
+    fuse_projections(after)
+    assert fuse_swiglu(after) == LAYERS
+    ops = op_counts(after)
+    assert ops["SwiGLU"] == LAYERS and ops["Split"] == LAYERS and ops["Sigmoid"] == 0  # the q/k/v Splits stay
+    assert ops["Mul"] == op_counts(before)["Mul"] - 2 * LAYERS
+    for node in after.graph:
+        if node.op_type == "SwiGLU":
+            assert node.domain == contract.OP_DOMAIN
+            assert node.inputs[0].producer().op_type == "MatMul"  # the fused gate/up projection
+            assert node.outputs[0].uses()[0].node.op_type == "MatMul"  # the down projection
+    assert fuse_swiglu(after) == 0
+    feeds = feeds_2d(vocab_of(before))
+    np.testing.assert_allclose(run(after, feeds), run(before, feeds), atol=1e-5, rtol=0)
+
+
+def test_engine_graph_lowers_for_tensorrt_without_kiln_cpu_ops(kiln_raw):
+    """The whole optimized graph lowered for TensorRT: every kiln.SwiGLU expanded, no kiln-domain op left."""
+    import onnx
+
+    from kiln.optimize.lower_tensorrt import PLUGIN_DOMAIN, lower_for_tensorrt
+
+    model = ir.load(kiln_raw)
+    optimize_model(model)
+    counts = lower_for_tensorrt(model)
+    assert counts["swiglu"] == counts["paged_attention"] == LAYERS
+    assert {n.domain for n in model.graph} <= {"", PLUGIN_DOMAIN}
+    ir.external_data.load_to_model(model)
+    onnx.checker.check_model(ir.to_proto(model))
+
+
 def test_linears_name_their_modules_after_fusion(kiln_raw):
     """The int4 pass finds an AWQ artifact's int8-fallback linears by module name: the exporter's metadata,
     carried onto the fused q/k/v and gate/up MatMuls; the order is calibration/sensitivity.py's units."""
@@ -192,11 +231,13 @@ def test_optimized_graph_structure(raw_graph):
     counts = optimize_model(model)
     assert counts["fuse_attention"] == LAYERS
     assert counts["fuse_projections"] == 2 * LAYERS
+    assert counts["fuse_swiglu"] == LAYERS
     ops = op_counts(model)
     assert ops["PagedAttention"] == LAYERS
     assert ops["Softmax"] == 0
     # per layer one QKV, one o, one gate/up and one down projection; then the LM head
-    assert ops["MatMul"] == 4 * LAYERS + 1 and ops["Split"] == 2 * LAYERS
+    assert ops["MatMul"] == 4 * LAYERS + 1 and ops["Split"] == LAYERS  # the gate/up Split went into SwiGLU
+    assert ops["SwiGLU"] == LAYERS and ops["Sigmoid"] == 0
     assert ops["Identity"] == 0  # cleanup drops them, so the Reshapes around them collapse
     # RoPE runs inside the op: no rotary subgraph (cos/sin from position_ids, rotate_half) is left
     assert ops["Cos"] == ops["Sin"] == ops["Neg"] == ops["Slice"] == ops["Concat"] == 0, ops
@@ -279,7 +320,7 @@ def test_pack_attention_inputs(raw_graph, tmp_path):
         if pack:
             assert pack_attention_inputs(model) == LAYERS
             after = op_counts(model)
-            assert after["Split"] == before["Split"] - LAYERS  # gate/up's stays
+            assert after["Split"] == before["Split"] - LAYERS
             assert after["Reshape"] == before["Reshape"] - 4 * LAYERS, (before, after)
             for node in model.graph:
                 if node.op_type != "PagedAttention":
