@@ -58,8 +58,9 @@ def main() -> None:
                    "w8a8-smoothquant")
 @click.option("--calibration", type=click.Path(exists=True, file_okay=False, path_type=Path), default=None,
               help="artifact of `kiln calibrate` (needed by int4-awq-*, w8a8-smoothquant and --kv-dtype int8)")
-@click.option("--lm-head", type=click.Choice(["int8", "int4"]), default="int8", show_default=True,
-              help="the tied LM head's weights under an int4 quantization (int8 keeps more of fp32's perplexity)")
+@click.option("--lm-head", type=click.Choice(["int8", "int4", "w8a8"]), default="int8", show_default=True,
+              help="the tied LM head under an int4 quantization: int8 weights (keeps more of fp32's perplexity "
+                   "than int4), or w8a8 (int8 weights and per-token int8 activations: faster for batches)")
 @click.option("--medusa", type=click.Path(exists=True, file_okay=False, path_type=Path), default=None,
               help="heads of `kiln train-medusa`: the graph also returns their logits (medusa_logits)")
 @click.option("--backend", type=click.Choice(["onnxruntime-cpu", "tensorrt"]), default="onnxruntime-cpu",

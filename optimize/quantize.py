@@ -24,6 +24,7 @@ import onnx_ir as ir
 from kiln.errors import KilnError
 from kiln.quant_scheme import LmHead, QuantMethod, QuantScheme
 
+from .quant.graph import is_lm_head
 from .quantize_embedding import quantize_embedding
 from .quantize_int4 import quantize_int4
 from .quantize_int8 import quantize_int8_weight_only
@@ -49,10 +50,10 @@ def check_options(scheme: QuantScheme, calibration: Path | None) -> None:
 
 
 def check_lm_head(scheme: QuantScheme, lm_head: LmHead) -> None:
-    """An int4 LM head only comes with an int4 scheme (the others quantize the head as every linear)."""
-    if lm_head is LmHead.INT4 and not scheme.is_int4:
-        raise QuantizationError(f"an int4 LM head goes with the int4 schemes (int4-rtn-*, int4-awq-*, int4-q4_1), "
-                                f"not quantization {scheme}; drop --lm-head int4")
+    """An int4 or w8a8 LM head only comes with an int4 scheme (the others quantize the head as every linear)."""
+    if lm_head is not LmHead.INT8 and not scheme.is_int4:
+        raise QuantizationError(f"an {lm_head.value} LM head goes with the int4 schemes (int4-rtn-*, int4-awq-*, "
+                                f"int4-q4_1), not quantization {scheme}; drop --lm-head {lm_head.value}")
 
 
 def prepare_checkpoint(checkpoint, scheme: QuantScheme, calibration: Path | None, progress: Progress | None = None):
@@ -105,6 +106,10 @@ def quantize_model(model: ir.Model, scheme: QuantScheme, lm_head: LmHead = LmHea
     int8_modules: decoder linears an int4 scheme keeps int8 per channel (int8_fallback)."""
     check_lm_head(scheme, lm_head)
     int4_head = lm_head is LmHead.INT4
+    if lm_head is LmHead.W8A8:  # first: the scheme's pass then no longer sees the head as a float linear
+        heads = quantize_w8a8(model, select=is_lm_head)
+        if progress:
+            progress(f"  quantize_w8a8 (LM head): converted {heads} MatMuls")
     match scheme.method:
         case QuantMethod.NONE:
             return 0

@@ -20,12 +20,14 @@ is no faster at one token and loses accuracy on tokens with small activations.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import onnx_ir as ir
 
 from kiln.export.progress import track
 
-from .quant.graph import ensure_opset, find_linears, initializer, onnx_opset, prune, replace_linear
+from .quant.graph import Linear, ensure_opset, find_linears, initializer, onnx_opset, prune, replace_linear
 from .quant.nbits import MS_DOMAIN
 from .quant.rtn import quantize_per_channel_int8
 
@@ -56,9 +58,9 @@ def _quantize_activation(
     return [abs_, amax, floor, scale, scaled, quant], quant.outputs[0], scale.outputs[0]
 
 
-def quantize_w8a8(model: ir.Model) -> int:
-    """Rewrite every linear MatMul in place; return how many were converted."""
-    linears = find_linears(model)
+def quantize_w8a8(model: ir.Model, select: Callable[[Linear], bool] | None = None) -> int:
+    """Rewrite every linear MatMul (every one `select` accepts) in place; return how many were converted."""
+    linears = [lin for lin in find_linears(model) if select is None or select(lin)]
     if not linears:
         return 0
     c = _constants(model)

@@ -83,6 +83,13 @@ def run(model: ir.Model, ids: np.ndarray, fp32_kernels: bool = False) -> np.ndar
     return sess.run(None, {"ids": ids})[0]
 
 
+def run_all(model: ir.Model, ids: np.ndarray) -> list[np.ndarray]:
+    so = ort.SessionOptions()
+    so.register_custom_ops_library(library_path())
+    sess = ort.InferenceSession(to_proto(model).SerializeToString(), so, providers=["CPUExecutionProvider"])
+    return sess.run(None, {"ids": ids})
+
+
 IDS = np.arange(0, V, 3, dtype=np.int64)
 
 
@@ -197,6 +204,30 @@ def test_int4_lm_head_on_request():
     assert quantize_int4(model, group_size=32, int4_lm_head=True) == 3
     up, down, head = (rtn.quantize_groupwise(w[name], 4, 32).dequantize() for name in ("up", "down", "embed"))
     assert_computes(model, forward(w, up, down, head))
+
+
+@pytest.mark.parametrize("scheme", ["int4-q4_1", "int4-rtn-g32"])
+def test_w8a8_lm_head_on_request(scheme):
+    """--lm-head w8a8: the head alone becomes per-token int8 x per-channel int8 (MatMulIntegerToFloat), the
+    other linears take the scheme; the logits are the scheme's hidden state through the numpy w8a8 head."""
+    from kiln.optimize.quantize import QuantizationError, quantize_model
+    from kiln.quant_scheme import LmHead, QuantScheme
+
+    model, w = tiny_graph()
+    quantize_model(model, QuantScheme.parse(scheme), LmHead.W8A8)
+    ops = [n.op_type for n in model.graph]
+    assert ops.count("MatMulIntegerToFloat") == 1 and ops.count("QuantizeLinear") == 1
+    assert ops.count("MatMulQ4_1" if scheme == "int4-q4_1" else "MatMulNBits") == 2  # up and down only
+    r = next(n for n in model.graph if n.op_type == "Add" and n.outputs[0].name == "r").outputs[0]
+    r.type, r.shape = ir.TensorType(ir.DataType.FLOAT), ir.Shape(["T", H])
+    model.graph.outputs.append(r)  # the head's input, as the scheme's linears computed it
+    logits, hidden = run_all(model, IDS)
+    scale = np.maximum(np.abs(hidden).max(-1, keepdims=True), 1e-8) / 127
+    q, s = rtn.quantize_per_channel_int8(w["embed"])
+    reference = (np.clip(np.round(hidden / scale), -127, 127) @ q.T.astype(np.float32)) * s * scale
+    np.testing.assert_allclose(logits, reference, rtol=1e-4, atol=1e-4 * np.abs(reference).max())
+    with pytest.raises(QuantizationError, match="w8a8 LM head goes with the int4 schemes"):
+        quantize_model(tiny_graph()[0], QuantScheme.parse("int8-weight-only"), LmHead.W8A8)
 
 
 def test_int8_weight_only_is_per_channel_and_close():
