@@ -8,9 +8,10 @@
 //      what int8 loses of it), zero-padded to whole block pairs and to whole groups of 8 steps, each
 //      block pair's bytes interleaved (interleave_pair) and its steps laid out for the FMA;
 //   3. work items (a chunk of output channels x a chunk of activation rows) run on ONNX Runtime's
-//      intra-op thread pool. Decode (one row) reads the weights straight from qs and dm in tiles of
-//      4 channels, prefetching one tile ahead; otherwise each pair of channels is unpacked once per
-//      item and feeds tiles of 4 rows. A block pair's dot is two _mm256_maddubs_epi16 (unsigned
+//      intra-op thread pool. Up to 16 rows (decode, speculative verification, small batches) the
+//      weights are read straight from qs and dm, each block pair unpacked in registers once and
+//      applied to up to 8 rows (tiles of 4, 2 or 1 channels), prefetching ahead; with more rows each
+//      pair of channels is unpacked once per item into a buffer and feeds tiles of 4 rows. A block pair's dot is two _mm256_maddubs_epi16 (unsigned
 //      nibbles x signed int8) + _mm256_madd_epi16 into int32, scaled by d * xs in float; the
 //      minimum's term sum_b m * sum(x_block) and the centring term (see the spec) are separate
 //      8-wide dots per tile.
@@ -24,6 +25,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <new>
 #include <optional>
 #include <string>
 #include <vector>
@@ -42,9 +44,10 @@ constexpr int64_t kRowsPerItem = 32;        // activation rows per work item
 // each channel's unpacked pair and steps serve 4 rows, and nothing spills).
 constexpr int kTileChannels = 2;
 constexpr int kTileRows = 4;
-// Up to kStreamRows rows the weights are unpacked in registers straight from qs/dm and applied to all
-// rows (tile_stream): one pass over the weights, as decode makes.
-constexpr int64_t kStreamRows = 8;
+// Up to kStreamRows rows the weights are unpacked in registers straight from qs/dm and applied to up to 8
+// rows at a time (tile_stream), as decode does; measured no slower than the unpacked tiles up to 16 rows,
+// slower from 24 (benchmarks/bench_matmul_q4_1.py and docs/design.md).
+constexpr int64_t kStreamRows = 16;
 constexpr int64_t kPrefetchChannels = 4;  // how far ahead tile_stream prefetches the weights
 constexpr int64_t kParallelQuantize = 1 << 15;  // activation elements from which quantizing is parallel
 
@@ -65,14 +68,30 @@ void parallel_for_q4(OrtKernelContext* ctx, size_t n, F& f) {
   Ort::KernelContext(ctx).ParallelFor([](void* fn, size_t i) { (*static_cast<F*>(fn))(i); }, n, 0, &f);
 }
 
+// std::vector's storage on 64-byte boundaries: the kernels' 32-byte loads of the rows never straddle a
+// cache line (malloc's 16-byte alignment made every other one split).
+template <typename T>
+struct CacheLineAllocator {
+  using value_type = T;
+  CacheLineAllocator() = default;
+  template <typename U>
+  CacheLineAllocator(const CacheLineAllocator<U>&) {}
+  T* allocate(size_t n) { return static_cast<T*>(::operator new(n * sizeof(T), std::align_val_t(64))); }
+  void deallocate(T* ptr, size_t) { ::operator delete(ptr, std::align_val_t(64)); }
+  bool operator==(const CacheLineAllocator&) const { return true; }
+  bool operator!=(const CacheLineAllocator&) const { return false; }
+};
+template <typename T>
+using AlignedVector = std::vector<T, CacheLineAllocator<T>>;
+
 // Activation rows quantized per block of 32: llama.cpp's q8_1, with the block sums in float.
 // Rows are padded with zeros: q to whole block pairs, sum and sum_error to whole groups of 8 blocks.
 struct Int8Rows {
   int64_t q_stride, step_stride, s_stride;
-  std::vector<int8_t> q;         // [T, q_stride]
-  std::vector<float> step;       // [T, step_stride]: per block pair j, (xs0, xs0, xs1, xs1) twice (see tile)
-  std::vector<float> sum;        // [T, s_stride]
-  std::vector<float> sum_error;  // [T, s_stride]: sum(x) - xs * sum(xq), what int8 loses of the block sum
+  AlignedVector<int8_t> q;         // [T, q_stride]
+  AlignedVector<float> step;       // [T, step_stride]: per block pair j, (xs0, xs0, xs1, xs1) twice (see tile)
+  AlignedVector<float> sum;        // [T, s_stride]
+  AlignedVector<float> sum_error;  // [T, s_stride]: sum(x) - xs * sum(xq), what int8 loses of the block sum
 };
 
 // The 64 bytes of a block pair (a, b) -> (A, B): A = a[0:8] b[8:16] a[16:24] b[24:32] and
@@ -243,30 +262,31 @@ void stream_channels(const Problem& p, int64_t n_begin, int64_t n_end, int64_t t
     for (; n < n_end; ++n) tile_stream<1, NT>(p, n, t0);
 }
 
-// Channels [n_begin, n_end) x rows [t0, t0 + rows), rows <= kStreamRows: as many channels a tile as 8
-// accumulators allow (one row: 4, as ever; 2 rows: 4; 3-4 rows: 2; 5-8 rows: 1).
+// Channels [n_begin, n_end) x rows [t0, t0 + rows), rows <= kStreamRows, in passes of up to 8 rows (the
+// first streams the weights from memory, the next find them in L1/L2). A pass takes as many channels a
+// tile as 8 accumulators allow: one row 4 (decode, as ever), 2 rows 4, 3-4 rows 2, 5-8 rows 1.
 void stream_rows(const Problem& p, int64_t n_begin, int64_t n_end, int64_t t0, int64_t rows) {
-  static_assert(kStreamRows == 8, "the cases below");
-  switch (rows) {
-    case 1: return stream_channels<4, 1>(p, n_begin, n_end, t0);
-    case 2: return stream_channels<4, 2>(p, n_begin, n_end, t0);
-    case 3: return stream_channels<2, 3>(p, n_begin, n_end, t0);
-    case 4: return stream_channels<2, 4>(p, n_begin, n_end, t0);
-    case 5: return stream_channels<1, 5>(p, n_begin, n_end, t0);
-    case 6: return stream_channels<1, 6>(p, n_begin, n_end, t0);
-    case 7: return stream_channels<1, 7>(p, n_begin, n_end, t0);
-    case 8: return stream_channels<1, 8>(p, n_begin, n_end, t0);
-    default: return;
+  for (; rows > 0; rows -= 8, t0 += 8) {
+    switch (std::min<int64_t>(rows, 8)) {
+      case 1: stream_channels<4, 1>(p, n_begin, n_end, t0); break;
+      case 2: stream_channels<4, 2>(p, n_begin, n_end, t0); break;
+      case 3: stream_channels<2, 3>(p, n_begin, n_end, t0); break;
+      case 4: stream_channels<2, 4>(p, n_begin, n_end, t0); break;
+      case 5: stream_channels<1, 5>(p, n_begin, n_end, t0); break;
+      case 6: stream_channels<1, 6>(p, n_begin, n_end, t0); break;
+      case 7: stream_channels<1, 7>(p, n_begin, n_end, t0); break;
+      default: stream_channels<1, 8>(p, n_begin, n_end, t0); break;
+    }
   }
 }
 
 // kTileChannels channels unpacked once per work item and reused by all its row tiles (T > 1).
 struct UnpackedChannels {
   int64_t w_stride, step_stride, s_stride;
-  std::vector<int8_t> w;      // [channel, pairs, 64]: interleaved nibbles
-  std::vector<float> step;    // [channel, pairs, 8]: (d0, d0, d1, d1) twice
-  std::vector<float> m;       // [channel, s_stride]: the minima, zero-padded
-  std::vector<float> centre;  // [channel, s_stride]: 7.5 d, zero-padded
+  AlignedVector<int8_t> w;      // [channel, pairs, 64]: interleaved nibbles
+  AlignedVector<float> step;    // [channel, pairs, 8]: (d0, d0, d1, d1) twice
+  AlignedVector<float> m;       // [channel, s_stride]: the minima, zero-padded
+  AlignedVector<float> centre;  // [channel, s_stride]: 7.5 d, zero-padded
 
   UnpackedChannels(const Problem& p, int64_t s_stride_)
       : w_stride(p.pairs * 2 * kBlock), step_stride(p.pairs * 8), s_stride(s_stride_),
@@ -394,9 +414,9 @@ struct MatMulQ4_1 {
     if (T == 0) return;
 
     const int64_t q_stride = pairs * 2 * kBlock, step_stride = pairs * 8, s_stride = (nb + 7) / 8 * 8;
-    Int8Rows rows{q_stride, step_stride, s_stride, std::vector<int8_t>(T * q_stride),
-                  std::vector<float>(T * step_stride), std::vector<float>(T * s_stride),
-                  std::vector<float>(T * s_stride)};
+    Int8Rows rows{q_stride, step_stride, s_stride, AlignedVector<int8_t>(T * q_stride),
+                  AlignedVector<float>(T * step_stride), AlignedVector<float>(T * s_stride),
+                  AlignedVector<float>(T * s_stride)};
     const float* xd = x.Data();
     auto quantize = [&](size_t t) {
       quantize_row(xd + t * K, nb, rows.q.data() + t * q_stride, rows.step.data() + t * step_stride,
