@@ -10,7 +10,7 @@
 //   3. work items (a chunk of output channels x a chunk of activation rows) run on ONNX Runtime's
 //      intra-op thread pool. Up to 16 rows (decode, speculative verification, small batches) the
 //      weights are read straight from qs and dm, each block pair unpacked in registers once and
-//      applied to up to 8 rows (tiles of 4, 2 or 1 channels), prefetching ahead; with more rows each
+//      applied to up to 7 rows (tiles of 4, 2 or 1 channels), prefetching ahead; with more rows each
 //      pair of channels is unpacked once per item into a buffer and feeds tiles of 4 rows. A block pair's dot is two _mm256_maddubs_epi16 (unsigned
 //      nibbles x signed int8) + _mm256_madd_epi16 into int32, scaled by d * xs in float; the
 //      minimum's term sum_b m * sum(x_block) and the centring term (see the spec) are separate
@@ -44,10 +44,12 @@ constexpr int64_t kRowsPerItem = 32;        // activation rows per work item
 // each channel's unpacked pair and steps serve 4 rows, and nothing spills).
 constexpr int kTileChannels = 2;
 constexpr int kTileRows = 4;
-// Up to kStreamRows rows the weights are unpacked in registers straight from qs/dm and applied to up to 8
-// rows at a time (tile_stream), as decode does; measured no slower than the unpacked tiles up to 16 rows,
-// slower from 24 (benchmarks/bench_matmul_q4_1.py and docs/design.md).
+// Up to kStreamRows rows the weights are unpacked in registers straight from qs/dm and applied to up to
+// kPassRows rows at a time (tile_stream), as decode does: faster than the unpacked tiles up to 16 rows,
+// slower from 24. A 1 x 8 tile measured 35% slower than 1 x 7 (it runs out of ymm registers), so 8 rows
+// are a pass of 7 and one of 1 (docs/design.md, "MatMulQ4_1 with few rows").
 constexpr int64_t kStreamRows = 16;
+constexpr int64_t kPassRows = 7;
 constexpr int64_t kPrefetchChannels = 4;  // how far ahead tile_stream prefetches the weights
 constexpr int64_t kParallelQuantize = 1 << 15;  // activation elements from which quantizing is parallel
 
@@ -192,15 +194,25 @@ inline void unpack_pair(const uint8_t* qs, const uint16_t* d, __m256i& wa, __m25
 // and for every T (speculative verification reproduces decode's logits exactly).
 template <int NC, int NT>
 void store_tile(const Problem& p, const __m256 (&acc)[NC][NT], int64_t n0, int64_t t0) {
-  constexpr int kCount = NC * NT, kPadded = (kCount + 3) / 4 * 4;
-  __m256 flat[kPadded];
-  for (int i = 0; i < kCount; ++i) flat[i] = acc[i / NT][i % NT];
-  for (int i = kCount; i < kPadded; ++i) flat[i] = _mm256_setzero_ps();
-  alignas(16) float sums[kPadded];
-  for (int i = 0; i < kPadded; i += 4) _mm_store_ps(sums + i, hsum4(flat[i], flat[i + 1], flat[i + 2], flat[i + 3]));
-  for (int c = 0; c < NC; ++c) {
-    const float b = p.bias ? p.bias[n0 + c] : 0.f;
-    for (int r = 0; r < NT; ++r) p.y[(t0 + r) * p.N + n0 + c] = p.bias ? sums[c * NT + r] + b : sums[c * NT + r];
+  if constexpr (NC % 4 == 0) {  // 4 channels of a row at a time, stored as a vector
+    for (int r = 0; r < NT; ++r) {
+      float* y = p.y + (t0 + r) * p.N + n0;
+      for (int c = 0; c < NC; c += 4) {
+        __m128 v = hsum4(acc[c][r], acc[c + 1][r], acc[c + 2][r], acc[c + 3][r]);
+        if (p.bias) v = _mm_add_ps(v, _mm_loadu_ps(p.bias + n0 + c));
+        _mm_storeu_ps(y + c, v);
+      }
+    }
+  } else {  // any 4 accumulators at a time, stored one by one
+    constexpr int kCount = NC * NT, kPadded = (kCount + 3) / 4 * 4;
+    __m256 flat[kPadded];
+    for (int i = 0; i < kCount; ++i) flat[i] = acc[i / NT][i % NT];
+    for (int i = kCount; i < kPadded; ++i) flat[i] = _mm256_setzero_ps();
+    alignas(16) float sums[kPadded];
+    for (int i = 0; i < kPadded; i += 4) _mm_store_ps(sums + i, hsum4(flat[i], flat[i + 1], flat[i + 2], flat[i + 3]));
+    for (int c = 0; c < NC; ++c)
+      for (int r = 0; r < NT; ++r)
+        p.y[(t0 + r) * p.N + n0 + c] = p.bias ? sums[c * NT + r] + p.bias[n0 + c] : sums[c * NT + r];
   }
 }
 
@@ -262,20 +274,20 @@ void stream_channels(const Problem& p, int64_t n_begin, int64_t n_end, int64_t t
     for (; n < n_end; ++n) tile_stream<1, NT>(p, n, t0);
 }
 
-// Channels [n_begin, n_end) x rows [t0, t0 + rows), rows <= kStreamRows, in passes of up to 8 rows (the
-// first streams the weights from memory, the next find them in L1/L2). A pass takes as many channels a
-// tile as 8 accumulators allow: one row 4 (decode, as ever), 2 rows 4, 3-4 rows 2, 5-8 rows 1.
+// Channels [n_begin, n_end) x rows [t0, t0 + rows), rows <= kStreamRows, in passes of up to kPassRows rows
+// (the first streams the weights from memory, the next find them in L1/L2). A pass takes as many channels
+// a tile as 8 accumulators allow: one row 4 (decode, as ever), 2 rows 4, 3-4 rows 2, 5-7 rows 1.
 void stream_rows(const Problem& p, int64_t n_begin, int64_t n_end, int64_t t0, int64_t rows) {
-  for (; rows > 0; rows -= 8, t0 += 8) {
-    switch (std::min<int64_t>(rows, 8)) {
+  static_assert(kPassRows == 7, "the cases below");
+  for (; rows > 0; rows -= kPassRows, t0 += kPassRows) {
+    switch (std::min<int64_t>(rows, kPassRows)) {
       case 1: stream_channels<4, 1>(p, n_begin, n_end, t0); break;
       case 2: stream_channels<4, 2>(p, n_begin, n_end, t0); break;
       case 3: stream_channels<2, 3>(p, n_begin, n_end, t0); break;
       case 4: stream_channels<2, 4>(p, n_begin, n_end, t0); break;
       case 5: stream_channels<1, 5>(p, n_begin, n_end, t0); break;
       case 6: stream_channels<1, 6>(p, n_begin, n_end, t0); break;
-      case 7: stream_channels<1, 7>(p, n_begin, n_end, t0); break;
-      default: stream_channels<1, 8>(p, n_begin, n_end, t0); break;
+      default: stream_channels<1, 7>(p, n_begin, n_end, t0); break;
     }
   }
 }
