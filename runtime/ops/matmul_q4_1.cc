@@ -276,7 +276,8 @@ void stream_channels(const Problem& p, int64_t n_begin, int64_t n_end, int64_t t
 
 // Channels [n_begin, n_end) x rows [t0, t0 + rows), rows <= kStreamRows, in passes of up to kPassRows rows
 // (the first streams the weights from memory, the next find them in L1/L2). A pass takes as many channels
-// a tile as 8 accumulators allow: one row 4 (decode, as ever), 2 rows 4, 3-4 rows 2, 5-7 rows 1.
+// a tile as 8 accumulators allow (one row 4, as decode ever did; 2 rows 4; 3 rows 2), and 1 from 4 rows (1 x 4
+// measured 2-10% faster than 2 x 4).
 void stream_rows(const Problem& p, int64_t n_begin, int64_t n_end, int64_t t0, int64_t rows) {
   static_assert(kPassRows == 7, "the cases below");
   for (; rows > 0; rows -= kPassRows, t0 += kPassRows) {
@@ -284,7 +285,7 @@ void stream_rows(const Problem& p, int64_t n_begin, int64_t n_end, int64_t t0, i
       case 1: stream_channels<4, 1>(p, n_begin, n_end, t0); break;
       case 2: stream_channels<4, 2>(p, n_begin, n_end, t0); break;
       case 3: stream_channels<2, 3>(p, n_begin, n_end, t0); break;
-      case 4: stream_channels<2, 4>(p, n_begin, n_end, t0); break;
+      case 4: stream_channels<1, 4>(p, n_begin, n_end, t0); break;
       case 5: stream_channels<1, 5>(p, n_begin, n_end, t0); break;
       case 6: stream_channels<1, 6>(p, n_begin, n_end, t0); break;
       default: stream_channels<1, 7>(p, n_begin, n_end, t0); break;
