@@ -7,7 +7,9 @@ Three ways to run one linear y = x @ W^T:
   offsets  MatMulNBits with integer zero points + Reshape/ReduceSum/MatMul/Add over the 32-wide
            block sums: int4-q4_1 engines before kiln.MatMulQ4_1.
 Shapes: the fused qkv (576 -> 960), o (576 -> 576), fused gate/up (576 -> 3072) and down (1536 ->
-576), at T = 1 (decode), 16 and 32 (batched decode) and 512 (prefill). Times: 1-thread CPU time
+576), at T = 1 (decode), 16 and 32 (batched decode) and 512 (prefill); `--tokens 1 2 4 6 8 9 16` gives
+the few-rows curve of speculative verification (k guesses: k + 1 rows), each way's time also printed
+relative to its own T = 1 when T = 1 is measured first. Times: 1-thread CPU time
 (process_time; other load on a shared machine barely moves it) and 2-thread wall time, median of
 --repeats batches of ~20 ms, the three graphs' batches interleaved (a drift hits all three alike).
 
@@ -135,6 +137,7 @@ def main() -> None:
         k, n = SHAPES[name]
         graphs = models((rng.standard_normal((n, k)) * 0.05).astype(np.float32))
         graphs["base"] = graphs["q4_1"]
+        single: list[float] | None = None  # this linear's times at T = 1
         for t in args.tokens:
             x = rng.standard_normal((t, k)).astype(np.float32)
             ref = session(graphs["offsets"], 1).run(None, {"x": x})[0]
@@ -146,7 +149,11 @@ def main() -> None:
             wall = (time_us({g: [session(graphs[g], 2, lib)] for g, lib in libraries.items()}, x, time.perf_counter,
                             args.repeats) if args.copies == 1 else [float("nan")] * len(cpu))
             cpu_text, wall_text = (" / ".join(f"{v:7.1f}" for v in times) for times in (cpu, wall))
+            if t == 1:
+                single = cpu
             ratios = f"q4_1/nbits CPU {cpu[0] / cpu[1]:.2f}x wall {wall[0] / wall[1]:.2f}x"
+            if single is not None:
+                ratios += ", CPU / T=1: " + " / ".join(f"{v / v1:.2f}" for v, v1 in zip(cpu, single, strict=True))
             if len(cpu) > 3:
                 ratios += f", q4_1/base CPU {cpu[0] / cpu[3]:.2f}x wall {wall[0] / wall[3]:.2f}x"
             print(f"{name:8} {t:3}  {cpu_text:>48}  {wall_text:>49}   {ratios}", flush=True)

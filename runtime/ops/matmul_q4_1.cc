@@ -8,9 +8,10 @@
 //      what int8 loses of it), zero-padded to whole block pairs and to whole groups of 8 steps, each
 //      block pair's bytes interleaved (interleave_pair) and its steps laid out for the FMA;
 //   3. work items (a chunk of output channels x a chunk of activation rows) run on ONNX Runtime's
-//      intra-op thread pool. Decode (one row) reads the weights straight from qs and dm in tiles of
-//      4 channels, prefetching one tile ahead; otherwise each pair of channels is unpacked once per
-//      item and feeds tiles of 4 rows. A block pair's dot is two _mm256_maddubs_epi16 (unsigned
+//      intra-op thread pool. Up to 16 rows (decode, speculative verification, small batches) the
+//      weights are read straight from qs and dm, each block pair unpacked in registers once and
+//      applied to up to 7 rows (tiles of 4, 2 or 1 channels), prefetching ahead; with more rows each
+//      pair of channels is unpacked once per item into a buffer and feeds tiles of 4 rows. A block pair's dot is two _mm256_maddubs_epi16 (unsigned
 //      nibbles x signed int8) + _mm256_madd_epi16 into int32, scaled by d * xs in float; the
 //      minimum's term sum_b m * sum(x_block) and the centring term (see the spec) are separate
 //      8-wide dots per tile.
@@ -24,6 +25,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <new>
 #include <optional>
 #include <string>
 #include <vector>
@@ -42,6 +44,13 @@ constexpr int64_t kRowsPerItem = 32;        // activation rows per work item
 // each channel's unpacked pair and steps serve 4 rows, and nothing spills).
 constexpr int kTileChannels = 2;
 constexpr int kTileRows = 4;
+// Up to kStreamRows rows the weights are unpacked in registers straight from qs/dm and applied to up to
+// kPassRows rows at a time (tile_stream), as decode does: faster than the unpacked tiles up to 16 rows,
+// slower from 24. A 1 x 8 tile measured 35% slower than 1 x 7 (it runs out of ymm registers), so 8 rows
+// are a pass of 7 and one of 1 (docs/design.md, "MatMulQ4_1 with few rows").
+constexpr int64_t kStreamRows = 16;
+constexpr int64_t kPassRows = 7;
+constexpr int64_t kPrefetchChannels = 4;  // how far ahead tile_stream prefetches the weights
 constexpr int64_t kParallelQuantize = 1 << 15;  // activation elements from which quantizing is parallel
 
 [[noreturn]] void fail_q4(const std::string& msg) {
@@ -61,14 +70,30 @@ void parallel_for_q4(OrtKernelContext* ctx, size_t n, F& f) {
   Ort::KernelContext(ctx).ParallelFor([](void* fn, size_t i) { (*static_cast<F*>(fn))(i); }, n, 0, &f);
 }
 
+// std::vector's storage on 64-byte boundaries: the kernels' 32-byte loads of the rows never straddle a
+// cache line (malloc's 16-byte alignment made every other one split).
+template <typename T>
+struct CacheLineAllocator {
+  using value_type = T;
+  CacheLineAllocator() = default;
+  template <typename U>
+  CacheLineAllocator(const CacheLineAllocator<U>&) {}
+  T* allocate(size_t n) { return static_cast<T*>(::operator new(n * sizeof(T), std::align_val_t(64))); }
+  void deallocate(T* ptr, size_t) { ::operator delete(ptr, std::align_val_t(64)); }
+  bool operator==(const CacheLineAllocator&) const { return true; }
+  bool operator!=(const CacheLineAllocator&) const { return false; }
+};
+template <typename T>
+using AlignedVector = std::vector<T, CacheLineAllocator<T>>;
+
 // Activation rows quantized per block of 32: llama.cpp's q8_1, with the block sums in float.
 // Rows are padded with zeros: q to whole block pairs, sum and sum_error to whole groups of 8 blocks.
 struct Int8Rows {
   int64_t q_stride, step_stride, s_stride;
-  std::vector<int8_t> q;         // [T, q_stride]
-  std::vector<float> step;       // [T, step_stride]: per block pair j, (xs0, xs0, xs1, xs1) twice (see tile)
-  std::vector<float> sum;        // [T, s_stride]
-  std::vector<float> sum_error;  // [T, s_stride]: sum(x) - xs * sum(xq), what int8 loses of the block sum
+  AlignedVector<int8_t> q;         // [T, q_stride]
+  AlignedVector<float> step;       // [T, step_stride]: per block pair j, (xs0, xs0, xs1, xs1) twice (see tile)
+  AlignedVector<float> sum;        // [T, s_stride]
+  AlignedVector<float> sum_error;  // [T, s_stride]: sum(x) - xs * sum(xq), what int8 loses of the block sum
 };
 
 // The 64 bytes of a block pair (a, b) -> (A, B): A = a[0:8] b[8:16] a[16:24] b[24:32] and
@@ -164,47 +189,65 @@ inline void unpack_pair(const uint8_t* qs, const uint16_t* d, __m256i& wa, __m25
   step = _mm256_permute_ps(_mm256_cvtph_ps(_mm_set1_epi32(d01)), _MM_SHUFFLE(1, 1, 0, 0));
 }
 
-// y[rows t0.., channels n0..] = the tile's accumulators summed (+ bias).
+// y[rows t0.., channels n0..] = the tile's accumulators summed (+ bias). Every accumulator is summed
+// in hsum4's order, whatever the tile's shape: a row's outputs are then bitwise the same in every path
+// and for every T (speculative verification reproduces decode's logits exactly).
 template <int NC, int NT>
 void store_tile(const Problem& p, const __m256 (&acc)[NC][NT], int64_t n0, int64_t t0) {
-  for (int r = 0; r < NT; ++r) {
-    float* y = p.y + (t0 + r) * p.N + n0;
-    int c = 0;
-    for (; c + 4 <= NC; c += 4) {
-      __m128 v = hsum4(acc[c][r], acc[c + 1][r], acc[c + 2][r], acc[c + 3][r]);
-      if (p.bias) v = _mm_add_ps(v, _mm_loadu_ps(p.bias + n0 + c));
-      _mm_storeu_ps(y + c, v);
+  if constexpr (NC % 4 == 0) {  // 4 channels of a row at a time, stored as a vector
+    for (int r = 0; r < NT; ++r) {
+      float* y = p.y + (t0 + r) * p.N + n0;
+      for (int c = 0; c < NC; c += 4) {
+        __m128 v = hsum4(acc[c][r], acc[c + 1][r], acc[c + 2][r], acc[c + 3][r]);
+        if (p.bias) v = _mm_add_ps(v, _mm_loadu_ps(p.bias + n0 + c));
+        _mm_storeu_ps(y + c, v);
+      }
     }
-    for (; c < NC; ++c) y[c] = hsum(acc[c][r]) + (p.bias ? p.bias[n0 + c] : 0.f);
+  } else {  // any 4 accumulators at a time, stored one by one
+    constexpr int kCount = NC * NT, kPadded = (kCount + 3) / 4 * 4;
+    __m256 flat[kPadded];
+    for (int i = 0; i < kCount; ++i) flat[i] = acc[i / NT][i % NT];
+    for (int i = kCount; i < kPadded; ++i) flat[i] = _mm256_setzero_ps();
+    alignas(16) float sums[kPadded];
+    for (int i = 0; i < kPadded; i += 4) _mm_store_ps(sums + i, hsum4(flat[i], flat[i + 1], flat[i + 2], flat[i + 3]));
+    for (int c = 0; c < NC; ++c)
+      for (int r = 0; r < NT; ++r)
+        p.y[(t0 + r) * p.N + n0 + c] = p.bias ? sums[c * NT + r] + p.bias[n0 + c] : sums[c * NT + r];
   }
 }
 
-// Decode (one row): y for channels [n0, n0 + NC), the weights read straight from qs and dm, the next
-// tile's prefetched one tile ahead (decode streams the weights from DRAM; a prefetch past the tensor
-// does not fault).
-template <int NC>
-void tile_decode(const Problem& p, int64_t n0, int64_t t) {
+// Few rows (T <= kStreamRows, speculative verification and small batches): y for channels [n0, n0 + NC)
+// x rows [t0, t0 + NT), each block pair of the weights read straight from qs and dm, unpacked in
+// registers once and applied to all NT rows. The weights kPrefetchChannels channels ahead are prefetched
+// (a call streams its weights from DRAM: the model's layers do not fit the caches; a prefetch past the
+// tensor does not fault). Per (channel, row) the arithmetic and its order are those of tile_rows.
+template <int NC, int NT>
+void tile_stream(const Problem& p, int64_t n0, int64_t t0) {
+  static_assert(NC * NT <= 8, "8 accumulators: with the weights' 3 registers and the dot's temporaries, 16 ymm");
   const Int8Rows& x = *p.x;
   const uint8_t* w = p.qs + n0 * p.pairs * kPairBytes;
   const uint16_t* dm = p.dm + n0 * 2 * p.nb;
   const int64_t w_stride = p.pairs * kPairBytes, dm_stride = 2 * p.nb;
-  const int8_t* xq = x.q.data() + t * x.q_stride;
-  const float* xstep = x.step.data() + t * x.step_stride;
-  __m256 acc[NC][1];
-  for (int c = 0; c < NC; ++c) acc[c][0] = _mm256_setzero_ps();
+  const int8_t* xq = x.q.data() + t0 * x.q_stride;
+  const float* xstep = x.step.data() + t0 * x.step_stride;
+  __m256 acc[NC][NT];
+  for (int c = 0; c < NC; ++c)
+    for (int r = 0; r < NT; ++r) acc[c][r] = _mm256_setzero_ps();
   for (int64_t j = 0; j < p.pairs; ++j) {
     for (int c = 0; c < NC; ++c) {
-      _mm_prefetch(reinterpret_cast<const char*>(w + (NC + c) * w_stride + j * kPairBytes), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(w + (kPrefetchChannels + c) * w_stride + j * kPairBytes), _MM_HINT_T0);
       if (j * 32 < dm_stride)  // 32 float16 a cache line
-        _mm_prefetch(reinterpret_cast<const char*>(dm + (NC + c) * dm_stride + j * 32), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(dm + (kPrefetchChannels + c) * dm_stride + j * 32), _MM_HINT_T0);
       __m256i wa, wb;
       __m256 d;
       unpack_pair(w + c * w_stride + j * kPairBytes, dm + c * dm_stride + 2 * j, wa, wb, d);
-      acc[c][0] = accumulate_pair(wa, wb, xq + j * 2 * kBlock, d, xstep + j * 8, acc[c][0]);
+      for (int r = 0; r < NT; ++r)
+        acc[c][r] = accumulate_pair(wa, wb, xq + r * x.q_stride + j * 2 * kBlock, d,
+                                    xstep + r * x.step_stride + j * 8, acc[c][r]);
     }
   }
   // the minimum's term sum_b m * sum(x_block) and the centring's sum_b 7.5 d * sum_error, 8 blocks at a
-  // time (the row's sums are zero-padded to whole groups of 8)
+  // time (the rows' sums are zero-padded to whole groups of 8)
   for (int64_t b8 = 0; b8 < p.nb; b8 += 8) {
     const int64_t count = std::min<int64_t>(8, p.nb - b8);
     for (int c = 0; c < NC; ++c) {
@@ -212,20 +255,51 @@ void tile_decode(const Problem& p, int64_t n0, int64_t t) {
       const bool last = n0 + c == p.N - 1;  // its m plane ends the tensor
       const __m256 m = load_f16x8(d + p.nb, count, !last);
       const __m256 centre = _mm256_mul_ps(load_f16x8(d, count, p.nb >= 7), _mm256_set1_ps(7.5f));
-      acc[c][0] = _mm256_fmadd_ps(m, _mm256_loadu_ps(x.sum.data() + t * x.s_stride + b8), acc[c][0]);
-      acc[c][0] = _mm256_fmadd_ps(centre, _mm256_loadu_ps(x.sum_error.data() + t * x.s_stride + b8), acc[c][0]);
+      for (int r = 0; r < NT; ++r) {
+        acc[c][r] = _mm256_fmadd_ps(m, _mm256_loadu_ps(x.sum.data() + (t0 + r) * x.s_stride + b8), acc[c][r]);
+        acc[c][r] = _mm256_fmadd_ps(centre, _mm256_loadu_ps(x.sum_error.data() + (t0 + r) * x.s_stride + b8),
+                                    acc[c][r]);
+      }
     }
   }
-  store_tile<NC, 1>(p, acc, n0, t);
+  store_tile<NC, NT>(p, acc, n0, t0);
+}
+
+// Channels [n_begin, n_end) x rows [t0, t0 + NT) in tiles of NC channels, the last channels one a tile.
+template <int NC, int NT>
+void stream_channels(const Problem& p, int64_t n_begin, int64_t n_end, int64_t t0) {
+  int64_t n = n_begin;
+  for (; n + NC <= n_end; n += NC) tile_stream<NC, NT>(p, n, t0);
+  if constexpr (NC > 1)
+    for (; n < n_end; ++n) tile_stream<1, NT>(p, n, t0);
+}
+
+// Channels [n_begin, n_end) x rows [t0, t0 + rows), rows <= kStreamRows, in passes of up to kPassRows rows
+// (the first streams the weights from memory, the next find them in L1/L2). A pass takes as many channels
+// a tile as 8 accumulators allow (one row 4, as decode ever did; 2 rows 4; 3 rows 2), and 1 from 4 rows (1 x 4
+// measured 2-10% faster than 2 x 4).
+void stream_rows(const Problem& p, int64_t n_begin, int64_t n_end, int64_t t0, int64_t rows) {
+  static_assert(kPassRows == 7, "the cases below");
+  for (; rows > 0; rows -= kPassRows, t0 += kPassRows) {
+    switch (std::min<int64_t>(rows, kPassRows)) {
+      case 1: stream_channels<4, 1>(p, n_begin, n_end, t0); break;
+      case 2: stream_channels<4, 2>(p, n_begin, n_end, t0); break;
+      case 3: stream_channels<2, 3>(p, n_begin, n_end, t0); break;
+      case 4: stream_channels<1, 4>(p, n_begin, n_end, t0); break;
+      case 5: stream_channels<1, 5>(p, n_begin, n_end, t0); break;
+      case 6: stream_channels<1, 6>(p, n_begin, n_end, t0); break;
+      default: stream_channels<1, 7>(p, n_begin, n_end, t0); break;
+    }
+  }
 }
 
 // kTileChannels channels unpacked once per work item and reused by all its row tiles (T > 1).
 struct UnpackedChannels {
   int64_t w_stride, step_stride, s_stride;
-  std::vector<int8_t> w;      // [channel, pairs, 64]: interleaved nibbles
-  std::vector<float> step;    // [channel, pairs, 8]: (d0, d0, d1, d1) twice
-  std::vector<float> m;       // [channel, s_stride]: the minima, zero-padded
-  std::vector<float> centre;  // [channel, s_stride]: 7.5 d, zero-padded
+  AlignedVector<int8_t> w;      // [channel, pairs, 64]: interleaved nibbles
+  AlignedVector<float> step;    // [channel, pairs, 8]: (d0, d0, d1, d1) twice
+  AlignedVector<float> m;       // [channel, s_stride]: the minima, zero-padded
+  AlignedVector<float> centre;  // [channel, s_stride]: 7.5 d, zero-padded
 
   UnpackedChannels(const Problem& p, int64_t s_stride_)
       : w_stride(p.pairs * 2 * kBlock), step_stride(p.pairs * 8), s_stride(s_stride_),
@@ -299,19 +373,10 @@ void row_edge(const Problem& p, const UnpackedChannels& u, int64_t n0, int64_t t
   }
 }
 
-// Decode-sized work (one row): 4 channels a tile straight from the weights. Otherwise, per
+// Few rows (T <= kStreamRows): tiles straight from the weights (stream_rows). Otherwise, per
 // kTileChannels channels: unpack them once, then tiles of kTileRows rows.
 void run_item(const Problem& p, int64_t n_begin, int64_t n_end, int64_t t_begin, int64_t t_end) {
-  if (t_end - t_begin == 1) {
-    int64_t n = n_begin;
-    for (; n + 4 <= n_end; n += 4) tile_decode<4>(p, n, t_begin);
-    switch (n_end - n) {
-      case 3: return tile_decode<3>(p, n, t_begin);
-      case 2: return tile_decode<2>(p, n, t_begin);
-      case 1: return tile_decode<1>(p, n, t_begin);
-      default: return;
-    }
-  }
+  if (t_end - t_begin <= kStreamRows) return stream_rows(p, n_begin, n_end, t_begin, t_end - t_begin);
   static_assert(kTileChannels == 2, "the channel edge below is one channel");
   UnpackedChannels u(p, p.x->s_stride);
   for (int64_t n = n_begin; n < n_end; n += kTileChannels) {
@@ -362,9 +427,9 @@ struct MatMulQ4_1 {
     if (T == 0) return;
 
     const int64_t q_stride = pairs * 2 * kBlock, step_stride = pairs * 8, s_stride = (nb + 7) / 8 * 8;
-    Int8Rows rows{q_stride, step_stride, s_stride, std::vector<int8_t>(T * q_stride),
-                  std::vector<float>(T * step_stride), std::vector<float>(T * s_stride),
-                  std::vector<float>(T * s_stride)};
+    Int8Rows rows{q_stride, step_stride, s_stride, AlignedVector<int8_t>(T * q_stride),
+                  AlignedVector<float>(T * step_stride), AlignedVector<float>(T * s_stride),
+                  AlignedVector<float>(T * s_stride)};
     const float* xd = x.Data();
     auto quantize = [&](size_t t) {
       quantize_row(xd + t * K, nb, rows.q.data() + t * q_stride, rows.step.data() + t * step_stride,

@@ -89,6 +89,34 @@ def test_kernel_matches_reference(t, k, n, threads):
     np.testing.assert_allclose(y, matmul_q4_1_ref(x, *w.pack()), rtol=0, atol=2e-6 * scale_of(x, w))
 
 
+# the few-rows tiles (T = 2..7: 4, 2 or 1 channels x T rows straight from the weights; T = 8, 9: a pass of 7
+# rows, then one of 1 or 2); K = 576 ends on a partial group of 8 blocks (18), K = 96 on an odd block pair;
+# N = 35 leaves items of 32 and 3 channels (whole tiles and single-channel edges), N = 7 a tile of 4 and 3 edges
+@pytest.mark.parametrize("t", range(2, 10))
+@pytest.mark.parametrize("k, n", [(576, 35), (96, 7)])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_kernel_matches_reference_for_few_rows(t, k, n, threads):
+    rng = np.random.default_rng(100 * t + n)
+    x, w = random_case(rng, t, k, n)
+    bias = rng.standard_normal(n).astype(np.float32)
+    y = session(make_single_op_model(w, bias), threads).run(None, {"x": x})[0]
+    np.testing.assert_allclose(y, matmul_q4_1_ref(x, *w.pack(), bias), rtol=0, atol=2e-6 * scale_of(x, w))
+
+
+@pytest.mark.parametrize("t", [2, 3, 4, 5, 8, 9, 16, 17, 33])  # from 17 the unpacked tiles
+def test_each_row_is_bitwise_what_it_is_alone(t):
+    """A row's outputs do not depend on the rows around it, in any path (decode, few rows, unpacked tiles):
+    speculative verification of k guesses reproduces plain decoding's numbers exactly. Rows are distinct, so
+    a tile that mixed up its rows would also fail here."""
+    rng = np.random.default_rng(t)
+    x, w = random_case(rng, t, 576, 35)
+    bias = rng.standard_normal(35).astype(np.float32)
+    sess = session(make_single_op_model(w, bias), threads=2)
+    y = sess.run(None, {"x": x})[0]
+    alone = np.concatenate([sess.run(None, {"x": x[i:i + 1]})[0] for i in range(t)])
+    np.testing.assert_array_equal(y, alone)
+
+
 def test_kernel_bias_rank3_and_empty_input():
     rng = np.random.default_rng(5)
     x, w = random_case(rng, 6, 96, 9)
