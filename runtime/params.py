@@ -85,7 +85,7 @@ class SpeculativeConfig:
     method: str
     num_tokens: int = 4
     ngram_max: int = 4
-    ngram_min: int = 1
+    ngram_min: int = 3  # a 1-2 token match guesses wrong often enough to cost more than it gains (design.md)
     draft_engine: str | None = None
     max_batch_tokens: int = 8
 
