@@ -179,7 +179,7 @@ def test_streamed_deltas_carry_several_tokens_per_step():
 
 
 def test_speculation_switches_off_when_the_batch_is_large():
-    spec = SpeculativeConfig("ngram", num_tokens=4, max_batch_tokens=12)
+    spec = SpeculativeConfig("ngram", num_tokens=4, ngram_min=1, max_batch_tokens=12)
     e = engine(spec=spec)
     ps = prompts(12)
     for i, p in enumerate(ps):
