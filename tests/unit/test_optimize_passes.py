@@ -291,27 +291,34 @@ def test_fuse_attention_numerics(raw_graph, tmp_path):
 def test_fuse_attention_rotary_in_op_matches_rotary_in_graph(raw_graph, tmp_path):
     """The op's RoPE (cos/sin caches of the graph's own frequencies) against the graph's rotary ops
     feeding a RoPE-less op: the same function up to float32 rounding (1e-5), prefill and decode."""
-    from engine_driver import PagedDriver
-
     drivers = []
     for positions in (0, 64):
         model = ir.load(raw_graph)
         optimize_model(model, AttentionConfig(rotary_positions=positions))
         assert (op_counts(model)["Cos"] == 0) == (positions > 0)
-        ir.save(model, tmp_path / f"model{positions}.onnx", external_data=f"model{positions}.onnx.data")
-        drivers.append(PagedDriver(tmp_path / f"model{positions}.onnx", num_blocks=16))
-    tokens = np.random.default_rng(2).integers(0, vocab_of(ir.load(raw_graph)), 40).tolist()
+        drivers.append(paged_driver(model, tmp_path, f"model{positions}"))
+    assert_same_logits(raw_graph, drivers, seed=2)  # logits up to ~8: float32 rounding
+
+
+def paged_driver(model: ir.Model, directory, name: str):
+    from engine_driver import PagedDriver
+
+    ir.save(model, directory / f"{name}.onnx", external_data=f"{name}.onnx.data")
+    return PagedDriver(directory / f"{name}.onnx", num_blocks=16)
+
+
+def assert_same_logits(raw_graph, drivers, seed: int) -> None:
+    """Two sequences, prefill chunks then decodes in flight together: both drivers' logits within 1e-5."""
+    tokens = np.random.default_rng(seed).integers(0, vocab_of(ir.load(raw_graph)), 40).tolist()
     steps = [[(0, tokens[:30]), (1, tokens[5:9])], [(0, tokens[30:31]), (1, tokens[9:20])], [(0, tokens[31:32])]]
     for chunks in steps:
-        graph_rope, op_rope = (driver.step(chunks, all_rows=True) for driver in drivers)
-        np.testing.assert_allclose(op_rope, graph_rope, atol=1e-5, rtol=1e-5)  # logits up to ~8: float32 rounding
+        first, second = (driver.step(chunks, all_rows=True) for driver in drivers)
+        np.testing.assert_allclose(second, first, atol=1e-5, rtol=1e-5)
 
 
 def test_pack_attention_inputs(raw_graph, tmp_path):
     """The op reads the fused QKV projection itself: no Split, no Reshape on either side of it, the
     projection's [1, T, (H + 2Hkv)D] in and [1, T, H*D] out; logits unchanged (1e-5), prefill and decode."""
-    from engine_driver import PagedDriver
-
     drivers = []
     for pack in (False, True):
         model = ir.load(raw_graph)
@@ -329,13 +336,8 @@ def test_pack_attention_inputs(raw_graph, tmp_path):
                 assert node.inputs[0].producer().op_type == "MatMul"  # the fused QKV projection
                 assert [u.node.op_type for u in node.outputs[0].uses()] == ["MatMul"]  # the o projection
                 assert pack_attention_inputs(model) == 0  # nothing left to pack
-        ir.save(model, tmp_path / f"model{pack}.onnx", external_data=f"model{pack}.onnx.data")
-        drivers.append(PagedDriver(tmp_path / f"model{pack}.onnx", num_blocks=16))
-    tokens = np.random.default_rng(3).integers(0, vocab_of(ir.load(raw_graph)), 40).tolist()
-    steps = [[(0, tokens[:30]), (1, tokens[5:9])], [(0, tokens[30:31]), (1, tokens[9:20])], [(0, tokens[31:32])]]
-    for chunks in steps:
-        separate, packed = (driver.step(chunks, all_rows=True) for driver in drivers)
-        np.testing.assert_allclose(packed, separate, atol=1e-5, rtol=1e-5)
+        drivers.append(paged_driver(model, tmp_path, f"model{pack}"))
+    assert_same_logits(raw_graph, drivers, seed=3)
 
 
 def test_fuse_attention_fires_zero_times_without_attention(kiln_raw):
