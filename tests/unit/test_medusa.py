@@ -237,3 +237,12 @@ def test_answer_cache_resumes_and_refuses_another_engine(tmp_path):
     assert medusa_chat._read_cache(cache, header) == {"q1": ([1, 2], [3]), "q2": ([4], [5, 6])}
     with pytest.raises(ValueError, match="use another file"):
         medusa_chat._read_cache(cache, {"engine": "/e", "max_tokens": 16})
+
+
+def test_training_rows_are_scored_on_a_fixed_sample():
+    from kiln.calibration.medusa_train import _sample
+
+    x, labels = torch.arange(10.0)[:, None], torch.arange(10)[:, None]
+    assert _sample(x, labels, None)[0] is x and _sample(x, labels, 10)[0] is x
+    a, b = _sample(x, labels, 4), _sample(x, labels, 4)
+    assert a[0].shape == (4, 1) and torch.equal(a[0], b[0]) and torch.equal(a[0][:, 0].long(), a[1][:, 0])
