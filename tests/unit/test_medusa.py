@@ -246,3 +246,13 @@ def test_training_rows_are_scored_on_a_fixed_sample():
     assert _sample(x, labels, None)[0] is x and _sample(x, labels, 10)[0] is x
     a, b = _sample(x, labels, 4), _sample(x, labels, 4)
     assert a[0].shape == (4, 1) and torch.equal(a[0], b[0]) and torch.equal(a[0][:, 0].long(), a[1][:, 0])
+
+
+def test_cli_answer_cache_needs_answers_from(tmp_path):
+    from click.testing import CliRunner
+
+    from kiln.cli.medusa import train_medusa as command
+
+    result = CliRunner().invoke(command, ["default", "-o", str(tmp_path / "h"), "--answer-cache",
+                                          str(tmp_path / "a.jsonl")])
+    assert result.exit_code == 2 and "--answer-cache caches the answers of --answers-from" in result.output
