@@ -13,10 +13,11 @@ Time is the process's CPU time with one ONNX Runtime thread by default (`--clock
 wall time on a loaded machine), or wall time (`--clock wall`, with `--threads`).
 
     python benchmarks/bench_speculative.py ENGINE_DIR [--draft DRAFT_DIR] [--medusa [--medusa-rows 1 2]]
-        [--workload open] [--methods plain medusa] [--num-tokens 4] [--rounds 3]
+        [--workload open] [--no-ngram] [--num-tokens 1 2 3] [--rounds 3]
 
 --medusa (an engine built with --medusa) adds the Medusa proposer with its heads read at every verified row,
-and one more method per --medusa-rows N: heads read at no more than the first N verified rows.
+and one more method per --medusa-rows N: heads read at no more than the first N verified rows. Several
+--num-tokens values measure every speculative method at each k (named METHOD-kK), all in the same rounds.
 """
 
 from __future__ import annotations
@@ -129,7 +130,8 @@ def main() -> None:
                         help="Medusa variants reading the heads at no more than N verified rows")
     parser.add_argument("--no-ngram", action="store_true", help="leave the n-gram proposer out")
     parser.add_argument("--workload", choices=["grounded", "open"], default="grounded")
-    parser.add_argument("--num-tokens", type=int, default=4)
+    parser.add_argument("--num-tokens", type=int, nargs="+", default=[4],
+                        help="proposals per step; several values measure each method at each k, interleaved")
     parser.add_argument("--max-tokens", type=int, default=96)
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--rounds", type=int, default=3)
@@ -140,20 +142,23 @@ def main() -> None:
     args = parser.parse_args()
     now = clock(args.clock)
     methods: dict[str, SpeculativeConfig | None] = {"plain": None}
-    if not args.no_ngram:
-        methods["ngram"] = SpeculativeConfig("ngram", num_tokens=args.num_tokens)
-    if args.draft:
-        methods["draft"] = SpeculativeConfig("draft", num_tokens=args.num_tokens, draft_engine=str(args.draft))
-    if args.medusa:
-        methods["medusa"] = SpeculativeConfig("medusa", num_tokens=args.num_tokens)
-        for rows in args.medusa_rows:
-            methods[f"medusa-r{rows}"] = methods["medusa"]
+    medusa_rows: dict[str, int] = {}  # method -> most verified rows whose heads are read
+    for k in args.num_tokens:
+        tag = f"-k{k}" if len(args.num_tokens) > 1 else ""
+        if not args.no_ngram:
+            methods[f"ngram{tag}"] = SpeculativeConfig("ngram", num_tokens=k)
+        if args.draft:
+            methods[f"draft{tag}"] = SpeculativeConfig("draft", num_tokens=k, draft_engine=str(args.draft))
+        if args.medusa:
+            methods[f"medusa{tag}"] = SpeculativeConfig("medusa", num_tokens=k)
+            for rows in args.medusa_rows:
+                methods[f"medusa{tag}-r{rows}"] = methods[f"medusa{tag}"]
+                medusa_rows[f"medusa{tag}-r{rows}"] = rows
     engines = {name: load_engine(args.engine, RuntimeConfig(num_threads=args.threads, speculative=spec,
                                                             enable_prefix_caching=False))
                for name, spec in methods.items()}
-    for name, engine in engines.items():
-        if name.startswith("medusa-r"):
-            engine.proposer = MedusaProposer(engine.runner.num_medusa_heads, int(name.removeprefix("medusa-r")))
+    for name, rows in medusa_rows.items():
+        engines[name].proposer = MedusaProposer(engines[name].runner.num_medusa_heads, rows)
     ids = prompts(engines["plain"], TASKS if args.workload == "grounded" else open_questions())
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
     results: dict[str, dict[str, Any]] = {name: {"single": [], "aggregate": []} for name in methods}
@@ -173,7 +178,7 @@ def main() -> None:
                 before = _spec_counts(engine)
                 tokens, seconds = aggregate(engine, ids, params, args.concurrency, now)
                 results[name]["aggregate"].append({"tok_s": tokens / seconds, **spec_summary(engine, before)})
-            line = f"round {r}: {name:9s} single {results[name]['single'][-1]['tok_s']:.1f} tok/s"
+            line = f"round {r}: {name:15s} single {results[name]['single'][-1]['tok_s']:.1f} tok/s"
             if not args.skip_aggregate:
                 line += f", {args.concurrency}-way {results[name]['aggregate'][-1]['tok_s']:.1f} tok/s"
             print(line, flush=True)
@@ -188,7 +193,7 @@ def main() -> None:
         for name in methods:
             runs = results[name][kind]
             ratios = [x["tok_s"] / b for x, b in zip(runs, base, strict=True)]
-            line = (f"{kind:9s} {name:9s} {statistics.median(x['tok_s'] for x in runs):7.1f} tok/s  "
+            line = (f"{kind:9s} {name:15s} {statistics.median(x['tok_s'] for x in runs):7.1f} tok/s  "
                     f"x{statistics.median(ratios):.2f} vs plain (rounds {min(ratios):.2f}-{max(ratios):.2f})")
             if name != "plain":
                 line += (f"  acceptance {statistics.median(x['acceptance_rate'] for x in runs):.2f}, "

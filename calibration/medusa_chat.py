@@ -18,6 +18,8 @@ Held out: CHAT_QUESTIONS (medusa_data.py), never templated here.
 
 from __future__ import annotations
 
+import json
+import random
 import re
 from collections.abc import Callable
 from itertools import islice
@@ -43,8 +45,31 @@ TEMPLATES = (
     "List some synonyms for {word}.",
     "Write a short dialogue between two friends about {word}.",
     "What are the pros and cons of {word}?",
+    "Write a haiku about {word}.",
+    "Give me some tips about {word}.",
+    "How can I explain {word} to my grandmother?",
+    "What is the history of the word \"{word}\"?",
+    "Describe {word} in one paragraph.",
+    "Is {word} a good thing or a bad thing? Why?",
+    "Write a short email to a friend about {word}.",
+    "What are common misconceptions about {word}?",
+    "Can you give an example of {word}?",
+    "Write a limerick about {word}.",
+    "How do people in different cultures think about {word}?",
+    "What would the world be like without {word}?",
+    "Suggest a title for a book about {word}.",
+    "Write a short speech about {word}.",
+    "What questions should I ask to understand {word} better?",
+    "Compare {word} with something similar.",
+    "Summarise what {word} means in one sentence.",
+    "What is a fun fact about {word}?",
+    "Write a short diary entry about {word}.",
+    "How would a scientist describe {word}?",
 )
 _HEADWORD = re.compile(r"^([A-Z][A-Z\-]+), (?:n|v|adj|adv|pp|pron|prep|conj|interj|x)", re.M)
+# one chat prompt in this many is a corpus request (its ~80-token passage costs ~2 answers' teacher forcing);
+# 15, coprime with the held-out split's 8, so 1 request in 8 is held out like the questions
+REQUEST_EVERY = 15
 
 
 def headwords() -> list[str]:
@@ -58,17 +83,36 @@ def headwords() -> list[str]:
 
 
 def open_questions(count: int) -> list[str]:
-    """count questions: headwords spread over the dictionary, the templates taken in turn."""
+    """count distinct questions: (headword, template) pairs in a fixed pseudo-random order, so the first
+    count of a longer list are the same questions (answers cached for N prompts serve any N' <= N)."""
     words = headwords()
-    if count > len(words):
-        raise ValueError(f"the dictionary has {len(words)} headwords, fewer than {count} questions")
+    pairs = list(range(len(words) * len(TEMPLATES)))
+    if count > len(pairs):
+        raise ValueError(f"{len(words)} headwords x {len(TEMPLATES)} templates make {len(pairs)} questions, "
+                         f"fewer than {count}")
+    random.Random(0).shuffle(pairs)
     out = []
-    for n in range(count):
-        word = words[n * len(words) // count]
-        a = "an" if word[0] in "aeiou" else "a"
-        out.append(TEMPLATES[n % len(TEMPLATES)].format(word=word, a=a))
-    held = set(CHAT_QUESTIONS)
-    return [q for q in out if q not in held]
+    for pair in pairs[:count]:
+        word, template = words[pair // len(TEMPLATES)], TEMPLATES[pair % len(TEMPLATES)]
+        out.append(template.format(word=word, a="an" if word[0] in "aeiou" else "a"))
+    assert_held_out(out)
+    return out
+
+
+def chat_prompts(count: int) -> list[str]:
+    """count chat prompts: open questions, every REQUEST_EVERY-th a corpus request instead (prefix-stable)."""
+    requests = count // REQUEST_EVERY
+    questions, corpus = iter(open_questions(count - requests)), iter(corpus_requests(requests))
+    out = [next(corpus) if n % REQUEST_EVERY == REQUEST_EVERY - 1 else next(questions) for n in range(count)]
+    assert_held_out(out)
+    return out
+
+
+def assert_held_out(prompts: list[str]) -> None:
+    """The benchmark's open questions (CHAT_QUESTIONS) must never be trained on."""
+    leaked = set(prompts) & set(CHAT_QUESTIONS)
+    if leaked:
+        raise AssertionError(f"held-out CHAT_QUESTIONS among the training prompts: {sorted(leaked)}")
 
 
 def corpus_requests(count: int) -> list[str]:
@@ -79,46 +123,92 @@ def corpus_requests(count: int) -> list[str]:
 
 
 def engine_answers(engine_dir: str | Path, questions: list[str], max_tokens: int, threads: int | None,
-                   say: Progress) -> list[tuple[list[int], list[int]]]:
-    """(prompt ids, greedy answer ids) per question, from the serving runtime on engine_dir."""
+                   say: Progress, cache: Path | None = None) -> list[tuple[list[int], list[int]]]:
+    """(prompt ids, greedy answer ids) per question, from the serving runtime on engine_dir (64 sequences in
+    flight). With cache (a .jsonl file), answers found there are reused and new ones appended as each chunk
+    finishes, so an interrupted run resumes and a longer prompt list pays only for its new prompts."""
     import time
 
     from kiln.runtime import LLM, SamplingParams
     from kiln.runtime.params import RuntimeConfig
 
-    llm = LLM(engine_dir, RuntimeConfig(num_threads=threads, max_num_seqs=32))
-    params = SamplingParams(temperature=0, max_tokens=max_tokens)
-    out: list[tuple[list[int], list[int]]] = []
-    start = time.perf_counter()
-    for first in range(0, len(questions), 64):
-        batch = questions[first:first + 64]
-        for o in llm.chat([[{"role": "user", "content": q}] for q in batch], params):
-            out.append((list(o.prompt_token_ids), list(o.outputs[0].token_ids)))
-        elapsed = time.perf_counter() - start
-        say(f"answers: {len(out)}/{len(questions)} prompts, {sum(len(a) for _, a in out)} tokens in "
-            f"{elapsed:.0f}s")
-    return out
+    header = {"engine": str(Path(engine_dir).resolve()), "max_tokens": max_tokens}
+    done = _read_cache(cache, header) if cache is not None else {}
+    todo = [q for q in dict.fromkeys(questions) if q not in done]
+    say(f"answers: {len(questions) - len(todo)} of {len(questions)} prompts cached")
+    if todo:
+        llm = LLM(engine_dir, RuntimeConfig(num_threads=threads, max_num_seqs=64))
+        params = SamplingParams(temperature=0, max_tokens=max_tokens)
+        start, tokens = time.perf_counter(), 0
+        for first in range(0, len(todo), 128):
+            batch = todo[first:first + 128]
+            outputs = llm.chat([[{"role": "user", "content": q}] for q in batch], params)
+            new = {q: (list(o.prompt_token_ids), list(o.outputs[0].token_ids)) for q, o in zip(batch, outputs,
+                                                                                             strict=True)}
+            done.update(new)
+            if cache is not None:
+                _append_cache(cache, header, new)
+            tokens += sum(len(a) for _, a in new.values())
+            say(f"answers: {first + len(batch)}/{len(todo)} new prompts, {tokens} tokens in "
+                f"{time.perf_counter() - start:.0f}s")
+    return [done[q] for q in questions]
+
+
+def _read_cache(cache: Path, header: dict) -> dict[str, tuple[list[int], list[int]]]:
+    if not cache.exists():
+        return {}
+    with cache.open() as f:
+        found = json.loads(f.readline())
+        if found != header:
+            raise ValueError(f"answer cache {cache} holds answers of {found}, not {header}; use another file")
+        return {r["q"]: (r["prompt"], r["answer"]) for r in map(json.loads, f)}
+
+
+def _append_cache(cache: Path, header: dict, answers: dict[str, tuple[list[int], list[int]]]) -> None:
+    fresh = not cache.exists()
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    with cache.open("a") as f:
+        if fresh:
+            f.write(json.dumps(header) + "\n")
+        for q, (prompt, answer) in answers.items():
+            f.write(json.dumps({"q": q, "prompt": prompt, "answer": answer}) + "\n")
 
 
 @torch.no_grad()
 def teacher_forced_rows(model, sequences: list[tuple[list[int], list[int]]], num_heads: int,
-                        say: Progress) -> tuple[torch.Tensor, torch.Tensor]:
+                        say: Progress, batch_tokens: int = 4096) -> tuple[torch.Tensor, torch.Tensor]:
     """x [n, D]: the final norm's output at each position that predicts an answer token (the prompt's last
-    one and the answer's but its last); labels [n, K]: the answer token i places after the one predicted."""
+    one and the answer's but its last); labels [n, K]: the answer token i places after the one predicted.
+    Sequences of similar length run together, right-padded: under the causal mask a real position never sees
+    the padding after it, so its state is the unpadded one; rows come back in the sequences' order."""
     from .collect import run_layers
 
-    xs, labels = [], []
-    for n, (prompt, answer) in enumerate(sequences):
-        if not answer:
-            continue
-        ids = torch.tensor([prompt + answer[:-1]])
-        hidden = run_layers(model, ids, torch.arange(ids.shape[1])[None])[0, len(prompt) - 1:]
-        xs.append(model.model.norm(hidden))
-        target = torch.tensor(answer)
-        rows = torch.full((len(answer), num_heads), IGNORE, dtype=torch.int64)
+    kept = [n for n, (_, answer) in enumerate(sequences) if answer]
+    order = sorted(kept, key=lambda n: len(sequences[n][0]) + len(sequences[n][1]))
+    xs: dict[int, torch.Tensor] = {}
+    first = 0
+    while first < len(order):
+        last = first + 1
+        while last < len(order) and (last - first + 1) * (len(sequences[order[last]][0]) +
+                                                           len(sequences[order[last]][1])) <= batch_tokens:
+            last += 1
+        group = order[first:last]
+        longest = max(len(sequences[n][0]) + len(sequences[n][1]) - 1 for n in group)
+        ids = torch.zeros((len(group), longest), dtype=torch.int64)
+        for b, n in enumerate(group):
+            prompt, answer = sequences[n]
+            ids[b, :len(prompt) + len(answer) - 1] = torch.tensor(prompt + answer[:-1])
+        hidden = model.model.norm(run_layers(model, ids, torch.arange(longest)[None].expand(len(group), -1)))
+        for b, n in enumerate(group):
+            prompt, answer = sequences[n]
+            xs[n] = hidden[b, len(prompt) - 1:len(prompt) - 1 + len(answer)].clone()
+        first = last
+        say(f"hidden states of {first}/{len(order)} answers")
+    labels = []
+    for n in kept:
+        target = torch.tensor(sequences[n][1])
+        rows = torch.full((len(target), num_heads), IGNORE, dtype=torch.int64)
         for i in range(1, num_heads + 1):
-            rows[:len(answer) - i, i - 1] = target[i:]
+            rows[:len(target) - i, i - 1] = target[i:]
         labels.append(rows)
-        if (n + 1) % 50 == 0:
-            say(f"hidden states of {n + 1}/{len(sequences)} answers")
-    return torch.cat(xs), torch.cat(labels)
+    return torch.cat([xs[n] for n in kept]), torch.cat(labels)

@@ -17,6 +17,7 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -29,6 +30,7 @@ from .medusa_heads import MedusaArtifact, MedusaError, MedusaHeads
 
 Progress = Callable[[str], None]
 HOLDOUT_EVERY = 8
+SCORED_TRAIN_ROWS = 16384  # the training split's score (a fit diagnostic) is taken on a sample of this many rows
 IGNORE = -100
 
 
@@ -45,6 +47,7 @@ class MedusaConfig:
     seed: int = 0
     generate_batch: int = 32  # prompts decoded together
     label_vocabulary: bool = False  # train the softmax over the labels' and their rivals' tokens (label_vocabulary())
+    weight_decay: float = 0.0  # AdamW's: pulls each head back toward the shared LM head (W, b = 0)
 
     def __post_init__(self) -> None:
         for name in ("num_heads", "prompt_tokens", "new_tokens", "epochs", "batch_rows", "generate_batch"):
@@ -58,6 +61,7 @@ class MedusaConfig:
         require(self.new_tokens > self.num_heads, "new_tokens", f"more than num_heads ({self.num_heads})",
                 self.new_tokens)
         require(self.learning_rate > 0, "learning_rate", "positive", self.learning_rate)
+        require(self.weight_decay >= 0, "weight_decay", "non-negative", self.weight_decay)
 
 
 def build_prompts(checkpoint, text: str, config: MedusaConfig) -> list[list[int]]:
@@ -144,20 +148,26 @@ def label_vocabulary(x: torch.Tensor, labels: torch.Tensor, lm_head: torch.Tenso
 
 
 def train_heads(x: torch.Tensor, labels: torch.Tensor, lm_head: torch.Tensor, config: MedusaConfig,
-                say: Progress) -> tuple[MedusaHeads, list[float]]:
-    """Fit the heads on cached rows; returns them and the mean loss of each epoch."""
+                say: Progress, heldout: tuple[torch.Tensor, torch.Tensor] | None = None
+                ) -> tuple[MedusaHeads, list[dict]]:
+    """Fit the heads on cached rows; returns them and one record per epoch (mean training loss, and with
+    heldout the held-out chain's accepted tokens per step). Early stopping: with heldout, the heads are those
+    of the epoch that scored best there (the heads overfit a few thousand prompts within a couple of epochs)."""
+    full_head = lm_head.detach()
     if config.label_vocabulary:
         lm_head, labels = label_vocabulary(x, labels, lm_head)
         say(f"training vocabulary: {lm_head.shape[0]} tokens")
     torch.manual_seed(config.seed)
     heads = MedusaHeads(config.num_heads, x.shape[1])
-    optimizer = torch.optim.AdamW(heads.parameters(), lr=config.learning_rate, weight_decay=0.0)
+    optimizer = torch.optim.AdamW(heads.parameters(), lr=config.learning_rate, weight_decay=config.weight_decay)
     steps_per_epoch = math.ceil(x.shape[0] / config.batch_rows)
     total = steps_per_epoch * config.epochs
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 0.5 * (1 + math.cos(math.pi * s / total)))
     order = torch.Generator().manual_seed(config.seed)
     lm_head = lm_head.detach()
-    losses, start, step = [], time.perf_counter(), 0
+    history: list[dict] = []
+    best: tuple[float, dict[str, torch.Tensor]] | None = None
+    start, step = time.perf_counter(), 0
     for epoch in range(config.epochs):
         total_loss = 0.0
         for batch in torch.randperm(x.shape[0], generator=order).split(config.batch_rows):
@@ -170,12 +180,22 @@ def train_heads(x: torch.Tensor, labels: torch.Tensor, lm_head: torch.Tensor, co
             schedule.step()
             total_loss += loss.item() * len(batch)
             step += 1
-            if step % 10 == 0 or step == total:
+            if step % 50 == 0 or step == total:
                 elapsed = time.perf_counter() - start
                 say(f"training step {step}/{total} (epoch {epoch + 1}), loss {loss.item():.3f}, "
                     f"{elapsed:.0f}s (eta {elapsed / step * (total - step):.0f}s)")
-        losses.append(total_loss / x.shape[0])
-    return heads.requires_grad_(False), losses
+        record = {"epoch": epoch + 1, "loss": round(total_loss / x.shape[0], 4)}
+        if heldout is not None:
+            result = score(heads, *heldout, full_head)
+            record.update(heldout_top1=result["top1_accuracy"], heldout_accepted=result["mean_accepted_tokens"])
+            say(f"epoch {epoch + 1}: held-out top-1 per head {result['top1_accuracy']}, accepted/step "
+                f"{result['mean_accepted_tokens']}")
+            if best is None or result["mean_accepted_tokens"] > best[0]:
+                best = (result["mean_accepted_tokens"], {k: v.detach().clone() for k, v in heads.state_dict().items()})
+        history.append(record)
+    if best is not None:
+        heads.load_state_dict(best[1])
+    return heads.requires_grad_(False), history
 
 
 @torch.no_grad()
@@ -214,12 +234,14 @@ def train_medusa(checkpoint, text: str, config: MedusaConfig, progress: Progress
 @dataclass(frozen=True)
 class ChatAnswers:
     """Where `train_medusa_chat` gets its rows: the greedy answers of `engine` (an fp32 engine of the same
-    checkpoint, served by the runtime) to `prompts` chat prompts, 7 in 8 open questions and 1 in 8 corpus chat
-    requests (medusa_chat.py); 1 prompt in HOLDOUT_EVERY is held out, and CHAT_QUESTIONS are scored apart."""
+    checkpoint, served by the runtime) to `prompts` chat prompts (medusa_chat.chat_prompts: open questions, 1 in
+    15 a corpus chat request); 1 prompt in HOLDOUT_EVERY is held out, and CHAT_QUESTIONS are scored apart.
+    `cache`: a .jsonl file of answers reused across runs (medusa_chat.engine_answers)."""
 
     engine: str
     prompts: int = 200
     threads: int | None = None
+    cache: Path | None = None
 
     def __post_init__(self) -> None:
         require(isinstance(self.prompts, int) and self.prompts >= HOLDOUT_EVERY, "prompts",
@@ -231,16 +253,16 @@ def train_medusa_chat(checkpoint, source: ChatAnswers, config: MedusaConfig,
     """Heads self-distilled on the model's own chat answers (config.new_tokens tokens each)."""
     from kiln.export.reference import ReferenceModel
 
-    from .medusa_chat import corpus_requests, engine_answers, open_questions, teacher_forced_rows
+    from .medusa_chat import assert_held_out, chat_prompts, engine_answers, teacher_forced_rows
 
     say = progress or (lambda _m: None)
     start, cpu_start = time.perf_counter(), time.process_time()
-    requests = source.prompts // HOLDOUT_EVERY
-    prompts = open_questions(source.prompts - requests) + corpus_requests(requests)
+    prompts = chat_prompts(source.prompts)
     held = [p for n, p in enumerate(prompts) if n % HOLDOUT_EVERY == HOLDOUT_EVERY - 1]
     train = [p for n, p in enumerate(prompts) if n % HOLDOUT_EVERY != HOLDOUT_EVERY - 1]
+    assert_held_out(train + held)
     answers = engine_answers(source.engine, train + held + list(CHAT_QUESTIONS), config.new_tokens, source.threads,
-                             say)
+                             say, cache=source.cache)
     model = ReferenceModel.from_checkpoint(checkpoint)
     cut = (0, len(train), len(train) + len(held), len(answers))
     data = {name: teacher_forced_rows(model, answers[a:b], config.num_heads, say)
@@ -265,9 +287,10 @@ def _fit(checkpoint, model, data: dict[str, tuple[torch.Tensor, torch.Tensor]], 
     lm_head = lm_head_weight(model)
     generation_s = time.perf_counter() - start
     say(f"cached {sum(x.shape[0] for x, _ in data.values())} hidden states in {generation_s:.0f}s")
-    heads, losses = train_heads(*data["train"], lm_head, config, say)
+    heads, history = train_heads(*data["train"], lm_head, config, say, heldout=data["heldout"])
     training_s = time.perf_counter() - start - generation_s
-    results = {name: score(heads, x, labels, lm_head) for name, (x, labels) in data.items()}
+    results = {name: score(heads, *_sample(x, labels, SCORED_TRAIN_ROWS if name == "train" else None), lm_head)
+               for name, (x, labels) in data.items()}
     for name, result in results.items():
         say(f"{name}: top-1 accuracy per head {result['top1_accuracy']}, "
             f"mean accepted tokens per step {result['mean_accepted_tokens']}")
@@ -276,7 +299,7 @@ def _fit(checkpoint, model, data: dict[str, tuple[torch.Tensor, torch.Tensor]], 
         "vocab_size": checkpoint.spec.vocab_size, "model_source": checkpoint.source,
         "model_fingerprint": checkpoint.fingerprint(), "corpus": about.corpus, "config": asdict(config),
         "data": {**about.data, "train_rows": results["train"]["rows"]},
-        "epoch_losses": [round(loss, 4) for loss in losses],
+        "epochs": history,  # the heads are those of the epoch with the best held-out accepted tokens per step
         "seconds": {"generation": round(generation_s, 1), "training": round(training_s, 1),
                     "total": round(time.perf_counter() - start, 1),
                     "cpu_total": round(time.process_time() - cpu_start, 1)},  # all threads: what a shared machine's
@@ -284,6 +307,14 @@ def _fit(checkpoint, model, data: dict[str, tuple[torch.Tensor, torch.Tensor]], 
         **results,
     }
     return MedusaArtifact(heads.state(), info)
+
+
+def _sample(x: torch.Tensor, labels: torch.Tensor, rows: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """At most `rows` rows, drawn with a fixed seed (scoring 100k rows on the full vocabulary costs minutes)."""
+    if rows is None or x.shape[0] <= rows:
+        return x, labels
+    pick = torch.randperm(x.shape[0], generator=torch.Generator().manual_seed(0))[:rows]
+    return x[pick], labels[pick]
 
 
 def _question_ids(checkpoint) -> list[list[int]]:

@@ -26,13 +26,20 @@ def _say(message: str) -> None:
 @click.option("--prompts", type=int, default=None,
               help="prompts: of each kind (text windows, chat requests) from the book [24]; or chat prompts with "
                    "--answers-from [200]; 1 in 8 held out")
-@click.option("--new-tokens", type=int, default=None, help="greedy tokens generated per prompt [48; 96 with "
+@click.option("--new-tokens", type=int, default=None, help="greedy tokens generated per prompt [48; 64 with "
                                                            "--answers-from]")
-@click.option("--epochs", type=int, default=None, help="training epochs [5; 2 with --answers-from]")
+@click.option("--epochs", type=int, default=None,
+              help="training epochs [5; 3 with --answers-from]; the heads kept are the best held-out epoch's")
+@click.option("--weight-decay", type=float, default=0.0, show_default=True,
+              help="AdamW weight decay (pulls the heads toward the shared LM head)")
+@click.option("--answer-cache", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="with --answers-from: a .jsonl file of answers, reused and extended (an interrupted or longer "
+                   "run pays only for new prompts)")
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--threads", type=int, default=None, help="threads of the runtime generating the answers")
 def train_medusa(model: str, output: Path, num_heads: int, engine: str | None, prompts: int | None,
-                 new_tokens: int | None, epochs: int | None, seed: int, threads: int | None) -> None:
+                 new_tokens: int | None, epochs: int | None, weight_decay: float, answer_cache: Path | None, seed: int,
+                 threads: int | None) -> None:
     """Train Medusa heads for MODEL on its own greedy continuations: of chat prompts (--answers-from) or of
     the calibration book."""
     import torch
@@ -44,9 +51,11 @@ def train_medusa(model: str, output: Path, num_heads: int, engine: str | None, p
     from kiln.export.checkpoint import load_checkpoint
 
     chat = engine is not None
+    if answer_cache is not None and not chat:
+        raise click.UsageError("--answer-cache caches the answers of --answers-from; give both or neither")
     config = MedusaConfig(num_heads=num_heads, text_prompts=prompts or 24, chat_prompts=prompts or 24,
-                          new_tokens=new_tokens or (96 if chat else 48), epochs=epochs or (2 if chat else 5),
-                          seed=seed, label_vocabulary=chat)
+                          new_tokens=new_tokens or (64 if chat else 48), epochs=epochs or (3 if chat else 5),
+                          seed=seed, label_vocabulary=chat, weight_decay=weight_decay)
     try:
         checkpoint = load_checkpoint(model)
         text = None if chat else calibration_text()
@@ -54,7 +63,11 @@ def train_medusa(model: str, output: Path, num_heads: int, engine: str | None, p
         raise click.ClickException(str(exc)) from exc
     _say(f"{config.num_heads} heads, {torch.get_num_threads()} threads, seed {config.seed}")
     if engine is not None:
-        artifact = train_medusa_chat(checkpoint, ChatAnswers(engine, prompts or 200, threads), config, _say)
+        try:
+            artifact = train_medusa_chat(checkpoint, ChatAnswers(engine, prompts or 200, threads, answer_cache), config,
+                                         _say)
+        except ValueError as exc:  # an answer cache of another engine or length: the message says which
+            raise click.ClickException(str(exc)) from exc
     else:
         assert text is not None
         artifact = run(checkpoint, text, config, _say, corpus=f"janeaustenr:{CALIBRATION_BOOK}")

@@ -80,7 +80,10 @@ def test_training_fits_the_heads_and_is_deterministic(checkpoint, artifact):
     assert info["num_heads"] == 2 and info["hidden_size"] == checkpoint.spec.hidden_size
     assert info["model_fingerprint"] == checkpoint.fingerprint()
     assert info["data"]["train_prompts"] == 7 and info["data"]["heldout_prompts"] == 1
-    assert info["epoch_losses"][-1] < info["epoch_losses"][0]
+    assert [e["epoch"] for e in info["epochs"]] == [1, 2, 3] and info["epochs"][-1]["loss"] < info["epochs"][0]["loss"]
+    assert all(1 <= e["heldout_accepted"] <= 3 for e in info["epochs"])
+    # early stopping: the kept heads are the best held-out epoch's
+    assert info["heldout"]["mean_accepted_tokens"] == max(e["heldout_accepted"] for e in info["epochs"])
     for split in ("train", "heldout", "chat"):
         assert len(info[split]["top1_accuracy"]) == 2 and 1 <= info[split]["mean_accepted_tokens"] <= 3
     # the same rows and seed give the same heads; zero heads (the LM head) score worse on what they trained on
@@ -152,7 +155,8 @@ def test_manifest_records_the_heads_and_old_manifests_load(checkpoint, tmp_path)
         MedusaSpec(2, 64, (0.5,))
 
 
-def test_teacher_forced_rows_are_the_greedy_states(checkpoint):
+@pytest.mark.parametrize("batch_tokens", [4096, 16])  # both sequences in one padded batch, or one each
+def test_teacher_forced_rows_are_the_greedy_states(checkpoint, batch_tokens):
     """Chat answers' rows from one forward of prompt + answer: the states and labels greedy decoding gives."""
     from kiln.calibration.medusa_chat import teacher_forced_rows
 
@@ -160,10 +164,24 @@ def test_teacher_forced_rows_are_the_greedy_states(checkpoint):
     prompts = [[5, 6, 7, 8, 9, 10, 11], [20, 21, 22]]
     out = greedy_states(model, prompts, 10)
     answers = [(p, out.tokens[b].tolist()) for b, p in enumerate(prompts)]
-    x, labels = teacher_forced_rows(model, answers, 3, lambda _m: None)
+    x, labels = teacher_forced_rows(model, answers, 3, lambda _m: None, batch_tokens=batch_tokens)
     want_x, want_labels = rows_and_labels([dataclasses.replace(out, lengths=torch.tensor([10, 10]))], model, 3)
     torch.testing.assert_close(x, want_x, atol=1e-4, rtol=0)
     assert torch.equal(labels, want_labels)
+
+
+def test_early_stopping_keeps_the_best_held_out_epoch(checkpoint):
+    """Trained on rows whose labels contradict the held-out ones, the heads only get worse there: early
+    stopping keeps epoch 1's heads, whatever the later epochs did."""
+    model = ReferenceModel.from_checkpoint(checkpoint)
+    x, labels = rows_and_labels([greedy_states(model, [[5, 6, 7, 8], [9, 10, 11, 12, 13]], 12)], model, 2)
+    head = model.model.embed_tokens.weight
+    wrong = torch.where(labels == IGNORE, IGNORE, (labels + 1) % head.shape[0])
+    config = dataclasses.replace(FAST, epochs=4, batch_rows=8, learning_rate=1e-2)
+    heads, history = train_heads(x, wrong, head, config, lambda _m: None, heldout=(x, labels))
+    accepted = [e["heldout_accepted"] for e in history]
+    assert accepted[0] > accepted[-1]
+    assert score(heads, x, labels, head)["mean_accepted_tokens"] == max(accepted)
 
 
 def test_label_vocabulary_trains_on_the_labels_tokens(checkpoint):
@@ -183,12 +201,58 @@ def test_label_vocabulary_trains_on_the_labels_tokens(checkpoint):
                                                                      full)["top1_accuracy"][1]
 
 
-def test_open_questions_template_the_headwords_and_skip_the_held_out(monkeypatch):
+def test_open_questions_pair_headwords_with_templates_prefix_stably(monkeypatch):
     from kiln.calibration import medusa_chat
 
     monkeypatch.setattr(medusa_chat, "headwords", lambda: ["apple", "bread", "cloud", "door"])
-    questions = medusa_chat.open_questions(4)
-    assert questions == ["What is an apple?", 'Explain the word "bread" in simple terms.',
-                         "Write a short poem about cloud.", "Give me three facts about door."]
-    with pytest.raises(ValueError, match="fewer than 5 questions"):
-        medusa_chat.open_questions(5)
+    pairs = 4 * len(medusa_chat.TEMPLATES)
+    questions = medusa_chat.open_questions(pairs)
+    assert len(set(questions)) == pairs  # every (word, template) pair once
+    assert medusa_chat.open_questions(10) == questions[:10]  # a longer list starts with the shorter one
+    assert "What is an apple?" in questions
+    with pytest.raises(ValueError, match=f"fewer than {pairs + 1}"):
+        medusa_chat.open_questions(pairs + 1)
+
+
+def test_chat_prompts_never_hold_the_benchmark_questions(monkeypatch):
+    from kiln.calibration import medusa_chat
+    from kiln.calibration.medusa_data import CHAT_QUESTIONS
+
+    monkeypatch.setattr(medusa_chat, "corpus_requests", lambda n: [f"request {i}" for i in range(n)])
+    prompts = medusa_chat.chat_prompts(40)
+    assert prompts[14] == "request 0" and prompts[29] == "request 1" and len(set(prompts)) == 40
+    assert not set(prompts) & set(CHAT_QUESTIONS)
+    monkeypatch.setattr(medusa_chat, "corpus_requests", lambda n: [CHAT_QUESTIONS[0]] * n)
+    with pytest.raises(AssertionError, match="held-out CHAT_QUESTIONS"):
+        medusa_chat.chat_prompts(15)
+
+
+def test_answer_cache_resumes_and_refuses_another_engine(tmp_path):
+    from kiln.calibration import medusa_chat
+
+    cache = tmp_path / "answers.jsonl"
+    header = {"engine": "/e", "max_tokens": 8}
+    medusa_chat._append_cache(cache, header, {"q1": ([1, 2], [3])})
+    medusa_chat._append_cache(cache, header, {"q2": ([4], [5, 6])})
+    assert medusa_chat._read_cache(cache, header) == {"q1": ([1, 2], [3]), "q2": ([4], [5, 6])}
+    with pytest.raises(ValueError, match="use another file"):
+        medusa_chat._read_cache(cache, {"engine": "/e", "max_tokens": 16})
+
+
+def test_training_rows_are_scored_on_a_fixed_sample():
+    from kiln.calibration.medusa_train import _sample
+
+    x, labels = torch.arange(10.0)[:, None], torch.arange(10)[:, None]
+    assert _sample(x, labels, None)[0] is x and _sample(x, labels, 10)[0] is x
+    a, b = _sample(x, labels, 4), _sample(x, labels, 4)
+    assert a[0].shape == (4, 1) and torch.equal(a[0], b[0]) and torch.equal(a[0][:, 0].long(), a[1][:, 0])
+
+
+def test_cli_answer_cache_needs_answers_from(tmp_path):
+    from click.testing import CliRunner
+
+    from kiln.cli.medusa import train_medusa as command
+
+    result = CliRunner().invoke(command, ["default", "-o", str(tmp_path / "h"), "--answer-cache",
+                                          str(tmp_path / "a.jsonl")])
+    assert result.exit_code == 2 and "--answer-cache caches the answers of --answers-from" in result.output
