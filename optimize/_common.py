@@ -27,6 +27,18 @@ def const_float(value: ir.Value | None) -> float | None:
     return float(array.reshape(-1)[0]) if array.size == 1 else None
 
 
+def float_initializer(name: str, array: np.ndarray) -> ir.Value:
+    """A float32 initializer value named `name` (register it on the graph)."""
+    return ir.Value(name=name, type=ir.TensorType(ir.DataType.FLOAT), shape=ir.Shape(list(array.shape)),
+                    const_value=ir.tensor(np.ascontiguousarray(array, np.float32), name=name))
+
+
+def is_last_axis(axis: int, value: ir.Value | None) -> bool:
+    """axis (-1 or non-negative) names value's last axis; a non-negative one needs value's rank."""
+    rank = None if value is None or value.shape is None else len(value.shape)
+    return axis == -1 or (rank is not None and axis == rank - 1)
+
+
 def static_dim(value: ir.Value, axis: int) -> int | None:
     if value.shape is None or len(value.shape) <= abs(axis):
         return None

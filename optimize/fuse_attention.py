@@ -33,7 +33,7 @@ from onnxscript.rewriter import pattern
 
 from kiln import contract
 from kiln.errors import require
-from kiln.optimize._common import add_opset, const_float, look_through_repeat_kv, static_dim
+from kiln.optimize._common import add_opset, const_float, float_initializer, look_through_repeat_kv, static_dim
 from kiln.optimize.rotary import match_rotary, rotary_tables
 from kiln.paged_attention import NO_KV_SCALE
 
@@ -80,12 +80,6 @@ class _Match:
     head_dim: int
     scale: float
     rotary: tuple[ir.Value, ir.Value] | None  # pre-RoPE query and key when RoPE moves into the op
-
-
-def _const(name: str, array: np.ndarray) -> ir.Value:
-    """A float32 initializer value (registered on the graph after the rewrite)."""
-    return ir.Value(name=name, type=ir.TensorType(ir.DataType.FLOAT), shape=ir.Shape(list(array.shape)),
-                    const_value=ir.tensor(np.ascontiguousarray(array, np.float32), name=name))
 
 
 class PagedAttentionFusion(pattern.RewriteRuleClassBase):
@@ -180,7 +174,8 @@ class PagedAttentionFusion(pattern.RewriteRuleClassBase):
         if self._inv_freq is None:
             self._inv_freq = q.inv_freq
             cos, sin = rotary_tables(q.inv_freq, self._config.rotary_positions)
-            self._shared[ROTARY_COS], self._shared[ROTARY_SIN] = _const(ROTARY_COS, cos), _const(ROTARY_SIN, sin)
+            self._shared[ROTARY_COS] = float_initializer(ROTARY_COS, cos)
+            self._shared[ROTARY_SIN] = float_initializer(ROTARY_SIN, sin)
         elif not np.array_equal(self._inv_freq, q.inv_freq):
             return None  # another layer's frequencies: this one keeps RoPE as graph ops
         return q.source, k.source
@@ -210,7 +205,7 @@ class PagedAttentionFusion(pattern.RewriteRuleClassBase):
         shared = self._shared
         if match.rotary is not None:
             if not extra:
-                shared.setdefault(NO_KV_SCALE, _const(NO_KV_SCALE, np.zeros(0, np.float32)))
+                shared.setdefault(NO_KV_SCALE, float_initializer(NO_KV_SCALE, np.zeros(0, np.float32)))
             extra = [extra[0] if extra else shared[NO_KV_SCALE], shared[ROTARY_COS], shared[ROTARY_SIN]]
         out, kv_cache_out = op.PagedAttention(
             query, key, value, kv_cache,

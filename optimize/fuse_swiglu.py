@@ -18,7 +18,7 @@ import onnx_ir as ir
 from onnxscript.rewriter import pattern
 
 from kiln.contract import OP_DOMAIN
-from kiln.optimize._common import add_opset, const_ints, static_dim
+from kiln.optimize._common import add_opset, const_ints, is_last_axis, static_dim
 from kiln.swiglu import OP_VERSION
 
 _SILU_FORMS = ("Sigmoid", "QuickGelu", "Swish")
@@ -60,8 +60,7 @@ class SwiGluFusion(pattern.RewriteRuleClassBase):
 def _unequal_halves(split: ir.Node, x: ir.Value) -> str | None:
     """Why the Split is not two equal halves of x's last axis, or None when it is."""
     axis = split.attributes.get_int("axis", 0)
-    rank = len(x.shape) if x.shape is not None else None
-    if axis != -1 and (rank is None or axis != rank - 1):
+    if not is_last_axis(axis, x):
         return f"the Split is along axis {axis}, not the last"
     sizes_input = split.inputs[1] if len(split.inputs) > 1 else None
     if sizes_input is not None:

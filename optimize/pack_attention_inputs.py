@@ -17,7 +17,7 @@ import numpy as np
 import onnx_ir as ir
 
 from kiln.contract import OP_DOMAIN, OP_TYPE
-from kiln.optimize._common import const_ints, producer_op, static_dim
+from kiln.optimize._common import const_ints, float_initializer, is_last_axis, producer_op, static_dim
 from kiln.optimize.quant.graph import prune
 from kiln.paged_attention import PACKED_QKV
 
@@ -40,7 +40,9 @@ def _pack(model: ir.Model, node: ir.Node) -> bool:
         return False
     parts = [part for part, _ in flats]  # type: ignore[misc]
     split = producer_op(parts[0], "Split")
-    if split is None or list(split.outputs) != parts or not _last_axis(split):
+    if split is None or list(split.outputs) != parts:
+        return False
+    if not is_last_axis(split.attributes.get_int("axis", 0), split.inputs[0]):
         return False
     fused = split.inputs[0]
     rank = None if fused is None or fused.shape is None else len(fused.shape)
@@ -93,19 +95,9 @@ def _unflatten(out: ir.Value, width: int) -> ir.Node | None:
     return reshape if const_ints(reshape.inputs[1]) == [1, -1, width] else None
 
 
-def _last_axis(split: ir.Node) -> bool:
-    axis = split.attributes.get("axis")
-    rank = None if split.inputs[0] is None or split.inputs[0].shape is None else len(split.inputs[0].shape)
-    value = 0 if axis is None else axis.as_int()
-    return value == -1 or (rank is not None and value == rank - 1)
-
-
 def _packed_qkv(model: ir.Model) -> ir.Value:
     """The shared empty float32 [0] that stands for the key and value of a packed op."""
     initializers = model.graph.initializers
     if PACKED_QKV not in initializers:
-        empty = np.zeros(0, np.float32)
-        value = ir.Value(name=PACKED_QKV, shape=ir.Shape(empty.shape), type=ir.TensorType(ir.DataType.FLOAT),
-                         const_value=ir.tensor(empty, name=PACKED_QKV))
-        model.graph.register_initializer(value)
+        model.graph.register_initializer(float_initializer(PACKED_QKV, np.zeros(0, np.float32)))
     return initializers[PACKED_QKV]
