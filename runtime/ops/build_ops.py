@@ -22,7 +22,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 SOURCES = ("paged_attention.cc", "matmul_q4_1.cc", "swiglu.cc", "sampling.cc")
-HEADERS = ("simd.h", "validate.h", "matmul_q4_1.h", "swiglu.h", "sampling_simd.h")
+HEADERS = ("simd.h", "validate.h", "shape_text.h", "matmul_q4_1.h", "swiglu.h", "sampling_simd.h")
 LIBRARY_NAME = "libkiln_ops.so"
 MARKER_HEADER = "onnxruntime_lite_custom_op.h"
 DEBIAN_SUITE = "deb http://deb.debian.org/debian trixie main"

@@ -31,6 +31,7 @@
 #include <vector>
 
 #include "matmul_q4_1.h"
+#include "shape_text.h"
 #include "simd.h"
 
 namespace kiln {
@@ -55,12 +56,6 @@ constexpr int64_t kParallelQuantize = 1 << 15;  // activation elements from whic
 
 [[noreturn]] void fail_q4(const std::string& msg) {
   throw Ort::Exception("kiln.MatMulQ4_1: " + msg, ORT_INVALID_ARGUMENT);
-}
-
-std::string shape_text(const std::vector<int64_t>& s) {
-  std::string r = "[";
-  for (size_t i = 0; i < s.size(); ++i) r += (i ? ", " : "") + std::to_string(s[i]);
-  return r + "]";
 }
 
 template <typename F>

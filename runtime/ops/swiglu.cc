@@ -20,6 +20,7 @@
 #include <string>
 #include <vector>
 
+#include "shape_text.h"
 #include "simd.h"
 #include "swiglu.h"
 
@@ -56,12 +57,6 @@ void swiglu_row(const float* x, float* y, int64_t F) {
     const __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(F - i)), lane);
     _mm256_maskstore_ps(y + i, mask, swiglu8(_mm256_maskload_ps(x + i, mask), _mm256_maskload_ps(up + i, mask)));
   }
-}
-
-std::string shape_text(const std::vector<int64_t>& s) {
-  std::string r = "[";
-  for (size_t i = 0; i < s.size(); ++i) r += (i ? ", " : "") + std::to_string(s[i]);
-  return r + "]";
 }
 
 struct Rows {

@@ -9,17 +9,12 @@
 #include <vector>
 
 #include "onnxruntime_cxx_api.h"
+#include "shape_text.h"
 
 namespace kiln {
 
 [[noreturn]] inline void fail(const std::string& msg) {
   throw Ort::Exception("kiln.PagedAttention: " + msg, ORT_INVALID_ARGUMENT);
-}
-
-inline std::string shape_str(const std::vector<int64_t>& s) {
-  std::string r = "[";
-  for (size_t i = 0; i < s.size(); ++i) r += (i ? ", " : "") + std::to_string(s[i]);
-  return r + "]";
 }
 
 // How query, key and value arrive: separate [T, H*D], [T, Hkv*D], [T, Hkv*D], or packed (key and value empty
@@ -37,16 +32,16 @@ inline QkvLayout validate_qkv(std::vector<int64_t> qs, std::vector<int64_t> ks, 
   const auto empty = [](const std::vector<int64_t>& s) { return s.size() == 1 && s[0] == 0; };
   const bool packed = empty(ks) && empty(vs);
   if (empty(ks) != empty(vs))
-    fail("key and value are both empty (query holds packed Q|K|V) or both present, got key " + shape_str(ks) +
-         " and value " + shape_str(vs));
+    fail("key and value are both empty (query holds packed Q|K|V) or both present, got key " + shape_text(ks) +
+         " and value " + shape_text(vs));
   const bool batch_of_one = qs.size() == 3;
   if (batch_of_one) {
-    if (qs[0] != 1) fail("a rank-3 query must be [1, num_tokens, width] (the batch of one), got " + shape_str(qs));
+    if (qs[0] != 1) fail("a rank-3 query must be [1, num_tokens, width] (the batch of one), got " + shape_text(qs));
     qs.erase(qs.begin());
     if (!packed) {
       if (ks.size() != 3 || ks[0] != 1 || vs.size() != 3 || vs[0] != 1)
         fail("with a rank-3 query, key and value must be [1, num_tokens, num_kv_heads*head_dim], got " +
-             shape_str(ks) + " and " + shape_str(vs));
+             shape_text(ks) + " and " + shape_text(vs));
       ks.erase(ks.begin());
       vs.erase(vs.begin());
     }
@@ -54,14 +49,14 @@ inline QkvLayout validate_qkv(std::vector<int64_t> qs, std::vector<int64_t> ks, 
   const int64_t heads = packed ? H + 2 * Hkv : H;
   if (qs.size() != 2 || qs[1] % heads != 0 || qs[1] == 0)
     fail(std::string("query must be [num_tokens, ") + (packed ? "(num_heads+2*num_kv_heads)" : "num_heads") +
-         "*head_dim], got " + shape_str(qs) + " with num_heads=" + std::to_string(H) +
+         "*head_dim], got " + shape_text(qs) + " with num_heads=" + std::to_string(H) +
          (packed ? ", num_kv_heads=" + std::to_string(Hkv) + " (packed Q|K|V)" : ""));
   const int64_t D = qs[1] / heads;
   if (!packed) {
     if (ks.size() != 2 || ks[0] != qs[0] || ks[1] != Hkv * D)
       fail("key must be [num_tokens, num_kv_heads*head_dim] = [" + std::to_string(qs[0]) + ", " +
-           std::to_string(Hkv * D) + "], got " + shape_str(ks));
-    if (vs != ks) fail("value must have the shape of key " + shape_str(ks) + ", got " + shape_str(vs));
+           std::to_string(Hkv * D) + "], got " + shape_text(ks));
+    if (vs != ks) fail("value must have the shape of key " + shape_text(ks) + ", got " + shape_text(vs));
   }
   return QkvLayout{qs[0], D, packed, batch_of_one};
 }
@@ -69,7 +64,7 @@ inline QkvLayout validate_qkv(std::vector<int64_t> qs, std::vector<int64_t> ks, 
 // The pool and the batch description.
 inline void validate(const std::vector<int64_t>& pool, const std::vector<int64_t>& bts, const std::vector<int64_t>& sls,
                      const std::vector<int64_t>& qsls, int64_t Hkv, int64_t D) {
-  const auto& shape = shape_str;
+  const auto& shape = shape_text;
   if (pool.size() != 5 || pool[1] != 2 || pool[2] != Hkv || pool[3] <= 0 || pool[4] != D)
     fail("kv_cache must be [num_blocks, 2, num_kv_heads=" + std::to_string(Hkv) + ", block_size, head_dim=" + std::to_string(D) + "], got " + shape(pool));
   if (bts.size() != 2) fail("block_tables must be [num_seqs, max_blocks], got " + shape(bts));
@@ -80,7 +75,7 @@ inline void validate(const std::vector<int64_t>& pool, const std::vector<int64_t
 // kv_scale of an int8 pool: [2, Hkv] of positive finite steps.
 inline void validate_kv_scale(const std::vector<int64_t>& shape, const float* data, int64_t Hkv) {
   if (shape.size() != 2 || shape[0] != 2 || shape[1] != Hkv)
-    fail("kv_scale must be [2, num_kv_heads=" + std::to_string(Hkv) + "], got " + shape_str(shape));
+    fail("kv_scale must be [2, num_kv_heads=" + std::to_string(Hkv) + "], got " + shape_text(shape));
   for (int64_t i = 0; i < 2 * Hkv; ++i)
     if (!(data[i] > 0.f) || data[i] == std::numeric_limits<float>::infinity())
       fail("kv_scale[" + std::to_string(i / Hkv) + "][" + std::to_string(i % Hkv) + "] = " + std::to_string(data[i]) +
@@ -117,7 +112,7 @@ inline void validate_values(const int32_t* bt, const int32_t* sl, const int32_t*
 // cos_cache/sin_cache: both [P, half] with 0 < 2 * half <= D, and every new token's position below P.
 inline void validate_rotary(const std::vector<int64_t>& cos, const std::vector<int64_t>& sin, int64_t D,
                             const int32_t* sl, const int32_t* qsl, int64_t S) {
-  const auto& shape = shape_str;
+  const auto& shape = shape_text;
   if (cos.size() != 2 || cos != sin || cos[1] <= 0 || 2 * cos[1] > D)
     fail("cos_cache and sin_cache must both be [max_position, rotary_dim/2] with 0 < rotary_dim <= head_dim (" +
          std::to_string(D) + "), got " + shape(cos) + " and " + shape(sin));
