@@ -70,9 +70,9 @@ def chat_repl(engine_dir: str, params: SamplingParams, system: str | None = None
     history = list(base)
     out.write(f"kiln chat with {engine.model_name} (/help lists the commands)\n")
     while True:
-        out.write("> ")
-        out.flush()
-        try:
+        try:  # the prompt is inside: a Ctrl-C that lands just after it is shown still means "leave"
+            out.write("> ")
+            out.flush()
             line = inp.readline()
         except KeyboardInterrupt:  # at the prompt Ctrl-C means "leave", not an error
             line = ""

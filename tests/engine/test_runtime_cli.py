@@ -89,6 +89,25 @@ def test_ctrl_c_at_the_chat_prompt_exits_quietly(tiny_engine):
     assert (chat.returncode, stdout, stderr) == (0, "\n", "")
 
 
+def test_ctrl_c_while_the_prompt_is_shown_also_exits_quietly(tiny_engine):
+    """The signal may land between showing "> " and reading the line (the subprocess test above races on it)."""
+    import io
+
+    from kiln.cli.generation import chat_repl
+
+    class InterruptedOnFlush(io.StringIO):
+        def flush(self):
+            if self.getvalue().endswith("> "):
+                raise KeyboardInterrupt
+
+    out = InterruptedOnFlush()
+    try:
+        chat_repl(str(tiny_engine), SamplingParams(temperature=0), inp=io.StringIO("hi\n"), out=out)
+    except KeyboardInterrupt:  # escaping would stop pytest itself, not fail this test
+        pytest.fail("Ctrl-C just after the prompt was shown escaped chat_repl")
+    assert out.getvalue() == "kiln chat with engine (/help lists the commands)\n> \n"
+
+
 def test_bench_reports_json(tiny_engine, tmp_path):
     out = tmp_path / "bench.json"
     result = CliRunner().invoke(main, [
