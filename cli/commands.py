@@ -90,6 +90,12 @@ _speculative_options = [
 ]
 
 
+max_num_batched_tokens_option = click.option(
+    "--max-num-batched-tokens", "max_num_tokens", type=click.IntRange(min=1), default=None,
+    help="tokens computed per step, decodes first, then prompt chunks in arrival order (default: the runtime's "
+         "step budget, see docs/design.md; at most the engine's max_num_tokens)")
+
+
 def speculative_options(func: CommandFunction) -> CommandFunction:
     for option in reversed(_speculative_options):
         func = option(func)
@@ -124,6 +130,7 @@ def _speculative(method: str | None, num_tokens: int, draft: str | None) -> Spec
               help="waiting requests before 503 + Retry-After (default: unbounded)")
 @click.option("--max-num-seqs", type=click.IntRange(min=1), default=64, show_default=True,
               help="sequences batched per step")
+@max_num_batched_tokens_option
 @click.option("--kv-cache-bytes", type=click.IntRange(min=1), default=None,
               help="KV pool size; must hold one --max-model-len sequence (default: 10% of available memory)")
 @click.option("--num-threads", type=click.IntRange(min=1), default=None,
@@ -148,7 +155,7 @@ def _speculative(method: str | None, num_tokens: int, draft: str | None) -> Spec
               show_default=True, help="info logs the start-up summary and one line per request")
 def serve(engine_dir: Path, host: str, port: int, api_key: str | None, served_model_name: str | None,
           chat_template: Path | None, max_model_len: int | None, max_queue: int | None, max_num_seqs: int,
-          kv_cache_bytes: int | None, num_threads: int | None, disable_prefix_caching: bool,
+          max_num_tokens: int | None, kv_cache_bytes: int | None, num_threads: int | None, disable_prefix_caching: bool,
           shutdown_timeout: float, no_web_ui: bool, speculative: str | None, num_speculative_tokens: int,
           draft: str | None, replicas: int | None, prefill_replicas: int | None, decode_replicas: int | None,
           routing: str, ray_address: str | None, log_level: str) -> None:
@@ -158,8 +165,9 @@ def serve(engine_dir: Path, host: str, port: int, api_key: str | None, served_mo
     from kiln.runtime.server.launch import ServeOptions
     from kiln.runtime.server.launch import serve as run_server
 
-    config = RuntimeConfig(kv_cache_bytes=kv_cache_bytes, max_num_seqs=max_num_seqs, num_threads=num_threads,
-                           max_model_len=max_model_len, enable_prefix_caching=not disable_prefix_caching,
+    config = RuntimeConfig(kv_cache_bytes=kv_cache_bytes, max_num_seqs=max_num_seqs, max_num_tokens=max_num_tokens,
+                           num_threads=num_threads, max_model_len=max_model_len,
+                           enable_prefix_caching=not disable_prefix_caching,
                            chat_template=chat_template.read_text() if chat_template else None,
                            speculative=_speculative(speculative, num_speculative_tokens, draft))
     options = ServeOptions(host=host, port=port, served_model_name=served_model_name, max_queue=max_queue,
@@ -258,6 +266,7 @@ def chat(engine_dir: str, system: str | None, max_tokens: int, temperature: floa
               help="Poisson arrivals per second (default: all at t=0)")
 @click.option("--kv-cache-bytes", type=click.IntRange(min=1), default=None)
 @click.option("--max-num-seqs", type=click.IntRange(min=1), default=64, show_default=True)
+@max_num_batched_tokens_option
 @click.option("--num-threads", type=click.IntRange(min=1), default=None)
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None, help="write the report here")
 @click.option("--server", "server_url", default=None, help="run the workload over HTTP against a running "
@@ -270,8 +279,8 @@ def chat(engine_dir: str, system: str | None, max_tokens: int, temperature: floa
               "(needs kiln[plot])")
 @speculative_options
 def bench(engine_dir: str, num_requests: int, input_len: int, output_len: int, concurrency: tuple[int, ...],
-          request_rate: float | None, kv_cache_bytes: int | None, max_num_seqs: int, num_threads: int | None,
-          json_path: str | None, server_url: str | None, api_key: str | None, sweep: bool,
+          request_rate: float | None, kv_cache_bytes: int | None, max_num_seqs: int, max_num_tokens: int | None,
+          num_threads: int | None, json_path: str | None, server_url: str | None, api_key: str | None, sweep: bool,
           plot_dir: Path | None, speculative: str | None, num_speculative_tokens: int, draft: str | None) -> None:
     """Offline throughput/latency of ENGINE_DIR on a synthetic workload, vs the memory-bandwidth floor."""
     from kiln.cli.charts import check_plottable, concurrency_sweep, write_bench_charts
@@ -294,10 +303,9 @@ def bench(engine_dir: str, num_requests: int, input_len: int, output_len: int, c
                                     "client's, with --server", "speculative")
         report = bench_server(server_url, engine_dir, cfg, levels, json_path, api_key or None)
     else:
-        report = run(engine_dir, cfg, levels, RuntimeConfig(kv_cache_bytes=kv_cache_bytes, max_num_seqs=max_num_seqs,
-                                                            num_threads=num_threads, enable_prefix_caching=False,
-                                                            speculative=spec),
-                     json_path)
+        config = RuntimeConfig(kv_cache_bytes=kv_cache_bytes, max_num_seqs=max_num_seqs, max_num_tokens=max_num_tokens,
+                               num_threads=num_threads, enable_prefix_caching=False, speculative=spec)
+        report = run(engine_dir, cfg, levels, config, json_path)
     if plot_dir is not None:
         for path in write_bench_charts(report, plot_dir):
             say(f"chart written to {path}")

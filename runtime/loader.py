@@ -61,15 +61,39 @@ def load_engine(engine_dir: str | Path, config: RuntimeConfig | None = None) -> 
     eos = list(manifest.spec.eos_token_ids)
     if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in eos:
         eos.append(tokenizer.eos_token_id)
-    limits = EngineLimits(max_seq_len=max_model_len, max_num_tokens=build.max_num_tokens, eos_token_ids=tuple(eos))
+    step_tokens = step_token_budget(build.max_num_tokens, config.max_num_tokens, manifest.backend, num_threads)
+    limits = EngineLimits(max_seq_len=max_model_len, max_num_tokens=step_tokens, eos_token_ids=tuple(eos))
     threads = num_threads or f"onnxruntime's default (one per core; {os.cpu_count()} CPUs)"
-    log.info("KV pool: %d blocks of %d tokens = %d tokens, %.1f MiB; max context %d tokens; threads: %s; "
-             "prefix caching: %s", runner.num_blocks, runner.block_size, runner.num_blocks * runner.block_size,
-             runner.kv_pool_bytes / 2**20, max_model_len, threads, "on" if config.enable_prefix_caching else "off")
+    log.info("KV pool: %d blocks of %d tokens = %d tokens, %.1f MiB; max context %d tokens; step budget %d tokens; "
+             "threads: %s; prefix caching: %s", runner.num_blocks, runner.block_size,
+             runner.num_blocks * runner.block_size, runner.kv_pool_bytes / 2**20, max_model_len, step_tokens, threads,
+             "on" if config.enable_prefix_caching else "off")
     proposer = None
     if config.speculative is not None and config.speculative.method != "ngram":
         proposer = open_proposer(config.speculative, engine_dir, manifest, runner, num_threads)
     return Engine(runner, tokenizer, config, limits, model_name=engine_dir.resolve().name, proposer=proposer)
+
+
+CPU_STEP_TOKENS_PER_THREAD = 128
+CPU_MIN_STEP_TOKENS = 256
+
+
+def step_token_budget(built_for: int, requested: int | None, backend: str, num_threads: int | None) -> int:
+    """Tokens one step computes (RuntimeConfig.max_num_tokens), at most what the graph was built for.
+
+    A step's length is the stall every running stream sees and the wait of every prompt that finishes in it. A GPU
+    computes the built-for budget (2048 by default) in milliseconds; two CPU cores need ~3 s, so on the CPU backend
+    the default keeps a step near ~0.4 s (128 tokens per thread, at least 256): prompts then finish one after
+    another in arrival order and streams keep moving, for a few percent of prefill speed (docs/design.md)."""
+    if requested is not None:
+        if requested > built_for:
+            raise InvalidParamError(f"max_num_tokens {requested} is more than the {built_for} tokens per step this "
+                                    "engine was built for (its manifest's build.max_num_tokens)", "max_num_tokens")
+        return requested
+    if backend != BACKEND_ORT_CPU:
+        return built_for
+    threads = num_threads or os.cpu_count() or 1
+    return min(built_for, max(CPU_MIN_STEP_TOKENS, CPU_STEP_TOKENS_PER_THREAD * threads))
 
 
 def threads_from_env() -> int | None:

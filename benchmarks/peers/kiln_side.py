@@ -13,21 +13,27 @@ from kiln.runtime.params import RuntimeConfig, SamplingParams
 
 
 def timed_generation(engine: Engine, prompts: list[list[int]], output_len: int) -> dict[str, float]:
-    """All prompts at once, exactly output_len greedy tokens each. Decode rate: tokens after each
-    request's first over the time from the last first token to the end; aggregate: all tokens over all time."""
+    """All prompts at once, exactly output_len greedy tokens each. Decode rate: the tokens emitted after the
+    last request's first token over the time from then to the end (the step budget may finish prompts a few
+    steps apart: tokens decoded before the last prompt finished are not counted); aggregate: all tokens over
+    all time."""
     params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
     start = time.perf_counter()
     for i, prompt in enumerate(prompts):
         engine.add_request(f"peers-{i}", prompt, params)
     first: dict[str, float] = {}
+    emitted: list[tuple[float, int]] = []  # (when, tokens) per step
     while engine.has_unfinished():
-        for out in engine.step():
-            first.setdefault(out.request_id, time.perf_counter())
+        outputs = engine.step()
+        now = time.perf_counter()
+        for out in outputs:
+            first.setdefault(out.request_id, now)
+        emitted.append((now, sum(len(out.outputs[0].token_ids) for out in outputs)))
     end = time.perf_counter()
     all_started = max(first.values())
     return {
         "prefill_s": min(first.values()) - start,
-        "decode_tok_per_s": len(prompts) * (output_len - 1) / (end - all_started),
+        "decode_tok_per_s": sum(n for when, n in emitted if when > all_started) / (end - all_started),
         "aggregate_tok_per_s": len(prompts) * output_len / (end - start),
     }
 

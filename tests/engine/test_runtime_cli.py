@@ -72,6 +72,20 @@ def test_chat_keeps_history_until_reset_and_marks_a_cut_reply(tiny_engine):
     assert turns == [first.text + mark, second.text + mark, "[conversation cleared]\n", first.text + mark, "\n"]
 
 
+def test_bench_takes_the_step_token_budget(tiny_engine, tmp_path):
+    """--max-num-batched-tokens 8 splits each 16-token prompt over two steps (4 requests one at a time:
+    2 + 3 steps each instead of 1 + 3); more than the engine was built for is refused."""
+    out = tmp_path / "bench.json"
+    result = CliRunner().invoke(main, [
+        "bench", str(tiny_engine), "--num-requests", "4", "--input-len", "16", "--output-len", "4",
+        "--concurrency", "1", "--max-num-batched-tokens", "8", "--json", str(out)])
+    assert result.exit_code == 0, result.output
+    assert json.loads(out.read_text())["runs"][0]["steps"] == 20
+    result = CliRunner().invoke(main, ["bench", str(tiny_engine), "--max-num-batched-tokens", "4096"])
+    assert result.exit_code == 1
+    assert "max_num_tokens 4096 is more than the 2048 tokens per step this engine was built for" in result.output
+
+
 def test_ctrl_c_at_the_chat_prompt_exits_quietly(tiny_engine):
     chat = subprocess.Popen([sys.executable, "-m", "kiln.cli", "chat", str(tiny_engine)], stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,

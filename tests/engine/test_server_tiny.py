@@ -1,5 +1,6 @@
 """`kiln serve` on the tiny engine as a subprocess: the serve flags (the API key from $KILN_API_KEY,
---max-model-len, --chat-template, --num-threads, --disable-prefix-caching, --max-queue), the
+--max-model-len, --chat-template, --num-threads, --disable-prefix-caching, --max-queue,
+--max-num-batched-tokens), the
 start-up summary and the request log, sizes refused before the port is bound, and shutdown past
 --shutdown-timeout (streams end with an error event and [DONE], no traceback, exit 0)."""
 
@@ -31,7 +32,8 @@ def server(tiny_engine, tmp_path_factory):
     (folder / "chat.jinja").write_text(TEMPLATE)
     srv = Server(tiny_engine, folder / "server.log", "--served-model-name", "tiny", "--max-model-len", "256",
                  "--chat-template", str(folder / "chat.jinja"), "--num-threads", "1", "--disable-prefix-caching",
-                 "--max-queue", "8", env={"KILN_API_KEY": KEY}, api_key=KEY)
+                 "--max-queue", "8", "--max-num-batched-tokens", "96",
+                 env={"KILN_API_KEY": KEY}, api_key=KEY)
     yield srv
     assert srv.stop() == 0
 
@@ -39,7 +41,7 @@ def server(tiny_engine, tmp_path_factory):
 def test_startup_summary_names_pool_context_threads(server):
     log = server.log_path.read_text()
     assert re.search(r"KV pool: \d+ blocks of 16 tokens = \d+ tokens, [\d.]+ MiB; max context 256 tokens; "
-                     r"threads: 1; prefix caching: off", log), log
+                     r"step budget 96 tokens; threads: 1; prefix caching: off", log), log
     assert "as 'tiny'" in log and "queue bound 8" in log and "API key required" in log
 
 
