@@ -3,7 +3,7 @@
 Loads an engine, swaps its runner for one whose session has ORT profiling on (optionally with
 another build of the op library, e.g. main's, for a before/after), generates `batch` greedy
 requests of --max-tokens tokens (ignore_eos) for each batch size, and takes each node's fastest
-kernel time over the pure decode steps (every scheduled sequence computes one token; prefill runs
+kernel time over the pure decode steps (all `batch` sequences compute one token each; prefill runs
 are left out; decode steps repeat the same work, and a busy machine's preemption only ever adds
 time), summed per op type. Prints, per batch size, ms per decode step and each op type's share.
 
@@ -58,7 +58,8 @@ def generate(llm_engine: Engine, batch: int, max_tokens: int) -> list[bool]:
         out = llm_engine.scheduler.schedule()
         if not out:
             raise RuntimeError("nothing could be scheduled: the KV pool is too small for the batch")
-        decode_runs.append(out.num_tokens == len(out.scheduled))
+        # the whole batch decoding: with a CPU step budget the first prompts decode while later ones prefill
+        decode_runs.append(out.num_tokens == len(out.scheduled) == batch)
         llm_engine._postprocess(out, RunnerOutput(llm_engine.runner.execute(build_batch(out))), None)
     return decode_runs
 

@@ -2,7 +2,7 @@
 
 Runs a real engine at batch 1 and batch 32 with greedy, temperature 1.0, top_p 0.9 and
 top_k 50 + min_p 0.05 requests (128 tokens each, ignore_eos) and reports, per decode step
-(steps where every scheduled sequence computes one token), the mean model time and the
+(steps where all the batch's sequences compute one token each), the mean model time and the
 Python side broken down: schedule, build_batch, sample, detokenize (incremental text and
 stop strings), outputs (the delta RequestOutputs) and the rest of postprocess (scheduler
 update, appending tokens, stop checks). The runtime's share is Python / (model + Python).
@@ -96,8 +96,8 @@ def run_batch(llm_engine: Engine, batch: int, params: SamplingParams, clock: Cal
             t3 = clock()
             llm_engine._postprocess(out, RunnerOutput(logits), None)
             t4 = clock()
-            if out.num_tokens != len(out.scheduled):
-                continue  # a prefill step
+            if not out.num_tokens == len(out.scheduled) == batch:
+                continue  # a prefill step, or one while later prompts still prefill (the CPU step budget)
             totals.steps += 1
             totals.model += t3 - t2
             inner = step_parts["sample"] + step_parts["detokenize"] + step_parts["outputs"]
