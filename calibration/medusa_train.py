@@ -300,7 +300,7 @@ def _fit(checkpoint, model, data: dict[str, tuple[torch.Tensor, torch.Tensor]], 
         "format": medusa.ARTIFACT_FORMAT, "num_heads": config.num_heads, "hidden_size": checkpoint.spec.hidden_size,
         "vocab_size": checkpoint.spec.vocab_size, "model_source": checkpoint.source,
         "model_fingerprint": checkpoint.fingerprint(), "corpus": about.corpus, "config": asdict(config),
-        "data": {**about.data, "train_rows": results["train"]["rows"]},
+        "data": {**about.data, "train_rows": int(data["train"][0].shape[0])},  # all of them: the score's are a sample
         "epochs": history,  # the heads are those of the epoch with the best held-out accepted tokens per step
         "seconds": {"generation": round(generation_s, 1), "training": round(training_s, 1),
                     "total": round(time.perf_counter() - start, 1),

@@ -288,3 +288,16 @@ def test_rows_cache_is_reused_only_for_the_same_answers_and_model(checkpoint, tm
     finally:
         with torch.no_grad():
             model.model.norm.weight.mul_(0.5)
+
+
+def test_artifact_records_every_training_row_though_it_scores_a_sample(checkpoint, monkeypatch):
+    from kiln.calibration import medusa_train
+
+    monkeypatch.setattr(medusa_train, "SCORED_TRAIN_ROWS", 5)
+    model = ReferenceModel.from_checkpoint(checkpoint)
+    x, labels = rows_and_labels([greedy_states(model, [[5, 6, 7, 8], [9, 10, 11, 12, 13]], 12)], model, 2)
+    data = {"train": (x, labels), "heldout": (x[:6], labels[:6]), "chat": (x[:6], labels[:6])}
+    config = dataclasses.replace(FAST, epochs=1)
+    artifact = medusa_train._fit(checkpoint, model, data, config, lambda _m: None,
+                                 medusa_train._Provenance("test", {}, 0.0, 0.0))
+    assert artifact.info["data"]["train_rows"] == x.shape[0] == 24 and artifact.info["train"]["rows"] == 5
