@@ -27,6 +27,10 @@ from .medusa_heads import MedusaHeads
 
 IGNORE = -100
 Path_ = tuple[int, ...]
+# CPU time of an fp32 SmolLM2 step of n tokens over a 1-token step (docs/design.md, "Switch-off rule")
+FP32_STEP_COST = {1: 1.00, 2: 1.15, 4: 1.26, 8: 1.69, 16: 2.55}
+# the heads at one more row, over a 1-token step (bench_medusa_head.py: 3.9 ms on a ~50 ms fp32 step)
+HEAD_ROW_COST = 0.08
 
 
 @torch.no_grad()
@@ -75,6 +79,30 @@ def accepted_beyond_root(probabilities: dict[Path_, float], tree: list[Path_]) -
     return sum(probabilities.get(p, 0.0) for p in tree if len(p) == 1)
 
 
+def step_cost(tokens: int, table: dict[int, float] = FP32_STEP_COST) -> float:
+    """A step of `tokens` query tokens over a 1-token step, linear between the measured sizes."""
+    sizes = sorted(table)
+    if tokens >= sizes[-1]:
+        low, high = sizes[-2], sizes[-1]
+    else:
+        low = max(n for n in sizes if n <= tokens)
+        high = min(n for n in sizes if n > tokens) if tokens != low else low
+    if high == low:
+        return table[low]
+    return table[low] + (table[high] - table[low]) * (tokens - low) / (high - low)
+
+
+def estimated_speedup(tokens: float, kept: float, nodes: int, heads_at_every_row: bool,
+                      table: dict[int, float] = FP32_STEP_COST, head_row: float = HEAD_ROW_COST) -> float:
+    """Decode speed over plain decoding (a 1-token step of cost 1 per token, no heads) for a tree of `nodes`
+    guesses giving `tokens` per step, a guess kept with probability `kept`. With the heads read at every
+    verified row each step pays them at nodes + 1 rows; read at the first row only, a step that kept a guess
+    chose its last token at a row without heads, so the next step is a plain one (1 token, heads at its row)."""
+    if heads_at_every_row:
+        return tokens / (step_cost(nodes + 1, table) + head_row * (nodes + 1))
+    return (tokens + kept) / (step_cost(nodes + 1, table) + head_row + kept * (1 + head_row))
+
+
 def top_k_accuracy(ranks: torch.Tensor, ks: tuple[int, ...] = (1, 2, 3, 5)) -> dict[int, list[float]]:
     return {k: [round(float((ranks[:, i] < k).float().mean()), 4) for i in range(ranks.shape[1])] for k in ks}
 
@@ -104,7 +132,10 @@ def main(argv: list[str] | None = None) -> None:
             line = f"  {n:2d} nodes: best tree {expected_tokens(probabilities, tree):.3f} tokens/step"
             if n <= ranks.shape[1]:
                 line += f", chain {expected_tokens(probabilities, chain(n)):.3f}"
-            print(line + f"; P(a guess kept) {accepted_beyond_root(probabilities, tree):.3f}; tree {tree}")
+            tokens, kept = expected_tokens(probabilities, tree), accepted_beyond_root(probabilities, tree)
+            speed = [estimated_speedup(tokens, kept, n, every) for every in (True, False)]
+            print(line + f"; P(a guess kept) {kept:.3f}; est. fp32 speed-up {speed[0]:.2f}x (heads at every "
+                  f"row) / {speed[1]:.2f}x (first row); tree {tree}")
 
 
 if __name__ == "__main__":

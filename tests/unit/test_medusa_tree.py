@@ -11,9 +11,11 @@ from kiln.calibration.medusa_tree import (
     accepted_beyond_root,
     best_tree,
     chain,
+    estimated_speedup,
     expected_tokens,
     label_ranks,
     path_probabilities,
+    step_cost,
     top_k_accuracy,
 )
 
@@ -57,3 +59,19 @@ def test_best_tree_beats_or_equals_the_chain(nodes):
     if nodes <= 3:
         assert expected_tokens(p, best_tree(p, nodes)) >= expected_tokens(p, chain(nodes))
     assert len(best_tree(p, nodes)) == nodes
+
+
+def test_step_cost_interpolates_the_measured_sizes():
+    table = {1: 1.0, 2: 1.2, 4: 1.4, 8: 2.2}
+    assert step_cost(1, table) == 1.0 and step_cost(4, table) == 1.4
+    assert step_cost(3, table) == pytest.approx(1.3) and step_cost(6, table) == pytest.approx(1.8)
+    assert step_cost(12, table) == pytest.approx(3.0)  # past the table: the last slope
+
+
+def test_estimated_speedup_charges_the_heads_and_the_plain_step_after_a_kept_guess():
+    table = {1: 1.0, 2: 1.2, 4: 1.4}
+    # 1 guess, 1.5 tokens per step: heads at both rows cost 2 x 0.1
+    assert estimated_speedup(1.5, 0.5, 1, True, table, 0.1) == pytest.approx(1.5 / 1.4)
+    # heads at the first row: half the steps keep a guess and are followed by a plain step
+    assert estimated_speedup(1.5, 0.5, 1, False, table, 0.1) == pytest.approx(2.0 / (1.3 + 0.55))
+    assert estimated_speedup(1.0, 0.0, 1, False, table, 0.0) < 1.0  # guesses never kept only cost
