@@ -142,7 +142,7 @@ def main() -> None:
     args = parser.parse_args()
     now = clock(args.clock)
     methods: dict[str, SpeculativeConfig | None] = {"plain": None}
-    medusa_rows: dict[str, int] = {}  # method -> most verified rows whose heads are read
+    medusa_rows: dict[str, int | None] = {}  # method -> most verified rows whose heads are read (None: all)
     for k in args.num_tokens:
         tag = f"-k{k}" if len(args.num_tokens) > 1 else ""
         if not args.no_ngram:
@@ -151,6 +151,7 @@ def main() -> None:
             methods[f"draft{tag}"] = SpeculativeConfig("draft", num_tokens=k, draft_engine=str(args.draft))
         if args.medusa:
             methods[f"medusa{tag}"] = SpeculativeConfig("medusa", num_tokens=k)
+            medusa_rows[f"medusa{tag}"] = None  # every verified row (the proposer's default reads the first only)
             for rows in args.medusa_rows:
                 methods[f"medusa{tag}-r{rows}"] = methods[f"medusa{tag}"]
                 medusa_rows[f"medusa{tag}-r{rows}"] = rows

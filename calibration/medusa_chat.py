@@ -204,11 +204,54 @@ def teacher_forced_rows(model, sequences: list[tuple[list[int], list[int]]], num
             xs[n] = hidden[b, len(prompt) - 1:len(prompt) - 1 + len(answer)].clone()
         first = last
         say(f"hidden states of {first}/{len(order)} answers")
-    labels = []
-    for n in kept:
-        target = torch.tensor(sequences[n][1])
+    return torch.cat([xs[n] for n in kept]), answer_labels(sequences, num_heads)
+
+
+def answer_labels(sequences: list[tuple[list[int], list[int]]], num_heads: int) -> torch.Tensor:
+    """labels [n, K] of teacher_forced_rows: row j of an answer is labelled with its tokens j + 1 .. j + K."""
+    labels = [torch.full((0, num_heads), IGNORE, dtype=torch.int64)]
+    for _, answer in sequences:
+        target = torch.tensor(answer, dtype=torch.int64)
         rows = torch.full((len(target), num_heads), IGNORE, dtype=torch.int64)
         for i in range(1, num_heads + 1):
-            rows[:len(target) - i, i - 1] = target[i:]
+            rows[:max(len(target) - i, 0), i - 1] = target[i:]
         labels.append(rows)
-    return torch.cat([xs[n] for n in kept]), torch.cat(labels)
+    return torch.cat(labels)
+
+
+Rows = dict[str, tuple[torch.Tensor, torch.Tensor]]
+
+
+def cached_rows(model, splits: dict[str, list[tuple[list[int], list[int]]]], num_heads: int, say: Progress,
+                cache: Path | None = None) -> Rows:
+    """teacher_forced_rows of each split, read from or written to `cache` (a torch file {split: (x, labels)}):
+    a 1,800-prompt run's 100k rows cost ~30 CPU-minutes to recompute. A cache is used only if it fits these
+    answers and this model: each split's labels, recomputed from the answers, must be equal, and the shortest
+    answer of each split, teacher-forced again, must give its cached rows."""
+    if cache is None or not cache.exists():
+        data = {name: teacher_forced_rows(model, seqs, num_heads, say) for name, seqs in splits.items()}
+        if cache is not None:
+            cache.parent.mkdir(parents=True, exist_ok=True)
+            torch.save(data, cache)
+        return data
+    data = torch.load(cache)
+    if not isinstance(data, dict) or set(data) != set(splits):
+        raise ValueError(f"rows cache {cache} holds the splits {sorted(data)}, not {sorted(splits)}; use another file")
+    for name, seqs in splits.items():
+        x, labels = data[name]
+        if not torch.equal(labels, answer_labels(seqs, num_heads)):
+            raise ValueError(f"rows cache {cache} was made from other answers or another head count than these "
+                             f"(split {name!r}); use another file")
+        shortest = min((n for n, (_, answer) in enumerate(seqs) if answer), key=lambda n: len(seqs[n][1]),
+                       default=None)
+        if shortest is None:
+            continue
+        first = sum(len(answer) for _, answer in seqs[:shortest])
+        want, _ = teacher_forced_rows(model, [seqs[shortest]], num_heads, lambda _m: None)
+        got = x[first:first + len(want)]
+        if got.shape != want.shape or not torch.allclose(got, want, rtol=1e-3, atol=1e-3):
+            raise ValueError(f"rows cache {cache} holds hidden states of another model than this one "
+                             f"(split {name!r}); use another file")
+    say(f"rows: {sum(x.shape[0] for x, _ in data.values())} read from {cache} (labels and a sample of states "
+        "checked against the answers)")
+    return data

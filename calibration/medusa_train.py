@@ -236,12 +236,14 @@ class ChatAnswers:
     """Where `train_medusa_chat` gets its rows: the greedy answers of `engine` (an fp32 engine of the same
     checkpoint, served by the runtime) to `prompts` chat prompts (medusa_chat.chat_prompts: open questions, 1 in
     15 a corpus chat request); 1 prompt in HOLDOUT_EVERY is held out, and CHAT_QUESTIONS are scored apart.
-    `cache`: a .jsonl file of answers reused across runs (medusa_chat.engine_answers)."""
+    `cache`: a .jsonl file of answers reused across runs (medusa_chat.engine_answers); `rows_cache`: a torch file
+    of their teacher-forced rows, reused when it fits the answers (medusa_chat.cached_rows)."""
 
     engine: str
     prompts: int = 200
     threads: int | None = None
     cache: Path | None = None
+    rows_cache: Path | None = None
 
     def __post_init__(self) -> None:
         require(isinstance(self.prompts, int) and self.prompts >= HOLDOUT_EVERY, "prompts",
@@ -253,7 +255,7 @@ def train_medusa_chat(checkpoint, source: ChatAnswers, config: MedusaConfig,
     """Heads self-distilled on the model's own chat answers (config.new_tokens tokens each)."""
     from kiln.export.reference import ReferenceModel
 
-    from .medusa_chat import assert_held_out, chat_prompts, engine_answers, teacher_forced_rows
+    from .medusa_chat import assert_held_out, cached_rows, chat_prompts, engine_answers
 
     say = progress or (lambda _m: None)
     start, cpu_start = time.perf_counter(), time.process_time()
@@ -265,8 +267,8 @@ def train_medusa_chat(checkpoint, source: ChatAnswers, config: MedusaConfig,
                              say, cache=source.cache)
     model = ReferenceModel.from_checkpoint(checkpoint)
     cut = (0, len(train), len(train) + len(held), len(answers))
-    data = {name: teacher_forced_rows(model, answers[a:b], config.num_heads, say)
-            for name, a, b in zip(("train", "heldout", "chat"), cut[:-1], cut[1:], strict=True)}
+    splits = {name: answers[a:b] for name, a, b in zip(("train", "heldout", "chat"), cut[:-1], cut[1:], strict=True)}
+    data = cached_rows(model, splits, config.num_heads, say, source.rows_cache)
     sizes = {"train_prompts": len(train), "heldout_prompts": len(held), "chat_questions": len(CHAT_QUESTIONS),
              "answers_from": str(source.engine)}
     return _fit(checkpoint, model, data, config, say, _Provenance("chat answers", sizes, start, cpu_start))
@@ -298,7 +300,7 @@ def _fit(checkpoint, model, data: dict[str, tuple[torch.Tensor, torch.Tensor]], 
         "format": medusa.ARTIFACT_FORMAT, "num_heads": config.num_heads, "hidden_size": checkpoint.spec.hidden_size,
         "vocab_size": checkpoint.spec.vocab_size, "model_source": checkpoint.source,
         "model_fingerprint": checkpoint.fingerprint(), "corpus": about.corpus, "config": asdict(config),
-        "data": {**about.data, "train_rows": results["train"]["rows"]},
+        "data": {**about.data, "train_rows": int(data["train"][0].shape[0])},  # all of them: the score's are a sample
         "epochs": history,  # the heads are those of the epoch with the best held-out accepted tokens per step
         "seconds": {"generation": round(generation_s, 1), "training": round(training_s, 1),
                     "total": round(time.perf_counter() - start, 1),

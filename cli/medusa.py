@@ -35,11 +35,14 @@ def _say(message: str) -> None:
 @click.option("--answer-cache", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="with --answers-from: a .jsonl file of answers, reused and extended (an interrupted or longer "
                    "run pays only for new prompts)")
+@click.option("--rows-cache", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="with --answers-from: a torch file of the answers' teacher-forced hidden states, written once and "
+                   "reused while it fits the answers and the model (checked)")
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--threads", type=int, default=None, help="threads of the runtime generating the answers")
 def train_medusa(model: str, output: Path, num_heads: int, engine: str | None, prompts: int | None,
-                 new_tokens: int | None, epochs: int | None, weight_decay: float, answer_cache: Path | None, seed: int,
-                 threads: int | None) -> None:
+                 new_tokens: int | None, epochs: int | None, weight_decay: float, answer_cache: Path | None,
+                 rows_cache: Path | None, seed: int, threads: int | None) -> None:
     """Train Medusa heads for MODEL on its own greedy continuations: of chat prompts (--answers-from) or of
     the calibration book."""
     import torch
@@ -51,8 +54,9 @@ def train_medusa(model: str, output: Path, num_heads: int, engine: str | None, p
     from kiln.export.checkpoint import load_checkpoint
 
     chat = engine is not None
-    if answer_cache is not None and not chat:
-        raise click.UsageError("--answer-cache caches the answers of --answers-from; give both or neither")
+    for name, cache in (("--answer-cache", answer_cache), ("--rows-cache", rows_cache)):
+        if cache is not None and not chat:
+            raise click.UsageError(f"{name} needs --answers-from (it caches that engine's answers or their rows)")
     config = MedusaConfig(num_heads=num_heads, text_prompts=prompts or 24, chat_prompts=prompts or 24,
                           new_tokens=new_tokens or (64 if chat else 48), epochs=epochs or (3 if chat else 5),
                           seed=seed, label_vocabulary=chat, weight_decay=weight_decay)
@@ -64,9 +68,9 @@ def train_medusa(model: str, output: Path, num_heads: int, engine: str | None, p
     _say(f"{config.num_heads} heads, {torch.get_num_threads()} threads, seed {config.seed}")
     if engine is not None:
         try:
-            artifact = train_medusa_chat(checkpoint, ChatAnswers(engine, prompts or 200, threads, answer_cache), config,
-                                         _say)
-        except ValueError as exc:  # an answer cache of another engine or length: the message says which
+            source = ChatAnswers(engine, prompts or 200, threads, answer_cache, rows_cache)
+            artifact = train_medusa_chat(checkpoint, source, config, _say)
+        except ValueError as exc:  # an answer or rows cache that does not fit: the message says which
             raise click.ClickException(str(exc)) from exc
     else:
         assert text is not None

@@ -248,11 +248,56 @@ def test_training_rows_are_scored_on_a_fixed_sample():
     assert a[0].shape == (4, 1) and torch.equal(a[0], b[0]) and torch.equal(a[0][:, 0].long(), a[1][:, 0])
 
 
-def test_cli_answer_cache_needs_answers_from(tmp_path):
+@pytest.mark.parametrize("option", ["--answer-cache", "--rows-cache"])
+def test_cli_caches_need_answers_from(tmp_path, option):
     from click.testing import CliRunner
 
     from kiln.cli.medusa import train_medusa as command
 
-    result = CliRunner().invoke(command, ["default", "-o", str(tmp_path / "h"), "--answer-cache",
-                                          str(tmp_path / "a.jsonl")])
-    assert result.exit_code == 2 and "--answer-cache caches the answers of --answers-from" in result.output
+    result = CliRunner().invoke(command, ["default", "-o", str(tmp_path / "h"), option, str(tmp_path / "cache")])
+    assert result.exit_code == 2 and f"{option} needs --answers-from" in result.output
+
+
+def test_rows_cache_is_reused_only_for_the_same_answers_and_model(checkpoint, tmp_path):
+    """Written once, read back equal; answers that differ (labels) or another model (states) are refused."""
+    from kiln.calibration.medusa_chat import cached_rows, teacher_forced_rows
+
+    model = ReferenceModel.from_checkpoint(checkpoint)
+    out = greedy_states(model, [[5, 6, 7, 8, 9], [20, 21, 22]], 8)
+    splits = {"train": [([5, 6, 7, 8, 9], out.tokens[0].tolist())], "chat": [([20, 21, 22], out.tokens[1].tolist())]}
+    cache = tmp_path / "rows.pt"
+    written = cached_rows(model, splits, 2, lambda _m: None, cache)
+    messages: list[str] = []
+    read = cached_rows(model, splits, 2, messages.append, cache)
+    for name, seqs in splits.items():
+        want = teacher_forced_rows(model, seqs, 2, lambda _m: None)
+        for got in (written[name], read[name]):
+            torch.testing.assert_close(got[0], want[0], atol=1e-5, rtol=0)
+            assert torch.equal(got[1], want[1])
+    assert messages and "read from" in messages[0]
+    other_answer = {**splits, "chat": [([20, 21, 22], [t + 1 for t in splits["chat"][0][1]])]}
+    with pytest.raises(ValueError, match="other answers"):
+        cached_rows(model, other_answer, 2, lambda _m: None, cache)
+    with pytest.raises(ValueError, match="splits"):
+        cached_rows(model, {"train": splits["train"]}, 2, lambda _m: None, cache)
+    with torch.no_grad():
+        model.model.norm.weight.mul_(2.0)  # another model: same answers, other states
+    try:
+        with pytest.raises(ValueError, match="another model"):
+            cached_rows(model, splits, 2, lambda _m: None, cache)
+    finally:
+        with torch.no_grad():
+            model.model.norm.weight.mul_(0.5)
+
+
+def test_artifact_records_every_training_row_though_it_scores_a_sample(checkpoint, monkeypatch):
+    from kiln.calibration import medusa_train
+
+    monkeypatch.setattr(medusa_train, "SCORED_TRAIN_ROWS", 5)
+    model = ReferenceModel.from_checkpoint(checkpoint)
+    x, labels = rows_and_labels([greedy_states(model, [[5, 6, 7, 8], [9, 10, 11, 12, 13]], 12)], model, 2)
+    data = {"train": (x, labels), "heldout": (x[:6], labels[:6]), "chat": (x[:6], labels[:6])}
+    config = dataclasses.replace(FAST, epochs=1)
+    artifact = medusa_train._fit(checkpoint, model, data, config, lambda _m: None,
+                                 medusa_train._Provenance("test", {}, 0.0, 0.0))
+    assert artifact.info["data"]["train_rows"] == x.shape[0] == 24 and artifact.info["train"]["rows"] == 5

@@ -374,6 +374,11 @@ def test_medusa_heads_are_read_where_the_next_step_may_speculate():
     assert off.runner.head_rows < sum(b.num_logits for b in off.runner.steps)
 
 
+def test_medusa_reads_the_heads_at_the_first_verified_row_by_default():
+    """The measured-faster setting (docs/design.md, "Medusa heads"); None still reads every row."""
+    assert MedusaProposer(3).medusa_rows(5) == 1 and MedusaProposer(3, None).medusa_rows(5) == 5
+
+
 def test_medusa_proposes_only_from_heads_of_the_latest_token():
     from kiln.runtime.sequence import Sequence
 
