@@ -33,7 +33,7 @@ from kiln.runtime.speculative.verify import SpecStats, verify
 @dataclass(frozen=True)
 class EngineLimits:
     max_seq_len: int
-    max_num_tokens: int
+    max_num_tokens: int  # the step budget, resolved once by the loader (loader.step_token_budget)
     eos_token_ids: tuple[int, ...]
 
 
@@ -151,8 +151,7 @@ class Engine:
         self.config = config
         self.limits = limits
         self.block_manager = BlockManager(runner.num_blocks, runner.block_size, config.enable_prefix_caching)
-        max_num_tokens = config.max_num_tokens or limits.max_num_tokens
-        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, max_num_tokens)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, limits.max_num_tokens)
         self.sampler = Sampler()
         self.requests: dict[str, Request] = {}
         self._by_seq: dict[int, Request] = {}
