@@ -255,14 +255,13 @@ def train_medusa_chat(checkpoint, source: ChatAnswers, config: MedusaConfig,
     """Heads self-distilled on the model's own chat answers (config.new_tokens tokens each)."""
     from kiln.export.reference import ReferenceModel
 
-    from .medusa_chat import assert_held_out, cached_rows, chat_prompts, engine_answers
+    from .medusa_chat import cached_rows, chat_prompts, engine_answers
 
     say = progress or (lambda _m: None)
     start, cpu_start = time.perf_counter(), time.process_time()
     prompts = chat_prompts(source.prompts)
     held = [p for n, p in enumerate(prompts) if n % HOLDOUT_EVERY == HOLDOUT_EVERY - 1]
     train = [p for n, p in enumerate(prompts) if n % HOLDOUT_EVERY != HOLDOUT_EVERY - 1]
-    assert_held_out(train + held)
     answers = engine_answers(source.engine, train + held + list(CHAT_QUESTIONS), config.new_tokens, source.threads,
                              say, cache=source.cache)
     model = ReferenceModel.from_checkpoint(checkpoint)
