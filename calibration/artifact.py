@@ -3,14 +3,16 @@
     scales.safetensors   "<group name>": smoothing scales s [K] (see smoothing.py), and
                          "kv.k_absmax" / "kv.v_absmax" [num_layers, num_kv_heads] (KV int8),
                          AWQ only: "clip.<linear>" [N, n_groups] weight clip ratios (awq.py)
-                         and "norm_gain.<norm>" [hidden] tuned norm gains (norm_tuning.py)
+                         and "norm_gain.<norm>" [hidden] tuned norm gains (norm_tuning.py),
+                         "gptq.<linear>.codes|scale|zero" its GPTQ-rounded int4 weights (gptq.py)
     calibration.json     format, method, hyperparameters, the model's fingerprint and source,
                          the corpus split and token count, a per-group search report
 
 Made offline by ``kiln calibrate``; ``apply_artifact`` is the small conversion step the build
 runs before export: it checks the fingerprint and folds the scales into the weights (exact), then
 clamps the AWQ-clipped linears and multiplies the tuned norm gains in (the two steps that change the
-fp32 function, on purpose: both were fitted to the int4 rounding the build applies).
+fp32 function, on purpose: both were fitted to the int4 rounding the build applies), and puts the
+GPTQ-rounded weights in place of their linears' (already on the int4 grid: the build's rounding keeps them).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from safetensors.torch import load_file, save_file
 
 from kiln.errors import KilnError
 
+from . import gptq
 from .awq import CLIP_PREFIX, apply_clips
 from .norm_tuning import GAIN_PREFIX, apply_gains
 from .smoothing import fold, smooth_groups
@@ -51,7 +54,8 @@ class CalibrationArtifact:
     def save(self, path: str | Path) -> Path:
         path = Path(path)
         path.mkdir(parents=True, exist_ok=True)
-        save_file({k: v.contiguous().float() for k, v in self.scales.items()}, str(path / SCALES_FILE))
+        save_file({k: v.contiguous() if v.dtype == torch.uint8 else v.contiguous().float()  # GPTQ codes stay uint8
+                   for k, v in self.scales.items()}, str(path / SCALES_FILE))
         meta = {"format": FORMAT, "version": VERSION, "method": self.method,
                 "model_fingerprint": self.model_fingerprint, "hyperparameters": self.hyperparameters, **self.info}
         (path / META_FILE).write_text(json.dumps(meta, indent=2, sort_keys=True))
@@ -114,5 +118,19 @@ def apply_artifact(checkpoint, artifact: CalibrationArtifact):
         except KeyError as exc:
             raise CalibrationError(f"the calibration artifact's norm gains do not fit this model (no {exc}); "
                                    f"rerun `kiln calibrate`") from None
+    rounded = gptq.linears_in(artifact.scales)
+    if rounded:
+        weights = dict(weights)
+        for linear in rounded:
+            name = f"{linear}.weight"
+            w = weights.get(name)
+            try:
+                q = gptq.unpack(artifact.scales, linear, w.shape[1]) if w is not None else None
+            except (KeyError, RuntimeError):
+                q = None
+            if q is None or q.shape != w.shape:
+                raise CalibrationError(f"the calibration artifact's GPTQ weights for {linear} do not fit this model; "
+                                       f"rerun `kiln calibrate`")
+            weights[name] = q
     return Checkpoint(spec=checkpoint.spec, weights=weights, tokenizer=checkpoint.tokenizer,
                       source=f"{checkpoint.source} + {artifact.method} scales")

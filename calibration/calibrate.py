@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from . import awq, norm_tuning, sensitivity, smoothquant
+from . import awq, gptq, norm_tuning, sensitivity, smoothquant
 from . import corpus as text_corpus
 from .artifact import METHODS, CalibrationArtifact, CalibrationError, apply_artifact
 from .collect import collect, token_windows
@@ -20,6 +20,7 @@ from .smoothing import smooth_groups
 from .windows import domain_windows
 
 Progress = Callable[[str], None]
+ROUNDINGS = ("gptq", "rtn")
 
 
 @dataclass(frozen=True)
@@ -33,6 +34,7 @@ class CalibrationConfig:
     clip: bool = True  # AWQ: search per-(channel, group) weight clip ratios after the scales
     tune_norms: bool = True  # AWQ: then train the norm gains of the int4-simulated model (norm_tuning.py)
     int8_fallback: int = 0  # AWQ: keep this many most sensitive linears int8 (sensitivity.py)
+    rounding: str = "gptq"  # AWQ: how the int4 weights are rounded: "gptq" (gptq.py) or "rtn" (the build's own)
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -41,6 +43,8 @@ class CalibrationConfig:
             raise CalibrationError(f"SmoothQuant alpha must be in [0, 1], not {self.alpha}")
         if self.int8_fallback < 0:
             raise CalibrationError(f"the int8 fallback is a number of linears, not {self.int8_fallback}")
+        if self.rounding not in ROUNDINGS:
+            raise CalibrationError(f"unknown int4 rounding {self.rounding!r}; choose one of {list(ROUNDINGS)}")
         if self.int8_fallback and self.method != "awq":
             raise CalibrationError("an int8 fallback goes with --method awq (the int4 schemes), "
                                    f"not {self.method}")
@@ -57,6 +61,9 @@ class CalibrationConfig:
             hp["norm_tuning"] = ({"epochs": norm_tuning.EPOCHS, "learning_rate": norm_tuning.LEARNING_RATE}
                                  if self.tune_norms else None)
             hp["int8_fallback"] = self.int8_fallback
+            hp["rounding"] = self.rounding
+            if self.rounding == "gptq":
+                hp["gptq_damping"] = gptq.DAMPING
         return hp
 
 
@@ -124,7 +131,8 @@ def calibrate_windows(checkpoint, token_windows: list[list[int]], config: Calibr
     start = time.perf_counter()
     model = ReferenceModel.from_checkpoint(checkpoint)
     windows = [torch.tensor(w, dtype=torch.int64) for w in token_windows]
-    stats = collect(model, windows, config.rows_per_window, say)
+    use_gptq = config.method == "awq" and config.rounding == "gptq"
+    stats = collect(model, windows, config.rows_per_window, say, hessians=use_gptq)
     say(f"collected statistics on {stats.num_tokens} tokens in {time.perf_counter() - start:.1f}s")
     # o_proj through v_proj under GQA (tied scales, smoothing.py) folds exactly but measured no better on
     # SmolLM2-135M int4 g128 (ppl 53.33 vs 53.40 unclipped, 52.75 vs 52.37 with v/o clips): off
@@ -153,8 +161,10 @@ def calibrate_windows(checkpoint, token_windows: list[list[int]], config: Calibr
         info["clips"] = clip_report
     hyperparameters = config.hyperparameters()
     artifact = CalibrationArtifact(config.method, checkpoint.fingerprint(), hyperparameters, scales, info)
-    if config.method != "awq" or not (config.tune_norms or config.int8_fallback):
+    if config.method != "awq" or not (config.tune_norms or config.int8_fallback or use_gptq):
         return artifact
+    hessians = {name: st.hessian for name, st in stats.linears.items() if st.hessian is not None}
+    input_scales = {lin: scales[g.name] for g in groups if g.name in scales for lin in g.linears}
     del model, stats
     # the weights exactly as the build will see them: scales folded, clips applied
     quant_weights = {k: v.float() for k, v in apply_artifact(checkpoint, artifact).weights.items()}
@@ -167,6 +177,15 @@ def calibrate_windows(checkpoint, token_windows: list[list[int]], config: Calibr
         info["int8_fallback_scores"] = {"+".join(u): round(s, 6) for u, s in scores.items()}
         hyperparameters = {**hyperparameters, "int8_linears": int8}
         say(f"int8 fallback: {', '.join(info['int8_fallback'])}")
+    if use_gptq:  # after the fallback's choice (made on RTN's error), whose linears stay int8
+        rounded = gptq.round_linears(quant_weights, hessians, input_scales, config.group_size, frozenset(int8))
+        for name, w in rounded.items():
+            linear = name[: -len(".weight")]
+            entries = gptq.pack(linear, w, config.group_size)
+            scales.update(entries)
+            quant_weights[name] = gptq.unpack(entries, linear, w.shape[1])  # bit for bit what the build gets
+        say(f"gptq rounding of {len(rounded)} linears in {time.perf_counter() - start:.1f}s")
+    del hessians
     if config.tune_norms:
         student = norm_tuning.int4_simulated(quant_weights, config.group_size, frozenset(int8))
         gains, tuning_report = norm_tuning.tune_norms(checkpoint.spec, weights, student, windows, progress=say)

@@ -35,12 +35,14 @@ def _say_above_bars(message: str) -> None:
               help="AWQ: then train the norm gains of the int4-simulated model against fp32 (KL), end to end")
 @click.option("--int8-fallback", type=click.IntRange(min=0), default=0, show_default=True,
               help="AWQ: keep the N linears whose int4 rounding costs the most loss int8 per channel")
+@click.option("--rounding", type=click.Choice(["gptq", "rtn"]), default="gptq", show_default=True,
+              help="AWQ: round the int4 weights by GPTQ on the calibration inputs' Hessians, or to nearest")
 @click.option("--windows", type=int, default=16, show_default=True, help="calibration windows")
 @click.option("--window-tokens", type=int, default=512, show_default=True, help="tokens per window")
 @click.option("--calibration-text", type=click.Path(exists=True, path_type=Path), default=None,
               help="UTF-8 FILE, or DIR of them, to calibrate on instead of the mixed corpus (your own domain)")
 def calibrate(model: str, method: str, output: Path, alpha: float | None, group_size: str, clip: bool,
-              tune_norms: bool, int8_fallback: int, windows: int, window_tokens: int,
+              tune_norms: bool, int8_fallback: int, rounding: str, windows: int, window_tokens: int,
               calibration_text: Path | None) -> None:
     """Collect activation statistics of MODEL on the corpus's calibration split (prose, technical, code and
     chat windows in equal shares) or on --calibration-text, and write scales to OUTPUT."""
@@ -49,7 +51,8 @@ def calibrate(model: str, method: str, output: Path, alpha: float | None, group_
     from kiln.export.checkpoint import load_checkpoint
 
     config = CalibrationConfig(method, windows, window_tokens, alpha=alpha, group_size=int(group_size),
-                               clip=clip, tune_norms=tune_norms, int8_fallback=int8_fallback)
+                               clip=clip, tune_norms=tune_norms, int8_fallback=int8_fallback,
+                               rounding=rounding)
     try:
         checkpoint = load_checkpoint(model)
     except (FileNotFoundError, ValueError) as exc:  # the exporter names an unusable model source in one sentence

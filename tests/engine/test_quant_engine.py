@@ -87,6 +87,17 @@ def test_calibrated_build_folds_scales_and_refuses_foreign_artifacts(tiny_model_
     shutil.rmtree(engine)
 
 
+def nbits_weight(node) -> np.ndarray:
+    """The dequantized [N, K] weights of a 4-bit MatMulNBits node (its initializers, MatMulNBits layout)."""
+    n, k, group = (node.attributes[a].as_int() for a in ("N", "K", "block_size"))
+    packed = node.inputs[1].const_value.numpy().reshape(n, -1, group // 2)
+    codes = np.stack([packed & 15, packed >> 4], -1).reshape(n, -1, group).astype(np.float32)
+    scales = node.inputs[2].const_value.numpy().reshape(n, -1)
+    zp = node.inputs[3].const_value.numpy().reshape(n, -1)
+    zp = np.stack([zp & 15, zp >> 4], -1).reshape(n, -1)[:, : scales.shape[1]].astype(np.float32)
+    return ((codes - zp[..., None]) * scales[..., None]).reshape(n, -1)[:, :k]
+
+
 def test_awq_build_applies_scales_and_clips(tiny_model_dir, tiny_engine, tmp_path):
     from kiln.calibration import awq
     from kiln.calibration.artifact import apply_artifact
@@ -117,6 +128,14 @@ def test_awq_build_applies_scales_and_clips(tiny_model_dir, tiny_engine, tmp_pat
     bits = sorted(n.attributes["bits"].as_int() for n in ir.load(engine / "model.onnx").graph
                   if n.op_type == "MatMulNBits")
     assert 1 <= len(int8) <= 3 and bits.count(8) == 2 and bits.count(4) == len(bits) - 2
+    # GPTQ's rounding (the default) reaches the engine code for code: an o_proj's MatMulNBits dequantizes to the
+    # artifact's GPTQ weights (o_proj is never fused, so its weights are one node's)
+    o_proj = next(f"model.layers.{i}.self_attn.o_proj" for i in range(ck.spec.num_layers)
+                  if f"model.layers.{i}.self_attn.o_proj" not in int8)
+    rounded = apply_artifact(ck, art).weights[f"{o_proj}.weight"].numpy()
+    engine_weights = [nbits_weight(n) for n in ir.load(engine / "model.onnx").graph
+                      if n.op_type == "MatMulNBits" and n.attributes["bits"].as_int() == 4]
+    assert any(w.shape == rounded.shape and np.allclose(w, rounded, rtol=1e-6, atol=1e-8) for w in engine_weights)
 
 
 def test_q4_1_engine_reproduces_q4_1_weights(tiny_engine, tmp_path):

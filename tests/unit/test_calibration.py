@@ -182,8 +182,8 @@ def test_awq_clip_search_lowers_a_tiny_layers_int4_error():
 def test_awq_clips_are_recorded_round_trip_and_applied_at_build(outlier_checkpoint, tmp_path):
     from kiln.calibration import awq
 
-    ck = outlier_checkpoint
-    config = CalibrationConfig("awq", num_windows=4, window=64, rows_per_window=32, group_size=32)
+    ck = outlier_checkpoint  # rounded to nearest: GPTQ would put its own weights in place of the clipped ones
+    config = CalibrationConfig("awq", num_windows=4, window=64, rows_per_window=32, group_size=32, rounding="rtn")
     artifact = calibrate(ck, random_ids(400).tolist(), config)
     clips = {k: v for k, v in artifact.scales.items() if k.startswith(awq.CLIP_PREFIX)}
     assert clips and artifact.hyperparameters["clip_grid"] == list(awq.CLIP_GRID)
@@ -203,12 +203,13 @@ def test_awq_clips_are_recorded_round_trip_and_applied_at_build(outlier_checkpoi
     q = "model.layers.0.self_attn.q_proj.weight"
     torch.testing.assert_close(applied.weights[q], folded[q])
     # without the clip search the artifact holds no clips and the fold stays exact
-    plain = calibrate(ck, random_ids(400).tolist(), CalibrationConfig("awq", 4, 64, 32, group_size=32, clip=False))
+    plain = calibrate(ck, random_ids(400).tolist(), CalibrationConfig("awq", 4, 64, 32, group_size=32, clip=False,
+                                                                      rounding="rtn"))
     assert not any(k.startswith(awq.CLIP_PREFIX) for k in plain.scales) and "clips" not in plain.info
 
 
 def test_awq_norm_tuning_pulls_the_int4_model_towards_fp32(outlier_checkpoint, tmp_path, recorded_bars):
-    from kiln.calibration import norm_tuning
+    from kiln.calibration import gptq, norm_tuning
 
     ck = outlier_checkpoint
     messages = []
@@ -216,9 +217,10 @@ def test_awq_norm_tuning_pulls_the_int4_model_towards_fp32(outlier_checkpoint, t
     ids = random_ids(400)
     artifact = calibrate(ck, ids.tolist(), config, messages.append)
     groups, linears = len(artifact.info["groups"]), 7 * ck.spec.num_layers  # clip_all looks at every linear
+    rounded = len(gptq.LINEARS) * ck.spec.num_layers
     epochs = [(f"norm tuning epoch {e + 1}/{norm_tuning.EPOCHS}", 4, 4) for e in range(norm_tuning.EPOCHS)]
     assert recorded_bars == [("calibration windows", 4, 4), ("awq scales", groups, groups),
-                             ("awq clips", linears, linears), *epochs]
+                             ("awq clips", linears, linears), ("gptq rounding", rounded, rounded), *epochs]
     report = artifact.info["norm_tuning"]
     assert report["kl_after"] < 0.97 * report["kl_before"]
     assert any("norm tuning" in m for m in messages)
@@ -253,8 +255,8 @@ def test_awq_norm_tuning_pulls_the_int4_model_towards_fp32(outlier_checkpoint, t
                                              norm_tuning._log_probs(student, head, w))) for w in windows) / len(windows)
 
     # what the artifact stores, applied as the build applies it, is the model that was tuned
-    assert kl(plain) == pytest.approx(report["kl_before"], rel=1e-4)
-    assert kl(tuned) == pytest.approx(report["kl_after"], rel=1e-4)
+    assert kl(plain) == pytest.approx(report["kl_before"], rel=1e-3)  # the report's teacher is bfloat16
+    assert kl(tuned) == pytest.approx(report["kl_after"], rel=1e-3)
 
 
 def test_awq_without_norm_tuning_and_a_mismatched_gain(outlier_checkpoint):
@@ -269,3 +271,47 @@ def test_awq_without_norm_tuning_and_a_mismatched_gain(outlier_checkpoint):
     broken = CalibrationArtifact(artifact.method, artifact.model_fingerprint, artifact.hyperparameters, bad)
     with pytest.raises(CalibrationError, match="norm gains do not fit"):
         apply_artifact(ck, broken)
+
+
+def test_awq_rounds_by_gptq_on_shared_hessians_and_the_build_keeps_its_codes(outlier_checkpoint, tmp_path):
+    from kiln.calibration import gptq
+    from kiln.calibration.collect import collect
+
+    ck = outlier_checkpoint
+    windows = [random_ids(64, seed=s) for s in range(2)]
+    stats = collect(ReferenceModel.from_checkpoint(ck), windows, 8, hessians=True)
+    attn, mlp = "model.layers.0.self_attn", "model.layers.0.mlp"
+    assert stats.linears[f"{attn}.k_proj"].hessian is stats.linears[f"{attn}.q_proj"].hessian
+    assert stats.linears[f"{mlp}.up_proj"].hessian is stats.linears[f"{mlp}.gate_proj"].hessian
+    assert stats.linears[f"{attn}.o_proj"].hessian is not stats.linears[f"{attn}.q_proj"].hessian
+    x = torch.cat([collect(ReferenceModel.from_checkpoint(ck), [w], 64).linears[f"{mlp}.down_proj"].sample_rows()
+                   for w in windows])  # every row of down's input (64 per window)
+    torch.testing.assert_close(stats.linears[f"{mlp}.down_proj"].hessian, x.T @ x, rtol=1e-4, atol=1e-3)
+
+    config = CalibrationConfig("awq", 4, 64, 32, group_size=32, tune_norms=False, int8_fallback=1)
+    artifact = CalibrationArtifact.load(calibrate(ck, random_ids(400).tolist(), config).save(tmp_path / "awq"))
+    assert artifact.hyperparameters["rounding"] == "gptq"
+    int8 = set(artifact.hyperparameters["int8_linears"])
+    linears = {n[: -len(".weight")] for n in ck.weights if ".layers." in n and n.endswith("_proj.weight")}
+    rounded = {n for n in linears if n.endswith(gptq.LINEARS)} - int8  # k/v keep RTN (gptq.py says why)
+    assert set(gptq.linears_in(artifact.scales)) == rounded and int8 and len(rounded) >= 3 * ck.spec.num_layers
+    assert all(artifact.scales[f"gptq.{n}.codes"].dtype == torch.uint8 for n in rounded)  # saved as packed codes
+    applied = apply_artifact(ck, artifact).weights
+    rtn_only = apply_artifact(ck, CalibrationArtifact("awq", artifact.model_fingerprint, artifact.hyperparameters,
+                                                      {k: v for k, v in artifact.scales.items()
+                                                       if not k.startswith(gptq.PREFIX)})).weights
+    for linear in rounded:
+        w = applied[f"{linear}.weight"].numpy()
+        built = rtn.quantize_groupwise(w, 4, 32).dequantize()  # the build's int4 pass on these weights
+        np.testing.assert_allclose(built, w, rtol=1e-6, atol=1e-9)
+    for linear in linears - rounded:  # k/v and the fallback keep the folded fp32 weights for the build's passes
+        torch.testing.assert_close(applied[f"{linear}.weight"], rtn_only[f"{linear}.weight"])
+    changed = [n for n in rounded if not torch.equal(torch.from_numpy(rtn.quantize_groupwise(
+        rtn_only[f"{n}.weight"].numpy(), 4, 32).dequantize()), applied[f"{n}.weight"])]
+    assert len(changed) == len(rounded)  # GPTQ chose other codes than RTN everywhere
+
+    plain = calibrate(ck, random_ids(400).tolist(), CalibrationConfig("awq", 4, 64, 32, group_size=32,
+                                                                      tune_norms=False, rounding="rtn"))
+    assert plain.hyperparameters["rounding"] == "rtn" and not gptq.linears_in(plain.scales)
+    with pytest.raises(CalibrationError, match="unknown int4 rounding"):
+        CalibrationConfig("awq", rounding="nearest")
