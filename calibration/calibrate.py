@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -67,6 +68,11 @@ class CalibrationConfig:
         return hp
 
 
+def physical_memory() -> int:
+    """This machine's memory in bytes."""
+    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
 def tokenize(checkpoint, text: str) -> list[int]:
     if checkpoint.tokenizer is None:
         raise CalibrationError(f"{checkpoint.source} carries no tokenizer; calibration needs one to read text")
@@ -128,6 +134,8 @@ def calibrate_windows(checkpoint, token_windows: list[list[int]], config: Calibr
     from kiln.export.reference import ReferenceModel
 
     say = progress or (lambda _m: None)
+    if config.method == "awq" and config.rounding == "gptq":
+        gptq.check_memory(checkpoint.spec, physical_memory())
     start = time.perf_counter()
     model = ReferenceModel.from_checkpoint(checkpoint)
     windows = [torch.tensor(w, dtype=torch.int64) for w in token_windows]

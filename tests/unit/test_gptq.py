@@ -85,3 +85,22 @@ def test_kiln_calibrate_takes_the_rounding(tmp_path):
         assert bool(gptq.linears_in(CalibrationArtifact.load(out).scales)) == has_codes
     result = CliRunner().invoke(calibrate, [*base, "--rounding", "nearest", "-o", str(tmp_path / "x")])
     assert result.exit_code != 0 and "nearest" in result.output
+
+
+def test_hessians_that_would_not_fit_are_refused_before_any_work(monkeypatch, tmp_path):
+    from helpers import make_tiny_hf_model
+
+    from kiln.calibration import calibrate as calibration
+    from kiln.calibration.artifact import CalibrationError
+    from kiln.calibration.calibrate import CalibrationConfig
+    from kiln.export.checkpoint import load_checkpoint
+
+    ck = load_checkpoint(make_tiny_hf_model(tmp_path, "llama"))
+    spec = ck.spec
+    assert gptq.hessian_bytes(spec) == 4 * spec.num_layers * (2 * spec.hidden_size**2 + spec.q_size**2
+                                                               + spec.intermediate_size**2)
+    monkeypatch.setattr(calibration, "physical_memory", lambda: gptq.hessian_bytes(spec))  # half would not do
+    monkeypatch.setattr(calibration, "collect", lambda *a, **kw: pytest.fail("collected before refusing"))
+    with pytest.raises(CalibrationError, match=r"GiB of input Hessians .* --rounding rtn"):
+        calibration.calibrate(ck, list(range(3, 200)), CalibrationConfig("awq", 2, 64, 8, group_size=32))
+    calibration.gptq.check_memory(spec, 2 * gptq.hessian_bytes(spec))  # exactly half: allowed
