@@ -134,12 +134,12 @@ def calibrate_windows(checkpoint, token_windows: list[list[int]], config: Calibr
     from kiln.export.reference import ReferenceModel
 
     say = progress or (lambda _m: None)
-    if config.method == "awq" and config.rounding == "gptq":
+    use_gptq = config.method == "awq" and config.rounding == "gptq"
+    if use_gptq:
         gptq.check_memory(checkpoint.spec, physical_memory())
     start = time.perf_counter()
     model = ReferenceModel.from_checkpoint(checkpoint)
     windows = [torch.tensor(w, dtype=torch.int64) for w in token_windows]
-    use_gptq = config.method == "awq" and config.rounding == "gptq"
     stats = collect(model, windows, config.rows_per_window, say, hessians=use_gptq)
     say(f"collected statistics on {stats.num_tokens} tokens in {time.perf_counter() - start:.1f}s")
     # o_proj through v_proj under GQA (tied scales, smoothing.py) folds exactly but measured no better on

@@ -10,7 +10,8 @@ including 0), taken per group from the weights as they stand when GPTQ reaches t
 column. Each group's lowest and highest weight keep codes 0 and 15 whatever the error feedback does,
 so the rounded weights span exactly their group's grid: the build's round-to-nearest re-derives the
 same scale and zero point from them and reproduces every code (``gptq_quantize`` output is a fixed
-point of RTN; tested). An artifact can therefore carry GPTQ's decisions as plain dequantized weights.
+point of RTN; tested). So the artifact carries GPTQ's codes (``pack``), ``apply_artifact`` puts their
+dequantized weights in place, and the build's int4 pass, unchanged, keeps every code.
 """
 
 from __future__ import annotations
