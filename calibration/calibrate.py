@@ -73,6 +73,15 @@ def physical_memory() -> int:
     return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
+def check_gptq_memory(spec, available: int) -> None:
+    """Refuse, before any work, GPTQ Hessians that would take more than half of `available` bytes of memory."""
+    need = gptq.hessian_bytes(spec)
+    if need > available // 2:
+        raise CalibrationError(f"GPTQ rounding would hold {need / 2**30:.1f} GiB of input Hessians for this model's "
+                               f"{spec.num_layers} layers, more than half of this machine's {available / 2**30:.1f} "
+                               f"GiB of memory; calibrate with --rounding rtn")
+
+
 def tokenize(checkpoint, text: str) -> list[int]:
     if checkpoint.tokenizer is None:
         raise CalibrationError(f"{checkpoint.source} carries no tokenizer; calibration needs one to read text")
@@ -136,7 +145,7 @@ def calibrate_windows(checkpoint, token_windows: list[list[int]], config: Calibr
     say = progress or (lambda _m: None)
     use_gptq = config.method == "awq" and config.rounding == "gptq"
     if use_gptq:
-        gptq.check_memory(checkpoint.spec, physical_memory())
+        check_gptq_memory(checkpoint.spec, physical_memory())
     start = time.perf_counter()
     model = ReferenceModel.from_checkpoint(checkpoint)
     windows = [torch.tensor(w, dtype=torch.int64) for w in token_windows]

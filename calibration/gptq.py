@@ -93,17 +93,6 @@ def hessian_bytes(spec) -> int:
     return 4 * spec.num_layers * per_layer
 
 
-def check_memory(spec, available: int) -> None:
-    """Refuse, before any work, Hessians that would take more than half of `available` bytes of memory."""
-    need = hessian_bytes(spec)
-    if need > available // 2:
-        from .artifact import CalibrationError
-
-        raise CalibrationError(f"GPTQ rounding would hold {need / 2**30:.1f} GiB of input Hessians for this model's "
-                               f"{spec.num_layers} layers, more than half of this machine's {available / 2**30:.1f} "
-                               f"GiB of memory; calibrate with --rounding rtn")
-
-
 def round_linears(weights: dict[str, torch.Tensor], hessians: dict[str, torch.Tensor],
                   input_scales: dict[str, torch.Tensor], group_size: int,
                   skip: frozenset[str] = frozenset()) -> dict[str, torch.Tensor]:

@@ -103,4 +103,4 @@ def test_hessians_that_would_not_fit_are_refused_before_any_work(monkeypatch, tm
     monkeypatch.setattr(calibration, "collect", lambda *a, **kw: pytest.fail("collected before refusing"))
     with pytest.raises(CalibrationError, match=r"GiB of input Hessians .* --rounding rtn"):
         calibration.calibrate(ck, list(range(3, 200)), CalibrationConfig("awq", 2, 64, 8, group_size=32))
-    calibration.gptq.check_memory(spec, 2 * gptq.hessian_bytes(spec))  # exactly half: allowed
+    calibration.check_gptq_memory(spec, 2 * gptq.hessian_bytes(spec))  # exactly half: allowed
