@@ -18,15 +18,26 @@ def int8_per_token(x: torch.Tensor) -> torch.Tensor:
     return torch.clamp(torch.round(x / scale), -127, 127) * scale
 
 
+def int4_grid(groups: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(scale, zero point) of asymmetric int4 over the last axis of groups [..., group_size], the range
+    including 0 (zero padding is inert)."""
+    lo = groups.amin(-1).clamp_max(0)
+    hi = groups.amax(-1).clamp_min(0)
+    scale = (hi - lo) / 15.0
+    scale = torch.where(scale == 0, torch.ones_like(scale), scale)
+    return scale, torch.clamp(torch.round(-lo / scale), 0, 15)
+
+
+def int4_codes(groups: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+    """The int4 codes (as floats 0..15) of groups [..., group_size] on the grid (scale, zero) [...]."""
+    return torch.clamp(torch.round(groups / scale[..., None]) + zero[..., None], 0, 15)
+
+
 def int4_groupwise(w: torch.Tensor, group_size: int) -> torch.Tensor:
     """Asymmetric int4 RTN per group of `group_size` along K (range includes 0), dequantized."""
     n, k = w.shape
     pad = -k % group_size
     g = torch.nn.functional.pad(w, (0, pad)).reshape(n, -1, group_size)
-    lo = g.amin(-1, keepdim=True).clamp_max(0)
-    hi = g.amax(-1, keepdim=True).clamp_min(0)
-    scale = (hi - lo) / 15.0
-    scale = torch.where(scale == 0, torch.ones_like(scale), scale)
-    zp = torch.clamp(torch.round(-lo / scale), 0, 15)
-    q = torch.clamp(torch.round(g / scale) + zp, 0, 15)
-    return ((q - zp) * scale).reshape(n, -1)[:, :k]
+    scale, zp = int4_grid(g)
+    q = int4_codes(g, scale, zp)
+    return ((q - zp[..., None]) * scale[..., None]).reshape(n, -1)[:, :k]

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import torch
 
+from .fake_quant import int4_codes, int4_grid
+
 # k_proj and v_proj keep round-to-nearest. Measured on SmolLM2-135M (int4 g128, validation split, 2 windows a
 # domain): GPTQ on v_proj alone took prose perplexity from RTN's 53.7 to 66.7 (k_proj: 54.5), while q, o, gate,
 # up and down each gained. Its per-token objective weighs every calibration row alike, but the attention-sink
@@ -25,15 +27,6 @@ import torch
 LINEARS = ("self_attn.q_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
 DAMPING = 0.01  # of the mean diagonal, added to H: GPTQ's default (keeps the Cholesky factor well-conditioned)
 BLOCK = 128  # columns rounded before their error is pushed onto the rest (lazy batch update)
-
-
-def _grid(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(scale, zero point) [N] of rows w [N, g], as quantize_groupwise computes them (zero padding is inert)."""
-    lo = w.amin(-1).clamp_max(0)
-    hi = w.amax(-1).clamp_min(0)
-    scale = (hi - lo) / 15.0
-    scale = torch.where(scale == 0, torch.ones_like(scale), scale)
-    return scale, torch.clamp(torch.round(-lo / scale), 0, 15)
 
 
 def inverse_hessian_factor(hessian: torch.Tensor, damping: float = DAMPING) -> torch.Tensor:
@@ -64,10 +57,10 @@ def gptq_quantize(w: torch.Tensor, hessian: torch.Tensor, group_size: int, dampi
         for i in range(b1 - b0):
             if i % group_size == 0:
                 group = block[:, i:i + group_size]
-                scale, zero = _grid(group)
+                scale, zero = int4_grid(group)
                 low_col = torch.where(group.amin(-1) < 0, group.argmin(-1) + i, -1)
                 high_col = torch.where(group.amax(-1) > 0, group.argmax(-1) + i, -1)
-            code = torch.clamp(torch.round(block[:, i] / scale) + zero, 0, 15)
+            code = int4_codes(block[:, i, None], scale, zero)[:, 0]
             code = torch.where(low_col == i, 0.0, torch.where(high_col == i, 15.0, code))
             q = (code - zero) * scale
             out[rows, b0 + i] = q
@@ -76,11 +69,6 @@ def gptq_quantize(w: torch.Tensor, hessian: torch.Tensor, group_size: int, dampi
             errors[:, i] = err
         w[:, b1:] -= errors @ hinv[b0:b1, b1:]
     return out
-
-
-def output_error(x: torch.Tensor, w: torch.Tensor, q: torch.Tensor) -> float:
-    """|x @ (q - w)^T|^2 summed: the layer's squared output error on rows x [T, K]."""
-    return float(((x @ (q - w).T) ** 2).sum())
 
 
 PREFIX = "gptq."  # artifact keys: gptq.<linear>.codes / .scale / .zero
@@ -118,8 +106,8 @@ def pack(linear: str, w: torch.Tensor, group_size: int) -> dict[str, torch.Tenso
     (scales re-derived from w: equal to within a float32 rounding)."""
     n, k = w.shape
     g = torch.nn.functional.pad(w, (0, -k % group_size)).reshape(n, -1, group_size)
-    scale, zero = _grid(g)
-    codes = torch.clamp(torch.round(g / scale[..., None]) + zero[..., None], 0, 15).to(torch.uint8).reshape(n, -1)
+    scale, zero = int4_grid(g)
+    codes = int4_codes(g, scale, zero).to(torch.uint8).reshape(n, -1)
     codes = torch.nn.functional.pad(codes, (0, codes.shape[1] % 2))
     packed = codes[:, 0::2] | (codes[:, 1::2] << 4)
     return {f"{PREFIX}{linear}.codes": packed, f"{PREFIX}{linear}.scale": scale,
