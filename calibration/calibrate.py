@@ -22,6 +22,9 @@ from .windows import domain_windows
 
 Progress = Callable[[str], None]
 ROUNDINGS = ("gptq", "rtn")
+# AWQ's default int8 fallback: one decoder unit in FALLBACK_SHARE (sensitivity.units: q/k/v, o, gate/up,
+# down per layer) stays int8, chosen on the validation split (docs/quantization-notes.md, session 10)
+FALLBACK_SHARE = 4
 
 
 @dataclass(frozen=True)
@@ -34,7 +37,7 @@ class CalibrationConfig:
     group_size: int = 128  # AWQ: the int4 group size the scales are searched for
     clip: bool = True  # AWQ: search per-(channel, group) weight clip ratios after the scales
     tune_norms: bool = True  # AWQ: then train the norm gains of the int4-simulated model (norm_tuning.py)
-    int8_fallback: int = 0  # AWQ: keep this many most sensitive linears int8 (sensitivity.py)
+    int8_fallback: int | None = None  # AWQ: keep this many most sensitive units int8; None: one in FALLBACK_SHARE
     rounding: str = "gptq"  # AWQ: how the int4 weights are rounded: "gptq" (gptq.py) or "rtn" (the build's own)
 
     def __post_init__(self) -> None:
@@ -42,7 +45,7 @@ class CalibrationConfig:
             raise CalibrationError(f"unknown calibration method {self.method!r}; choose one of {list(METHODS)}")
         if self.alpha is not None and not 0.0 <= self.alpha <= 1.0:
             raise CalibrationError(f"SmoothQuant alpha must be in [0, 1], not {self.alpha}")
-        if self.int8_fallback < 0:
+        if self.int8_fallback is not None and self.int8_fallback < 0:
             raise CalibrationError(f"the int8 fallback is a number of linears, not {self.int8_fallback}")
         if self.rounding not in ROUNDINGS:
             raise CalibrationError(f"unknown int4 rounding {self.rounding!r}; choose one of {list(ROUNDINGS)}")
@@ -50,7 +53,15 @@ class CalibrationConfig:
             raise CalibrationError("an int8 fallback goes with --method awq (the int4 schemes), "
                                    f"not {self.method}")
 
-    def hyperparameters(self) -> dict:
+    def fallback_units(self, num_layers: int) -> int:
+        """How many units the int8 fallback keeps for a model of num_layers decoder layers."""
+        if self.method != "awq":
+            return 0
+        if self.int8_fallback is not None:
+            return self.int8_fallback
+        return len(sensitivity.units(num_layers)) // FALLBACK_SHARE
+
+    def hyperparameters(self, num_layers: int) -> dict:
         hp = {"num_windows": self.num_windows, "window": self.window, "rows_per_window": self.rows_per_window}
         if self.method == "smoothquant":
             hp["alpha"] = "searched" if self.alpha is None else self.alpha
@@ -61,7 +72,7 @@ class CalibrationConfig:
             hp["clip_grid"] = list(awq.CLIP_GRID) if self.clip else []
             hp["norm_tuning"] = ({"epochs": norm_tuning.EPOCHS, "learning_rate": norm_tuning.LEARNING_RATE}
                                  if self.tune_norms else None)
-            hp["int8_fallback"] = self.int8_fallback
+            hp["int8_fallback"] = self.fallback_units(num_layers)
             hp["rounding"] = self.rounding
             if self.rounding == "gptq":
                 hp["gptq_damping"] = gptq.DAMPING
@@ -176,9 +187,10 @@ def calibrate_windows(checkpoint, token_windows: list[list[int]], config: Calibr
     info = {"model_source": checkpoint.source, "corpus": corpus, "num_tokens": stats.num_tokens, "groups": report}
     if config.method == "awq" and config.clip:
         info["clips"] = clip_report
-    hyperparameters = config.hyperparameters()
+    hyperparameters = config.hyperparameters(checkpoint.spec.num_layers)
+    fallback = config.fallback_units(checkpoint.spec.num_layers)
     artifact = CalibrationArtifact(config.method, checkpoint.fingerprint(), hyperparameters, scales, info)
-    if config.method != "awq" or not (config.tune_norms or config.int8_fallback or use_gptq):
+    if config.method != "awq" or not (config.tune_norms or fallback or use_gptq):
         return artifact
     hessians = {name: st.hessian for name, st in stats.linears.items() if st.hessian is not None}
     input_scales = {lin: scales[g.name] for g in groups if g.name in scales for lin in g.linears}
@@ -189,9 +201,9 @@ def calibrate_windows(checkpoint, token_windows: list[list[int]], config: Calibr
     # linears' error far more than others'); the fallback's linears then drop their codes and stay int8
     rounded = gptq.round_linears(quant_weights, hessians, input_scales, config.group_size) if use_gptq else {}
     int8: list[str] = []
-    if config.int8_fallback:
+    if fallback:
         scores = sensitivity.unit_scores(checkpoint.spec, quant_weights, windows, config.group_size, say, rounded)
-        chosen = sensitivity.most_sensitive(scores, config.int8_fallback)
+        chosen = sensitivity.most_sensitive(scores, fallback)
         int8 = [name for unit in chosen for name in unit]
         info["int8_fallback"] = {"+".join(u): round(scores[u], 6) for u in chosen}
         info["int8_fallback_scores"] = {"+".join(u): round(s, 6) for u, s in scores.items()}

@@ -33,8 +33,9 @@ def _say_above_bars(message: str) -> None:
               help="AWQ: also search per-group weight clip ratios (AWQ's auto_clip)")
 @click.option("--tune-norms/--no-tune-norms", default=True, show_default=True,
               help="AWQ: then train the norm gains of the int4-simulated model against fp32 (KL), end to end")
-@click.option("--int8-fallback", type=click.IntRange(min=0), default=0, show_default=True,
-              help="AWQ: keep the N linears whose int4 rounding costs the most loss int8 per channel")
+@click.option("--int8-fallback", type=click.IntRange(min=0), default=None,
+              help="AWQ: keep the N decoder units (fused q/k/v, o, gate/up, down) whose int4 rounding costs the "
+                   "most loss int8 per channel; 0 for none  [default: one unit in 4]")
 @click.option("--rounding", type=click.Choice(["gptq", "rtn"]), default="gptq", show_default=True,
               help="AWQ: round the int4 weights by GPTQ on the calibration inputs' Hessians, or to nearest")
 @click.option("--windows", type=int, default=16, show_default=True, help="calibration windows")
@@ -42,7 +43,7 @@ def _say_above_bars(message: str) -> None:
 @click.option("--calibration-text", type=click.Path(exists=True, path_type=Path), default=None,
               help="UTF-8 FILE, or DIR of them, to calibrate on instead of the mixed corpus (your own domain)")
 def calibrate(model: str, method: str, output: Path, alpha: float | None, group_size: str, clip: bool,
-              tune_norms: bool, int8_fallback: int, rounding: str, windows: int, window_tokens: int,
+              tune_norms: bool, int8_fallback: int | None, rounding: str, windows: int, window_tokens: int,
               calibration_text: Path | None) -> None:
     """Collect activation statistics of MODEL on the corpus's calibration split (prose, technical, code and
     chat windows in equal shares) or on --calibration-text, and write scales to OUTPUT."""

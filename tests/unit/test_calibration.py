@@ -220,7 +220,11 @@ def test_awq_norm_tuning_pulls_the_int4_model_towards_fp32(outlier_checkpoint, t
     rounded = len(gptq.LINEARS) * ck.spec.num_layers
     epochs = [(f"norm tuning epoch {e + 1}/{norm_tuning.EPOCHS}", 4, 4) for e in range(norm_tuning.EPOCHS)]
     assert recorded_bars == [("calibration windows", 4, 4), ("awq scales", groups, groups),
-                             ("awq clips", linears, linears), ("gptq rounding", rounded, rounded), *epochs]
+                             ("awq clips", linears, linears), ("gptq rounding", rounded, rounded),
+                             ("int8 fallback scores", 4, 4), *epochs]
+    # the default fallback: one unit in four int8
+    int8 = frozenset(artifact.hyperparameters["int8_linears"])
+    assert artifact.hyperparameters["int8_fallback"] == len(artifact.info["int8_fallback"]) == ck.spec.num_layers
     report = artifact.info["norm_tuning"]
     assert report["kl_after"] < 0.97 * report["kl_before"]
     assert any("norm tuning" in m for m in messages)
@@ -247,7 +251,7 @@ def test_awq_norm_tuning_pulls_the_int4_model_towards_fp32(outlier_checkpoint, t
 
     def kl(weights):  # mean over the calibration windows, as the report measures it
         head = fake_quant.int8_per_channel(weights["model.embed_tokens.weight"].float())
-        student = ReferenceModel(ck.spec, norm_tuning.int4_simulated(weights, 32))
+        student = ReferenceModel(ck.spec, norm_tuning.int4_simulated(weights, 32, int8))
         teacher = ReferenceModel(ck.spec, ck.weights)
         with torch.no_grad():
             embedding = ck.weights["model.embed_tokens.weight"]
