@@ -197,26 +197,23 @@ def calibrate_windows(checkpoint, token_windows: list[list[int]], config: Calibr
     del model, stats
     # the weights exactly as the build will see them: scales folded, clips applied
     quant_weights = {k: v.float() for k, v in apply_artifact(checkpoint, artifact).weights.items()}
-    # GPTQ first, so that the fallback is chosen on the error the build will really have (GPTQ cuts some
-    # linears' error far more than others'); the fallback's linears then drop their codes and stay int8
-    rounded = gptq.round_linears(quant_weights, hessians, input_scales, config.group_size) if use_gptq else {}
     int8: list[str] = []
     if fallback:
-        scores = sensitivity.unit_scores(checkpoint.spec, quant_weights, windows, config.group_size, say, rounded)
+        scores = sensitivity.unit_scores(checkpoint.spec, quant_weights, windows, config.group_size, say)
         chosen = sensitivity.most_sensitive(scores, fallback)
         int8 = [name for unit in chosen for name in unit]
         info["int8_fallback"] = {"+".join(u): round(scores[u], 6) for u in chosen}
         info["int8_fallback_scores"] = {"+".join(u): round(s, 6) for u, s in scores.items()}
         hyperparameters = {**hyperparameters, "int8_linears": int8}
         say(f"int8 fallback: {', '.join(info['int8_fallback'])}")
-    kept = {name: w for name, w in rounded.items() if name[: -len(".weight")] not in int8}
-    for name, w in kept.items():
-        linear = name[: -len(".weight")]
-        entries = gptq.pack(linear, w, config.group_size)
-        scales.update(entries)
-        quant_weights[name] = gptq.unpack(entries, linear, w.shape[1])  # bit for bit what the build gets
-    if use_gptq:
-        say(f"gptq rounding of {len(kept)} linears in {time.perf_counter() - start:.1f}s")
+    if use_gptq:  # after the fallback's choice (made on RTN's error), whose linears stay int8
+        rounded = gptq.round_linears(quant_weights, hessians, input_scales, config.group_size, frozenset(int8))
+        for name, w in rounded.items():
+            linear = name[: -len(".weight")]
+            entries = gptq.pack(linear, w, config.group_size)
+            scales.update(entries)
+            quant_weights[name] = gptq.unpack(entries, linear, w.shape[1])  # bit for bit what the build gets
+        say(f"gptq rounding of {len(rounded)} linears in {time.perf_counter() - start:.1f}s")
     del hessians
     if config.tune_norms:
         student = norm_tuning.int4_simulated(quant_weights, config.group_size, frozenset(int8))

@@ -33,21 +33,14 @@ def units(num_layers: int) -> list[tuple[str, ...]]:
 
 
 def unit_scores(spec, weights: dict[str, torch.Tensor], windows: list[torch.Tensor], group_size: int,
-                progress: Callable[[str], None] | None = None,
-                rounded: dict[str, torch.Tensor] | None = None) -> dict[tuple[str, ...], float]:
-    """Estimated loss increase (nats per token) of rounding each unit alone to int4 groups of group_size: the
-    int4 weights {<linear>.weight: [N, K]} of `rounded` where given (GPTQ's), round-to-nearest elsewhere."""
+                progress: Callable[[str], None] | None = None) -> dict[tuple[str, ...], float]:
+    """Estimated loss increase (nats per token) of rounding each unit alone to int4 RTN groups of group_size."""
     from kiln.export.reference import ReferenceModel
 
     model = ReferenceModel(spec, weights)
     all_units = units(spec.num_layers)
-    rounded = rounded or {}
-
-    def int4(name: str) -> torch.Tensor:
-        key = f"{name}.weight"
-        return rounded[key] if key in rounded else int4_groupwise(weights[key].float(), group_size)
-
-    delta = {name: int4(name) - weights[f"{name}.weight"].float() for unit in all_units for name in unit}
+    delta = {name: int4_groupwise(weights[f"{name}.weight"].float(), group_size) - weights[f"{name}.weight"].float()
+             for unit in all_units for name in unit}
     scores = dict.fromkeys(all_units, 0.0)
     tokens = 0
     for ids in track(windows, "int8 fallback scores", "window"):

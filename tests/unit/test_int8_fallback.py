@@ -49,19 +49,6 @@ def test_first_order_terms_sum_to_the_directional_derivative(checkpoint):
         assert float(terms[unit].sum()) == pytest.approx(numeric, rel=2e-2, abs=1e-4)
 
 
-def test_scores_take_the_weights_as_rounded(checkpoint):
-    """The fallback is chosen on the int4 weights the build will get (GPTQ's where given): a unit given its own
-    fp32 weights as "rounded" costs nothing, the others score as with round-to-nearest."""
-    spec, weights = checkpoint.spec, {k: v.float() for k, v in checkpoint.weights.items()}
-    windows = [_ids(40, seed) for seed in (1, 2)]
-    rtn = sensitivity.unit_scores(spec, weights, windows, 32)
-    exact = sensitivity.units(spec.num_layers)[1]  # layer 0's o_proj
-    own = {f"{exact[0]}.weight": weights[f"{exact[0]}.weight"]}
-    given = sensitivity.unit_scores(spec, weights, windows, 32, rounded=own)
-    assert rtn[exact] > 0 and given[exact] == 0
-    assert all(given[u] == pytest.approx(rtn[u], rel=1e-6) for u in rtn if u != exact)
-
-
 def test_int8_fallback_is_chosen_recorded_and_simulated(checkpoint, tmp_path):
     config = CalibrationConfig("awq", num_windows=2, window=64, rows_per_window=16, group_size=32, int8_fallback=2)
     artifact = calibrate(checkpoint, _ids(200).tolist(), config)
