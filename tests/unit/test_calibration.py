@@ -208,11 +208,6 @@ def test_awq_clips_are_recorded_round_trip_and_applied_at_build(outlier_checkpoi
     assert not any(k.startswith(awq.CLIP_PREFIX) for k in plain.scales) and "clips" not in plain.info
 
 
-def ck_linears(ck):
-    """(module name, weight) of every decoder linear of a checkpoint."""
-    return [(k[: -len(".weight")], w) for k, w in ck.weights.items() if ".layers." in k and k.endswith("_proj.weight")]
-
-
 def test_awq_norm_tuning_pulls_the_int4_model_towards_fp32(outlier_checkpoint, tmp_path, recorded_bars):
     from kiln.calibration import gptq, norm_tuning
 
@@ -225,7 +220,8 @@ def test_awq_norm_tuning_pulls_the_int4_model_towards_fp32(outlier_checkpoint, t
     # the default fallback: one unit in four int8, and GPTQ for the other linears of gptq.LINEARS
     int8 = frozenset(artifact.hyperparameters["int8_linears"])
     assert artifact.hyperparameters["int8_fallback"] == len(artifact.info["int8_fallback"]) == ck.spec.num_layers
-    rounded = len([m for m, _ in ck_linears(ck) if m.endswith(gptq.LINEARS) and m not in int8])
+    linears_all = {n[: -len(".weight")] for n in ck.weights if ".layers." in n and n.endswith("_proj.weight")}
+    rounded = len([m for m in linears_all if m.endswith(gptq.LINEARS) and m not in int8])
     epochs = [(f"norm tuning epoch {e + 1}/{norm_tuning.EPOCHS}", 4, 4) for e in range(norm_tuning.EPOCHS)]
     assert recorded_bars == [("calibration windows", 4, 4), ("awq scales", groups, groups),
                              ("awq clips", linears, linears), ("int8 fallback scores", 4, 4),
