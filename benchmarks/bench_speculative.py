@@ -159,7 +159,8 @@ def main() -> None:
                                                             enable_prefix_caching=False))
                for name, spec in methods.items()}
     for name, rows in medusa_rows.items():
-        engines[name].proposer = MedusaProposer(engines[name].runner.num_medusa_heads, rows)
+        if isinstance(engines[name].proposer, MedusaProposer):  # hydra heads' states cost nothing per row
+            engines[name].proposer = MedusaProposer(engines[name].runner.num_medusa_heads, rows)
     ids = prompts(engines["plain"], TASKS if args.workload == "grounded" else open_questions())
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
     results: dict[str, dict[str, Any]] = {name: {"single": [], "aggregate": []} for name in methods}

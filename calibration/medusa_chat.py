@@ -219,6 +219,11 @@ def answer_labels(sequences: list[tuple[list[int], list[int]]], num_heads: int) 
     return torch.cat(labels)
 
 
+def answer_tokens(sequences: list[tuple[list[int], list[int]]]) -> torch.Tensor:
+    """[n]: the token each row of teacher_forced_rows chose (row j of an answer: its token j)."""
+    return torch.tensor([t for _, answer in sequences for t in answer], dtype=torch.int64)
+
+
 Rows = dict[str, tuple[torch.Tensor, torch.Tensor]]
 
 
@@ -239,6 +244,9 @@ def cached_rows(model, splits: dict[str, list[tuple[list[int], list[int]]]], num
         raise ValueError(f"rows cache {cache} holds the splits {sorted(data)}, not {sorted(splits)}; use another file")
     for name, seqs in splits.items():
         x, labels = data[name]
+        if labels.shape[1] > num_heads:  # rows cached for more heads serve fewer: labels are tokens j + 1 .. j + K
+            labels = labels[:, :num_heads]
+            data[name] = (x, labels)
         if not torch.equal(labels, answer_labels(seqs, num_heads)):
             raise ValueError(f"rows cache {cache} was made from other answers or another head count than these "
                              f"(split {name!r}); use another file")

@@ -18,6 +18,7 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -26,7 +27,7 @@ from kiln import medusa
 from kiln.errors import require
 
 from .medusa_data import CHAT_QUESTIONS, CHAT_REQUESTS, Continuations, greedy_states, lm_head_weight, render_chat
-from .medusa_heads import MedusaArtifact, MedusaError, MedusaHeads
+from .medusa_heads import HydraHeads, MedusaArtifact, MedusaError, MedusaHeads
 
 Progress = Callable[[str], None]
 HOLDOUT_EVERY = 8
@@ -48,6 +49,8 @@ class MedusaConfig:
     generate_batch: int = 32  # prompts decoded together
     label_vocabulary: bool = False  # train the softmax over the labels' and their rivals' tokens (label_vocabulary())
     weight_decay: float = 0.0  # AdamW's: pulls each head back toward the shared LM head (W, b = 0)
+    kind: str = "medusa"  # kiln/medusa.py KINDS; "hydra": each head also reads the token before the one it guesses
+    draft_vocabulary: int = 8192  # hydra: the most frequent answer tokens its guesses range over
 
     def __post_init__(self) -> None:
         for name in ("num_heads", "prompt_tokens", "new_tokens", "epochs", "batch_rows", "generate_batch"):
@@ -62,6 +65,9 @@ class MedusaConfig:
                 self.new_tokens)
         require(self.learning_rate > 0, "learning_rate", "positive", self.learning_rate)
         require(self.weight_decay >= 0, "weight_decay", "non-negative", self.weight_decay)
+        require(self.kind in medusa.KINDS, "kind", f"one of {medusa.KINDS}", self.kind)
+        require(isinstance(self.draft_vocabulary, int) and self.draft_vocabulary > 0, "draft_vocabulary",
+                "a positive integer", self.draft_vocabulary)
 
 
 def build_prompts(checkpoint, text: str, config: MedusaConfig) -> list[list[int]]:
@@ -112,6 +118,11 @@ def generate(model, prompts: list[list[int]], config: MedusaConfig, say: Progres
     return out
 
 
+def chosen_tokens(batches: list[Continuations]) -> torch.Tensor:
+    """[n]: the token each row of rows_and_labels chose (its own greedy prediction)."""
+    return torch.cat([c.tokens[c.valid()] for c in batches])
+
+
 def rows_and_labels(batches: list[Continuations], model, num_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
     """x [n, D]: the final norm's output at every continuation row; labels [n, K]: the greedy token i
     steps after row j's own prediction (IGNORE past the continuation's end)."""
@@ -147,18 +158,43 @@ def label_vocabulary(x: torch.Tensor, labels: torch.Tensor, lm_head: torch.Tenso
     return lm_head[vocab], renumbered
 
 
-def train_heads(x: torch.Tensor, labels: torch.Tensor, lm_head: torch.Tensor, config: MedusaConfig,
-                say: Progress, heldout: tuple[torch.Tensor, torch.Tensor] | None = None
-                ) -> tuple[MedusaHeads, list[dict]]:
+def draft_vocabulary(chosen: torch.Tensor, size: int) -> torch.Tensor:
+    """The `size` tokens the rows chose most often, most frequent first (ties: lower id first)."""
+    counts = torch.bincount(chosen)
+    order = torch.argsort(-counts, stable=True)
+    return order[:min(size, int((counts > 0).sum()))]
+
+
+class HeadRows(NamedTuple):
+    """Cached training rows: x [n, D] (the final norm's output), labels [n, K] (rows_and_labels) and, for
+    hydra heads, chosen [n] (the token each row chose: chosen_tokens / medusa_chat.answer_tokens)."""
+
+    x: torch.Tensor
+    labels: torch.Tensor
+    chosen: torch.Tensor | None = None
+
+
+def train_heads(rows: HeadRows, lm_head: torch.Tensor, config: MedusaConfig, say: Progress,
+                heldout: HeadRows | None = None, embed: torch.Tensor | None = None
+                ) -> tuple[MedusaHeads | HydraHeads, list[dict]]:
     """Fit the heads on cached rows; returns them and one record per epoch (mean training loss, and with
     heldout the held-out chain's accepted tokens per step). Early stopping: with heldout, the heads are those
-    of the epoch that scored best there (the heads overfit a few thousand prompts within a couple of epochs)."""
+    of the epoch that scored best there (the heads overfit a few thousand prompts within a couple of epochs).
+    Hydra heads (config.kind) also need the rows' chosen tokens and embed (the input embedding [V, D])."""
+    x, labels, chosen = rows
     full_head = lm_head.detach()
-    if config.label_vocabulary:
+    hydra = config.kind == "hydra"
+    if hydra:
+        if chosen is None or embed is None:
+            raise ValueError("hydra heads train on the token each row chose and the input embedding")
+        vocab = draft_vocabulary(chosen, config.draft_vocabulary)
+        say(f"draft vocabulary: {len(vocab)} tokens, {_coverage(chosen, vocab):.1%} of the answers' tokens")
+    elif config.label_vocabulary:
         lm_head, labels = label_vocabulary(x, labels, lm_head)
         say(f"training vocabulary: {lm_head.shape[0]} tokens")
     torch.manual_seed(config.seed)
-    heads = MedusaHeads(config.num_heads, x.shape[1])
+    heads: MedusaHeads | HydraHeads = (HydraHeads(config.num_heads, vocab, embed, full_head)
+                                       if hydra and embed is not None else MedusaHeads(config.num_heads, x.shape[1]))
     optimizer = torch.optim.AdamW(heads.parameters(), lr=config.learning_rate, weight_decay=config.weight_decay)
     steps_per_epoch = math.ceil(x.shape[0] / config.batch_rows)
     total = steps_per_epoch * config.epochs
@@ -171,9 +207,12 @@ def train_heads(x: torch.Tensor, labels: torch.Tensor, lm_head: torch.Tensor, co
     for epoch in range(config.epochs):
         total_loss = 0.0
         for batch in torch.randperm(x.shape[0], generator=order).split(config.batch_rows):
-            logits = heads.logits(x[batch], lm_head)
-            loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels[batch].reshape(-1),
-                                   ignore_index=IGNORE)
+            if isinstance(heads, HydraHeads):
+                assert chosen is not None
+                logits, target = _hydra_logits(heads, x[batch], labels[batch], chosen[batch])
+            else:
+                logits, target = heads.logits(x[batch], lm_head), labels[batch]
+            loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1), ignore_index=IGNORE)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             optimizer.step()
@@ -186,7 +225,7 @@ def train_heads(x: torch.Tensor, labels: torch.Tensor, lm_head: torch.Tensor, co
                     f"{elapsed:.0f}s (eta {elapsed / step * (total - step):.0f}s)")
         record = {"epoch": epoch + 1, "loss": round(total_loss / x.shape[0], 4)}
         if heldout is not None:
-            result = score(heads, *heldout, full_head)
+            result = score(heads, heldout.x, heldout.labels, full_head, heldout.chosen)
             record.update(heldout_top1=result["top1_accuracy"], heldout_accepted=result["mean_accepted_tokens"])
             say(f"epoch {epoch + 1}: held-out top-1 per head {result['top1_accuracy']}, accepted/step "
                 f"{result['mean_accepted_tokens']}")
@@ -198,12 +237,33 @@ def train_heads(x: torch.Tensor, labels: torch.Tensor, lm_head: torch.Tensor, co
     return heads.requires_grad_(False), history
 
 
+def _hydra_logits(heads: HydraHeads, x: torch.Tensor, labels: torch.Tensor, chosen: torch.Tensor
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Teacher forced: head i reads the true token before its own (the row's chosen one for head 1); its
+    logits over the draft vocabulary and its label's row there (IGNORE outside it)."""
+    before = torch.cat([chosen[:, None], labels[:, :-1]], 1).clamp(min=0)  # past an answer's end: ignored anyway
+    rows = heads.index[labels.clamp(min=0)]
+    target = torch.where((labels == IGNORE) | (rows == len(heads.vocab)), IGNORE, rows)
+    return heads.logits(heads(x, before)), target
+
+
+def _coverage(chosen: torch.Tensor, vocab: torch.Tensor) -> float:
+    return float(torch.isin(chosen, vocab).float().mean())
+
+
 @torch.no_grad()
-def score(heads: MedusaHeads, x: torch.Tensor, labels: torch.Tensor, lm_head: torch.Tensor) -> dict:
-    """Per-head top-1 agreement with the greedy continuation, and the chain's mean accepted tokens per step."""
+def score(heads: MedusaHeads | HydraHeads, x: torch.Tensor, labels: torch.Tensor, lm_head: torch.Tensor,
+          chosen: torch.Tensor | None = None) -> dict:
+    """Per-head top-1 agreement with the greedy continuation, and the chain's mean accepted tokens per step.
+    Hydra heads run free (each on the one before's guess, as the draft graph does) from the chosen tokens."""
     correct = torch.zeros(labels.shape, dtype=torch.bool)
     for chunk in torch.arange(x.shape[0]).split(256):
-        correct[chunk] = heads.logits(x[chunk], lm_head).argmax(-1) == labels[chunk]
+        if isinstance(heads, HydraHeads):
+            assert chosen is not None, "hydra heads are scored from the token each row chose"
+            guesses = heads.guess(x[chunk], chosen[chunk])
+        else:
+            guesses = heads.logits(x[chunk], lm_head).argmax(-1)
+        correct[chunk] = guesses == labels[chunk]
     valid = labels != IGNORE
     accuracy = [float(correct[:, i][valid[:, i]].float().mean()) if valid[:, i].any() else float("nan")
                 for i in range(labels.shape[1])]
@@ -225,8 +285,10 @@ def train_medusa(checkpoint, text: str, config: MedusaConfig, progress: Progress
     held = [p for n, p in enumerate(prompts) if n % HOLDOUT_EVERY == HOLDOUT_EVERY - 1]
     train = [p for n, p in enumerate(prompts) if n % HOLDOUT_EVERY != HOLDOUT_EVERY - 1]
     tokenizer_ids = _question_ids(checkpoint)
-    data = {name: rows_and_labels(generate(model, p, config, say, name), model, config.num_heads)
-            for name, p in (("train", train), ("heldout", held), ("chat", tokenizer_ids))}
+    data = {}
+    for name, p in (("train", train), ("heldout", held), ("chat", tokenizer_ids)):
+        batches = generate(model, p, config, say, name)
+        data[name] = (*rows_and_labels(batches, model, config.num_heads), chosen_tokens(batches))
     sizes = {"train_prompts": len(train), "heldout_prompts": len(held), "chat_questions": len(tokenizer_ids)}
     return _fit(checkpoint, model, data, config, say, _Provenance(corpus, sizes, start, cpu_start))
 
@@ -255,7 +317,7 @@ def train_medusa_chat(checkpoint, source: ChatAnswers, config: MedusaConfig,
     """Heads self-distilled on the model's own chat answers (config.new_tokens tokens each)."""
     from kiln.export.reference import ReferenceModel
 
-    from .medusa_chat import cached_rows, chat_prompts, engine_answers
+    from .medusa_chat import answer_tokens, cached_rows, chat_prompts, engine_answers
 
     say = progress or (lambda _m: None)
     start, cpu_start = time.perf_counter(), time.process_time()
@@ -267,7 +329,8 @@ def train_medusa_chat(checkpoint, source: ChatAnswers, config: MedusaConfig,
     model = ReferenceModel.from_checkpoint(checkpoint)
     cut = (0, len(train), len(train) + len(held), len(answers))
     splits = {name: answers[a:b] for name, a, b in zip(("train", "heldout", "chat"), cut[:-1], cut[1:], strict=True)}
-    data = cached_rows(model, splits, config.num_heads, say, source.rows_cache)
+    rows = cached_rows(model, splits, config.num_heads, say, source.rows_cache)
+    data = {name: (*rows[name], answer_tokens(seqs)) for name, seqs in splits.items()}
     sizes = {"train_prompts": len(train), "heldout_prompts": len(held), "chat_questions": len(CHAT_QUESTIONS),
              "answers_from": str(source.engine)}
     return _fit(checkpoint, model, data, config, say, _Provenance("chat answers", sizes, start, cpu_start))
@@ -281,22 +344,26 @@ class _Provenance:
     cpu_start: float
 
 
-def _fit(checkpoint, model, data: dict[str, tuple[torch.Tensor, torch.Tensor]], config: MedusaConfig, say: Progress,
-         about: _Provenance) -> MedusaArtifact:
-    """Train on data["train"], score every split, and record how the artifact was made."""
+def _fit(checkpoint, model, data: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]], config: MedusaConfig,
+         say: Progress, about: _Provenance) -> MedusaArtifact:
+    """Train on data["train"] (x, labels, chosen tokens), score every split, and record how the artifact was made."""
     start, cpu_start = about.start, about.cpu_start
     lm_head = lm_head_weight(model)
     generation_s = time.perf_counter() - start
-    say(f"cached {sum(x.shape[0] for x, _ in data.values())} hidden states in {generation_s:.0f}s")
-    heads, history = train_heads(*data["train"], lm_head, config, say, heldout=data["heldout"])
+    say(f"cached {sum(rows[0].shape[0] for rows in data.values())} hidden states in {generation_s:.0f}s")
+    heads, history = train_heads(HeadRows(*data["train"]), lm_head, config, say, heldout=HeadRows(*data["heldout"]),
+                                 embed=model.model.embed_tokens.weight)
     training_s = time.perf_counter() - start - generation_s
-    results = {name: score(heads, *_sample(x, labels, SCORED_TRAIN_ROWS if name == "train" else None), lm_head)
-               for name, (x, labels) in data.items()}
+    results = {}
+    for name, rows in data.items():
+        x, labels, chosen = _sample(*rows, SCORED_TRAIN_ROWS if name == "train" else None)
+        results[name] = score(heads, x, labels, lm_head, chosen)
     for name, result in results.items():
         say(f"{name}: top-1 accuracy per head {result['top1_accuracy']}, "
             f"mean accepted tokens per step {result['mean_accepted_tokens']}")
     info = {
-        "format": medusa.ARTIFACT_FORMAT, "num_heads": config.num_heads, "hidden_size": checkpoint.spec.hidden_size,
+        "format": medusa.ARTIFACT_FORMAT, "kind": config.kind, "num_heads": config.num_heads,
+        "hidden_size": checkpoint.spec.hidden_size,
         "vocab_size": checkpoint.spec.vocab_size, "model_source": checkpoint.source,
         "model_fingerprint": checkpoint.fingerprint(), "corpus": about.corpus, "config": asdict(config),
         "data": {**about.data, "train_rows": int(data["train"][0].shape[0])},  # all of them: the score's are a sample
@@ -310,12 +377,13 @@ def _fit(checkpoint, model, data: dict[str, tuple[torch.Tensor, torch.Tensor]], 
     return MedusaArtifact(heads.state(), info)
 
 
-def _sample(x: torch.Tensor, labels: torch.Tensor, rows: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+def _sample(x: torch.Tensor, labels: torch.Tensor, chosen: torch.Tensor, rows: int | None
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """At most `rows` rows, drawn with a fixed seed (scoring 100k rows on the full vocabulary costs minutes)."""
     if rows is None or x.shape[0] <= rows:
-        return x, labels
+        return x, labels, chosen
     pick = torch.randperm(x.shape[0], generator=torch.Generator().manual_seed(0))[:rows]
-    return x[pick], labels[pick]
+    return x[pick], labels[pick], chosen[pick]
 
 
 def _question_ids(checkpoint) -> list[list[int]]:

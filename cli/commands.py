@@ -62,7 +62,8 @@ def main() -> None:
               help="the tied LM head under an int4 quantization: int8 weights (keeps more of fp32's perplexity "
                    "than int4), or w8a8 (int8 weights and per-token int8 activations: faster for batches)")
 @click.option("--medusa", type=click.Path(exists=True, file_okay=False, path_type=Path), default=None,
-              help="heads of `kiln train-medusa`: the graph also returns their logits (medusa_logits)")
+              help="heads of `kiln train-medusa`: the graph also returns their logits (medusa_logits), or for "
+                   "hydra heads the final norm's output (medusa_hidden) and the engine gets their draft graph")
 @click.option("--backend", type=click.Choice(["onnxruntime-cpu", "tensorrt"]), default="onnxruntime-cpu",
               show_default=True, help="tensorrt: the graph lowered for TensorRT's ONNX parser with kiln's plugins, "
               "and model.plan where tensorrt is importable (else built later by python -m kiln.plugins_trt.trt_build)")

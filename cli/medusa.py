@@ -38,11 +38,16 @@ def _say(message: str) -> None:
 @click.option("--rows-cache", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="with --answers-from: a torch file of the answers' teacher-forced hidden states, written once and "
                    "reused while it fits the answers and the model (checked)")
+@click.option("--kind", type=click.Choice(["medusa", "hydra"]), default="medusa", show_default=True,
+              help="medusa: each head guesses from the hidden state alone; hydra: each head also reads the token "
+                   "before the one it guesses (a chain, run after the step on the token actually chosen)")
+@click.option("--draft-vocabulary", type=int, default=8192, show_default=True,
+              help="hydra: the most frequent answer tokens the heads' guesses range over")
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--threads", type=int, default=None, help="threads of the runtime generating the answers")
 def train_medusa(model: str, output: Path, num_heads: int, engine: str | None, prompts: int | None,
                  new_tokens: int | None, epochs: int | None, weight_decay: float, answer_cache: Path | None,
-                 rows_cache: Path | None, seed: int, threads: int | None) -> None:
+                 rows_cache: Path | None, kind: str, draft_vocabulary: int, seed: int, threads: int | None) -> None:
     """Train Medusa heads for MODEL on its own greedy continuations: of chat prompts (--answers-from) or of
     the calibration book."""
     import torch
@@ -59,13 +64,14 @@ def train_medusa(model: str, output: Path, num_heads: int, engine: str | None, p
             raise click.UsageError(f"{name} needs --answers-from (it caches that engine's answers or their rows)")
     config = MedusaConfig(num_heads=num_heads, text_prompts=prompts or 24, chat_prompts=prompts or 24,
                           new_tokens=new_tokens or (64 if chat else 48), epochs=epochs or (3 if chat else 5),
-                          seed=seed, label_vocabulary=chat, weight_decay=weight_decay)
+                          seed=seed, label_vocabulary=chat, weight_decay=weight_decay, kind=kind,
+                          draft_vocabulary=draft_vocabulary)
     try:
         checkpoint = load_checkpoint(model)
         text = None if chat else calibration_text()
     except (CorpusNotFound, FileNotFoundError, ValueError) as exc:  # each names the problem in one sentence
         raise click.ClickException(str(exc)) from exc
-    _say(f"{config.num_heads} heads, {torch.get_num_threads()} threads, seed {config.seed}")
+    _say(f"{config.num_heads} {config.kind} heads, {torch.get_num_threads()} threads, seed {config.seed}")
     if engine is not None:
         try:
             source = ChatAnswers(engine, prompts or 200, threads, answer_cache, rows_cache)

@@ -19,6 +19,8 @@ Outputs
   logits           float32 [num_logits, vocab_size]
   medusa_logits    float32 [num_medusa, K, vocab_size]   head i's logits at medusa_indices[r] in [r, i-1]
                    (engines built with --medusa only; kiln/medusa.py specifies the heads)
+  medusa_hidden    float32 [num_medusa, hidden_size]     instead of medusa_logits for hydra heads: the final
+                   norm's output at medusa_indices (their draft graph runs the heads after the step)
   kv_cache_out.{i} the same buffer as kv_cache.{i}: the runtime binds one OrtValue to both,
                    and kiln.PagedAttention writes the new tokens' K/V in place.
 
@@ -54,6 +56,7 @@ LOGITS_INDICES = "logits_indices"
 LOGITS = "logits"
 MEDUSA_INDICES = "medusa_indices"
 MEDUSA_LOGITS = "medusa_logits"
+MEDUSA_HIDDEN = "medusa_hidden"
 
 
 def kv_cache_input(layer: int) -> str:

@@ -39,21 +39,8 @@ def attach_medusa(model: ir.Model, weights: np.ndarray, biases: np.ndarray) -> i
     vocab = graph.outputs[0].shape[-1] if graph.outputs[0].shape is not None else None
     if not isinstance(vocab, int):
         raise MedusaGraphError("the graph's logits have no static vocabulary size")
-
-    medusa_indices = ir.Value(name=contract.MEDUSA_INDICES, type=ir.TensorType(ir.DataType.INT64),
-                              shape=ir.Shape(["num_medusa"]))
-    logits_indices = gather.inputs[1]
-    graph.inputs.insert(list(graph.inputs).index(logits_indices) + 1, medusa_indices)
     const = _Constants(model, num_heads, hidden, vocab)
-    rows = ir.node("Concat", [logits_indices, medusa_indices], attributes={"axis": 0})
-    graph.insert_before(gather, rows)
-    gather.replace_input_with(1, rows.outputs[0])
-
-    num_l = ir.node("Shape", [logits_indices])
-    num_m = ir.node("Shape", [medusa_indices])
-    sizes = ir.node("Concat", [num_l.outputs[0], num_m.outputs[0]], attributes={"axis": 0})
-    normed = norm.outputs[0]
-    split_x = ir.node("Split", [normed, sizes.outputs[0]], attributes={"axis": 1}, num_outputs=2)
+    num_l, num_m, sizes, split_x = _gather_medusa_rows(graph, gather, norm)
     x_l, x_m = split_x.outputs
     w = initializer(model, "medusa.weight", np.ascontiguousarray(weights.transpose(2, 0, 1).reshape(hidden, -1)))
     b = initializer(model, "medusa.bias", np.ascontiguousarray(biases.reshape(-1)))
@@ -66,8 +53,7 @@ def attach_medusa(model: ir.Model, weights: np.ndarray, biases: np.ndarray) -> i
     residual = ir.node("Add", [x_m4.outputs[0], per_head.outputs[0]])
     flat = ir.node("Reshape", [residual.outputs[0], const.rows_shape])  # [1, M*K, D]
     head_input = ir.node("Concat", [x_l, flat.outputs[0]], attributes={"axis": 1})
-    graph.insert_after(norm, [num_l, num_m, sizes, split_x, matmul, add, sigmoid, silu, per_head, x_m4, residual,
-                              flat, head_input])
+    graph.insert_after(split_x, [matmul, add, sigmoid, silu, per_head, x_m4, residual, flat, head_input])
     head.replace_input_with(0, head_input.outputs[0])
 
     num_mk = ir.node("Mul", [num_m.outputs[0], const.k])
@@ -84,6 +70,51 @@ def attach_medusa(model: ir.Model, weights: np.ndarray, biases: np.ndarray) -> i
     out.shape = ir.Shape(["num_medusa", num_heads, vocab])
     graph.outputs.insert(1, out)  # after logits, before the KV pools
     return num_heads
+
+
+def attach_hidden(model: ir.Model) -> None:
+    """For hydra heads (kiln/medusa.py): the output ``medusa_hidden float32 [num_medusa, D]``, the final
+    norm's output at medusa_indices, gathered and normed with the logits rows; the LM head reads only those."""
+    graph = model.graph
+    squeeze, head, norm, gather = _logits_chain(graph)
+    hidden = head.inputs[1].shape[0] if head.inputs[1] is not None and head.inputs[1].shape is not None else None
+    if not isinstance(hidden, int):
+        raise MedusaGraphError("the graph's LM head has no static hidden size")
+    _, _, _, split_x = _gather_medusa_rows(graph, gather, norm)
+    x_l, x_m = split_x.outputs
+    rows_shape = initializer(model, "medusa.hidden_shape", np.array([-1, hidden], np.int64))
+    flat = ir.node("Reshape", [x_m, rows_shape])
+    graph.insert_after(split_x, [flat])
+    head.replace_input_with(0, x_l)
+    for value in (gather.outputs[0], split_x.inputs[0]):
+        value.shape = ir.Shape([1, "num_logits_and_medusa", hidden])
+    split_x.outputs[0].shape = ir.Shape([1, "num_logits", hidden])
+    split_x.outputs[1].shape = ir.Shape([1, "num_medusa", hidden])
+    for value in split_x.outputs:
+        value.type = split_x.inputs[0].type
+    out = flat.outputs[0]
+    out.name = contract.MEDUSA_HIDDEN
+    out.type = ir.TensorType(ir.DataType.FLOAT)
+    out.shape = ir.Shape(["num_medusa", hidden])
+    graph.outputs.insert(1, out)
+
+
+def _gather_medusa_rows(graph: ir.Graph, gather: ir.Node, norm: ir.Node) -> tuple[ir.Node, ir.Node, ir.Node, ir.Node]:
+    """Add the medusa_indices input; the logits' Gather and final norm then run on logits_indices and
+    medusa_indices together. Returns (Shape of L, Shape of M, [L, M], the Split of the norm's output)."""
+    medusa_indices = ir.Value(name=contract.MEDUSA_INDICES, type=ir.TensorType(ir.DataType.INT64),
+                              shape=ir.Shape(["num_medusa"]))
+    logits_indices = gather.inputs[1]
+    graph.inputs.insert(list(graph.inputs).index(logits_indices) + 1, medusa_indices)
+    rows = ir.node("Concat", [logits_indices, medusa_indices], attributes={"axis": 0})
+    graph.insert_before(gather, rows)
+    gather.replace_input_with(1, rows.outputs[0])
+    num_l = ir.node("Shape", [logits_indices])
+    num_m = ir.node("Shape", [medusa_indices])
+    sizes = ir.node("Concat", [num_l.outputs[0], num_m.outputs[0]], attributes={"axis": 0})
+    split_x = ir.node("Split", [norm.outputs[0], sizes.outputs[0]], attributes={"axis": 1}, num_outputs=2)
+    graph.insert_after(norm, [num_l, num_m, sizes, split_x])
+    return num_l, num_m, sizes, split_x
 
 
 class _Constants:

@@ -34,8 +34,9 @@ from kiln.manifest import (
     Manifest,
     write_manifest,
 )
-from kiln.optimize.attach_medusa import MedusaGraphError, attach_medusa
+from kiln.optimize.attach_medusa import MedusaGraphError, attach_hidden, attach_medusa
 from kiln.optimize.fuse_attention import AttentionConfig
+from kiln.optimize.medusa_draft import build_draft_graph, save_draft_graph
 from kiln.optimize.pack_attention_inputs import pack_attention_inputs
 from kiln.optimize.pipeline import optimize_model
 from kiln.optimize.quantize import QuantizationError, check_lm_head, int8_fallback, prepare_checkpoint, quantize_model
@@ -80,6 +81,7 @@ def build_engine(
         options = _check_model(checkpoint, options)
         try:
             heads = _medusa_heads(checkpoint, options.medusa, say) if options.medusa is not None else None
+            draft = _draft_graph(checkpoint, heads) if heads is not None and heads.kind == "hydra" else None
             checkpoint = prepare_checkpoint(checkpoint, options.quantization, _scheme_artifact(options), say)
             int8_modules = int8_fallback(options.quantization, _scheme_artifact(options))
         except QuantizationError as exc:
@@ -106,7 +108,12 @@ def build_engine(
                 _check_counts(counts, spec.num_layers)
                 if heads is not None:
                     try:
-                        say(f"  attach_medusa: {attach_medusa(model, *heads.arrays())} heads")
+                        if heads.kind == "hydra":
+                            attach_hidden(model)
+                            say(f"  attach_hidden: the final norm's output at medusa_indices, for {heads.num_heads} "
+                                "hydra heads")
+                        else:
+                            say(f"  attach_medusa: {attach_medusa(model, *heads.arrays())} heads")
                     except MedusaGraphError as exc:
                         raise BuildError(str(exc)) from exc
             if options.quantization.method is not QuantMethod.NONE:
@@ -124,6 +131,8 @@ def build_engine(
             with _stage(say, "write engine"):
                 _save_graph(model, staging)
                 _write_tokenizer(checkpoint, staging)
+                if draft is not None:
+                    say(f"  {save_draft_graph(draft, staging).name}: the hydra heads' chain")
         graph_inputs = tuple(v.name for v in model.graph.inputs)
         graph_outputs = tuple(v.name for v in model.graph.outputs)
         del model
@@ -266,6 +275,15 @@ def _medusa_heads(checkpoint, medusa: Path, say: Progress):
     say(f"{artifact.num_heads} Medusa heads from {medusa} (held-out top-1 accuracy "
         f"{artifact.spec().top1_accuracy})")
     return artifact
+
+
+def _draft_graph(checkpoint, heads):
+    """The hydra heads' draft graph, on the checkpoint's own embedding and LM head (before any scheme's
+    folding touches them: the heads were trained on these)."""
+    weights = checkpoint.weights
+    embed = weights["model.embed_tokens.weight"].float().numpy()
+    lm_head = weights["lm_head.weight"].float().numpy() if "lm_head.weight" in weights else embed
+    return build_draft_graph(*heads.hydra_arrays(), embed, lm_head)
 
 
 def _check_options(options: BuildOptions) -> None:

@@ -330,12 +330,12 @@ class Engine:
                 request = self._by_seq[seqs[i].seq_id]
                 next_rows[i] += self._accept(seqs[i], request, logits[starts[i]:starts[i] + width])
                 changed[request.request_id] = request
-        if heads is not None and result.medusa_logits is not None:
+        extras = result.extras()
+        if heads is not None and extras:
             assert self.proposer is not None
-            where = {int(row): m for m, row in enumerate(heads)}  # logits row -> its row of medusa_logits
+            where = {int(row): m for m, row in enumerate(heads)}  # logits row -> its row of the heads' outputs
             live = [i for i, seq in enumerate(seqs) if not seq.is_finished and next_rows[i] in where]
-            self.proposer.observe([seqs[i] for i in live], [where[next_rows[i]] for i in live],
-                                  {"medusa_logits": result.medusa_logits})
+            self.proposer.observe([seqs[i] for i in live], [where[next_rows[i]] for i in live], extras)
         return self._take_outputs(changed)
 
     def _take_outputs(self, changed: dict[str, Request]) -> list[RequestOutput]:

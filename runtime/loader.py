@@ -12,6 +12,7 @@ from kiln import contract
 from kiln.contract import KvPoolSpec
 from kiln.errors import InvalidParamError
 from kiln.manifest import BACKEND_ORT_CPU, BACKEND_TENSORRT, EngineLoadError, Manifest, read_manifest, sha256_file
+from kiln.medusa import DRAFT_FILE
 from kiln.runtime.engine import Engine, EngineLimits
 from kiln.runtime.model_runner import KvBudget, ModelRunner, choose_num_blocks
 from kiln.runtime.params import RuntimeConfig, SpeculativeConfig
@@ -126,6 +127,10 @@ def open_proposer(spec: SpeculativeConfig, engine_dir: Path, manifest: Manifest,
     """The proposer of a speculative method that needs more than the engine loop: the Medusa heads compiled
     into the target, or a draft engine (checked against the target)."""
     if spec.method == "medusa":
+        if manifest.medusa is not None and manifest.medusa.kind == "hydra":
+            from kiln.runtime.speculative.hydra import HydraProposer
+
+            return HydraProposer(engine_dir / DRAFT_FILE)
         if not target.num_medusa_heads:
             raise EngineLoadError(f"speculative method 'medusa' needs Medusa heads in the engine, and {engine_dir} "
                                   "has none (build it with kiln build --medusa HEADS_DIR, or use --speculative ngram "

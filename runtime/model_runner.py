@@ -99,10 +99,16 @@ def build_batch(out: SchedulerOutput) -> BatchInput:
 
 @dataclass(frozen=True)
 class RunnerOutput:
-    """What one step returns: the logits, and the Medusa heads' where the engine has heads."""
+    """What one step returns: the logits, and what the engine's Medusa heads need where it has heads."""
 
     logits: np.ndarray  # float32 [len(logits_indices), vocab_size]
     medusa_logits: np.ndarray | None = None  # float32 [len(medusa_indices), num_medusa_heads, vocab_size]
+    medusa_hidden: np.ndarray | None = None  # float32 [len(medusa_indices), hidden_size] (hydra heads)
+
+    def extras(self) -> dict[str, np.ndarray]:
+        """The outputs beside the logits, by graph output name (what Proposer.observe reads)."""
+        found = ((contract.MEDUSA_LOGITS, self.medusa_logits), (contract.MEDUSA_HIDDEN, self.medusa_hidden))
+        return {name: value for name, value in found if value is not None}
 
 
 class ModelRunner(abc.ABC):
@@ -112,6 +118,7 @@ class ModelRunner(abc.ABC):
     block_size: int
     vocab_size: int
     num_medusa_heads: int = 0  # K of an engine built with --medusa (kiln/medusa.py)
+    medusa_output: str | None = None  # the graph output its heads add (contract.MEDUSA_LOGITS or _HIDDEN), if any
 
     @abc.abstractmethod
     def execute(self, batch: BatchInput) -> np.ndarray:

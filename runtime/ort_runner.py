@@ -72,8 +72,9 @@ class OrtModelRunner(ModelRunner):
                                   f"with; rebuild the engine")
         outputs = {o.name: o for o in session.get_outputs()}
         medusa = outputs.get(contract.MEDUSA_LOGITS)
+        heads_output = next((n for n in (contract.MEDUSA_LOGITS, contract.MEDUSA_HIDDEN) if n in outputs), None)
         fed = set(BatchInput.FEEDS) | {contract.kv_cache_input(i) for i in range(pools.num_layers)}
-        if medusa is not None:
+        if heads_output is not None:
             fed.add(contract.MEDUSA_INDICES)
         unknown = [i.name for i in session.get_inputs() if i.name not in fed]
         if unknown:
@@ -88,13 +89,14 @@ class OrtModelRunner(ModelRunner):
         self.block_size = pools.block_size
         self.vocab_size = vocab
         self.num_medusa_heads = int(medusa.shape[1]) if medusa is not None else 0
+        self.medusa_output = heads_output
         self.pools = [np.zeros(pools.pool_shape(num_blocks), dtype=pools.dtype) for _ in range(pools.num_layers)]
         self._pool_values = [ort.OrtValue.ortvalue_from_numpy(p) for p in self.pools]
         self.binding = session.io_binding()
         # outputs allocated per run, bound first so get_outputs() returns them first: logits (and the heads')
         self.binding.bind_output(contract.LOGITS, "cpu")
-        if self.num_medusa_heads:
-            self.binding.bind_output(contract.MEDUSA_LOGITS, "cpu")
+        if self.medusa_output is not None:
+            self.binding.bind_output(self.medusa_output, "cpu")
         for i, value in enumerate(self._pool_values):
             self.binding.bind_ortvalue_input(contract.kv_cache_input(i), value)
             self.binding.bind_ortvalue_output(contract.kv_cache_output(i), value)
@@ -109,18 +111,20 @@ class OrtModelRunner(ModelRunner):
     def execute_all(self, batch: BatchInput) -> RunnerOutput:
         for name, array in batch.feeds().items():
             self.binding.bind_cpu_input(name, array)
-        if self.num_medusa_heads:
+        if self.medusa_output is not None:
             rows = _NO_ROWS if batch.medusa_indices is None else batch.medusa_indices
             self.binding.bind_cpu_input(contract.MEDUSA_INDICES, rows)
-            self.binding.bind_output(contract.MEDUSA_LOGITS, "cpu")
+            self.binding.bind_output(self.medusa_output, "cpu")
         elif batch.medusa_indices is not None and len(batch.medusa_indices):
             raise ValueError("this engine has no Medusa heads (it was built without --medusa); "
                              "leave medusa_indices unset")
         self.binding.bind_output(contract.LOGITS, "cpu")
         self.session.run_with_iobinding(self.binding)
         outputs = self.binding.get_outputs()  # in binding order: rebinding a name keeps its place
-        medusa = outputs[1].numpy() if self.num_medusa_heads else None
-        return RunnerOutput(outputs[0].numpy(), medusa)
+        heads = outputs[1].numpy() if self.medusa_output is not None else None
+        if self.medusa_output == contract.MEDUSA_HIDDEN:
+            return RunnerOutput(outputs[0].numpy(), medusa_hidden=heads)
+        return RunnerOutput(outputs[0].numpy(), heads)
 
     def kv_layout(self) -> KvLayout:
         return KvLayout(len(self.pools), self.pools[0].shape[1:], self.pools[0].dtype)

@@ -63,8 +63,8 @@ class Proposer(abc.ABC):
     def observe(self, seqs: list[Sequence], rows: list[int], extras: Mapping[str, np.ndarray]) -> None:  # noqa: B027
         """After a step: for each sequence that got tokens and goes on and whose deciding row has extra
         outputs, `rows[i]` is that row in `extras` (the graph outputs beside the logits: "medusa_logits"
-        [rows, K, V]): the row whose logits chose seqs[i]'s latest token (a verified row: the first
-        rejected or the bonus one). Optional."""
+        [rows, K, V], or for hydra heads "medusa_hidden" [rows, D]): the row whose logits chose seqs[i]'s
+        latest token (a verified row: the first rejected or the bonus one). Optional."""
 
     def release(self, seq: Sequence) -> None:  # noqa: B027 - optional
         """seq finished or was aborted: drop what is kept for it."""

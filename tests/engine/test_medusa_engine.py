@@ -1,6 +1,7 @@
 """Medusa heads compiled into the tiny engine: the graph's medusa_logits match the torch heads, the
 logits are unchanged, the quantization passes keep working with the heads present, and the
-build refuses heads trained for another model."""
+build refuses heads trained for another model. Hydra heads: the graph returns the final norm's output
+instead, the engine carries their draft graph, and speculation with them keeps greedy output exact."""
 
 from __future__ import annotations
 
@@ -187,3 +188,81 @@ def test_train_medusa_chat_end_to_end(tiny_model_dir, tiny_engine):
     assert info["data"]["train_prompts"] == 7 and info["data"]["heldout_prompts"] == 1
     assert 0 < info["train"]["rows"] <= 7 * 6 and 0 < info["chat"]["rows"] <= 24 * 6  # answers may end early
     assert len(info["chat"]["top1_accuracy"]) == 2
+
+
+@pytest.fixture(scope="module")
+def hydra_engine(tmp_path_factory, tiny_model_dir):
+    """An engine with random hydra heads (kiln/medusa.py kind "hydra"; training is tests/unit/test_hydra.py's)."""
+    from kiln import medusa
+    from kiln.calibration.medusa_heads import HydraHeads, MedusaArtifact
+    from kiln.export.checkpoint import load_checkpoint
+    from kiln.optimize.build import build_engine
+
+    checkpoint = load_checkpoint(tiny_model_dir)
+    embed = checkpoint.weights["model.embed_tokens.weight"]
+    torch.manual_seed(0)
+    heads = HydraHeads(3, torch.arange(128), embed, embed)
+    with torch.no_grad():
+        heads.state_weight.normal_(0, 0.3)
+        heads.token_weight.normal_(0, 0.3)
+    info = {"format": medusa.ARTIFACT_FORMAT, "kind": "hydra", "num_heads": 3, "hidden_size": embed.shape[1],
+            "model_source": checkpoint.source, "model_fingerprint": checkpoint.fingerprint()}
+    heads = MedusaArtifact(heads.state(), info).save(tmp_path_factory.mktemp("hydra") / "heads")
+    out = tmp_path_factory.mktemp("hydra-engine") / "engine"
+    build_engine(tiny_model_dir, out, BuildOptions(medusa=heads), progress=lambda _m: None)
+    return out
+
+
+def test_hydra_engine_returns_the_final_norms_output(hydra_engine, tiny_model_dir):
+    """medusa_hidden is what the LM head reads, at the rows asked for; the logits are those of the plain graph."""
+    from kiln.calibration.collect import run_layers
+    from kiln.export.checkpoint import load_checkpoint
+    from kiln.export.reference import ReferenceModel
+    from kiln.medusa import DRAFT_FILE
+
+    manifest = read_manifest(hydra_engine)
+    assert manifest.medusa is not None and manifest.medusa.kind == "hydra" and manifest.medusa.num_heads == 3
+    assert contract.MEDUSA_HIDDEN in manifest.graph_outputs and contract.MEDUSA_LOGITS not in manifest.graph_outputs
+    assert (hydra_engine / DRAFT_FILE).is_file()
+    model = ReferenceModel.from_checkpoint(load_checkpoint(tiny_model_dir))
+    with torch.no_grad():
+        x = model.model.norm(run_layers(model, torch.tensor([PROMPT[:12]]), torch.arange(12)[None]))[0].numpy()
+    driver = PagedDriver(hydra_engine / "model.onnx", threads=1, num_blocks=16)
+    assert driver.runner.medusa_output == contract.MEDUSA_HIDDEN and driver.runner.num_medusa_heads == 0
+    out = driver.step_medusa([(0, PROMPT[:12])], medusa_rows=[3, 11, 7])
+    assert out.medusa_logits is None
+    np.testing.assert_allclose(out.medusa_hidden, x[[3, 11, 7]], atol=1e-4, rtol=0)
+    np.testing.assert_allclose(out.logits, x[-1:] @ model.model.embed_tokens.weight.detach().numpy().T, atol=1e-3,
+                               rtol=0)
+
+
+def test_hydra_speculation_is_token_identical_to_plain_decoding(hydra_engine):
+    """The hydra proposer on the real graphs: greedy output as without speculation, guesses made and some
+    accepted (the perturbed heads on a random model guess mostly wrong, which verification must absorb)."""
+    from kiln.runtime import LLM, RuntimeConfig, SamplingParams
+    from kiln.runtime.loader import load_engine
+    from kiln.runtime.params import SpeculativeConfig
+    from kiln.runtime.speculative.hydra import HydraProposer
+
+    prompts = [PROMPT[:n] for n in (5, 12, 20, 33)]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    plain = LLM(load_engine(hydra_engine, RuntimeConfig(num_threads=1))).generate(prompts, params)
+    spec = SpeculativeConfig("medusa", num_tokens=3, max_batch_tokens=16)
+    engine = load_engine(hydra_engine, RuntimeConfig(num_threads=1, speculative=spec))
+    assert isinstance(engine.proposer, HydraProposer) and engine.proposer.num_heads == 3
+    got = LLM(engine).generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in plain]
+    stats = engine.stats()
+    assert stats.num_spec_verifications > 0 and stats.num_spec_proposed_tokens > 0
+
+
+def test_quantized_hydra_engine_keeps_its_hidden_output(hydra_engine, tmp_path):
+    """A weight scheme quantizes the same linears as without heads (hydra heads add none to the graph), and
+    medusa_hidden still comes out at the rows asked for."""
+    path, count = quantized(hydra_engine, tmp_path / "hydra", "int4-q4_1")
+    assert count == 2 * 4 + 1  # per layer fused qkv, o, fused gate/up, down; the LM head
+    out = PagedDriver(path, threads=1, num_blocks=16).step_medusa([(0, PROMPT)], medusa_rows=[0, 5])
+    fp32 = PagedDriver(hydra_engine / "model.onnx", threads=1, num_blocks=16).step_medusa([(0, PROMPT)],
+                                                                                          medusa_rows=[0, 5])
+    assert out.medusa_hidden.shape == fp32.medusa_hidden.shape == (2, fp32.medusa_hidden.shape[1])
+    assert rel_error(out.medusa_hidden, fp32.medusa_hidden) < 0.2

@@ -14,7 +14,15 @@ from medusa_fixtures import tiny_text
 
 from kiln.calibration.medusa_data import Continuations, greedy_states
 from kiln.calibration.medusa_heads import MedusaArtifact, MedusaError, MedusaHeads
-from kiln.calibration.medusa_train import IGNORE, MedusaConfig, rows_and_labels, score, train_heads, train_medusa
+from kiln.calibration.medusa_train import (
+    IGNORE,
+    HeadRows,
+    MedusaConfig,
+    rows_and_labels,
+    score,
+    train_heads,
+    train_medusa,
+)
 from kiln.errors import InvalidParamError
 from kiln.export.checkpoint import load_checkpoint
 from kiln.export.reference import ReferenceModel
@@ -92,8 +100,8 @@ def test_training_fits_the_heads_and_is_deterministic(checkpoint, artifact):
     x, labels = rows_and_labels([continuations], model, 2)
     config = dataclasses.replace(FAST, epochs=10, batch_rows=8, learning_rate=1e-2)
     head = model.model.embed_tokens.weight
-    first, _ = train_heads(x, labels, head, config, lambda _m: None)
-    second, _ = train_heads(x, labels, head, config, lambda _m: None)
+    first, _ = train_heads(HeadRows(x, labels), head, config, lambda _m: None)
+    second, _ = train_heads(HeadRows(x, labels), head, config, lambda _m: None)
     assert torch.equal(first.weight, second.weight) and torch.equal(first.bias, second.bias)
 
     def loss(heads: MedusaHeads) -> float:
@@ -178,7 +186,7 @@ def test_early_stopping_keeps_the_best_held_out_epoch(checkpoint):
     head = model.model.embed_tokens.weight
     wrong = torch.where(labels == IGNORE, IGNORE, (labels + 1) % head.shape[0])
     config = dataclasses.replace(FAST, epochs=4, batch_rows=8, learning_rate=1e-2)
-    heads, history = train_heads(x, wrong, head, config, lambda _m: None, heldout=(x, labels))
+    heads, history = train_heads(HeadRows(x, wrong), head, config, lambda _m: None, heldout=HeadRows(x, labels))
     accepted = [e["heldout_accepted"] for e in history]
     assert accepted[0] > accepted[-1]
     assert score(heads, x, labels, head)["mean_accepted_tokens"] == max(accepted)
@@ -196,7 +204,7 @@ def test_label_vocabulary_trains_on_the_labels_tokens(checkpoint):
     x, labels = rows_and_labels([greedy_states(model, [[5, 6, 7, 8], [9, 10, 11, 12, 13]], 12)], model, 2)
     config = dataclasses.replace(FAST, epochs=10, batch_rows=8, learning_rate=1e-2, label_vocabulary=True)
     full = model.model.embed_tokens.weight
-    heads, _ = train_heads(x, labels, full, config, lambda _m: None)
+    heads, _ = train_heads(HeadRows(x, labels), full, config, lambda _m: None)
     assert score(heads, x, labels, full)["top1_accuracy"][1] > score(MedusaHeads(2, x.shape[1]), x, labels,
                                                                      full)["top1_accuracy"][1]
 
@@ -242,10 +250,11 @@ def test_answer_cache_resumes_and_refuses_another_engine(tmp_path):
 def test_training_rows_are_scored_on_a_fixed_sample():
     from kiln.calibration.medusa_train import _sample
 
-    x, labels = torch.arange(10.0)[:, None], torch.arange(10)[:, None]
-    assert _sample(x, labels, None)[0] is x and _sample(x, labels, 10)[0] is x
-    a, b = _sample(x, labels, 4), _sample(x, labels, 4)
+    x, labels, chosen = torch.arange(10.0)[:, None], torch.arange(10)[:, None], torch.arange(10) + 100
+    assert _sample(x, labels, chosen, None)[0] is x and _sample(x, labels, chosen, 10)[0] is x
+    a, b = _sample(x, labels, chosen, 4), _sample(x, labels, chosen, 4)
     assert a[0].shape == (4, 1) and torch.equal(a[0], b[0]) and torch.equal(a[0][:, 0].long(), a[1][:, 0])
+    assert torch.equal(a[2], a[1][:, 0] + 100)  # each row keeps its chosen token
 
 
 @pytest.mark.parametrize("option", ["--answer-cache", "--rows-cache"])
@@ -275,6 +284,8 @@ def test_rows_cache_is_reused_only_for_the_same_answers_and_model(checkpoint, tm
             torch.testing.assert_close(got[0], want[0], atol=1e-5, rtol=0)
             assert torch.equal(got[1], want[1])
     assert messages and "read from" in messages[0]
+    fewer = cached_rows(model, splits, 1, lambda _m: None, cache)  # rows cached for 2 heads serve 1
+    assert torch.equal(fewer["train"][1], written["train"][1][:, :1])
     other_answer = {**splits, "chat": [([20, 21, 22], [t + 1 for t in splits["chat"][0][1]])]}
     with pytest.raises(ValueError, match="other answers"):
         cached_rows(model, other_answer, 2, lambda _m: None, cache)
@@ -296,7 +307,9 @@ def test_artifact_records_every_training_row_though_it_scores_a_sample(checkpoin
     monkeypatch.setattr(medusa_train, "SCORED_TRAIN_ROWS", 5)
     model = ReferenceModel.from_checkpoint(checkpoint)
     x, labels = rows_and_labels([greedy_states(model, [[5, 6, 7, 8], [9, 10, 11, 12, 13]], 12)], model, 2)
-    data = {"train": (x, labels), "heldout": (x[:6], labels[:6]), "chat": (x[:6], labels[:6])}
+    chosen = torch.zeros(len(x), dtype=torch.int64)  # read by hydra heads only
+    data = {"train": (x, labels, chosen), "heldout": (x[:6], labels[:6], chosen[:6]),
+            "chat": (x[:6], labels[:6], chosen[:6])}
     config = dataclasses.replace(FAST, epochs=1)
     artifact = medusa_train._fit(checkpoint, model, data, config, lambda _m: None,
                                  medusa_train._Provenance("test", {}, 0.0, 0.0))

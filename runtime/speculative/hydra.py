@@ -1,0 +1,65 @@
+"""The Medusa proposer for hydra heads: a chain of heads, each reading the token before the one it guesses.
+
+The engine graph returns the final norm's output at the verified rows (`medusa_hidden`); after the step,
+for the row that chose each sequence's latest token, the engine's draft graph (kiln/medusa.py, DRAFT_FILE)
+runs the heads on that state and on the token the sampler actually chose, and the K guesses it returns
+are the next step's proposal. Unlike plain Medusa heads, which guess from the state alone, the first head
+knows the token it follows, which is where most of a small model's uncertainty about the next-but-one
+token is (docs/design.md, "Hydra heads").
+
+Guesses are kept with the sequence's length when they were made, as MedusaProposer keeps them: a
+sequence whose latest token came from a row without a state (a plain step, a fork) gets no proposal
+until a step returns its state again. Proposals are deterministic (one-hot): rejection sampling keeps
+sampled output exact.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+
+import numpy as np
+
+from kiln import contract, medusa
+from kiln.runtime.sequence import Sequence
+from kiln.runtime.speculative.proposer import NO_PROPOSAL, Proposal, ProposalRequest, Proposer
+
+
+class HydraProposer(Proposer):
+    def __init__(self, draft_graph: str | Path, num_threads: int | None = None) -> None:
+        """draft_graph: the engine's DRAFT_FILE. One intra-op thread by default: a decode step's chain is a
+        few matrix-vector products, cheaper than waking a pool for each."""
+        import onnxruntime as ort
+
+        options = ort.SessionOptions()
+        options.intra_op_num_threads = num_threads or 1
+        options.inter_op_num_threads = 1
+        self.session = ort.InferenceSession(str(draft_graph), options, providers=["CPUExecutionProvider"])
+        out = self.session.get_outputs()[0]
+        self.num_heads = int(out.shape[-1])
+        self.guesses: dict[int, tuple[int, tuple[int, ...]]] = {}  # seq_id -> (its length then, the K guesses)
+
+    def propose(self, requests: list[ProposalRequest]) -> list[Proposal]:
+        out = []
+        for request in requests:
+            kept = self.guesses.get(request.seq.seq_id)
+            if kept is None or kept[0] != len(request.seq):
+                out.append(NO_PROPOSAL)
+            else:
+                out.append(Proposal(kept[1][:request.max_tokens]))
+        return out
+
+    def medusa_rows(self, width: int) -> int:
+        return width  # a state per verified row costs hidden_size floats, not an LM-head read
+
+    def observe(self, seqs: list[Sequence], rows: list[int], extras: Mapping[str, np.ndarray]) -> None:
+        if not seqs:
+            return
+        hidden = np.ascontiguousarray(extras[contract.MEDUSA_HIDDEN][rows], dtype=np.float32)
+        tokens = np.array([seq.token_ids[-1] for seq in seqs], dtype=np.int64)
+        guesses = self.session.run([medusa.DRAFT_TOKENS], {medusa.DRAFT_HIDDEN: hidden, medusa.DRAFT_TOKEN: tokens})[0]
+        for seq, row in zip(seqs, guesses.tolist(), strict=True):
+            self.guesses[seq.seq_id] = (len(seq), tuple(row))
+
+    def release(self, seq: Sequence) -> None:
+        self.guesses.pop(seq.seq_id, None)
