@@ -266,3 +266,33 @@ def test_quantized_hydra_engine_keeps_its_hidden_output(hydra_engine, tmp_path):
                                                                                           medusa_rows=[0, 5])
     assert out.medusa_hidden.shape == fp32.medusa_hidden.shape == (2, fp32.medusa_hidden.shape[1])
     assert rel_error(out.medusa_hidden, fp32.medusa_hidden) < 0.2
+
+
+def test_hydra_speculation_under_preemption_and_prefix_caching(hydra_engine):
+    """Staggered arrivals into a pool too small for all of them (preemption), shared prefixes (prefix cache
+    hits): greedy output as plain decoding's, the block manager's invariants after every step."""
+    from kiln.runtime.loader import load_engine
+    from kiln.runtime.params import RuntimeConfig, SamplingParams, SpeculativeConfig
+
+    prompts = [PROMPT[:16] + PROMPT[n:n + 6] for n in range(0, 24, 3)]  # 8 prompts sharing one block
+    params = SamplingParams(temperature=0, max_tokens=28, ignore_eos=True)
+
+    def run(speculative):
+        engine = load_engine(hydra_engine, RuntimeConfig(num_threads=1, kv_cache_bytes=10 * 8192, max_model_len=160,
+                                                         speculative=speculative))
+        tokens: dict[str, list[int]] = {}
+        pending, steps = list(enumerate(prompts)), 0
+        while pending or engine.has_unfinished():
+            if pending:
+                i, prompt = pending.pop(0)
+                engine.add_request(str(i), prompt, params)
+            for out in engine.step():
+                tokens.setdefault(out.request_id, []).extend(out.outputs[0].token_ids)
+            engine.block_manager.check()
+            steps += 1
+        return [tokens[str(i)] for i in range(len(prompts))], engine.stats()
+
+    plain, _ = run(None)
+    got, stats = run(SpeculativeConfig("medusa", num_tokens=3, max_batch_tokens=16))
+    assert got == plain
+    assert stats.num_preemptions > 0 and stats.prefix_cache_hits > 0 and stats.num_spec_verifications > 0
