@@ -22,32 +22,21 @@ import numpy as np
 
 from kiln import contract, medusa
 from kiln.runtime.sequence import Sequence
-from kiln.runtime.speculative.proposer import NO_PROPOSAL, Proposal, ProposalRequest, Proposer
+from kiln.runtime.speculative.medusa import KeptGuesses
 
 
-class HydraProposer(Proposer):
+class HydraProposer(KeptGuesses):
     def __init__(self, draft_graph: str | Path, num_threads: int | None = None) -> None:
         """draft_graph: the engine's DRAFT_FILE. One intra-op thread by default: a decode step's chain is a
         few matrix-vector products, cheaper than waking a pool for each."""
         import onnxruntime as ort
 
+        super().__init__()
         options = ort.SessionOptions()
         options.intra_op_num_threads = num_threads or 1
         options.inter_op_num_threads = 1
         self.session = ort.InferenceSession(str(draft_graph), options, providers=["CPUExecutionProvider"])
-        out = self.session.get_outputs()[0]
-        self.num_heads = int(out.shape[-1])
-        self.guesses: dict[int, tuple[int, tuple[int, ...]]] = {}  # seq_id -> (its length then, the K guesses)
-
-    def propose(self, requests: list[ProposalRequest]) -> list[Proposal]:
-        out = []
-        for request in requests:
-            kept = self.guesses.get(request.seq.seq_id)
-            if kept is None or kept[0] != len(request.seq):
-                out.append(NO_PROPOSAL)
-            else:
-                out.append(Proposal(kept[1][:request.max_tokens]))
-        return out
+        self.num_heads = int(self.session.get_outputs()[0].shape[-1])
 
     def medusa_rows(self, width: int) -> int:
         return width  # a state per verified row costs hidden_size floats, not an LM-head read
@@ -58,8 +47,4 @@ class HydraProposer(Proposer):
         hidden = np.ascontiguousarray(extras[contract.MEDUSA_HIDDEN][rows], dtype=np.float32)
         tokens = np.array([seq.token_ids[-1] for seq in seqs], dtype=np.int64)
         guesses = self.session.run([medusa.DRAFT_TOKENS], {medusa.DRAFT_HIDDEN: hidden, medusa.DRAFT_TOKEN: tokens})[0]
-        for seq, row in zip(seqs, guesses.tolist(), strict=True):
-            self.guesses[seq.seq_id] = (len(seq), tuple(row))
-
-    def release(self, seq: Sequence) -> None:
-        self.guesses.pop(seq.seq_id, None)
+        self.keep(seqs, guesses.tolist())

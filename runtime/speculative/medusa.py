@@ -21,18 +21,11 @@ from kiln.runtime.sequence import Sequence
 from kiln.runtime.speculative.proposer import NO_PROPOSAL, Proposal, ProposalRequest, Proposer
 
 
-class MedusaProposer(Proposer):
-    def __init__(self, num_heads: int, max_rows: int | None = 1) -> None:
-        """max_rows: compute the heads at no more than this many of a sequence's verified rows (from the
-        first); None: at all of them. Default 1: each row read adds K rows to the LM head, and with SmolLM2's
-        heads the first row alone measured faster at every k on fp32 and int4-q4_1 (docs/design.md, "Medusa
-        heads": 1.12x vs 1.01x at k=1 on fp32); heads right most of the time would pay for every row."""
-        if num_heads < 1:
-            raise ValueError(f"num_heads must be >= 1, got {num_heads}")
-        if max_rows is not None and max_rows < 1:
-            raise ValueError(f"max_rows must be >= 1 or None, got {max_rows}")
-        self.num_heads = num_heads
-        self.max_rows = max_rows
+class KeptGuesses(Proposer):
+    """A proposer whose guesses are made after a step (observe) and proposed at the next: kept per sequence
+    with its length then, and proposed only while the sequence still has that length."""
+
+    def __init__(self) -> None:
         self.guesses: dict[int, tuple[int, tuple[int, ...]]] = {}  # seq_id -> (its length then, the K guesses)
 
     def propose(self, requests: list[ProposalRequest]) -> list[Proposal]:
@@ -45,6 +38,28 @@ class MedusaProposer(Proposer):
                 out.append(Proposal(kept[1][:request.max_tokens]))
         return out
 
+    def keep(self, seqs: list[Sequence], guesses: list[list[int]]) -> None:
+        for seq, row in zip(seqs, guesses, strict=True):
+            self.guesses[seq.seq_id] = (len(seq), tuple(row))
+
+    def release(self, seq: Sequence) -> None:
+        self.guesses.pop(seq.seq_id, None)
+
+
+class MedusaProposer(KeptGuesses):
+    def __init__(self, num_heads: int, max_rows: int | None = 1) -> None:
+        """max_rows: compute the heads at no more than this many of a sequence's verified rows (from the
+        first); None: at all of them. Default 1: each row read adds K rows to the LM head, and with SmolLM2's
+        heads the first row alone measured faster at every k on fp32 and int4-q4_1 (docs/design.md, "Medusa
+        heads": 1.12x vs 1.01x at k=1 on fp32); heads right most of the time would pay for every row."""
+        if num_heads < 1:
+            raise ValueError(f"num_heads must be >= 1, got {num_heads}")
+        if max_rows is not None and max_rows < 1:
+            raise ValueError(f"max_rows must be >= 1 or None, got {max_rows}")
+        super().__init__()
+        self.num_heads = num_heads
+        self.max_rows = max_rows
+
     def medusa_rows(self, width: int) -> int:
         return width if self.max_rows is None else min(width, self.max_rows)
 
@@ -52,9 +67,4 @@ class MedusaProposer(Proposer):
         heads = extras["medusa_logits"]  # [rows, K, V]
         if not seqs:
             return
-        best = heads[rows].argmax(axis=-1)  # [len(seqs), K]
-        for seq, guesses in zip(seqs, best.tolist(), strict=True):
-            self.guesses[seq.seq_id] = (len(seq), tuple(guesses))
-
-    def release(self, seq: Sequence) -> None:
-        self.guesses.pop(seq.seq_id, None)
+        self.keep(seqs, heads[rows].argmax(axis=-1).tolist())  # [len(seqs), K]
