@@ -76,7 +76,7 @@ def attach_hidden(model: ir.Model) -> None:
     """For hydra heads (kiln/medusa.py): the output ``medusa_hidden float32 [num_medusa, D]``, the final
     norm's output at medusa_indices, gathered and normed with the logits rows; the LM head reads only those."""
     graph = model.graph
-    squeeze, head, norm, gather = _logits_chain(graph)
+    _, head, norm, gather = _logits_chain(graph)
     hidden = head.inputs[1].shape[0] if head.inputs[1] is not None and head.inputs[1].shape is not None else None
     if not isinstance(hidden, int):
         raise MedusaGraphError("the graph's LM head has no static hidden size")
