@@ -22,8 +22,9 @@ state. Two kinds:
   `kiln build --medusa`): inputs DRAFT_HIDDEN [B, D] and DRAFT_TOKEN [B], output DRAFT_TOKENS [B, K].
 
 The artifact directory holds HEADS_FILE (``medusa.{i}.weight [D, D]`` in nn.Linear orientation,
-``medusa.{i}.bias [D]``, i from 0) and INFO_FILE (a json: format, num_heads, hidden_size, the model's
-fingerprint, the training data, time and held-out accuracy). This module is torch-free: the runtime
+``medusa.{i}.bias [D]``, i from 0; for hydra heads the hydra_names(i) tensors and DRAFT_VOCAB instead) and
+INFO_FILE (a json: format, kind, num_heads, hidden_size, the model's fingerprint, the training data, time
+and held-out accuracy). This module is torch-free: the runtime
 reads MedusaSpec from the manifest.
 """
 
