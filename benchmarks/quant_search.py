@@ -109,6 +109,7 @@ def main() -> None:
     from kiln.calibration.artifact import CalibrationArtifact, apply_artifact
     from kiln.calibration.fake_quant import int8_per_channel
     from kiln.export.checkpoint import load_checkpoint
+    from kiln.export.checkpoint_types import lm_head_weight_name
 
     start = time.perf_counter()
     checkpoint = load_checkpoint("default")
@@ -131,7 +132,7 @@ def main() -> None:
         scores = json.loads(open(args.scores).read())
         args.int8 += [f"^{m}$" for unit in sorted(scores, key=lambda u: -scores[u])[: args.int8_top]
                       for m in unit.split("+")]
-    head = weights["model.embed_tokens.weight" if spec.tie_word_embeddings else "lm_head.weight"]
+    head = weights[lm_head_weight_name(spec)]
     if args.w8a8:
         weights = simulated_weights(weights, args.group_size, [".*"])
         head = int8_per_channel(head)

@@ -87,11 +87,12 @@ def tune_norms(spec, fp32_weights: dict[str, torch.Tensor], student_weights: dic
                progress: Callable[[str], None] | None = None) -> tuple[dict[str, torch.Tensor], dict]:
     """Gains {norm name: [hidden]} for the norms of `student_weights` (the AWQ-scaled, clipped weights as
     the build will dequantize them: int4_simulated), and a report {kl_before, kl_after, epochs, seconds}."""
+    from kiln.export.checkpoint_types import lm_head_weight_name
     from kiln.export.reference import ReferenceModel
 
     say = progress or (lambda _m: None)
     start = time.perf_counter()
-    head_name = "model.embed_tokens.weight" if spec.tie_word_embeddings else "lm_head.weight"
+    head_name = lm_head_weight_name(spec)
     teacher = ReferenceModel(spec, fp32_weights)
     with torch.no_grad():
         targets = [_log_probs(teacher, fp32_weights[head_name].float(), ids).to(torch.bfloat16) for ids in windows]

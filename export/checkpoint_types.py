@@ -44,6 +44,11 @@ class Checkpoint:
         return digest.hexdigest()
 
 
+def lm_head_weight_name(spec: ModelSpec) -> str:
+    """The weight the LM head reads: the embedding table when tied."""
+    return "model.embed_tokens.weight" if spec.tie_word_embeddings else "lm_head.weight"
+
+
 def expected_weight_names(spec: ModelSpec) -> list[str]:
     """The HF parameter names a checkpoint of this spec must provide."""
     names = ["model.embed_tokens.weight", "model.norm.weight"]

@@ -280,9 +280,11 @@ def _medusa_heads(checkpoint, medusa: Path, say: Progress):
 def _draft_graph(checkpoint, heads):
     """The hydra heads' draft graph, on the checkpoint's own embedding and LM head (before any scheme's
     folding touches them: the heads were trained on these)."""
+    from kiln.export.checkpoint_types import lm_head_weight_name
+
     weights = checkpoint.weights
     embed = weights["model.embed_tokens.weight"].float().numpy()
-    lm_head = weights["lm_head.weight"].float().numpy() if "lm_head.weight" in weights else embed
+    lm_head = weights[lm_head_weight_name(checkpoint.spec)].float().numpy()
     return build_draft_graph(*heads.hydra_arrays(), embed, lm_head)
 
 
