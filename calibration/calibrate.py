@@ -46,7 +46,7 @@ class CalibrationConfig:
         if self.alpha is not None and not 0.0 <= self.alpha <= 1.0:
             raise CalibrationError(f"SmoothQuant alpha must be in [0, 1], not {self.alpha}")
         if self.int8_fallback is not None and self.int8_fallback < 0:
-            raise CalibrationError(f"the int8 fallback is a number of linears, not {self.int8_fallback}")
+            raise CalibrationError(f"the int8 fallback is a number of decoder units, not {self.int8_fallback}")
         if self.rounding not in ROUNDINGS:
             raise CalibrationError(f"unknown int4 rounding {self.rounding!r}; choose one of {list(ROUNDINGS)}")
         if self.int8_fallback and self.method != "awq":

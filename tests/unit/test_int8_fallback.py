@@ -71,7 +71,7 @@ def test_int8_fallback_is_chosen_recorded_and_simulated(checkpoint, tmp_path):
 
 
 def test_bad_int8_fallback_options():
-    with pytest.raises(CalibrationError, match="number of linears"):
+    with pytest.raises(CalibrationError, match="number of decoder units"):
         CalibrationConfig("awq", int8_fallback=-1)
     with pytest.raises(CalibrationError, match="goes with --method awq"):
         CalibrationConfig("smoothquant", int8_fallback=2)
