@@ -183,18 +183,19 @@ def train_heads(rows: HeadRows, lm_head: torch.Tensor, config: MedusaConfig, say
     Hydra heads (config.kind) also need the rows' chosen tokens and embed (the input embedding [V, D])."""
     x, labels, chosen = rows
     full_head = lm_head.detach()
-    hydra = config.kind == "hydra"
-    if hydra:
+    torch.manual_seed(config.seed)  # before the heads: hydra heads start from small random weights
+    heads: MedusaHeads | HydraHeads
+    if config.kind == "hydra":
         if chosen is None or embed is None:
             raise ValueError("hydra heads train on the token each row chose and the input embedding")
         vocab = draft_vocabulary(chosen, config.draft_vocabulary)
         say(f"draft vocabulary: {len(vocab)} tokens, {_coverage(chosen, vocab):.1%} of the answers' tokens")
-    elif config.label_vocabulary:
-        lm_head, labels = label_vocabulary(x, labels, lm_head)
-        say(f"training vocabulary: {lm_head.shape[0]} tokens")
-    torch.manual_seed(config.seed)
-    heads: MedusaHeads | HydraHeads = (HydraHeads(config.num_heads, vocab, embed, full_head)
-                                       if hydra and embed is not None else MedusaHeads(config.num_heads, x.shape[1]))
+        heads = HydraHeads(config.num_heads, vocab, embed, full_head)
+    else:
+        if config.label_vocabulary:
+            lm_head, labels = label_vocabulary(x, labels, lm_head)
+            say(f"training vocabulary: {lm_head.shape[0]} tokens")
+        heads = MedusaHeads(config.num_heads, x.shape[1])
     optimizer = torch.optim.AdamW(heads.parameters(), lr=config.learning_rate, weight_decay=config.weight_decay)
     steps_per_epoch = math.ceil(x.shape[0] / config.batch_rows)
     total = steps_per_epoch * config.epochs

@@ -23,10 +23,10 @@ import onnx_ir as ir
 from kiln import medusa
 from kiln.optimize.quant.graph import initializer
 from kiln.optimize.quant.nbits import MS_DOMAIN, make_matmul_nbits
-from kiln.optimize.quant.rtn import quantize_groupwise
+from kiln.optimize.quant.rtn import GroupQuantized, quantize_groupwise
 
-HEAD_BITS = 8
-HEAD_GROUP = 32
+WEIGHT_BITS = 8
+WEIGHT_GROUP = 32
 
 
 def build_draft_graph(heads: list[tuple[np.ndarray, ...]], vocab: np.ndarray,
@@ -44,18 +44,18 @@ def build_draft_graph(heads: list[tuple[np.ndarray, ...]], vocab: np.ndarray,
     table = np.concatenate([embed[vocab], np.zeros((1, hidden), np.float32)]).astype(np.float32)
     idx = _add(graph, "Gather", [initializer(model, "draft.index", index), token])
     vocab_ids = initializer(model, "draft.vocab", vocab.astype(np.int64))
-    head_table = quantize_groupwise(lm_head[vocab], HEAD_BITS, HEAD_GROUP)
+    head_table = _quantized(lm_head[vocab])
     axis1 = initializer(model, "draft.axis1", np.array([1], np.int64))
     guesses = []
     first_head: ir.Node | None = None
     for i, (a, b, bias, c) in enumerate(heads):
         token_term = initializer(model, f"draft.{i}.token_term", (table @ b.T + bias).astype(np.float16))
         from_token = _add(graph, "Cast", [_add(graph, "Gather", [token_term, idx])], {"to": ir.DataType.FLOAT})
-        from_state = make_matmul_nbits(model, state, quantize_groupwise(a, HEAD_BITS, HEAD_GROUP), f"draft.{i}.state")
+        from_state = make_matmul_nbits(model, state, _quantized(a), f"draft.{i}.state")
         graph.append(from_state)
         pre = _add(graph, "Add", [from_state.outputs[0], from_token])
         silu = _add(graph, "Mul", [pre, _add(graph, "Sigmoid", [pre])])
-        out = make_matmul_nbits(model, silu, quantize_groupwise(c, HEAD_BITS, HEAD_GROUP), f"draft.{i}.out")
+        out = make_matmul_nbits(model, silu, _quantized(c), f"draft.{i}.out")
         graph.append(out)
         state = _add(graph, "Add", [state, out.outputs[0]])
         if first_head is None:
@@ -79,6 +79,10 @@ def save_draft_graph(model: ir.Model, engine_dir: Path) -> Path:
     path = Path(engine_dir) / medusa.DRAFT_FILE
     ir.save(model, path)
     return path
+
+
+def _quantized(w: np.ndarray) -> GroupQuantized:
+    return quantize_groupwise(w, WEIGHT_BITS, WEIGHT_GROUP)
 
 
 def _add(graph: ir.Graph, op: str, inputs: list, attributes: dict | None = None, domain: str = "") -> ir.Value:

@@ -237,8 +237,8 @@ def test_hydra_engine_returns_the_final_norms_output(hydra_engine, tiny_model_di
 
 
 def test_hydra_speculation_is_token_identical_to_plain_decoding(hydra_engine):
-    """The hydra proposer on the real graphs: greedy output as without speculation, guesses made and some
-    accepted (the perturbed heads on a random model guess mostly wrong, which verification must absorb)."""
+    """The hydra proposer on the real graphs: greedy output as without speculation, and guesses made (random
+    heads guess mostly wrong, which verification must absorb)."""
     from kiln.runtime import LLM, RuntimeConfig, SamplingParams
     from kiln.runtime.loader import load_engine
     from kiln.runtime.params import SpeculativeConfig
@@ -269,7 +269,7 @@ def test_quantized_hydra_engine_keeps_its_hidden_output(hydra_engine, tmp_path):
 
 
 def test_hydra_speculation_under_preemption_and_prefix_caching(hydra_engine):
-    """Staggered arrivals into a pool too small for all of them (preemption), shared prefixes (prefix cache
+    """One arrival per step into a pool too small for all of them (preemption), shared prefixes (prefix cache
     hits): greedy output as plain decoding's, the block manager's invariants after every step."""
     from kiln.runtime.loader import load_engine
     from kiln.runtime.params import RuntimeConfig, SamplingParams, SpeculativeConfig
@@ -281,7 +281,7 @@ def test_hydra_speculation_under_preemption_and_prefix_caching(hydra_engine):
         engine = load_engine(hydra_engine, RuntimeConfig(num_threads=1, kv_cache_bytes=10 * 8192, max_model_len=160,
                                                          speculative=speculative))
         tokens: dict[str, list[int]] = {}
-        pending, steps = list(enumerate(prompts)), 0
+        pending = list(enumerate(prompts))
         while pending or engine.has_unfinished():
             if pending:
                 i, prompt = pending.pop(0)
@@ -289,7 +289,6 @@ def test_hydra_speculation_under_preemption_and_prefix_caching(hydra_engine):
             for out in engine.step():
                 tokens.setdefault(out.request_id, []).extend(out.outputs[0].token_ids)
             engine.block_manager.check()
-            steps += 1
         return [tokens[str(i)] for i in range(len(prompts))], engine.stats()
 
     plain, _ = run(None)
