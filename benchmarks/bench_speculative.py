@@ -128,6 +128,8 @@ def main() -> None:
     parser.add_argument("--medusa", action="store_true", help="also measure the engine's Medusa heads")
     parser.add_argument("--medusa-rows", type=int, nargs="*", default=[],
                         help="Medusa variants reading the heads at no more than N verified rows")
+    parser.add_argument("--min-guess-probability", type=float, nargs="*", default=[],
+                        help="Medusa variants proposing a chain only as far as its heads' probability stays >= P")
     parser.add_argument("--no-ngram", action="store_true", help="leave the n-gram proposer out")
     parser.add_argument("--workload", choices=["grounded", "open"], default="grounded")
     parser.add_argument("--num-tokens", type=int, nargs="+", default=[4],
@@ -155,12 +157,18 @@ def main() -> None:
             for rows in args.medusa_rows:
                 methods[f"medusa{tag}-r{rows}"] = methods[f"medusa{tag}"]
                 medusa_rows[f"medusa{tag}-r{rows}"] = rows
+            for p in args.min_guess_probability:
+                methods[f"medusa{tag}-p{p:g}"] = SpeculativeConfig("medusa", num_tokens=k, min_guess_probability=p)
+                medusa_rows[f"medusa{tag}-p{p:g}"] = None
     engines = {name: load_engine(args.engine, RuntimeConfig(num_threads=args.threads, speculative=spec,
                                                             enable_prefix_caching=False))
                for name, spec in methods.items()}
     for name, rows in medusa_rows.items():
         if isinstance(engines[name].proposer, MedusaProposer):  # hydra heads' states cost nothing per row
-            engines[name].proposer = MedusaProposer(engines[name].runner.num_medusa_heads, rows)
+            spec = methods[name]
+            assert spec is not None
+            engines[name].proposer = MedusaProposer(engines[name].runner.num_medusa_heads, rows,
+                                                    spec.guess_probability(hydra=False))
     ids = prompts(engines["plain"], TASKS if args.workload == "grounded" else open_questions())
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
     results: dict[str, dict[str, Any]] = {name: {"single": [], "aggregate": []} for name in methods}

@@ -108,9 +108,95 @@ def chat_prompts(count: int) -> list[str]:
     return out
 
 
+def self_instructed_prompts(engine_dir: str | Path, count: int, threads: int | None, say: Progress,
+                            cache: Path | None = None, seed: int = 0) -> list[str]:
+    """count chat prompts the model writes itself (Magpie, Xu et al. 2024): an instruct model continues the chat
+    template's opening of a user turn with the kind of request it was trained to answer, so sampling that
+    prefix draws from its own chat distribution — everyday questions the dictionary templates never ask.
+    Kept: turns the model closed itself (a cut-off one is no question), each once, none near a held-out
+    CHAT_QUESTION (same_question). Sampled with per-prompt seeds, so a run is reproducible; with cache (a
+    .json file) the prompts are written once and reused while engine, count and seed match."""
+    from kiln.runtime import LLM
+    from kiln.runtime.params import RuntimeConfig
+
+    header = {"engine": str(Path(engine_dir).resolve()), "count": count, "seed": seed}
+    if cache is not None and cache.exists():
+        found = json.loads(cache.read_text())
+        if found.get("header") != header:
+            raise ValueError(f"prompt cache {cache} holds prompts of {found.get('header')}, not {header}; "
+                             "use another file")
+        say(f"self-instructed prompts: {count} read from {cache}")
+        return found["prompts"][:count]
+    llm = LLM(engine_dir, RuntimeConfig(num_threads=threads, max_num_seqs=64))
+    prompts = sample_user_turns(llm, count, say, seed)
+    if cache is not None:
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        cache.write_text(json.dumps({"header": header, "prompts": prompts}))
+    return prompts
+
+
+def sample_user_turns(llm, count: int, say: Progress, seed: int = 0) -> list[str]:
+    """count distinct user turns sampled from llm (runtime.LLM) after its chat template's user-turn opening,
+    in chunks until enough are kept (self_instructed_prompts says which are)."""
+    from kiln.runtime import SamplingParams
+
+    opening, end = _user_turn_opening(llm.tokenizer), _turn_end(llm.tokenizer)
+    kept: dict[str, None] = {}
+    drawn = 0
+    while len(kept) < count:
+        batch = min(256, max(64, count - len(kept)))  # chunks: progress, and no more drawn than needed
+        params = [SamplingParams(temperature=1.0, top_p=0.95, max_tokens=SELF_PROMPT_TOKENS, seed=seed * 1_000_003 + s,
+                                 stop=(end,)) for s in range(drawn, drawn + batch)]
+        for output in llm.generate([opening] * batch, params):
+            text = output.outputs[0].text.strip()
+            if output.outputs[0].finish_reason == "stop" and text and not same_question(text):
+                kept.setdefault(text, None)
+        drawn += batch
+        say(f"self-instructed prompts: {min(len(kept), count)}/{count} kept of {drawn} sampled")
+        if len(kept) < count and drawn >= SELF_PROMPT_DRAWS * count:
+            raise ValueError(f"the model wrote only {len(kept)} usable user turns in {drawn} samples (closed within "
+                             f"{SELF_PROMPT_TOKENS} tokens, distinct, no held-out question), fewer than the {count} "
+                             "asked for: it may not be a chat model; use the template prompts (--prompt-source "
+                             "templates)")
+    return list(kept)[:count]
+
+
+# a user turn longer than this is cut off, and dropped: the answers to long requests are grounded in them, not chat
+SELF_PROMPT_TOKENS = 96
+SELF_PROMPT_DRAWS = 4  # samples per prompt asked for before giving up (SmolLM2-Instruct: 1.2)
+_MARK = "\x00kiln-user-turn\x00"
+
+
+def _user_turn_opening(tokenizer) -> str:
+    """The chat template rendered up to where the user's text goes (its system turn and user header)."""
+    text = tokenizer.apply_chat_template([{"role": "user", "content": _MARK}])
+    return text[:text.index(_MARK)]
+
+
+def _turn_end(tokenizer) -> str:
+    """What the chat template writes after the user's text, up to its first line break or the text's end."""
+    text = tokenizer.apply_chat_template([{"role": "user", "content": _MARK}])
+    after = text[text.index(_MARK) + len(_MARK):]
+    end = after.split("\n")[0].strip()
+    if not end:
+        raise ValueError("the chat template closes a user turn with no marker; self-instructed prompts need one")
+    return end
+
+
+def _words(text: str) -> str:
+    return " ".join(re.findall(r"[a-z0-9]+", text.lower()))
+
+
+def same_question(prompt: str) -> bool:
+    """Whether prompt asks a held-out CHAT_QUESTION: equal to one, or holding one whole, up to case and
+    punctuation ("What is photosynthesis and how does it work?" holds "What is photosynthesis?")."""
+    words = f" {_words(prompt)} "
+    return any(f" {_words(q)} " in words for q in CHAT_QUESTIONS)
+
+
 def assert_held_out(prompts: list[str]) -> None:
     """The benchmark's open questions (CHAT_QUESTIONS) must never be trained on."""
-    leaked = set(prompts) & set(CHAT_QUESTIONS)
+    leaked = [p for p in prompts if same_question(p)]
     if leaked:
         raise AssertionError(f"held-out CHAT_QUESTIONS among the training prompts: {sorted(leaked)}")
 

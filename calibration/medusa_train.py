@@ -31,6 +31,7 @@ from .medusa_heads import HydraHeads, MedusaArtifact, MedusaError, MedusaHeads
 
 Progress = Callable[[str], None]
 HOLDOUT_EVERY = 8
+PROMPT_SOURCES = ("mixed", "self", "templates")  # ChatAnswers: the model's own user turns and/or templated ones
 SCORED_TRAIN_ROWS = 16384  # the training split's score (a fit diagnostic) is taken on a sample of this many rows
 IGNORE = -100
 
@@ -297,20 +298,50 @@ def train_medusa(checkpoint, text: str, config: MedusaConfig, progress: Progress
 @dataclass(frozen=True)
 class ChatAnswers:
     """Where `train_medusa_chat` gets its rows: the greedy answers of `engine` (an fp32 engine of the same
-    checkpoint, served by the runtime) to `prompts` chat prompts (medusa_chat.chat_prompts: open questions, 1 in
-    15 a corpus chat request); 1 prompt in HOLDOUT_EVERY is held out, and CHAT_QUESTIONS are scored apart.
-    `cache`: a .jsonl file of answers reused across runs (medusa_chat.engine_answers); `rows_cache`: a torch file
-    of their teacher-forced rows, reused when it fits the answers (medusa_chat.cached_rows)."""
+    checkpoint, served by the runtime) to `prompts` chat prompts, written by the model itself
+    (prompt_source "self": medusa_chat.self_instructed_prompts), made from templates ("templates":
+    medusa_chat.chat_prompts: open questions over the dictionary's headwords, 1 in 15 a corpus chat request),
+    or half of each ("mixed", the default: it measured best on the open questions, docs/design.md "Hydra
+    heads"); 1 prompt in HOLDOUT_EVERY is held out, and CHAT_QUESTIONS are scored apart.
+    `cache`: a .jsonl file of answers reused across runs (medusa_chat.engine_answers; self-instructed prompts
+    are kept beside it, prompt_cache); `rows_cache`: a torch file of their teacher-forced rows, reused when it
+    fits the answers (medusa_chat.cached_rows)."""
 
     engine: str
     prompts: int = 200
     threads: int | None = None
     cache: Path | None = None
     rows_cache: Path | None = None
+    prompt_source: str = "mixed"
 
     def __post_init__(self) -> None:
         require(isinstance(self.prompts, int) and self.prompts >= HOLDOUT_EVERY, "prompts",
                 f"an integer >= {HOLDOUT_EVERY}", self.prompts)
+        require(self.prompt_source in PROMPT_SOURCES, "prompt_source", f"one of {PROMPT_SOURCES}", self.prompt_source)
+
+    @property
+    def prompt_cache(self) -> Path | None:
+        return None if self.cache is None else self.cache.with_suffix(".prompts.json")
+
+    def chat_prompts(self, seed: int, say: Progress) -> list[str]:
+        from .medusa_chat import chat_prompts, self_instructed_prompts
+
+        if self.prompt_source == "templates":
+            return chat_prompts(self.prompts)
+        own = self.prompts if self.prompt_source == "self" else self.prompts // 2
+        written = self_instructed_prompts(self.engine, own, self.threads, say, self.prompt_cache, seed)
+        if self.prompt_source == "self":
+            return written
+        return interleave_runs(written, chat_prompts(self.prompts - own), HOLDOUT_EVERY)
+
+
+def interleave_runs(a: list[str], b: list[str], run: int) -> list[str]:
+    """a and b alternating in runs of `run` items (then whichever is longer): with run = HOLDOUT_EVERY the
+    held-out split (every run-th prompt) takes from both lists alike."""
+    out: list[str] = []
+    for first in range(0, max(len(a), len(b)), run):
+        out += a[first:first + run] + b[first:first + run]
+    return out
 
 
 def train_medusa_chat(checkpoint, source: ChatAnswers, config: MedusaConfig,
@@ -318,11 +349,11 @@ def train_medusa_chat(checkpoint, source: ChatAnswers, config: MedusaConfig,
     """Heads self-distilled on the model's own chat answers (config.new_tokens tokens each)."""
     from kiln.export.reference import ReferenceModel
 
-    from .medusa_chat import answer_tokens, cached_rows, chat_prompts, engine_answers
+    from .medusa_chat import answer_tokens, cached_rows, engine_answers
 
     say = progress or (lambda _m: None)
     start, cpu_start = time.perf_counter(), time.process_time()
-    prompts = chat_prompts(source.prompts)
+    prompts = source.chat_prompts(config.seed, say)
     held = [p for n, p in enumerate(prompts) if n % HOLDOUT_EVERY == HOLDOUT_EVERY - 1]
     train = [p for n, p in enumerate(prompts) if n % HOLDOUT_EVERY != HOLDOUT_EVERY - 1]
     answers = engine_answers(source.engine, train + held + list(CHAT_QUESTIONS), config.new_tokens, source.threads,
@@ -333,7 +364,7 @@ def train_medusa_chat(checkpoint, source: ChatAnswers, config: MedusaConfig,
     rows = cached_rows(model, splits, config.num_heads, say, source.rows_cache)
     data = {name: (*rows[name], answer_tokens(seqs)) for name, seqs in splits.items()}
     sizes = {"train_prompts": len(train), "heldout_prompts": len(held), "chat_questions": len(CHAT_QUESTIONS),
-             "answers_from": str(source.engine)}
+             "answers_from": str(source.engine), "prompt_source": source.prompt_source}
     return _fit(checkpoint, model, data, config, say, _Provenance("chat answers", sizes, start, cpu_start))
 
 

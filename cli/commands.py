@@ -88,6 +88,9 @@ _speculative_options = [
                  help="tokens proposed per sequence and step (with --speculative)"),
     click.option("--draft", "draft", type=click.Path(exists=True, file_okay=False), default=None,
                  help="the draft engine dir of --speculative draft (same tokenizer)"),
+    click.option("--min-guess-probability", type=click.FloatRange(0, 1, max_open=True), default=None,
+                 help="--speculative medusa: propose a chain of guesses only as far as the product of the heads' "
+                      "probabilities stays at least this (default: 0.2 for hydra heads, 0 for Medusa heads)"),
 ]
 
 
@@ -103,7 +106,8 @@ def speculative_options(func: CommandFunction) -> CommandFunction:
     return func
 
 
-def _speculative(method: str | None, num_tokens: int, draft: str | None) -> SpeculativeConfig | None:
+def _speculative(method: str | None, num_tokens: int, draft: str | None,
+                 min_guess_probability: float | None = None) -> SpeculativeConfig | None:
     from kiln.errors import InvalidParamError
     from kiln.runtime.params import SpeculativeConfig
 
@@ -113,7 +117,10 @@ def _speculative(method: str | None, num_tokens: int, draft: str | None) -> Spec
         return None
     if method == "draft" and draft is None:
         raise InvalidParamError("--speculative draft needs --draft ENGINE_DIR", "draft")
-    return SpeculativeConfig(method, num_tokens=num_tokens, draft_engine=draft)
+    if min_guess_probability is not None and method != "medusa":
+        raise InvalidParamError("--min-guess-probability needs --speculative medusa", "min_guess_probability")
+    return SpeculativeConfig(method, num_tokens=num_tokens, draft_engine=draft,
+                             min_guess_probability=min_guess_probability)
 
 
 @main.command()
@@ -158,7 +165,8 @@ def serve(engine_dir: Path, host: str, port: int, api_key: str | None, served_mo
           chat_template: Path | None, max_model_len: int | None, max_queue: int | None, max_num_seqs: int,
           max_num_tokens: int | None, kv_cache_bytes: int | None, num_threads: int | None, disable_prefix_caching: bool,
           shutdown_timeout: float, no_web_ui: bool, speculative: str | None, num_speculative_tokens: int,
-          draft: str | None, replicas: int | None, prefill_replicas: int | None, decode_replicas: int | None,
+          draft: str | None, min_guess_probability: float | None, replicas: int | None,
+          prefill_replicas: int | None, decode_replicas: int | None,
           routing: str, ray_address: str | None, log_level: str) -> None:
     """Serve ENGINE_DIR over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions), with a
     chat page at /; on several replicas with --replicas N (or --prefill-replicas P --decode-replicas D)."""
@@ -170,7 +178,7 @@ def serve(engine_dir: Path, host: str, port: int, api_key: str | None, served_mo
                            num_threads=num_threads, max_model_len=max_model_len,
                            enable_prefix_caching=not disable_prefix_caching,
                            chat_template=chat_template.read_text() if chat_template else None,
-                           speculative=_speculative(speculative, num_speculative_tokens, draft))
+                           speculative=_speculative(speculative, num_speculative_tokens, draft, min_guess_probability))
     options = ServeOptions(host=host, port=port, served_model_name=served_model_name, max_queue=max_queue,
                            shutdown_timeout=shutdown_timeout, log_level=log_level, api_key=api_key or None,
                            web_ui=not no_web_ui)
@@ -232,12 +240,12 @@ def sampling_options(func: CommandFunction) -> CommandFunction:
 @speculative_options
 def generate(engine_dir: str, prompt: str | None, chat: str | None, max_tokens: int, temperature: float,
              top_p: float, top_k: int, seed: int | None, speculative: str | None, num_speculative_tokens: int,
-             draft: str | None) -> None:
+             draft: str | None, min_guess_probability: float | None) -> None:
     """Generate from ENGINE_DIR for PROMPT (or --chat TEXT), streaming the text to stdout."""
     from kiln.cli.generation import generate as run
     from kiln.runtime.params import RuntimeConfig
 
-    config = RuntimeConfig(speculative=_speculative(speculative, num_speculative_tokens, draft))
+    config = RuntimeConfig(speculative=_speculative(speculative, num_speculative_tokens, draft, min_guess_probability))
     run(engine_dir, prompt, chat, _sampling(max_tokens, temperature, top_p, top_k, seed), config)
 
 
@@ -247,12 +255,13 @@ def generate(engine_dir: str, prompt: str | None, chat: str | None, max_tokens: 
 @sampling_options
 @speculative_options
 def chat(engine_dir: str, system: str | None, max_tokens: int, temperature: float, top_p: float, top_k: int,
-         seed: int | None, speculative: str | None, num_speculative_tokens: int, draft: str | None) -> None:
+         seed: int | None, speculative: str | None, num_speculative_tokens: int, draft: str | None,
+         min_guess_probability: float | None) -> None:
     """Chat with ENGINE_DIR interactively (history kept; /help lists the commands)."""
     from kiln.cli.generation import chat_repl
     from kiln.runtime.params import RuntimeConfig
 
-    config = RuntimeConfig(speculative=_speculative(speculative, num_speculative_tokens, draft))
+    config = RuntimeConfig(speculative=_speculative(speculative, num_speculative_tokens, draft, min_guess_probability))
     chat_repl(engine_dir, _sampling(max_tokens, temperature, top_p, top_k, seed), system, config)
 
 
@@ -282,7 +291,8 @@ def chat(engine_dir: str, system: str | None, max_tokens: int, temperature: floa
 def bench(engine_dir: str, num_requests: int, input_len: int, output_len: int, concurrency: tuple[int, ...],
           request_rate: float | None, kv_cache_bytes: int | None, max_num_seqs: int, max_num_tokens: int | None,
           num_threads: int | None, json_path: str | None, server_url: str | None, api_key: str | None, sweep: bool,
-          plot_dir: Path | None, speculative: str | None, num_speculative_tokens: int, draft: str | None) -> None:
+          plot_dir: Path | None, speculative: str | None, num_speculative_tokens: int, draft: str | None,
+          min_guess_probability: float | None) -> None:
     """Offline throughput/latency of ENGINE_DIR on a synthetic workload, vs the memory-bandwidth floor."""
     from kiln.cli.charts import check_plottable, concurrency_sweep, write_bench_charts
     from kiln.runtime.bench.offline import BenchConfig, say
@@ -295,7 +305,7 @@ def bench(engine_dir: str, num_requests: int, input_len: int, output_len: int, c
     if plot_dir is not None:
         check_plottable({c or num_requests for c in levels})  # before minutes of benchmark, not after
     cfg = BenchConfig(num_requests, input_len, output_len, None, request_rate)
-    spec = _speculative(speculative, num_speculative_tokens, draft)
+    spec = _speculative(speculative, num_speculative_tokens, draft, min_guess_probability)
     if server_url:
         from kiln.runtime.bench.serving import bench_server
 

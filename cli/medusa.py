@@ -21,8 +21,12 @@ def _say(message: str) -> None:
 @click.option("--num-heads", type=int, default=4, show_default=True, help="K: head i guesses the token i steps ahead")
 @click.option("--answers-from", "engine", type=click.Path(exists=True, file_okay=False), default=None,
               help="an fp32 engine dir of MODEL: train on the model's own greedy answers to chat prompts, generated "
-                   "by the runtime (open questions and the corpus's chat requests) instead of continuations of the "
-                   "calibration book")
+                   "by the runtime (--prompt-source), instead of continuations of the calibration book")
+@click.option("--prompt-source", type=click.Choice(["mixed", "self", "templates"]), default="mixed",
+              show_default=True,
+              help="with --answers-from: self, user turns the model writes itself after its chat template's opening "
+                   "(its own chat distribution); templates, open questions over a dictionary's headwords and the "
+                   "corpus's chat requests; mixed, half of each")
 @click.option("--prompts", type=int, default=None,
               help="prompts: of each kind (text windows, chat requests) from the book [24]; or chat prompts with "
                    "--answers-from [200]; 1 in 8 held out")
@@ -47,7 +51,8 @@ def _say(message: str) -> None:
 @click.option("--threads", type=int, default=None, help="threads of the runtime generating the answers")
 def train_medusa(model: str, output: Path, num_heads: int, engine: str | None, prompts: int | None,
                  new_tokens: int | None, epochs: int | None, weight_decay: float, answer_cache: Path | None,
-                 rows_cache: Path | None, kind: str, draft_vocabulary: int, seed: int, threads: int | None) -> None:
+                 rows_cache: Path | None, prompt_source: str, kind: str, draft_vocabulary: int, seed: int,
+                 threads: int | None) -> None:
     """Train Medusa heads for MODEL on its own greedy continuations: of chat prompts (--answers-from) or of
     the calibration book."""
     import torch
@@ -74,7 +79,7 @@ def train_medusa(model: str, output: Path, num_heads: int, engine: str | None, p
     _say(f"{config.num_heads} {config.kind} heads, {torch.get_num_threads()} threads, seed {config.seed}")
     if engine is not None:
         try:
-            source = ChatAnswers(engine, prompts or 200, threads, answer_cache, rows_cache)
+            source = ChatAnswers(engine, prompts or 200, threads, answer_cache, rows_cache, prompt_source)
             artifact = train_medusa_chat(checkpoint, source, config, _say)
         except ValueError as exc:  # an answer or rows cache that does not fit: the message says which
             raise click.ClickException(str(exc)) from exc

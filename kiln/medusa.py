@@ -19,7 +19,9 @@ state. Two kinds:
   guess reads and embed(t) is the input embedding (zero for a token outside V'). The chain runs after
   the step, on the token the sampler actually chose, so the engine graph only returns x at the rows the
   runtime asks for (medusa_hidden) and the chain is a small graph of its own (DRAFT_FILE, built by
-  `kiln build --medusa`): inputs DRAFT_HIDDEN [B, D] and DRAFT_TOKEN [B], output DRAFT_TOKENS [B, K].
+  `kiln build --medusa`): inputs DRAFT_HIDDEN [B, D] and DRAFT_TOKEN [B], outputs DRAFT_TOKENS [B, K] and
+  DRAFT_CONFIDENCE [B, K] (each head's probability of its guess, softmax over V'; graphs built before it
+  existed lack it, and the runtime then proposes whole chains).
 
 The artifact directory holds HEADS_FILE (``medusa.{i}.weight [D, D]`` in nn.Linear orientation,
 ``medusa.{i}.bias [D]``, i from 0; for hydra heads the hydra_names(i) tensors and DRAFT_VOCAB instead) and
@@ -44,6 +46,7 @@ DRAFT_FILE = "medusa_draft.onnx"  # in the engine directory of hydra heads
 DRAFT_HIDDEN = "hidden"
 DRAFT_TOKEN = "token"
 DRAFT_TOKENS = "draft_tokens"
+DRAFT_CONFIDENCE = "draft_confidence"
 DRAFT_VOCAB = "hydra.vocab"  # int64 [V']: the draft vocabulary, most frequent first
 
 

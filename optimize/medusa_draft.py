@@ -5,6 +5,7 @@
         s   = s + SiLU(s A_i^T + token_term_i[idx]) C_i^T     token_term_i = embed' B_i^T + b_i, precomputed
         idx = ArgMax(s lm_head'^T)                    over the draft vocabulary only
         draft_tokens[:, i-1] = vocab[idx]
+        draft_confidence[:, i-1] = 1 / sum(exp(logits - max(logits)))    the guess's softmax probability
 
 embed' holds the input embedding's rows of the draft vocabulary and a zero row for any other token. A
 decode step runs the chain for a handful of rows on a cold cache, so what it costs is the bytes it reads:
@@ -46,7 +47,7 @@ def build_draft_graph(heads: list[tuple[np.ndarray, ...]], vocab: np.ndarray,
     vocab_ids = initializer(model, "draft.vocab", vocab.astype(np.int64))
     head_table = _quantized(lm_head[vocab])
     axis1 = initializer(model, "draft.axis1", np.array([1], np.int64))
-    guesses = []
+    guesses, confidences = [], []
     first_head: ir.Node | None = None
     for i, (a, b, bias, c) in enumerate(heads):
         token_term = initializer(model, f"draft.{i}.token_term", (table @ b.T + bias).astype(np.float16))
@@ -67,12 +68,21 @@ def build_draft_graph(heads: list[tuple[np.ndarray, ...]], vocab: np.ndarray,
                           {attr.name: attr.value for attr in first_head.attributes.values()}, MS_DOMAIN)
         idx = _add(graph, "ArgMax", [logits], {"axis": 1, "keepdims": 0})
         guesses.append(_add(graph, "Unsqueeze", [_add(graph, "Gather", [vocab_ids, idx]), axis1]))
-    out = _add(graph, "Concat", guesses, {"axis": 1})
-    out.name = medusa.DRAFT_TOKENS
-    out.type = ir.TensorType(ir.DataType.INT64)
-    out.shape = ir.Shape(["batch", len(heads)])
-    graph.outputs.append(out)
+        confidences.append(_top_probability(graph, logits, axis1))
+    for values, name, dtype in ((guesses, medusa.DRAFT_TOKENS, ir.DataType.INT64),
+                                (confidences, medusa.DRAFT_CONFIDENCE, ir.DataType.FLOAT)):
+        out = _add(graph, "Concat", values, {"axis": 1})
+        out.name, out.type, out.shape = name, ir.TensorType(dtype), ir.Shape(["batch", len(heads)])
+        graph.outputs.append(out)
     return model
+
+
+def _top_probability(graph: ir.Graph, logits: ir.Value, axis1: ir.Value) -> ir.Value:
+    """[B, 1]: the softmax probability of the top logit, 1 / sum(exp(logits - max)) (axis1: the int64 [1])."""
+    top = _add(graph, "ReduceMax", [logits], {"axes": [1], "keepdims": 1})  # opset 17: axes an attribute here,
+    shifted = _add(graph, "Exp", [_add(graph, "Sub", [logits, top])])
+    mass = _add(graph, "ReduceSum", [shifted, axis1], {"keepdims": 1})  # an input here
+    return _add(graph, "Reciprocal", [mass])
 
 
 def save_draft_graph(model: ir.Model, engine_dir: Path) -> Path:

@@ -130,14 +130,14 @@ def open_proposer(spec: SpeculativeConfig, engine_dir: Path, manifest: Manifest,
         if manifest.medusa is not None and manifest.medusa.kind == "hydra":
             from kiln.runtime.speculative.hydra import HydraProposer
 
-            return HydraProposer(engine_dir / DRAFT_FILE)
+            return HydraProposer(engine_dir / DRAFT_FILE, min_probability=spec.guess_probability(hydra=True))
         if not target.num_medusa_heads:
             raise EngineLoadError(f"speculative method 'medusa' needs Medusa heads in the engine, and {engine_dir} "
                                   "has none (build it with kiln build --medusa HEADS_DIR, or use --speculative ngram "
                                   "or draft)")
         from kiln.runtime.speculative.medusa import MedusaProposer
 
-        return MedusaProposer(target.num_medusa_heads)
+        return MedusaProposer(target.num_medusa_heads, min_probability=spec.guess_probability(hydra=False))
     from kiln.runtime.speculative.draft import DraftProposer
 
     assert spec.draft_engine is not None  # SpeculativeConfig requires it for 'draft'

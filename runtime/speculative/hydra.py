@@ -26,9 +26,10 @@ from kiln.runtime.speculative.medusa import KeptGuesses
 
 
 class HydraProposer(KeptGuesses):
-    def __init__(self, draft_graph: str | Path, num_threads: int | None = None) -> None:
+    def __init__(self, draft_graph: str | Path, num_threads: int | None = None, min_probability: float = 0.0) -> None:
         """draft_graph: the engine's DRAFT_FILE. One intra-op thread by default: a decode step's chain is a
-        few matrix-vector products, cheaper than waking a pool for each."""
+        few matrix-vector products, cheaper than waking a pool for each. min_probability: SpeculativeConfig's
+        min_guess_probability (a graph built before DRAFT_CONFIDENCE existed proposes whole chains)."""
         import onnxruntime as ort
 
         super().__init__()
@@ -37,6 +38,9 @@ class HydraProposer(KeptGuesses):
         options.inter_op_num_threads = 1
         self.session = ort.InferenceSession(str(draft_graph), options, providers=["CPUExecutionProvider"])
         self.num_heads = int(self.session.get_outputs()[0].shape[-1])
+        has_confidence = medusa.DRAFT_CONFIDENCE in {o.name for o in self.session.get_outputs()}
+        self.min_probability = min_probability if has_confidence else 0.0
+        self.outputs = [medusa.DRAFT_TOKENS] + ([medusa.DRAFT_CONFIDENCE] if self.min_probability else [])
 
     def medusa_rows(self, width: int) -> int:
         return width  # a state per verified row costs hidden_size floats, not an LM-head read
@@ -46,5 +50,6 @@ class HydraProposer(KeptGuesses):
             return
         hidden = np.ascontiguousarray(extras[contract.MEDUSA_HIDDEN][rows], dtype=np.float32)
         tokens = np.array([seq.token_ids[-1] for seq in seqs], dtype=np.int64)
-        guesses = self.session.run([medusa.DRAFT_TOKENS], {medusa.DRAFT_HIDDEN: hidden, medusa.DRAFT_TOKEN: tokens})[0]
-        self.keep(seqs, guesses.tolist())
+        guesses, *probabilities = self.session.run(self.outputs, {medusa.DRAFT_HIDDEN: hidden,
+                                                                  medusa.DRAFT_TOKEN: tokens})
+        self.keep_confident(seqs, guesses, probabilities[0] if probabilities else None, self.min_probability)

@@ -42,12 +42,22 @@ class KeptGuesses(Proposer):
         for seq, row in zip(seqs, guesses, strict=True):
             self.guesses[seq.seq_id] = (len(seq), tuple(row))
 
+    def keep_confident(self, seqs: list[Sequence], guesses: np.ndarray, probabilities: np.ndarray | None,
+                       min_probability: float) -> None:
+        """Keep each sequence's guesses [K] as far as the running product of their probabilities [K] (each
+        head's own, of its guess) stays >= min_probability; all of them when probabilities is None."""
+        if probabilities is None or not min_probability:
+            self.keep(seqs, guesses.tolist())
+            return
+        lengths = (np.cumprod(probabilities, axis=1) >= min_probability).sum(1)  # a product only falls: a prefix
+        self.keep(seqs, [row[:n] for row, n in zip(guesses.tolist(), lengths.tolist(), strict=True)])
+
     def release(self, seq: Sequence) -> None:
         self.guesses.pop(seq.seq_id, None)
 
 
 class MedusaProposer(KeptGuesses):
-    def __init__(self, num_heads: int, max_rows: int | None = 1) -> None:
+    def __init__(self, num_heads: int, max_rows: int | None = 1, min_probability: float = 0.0) -> None:
         """max_rows: compute the heads at no more than this many of a sequence's verified rows (from the
         first); None: at all of them. Default 1: each row read adds K rows to the LM head, and with SmolLM2's
         heads the first row alone measured faster at every k on fp32 and int4-q4_1 (docs/design.md, "Medusa
@@ -59,6 +69,7 @@ class MedusaProposer(KeptGuesses):
         super().__init__()
         self.num_heads = num_heads
         self.max_rows = max_rows
+        self.min_probability = min_probability
 
     def medusa_rows(self, width: int) -> int:
         return width if self.max_rows is None else min(width, self.max_rows)
@@ -67,4 +78,8 @@ class MedusaProposer(KeptGuesses):
         heads = extras["medusa_logits"]  # [rows, K, V]
         if not seqs:
             return
-        self.keep(seqs, heads[rows].argmax(axis=-1).tolist())  # [len(seqs), K]
+        logits = heads[rows].astype(np.float32)  # [len(seqs), K, V]
+        probabilities = None
+        if self.min_probability:  # of each head's top token: 1 / sum(exp(logits - max))
+            probabilities = 1.0 / np.exp(logits - logits.max(-1, keepdims=True)).sum(-1)
+        self.keep_confident(seqs, logits.argmax(axis=-1), probabilities, self.min_probability)

@@ -182,12 +182,21 @@ def test_train_medusa_chat_end_to_end(tiny_model_dir, tiny_engine):
     except corpus.CorpusNotFound as exc:  # make install fetches it
         pytest.skip(str(exc))
     config = MedusaConfig(num_heads=2, new_tokens=6, epochs=1, label_vocabulary=True)
-    artifact = train_medusa_chat(load_checkpoint(tiny_model_dir), ChatAnswers(str(tiny_engine), prompts=8, threads=1),
-                                 config)
+    source = ChatAnswers(str(tiny_engine), prompts=8, threads=1, prompt_source="templates")
+    artifact = train_medusa_chat(load_checkpoint(tiny_model_dir), source, config)
     info = artifact.info
     assert info["data"]["train_prompts"] == 7 and info["data"]["heldout_prompts"] == 1
     assert 0 < info["train"]["rows"] <= 7 * 6 and 0 < info["chat"]["rows"] <= 24 * 6  # answers may end early
     assert len(info["chat"]["top1_accuracy"]) == 2
+
+
+def test_self_instructed_prompts_refuse_a_model_that_writes_no_user_turn(tiny_engine):
+    """A random model never closes the user turn it is asked to write: a clear error, not an endless loop
+    (what is kept from a chat model: tests/unit/test_medusa.py)."""
+    from kiln.calibration.medusa_train import ChatAnswers
+
+    with pytest.raises(ValueError, match="wrote only 0 usable user turns in 64 samples.*--prompt-source templates"):
+        ChatAnswers(str(tiny_engine), prompts=8, threads=1).chat_prompts(0, lambda _m: None)
 
 
 @pytest.fixture(scope="module")
@@ -236,9 +245,11 @@ def test_hydra_engine_returns_the_final_norms_output(hydra_engine, tiny_model_di
                                rtol=0)
 
 
-def test_hydra_speculation_is_token_identical_to_plain_decoding(hydra_engine):
+@pytest.mark.parametrize("min_probability", [0.0, 0.5])
+def test_hydra_speculation_is_token_identical_to_plain_decoding(hydra_engine, min_probability):
     """The hydra proposer on the real graphs: greedy output as without speculation, and guesses made (random
-    heads guess mostly wrong, which verification must absorb)."""
+    heads guess mostly wrong, which verification must absorb); with min_guess_probability, chains cut where
+    the heads' own probability falls below it."""
     from kiln.runtime import LLM, RuntimeConfig, SamplingParams
     from kiln.runtime.loader import load_engine
     from kiln.runtime.params import SpeculativeConfig
@@ -247,13 +258,18 @@ def test_hydra_speculation_is_token_identical_to_plain_decoding(hydra_engine):
     prompts = [PROMPT[:n] for n in (5, 12, 20, 33)]
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     plain = LLM(load_engine(hydra_engine, RuntimeConfig(num_threads=1))).generate(prompts, params)
-    spec = SpeculativeConfig("medusa", num_tokens=3, max_batch_tokens=16)
+    spec = SpeculativeConfig("medusa", num_tokens=3, max_batch_tokens=16, min_guess_probability=min_probability)
     engine = load_engine(hydra_engine, RuntimeConfig(num_threads=1, speculative=spec))
     assert isinstance(engine.proposer, HydraProposer) and engine.proposer.num_heads == 3
+    kept: list[tuple[int, ...]] = []
+    keep = engine.proposer.keep
+    engine.proposer.keep = lambda seqs, guesses: (kept.extend(map(tuple, guesses)), keep(seqs, guesses))
     got = LLM(engine).generate(prompts, params)
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in plain]
     stats = engine.stats()
     assert stats.num_spec_verifications > 0 and stats.num_spec_proposed_tokens > 0
+    lengths = {len(g) for g in kept}
+    assert lengths == {3} if not min_probability else len(lengths) > 1  # random heads: some chains cut short
 
 
 def test_quantized_hydra_engine_keeps_its_hidden_output(hydra_engine, tmp_path):

@@ -165,6 +165,9 @@ def test_speculative_options_are_checked(tiny_engine):
     result = CliRunner().invoke(main, ["generate", str(tiny_engine), "hi", "--speculative", "ngram",
                                        "--num-speculative-tokens", "0"])
     assert result.exit_code == 1 and "num_speculative_tokens must be in [1, 32]" in result.output
+    result = CliRunner().invoke(main, ["generate", str(tiny_engine), "hi", "--speculative", "ngram",
+                                       "--min-guess-probability", "0.2"])
+    assert result.exit_code == 1 and "--min-guess-probability needs --speculative medusa" in result.output
 
 
 def test_bench_reports_speculation(tiny_engine, tmp_path):

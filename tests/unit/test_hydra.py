@@ -107,16 +107,19 @@ def test_hydra_artifact_round_trip_and_refusals(checkpoint, tmp_path):
 def _numpy_chain(heads, vocab, embed, lm_head, hidden, tokens):
     index = {int(t): i for i, t in enumerate(vocab)}
     table = np.concatenate([embed[vocab], np.zeros((1, embed.shape[1]), np.float32)])
-    out = []
+    out, confidence = [], []
     for state, token in zip(hidden, tokens, strict=True):
-        row, guesses = index.get(int(token), len(vocab)), []
+        row, guesses, probabilities = index.get(int(token), len(vocab)), [], []
         for a, b, bias, c in heads:
             pre = a @ state + b @ table[row] + bias
             state = state + c @ (pre / (1 + np.exp(-pre)))
-            row = int((lm_head[vocab] @ state).argmax())
+            logits = lm_head[vocab] @ state
+            row = int(logits.argmax())
             guesses.append(int(vocab[row]))
+            probabilities.append(1 / np.exp(logits - logits.max()).sum())
         out.append(guesses)
-    return np.array(out)
+        confidence.append(probabilities)
+    return np.array(out), np.array(confidence)
 
 
 def test_draft_graph_matches_numpy_and_the_torch_heads(rows, tmp_path):
@@ -136,10 +139,14 @@ def test_draft_graph_matches_numpy_and_the_torch_heads(rows, tmp_path):
     outside = next(t for t in range(e.shape[0]) if t not in set(vocab.tolist()))
     tokens = data.chosen.numpy().copy()
     tokens[::5] = outside  # a token outside the draft vocabulary reads the zero embedding
-    got = session.run(["draft_tokens"], {"hidden": x, "token": tokens})[0]
-    want = _numpy_chain(arrays, vocab, e, h, x, tokens)
+    got, confidence = session.run(["draft_tokens", "draft_confidence"], {"hidden": x, "token": tokens})
+    want, want_confidence = _numpy_chain(arrays, vocab, e, h, x, tokens)
     # the graph's LM-head rows are 8-bit: a guess may flip only where the top two logits nearly tie
     assert got.shape == want.shape == (len(x), 2) and (got == want).mean() >= 0.9
+    same = (got == want).all(1)  # where the chains agree, so do their guesses' probabilities (8-bit weights)
+    error = np.abs(confidence[same] - want_confidence[same])
+    assert confidence.shape == (len(x), 2) and error.max() < 0.1 and error.mean() < 0.02
+    assert ((confidence > 0) & (confidence <= 1)).all() and confidence.std() > 0.01
     assert (got == trained.guess(data.x, torch.from_numpy(tokens)).numpy()).mean() >= 0.9
     assert set(np.unique(got)) <= set(vocab.tolist())
     assert IGNORE not in got

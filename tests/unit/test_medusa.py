@@ -235,6 +235,74 @@ def test_chat_prompts_never_hold_the_benchmark_questions(monkeypatch):
         medusa_chat.chat_prompts(15)
 
 
+class _ScriptedLLM:
+    """A runtime.LLM stand-in for sample_user_turns: a ChatML template and one scripted turn per seed."""
+
+    class tokenizer:  # noqa: N801 (an attribute, as LLM.tokenizer is)
+        @staticmethod
+        def apply_chat_template(messages):
+            return "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages) + \
+                "<|im_start|>assistant\n"
+
+    def __init__(self, turns):
+        self.turns, self.calls = turns, []
+
+    def generate(self, prompts, params):
+        from types import SimpleNamespace
+
+        self.calls.append((prompts[0], [p.seed for p in params], params[0].stop))
+        turns = [self.turns(p.seed) for p in params]
+        return [SimpleNamespace(outputs=[SimpleNamespace(text=text, finish_reason=reason)]) for text, reason in turns]
+
+
+def test_self_instructed_prompts_keep_closed_distinct_turns_and_never_a_held_out_question():
+    from kiln.calibration.medusa_chat import same_question, sample_user_turns
+    from kiln.calibration.medusa_data import CHAT_QUESTIONS
+
+    def turns(seed):
+        if seed % 10 == 3:
+            return f"a turn cut off at {seed}", "length"  # no question: dropped
+        if seed % 10 == 5:
+            return "  How are you?  ", "stop"  # the same turn again: kept once
+        if seed % 10 == 7:
+            return "why is the sky blue, and why are sunsets red", "stop"  # holds a held-out question
+        return f"question {seed}?", "stop"
+
+    llm = _ScriptedLLM(turns)
+    prompts = sample_user_turns(llm, 100, lambda _m: None, seed=2)
+    assert len(prompts) == 100 == len(set(prompts)) and prompts.count("How are you?") == 1
+    assert not any("cut off" in p or same_question(p) for p in prompts)
+    opening, seeds, stop = llm.calls[0]
+    assert opening.endswith("<|im_start|>user\n") and "\x00" not in opening and stop == ("<|im_end|>",)
+    assert [s % 1_000_003 for s in seeds] == list(range(100)) and len(llm.calls) == 2  # 100 drawn, 71 kept: more drawn
+    assert sample_user_turns(_ScriptedLLM(turns), 100, lambda _m: None, seed=2) == prompts  # reproducible
+    assert same_question(CHAT_QUESTIONS[8].upper()) and not same_question("Why is the sky so grey?")
+
+
+def test_mixed_prompts_hold_out_both_kinds_alike(monkeypatch, tmp_path):
+    from kiln.calibration import medusa_chat
+    from kiln.calibration.medusa_train import HOLDOUT_EVERY, ChatAnswers, interleave_runs
+
+    assert interleave_runs(list("abcde"), list("XYZ"), 2) == list("abXYcdZe")
+    asked = []
+
+    def written(engine, count, threads, say, cache, seed):
+        asked.append((count, cache, seed))
+        return [f"own {i}" for i in range(count)]
+
+    monkeypatch.setattr(medusa_chat, "self_instructed_prompts", written)
+    monkeypatch.setattr(medusa_chat, "chat_prompts", lambda n: [f"templated {i}" for i in range(n)])
+    source = ChatAnswers("/e", prompts=35, cache=tmp_path / "answers.jsonl")
+    prompts = source.chat_prompts(3, lambda _m: None)
+    assert asked == [(17, tmp_path / "answers.prompts.json", 3)] and len(prompts) == 35 == len(set(prompts))
+    held = prompts[HOLDOUT_EVERY - 1::HOLDOUT_EVERY]
+    assert held == ["own 7", "templated 7", "own 15", "templated 15"]
+    assert ChatAnswers("/e", prompts=16, prompt_source="self").chat_prompts(0, lambda _m: None)[-1] == "own 15"
+    assert ChatAnswers("/e", prompts=16, prompt_source="templates").chat_prompts(0, print)[0] == "templated 0"
+    with pytest.raises(InvalidParamError, match="prompt_source must be one of"):
+        ChatAnswers("/e", prompt_source="web")
+
+
 def test_answer_cache_resumes_and_refuses_another_engine(tmp_path):
     from kiln.calibration import medusa_chat
 

@@ -15,7 +15,7 @@ from kiln.runtime.engine import Engine
 from kiln.runtime.llm import LLM
 from kiln.runtime.model_runner import RunnerOutput, build_batch
 from kiln.runtime.outputs import merge_outputs
-from kiln.runtime.params import RuntimeConfig, SamplingParams, SpeculativeConfig
+from kiln.runtime.params import HYDRA_MIN_GUESS_PROBABILITY, RuntimeConfig, SamplingParams, SpeculativeConfig
 from kiln.runtime.speculative.medusa import MedusaProposer
 from kiln.runtime.speculative.ngram import NgramProposer, lookup
 from kiln.runtime.speculative.proposer import NO_PROPOSAL, Proposal, ProposalRequest, Proposer
@@ -112,6 +112,13 @@ def test_speculative_config_names_the_bad_field():
         SpeculativeConfig("ngram", draft_engine="x")
     with pytest.raises(InvalidParamError, match="speculative must be a SpeculativeConfig"):
         RuntimeConfig(speculative="ngram")  # type: ignore[arg-type]
+    with pytest.raises(InvalidParamError, match=r"min_guess_probability must be in \[0, 1\)"):
+        SpeculativeConfig("medusa", min_guess_probability=1.0)
+    with pytest.raises(InvalidParamError, match="min_guess_probability must be None or 0 unless"):
+        SpeculativeConfig("ngram", min_guess_probability=0.2)
+    default = SpeculativeConfig("medusa")
+    assert default.guess_probability(hydra=True) == HYDRA_MIN_GUESS_PROBABILITY > 0 == default.guess_probability(False)
+    assert SpeculativeConfig("medusa", min_guess_probability=0).guess_probability(hydra=True) == 0
 
 
 # -- the engine ---------------------------------------------------------------------------------
@@ -392,6 +399,22 @@ def test_medusa_proposes_only_from_heads_of_the_latest_token():
     assert proposer.propose([ProposalRequest(seq, 3)]) == [NO_PROPOSAL]
     proposer.release(seq)
     assert not proposer.guesses
+
+
+def test_medusa_chains_stop_where_the_heads_doubt_them():
+    """min_guess_probability: a chain is proposed as far as the product of its heads' top probabilities
+    stays >= the threshold (heads' top probabilities here 0.88, 0.5 (a tie: argmax picks the first), ~1)."""
+    from kiln.runtime.sequence import Sequence
+
+    heads = np.full((1, 3, 8), -30.0, np.float32)
+    heads[0, 0, [5, 4]] = [5.0, 3.0]
+    heads[0, 1, [2, 6]] = [5.0, 5.0]
+    heads[0, 2, 7] = 10.0
+    for threshold, want in ((0.0, (5, 2, 7)), (0.4, (5, 2, 7)), (0.6, (5,)), (0.9, ())):
+        proposer = MedusaProposer(3, min_probability=threshold)
+        seq = Sequence([1, 2, 3], GREEDY)
+        proposer.observe([seq], [0], {"medusa_logits": heads})
+        assert proposer.propose([ProposalRequest(seq, 3)]) == [Proposal(want)], threshold
 
 
 def test_medusa_serves_sampled_requests():
