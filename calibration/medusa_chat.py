@@ -140,7 +140,7 @@ def sample_user_turns(llm, count: int, say: Progress, seed: int = 0) -> list[str
     in chunks until enough are kept (self_instructed_prompts says which are)."""
     from kiln.runtime import SamplingParams
 
-    opening, end = _user_turn_opening(llm.tokenizer), _turn_end(llm.tokenizer)
+    opening, end = _user_turn_frame(llm.tokenizer)
     kept: dict[str, None] = {}
     drawn = 0
     while len(kept) < count:
@@ -167,20 +167,15 @@ SELF_PROMPT_DRAWS = 4  # samples per prompt asked for before giving up (SmolLM2-
 _MARK = "\x00kiln-user-turn\x00"
 
 
-def _user_turn_opening(tokenizer) -> str:
-    """The chat template rendered up to where the user's text goes (its system turn and user header)."""
+def _user_turn_frame(tokenizer) -> tuple[str, str]:
+    """The chat template around a user's text: what comes before it (the system turn and the user header),
+    and what closes it (what follows the text, up to its first line break)."""
     text = tokenizer.apply_chat_template([{"role": "user", "content": _MARK}])
-    return text[:text.index(_MARK)]
-
-
-def _turn_end(tokenizer) -> str:
-    """What the chat template writes after the user's text, up to its first line break or the text's end."""
-    text = tokenizer.apply_chat_template([{"role": "user", "content": _MARK}])
-    after = text[text.index(_MARK) + len(_MARK):]
+    before, after = text.split(_MARK, 1)
     end = after.split("\n")[0].strip()
     if not end:
         raise ValueError("the chat template closes a user turn with no marker; self-instructed prompts need one")
-    return end
+    return before, end
 
 
 def _words(text: str) -> str:

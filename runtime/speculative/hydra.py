@@ -32,14 +32,13 @@ class HydraProposer(KeptGuesses):
         min_guess_probability (a graph built before DRAFT_CONFIDENCE existed proposes whole chains)."""
         import onnxruntime as ort
 
-        super().__init__()
         options = ort.SessionOptions()
         options.intra_op_num_threads = num_threads or 1
         options.inter_op_num_threads = 1
         self.session = ort.InferenceSession(str(draft_graph), options, providers=["CPUExecutionProvider"])
         self.num_heads = int(self.session.get_outputs()[0].shape[-1])
         has_confidence = medusa.DRAFT_CONFIDENCE in {o.name for o in self.session.get_outputs()}
-        self.min_probability = min_probability if has_confidence else 0.0
+        super().__init__(min_probability if has_confidence else 0.0)
         self.outputs = [medusa.DRAFT_TOKENS] + ([medusa.DRAFT_CONFIDENCE] if self.min_probability else [])
 
     def medusa_rows(self, width: int) -> int:
@@ -52,4 +51,4 @@ class HydraProposer(KeptGuesses):
         tokens = np.array([seq.token_ids[-1] for seq in seqs], dtype=np.int64)
         guesses, *probabilities = self.session.run(self.outputs, {medusa.DRAFT_HIDDEN: hidden,
                                                                   medusa.DRAFT_TOKEN: tokens})
-        self.keep_confident(seqs, guesses, probabilities[0] if probabilities else None, self.min_probability)
+        self.keep_confident(seqs, guesses, probabilities[0] if probabilities else None)

@@ -25,8 +25,10 @@ class KeptGuesses(Proposer):
     """A proposer whose guesses are made after a step (observe) and proposed at the next: kept per sequence
     with its length then, and proposed only while the sequence still has that length."""
 
-    def __init__(self) -> None:
+    def __init__(self, min_probability: float = 0.0) -> None:
+        """min_probability: SpeculativeConfig's min_guess_probability (keep_confident)."""
         self.guesses: dict[int, tuple[int, tuple[int, ...]]] = {}  # seq_id -> (its length then, the K guesses)
+        self.min_probability = min_probability
 
     def propose(self, requests: list[ProposalRequest]) -> list[Proposal]:
         out = []
@@ -42,14 +44,13 @@ class KeptGuesses(Proposer):
         for seq, row in zip(seqs, guesses, strict=True):
             self.guesses[seq.seq_id] = (len(seq), tuple(row))
 
-    def keep_confident(self, seqs: list[Sequence], guesses: np.ndarray, probabilities: np.ndarray | None,
-                       min_probability: float) -> None:
+    def keep_confident(self, seqs: list[Sequence], guesses: np.ndarray, probabilities: np.ndarray | None) -> None:
         """Keep each sequence's guesses [K] as far as the running product of their probabilities [K] (each
         head's own, of its guess) stays >= min_probability; all of them when probabilities is None."""
-        if probabilities is None or not min_probability:
+        if probabilities is None or not self.min_probability:
             self.keep(seqs, guesses.tolist())
             return
-        lengths = (np.cumprod(probabilities, axis=1) >= min_probability).sum(1)  # a product only falls: a prefix
+        lengths = (np.cumprod(probabilities, axis=1) >= self.min_probability).sum(1)  # a product only falls: a prefix
         self.keep(seqs, [row[:n] for row, n in zip(guesses.tolist(), lengths.tolist(), strict=True)])
 
     def release(self, seq: Sequence) -> None:
@@ -66,10 +67,9 @@ class MedusaProposer(KeptGuesses):
             raise ValueError(f"num_heads must be >= 1, got {num_heads}")
         if max_rows is not None and max_rows < 1:
             raise ValueError(f"max_rows must be >= 1 or None, got {max_rows}")
-        super().__init__()
+        super().__init__(min_probability)
         self.num_heads = num_heads
         self.max_rows = max_rows
-        self.min_probability = min_probability
 
     def medusa_rows(self, width: int) -> int:
         return width if self.max_rows is None else min(width, self.max_rows)
@@ -78,8 +78,8 @@ class MedusaProposer(KeptGuesses):
         heads = extras["medusa_logits"]  # [rows, K, V]
         if not seqs:
             return
-        logits = heads[rows].astype(np.float32)  # [len(seqs), K, V]
+        logits = heads[rows]  # [len(seqs), K, V]
         probabilities = None
         if self.min_probability:  # of each head's top token: 1 / sum(exp(logits - max))
             probabilities = 1.0 / np.exp(logits - logits.max(-1, keepdims=True)).sum(-1)
-        self.keep_confident(seqs, logits.argmax(axis=-1), probabilities, self.min_probability)
+        self.keep_confident(seqs, logits.argmax(axis=-1), probabilities)
