@@ -32,12 +32,20 @@ class QuantMethod(Enum):
 
 class LmHead(Enum):
     """The tied LM head under an int4 scheme: int8 per channel (the default: on SmolLM2 an int4 head alone
-    costs a third of int4-g32's perplexity loss), the scheme's own int4 groups, or int8 per channel with
-    per-token int8 activations (w8a8: ONNX Runtime's integer GEMM, ~2x faster than int8 weight-only from 8 rows)."""
+    costs a third of int4-g32's perplexity loss), the scheme's own int4 groups, int4 with its best candidates
+    rescored from the 8-bit embedding table (int4-rescored: int4's bytes per token, optimize/rescore_lm_head.py),
+    or int8 per channel with per-token int8 activations (w8a8: ONNX Runtime's integer GEMM, ~2x faster than int8
+    weight-only from 8 rows)."""
 
     INT8 = "int8"
     INT4 = "int4"
+    INT4_RESCORED = "int4-rescored"
     W8A8 = "w8a8"
+
+    @property
+    def is_int4(self) -> bool:
+        """The head's full matmul is int4 (the scheme's groups)."""
+        return self in (LmHead.INT4, LmHead.INT4_RESCORED)
 
     @classmethod
     def parse(cls, name: str) -> LmHead:

@@ -41,7 +41,7 @@ from kiln.optimize.pack_attention_inputs import pack_attention_inputs
 from kiln.optimize.pipeline import optimize_model
 from kiln.optimize.quantize import QuantizationError, check_lm_head, int8_fallback, prepare_checkpoint, quantize_model
 from kiln.optimize.quantize import check_options as check_quantization
-from kiln.quant_scheme import QuantMethod
+from kiln.quant_scheme import LmHead, QuantMethod
 
 Progress = Callable[[str], None]
 MODEL_FILE = "model.onnx"
@@ -81,6 +81,9 @@ def build_engine(
         options = _check_model(checkpoint, options)
         try:
             heads = _medusa_heads(checkpoint, options.medusa, say) if options.medusa is not None else None
+            if heads is not None and heads.kind != "hydra" and options.lm_head is LmHead.INT4_RESCORED:
+                raise BuildError("Medusa heads share the LM head's rows and do not combine with --lm-head "
+                                 "int4-rescored; use hydra heads (kiln train-medusa --kind hydra) or another head")
             draft = _draft_graph(checkpoint, heads) if heads is not None and heads.kind == "hydra" else None
             checkpoint = prepare_checkpoint(checkpoint, options.quantization, _scheme_artifact(options), say)
             int8_modules = int8_fallback(options.quantization, _scheme_artifact(options))
@@ -148,10 +151,24 @@ def build_engine(
             with _stage(say, "verify (load in onnxruntime)"):
                 verify_engine(staging)
         _move_into_place(staging, out_dir)
+    except OSError as exc:  # a full disk reads as numpy's "problem writing element N to file"
+        raise BuildError(_write_failure(exc, out_dir)) from exc
     finally:  # after a failure (or Ctrl-C) the half-written engine goes; after _move_into_place it is gone
         shutil.rmtree(staging, ignore_errors=True)
     say(f"engine written to {out_dir}")
     return manifest
+
+
+def _write_failure(exc: OSError, out_dir: Path) -> str:
+    """What a failed write says, with the free space where the build writes (its temp dir, the engine's)."""
+    places = []
+    for place in dict.fromkeys((Path(tempfile.gettempdir()), out_dir.parent)):
+        try:
+            places.append(f"{shutil.disk_usage(place).free / 2**30:.1f} GiB free in {place}")
+        except OSError:
+            continue
+    return (f"writing the engine failed ({exc}); {', '.join(places)} (the build writes an fp32 export, 4 bytes per "
+            "parameter, besides the engine)")
 
 
 def verify_engine(engine_dir: str | Path) -> None:

@@ -7,7 +7,8 @@
     int4-q4_1              quantize_q4_1.py
     w8a8-smoothquant       SmoothQuant scales folded in (prepare_checkpoint), then quantize_w8a8.py
 
-The int4 schemes give the tied LM head int8 per channel unless asked for int4 (LmHead).
+The int4 schemes give the tied LM head int8 per channel unless asked for int4, int4-rescored
+(rescore_lm_head.py) or w8a8 (LmHead).
 Every scheme but none also stores the embedding table as 8-bit blocks (quantize_embedding.py).
 The build calls ``prepare_checkpoint`` before export (the gpt-fast-style conversion step:
 check the artifact's fingerprint, fold its scales into the weights) and ``quantize_model``
@@ -30,6 +31,7 @@ from .quantize_int4 import quantize_int4
 from .quantize_int8 import quantize_int8_weight_only
 from .quantize_q4_1 import quantize_q4_1_pass
 from .quantize_w8a8 import quantize_w8a8
+from .rescore_lm_head import RESCORE_TOP_K, head_rows, rescore_lm_head
 
 Progress = Callable[[str], None]
 
@@ -105,7 +107,11 @@ def quantize_model(model: ir.Model, scheme: QuantScheme, lm_head: LmHead = LmHea
     """Run the scheme's pass on the optimized graph in place; returns how many MatMuls it converted.
     int8_modules: decoder linears an int4 scheme keeps int8 per channel (int8_fallback)."""
     check_lm_head(scheme, lm_head)
-    int4_head = lm_head is LmHead.INT4
+    int4_head = lm_head.is_int4
+    try:  # the head's float rows, read before the scheme's pass replaces the head
+        rescored = head_rows(model) if lm_head is LmHead.INT4_RESCORED else None
+    except ValueError as exc:
+        raise QuantizationError(str(exc)) from exc
     if lm_head is LmHead.W8A8:  # first: the scheme's pass then no longer sees the head as a float linear
         heads = quantize_w8a8(model, select=is_lm_head)
         if progress:
@@ -130,6 +136,13 @@ def quantize_model(model: ir.Model, scheme: QuantScheme, lm_head: LmHead = LmHea
         progress(f"  {name}: converted {count} MatMuls")
     if count == 0:
         raise QuantizationError(f"quantization {scheme} found no linear layer to convert in the graph")
+    if rescored is not None:
+        try:
+            rescore_lm_head(model, rescored)
+        except ValueError as exc:
+            raise QuantizationError(str(exc)) from exc
+        if progress:
+            progress(f"  rescore_lm_head: the int4 head's top {RESCORE_TOP_K} logits from the 8-bit table")
     embeddings = quantize_embedding(model)
     if progress:
         progress(f"  quantize_embedding: converted {embeddings} Gathers")

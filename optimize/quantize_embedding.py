@@ -18,8 +18,10 @@ BLOCK_SIZE = 32
 
 
 def quantize_embedding(model: ir.Model, bits: int = 8, block_size: int = BLOCK_SIZE) -> int:
-    """Rewrite every Gather(axis 0) of a constant 2-D float table in place; return how many."""
+    """Rewrite every Gather(axis 0) of a constant 2-D float table in place; return how many. Gathers of one
+    table (the embedding and an int4-rescored head's candidates) share one quantized copy."""
     count = 0
+    quantized: dict[str, list[ir.Value]] = {}  # table name -> [data, scales, zero points]
     for node in list(model.graph):
         if node.op_type != "Gather" or node.domain not in ("", "ai.onnx"):
             continue
@@ -30,16 +32,20 @@ def quantize_embedding(model: ir.Model, bits: int = 8, block_size: int = BLOCK_S
         array = table.const_value.numpy()
         if array.ndim != 2 or array.dtype != np.float32 or array.shape[1] % block_size:
             continue
-        qw = quantize_groupwise(array, bits, block_size)
-        data, zp = (qw.q, qw.zero_points) if bits == 8 else (_pack_nibbles(qw.q), _pack_nibbles(qw.zero_points))
         name = table.name
+        if name not in quantized:
+            qw = quantize_groupwise(array, bits, block_size)
+            data, zp = (qw.q, qw.zero_points) if bits == 8 else (_pack_nibbles(qw.q), _pack_nibbles(qw.zero_points))
+            quantized[name] = [initializer(model, f"{name}.q{bits}", np.ascontiguousarray(data)),
+                               initializer(model, f"{name}.scales", qw.scales),
+                               initializer(model, f"{name}.zero_points", zp)]
+        data_value, scales, zero_points = quantized[name]
         gather = ir.node(
             "GatherBlockQuantized",
-            [initializer(model, f"{name}.q{bits}", np.ascontiguousarray(data)), node.inputs[1],
-             initializer(model, f"{name}.scales", qw.scales), initializer(model, f"{name}.zero_points", zp)],
+            [data_value, node.inputs[1], scales, zero_points],
             attributes={"gather_axis": 0, "quantize_axis": 1, "block_size": block_size, "bits": bits},
             domain=MS_DOMAIN,
-            name=f"{name}.GatherBlockQuantized",
+            name=f"{node.name or name}.GatherBlockQuantized",
         )
         ir.convenience.replace_nodes_and_values(
             model.graph, node, [node], [gather], [node.outputs[0]], [gather.outputs[0]]

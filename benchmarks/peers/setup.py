@@ -136,6 +136,9 @@ def unpack_llama_cpp(lay: PeerLayout) -> None:
     shutil.rmtree(download / f"llama_cpp_python-{LLAMA_CPP_PYTHON_VERSION}")
 
 
+NO_AMX = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+
+
 def build_llama_cpp(lay: PeerLayout) -> None:
     for tool in ("cmake", "ninja", "c++"):
         if shutil.which(tool) is None:
@@ -143,7 +146,10 @@ def build_llama_cpp(lay: PeerLayout) -> None:
     flags = ["-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", "-DGGML_CUDA=OFF", "-DGGML_BLAS=OFF",
              "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=ON", "-DLLAMA_BUILD_TOOLS=ON",
              "-DLLAMA_BUILD_SERVER=ON", "-DLLAMA_BUILD_UI=OFF", "-DLLAMA_USE_PREBUILT_UI=OFF",
-             "-DLLAMA_OPENSSL=OFF", "-DLLAMA_CURL=OFF", "-DBUILD_SHARED_LIBS=OFF"]
+             "-DLLAMA_OPENSSL=OFF", "-DLLAMA_CURL=OFF", "-DBUILD_SHARED_LIBS=OFF",
+             # GGML_NATIVE turns on AMX where the CPU has it, and that path segfaults in llama-bench on this
+             # project's Xeon machines (the kernel's tile-data permission); without it ggml uses AVX-512/VNNI.
+             f"-DCMAKE_C_FLAGS={NO_AMX}", f"-DCMAKE_CXX_FLAGS={NO_AMX}"]
     run(["cmake", "-S", lay.llama_src, "-B", lay.llama_build, "-G", "Ninja", *flags], lay.root / "cmake.log")
     run(["cmake", "--build", lay.llama_build, "-j2", "--target", *LLAMA_TOOLS], lay.root / "llama-build.log")
 

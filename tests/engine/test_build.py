@@ -125,6 +125,18 @@ def test_an_interrupted_build_leaves_no_half_engine(tmp_path, monkeypatch, tiny_
         assert read_manifest(out).files == read_manifest(tiny_engine).files
 
 
+def test_a_failed_write_says_where_the_space_ran_out(tmp_path, monkeypatch, tiny_model_dir):
+    """numpy's words for a full disk become a BuildError with the free space of the temp and engine dirs."""
+    def full_disk(_checkpoint, _path, _say):
+        raise OSError("problem writing element 367616 to file")
+
+    monkeypatch.setattr("kiln.export.onnx_export.export_onnx", full_disk)
+    with pytest.raises(BuildError, match=r"writing the engine failed \(problem writing element 367616 to file\); "
+                                         r"[0-9.]+ GiB free in .*fp32 export"):
+        build_engine(tiny_model_dir, tmp_path / "engine", progress=lambda _msg: None)
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_a_build_shows_progress_for_export_quantization_and_writing(tmp_path, tiny_model_dir, recorded_bars):
     """Each long stage has a bar that runs to its end: the export over the traced layers and the exporter's
     phases, the quantization pass over the linears, the writer over the tensors."""

@@ -13,7 +13,7 @@ from engine_driver import PagedDriver
 
 from kiln.manifest import BuildOptions, read_manifest
 from kiln.optimize.quantize import quantize_model
-from kiln.quant_scheme import QuantScheme
+from kiln.quant_scheme import LmHead, QuantScheme
 
 W8A8 = QuantScheme.parse("w8a8-smoothquant")
 PROMPT = [5, 77, 190, 33, 250, 12, 8, 99, 140, 201, 64, 3, 17, 222, 180, 45, 71, 300, 9, 128] * 2
@@ -26,10 +26,10 @@ def engine_logits(model_path) -> np.ndarray:
     return np.concatenate([first, rest])
 
 
-def quantized_copy(engine, tmp_path, scheme: str):
+def quantized_copy(engine, tmp_path, scheme: str, lm_head: LmHead = LmHead.INT8):
     model = ir.load(engine / "model.onnx")
-    count = quantize_model(model, QuantScheme.parse(scheme))
-    out = tmp_path / scheme
+    count = quantize_model(model, QuantScheme.parse(scheme), lm_head)
+    out = tmp_path / f"{scheme}-{lm_head.value}"
     out.mkdir()
     ir.save(model, out / "model.onnx", external_data="model.onnx.data")
     return out / "model.onnx", count
@@ -50,6 +50,25 @@ def test_quantized_engine_graph_runs_and_stays_close(tiny_engine, tmp_path, sche
     rel = np.abs(out - fp32).max() / np.abs(fp32).max()
     assert rel < tolerance, rel
     assert (out.argmax(-1) == fp32.argmax(-1)).mean() >= agreement
+
+
+def test_int4_rescored_head_on_the_engine_graph(tiny_engine, tmp_path):
+    """On the engine's [1, T, V] logits: the int4 head's logits outside its top 64, and inside them the 8-bit
+    head's up to its rounding (the int8 head and the table's 8-bit blocks), far closer than the int4 head's."""
+    from kiln.optimize.rescore_lm_head import RESCORE_TOP_K
+
+    int8 = engine_logits(quantized_copy(tiny_engine, tmp_path, "int4-q4_1", LmHead.INT8)[0])
+    int4 = engine_logits(quantized_copy(tiny_engine, tmp_path, "int4-q4_1", LmHead.INT4)[0])
+    path, count = quantized_copy(tiny_engine, tmp_path, "int4-q4_1", LmHead.INT4_RESCORED)
+    rescored = engine_logits(path)
+    assert count == 2 * 4 + 1
+    top = np.argsort(-int4, axis=-1)[:, :RESCORE_TOP_K]
+    outside = np.ones_like(int4, dtype=bool)
+    np.put_along_axis(outside, top, False, axis=-1)
+    np.testing.assert_array_equal(rescored[outside], int4[outside])
+    inside = ~outside
+    assert np.abs(rescored - int8)[inside].max() < 0.2 * np.abs(int4 - int8)[inside].max()
+    assert (rescored.argmax(-1) == int8.argmax(-1)).mean() >= 0.95
 
 
 def test_calibrated_build_folds_scales_and_refuses_foreign_artifacts(tiny_model_dir, tiny_engine, tmp_path):

@@ -206,6 +206,48 @@ def test_int4_lm_head_on_request():
     assert_computes(model, forward(w, up, down, head))
 
 
+def test_int4_rescored_lm_head_recomputes_its_top_k_from_the_8_bit_table():
+    """--lm-head int4-rescored: the int4 head's logits everywhere but its top k, those recomputed from the
+    tied table's 8-bit blocks, which the embedding Gather and the candidates' Gather share."""
+    from kiln.optimize.quantize_embedding import quantize_embedding
+    from kiln.optimize.rescore_lm_head import head_rows, rescore_lm_head
+
+    top_k = 8
+    model, w = tiny_graph()
+    rows = head_rows(model)
+    assert rows.source == "embed" and np.array_equal(rows.weight, w["embed"])
+    assert quantize_int4(model, group_size=32, int4_lm_head=True) == 3
+    rescore_lm_head(model, rows, top_k)
+    assert quantize_embedding(model) == 2
+    gathers = [n for n in model.graph if n.op_type == "GatherBlockQuantized"]
+    assert len(gathers) == 2 and gathers[0].inputs[0] is gathers[1].inputs[0]  # one 8-bit table
+    assert [v.name for v in model.graph.outputs] == ["logits"]
+    up, down, head = (rtn.quantize_groupwise(w[name], 4, 32).dequantize() for name in ("up", "down", "embed"))
+    table = rtn.quantize_groupwise(w["embed"], 8, 32).dequantize().astype(np.float64)
+    h = table[IDS]
+    r = np.maximum(h @ up.T + w["up_bias"], 0) @ down.T + h
+    reference = r @ head.T
+    top = np.argsort(-reference, axis=-1)[:, :top_k]
+    np.put_along_axis(reference, top, np.einsum("td,tkd->tk", r, table[top]), axis=-1)
+    assert_computes(model, reference)
+
+
+def test_int4_rescored_lm_head_needs_a_float_head_and_an_int4_scheme():
+    from kiln.optimize.quantize import QuantizationError, quantize_model
+    from kiln.optimize.rescore_lm_head import head_rows, rescore_lm_head
+    from kiln.quant_scheme import LmHead, QuantScheme
+
+    with pytest.raises(QuantizationError, match="int4-rescored LM head goes with the int4 schemes"):
+        quantize_model(tiny_graph()[0], QuantScheme.parse("int8-weight-only"), LmHead.INT4_RESCORED)
+    model, _ = tiny_graph()
+    rows = head_rows(model)
+    assert quantize_int8_weight_only(model) == 3  # an int8 head: nothing to rescore behind
+    with pytest.raises(ValueError, match="not from an int4 LM head"):
+        rescore_lm_head(model, rows)
+    with pytest.raises(ValueError, match="exactly one float LM head"):
+        head_rows(model)
+
+
 @pytest.mark.parametrize("scheme", ["int4-q4_1", "int4-rtn-g32"])
 def test_w8a8_lm_head_on_request(scheme):
     """--lm-head w8a8: the head alone becomes per-token int8 x per-channel int8 (MatMulIntegerToFloat), the
