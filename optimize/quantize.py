@@ -31,7 +31,7 @@ from .quantize_int4 import quantize_int4
 from .quantize_int8 import quantize_int8_weight_only
 from .quantize_q4_1 import quantize_q4_1_pass
 from .quantize_w8a8 import quantize_w8a8
-from .rescore_lm_head import RESCORE_TOP_K, head_rows, rescore_lm_head
+from .rescore_lm_head import FEW_ROWS, RESCORE_TOP_K, head_rows, rescore_lm_head
 
 Progress = Callable[[str], None]
 
@@ -136,14 +136,15 @@ def quantize_model(model: ir.Model, scheme: QuantScheme, lm_head: LmHead = LmHea
         progress(f"  {name}: converted {count} MatMuls")
     if count == 0:
         raise QuantizationError(f"quantization {scheme} found no linear layer to convert in the graph")
+    embeddings = quantize_embedding(model)
+    if progress:
+        progress(f"  quantize_embedding: converted {embeddings} Gathers")
     if rescored is not None:
         try:
             rescore_lm_head(model, rescored)
         except ValueError as exc:
             raise QuantizationError(str(exc)) from exc
         if progress:
-            progress(f"  rescore_lm_head: the int4 head's top {RESCORE_TOP_K} logits from the 8-bit table")
-    embeddings = quantize_embedding(model)
-    if progress:
-        progress(f"  quantize_embedding: converted {embeddings} Gathers")
+            progress(f"  rescore_lm_head: up to {FEW_ROWS} rows the int4 head's top {RESCORE_TOP_K} logits from the "
+                     "8-bit table, above that the 8-bit head")
     return count

@@ -15,6 +15,7 @@ from .quant.nbits import MS_DOMAIN, _pack_nibbles
 from .quant.rtn import quantize_groupwise
 
 BLOCK_SIZE = 32
+TABLE_KEY = "kiln.table"  # metadata of a GatherBlockQuantized: the float initializer its table was made from
 
 
 def quantize_embedding(model: ir.Model, bits: int = 8, block_size: int = BLOCK_SIZE) -> int:
@@ -46,6 +47,7 @@ def quantize_embedding(model: ir.Model, bits: int = 8, block_size: int = BLOCK_S
             attributes={"gather_axis": 0, "quantize_axis": 1, "block_size": block_size, "bits": bits},
             domain=MS_DOMAIN,
             name=f"{node.name or name}.GatherBlockQuantized",
+            metadata_props={TABLE_KEY: name},
         )
         ir.convenience.replace_nodes_and_values(
             model.graph, node, [node], [gather], [node.outputs[0]], [gather.outputs[0]]

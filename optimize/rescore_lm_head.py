@@ -2,19 +2,20 @@
 
 Single-stream decode reads every weight once per token, and with an int8 head the head is a third of those
 bytes on SmolLM2 (docs/design.md, "Single-stream decode is a weight budget"). An int4 head halves them but its
-logits are coarse (+4-8% perplexity). Decoding and sampling need the logits exactly only near the top, so the
-head stays int4 for the whole vocabulary and the logits of its RESCORE_TOP_K best tokens are recomputed from an
-8-bit table of the same weights, k rows of it per token instead of V:
+logits are coarse (+4-8% perplexity). Decoding and sampling need the logits exactly only near the top, so for a
+step of few logits rows the head stays int4 for the whole vocabulary and the logits of its RESCORE_TOP_K best
+tokens are recomputed from an 8-bit table of the same weights, k rows of it per token instead of V:
 
     approx  = head_int4(h)                       [..., V]
     _, top  = TopK(approx, k = 256)              [..., k]
     exact   = Gather(table, top) @ h             [..., k]
     logits  = ScatterElements(approx, top, exact)
 
-For a tied head the table is the embedding table the first Gather already reads (quantize_embedding then makes
-both Gathers one 8-bit table of blocks of 32); an untied head gets its own table. Capture the head's rows with
-`head_rows` before the scheme's pass quantizes the head, and call `rescore_lm_head` after it and before
-quantize_embedding.
+A step of more rows is bound by arithmetic, not bytes, and there the int4 kernel, the TopK and the gathers cost
+more than they save: an If on the row count sends it to the int8 per-channel head (`--lm-head int8`'s). For a tied
+head the table is the embedding's (the 8-bit blocks of 32 that quantize_embedding made for the first Gather); an
+untied head gets its own. Capture the head's rows with `head_rows` before the scheme's pass quantizes the head,
+and call `rescore_lm_head` after quantize_embedding.
 """
 
 from __future__ import annotations
@@ -25,11 +26,18 @@ import numpy as np
 import onnx_ir as ir
 
 from .quant.graph import find_linears, initializer, is_lm_head
+from .quant.nbits import MS_DOMAIN, make_matmul_nbits
+from .quant.rtn import GroupQuantized, per_channel_as_groups, quantize_groupwise
+from .quantize_embedding import BLOCK_SIZE, TABLE_KEY
 
 # Measured on SmolLM2 int4-q4_1 (docs/design.md, "An int4 LM head rescored at 8 bits"): 64 candidates leave
 # +0.4-1.3% perplexity over the int8 head (the tail's int4 logits), 256 +0.2-0.5%, 1024 none, but ORT's TopK and
 # GatherBlockQuantized at k = 1024 cost a batch-1 step what the int4 head saved; 256 keeps the whole saving.
 RESCORE_TOP_K = 256
+# Up to this many logits rows (a few streams, or one stream verifying 4 speculative tokens) the int4 head is
+# rescored; above, where a step is bound by arithmetic rather than bytes, the int8 head computes every logit.
+# Measured on SmolLM2 (docs/design.md): rescoring +3.5% output tok/s at 4 rows a step, -2.5% at 8.
+FEW_ROWS = 5
 LOGITS = "logits"
 _SHAPE_ONLY = ("Squeeze", "Unsqueeze", "Reshape", "Identity", "Flatten")
 
@@ -72,46 +80,69 @@ def _is_int4_matmul(node: ir.Node) -> bool:
     return node.op_type == "MatMulNBits" and bits is not None and bits.as_int() == 4
 
 
-def _rows_table(model: ir.Model, rows: HeadRows) -> ir.Value:
-    """The [V, D] float table to gather candidates from: the tied embedding table, or a new initializer."""
-    tied = model.graph.initializers.get(rows.source)
-    if tied is not None and tied.const_value is not None and tuple(tied.const_value.shape) == rows.weight.shape:
-        return tied
-    return initializer(model, "lm_head.rows", np.ascontiguousarray(rows.weight, dtype=np.float32))
+def _table(model: ir.Model, rows: HeadRows, table: GroupQuantized) -> list[ir.Value]:
+    """[data, scales, zero points] of GatherBlockQuantized over the head's 8-bit rows: the embedding's, when
+    quantize_embedding made them from the same initializer (a tied head), else new ones."""
+    for node in model.graph:
+        if node.op_type == "GatherBlockQuantized" and node.metadata_props.get(TABLE_KEY) == rows.source:
+            return list(node.inputs[0:1]) + list(node.inputs[2:4])
+    return [initializer(model, "lm_head.rows.q8", table.q), initializer(model, "lm_head.rows.scales", table.scales),
+            initializer(model, "lm_head.rows.zero_points", table.zero_points)]
 
 
-def rescore_lm_head(model: ir.Model, rows: HeadRows, top_k: int = RESCORE_TOP_K) -> None:
-    """Insert the rescoring after the (already quantized) head, in place."""
+def rescore_lm_head(model: ir.Model, rows: HeadRows, top_k: int = RESCORE_TOP_K, few_rows: int = FEW_ROWS) -> None:
+    """Put an If on the number of logits rows in place of the (already int4) head: the rescored int4 head up to
+    few_rows rows, the int8 per-channel head above. Run after quantize_embedding (a tied table is then 8-bit)."""
     head = _head_node(model)
     hidden, approx = head.inputs[0], head.outputs[0]
     if top_k < 1:
         raise ValueError(f"top_k must be at least 1, not {top_k}")
     top_k = min(top_k, rows.weight.shape[0])  # a vocabulary smaller than k: every logit rescored
-    table = _rows_table(model, rows)
+    table = quantize_groupwise(rows.weight, 8, BLOCK_SIZE)
+    data, scales, zero_points = _table(model, rows, table)
     last = initializer(model, "lm_head.rescore.last_axis", np.array([-1], dtype=np.int64))
     k = initializer(model, "lm_head.rescore.k", np.array([top_k], dtype=np.int64))
+    few = initializer(model, "lm_head.few_rows", np.array([few_rows], dtype=np.int64))
     readers = [(use.node, use.idx) for use in approx.uses()]
+    was_output = approx.is_graph_output()
+    model.graph.remove(head)
 
-    def node(op: str, inputs: list[ir.Value], name: str, outputs: int = 1, **attributes) -> ir.Node:
-        made = ir.node(op, inputs, attributes, num_outputs=outputs, name=f"lm_head.rescore.{name}")
-        model.graph.append(made)
+    def node(op: str, inputs: list[ir.Value], name: str, outputs: int = 1, domain: str = "",
+             **attributes) -> ir.Node:
+        made = ir.node(op, inputs, attributes, domain=domain, num_outputs=outputs, name=f"lm_head.{name}")
+        for i, value in enumerate(made.outputs):  # named: a subgraph's unnamed values clash with the graph's
+            value.name = f"lm_head.{name}" + (f".{i}" if i else "")
         return made
 
-    top = node("TopK", [approx, k], "top_k", outputs=2, axis=-1, largest=1, sorted=0).outputs[1]
-    candidates = node("Gather", [table, top], "rows", axis=0).outputs[0]  # [..., k, D]
-    column = node("Unsqueeze", [hidden, last], "column").outputs[0]  # [..., D, 1]
-    dots = node("MatMul", [candidates, column], "dots").outputs[0]  # [..., k, 1]
-    exact = node("Squeeze", [dots, last], "exact").outputs[0]
-    logits = node("ScatterElements", [approx, top, exact], "scatter", axis=-1).outputs[0]
-    logits.type, logits.shape = approx.type, approx.shape
+    def typed(value: ir.Value) -> ir.Value:
+        value.type, value.shape = approx.type, approx.shape
+        return value
+
+    top = node("TopK", [approx, k], "top_k", outputs=2, axis=-1, largest=1, sorted=0)
+    candidates = node("GatherBlockQuantized", [data, top.outputs[1], scales, zero_points], "candidates",
+                      domain=MS_DOMAIN, gather_axis=0, quantize_axis=1, block_size=BLOCK_SIZE, bits=8)  # [..., k, D]
+    column = node("Unsqueeze", [hidden, last], "column")  # [..., D, 1]
+    dots = node("MatMul", [candidates.outputs[0], column.outputs[0]], "dots")  # [..., k, 1]
+    exact = node("Squeeze", [dots.outputs[0], last], "exact")
+    scatter = node("ScatterElements", [approx, top.outputs[1], exact.outputs[0]], "scatter", axis=-1)
+    rescored = ir.Graph([], [typed(scatter.outputs[0])], nodes=[head, top, candidates, column, dots, exact, scatter],
+                        name="lm_head.int4_rescored")
+    wide = make_matmul_nbits(model, hidden, per_channel_as_groups(rows.weight, 128), "lm_head.int8")  # the default
+    wide.outputs[0].name = "lm_head.int8"
+    int8 = ir.Graph([], [typed(wide.outputs[0])], nodes=[wide], name="lm_head.int8")
+
+    count = node("Shape", [hidden], "row_count", start=-2, end=-1)  # logits rows: [1, T, D] or [T, D]
+    many = node("Greater", [count.outputs[0], few], "many_rows")
+    many_scalar = node("Squeeze", [many.outputs[0]], "many_rows_scalar")
+    switch = node("If", [many_scalar.outputs[0]], "by_rows", then_branch=int8, else_branch=rescored)
+    logits = typed(switch.outputs[0])
+    model.graph.extend([count, many, many_scalar, switch])
     for reader, index in readers:
         reader.replace_input_with(index, logits)
-    if approx.is_graph_output():  # the head wrote the logits output itself: the scatter takes its place
+    name = approx.name
+    approx.name = f"{name}.int4"
+    logits.name = name
+    if was_output:  # the head wrote the logits output itself: the If takes its place
         outputs = model.graph.outputs
         outputs[outputs.index(approx)] = logits
-        name = approx.name
-        approx.name = f"{name}.int4"
-        logits.name = name
-    else:
-        logits.name = f"{approx.name}.rescored"
     model.graph.sort()

@@ -52,16 +52,23 @@ def test_quantized_engine_graph_runs_and_stays_close(tiny_engine, tmp_path, sche
     assert (out.argmax(-1) == fp32.argmax(-1)).mean() >= agreement
 
 
+def decode_logits(model_path) -> np.ndarray:
+    """One logits row per step: the prompt's first 20 tokens prefilled, then 10 decoded one at a time."""
+    driver = PagedDriver(model_path, threads=1, num_blocks=16)
+    rows = [driver.step([(0, PROMPT[:20])])]
+    rows += [driver.step([(0, [token])]) for token in PROMPT[20:30]]
+    return np.concatenate(rows)
+
+
 def test_int4_rescored_head_on_the_engine_graph(tiny_engine, tmp_path):
-    """On the engine's [1, T, V] logits: the int4 head's logits outside its top 64, and inside them the 8-bit
-    head's up to its rounding (the int8 head and the table's 8-bit blocks), far closer than the int4 head's."""
+    """On the engine's [1, T, V] logits. One row a step: the int4 head's logits outside its top k, and inside
+    them the 8-bit head's up to its rounding (the int8 head's per-channel scales against the table's blocks of
+    32), far closer than the int4 head's. A prefill chunk's rows: the int8 head's logits exactly."""
     from kiln.optimize.rescore_lm_head import RESCORE_TOP_K
 
-    int8 = engine_logits(quantized_copy(tiny_engine, tmp_path, "int4-q4_1", LmHead.INT8)[0])
-    int4 = engine_logits(quantized_copy(tiny_engine, tmp_path, "int4-q4_1", LmHead.INT4)[0])
-    path, count = quantized_copy(tiny_engine, tmp_path, "int4-q4_1", LmHead.INT4_RESCORED)
-    rescored = engine_logits(path)
-    assert count == 2 * 4 + 1
+    heads = (LmHead.INT8, LmHead.INT4, LmHead.INT4_RESCORED)
+    engines = {head: quantized_copy(tiny_engine, tmp_path, "int4-q4_1", head)[0] for head in heads}
+    int8, int4, rescored = (decode_logits(engines[head]) for head in heads)
     top = np.argsort(-int4, axis=-1)[:, :RESCORE_TOP_K]
     outside = np.ones_like(int4, dtype=bool)
     np.put_along_axis(outside, top, False, axis=-1)
@@ -69,6 +76,8 @@ def test_int4_rescored_head_on_the_engine_graph(tiny_engine, tmp_path):
     inside = ~outside
     assert np.abs(rescored - int8)[inside].max() < 0.2 * np.abs(int4 - int8)[inside].max()
     assert (rescored.argmax(-1) == int8.argmax(-1)).mean() >= 0.95
+    int8, rescored = (engine_logits(engines[head]) for head in (LmHead.INT8, LmHead.INT4_RESCORED))
+    np.testing.assert_array_equal(rescored, int8)
 
 
 def test_calibrated_build_folds_scales_and_refuses_foreign_artifacts(tiny_model_dir, tiny_engine, tmp_path):

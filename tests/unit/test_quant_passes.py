@@ -66,12 +66,21 @@ def to_proto(model: ir.Model) -> onnx.ModelProto:
     return proto
 
 
+def all_nodes(graph: onnx.GraphProto):
+    """The graph's nodes and those of its subgraphs (an If's branches)."""
+    for node in graph.node:
+        yield node
+        for attribute in node.attribute:
+            if attribute.type == onnx.AttributeProto.GRAPH:
+                yield from all_nodes(attribute.g)
+
+
 def run(model: ir.Model, ids: np.ndarray, fp32_kernels: bool = False) -> np.ndarray:
     """The graph's logits in onnxruntime. fp32_kernels runs every MatMulNBits at accuracy_level 0
     (fp32 activations) instead of the shipped 4 (activations quantized to int8 in the kernel), so
     that the graph computes x @ dequant(W).T up to float rounding."""
     proto = to_proto(model)
-    for node in proto.graph.node:
+    for node in all_nodes(proto.graph):
         if node.op_type == "MatMulNBits":
             level = next(a for a in node.attribute if a.name == "accuracy_level")
             assert level.i == 4  # what the passes ship: the fast int8 path on CPU
@@ -207,29 +216,37 @@ def test_int4_lm_head_on_request():
 
 
 def test_int4_rescored_lm_head_recomputes_its_top_k_from_the_8_bit_table():
-    """--lm-head int4-rescored: the int4 head's logits everywhere but its top k, those recomputed from the
-    tied table's 8-bit blocks, which the embedding Gather and the candidates' Gather share."""
+    """--lm-head int4-rescored: up to few_rows rows, the int4 head's logits everywhere but its top k, those
+    recomputed from the tied table's 8-bit blocks (the embedding Gather's own copy); above, the int8 head."""
     from kiln.optimize.quantize_embedding import quantize_embedding
     from kiln.optimize.rescore_lm_head import head_rows, rescore_lm_head
 
-    top_k = 8
+    top_k, few_rows = 8, 6
     model, w = tiny_graph()
     rows = head_rows(model)
     assert rows.source == "embed" and np.array_equal(rows.weight, w["embed"])
     assert quantize_int4(model, group_size=32, int4_lm_head=True) == 3
-    rescore_lm_head(model, rows, top_k)
-    assert quantize_embedding(model) == 2
-    gathers = [n for n in model.graph if n.op_type == "GatherBlockQuantized"]
-    assert len(gathers) == 2 and gathers[0].inputs[0] is gathers[1].inputs[0]  # one 8-bit table
+    assert quantize_embedding(model) == 1
+    rescore_lm_head(model, rows, top_k, few_rows)
+    embedding = next(n for n in model.graph if n.op_type == "GatherBlockQuantized")
+    switch = next(n for n in model.graph if n.op_type == "If")
+    rescored = switch.attributes["else_branch"].as_graph()
+    candidates = next(n for n in rescored if n.op_type == "GatherBlockQuantized")
+    assert candidates.inputs[0] is embedding.inputs[0]  # one 8-bit table
     assert [v.name for v in model.graph.outputs] == ["logits"]
     up, down, head = (rtn.quantize_groupwise(w[name], 4, 32).dequantize() for name in ("up", "down", "embed"))
     table = rtn.quantize_groupwise(w["embed"], 8, 32).dequantize().astype(np.float64)
-    h = table[IDS]
-    r = np.maximum(h @ up.T + w["up_bias"], 0) @ down.T + h
-    reference = r @ head.T
-    top = np.argsort(-reference, axis=-1)[:, :top_k]
-    np.put_along_axis(reference, top, np.einsum("td,tkd->tk", r, table[top]), axis=-1)
-    assert_computes(model, reference)
+    for ids in (IDS[:few_rows], IDS[:1], IDS):
+        h = table[ids]
+        r = np.maximum(h @ up.T + w["up_bias"], 0) @ down.T + h
+        if len(ids) > few_rows:
+            reference = r @ rtn.per_channel_as_groups(w["embed"], 128).dequantize().T  # --lm-head int8's head
+        else:
+            reference = r @ head.T
+            top = np.argsort(-reference, axis=-1)[:, :top_k]
+            np.put_along_axis(reference, top, np.einsum("td,tkd->tk", r, table[top]), axis=-1)
+        np.testing.assert_allclose(run(model, ids, fp32_kernels=True), reference, rtol=0,
+                                   atol=1e-5 * np.abs(reference).max())
 
 
 def test_int4_rescored_lm_head_needs_a_float_head_and_an_int4_scheme():
