@@ -146,5 +146,5 @@ def quantize_model(model: ir.Model, scheme: QuantScheme, lm_head: LmHead = LmHea
             raise QuantizationError(str(exc)) from exc
         if progress:
             progress(f"  rescore_lm_head: up to {FEW_ROWS} rows the int4 head's top {RESCORE_TOP_K} logits from the "
-                     "8-bit table, above that the 8-bit head")
+                     "8-bit table, above that the int8 head")
     return count

@@ -19,10 +19,8 @@ TABLE_KEY = "kiln.table"  # metadata of a GatherBlockQuantized: the float initia
 
 
 def quantize_embedding(model: ir.Model, bits: int = 8, block_size: int = BLOCK_SIZE) -> int:
-    """Rewrite every Gather(axis 0) of a constant 2-D float table in place; return how many. Gathers of one
-    table (the embedding and an int4-rescored head's candidates) share one quantized copy."""
+    """Rewrite every Gather(axis 0) of a constant 2-D float table in place; return how many."""
     count = 0
-    quantized: dict[str, list[ir.Value]] = {}  # table name -> [data, scales, zero points]
     for node in list(model.graph):
         if node.op_type != "Gather" or node.domain not in ("", "ai.onnx"):
             continue
@@ -33,20 +31,16 @@ def quantize_embedding(model: ir.Model, bits: int = 8, block_size: int = BLOCK_S
         array = table.const_value.numpy()
         if array.ndim != 2 or array.dtype != np.float32 or array.shape[1] % block_size:
             continue
+        qw = quantize_groupwise(array, bits, block_size)
+        data, zp = (qw.q, qw.zero_points) if bits == 8 else (_pack_nibbles(qw.q), _pack_nibbles(qw.zero_points))
         name = table.name
-        if name not in quantized:
-            qw = quantize_groupwise(array, bits, block_size)
-            data, zp = (qw.q, qw.zero_points) if bits == 8 else (_pack_nibbles(qw.q), _pack_nibbles(qw.zero_points))
-            quantized[name] = [initializer(model, f"{name}.q{bits}", np.ascontiguousarray(data)),
-                               initializer(model, f"{name}.scales", qw.scales),
-                               initializer(model, f"{name}.zero_points", zp)]
-        data_value, scales, zero_points = quantized[name]
         gather = ir.node(
             "GatherBlockQuantized",
-            [data_value, node.inputs[1], scales, zero_points],
+            [initializer(model, f"{name}.q{bits}", np.ascontiguousarray(data)), node.inputs[1],
+             initializer(model, f"{name}.scales", qw.scales), initializer(model, f"{name}.zero_points", zp)],
             attributes={"gather_axis": 0, "quantize_axis": 1, "block_size": block_size, "bits": bits},
             domain=MS_DOMAIN,
-            name=f"{node.name or name}.GatherBlockQuantized",
+            name=f"{name}.GatherBlockQuantized",
             metadata_props={TABLE_KEY: name},
         )
         ir.convenience.replace_nodes_and_values(

@@ -27,7 +27,7 @@ import onnx_ir as ir
 
 from .quant.graph import find_linears, initializer, is_lm_head
 from .quant.nbits import MS_DOMAIN, make_matmul_nbits
-from .quant.rtn import GroupQuantized, per_channel_as_groups, quantize_groupwise
+from .quant.rtn import per_channel_as_groups, quantize_groupwise
 from .quantize_embedding import BLOCK_SIZE, TABLE_KEY
 
 # Measured on SmolLM2 int4-q4_1 (docs/design.md, "An int4 LM head rescored at 8 bits"): 64 candidates leave
@@ -80,12 +80,13 @@ def _is_int4_matmul(node: ir.Node) -> bool:
     return node.op_type == "MatMulNBits" and bits is not None and bits.as_int() == 4
 
 
-def _table(model: ir.Model, rows: HeadRows, table: GroupQuantized) -> list[ir.Value]:
+def _table(model: ir.Model, rows: HeadRows) -> list[ir.Value]:
     """[data, scales, zero points] of GatherBlockQuantized over the head's 8-bit rows: the embedding's, when
     quantize_embedding made them from the same initializer (a tied head), else new ones."""
     for node in model.graph:
         if node.op_type == "GatherBlockQuantized" and node.metadata_props.get(TABLE_KEY) == rows.source:
             return list(node.inputs[0:1]) + list(node.inputs[2:4])
+    table = quantize_groupwise(rows.weight, 8, BLOCK_SIZE)
     return [initializer(model, "lm_head.rows.q8", table.q), initializer(model, "lm_head.rows.scales", table.scales),
             initializer(model, "lm_head.rows.zero_points", table.zero_points)]
 
@@ -97,9 +98,12 @@ def rescore_lm_head(model: ir.Model, rows: HeadRows, top_k: int = RESCORE_TOP_K,
     hidden, approx = head.inputs[0], head.outputs[0]
     if top_k < 1:
         raise ValueError(f"top_k must be at least 1, not {top_k}")
-    top_k = min(top_k, rows.weight.shape[0])  # a vocabulary smaller than k: every logit rescored
-    table = quantize_groupwise(rows.weight, 8, BLOCK_SIZE)
-    data, scales, zero_points = _table(model, rows, table)
+    vocab, hidden_size = rows.weight.shape
+    if hidden_size % BLOCK_SIZE:
+        raise ValueError(f"an int4-rescored head gathers 8-bit blocks of {BLOCK_SIZE}: the hidden size "
+                         f"{hidden_size} is not a multiple")
+    top_k = min(top_k, vocab)  # a vocabulary smaller than k: every logit rescored
+    data, scales, zero_points = _table(model, rows)
     last = initializer(model, "lm_head.rescore.last_axis", np.array([-1], dtype=np.int64))
     k = initializer(model, "lm_head.rescore.k", np.array([top_k], dtype=np.int64))
     few = initializer(model, "lm_head.few_rows", np.array([few_rows], dtype=np.int64))

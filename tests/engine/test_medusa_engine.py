@@ -142,6 +142,17 @@ def test_build_refuses_heads_of_another_model(tmp_path, medusa_dir):
         build_engine(other, tmp_path / "engine", BuildOptions(medusa=tmp_path), progress=lambda _m: None)
 
 
+def test_build_refuses_medusa_heads_with_a_rescored_lm_head(tmp_path, tiny_model_dir, medusa_dir):
+    """Medusa heads read the LM head's rows through a Split the rescoring cannot follow: refused before export."""
+    from kiln.optimize.build import BuildError, build_engine
+    from kiln.quant_scheme import LmHead, QuantScheme
+
+    options = BuildOptions(quantization=QuantScheme.parse("int4-q4_1"), lm_head=LmHead.INT4_RESCORED, medusa=medusa_dir)
+    with pytest.raises(BuildError, match="Medusa heads share the LM head's rows"):
+        build_engine(tiny_model_dir, tmp_path / "engine", options, progress=lambda _m: None)
+    assert not (tmp_path / "engine").exists()
+
+
 def test_medusa_speculation_is_token_identical_to_plain_decoding(medusa_engine):
     """The runtime's medusa proposer on the real graph: greedy output as without speculation, over a
     batch of sequences of different lengths (several verified rows each, heads read at every one)."""

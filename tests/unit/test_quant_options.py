@@ -142,6 +142,7 @@ def test_cli_build_refuses_a_missing_artifact_before_any_work(tmp_path):
     (["--quantization", "int3"], "Error: unknown quantization 'int3'; choose one of ["),
     (["--block-size", "0"], "Error: block_size must be a positive integer, got 0"),
     (["--lm-head", "int4"], "Error: an int4 LM head goes with the int4 schemes"),
+    (["--lm-head", "int4-rescored"], "Error: an int4-rescored LM head goes with the int4 schemes"),
 ])
 def test_cli_build_bad_option_is_one_line(tmp_path, args, message):
     result = CliRunner().invoke(main, ["build", str(tmp_path / "no-model"), "-o", str(tmp_path / "e"), *args])

@@ -15,7 +15,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from kiln.matmul_q4_1 import matmul_q4_1_ref
 from kiln.optimize.quant import rtn
-from kiln.optimize.quant.graph import find_linears
+from kiln.optimize.quant.graph import find_linears, initializer
 from kiln.optimize.quantize_int4 import quantize_int4
 from kiln.optimize.quantize_int8 import quantize_int8_weight_only
 from kiln.optimize.quantize_q4_1 import quantize_q4_1_pass
@@ -215,34 +215,41 @@ def test_int4_lm_head_on_request():
     assert_computes(model, forward(w, up, down, head))
 
 
-def test_int4_rescored_lm_head_recomputes_its_top_k_from_the_8_bit_table():
+@pytest.mark.parametrize("tied", [True, False])
+def test_int4_rescored_lm_head_recomputes_its_top_k_from_the_8_bit_table(tied):
     """--lm-head int4-rescored: up to few_rows rows, the int4 head's logits everywhere but its top k, those
-    recomputed from the tied table's 8-bit blocks (the embedding Gather's own copy); above, the int8 head."""
+    recomputed from the head's 8-bit blocks (a tied head: the embedding Gather's own table); above, the int8
+    head."""
     from kiln.optimize.quantize_embedding import quantize_embedding
     from kiln.optimize.rescore_lm_head import head_rows, rescore_lm_head
 
     top_k, few_rows = 8, 6
     model, w = tiny_graph()
+    weight = w["embed"]
+    if not tied:  # the head reads its own [H, V] initializer
+        weight = (w["embed"] + 0.3 * np.random.default_rng(1).standard_normal(w["embed"].shape)).astype(np.float32)
+        head = next(n for n in model.graph if n.name == "lm_head")
+        head.replace_input_with(1, initializer(model, "head_t", np.ascontiguousarray(weight.T)))
     rows = head_rows(model)
-    assert rows.source == "embed" and np.array_equal(rows.weight, w["embed"])
+    assert rows.source == ("embed" if tied else "head_t") and np.array_equal(rows.weight, weight)
     assert quantize_int4(model, group_size=32, int4_lm_head=True) == 3
     assert quantize_embedding(model) == 1
     rescore_lm_head(model, rows, top_k, few_rows)
     embedding = next(n for n in model.graph if n.op_type == "GatherBlockQuantized")
     switch = next(n for n in model.graph if n.op_type == "If")
-    rescored = switch.attributes["else_branch"].as_graph()
-    candidates = next(n for n in rescored if n.op_type == "GatherBlockQuantized")
-    assert candidates.inputs[0] is embedding.inputs[0]  # one 8-bit table
+    candidates = next(n for n in switch.attributes["else_branch"].as_graph() if n.op_type == "GatherBlockQuantized")
+    assert (candidates.inputs[0] is embedding.inputs[0]) == tied  # a tied head's table is the embedding's
     assert [v.name for v in model.graph.outputs] == ["logits"]
-    up, down, head = (rtn.quantize_groupwise(w[name], 4, 32).dequantize() for name in ("up", "down", "embed"))
-    table = rtn.quantize_groupwise(w["embed"], 8, 32).dequantize().astype(np.float64)
+    up, down, head4 = (rtn.quantize_groupwise(x, 4, 32).dequantize() for x in (w["up"], w["down"], weight))
+    embed = rtn.quantize_groupwise(w["embed"], 8, 32).dequantize().astype(np.float64)
+    table = rtn.quantize_groupwise(weight, 8, 32).dequantize().astype(np.float64)
     for ids in (IDS[:few_rows], IDS[:1], IDS):
-        h = table[ids]
+        h = embed[ids]
         r = np.maximum(h @ up.T + w["up_bias"], 0) @ down.T + h
         if len(ids) > few_rows:
-            reference = r @ rtn.per_channel_as_groups(w["embed"], 128).dequantize().T  # --lm-head int8's head
+            reference = r @ rtn.per_channel_as_groups(weight, 128).dequantize().T  # --lm-head int8's head
         else:
-            reference = r @ head.T
+            reference = r @ head4.T
             top = np.argsort(-reference, axis=-1)[:, :top_k]
             np.put_along_axis(reference, top, np.einsum("td,tkd->tk", r, table[top]), axis=-1)
         np.testing.assert_allclose(run(model, ids, fp32_kernels=True), reference, rtol=0,
