@@ -61,9 +61,9 @@ def main() -> None:
 @click.option("--lm-head", type=click.Choice(["int8", "int4", "int4-rescored", "w8a8"]), default="int8",
               show_default=True,
               help="the tied LM head under an int4 quantization: int8 weights (keeps more of fp32's perplexity "
-                   "than int4), int4-rescored (int4, its top 256 logits recomputed from the 8-bit embedding table: "
-                   "int4's bytes per token near int8's perplexity), or w8a8 (int8 weights and per-token int8 "
-                   "activations: faster for batches)")
+                   "than int4), int4-rescored (for steps of up to 5 rows int4 with its top 256 logits recomputed "
+                   "from the 8-bit embedding table: faster single streams near int8's perplexity; larger steps "
+                   "take the int8 head), or w8a8 (int8 weights and per-token int8 activations: faster for batches)")
 @click.option("--medusa", type=click.Path(exists=True, file_okay=False, path_type=Path), default=None,
               help="heads of `kiln train-medusa`: the graph also returns their logits (medusa_logits), or for "
                    "hydra heads the final norm's output (medusa_hidden) and the engine gets their draft graph")
