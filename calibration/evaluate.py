@@ -24,6 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from kiln.errors import InvalidParamError, require
+from kiln.quant_scheme import RESCORED_HEAD_MAX_ROWS, LmHead
 
 Progress = Callable[[str], None]
 
@@ -43,6 +44,9 @@ class EngineSession:
         self.block_table = list(range(-(-max_tokens // self.manifest.build.block_size)))
         self.runner = open_engine_runner(self.engine_dir, self.manifest, len(self.block_table), threads)
         self.tokenizer = Tokenizer.from_file(str(self.engine_dir / "tokenizer.json"))
+        # An int4-rescored head rescores only steps of few rows, the ones decoding makes: score with those.
+        rescored = self.manifest.build.lm_head is LmHead.INT4_RESCORED
+        self.logits_chunk = RESCORED_HEAD_MAX_ROWS if rescored else 128
 
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False).ids
@@ -56,8 +60,9 @@ class EngineSession:
                              f"({self.max_tokens})")
         return self.runner.execute(pack_chunks([Chunk(start, tokens, self.block_table)], all_rows))
 
-    def prefill(self, tokens: list[int], chunk: int = 128) -> np.ndarray:
-        """All-row logits of a fresh sequence, prefilled chunk by chunk."""
+    def prefill(self, tokens: list[int], chunk: int | None = None) -> np.ndarray:
+        """All-row logits of a fresh sequence, prefilled chunk by chunk (of self.logits_chunk by default)."""
+        chunk = chunk or self.logits_chunk
         return np.concatenate([self.run(tokens[i:i + chunk], i, True) for i in range(0, len(tokens), chunk)])
 
     def greedy(self, prompt: list[int], new_tokens: int) -> list[int]:

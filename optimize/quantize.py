@@ -23,7 +23,7 @@ from pathlib import Path
 import onnx_ir as ir
 
 from kiln.errors import KilnError
-from kiln.quant_scheme import LmHead, QuantMethod, QuantScheme
+from kiln.quant_scheme import RESCORED_HEAD_MAX_ROWS, LmHead, QuantMethod, QuantScheme
 
 from .quant.graph import is_lm_head
 from .quantize_embedding import quantize_embedding
@@ -31,7 +31,7 @@ from .quantize_int4 import quantize_int4
 from .quantize_int8 import quantize_int8_weight_only
 from .quantize_q4_1 import quantize_q4_1_pass
 from .quantize_w8a8 import quantize_w8a8
-from .rescore_lm_head import FEW_ROWS, RESCORE_TOP_K, head_rows, rescore_lm_head
+from .rescore_lm_head import RESCORE_TOP_K, head_rows, rescore_lm_head
 
 Progress = Callable[[str], None]
 
@@ -145,6 +145,6 @@ def quantize_model(model: ir.Model, scheme: QuantScheme, lm_head: LmHead = LmHea
         except ValueError as exc:
             raise QuantizationError(str(exc)) from exc
         if progress:
-            progress(f"  rescore_lm_head: up to {FEW_ROWS} rows the int4 head's top {RESCORE_TOP_K} logits from the "
-                     "8-bit table, above that the int8 head")
+            progress(f"  rescore_lm_head: up to {RESCORED_HEAD_MAX_ROWS} rows the int4 head's top {RESCORE_TOP_K} "
+                     "logits from the 8-bit table, above that the int8 head")
     return count

@@ -25,6 +25,8 @@ from dataclasses import dataclass
 import numpy as np
 import onnx_ir as ir
 
+from kiln.quant_scheme import RESCORED_HEAD_MAX_ROWS
+
 from .quant.graph import find_linears, initializer, is_lm_head
 from .quant.nbits import MS_DOMAIN, make_matmul_nbits
 from .quant.rtn import per_channel_as_groups, quantize_groupwise
@@ -34,10 +36,6 @@ from .quantize_embedding import BLOCK_SIZE, TABLE_KEY
 # +0.4-1.3% perplexity over the int8 head (the tail's int4 logits), 256 +0.2-0.5%, 1024 none, but ORT's TopK and
 # GatherBlockQuantized at k = 1024 cost a batch-1 step what the int4 head saved; 256 keeps the whole saving.
 RESCORE_TOP_K = 256
-# Up to this many logits rows (a few streams, or one stream verifying 4 speculative tokens) the int4 head is
-# rescored; above, where a step is bound by arithmetic rather than bytes, the int8 head computes every logit.
-# Measured on SmolLM2 (docs/design.md): rescoring +3.5% output tok/s at 4 rows a step, -2.5% at 8.
-FEW_ROWS = 5
 LOGITS = "logits"
 _SHAPE_ONLY = ("Squeeze", "Unsqueeze", "Reshape", "Identity", "Flatten")
 
@@ -91,7 +89,8 @@ def _table(model: ir.Model, rows: HeadRows) -> list[ir.Value]:
             initializer(model, "lm_head.rows.zero_points", table.zero_points)]
 
 
-def rescore_lm_head(model: ir.Model, rows: HeadRows, top_k: int = RESCORE_TOP_K, few_rows: int = FEW_ROWS) -> None:
+def rescore_lm_head(model: ir.Model, rows: HeadRows, top_k: int = RESCORE_TOP_K,
+                    few_rows: int = RESCORED_HEAD_MAX_ROWS) -> None:
     """Put an If on the number of logits rows in place of the (already int4) head: the rescored int4 head up to
     few_rows rows, the int8 per-channel head above. Run after quantize_embedding (a tied table is then 8-bit)."""
     head = _head_node(model)

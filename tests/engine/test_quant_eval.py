@@ -234,3 +234,21 @@ def test_kiln_eval_on_a_text_file_and_a_too_short_one(tiny_engine, torch_model, 
     short.write_text("Too short.")
     result = CliRunner().invoke(main, args + [str(short)])
     assert result.exit_code != 0 and "not one window of 64" in result.output
+
+
+def test_a_rescored_head_is_scored_on_the_rows_decoding_takes(tiny_model_dir, tmp_path):
+    """An int4-rescored engine rescores steps of up to RESCORED_HEAD_MAX_ROWS rows and runs the int8 head on
+    larger ones: eval prefills it that many rows a step, so its logits are the one-row-a-step ones of decoding."""
+    from kiln.manifest import BuildOptions
+    from kiln.optimize.build import build_engine
+    from kiln.quant_scheme import RESCORED_HEAD_MAX_ROWS, LmHead, QuantScheme
+
+    engine = tmp_path / "rescored"
+    build_engine(tiny_model_dir, engine, BuildOptions(quantization=QuantScheme.parse("int4-q4_1"),
+                                                      lm_head=LmHead.INT4_RESCORED), progress=lambda _m: None)
+    session = EngineSession(engine, max_tokens=256, threads=1)
+    assert session.logits_chunk == RESCORED_HEAD_MAX_ROWS
+    tokens = list(range(5, 45))
+    decoding, scored, int8_head = (session.prefill(tokens, chunk) for chunk in (1, None, 40))
+    np.testing.assert_allclose(scored, decoding, rtol=0, atol=1e-4 * np.abs(decoding).max())
+    assert np.abs(int8_head - decoding).max() > 1e-2 * np.abs(decoding).max()  # the other head, not rescored
