@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 import onnx_ir as ir
 
+from kiln.contract import LOGITS
 from kiln.quant_scheme import RESCORED_HEAD_MAX_ROWS
 
 from .quant.graph import find_linears, initializer, is_lm_head
@@ -36,7 +37,6 @@ from .quantize_embedding import BLOCK_SIZE, TABLE_KEY
 # +0.4-1.3% perplexity over the int8 head (the tail's int4 logits), 256 +0.2-0.5%, 1024 none, but ORT's TopK and
 # GatherBlockQuantized at k = 1024 cost a batch-1 step what the int4 head saved; 256 keeps the whole saving.
 RESCORE_TOP_K = 256
-LOGITS = "logits"
 _SHAPE_ONLY = ("Squeeze", "Unsqueeze", "Reshape", "Identity", "Flatten")
 
 
