@@ -1,12 +1,17 @@
-"""The kiln custom-op library for ONNX Runtime CPU (kiln.PagedAttention).
+"""The kiln custom-op library for ONNX Runtime CPU (kiln.PagedAttention, kiln.MatMulQ4_1, kiln.SwiGLU, the sampler).
 
 `library_path()` is what a session registers:
     so = onnxruntime.SessionOptions(); so.register_custom_ops_library(library_path())
+
+The install compiles one library per instruction set (build_ops.VARIANTS): AVX2, the baseline, and AVX-512 VNNI.
+`library_path()` takes the best one this CPU runs; KILN_OPS_ISA=avx2|avx512vnni chooses one (an A/B benchmark, a
+test of both), and naming one the CPU lacks is an error, not an illegal instruction later.
 """
 
 from __future__ import annotations
 
 import ctypes
+import os
 from pathlib import Path
 
 from kiln.contract import OP_LIBRARY_ABI
@@ -14,15 +19,57 @@ from kiln.errors import KilnError
 
 LIBRARY_NAME = "libkiln_ops.so"
 _HERE = Path(__file__).resolve().parent
+ISA_ENV = "KILN_OPS_ISA"
+# variant -> (file, the /proc/cpuinfo flags it needs), best first; build_ops.VARIANTS compiles them
+LIBRARY_VARIANTS = {
+    "avx512vnni": ("libkiln_ops_avx512vnni.so", frozenset({"avx512f", "avx512bw", "avx512vl", "avx512_vnni"})),
+    "avx2": (LIBRARY_NAME, frozenset({"avx2", "fma", "f16c"})),
+}
 
 
 class OpLibraryError(KilnError, RuntimeError):
     """The op library is missing or incompatible; the message says how to fix it."""
 
 
-def library_path() -> str:
-    """Absolute path of libkiln_ops.so, which the install compiles next to this file."""
-    path = _HERE / LIBRARY_NAME
+def cpu_flags(cpuinfo: str = "/proc/cpuinfo") -> frozenset[str] | None:
+    """The CPU's feature flags as Linux reports them (only those the OS enabled), or None where unknown."""
+    try:
+        with open(cpuinfo, encoding="utf-8", errors="replace") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return frozenset(line.partition(":")[2].split())
+    except OSError:
+        pass
+    return None
+
+
+def supported_variants(flags: frozenset[str] | None) -> list[str]:
+    """The library variants a CPU with these flags runs, best first; unknown flags: the baseline only."""
+    if flags is None:
+        return ["avx2"]
+    return [name for name, (_, needs) in LIBRARY_VARIANTS.items() if needs <= flags] or ["avx2"]
+
+
+def library_variant(flags: frozenset[str] | None = None) -> str:
+    """The variant library_path() loads: $KILN_OPS_ISA if set, else the best this CPU runs."""
+    flags = cpu_flags() if flags is None else flags
+    runnable = supported_variants(flags)
+    chosen = os.environ.get(ISA_ENV, "").strip().lower()
+    if not chosen or chosen == "auto":
+        return runnable[0]
+    if chosen not in LIBRARY_VARIANTS:
+        raise OpLibraryError(f"{ISA_ENV}={chosen!r} is not a library variant; choose one of "
+                             f"{', '.join(['auto', *LIBRARY_VARIANTS])}")
+    if chosen not in runnable:
+        raise OpLibraryError(f"{ISA_ENV}={chosen}: this CPU lacks "
+                             f"{', '.join(sorted(LIBRARY_VARIANTS[chosen][1] - (flags or frozenset())))}")
+    return chosen
+
+
+def library_path(variant: str | None = None) -> str:
+    """Absolute path of the op library for `variant` (default: library_variant()), which the install compiles
+    next to this file."""
+    path = _HERE / LIBRARY_VARIANTS[variant or library_variant()][0]
     if not path.is_file():
         raise OpLibraryError(
             f"{path} is missing: reinstall kiln (pip install -e . / make install) or build it with "

@@ -1,5 +1,8 @@
 """Compile libkiln_ops.so (the kiln.PagedAttention, kiln.MatMulQ4_1 and kiln.SwiGLU ONNX Runtime CPU kernels, and the
-sampler's row kernels that runtime/ops/sampling.py calls through ctypes) with g++.
+sampler's row kernels that runtime/ops/sampling.py calls through ctypes) with g++, once per instruction set:
+libkiln_ops.so for AVX2 (the baseline) and libkiln_ops_avx512vnni.so for CPUs with AVX-512 VNNI, which
+kiln.runtime.ops.library_path() picks at load. A whole library per ISA, not a dispatching one, because two ISAs in
+one library share their inline and std:: code, and the linker may keep the AVX-512 copy for the AVX2 path.
 
 Standard library only: setup.py loads this file by path at install time, and `make` or a
 developer can rerun it:  python runtime/ops/build_ops.py [-o OUT.so]
@@ -24,6 +27,13 @@ HERE = Path(__file__).resolve().parent
 SOURCES = ("paged_attention.cc", "matmul_q4_1.cc", "swiglu.cc", "sampling.cc")
 HEADERS = ("simd.h", "validate.h", "shape_text.h", "matmul_q4_1.h", "swiglu.h", "sampling_simd.h")
 LIBRARY_NAME = "libkiln_ops.so"
+# variant name -> (library file name, compiler flags added to CXXFLAGS); the first is the baseline. 256-bit vectors
+# stay preferred: the kernels are written for ymm registers, VNNI only adds instructions (vpdpbusd) on them.
+VARIANTS = {
+    "avx2": (LIBRARY_NAME, ()),
+    "avx512vnni": ("libkiln_ops_avx512vnni.so",
+                   ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mprefer-vector-width=256")),
+}
 MARKER_HEADER = "onnxruntime_lite_custom_op.h"
 DEBIAN_SUITE = "deb http://deb.debian.org/debian trixie main"
 DEBIAN_PACKAGE = "libonnxruntime-dev"
@@ -109,32 +119,44 @@ def find_ort_headers(fetch: bool = True) -> Path:
     return find_ort_headers(fetch=False)
 
 
+def variant_path(output: Path, variant: str) -> Path:
+    """Where `variant`'s library goes when the baseline library goes to `output` (the same folder)."""
+    return Path(output).with_name(VARIANTS[variant][0]) if variant != "avx2" else Path(output)
+
+
 def build(output: Path, include: Path | None = None, verbose: bool = True) -> Path:
-    """Compile the op library into `output` (a .so path); returns it."""
+    """Compile the op library into `output` (a .so path) and its other ISA variants next to it; returns `output`.
+    The variants compile in parallel (one g++ each)."""
     cxx = os.environ.get("CXX", "g++")
     if shutil.which(cxx) is None:
         raise BuildError(f"no C++ compiler ({cxx}) on PATH: install g++ to build {LIBRARY_NAME}")
     include = include or find_ort_headers()
     output = Path(output)
     output.parent.mkdir(parents=True, exist_ok=True)
-    tmp = output.with_name(output.name + ".tmp")
-    cmd = [cxx, *CXXFLAGS, f"-I{include}", f"-I{HERE}", *(str(HERE / s) for s in SOURCES), "-o", str(tmp)]
-    if verbose:
-        print("kiln:", " ".join(cmd), file=sys.stderr)
-    try:
-        subprocess.run(cmd, check=True)
-    except subprocess.CalledProcessError as exc:
-        raise BuildError(f"compiling {LIBRARY_NAME} failed (exit {exc.returncode})") from exc
-    os.replace(tmp, output)  # atomic: a loaded old library stays valid
+    jobs = []
+    for variant, (_, flags) in VARIANTS.items():
+        target = variant_path(output, variant)
+        tmp = target.with_name(target.name + ".tmp")
+        cmd = [cxx, *CXXFLAGS, *flags, f"-I{include}", f"-I{HERE}", *(str(HERE / s) for s in SOURCES), "-o", str(tmp)]
+        if verbose:
+            print("kiln:", " ".join(cmd), file=sys.stderr)
+        jobs.append((variant, target, tmp, subprocess.Popen(cmd)))
+    failed = [(variant, job.wait()) for variant, _, _, job in jobs]
+    failed = [f"{variant} (exit {code})" for variant, code in failed if code != 0]
+    if failed:
+        raise BuildError(f"compiling {LIBRARY_NAME} failed: {', '.join(failed)}")
+    for _, target, tmp, _ in jobs:
+        os.replace(tmp, target)  # atomic: a loaded old library stays valid
     return output
 
 
 def is_stale(output: Path) -> bool:
-    output = Path(output)
-    if not output.is_file():
-        return True
     newest = max((HERE / f).stat().st_mtime for f in (*SOURCES, *HEADERS))
-    return output.stat().st_mtime < newest
+    for variant in VARIANTS:
+        path = variant_path(output, variant)
+        if not path.is_file() or path.stat().st_mtime < newest:
+            return True
+    return False
 
 
 def main(argv: list[str] | None = None) -> int:

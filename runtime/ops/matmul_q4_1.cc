@@ -16,7 +16,8 @@
 //      minimum's term sum_b m * sum(x_block) and the centring term (see the spec) are separate
 //      8-wide dots per tile.
 //
-// Built with -O3 -mavx2 -mfma -mf16c (AVX2 only: no AVX-512 or VNNI is assumed).
+// Built with -O3 -mavx2 -mfma -mf16c, and once more with AVX-512 VNNI (build_ops.VARIANTS), where the block
+// pair's dot is two vpdpbusd on the same ymm registers, bit for bit the same sums.
 #define ORT_API_MANUAL_INIT
 #include "onnxruntime_lite_custom_op.h"
 
@@ -47,10 +48,18 @@ constexpr int kTileChannels = 2;
 constexpr int kTileRows = 4;
 // Up to kStreamRows rows the weights are unpacked in registers straight from qs/dm and applied to up to
 // kPassRows rows at a time (tile_stream), as decode does: faster than the unpacked tiles up to 16 rows,
-// slower from 24. A 1 x 8 tile measured 35% slower than 1 x 7 (it runs out of ymm registers), so 8 rows
-// are a pass of 7 and one of 1 (docs/design.md, "MatMulQ4_1 with few rows").
+// slower from 24. With AVX2's 16 ymm registers a tile holds 8 accumulators: a 1 x 8 tile measured 35% slower
+// than 1 x 7 (it spills), so 8 rows are a pass of 7 and one of 1 (docs/design.md, "MatMulQ4_1 with few rows").
+// AVX-512VL gives the VNNI build 32 ymm registers: one pass covers 16 rows (16 accumulators, the weights'
+// 3 registers and the dot's temporaries), each block pair unpacked once for all of them.
 constexpr int64_t kStreamRows = 16;
+#if defined(__AVX512VL__)
+constexpr int kAccumulators = 16;
+constexpr int64_t kPassRows = 16;
+#else
+constexpr int kAccumulators = 8;
 constexpr int64_t kPassRows = 7;
+#endif
 constexpr int64_t kPrefetchChannels = 4;  // how far ahead tile_stream prefetches the weights
 constexpr int64_t kParallelQuantize = 1 << 15;  // activation elements from which quantizing is parallel
 
@@ -165,12 +174,20 @@ inline __m256 load_f16x8(const uint16_t* p, int64_t count, bool readable) {
 // 2j's sums in int16 lanes 0-3 and 2j + 1's in 4-7 of each half (see interleave_pair), one madd folds
 // them into int32 lanes 0-1, 4-5 and 2-3, 6-7, and one float FMA scales them by the steps laid out
 // the same way: the channel's (d0, d0, d1, d1) twice times the row's (xs0, xs0, xs1, xs1) twice.
+// With VNNI, each vpdpbusd sums 4 adjacent products into an int32 lane: lanes 0-1 and 4-5 of the result hold
+// block 2j's dot, 2-3 and 6-7 block 2j + 1's, as madd's do; the int32 sums are the same (no int16 step: a
+// nibble (<= 15) times |x| <= 127, twice, never saturates maddubs' int16 either).
 inline __m256 accumulate_pair(__m256i wa, __m256i wb, const int8_t* x, __m256 d, const float* xstep, __m256 acc) {
   const __m256i xa = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
   const __m256i xb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + kBlock));
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  const __m256i dots = _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(_mm256_setzero_si256(), wa, xa), wb, xb);
+#else
   const __m256i sums = _mm256_add_epi16(_mm256_maddubs_epi16(wa, xa), _mm256_maddubs_epi16(wb, xb));
+  const __m256i dots = _mm256_madd_epi16(sums, _mm256_set1_epi16(1));
+#endif
   const __m256 step = _mm256_mul_ps(d, _mm256_loadu_ps(xstep));
-  return _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(sums, _mm256_set1_epi16(1))), step, acc);
+  return _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots), step, acc);
 }
 
 // Channel c's block pair j: its nibbles unpacked and interleaved, its steps as (d0, d0, d1, d1) twice
@@ -218,7 +235,7 @@ void store_tile(const Problem& p, const __m256 (&acc)[NC][NT], int64_t n0, int64
 // tensor does not fault). Per (channel, row) the arithmetic and its order are those of tile_rows.
 template <int NC, int NT>
 void tile_stream(const Problem& p, int64_t n0, int64_t t0) {
-  static_assert(NC * NT <= 8, "8 accumulators: with the weights' 3 registers and the dot's temporaries, 16 ymm");
+  static_assert(NC * NT <= kAccumulators, "accumulators, the weights' 3 registers and the dot's temporaries fit the ymm registers");
   const Int8Rows& x = *p.x;
   const uint8_t* w = p.qs + n0 * p.pairs * kPairBytes;
   const uint16_t* dm = p.dm + n0 * 2 * p.nb;
@@ -269,23 +286,22 @@ void stream_channels(const Problem& p, int64_t n_begin, int64_t n_end, int64_t t
     for (; n < n_end; ++n) tile_stream<1, NT>(p, n, t0);
 }
 
-// Channels [n_begin, n_end) x rows [t0, t0 + rows), rows <= kStreamRows, in passes of up to kPassRows rows
-// (the first streams the weights from memory, the next find them in L1/L2). A pass takes as many channels
-// a tile as 8 accumulators allow (one row 4, as decode ever did; 2 rows 4; 3 rows 2), and 1 from 4 rows (1 x 4
+// One pass over channels [n_begin, n_end) x rows [t0, t0 + rows), rows <= NT. A pass takes as many channels a
+// tile as the accumulators allow (one row 4, as decode ever did; 2 rows 4; 3 rows 2), and 1 from 4 rows (1 x 4
 // measured 2-10% faster than 2 x 4).
+template <int NT>
+void stream_pass(const Problem& p, int64_t n_begin, int64_t n_end, int64_t t0, int64_t rows) {
+  if constexpr (NT > 1)
+    if (rows < NT) return stream_pass<NT - 1>(p, n_begin, n_end, t0, rows);
+  constexpr int kChannels = NT <= 2 ? 4 : NT == 3 ? 2 : 1;
+  stream_channels<kChannels, NT>(p, n_begin, n_end, t0);
+}
+
+// Channels [n_begin, n_end) x rows [t0, t0 + rows), rows <= kStreamRows, in passes of up to kPassRows rows
+// (the first streams the weights from memory, the next find them in L1/L2).
 void stream_rows(const Problem& p, int64_t n_begin, int64_t n_end, int64_t t0, int64_t rows) {
-  static_assert(kPassRows == 7, "the cases below");
-  for (; rows > 0; rows -= kPassRows, t0 += kPassRows) {
-    switch (std::min<int64_t>(rows, kPassRows)) {
-      case 1: stream_channels<4, 1>(p, n_begin, n_end, t0); break;
-      case 2: stream_channels<4, 2>(p, n_begin, n_end, t0); break;
-      case 3: stream_channels<2, 3>(p, n_begin, n_end, t0); break;
-      case 4: stream_channels<1, 4>(p, n_begin, n_end, t0); break;
-      case 5: stream_channels<1, 5>(p, n_begin, n_end, t0); break;
-      case 6: stream_channels<1, 6>(p, n_begin, n_end, t0); break;
-      default: stream_channels<1, 7>(p, n_begin, n_end, t0); break;
-    }
-  }
+  for (; rows > 0; rows -= kPassRows, t0 += kPassRows)
+    stream_pass<kPassRows>(p, n_begin, n_end, t0, std::min<int64_t>(rows, kPassRows));
 }
 
 // kTileChannels channels unpacked once per work item and reused by all its row tiles (T > 1).

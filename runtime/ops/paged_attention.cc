@@ -480,6 +480,15 @@ extern "C" {
 
 __attribute__((visibility("default"))) int kiln_ops_abi_version() { return kiln::kAbiVersion; }
 
+// The instruction set this copy of the library was compiled for (build_ops.VARIANTS).
+__attribute__((visibility("default"))) const char* kiln_ops_isa() {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  return "avx512vnni";
+#else
+  return "avx2";
+#endif
+}
+
 __attribute__((visibility("default"))) OrtStatus* ORT_API_CALL RegisterCustomOps(OrtSessionOptions* options,
                                                                                  const OrtApiBase* api_base) {
   const OrtApi* api = api_base->GetApi(ORT_API_VERSION);

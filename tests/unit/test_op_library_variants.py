@@ -1,0 +1,85 @@
+"""The op library's per-ISA copies (build_ops.VARIANTS): which one library_path() loads for a CPU's flags and
+$KILN_OPS_ISA, that each copy this CPU runs says what it was built for, and that the AVX-512 VNNI copy computes
+kiln.MatMulQ4_1 and kiln.SwiGLU bit for bit as the AVX2 one (its Q4_1 dot is vpdpbusd, the same integer sums)."""
+
+from __future__ import annotations
+
+import ctypes
+
+import numpy as np
+import pytest
+
+from kiln.matmul_q4_1 import make_single_op_model as q4_1_model
+from kiln.optimize.quant.rtn import quantize_q4_1
+from kiln.runtime import ops
+from kiln.swiglu import make_single_op_model as swiglu_model
+
+ort = pytest.importorskip("onnxruntime")
+
+VNNI_FLAGS = frozenset({"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni"})
+AVX2_FLAGS = frozenset({"avx2", "fma", "f16c", "avx512f"})
+
+
+def runnable() -> list[str]:
+    return ops.supported_variants(ops.cpu_flags())
+
+
+def test_the_best_variant_the_flags_allow(monkeypatch):
+    monkeypatch.delenv(ops.ISA_ENV, raising=False)
+    assert ops.library_variant(VNNI_FLAGS) == "avx512vnni"
+    assert ops.library_variant(AVX2_FLAGS) == "avx2"
+    assert ops.supported_variants(None) == ["avx2"]  # flags unknown: the baseline
+    assert ops.supported_variants(VNNI_FLAGS) == ["avx512vnni", "avx2"]
+
+
+def test_the_environment_chooses_and_names_what_is_missing(monkeypatch):
+    monkeypatch.setenv(ops.ISA_ENV, "avx2")
+    assert ops.library_variant(VNNI_FLAGS) == "avx2"
+    monkeypatch.setenv(ops.ISA_ENV, "auto")
+    assert ops.library_variant(VNNI_FLAGS) == "avx512vnni"
+    monkeypatch.setenv(ops.ISA_ENV, "avx512vnni")
+    with pytest.raises(ops.OpLibraryError, match="this CPU lacks avx512_vnni, avx512bw, avx512vl"):
+        ops.library_variant(AVX2_FLAGS)
+    monkeypatch.setenv(ops.ISA_ENV, "sse2")
+    with pytest.raises(ops.OpLibraryError, match="'sse2' is not a library variant; choose one of auto, avx512vnni"):
+        ops.library_variant(VNNI_FLAGS)
+
+
+def test_cpu_flags_reads_the_flags_line(tmp_path):
+    info = tmp_path / "cpuinfo"
+    info.write_text("processor\t: 0\nmodel name\t: X\nflags\t\t: fpu avx2 avx512_vnni\n\nprocessor\t: 1\n")
+    assert ops.cpu_flags(str(info)) == frozenset({"fpu", "avx2", "avx512_vnni"})
+    assert ops.cpu_flags(str(tmp_path / "absent")) is None
+
+
+@pytest.mark.parametrize("variant", list(ops.LIBRARY_VARIANTS))
+def test_each_runnable_copy_says_what_it_was_built_for(variant):
+    if variant not in runnable():
+        pytest.skip(f"this CPU does not run the {variant} library")
+    lib = ctypes.CDLL(ops.library_path(variant))
+    lib.kiln_ops_isa.restype = ctypes.c_char_p
+    assert lib.kiln_ops_isa().decode() == variant
+    assert lib.kiln_ops_abi_version() == ops.check_abi()
+
+
+def outputs(library: str, model, feeds: dict[str, np.ndarray]) -> np.ndarray:
+    so = ort.SessionOptions()
+    so.register_custom_ops_library(library)
+    so.intra_op_num_threads = 2
+    return ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"]).run(None, feeds)[0]
+
+
+@pytest.mark.skipif("avx512vnni" not in runnable(), reason="this CPU has no AVX-512 VNNI")
+@pytest.mark.parametrize("t", [1, 3, 8, 16, 37])  # register tiles of 1-7 rows, passes of 7, unpacked tiles from 17
+def test_vnni_copy_is_bitwise_the_avx2_copy(t):
+    rng = np.random.default_rng(t)
+    k, n = 576, 100  # SmolLM2's hidden size; 100 channels: tiles of 4 and a ragged last work item
+    x = rng.standard_normal((t, k)).astype(np.float32)
+    x[:, 5] *= 30  # an outlier: int8 activations at full range
+    weights = quantize_q4_1((rng.standard_normal((n, k)) * 0.05).astype(np.float32))
+    model = q4_1_model(weights, bias=rng.standard_normal(n).astype(np.float32))
+    base, vnni = (outputs(ops.library_path(v), model, {"x": x}) for v in ("avx2", "avx512vnni"))
+    np.testing.assert_array_equal(vnni, base)
+    gate_up = rng.standard_normal((t, 2 * 1536)).astype(np.float32)
+    base, vnni = (outputs(ops.library_path(v), swiglu_model(), {"x": gate_up}) for v in ("avx2", "avx512vnni"))
+    np.testing.assert_array_equal(vnni, base)
