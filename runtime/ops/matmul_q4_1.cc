@@ -47,18 +47,20 @@ constexpr int64_t kRowsPerItem = 32;        // activation rows per work item
 constexpr int kTileChannels = 2;
 constexpr int kTileRows = 4;
 // Up to kStreamRows rows the weights are unpacked in registers straight from qs/dm and applied to up to
-// kPassRows rows at a time (tile_stream), as decode does: faster than the unpacked tiles up to 16 rows,
-// slower from 24. With AVX2's 16 ymm registers a tile holds 8 accumulators: a 1 x 8 tile measured 35% slower
+// kPassRows rows at a time (tile_stream), as decode does: with AVX2 faster than the unpacked tiles up to 16
+// rows, slower from 24. AVX2's 16 ymm registers hold 8 accumulators a tile: a 1 x 8 tile measured 35% slower
 // than 1 x 7 (it spills), so 8 rows are a pass of 7 and one of 1 (docs/design.md, "MatMulQ4_1 with few rows").
-// AVX-512VL gives the VNNI build 32 ymm registers: one pass covers 16 rows (16 accumulators, the weights'
-// 3 registers and the dot's temporaries), each block pair unpacked once for all of them.
-constexpr int64_t kStreamRows = 16;
+// AVX-512VL gives the VNNI build 32 ymm registers: a pass covers 16 rows (16 accumulators, the weights' 3
+// registers and the dot's temporaries), each block pair unpacked once for all of them, and two such passes
+// beat the unpacked tiles at 32 rows too (docs/design.md, "An AVX-512 VNNI copy of the op library").
 #if defined(__AVX512VL__)
 constexpr int kAccumulators = 16;
 constexpr int64_t kPassRows = 16;
+constexpr int64_t kStreamRows = 32;
 #else
 constexpr int kAccumulators = 8;
 constexpr int64_t kPassRows = 7;
+constexpr int64_t kStreamRows = 16;
 #endif
 constexpr int64_t kPrefetchChannels = 4;  // how far ahead tile_stream prefetches the weights
 constexpr int64_t kParallelQuantize = 1 << 15;  // activation elements from which quantizing is parallel

@@ -79,7 +79,7 @@ def test_reference_is_x_at_w_up_to_int8_activations():
 # and even, with and without a partial group of 8 blocks (nb = 7 is the smallest whose tail reads ahead unmasked)
 @pytest.mark.parametrize("t, k, n", [(1, 32, 1), (1, 96, 7), (1, 576, 960), (3, 64, 17), (7, 96, 33), (37, 160, 5),
                                      (64, 1536, 66), (5, 288, 3), (2, 224, 9), (10, 608, 6), (1, 224, 6),
-                                     (33, 576, 35)])
+                                     (33, 576, 35), (16, 576, 35), (24, 96, 7)])
 @pytest.mark.parametrize("threads", [1, 2])
 def test_kernel_matches_reference(t, k, n, threads):
     rng = np.random.default_rng(t * 1000 + n)
@@ -90,7 +90,7 @@ def test_kernel_matches_reference(t, k, n, threads):
 
 
 # the few-rows tiles (T = 2..7: 4, 2 or 1 channels x T rows straight from the weights; T = 8, 9: a pass of 7
-# rows, then one of 1 or 2); K = 576 ends on a partial group of 8 blocks (18), K = 96 on an odd block pair;
+# rows, then one of 1 or 2; the AVX-512 VNNI build: one pass of up to 16 rows); K = 576 ends on a partial group of 8 blocks (18), K = 96 on an odd block pair;
 # N = 35 leaves items of 32 and 3 channels (whole tiles and single-channel edges), N = 7 a tile of 4 and 3 edges
 @pytest.mark.parametrize("t", range(2, 10))
 @pytest.mark.parametrize("k, n", [(576, 35), (96, 7)])
@@ -103,7 +103,8 @@ def test_kernel_matches_reference_for_few_rows(t, k, n, threads):
     np.testing.assert_allclose(y, matmul_q4_1_ref(x, *w.pack(), bias), rtol=0, atol=2e-6 * scale_of(x, w))
 
 
-@pytest.mark.parametrize("t", [2, 3, 4, 5, 8, 9, 16, 17, 33])  # from 17 the unpacked tiles
+# from 17 rows the unpacked tiles (the AVX-512 VNNI build: two passes of up to 16 rows, the tiles from 33)
+@pytest.mark.parametrize("t", [2, 3, 4, 5, 8, 9, 16, 17, 24, 32, 33])
 def test_each_row_is_bitwise_what_it_is_alone(t):
     """A row's outputs do not depend on the rows around it, in any path (decode, few rows, unpacked tiles):
     speculative verification of k guesses reproduces plain decoding's numbers exactly. Rows are distinct, so

@@ -70,7 +70,7 @@ def outputs(library: str, model, feeds: dict[str, np.ndarray]) -> np.ndarray:
 
 
 @pytest.mark.skipif("avx512vnni" not in runnable(), reason="this CPU has no AVX-512 VNNI")
-@pytest.mark.parametrize("t", [1, 3, 8, 16, 37])  # register tiles of 1-7 rows, passes of 7, unpacked tiles from 17
+@pytest.mark.parametrize("t", [1, 3, 8, 16, 24, 32, 37])  # stream passes of 1-16 rows (VNNI: up to 32), unpacked tiles above
 def test_vnni_copy_is_bitwise_the_avx2_copy(t):
     rng = np.random.default_rng(t)
     k, n = 576, 100  # SmolLM2's hidden size; 100 channels: tiles of 4 and a ragged last work item
