@@ -24,6 +24,8 @@ import numpy as np
 from kiln.errors import require
 from kiln.runtime.engine import Engine
 from kiln.runtime.loader import load_engine
+from kiln.runtime.ops import library_variant
+from kiln.runtime.ort_runner import OrtModelRunner
 from kiln.runtime.outputs import EngineStats
 from kiln.runtime.params import RuntimeConfig, SamplingParams
 
@@ -197,8 +199,11 @@ def prefill_throughput(engine: Engine, input_len: int = 512) -> float:
 def bench(engine_dir: str, cfg: BenchConfig, concurrencies: tuple[int | None, ...] = (None,),
           config: RuntimeConfig | None = None, json_path: str | None = None) -> dict[str, Any]:
     engine = load_engine(engine_dir, config or RuntimeConfig(enable_prefix_caching=False))
+    # which copy of the CPU kernels ran (AVX2 or AVX-512 VNNI): figures of the two are not comparable
+    kernels = library_variant() if isinstance(engine.runner, OrtModelRunner) else None
     say(f"engine {engine.model_name}: {engine.block_manager.num_blocks} KV blocks of "
-        f"{engine.runner.block_size} tokens, max_num_tokens {engine.scheduler.max_num_tokens}")
+        f"{engine.runner.block_size} tokens, max_num_tokens {engine.scheduler.max_num_tokens}"
+        + (f", kernels {kernels}" if kernels else ""))
     run_workload(engine, BenchConfig(num_requests=2, input_len=16, output_len=4))  # warm-up
     bandwidth = memory_bandwidth_gbps()
     wbytes = weight_bytes(Path(engine_dir))
@@ -223,6 +228,7 @@ def bench(engine_dir: str, cfg: BenchConfig, concurrencies: tuple[int | None, ..
         runs.append(result)
     report = {
         "engine": str(engine_dir),
+        "op_library": kernels,
         "memory_bandwidth": bandwidth,
         "weight_bytes_per_token": wbytes,
         "bandwidth_bound_decode_tok_per_s": round(floor, 2),

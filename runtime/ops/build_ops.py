@@ -141,9 +141,11 @@ def build(output: Path, include: Path | None = None, verbose: bool = True) -> Pa
         if verbose:
             print("kiln:", " ".join(cmd), file=sys.stderr)
         jobs.append((variant, target, tmp, subprocess.Popen(cmd)))
-    failed = [(variant, job.wait()) for variant, _, _, job in jobs]
-    failed = [f"{variant} (exit {code})" for variant, code in failed if code != 0]
+    codes = [(variant, job.wait()) for variant, _, _, job in jobs]
+    failed = [f"{variant} (exit {code})" for variant, code in codes if code != 0]
     if failed:
+        for _, _, tmp, _ in jobs:
+            tmp.unlink(missing_ok=True)
         raise BuildError(f"compiling {LIBRARY_NAME} failed: {', '.join(failed)}")
     for _, target, tmp, _ in jobs:
         os.replace(tmp, target)  # atomic: a loaded old library stays valid

@@ -11,6 +11,7 @@ from click.testing import CliRunner
 
 from kiln.cli import main
 from kiln.runtime import LLM, SamplingParams
+from kiln.runtime.ops import library_variant
 
 
 def test_generate_streams_the_same_text_as_llm(tiny_engine):
@@ -141,6 +142,7 @@ def test_bench_reports_json(tiny_engine, tmp_path):
         assert run["ttft_ms"]["p50"] <= run["ttft_ms"]["p90"] <= run["ttft_ms"]["p99"] <= 1e3 * run["elapsed_s"]
     weights = sum(p.stat().st_size for p in tiny_engine.glob("model.onnx*"))
     assert report["weight_bytes_per_token"] == weights
+    assert report["op_library"] == library_variant()  # the kernels' copy this CPU loads, named in the report
     bound = report["memory_bandwidth"]["read_gbps"] * 1e9 / weights
     assert report["bandwidth_bound_decode_tok_per_s"] == pytest.approx(bound, rel=1e-2)
     assert report["single_stream"]["decode_tok_per_s"] > 0  # a timing: nothing to hold it to

@@ -90,7 +90,8 @@ def test_kernel_matches_reference(t, k, n, threads):
 
 
 # the few-rows tiles (T = 2..7: 4, 2 or 1 channels x T rows straight from the weights; T = 8, 9: a pass of 7
-# rows, then one of 1 or 2; the AVX-512 VNNI build: one pass of up to 16 rows); K = 576 ends on a partial group of 8 blocks (18), K = 96 on an odd block pair;
+# rows, then one of 1 or 2; the AVX-512 VNNI build: one pass of up to 16 rows); K = 576 ends on a partial group
+# of 8 blocks (18), K = 96 on an odd block pair;
 # N = 35 leaves items of 32 and 3 channels (whole tiles and single-channel edges), N = 7 a tile of 4 and 3 edges
 @pytest.mark.parametrize("t", range(2, 10))
 @pytest.mark.parametrize("k, n", [(576, 35), (96, 7)])

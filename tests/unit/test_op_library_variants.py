@@ -70,7 +70,8 @@ def outputs(library: str, model, feeds: dict[str, np.ndarray]) -> np.ndarray:
 
 
 @pytest.mark.skipif("avx512vnni" not in runnable(), reason="this CPU has no AVX-512 VNNI")
-@pytest.mark.parametrize("t", [1, 3, 8, 16, 24, 32, 37])  # stream passes of 1-16 rows (VNNI: up to 32), unpacked tiles above
+# stream passes of 1-16 rows (VNNI: up to 32 rows), unpacked tiles above
+@pytest.mark.parametrize("t", [1, 3, 8, 16, 24, 32, 37])
 def test_vnni_copy_is_bitwise_the_avx2_copy(t):
     rng = np.random.default_rng(t)
     k, n = 576, 100  # SmolLM2's hidden size; 100 channels: tiles of 4 and a ragged last work item
@@ -83,3 +84,23 @@ def test_vnni_copy_is_bitwise_the_avx2_copy(t):
     gate_up = rng.standard_normal((t, 2 * 1536)).astype(np.float32)
     base, vnni = (outputs(ops.library_path(v), swiglu_model(), {"x": gate_up}) for v in ("avx2", "avx512vnni"))
     np.testing.assert_array_equal(vnni, base)
+
+
+def test_the_library_is_stale_until_every_copy_is_built(tmp_path):
+    from kiln.runtime.ops import build_ops
+
+    base = tmp_path / build_ops.LIBRARY_NAME
+    assert build_ops.is_stale(base)
+    base.touch()
+    assert build_ops.is_stale(base)  # the VNNI copy is missing
+    build_ops.variant_path(base, "avx512vnni").touch()
+    assert not build_ops.is_stale(base)
+
+
+def test_a_failed_compile_names_the_copies_and_leaves_nothing(tmp_path, monkeypatch):
+    from kiln.runtime.ops import build_ops
+
+    monkeypatch.setenv("CXX", "false")  # a "compiler" that exits 1
+    with pytest.raises(build_ops.BuildError, match=r"failed: avx2 \(exit 1\), avx512vnni \(exit 1\)"):
+        build_ops.build(tmp_path / build_ops.LIBRARY_NAME, include=tmp_path, verbose=False)
+    assert list(tmp_path.iterdir()) == []
