@@ -8,7 +8,9 @@ are left out; decode steps repeat the same work, and a busy machine's preemption
 time), summed per op type. Prints, per batch size, ms per decode step and each op type's share.
 
     python benchmarks/profile_ops.py ENGINE_DIR [--batches 1 32] [--max-tokens 64] [--threads 1]
-        [--library OTHER/libkiln_ops.so]
+        [--library OTHER/libkiln_ops.so] [--stat min|median]
+
+An `If` node's time (the int4-rescored head's switch) includes its branch's nodes, which are listed too.
 
 With --threads 1 a node's fastest time is close to its CPU time even on a busy machine (a median
 would not be: at a load of 8 per core a 10 ms node is preempted in most steps).
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import tempfile
 from collections import defaultdict
 from pathlib import Path
@@ -64,9 +67,9 @@ def generate(llm_engine: Engine, batch: int, max_tokens: int) -> list[bool]:
     return decode_runs
 
 
-def op_times(profile: Path, decode: list[bool]) -> tuple[dict[str, float], int]:
-    """Per op type, the sum of its nodes' fastest kernel microseconds over the decode runs; and the
-    number of those runs."""
+def op_times(profile: Path, decode: list[bool], stat: str = "min") -> tuple[dict[str, float], int, float]:
+    """Per op type, the sum of its nodes' fastest (stat "min") or median kernel microseconds over the decode
+    runs; the number of those runs; and their median wall microseconds (the whole model run)."""
     events = json.loads(profile.read_text())
     runs = sorted((e for e in events if e.get("name") == "model_run"), key=lambda e: e["ts"])
     if len(runs) != len(decode):
@@ -80,8 +83,9 @@ def op_times(profile: Path, decode: list[bool]) -> tuple[dict[str, float], int]:
             per_node[(e["args"]["op_name"], e["name"])].append(e["dur"])
     totals: dict[str, float] = defaultdict(float)
     for (op, _), durations in per_node.items():
-        totals[op] += min(durations)
-    return totals, len(windows)
+        totals[op] += min(durations) if stat == "min" else statistics.median(durations)
+    run_median = statistics.median(end - start for start, end in windows) if windows else 0.0
+    return totals, len(windows), run_median
 
 
 def main() -> None:
@@ -91,6 +95,8 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--library", default=None, help="the libkiln_ops.so to profile (default: this install's)")
+    parser.add_argument("--stat", choices=["min", "median"], default="min",
+                        help="each node's fastest time (robust on one thread) or its median (what two threads see)")
     args = parser.parse_args()
     for batch in args.batches:
         llm_engine = load_engine(args.engine_dir, RuntimeConfig(max_num_seqs=batch, num_threads=args.threads))
@@ -99,10 +105,11 @@ def main() -> None:
                                      args.library or library_path(), str(Path(tmp) / "ort"))
             llm_engine.runner = runner
             decode = generate(llm_engine, batch, args.max_tokens)
-            totals, steps = op_times(Path(runner.session.end_profiling()), decode)
+            totals, steps, run_median = op_times(Path(runner.session.end_profiling()), decode, args.stat)
         kernel = sum(totals.values())
-        print(f"batch {batch}: {kernel / 1e3:.2f} ms of kernels per decode step (fastest of {steps} steps, "
-              f"{args.threads} threads)")
+        which = "fastest" if args.stat == "min" else "median"
+        print(f"batch {batch}: {kernel / 1e3:.2f} ms of kernels per decode step ({which} of {steps} steps, "
+              f"{args.threads} threads); a model run's median {run_median / 1e3:.2f} ms")
         print("| op type | ms / step | share |")
         print("|---|---|---|")
         for op, us in sorted(totals.items(), key=lambda kv: -kv[1]):
