@@ -60,4 +60,4 @@ gpu-check:
 	$(PYTHON) tools/gpu_check.py
 
 clean:
-	rm -rf $(VENV) build *.egg-info .cache engines $(OPS_LIB)
+	rm -rf $(VENV) build *.egg-info .cache engines runtime/ops/libkiln_ops*.so

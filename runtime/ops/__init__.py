@@ -16,15 +16,16 @@ from pathlib import Path
 
 from kiln.contract import OP_LIBRARY_ABI
 from kiln.errors import KilnError
+from kiln.runtime.ops.build_ops import LIBRARY_NAME, VARIANTS
 
-LIBRARY_NAME = "libkiln_ops.so"
 _HERE = Path(__file__).resolve().parent
 ISA_ENV = "KILN_OPS_ISA"
 # variant -> (file, the /proc/cpuinfo flags it needs), best first; build_ops.VARIANTS compiles them
-LIBRARY_VARIANTS = {
-    "avx512vnni": ("libkiln_ops_avx512vnni.so", frozenset({"avx512f", "avx512bw", "avx512vl", "avx512_vnni"})),
-    "avx2": (LIBRARY_NAME, frozenset({"avx2", "fma", "f16c"})),
+_NEEDS = {
+    "avx512vnni": frozenset({"avx512f", "avx512bw", "avx512vl", "avx512_vnni"}),
+    "avx2": frozenset({"avx2", "fma", "f16c"}),
 }
+LIBRARY_VARIANTS = {name: (VARIANTS[name][0], needs) for name, needs in _NEEDS.items()}
 
 
 class OpLibraryError(KilnError, RuntimeError):
