@@ -16,7 +16,7 @@ from pathlib import Path
 
 from kiln.contract import OP_LIBRARY_ABI
 from kiln.errors import KilnError
-from kiln.runtime.ops.build_ops import LIBRARY_NAME, VARIANTS
+from kiln.runtime.ops.build_ops import VARIANTS
 
 _HERE = Path(__file__).resolve().parent
 ISA_ENV = "KILN_OPS_ISA"
