@@ -8,9 +8,15 @@ from dataclasses import dataclass
 from kiln.errors import require as _require
 
 
+# Temperatures below this sample greedily: the distribution they ask for is the argmax's to within float rounding,
+# and 1 / temperature overflows float32 from ~3e-39 (vLLM's _SAMPLING_EPS is the same 1e-5).
+GREEDY_BELOW = 1e-5
+
+
 @dataclass(frozen=True)
 class SamplingParams:
-    """How one request samples. temperature 0 is greedy; top_k 0 and top_p 1 are off.
+    """How one request samples. temperature 0 is greedy, and so is any temperature below GREEDY_BELOW (as in
+    vLLM: 1 / temperature would overflow the sampler's float arithmetic); top_k 0 and top_p 1 are off.
 
     Order of logit processing (as in vLLM): repetition/frequency/presence penalties on the
     raw logits, then temperature, then min_p, then top_k and top_p. Logprobs are those of
@@ -64,7 +70,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < GREEDY_BELOW
 
 
 SPECULATIVE_METHODS = ("ngram", "draft", "medusa")

@@ -5,7 +5,7 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from kiln.runtime.params import RuntimeConfig, SamplingParams
+from kiln.runtime.params import GREEDY_BELOW, RuntimeConfig, SamplingParams
 from kiln.runtime.sampler import RowSettings, Sampler, apply_penalties, filtered_probs, sample
 from kiln.runtime.sequence import Sequence
 
@@ -102,6 +102,19 @@ def test_greedy_is_argmax_after_penalties():
     plain = make_seq(SamplingParams(temperature=0), prompt=(5,))
     penalized = make_seq(SamplingParams(temperature=0, repetition_penalty=2.0), prompt=(5,))
     assert Sampler()(logits, [plain, penalized]).token_ids.tolist() == [5, 6]
+
+
+@pytest.mark.parametrize("temperature", [7.35e-187, 1e-40, 1e-6])
+def test_a_temperature_too_small_to_divide_by_is_greedy(temperature):
+    """Found by the server fuzz test: 1 / 7e-187 overflowed the sampler's float32 and the row sampled no token
+    (the tokenizer then failed the whole step). Below GREEDY_BELOW a request is greedy, as in vLLM."""
+    rng = np.random.default_rng(0)
+    logits = rng.normal(0, 1, size=(2, V)).astype(np.float32)
+    seqs = [make_seq(SamplingParams(temperature=temperature, seed=1)), make_seq(SamplingParams(temperature=0))]
+    assert seqs[0].params.greedy
+    tokens = Sampler()(logits, seqs).token_ids.tolist()
+    assert tokens == np.argmax(logits, axis=1).tolist()
+    assert not SamplingParams(temperature=GREEDY_BELOW).greedy
 
 
 def test_seed_gives_same_tokens_whatever_the_batch():
