@@ -7,7 +7,6 @@ from dataclasses import dataclass
 
 from kiln.errors import require as _require
 
-
 # Temperatures below this sample greedily: the distribution they ask for is the argmax's to within float rounding,
 # and 1 / temperature overflows float32 from ~3e-39 (vLLM's _SAMPLING_EPS is the same 1e-5).
 GREEDY_BELOW = 1e-5
