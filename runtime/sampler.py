@@ -98,11 +98,15 @@ def apply_penalties(logits: Floats, seqs: SequenceOf[SamplingState]) -> Floats:
     def column(name: str) -> Floats:
         return np.repeat(np.array([getattr(seqs[i].params, name) for i in rows], dtype=np.float32), sizes)
 
-    rep = column("repetition_penalty")
-    values = logits[row_of, ids]
-    values = np.where(values > 0, values / rep, values * rep)
+    with np.errstate(divide="ignore", over="ignore"):  # extreme penalties saturate, below
+        rep = column("repetition_penalty")
+        values = logits[row_of, ids]
+        values = np.where(values > 0, values / rep, values * rep)
     values -= column("frequency_penalty") * counts + column("presence_penalty") * (counts > 0)
-    logits[row_of, ids] = values
+    # a valid but extreme repetition_penalty (1e-300 is > 0) must not make a logit infinite: the row could not be
+    # sampled and its step would fail for every request in it
+    limit = np.finfo(np.float32).max
+    logits[row_of, ids] = np.clip(values, -limit, limit)
     return logits
 
 

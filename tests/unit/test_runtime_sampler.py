@@ -117,6 +117,21 @@ def test_a_temperature_too_small_to_divide_by_is_greedy(temperature):
     assert not SamplingParams(temperature=GREEDY_BELOW).greedy
 
 
+@pytest.mark.parametrize("penalty", [1e-300, 1e-45, 1e300])
+def test_an_extreme_repetition_penalty_still_samples(penalty):
+    """A penalty far from 1 (valid: > 0) saturates the penalised logits at float32's largest finite value instead
+    of making them infinite, which left the row unsampleable and failed the engine step."""
+    logits = np.random.default_rng(2).normal(0, 2, size=(1, V)).astype(np.float32)
+    logits[0, 3] = 4.0  # the one seen token (the prompt holds 1, 2, 3) with a positive logit
+    logits[0, 1:3] = -1.0
+    seq = make_seq(SamplingParams(temperature=1.0, repetition_penalty=penalty, seed=5))
+    token = Sampler()(logits, [seq]).token_ids[0]
+    if penalty < 1:  # the seen positive logit grew without bound: it is the only token left with any mass
+        assert token == 3
+    else:
+        assert 0 <= token < V
+
+
 def test_seed_gives_same_tokens_whatever_the_batch():
     rng = np.random.default_rng(3)
     steps = [rng.normal(0, 1, size=(4, V)).astype(np.float32) for _ in range(6)]
