@@ -8,11 +8,12 @@
 //      what int8 loses of it), zero-padded to whole block pairs and to whole groups of 8 steps, each
 //      block pair's bytes interleaved (interleave_pair) and its steps laid out for the FMA;
 //   3. work items (a chunk of output channels x a chunk of activation rows) run on ONNX Runtime's
-//      intra-op thread pool. Up to 16 rows (decode, speculative verification, small batches) the
-//      weights are read straight from qs and dm, each block pair unpacked in registers once and
-//      applied to up to 7 rows (tiles of 4, 2 or 1 channels), prefetching ahead; with more rows each
-//      pair of channels is unpacked once per item into a buffer and feeds tiles of 4 rows. A block pair's dot is two _mm256_maddubs_epi16 (unsigned
-//      nibbles x signed int8) + _mm256_madd_epi16 into int32, scaled by d * xs in float; the
+//      intra-op thread pool. Up to 16 rows (decode, speculative verification, small batches; 32 in the
+//      VNNI build) the weights are read straight from qs and dm, each block pair unpacked in registers
+//      once and applied to up to 7 rows (16 in the VNNI build; tiles of 4, 2 or 1 channels), prefetching
+//      ahead; with more rows each pair of channels is unpacked once per item into a buffer and feeds
+//      tiles of 4 rows. A block pair's dot is two _mm256_maddubs_epi16 (unsigned nibbles x signed
+//      int8) + _mm256_madd_epi16 into int32 (VNNI: two _mm256_dpbusd_epi32), scaled by d * xs in float; the
 //      minimum's term sum_b m * sum(x_block) and the centring term (see the spec) are separate
 //      8-wide dots per tile.
 //
@@ -237,7 +238,8 @@ void store_tile(const Problem& p, const __m256 (&acc)[NC][NT], int64_t n0, int64
 // tensor does not fault). Per (channel, row) the arithmetic and its order are those of tile_rows.
 template <int NC, int NT>
 void tile_stream(const Problem& p, int64_t n0, int64_t t0) {
-  static_assert(NC * NT <= kAccumulators, "accumulators, the weights' 3 registers and the dot's temporaries fit the ymm registers");
+  static_assert(NC * NT <= kAccumulators,
+                "the accumulators, the weights' 3 registers and the dot's temporaries fit the ymm registers");
   const Int8Rows& x = *p.x;
   const uint8_t* w = p.qs + n0 * p.pairs * kPairBytes;
   const uint16_t* dm = p.dm + n0 * 2 * p.nb;
