@@ -33,7 +33,7 @@ from layout import LLAMA_TOOLS, PeerLayout, default_scratch
 from workload import Workload, make_workload
 
 from kiln.export.checkpoint import default_model_path
-from kiln.runtime.ops import library_variant
+from kiln.runtime.ops import cpuinfo_field, library_variant
 from kiln.runtime.tokenizer import Tokenizer
 
 ORT_GENAI, LLAMA_CPP = "ort-genai int4", "llama.cpp Q4_1"
@@ -89,16 +89,6 @@ def llama_figures(lay: PeerLayout, gguf: Path, work: Workload, threads: int) -> 
         figures[f"batch{size}_aggregate"] = run["aggregate_tok_per_s"]
         figures[f"batch{size}_decode"] = run["decode_tok_per_s"]
     return figures
-
-
-def cpu_model() -> str:
-    """The CPU's model name as Linux reports it (a figure means little without it: this project's machine
-    has changed CPU between sessions)."""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            return next((line.partition(":")[2].strip() for line in f if line.startswith("model name")), "unknown")
-    except OSError:
-        return "unknown"
 
 
 def parse_engines(specs: list[str]) -> dict[str, Path]:
@@ -178,7 +168,8 @@ def main() -> int:
     figures = offline_figures(work) + (SERVING_FIGURES if load else [])
     kiln, peers = list(engines), [ORT_GENAI, LLAMA_CPP]
     text = report.table(rounds, figures, kiln, peers)
-    machine = {"cpu": cpu_model(), "kiln_kernels": library_variant()}
+    # a figure means little without the CPU: this project's machine has changed CPU between sessions
+    machine = {"cpu": cpuinfo_field("model name") or "unknown", "kiln_kernels": library_variant()}
     print(f"\n{args.rounds} interleaved rounds, {args.threads} threads, {time.perf_counter() - started:.0f} s; "
           f"{machine['cpu']}, kiln kernels {machine['kiln_kernels']}\n")
     print(text)

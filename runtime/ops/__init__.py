@@ -32,16 +32,24 @@ class OpLibraryError(KilnError, RuntimeError):
     """The op library is missing or incompatible; the message says how to fix it."""
 
 
-def cpu_flags(cpuinfo: str = "/proc/cpuinfo") -> frozenset[str] | None:
-    """The CPU's feature flags as Linux reports them (only those the OS enabled), or None where unknown."""
+def cpuinfo_field(key: str, cpuinfo: str = "/proc/cpuinfo") -> str | None:
+    """The value of the first CPU's `key` line in /proc/cpuinfo (e.g. "flags", "model name"), or None where
+    there is no such file or line."""
     try:
         with open(cpuinfo, encoding="utf-8", errors="replace") as f:
             for line in f:
-                if line.startswith("flags"):
-                    return frozenset(line.partition(":")[2].split())
+                name, sep, value = line.partition(":")
+                if sep and name.strip() == key:
+                    return value.strip()
     except OSError:
         pass
     return None
+
+
+def cpu_flags(cpuinfo: str = "/proc/cpuinfo") -> frozenset[str] | None:
+    """The CPU's feature flags as Linux reports them (only those the OS enabled), or None where unknown."""
+    flags = cpuinfo_field("flags", cpuinfo)
+    return None if flags is None else frozenset(flags.split())
 
 
 def supported_variants(flags: frozenset[str] | None) -> list[str]:

@@ -50,6 +50,8 @@ def test_cpu_flags_reads_the_flags_line(tmp_path):
     info.write_text("processor\t: 0\nmodel name\t: X\nflags\t\t: fpu avx2 avx512_vnni\n\nprocessor\t: 1\n")
     assert ops.cpu_flags(str(info)) == frozenset({"fpu", "avx2", "avx512_vnni"})
     assert ops.cpu_flags(str(tmp_path / "absent")) is None
+    assert ops.cpuinfo_field("model name", str(info)) == "X"
+    assert ops.cpuinfo_field("microcode", str(info)) is None
 
 
 @pytest.mark.parametrize("variant", list(ops.LIBRARY_VARIANTS))
