@@ -6,7 +6,7 @@ import dataclasses
 import sys
 from typing import TextIO
 
-from kiln.errors import InvalidParamError
+from kiln.errors import InvalidParamError, RequestFailedError
 from kiln.runtime.detokenizer import ChatMessage
 from kiln.runtime.engine import Engine
 from kiln.runtime.loader import load_engine
@@ -35,6 +35,8 @@ def stream_text(engine: Engine, prompt: str | list[int], params: SamplingParams,
     try:
         while engine.has_unfinished():
             for output in engine.step():
+                if output.error is not None:
+                    raise RequestFailedError(output.error)
                 text = output.outputs[0].text  # what this step added
                 out.write(text)
                 out.flush()

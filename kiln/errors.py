@@ -24,3 +24,9 @@ def require(ok: bool, param: str, rule: str, value: object) -> None:
     """Raise InvalidParamError("{param} must be {rule}, got {value!r}") unless ok."""
     if not ok:
         raise InvalidParamError(f"{param} must be {rule}, got {value!r}", param)
+
+
+class RequestFailedError(RuntimeError):
+    """The engine could not advance this one request (sampling its row raised, say) and ended it, while the
+    step and the other requests went on. Not a KilnError: it is a bug to report. Raised from the request's
+    stream (AsyncLLM), a 500 over HTTP; LLM.generate returns the request's output with `error` set."""

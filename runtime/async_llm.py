@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kiln.errors import InvalidParamError
+from kiln.errors import InvalidParamError, RequestFailedError
 from kiln.runtime.detokenizer import ChatMessage, TextTokenizer, with_token_text
 from kiln.runtime.engine import Engine, EngineRequest
 from kiln.runtime.kv_transfer import KvHandoff
@@ -270,7 +270,8 @@ class AsyncLLM:
                 break
             try:
                 for output in self.engine.step():
-                    self._deliver(output.request_id, output)
+                    failed = output.error is not None
+                    self._deliver(output.request_id, RequestFailedError(output.error) if failed else output)
             except Exception as exc:  # noqa: BLE001 - fail every request, keep serving
                 for request_id in list(self.engine.requests):
                     self.engine.abort(request_id)

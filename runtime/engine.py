@@ -9,6 +9,7 @@ thread: LLM's caller, or AsyncLLM's engine thread. A step's outputs are deltas.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -28,6 +29,8 @@ from kiln.runtime.sequence import Sequence
 from kiln.runtime.speculative.ngram import NgramProposer
 from kiln.runtime.speculative.proposer import Proposal, ProposalRequest, Proposer
 from kiln.runtime.speculative.verify import SpecStats, verify
+
+log = logging.getLogger("kiln.runtime")
 
 
 @dataclass(frozen=True)
@@ -121,6 +124,7 @@ class Request:
             for _ in range(params.n)
         ]
         self.forked = params.n == 1
+        self.error: str | None = None  # set when the engine fails this request alone (Engine._fail)
 
     @property
     def request_id(self) -> str:
@@ -133,6 +137,10 @@ class Request:
     def take_output(self) -> RequestOutput:
         """The delta since the previous output: what each sample added."""
         p = self.prepared
+        if self.error is not None:  # nothing more of a failed request: its state may be what failed
+            outputs = [CompletionOutput(seq.index, "", [], None, None, seq.finish_reason) for seq in self.seqs]
+            return RequestOutput(p.request_id, p.prompt, p.prompt_token_ids, outputs, True,
+                                 self.seqs[0].num_cached_tokens, error=self.error)
         outputs = [pending.take(seq) for seq, pending in zip(self.seqs, self.pending, strict=True)]
         return RequestOutput(p.request_id, p.prompt, p.prompt_token_ids, outputs, self.finished,
                              self.seqs[0].num_cached_tokens, self.handoff)
@@ -320,16 +328,27 @@ class Engine:
         next_rows = starts.tolist()  # per sequence, the row that chose its latest token
         if plain:
             rows = logits[: len(plain)] if len(plain) == len(widths) else logits[starts[plain]]
-            sampled = self.sampler(rows, [seqs[i] for i in plain])
-            for row, i in enumerate(plain):
+            for i, outcome in zip(plain, self._sample_rows(rows, [seqs[i] for i in plain]), strict=True):
                 request = self._by_seq[seqs[i].seq_id]
-                self._append(seqs[i], request, sampled, row)
                 changed[request.request_id] = request
+                if seqs[i].is_finished:  # a sibling sample failed its request
+                    continue
+                try:
+                    if isinstance(outcome, Exception):
+                        raise outcome
+                    self._append(seqs[i], request, *outcome)
+                except Exception as exc:  # noqa: BLE001 - fail this request alone, keep the step
+                    self._fail(request, exc)
         for i, width in enumerate(widths):
             if width > 1:
                 request = self._by_seq[seqs[i].seq_id]
-                next_rows[i] += self._accept(seqs[i], request, logits[starts[i]:starts[i] + width])
                 changed[request.request_id] = request
+                if seqs[i].is_finished:
+                    continue
+                try:
+                    next_rows[i] += self._accept(seqs[i], request, logits[starts[i]:starts[i] + width])
+                except Exception as exc:  # noqa: BLE001 - fail this request alone, keep the step
+                    self._fail(request, exc)
         extras = result.extras()
         if heads is not None and extras:
             assert self.proposer is not None
@@ -337,6 +356,30 @@ class Engine:
             live = [i for i, seq in enumerate(seqs) if not seq.is_finished and next_rows[i] in where]
             self.proposer.observe([seqs[i] for i in live], [where[next_rows[i]] for i in live], extras)
         return self._take_outputs(changed)
+
+    def _sample_rows(self, rows: np.ndarray, seqs: list[Sequence]) -> list[tuple[SamplerOutput, int] | Exception]:
+        """Per row, its sample (an output and its row in it) or what sampling it raised. The rows are sampled
+        together; only if that fails, one by one, so that one request's settings fail only that request."""
+        try:
+            sampled = self.sampler(rows, seqs)
+            return [(sampled, row) for row in range(len(seqs))]
+        except Exception:  # noqa: BLE001 - find the row that failed
+            outcomes: list[tuple[SamplerOutput, int] | Exception] = []
+            for row, seq in enumerate(seqs):
+                try:
+                    outcomes.append((self.sampler(rows[row:row + 1], [seq]), 0))
+                except Exception as exc:  # noqa: BLE001
+                    outcomes.append(exc)
+            return outcomes
+
+    def _fail(self, request: Request, exc: Exception) -> None:
+        """End a request the step could not advance (its other samples too); its last output carries the
+        error, and the step goes on for the others. Its blocks are freed as for an abort."""
+        log.error("request %s failed: %s: %s", request.request_id, type(exc).__name__, exc)
+        request.error = f"{type(exc).__name__}: {exc}"
+        for seq in request.seqs:
+            if not seq.is_finished:
+                self.scheduler.finish(seq, "abort")
 
     def _take_outputs(self, changed: dict[str, Request]) -> list[RequestOutput]:
         results = []

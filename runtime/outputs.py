@@ -50,6 +50,8 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     kv_handoff: KvHandoff | None = None  # the prompt's KV, from an engine asked to export it (Engine.add)
+    # why the engine failed this request alone (its samples end with finish_reason "abort"); None if it did not
+    error: str | None = None
 
 
 def merge_outputs(deltas: Iterable[RequestOutput]) -> RequestOutput:
@@ -64,7 +66,7 @@ def merge_outputs(deltas: Iterable[RequestOutput]) -> RequestOutput:
     last = deltas[-1]
     outputs = [merge_completions(parts) for _, parts in sorted(by_index.items())]
     return RequestOutput(last.request_id, last.prompt, last.prompt_token_ids, outputs, last.finished,
-                         last.num_cached_tokens)
+                         last.num_cached_tokens, error=last.error)
 
 
 def merge_completions(parts: list[CompletionOutput]) -> CompletionOutput:

@@ -6,6 +6,7 @@ import time
 import pytest
 from fake_runner import CharTokenizer, make_fake_engine
 
+from kiln.errors import RequestFailedError
 from kiln.runtime.async_llm import AsyncLLM
 from kiln.runtime.llm import LLM
 from kiln.runtime.outputs import merge_outputs
@@ -256,3 +257,61 @@ def test_async_rejects_bad_input_and_aborts():
         await engine.shutdown()
 
     asyncio.run(main())
+
+
+POISON_SEED = 666  # a request the test's sampler cannot sample: it stands for a row whose settings break
+
+
+def poison_sampler(engine):
+    """engine.sampler, raising for any batch holding a row of seed POISON_SEED (as a sampler bug would)."""
+    real = engine.sampler
+
+    def sample(rows, seqs):
+        if any(s.params.seed == POISON_SEED for s in seqs):
+            raise FloatingPointError("cannot sample this row")
+        return real(rows, seqs)
+
+    engine.sampler = sample
+
+
+def test_a_request_whose_sampling_fails_fails_alone():
+    params = [GREEDY, SamplingParams(temperature=1.0, seed=POISON_SEED, max_tokens=20, ignore_eos=True), GREEDY,
+              SamplingParams(n=2, temperature=0.7, seed=3, max_tokens=20, ignore_eos=True)]
+    expected = llm().generate([p for i, p in enumerate(prompts(4)) if i != 1], [params[0], params[2], params[3]])
+    engine = llm()
+    poison_sampler(engine.engine)
+    got = engine.generate(prompts(4), params)
+    bad = got[1]
+    assert bad.finished and bad.error == "FloatingPointError: cannot sample this row"
+    assert bad.outputs[0].finish_reason == "abort"
+    good = [got[0], got[2], got[3]]
+    assert all(o.error is None for o in good)
+    assert [[c.token_ids for c in o.outputs] for o in good] == [[c.token_ids for c in o.outputs] for o in expected]
+    stats = engine.stats()
+    assert stats.kv_blocks_used == 0 and stats.num_running == stats.num_waiting == 0
+    engine.engine.block_manager.check()
+    assert not engine.engine.requests and not engine.engine._by_seq
+
+
+def test_async_fails_only_the_request_whose_sampling_failed():
+    expected = llm().generate(prompts(3)[::2], GREEDY)
+
+    async def main():
+        fake = make_fake_engine(256)
+        poison_sampler(fake)
+        engine = AsyncLLM(fake)
+        bad = SamplingParams(temperature=1.0, seed=POISON_SEED, max_tokens=20)
+
+        async def consume(i, p):
+            return [o async for o in engine.generate(p, bad if i == 1 else GREEDY, f"r{i}")]
+
+        results = await asyncio.gather(*(consume(i, p) for i, p in enumerate(prompts(3))), return_exceptions=True)
+        after = [o async for o in engine.generate(prompts(3)[0], GREEDY, "later")]  # the engine keeps serving
+        await engine.shutdown()
+        return results, after
+
+    results, after = asyncio.run(main())
+    assert isinstance(results[1], RequestFailedError) and "cannot sample this row" in str(results[1])
+    for outs, ref in zip([results[0], results[2]], expected, strict=True):
+        assert merge_outputs(outs).outputs[0].token_ids == ref.outputs[0].token_ids
+    assert merge_outputs(after).outputs[0].token_ids == expected[0].outputs[0].token_ids

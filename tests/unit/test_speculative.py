@@ -425,3 +425,26 @@ def test_medusa_serves_sampled_requests():
     got = run_staggered(e, prompts(6), params)
     assert all(len(o.outputs[0].token_ids) == 20 for o in got)
     assert e.stats().num_spec_accepted_tokens > 0 and e.stats().num_preemptions > 0
+
+
+def test_a_request_whose_verification_fails_fails_alone(monkeypatch):
+    """A verification that raises (a bug, or settings it cannot handle) ends its request only: the others
+    keep their speculative output, and every block comes back."""
+    import kiln.runtime.engine as engine_module
+
+    ps = prompts(6)
+    expected = run_staggered(engine(spec=NGRAM), ps[1:], GREEDY)
+    real_verify = engine_module.verify
+
+    def verify(seq, logits, proposal):
+        if seq.token_ids[:seq.num_prompt_tokens] == ps[0]:
+            raise IndexError("verification failed")
+        return real_verify(seq, logits, proposal)
+
+    monkeypatch.setattr(engine_module, "verify", verify)
+    e = engine(spec=NGRAM)
+    got = run_staggered(e, ps, GREEDY)
+    assert got[0].error == "IndexError: verification failed" and got[0].outputs[0].finish_reason == "abort"
+    assert token_ids(got[1:]) == token_ids(expected)
+    assert e.spec_stats.accepted > 0
+    assert e.block_manager.num_used_blocks == 0 and not e.requests
