@@ -13,12 +13,12 @@
 //      once and applied to up to 7 rows (16 in the VNNI build; tiles of 4, 2 or 1 channels), prefetching
 //      ahead; with more rows each pair of channels is unpacked once per item into a buffer and feeds
 //      tiles of 4 rows. A block pair's dot is two _mm256_maddubs_epi16 (unsigned nibbles x signed
-//      int8) + _mm256_madd_epi16 into int32 (VNNI: two _mm256_dpbusd_epi32), scaled by d * xs in float; the
-//      minimum's term sum_b m * sum(x_block) and the centring term (see the spec) are separate
-//      8-wide dots per tile.
+//      int8) + _mm256_madd_epi16 into int32, scaled by d * xs in float; the minimum's term
+//      sum_b m * sum(x_block) and the centring term (see the spec) are separate 8-wide dots per tile.
 //
-// Built with -O3 -mavx2 -mfma -mf16c, and once more with AVX-512 VNNI (build_ops.VARIANTS), where the block
-// pair's dot is two vpdpbusd on the same ymm registers, bit for bit the same sums.
+// Built with -O3 -mavx2 -mfma -mf16c, and once more with AVX-512 VNNI (build_ops.VARIANTS), where a step
+// takes two block pairs in zmm registers and their dot is two vpdpbusd: the same int32 sums, the float
+// sums in another order (even and odd pairs apart, then added), so the two builds agree to rounding.
 #define ORT_API_MANUAL_INIT
 #include "onnxruntime_lite_custom_op.h"
 
@@ -63,6 +63,20 @@ constexpr int kAccumulators = 8;
 constexpr int64_t kPassRows = 7;
 constexpr int64_t kStreamRows = 16;
 #endif
+// The dot loop's step: one block pair in ymm registers (AVX2), or two in zmm registers in the VNNI build, where
+// each instruction does the work of two and a decode step measured 16% faster on one thread, 5% on two (docs/
+// design.md, "Two block pairs a step"). Every path of one build sums a (channel, row) in the same order, so a
+// row's outputs stay bitwise the same for every T; the two builds differ in the last bits.
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__) && defined(__AVX512BW__)
+#define KILN_Q4_ZMM 1
+// GCC 12's AVX-512 headers make their "undefined" operands with `__Y = __Y`, which -Wall reports at every
+// inlined use (GCC bug 105593, fixed in 13): not our code's uninitialized values.
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+constexpr int64_t kPairsPerStep = 2;
+#else
+constexpr int64_t kPairsPerStep = 1;
+#endif
 constexpr int64_t kPrefetchChannels = 4;  // how far ahead tile_stream prefetches the weights
 constexpr int64_t kParallelQuantize = 1 << 15;  // activation elements from which quantizing is parallel
 
@@ -97,7 +111,8 @@ using AlignedVector = std::vector<T, CacheLineAllocator<T>>;
 // Rows are padded with zeros: q to whole block pairs, sum and sum_error to whole groups of 8 blocks.
 struct Int8Rows {
   int64_t q_stride, step_stride, s_stride;
-  AlignedVector<int8_t> q;         // [T, q_stride]
+  AlignedVector<int8_t> q;         // [T, q_stride]: 64 bytes a pair, interleaved (see interleave_pair); with two
+                                   // pairs a step, the A halves of pairs j, j + 1, then their B halves
   AlignedVector<float> step;       // [T, step_stride]: per block pair j, (xs0, xs0, xs1, xs1) twice (see tile)
   AlignedVector<float> sum;        // [T, s_stride]
   AlignedVector<float> sum_error;  // [T, s_stride]: sum(x) - xs * sum(xq), what int8 loses of the block sum
@@ -141,14 +156,27 @@ void quantize_row(const float* x, int64_t nb, int8_t* q, float* step8, float* su
     const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(i0, i1), _mm256_packs_epi32(i2, i3));
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), _mm256_permutevar8x32_epi32(bytes, order));
   }
-  for (int64_t j = 0; j < (nb + 1) / 2; ++j) {
-    __m256i* pair = reinterpret_cast<__m256i*>(q_row + j * 2 * kBlock);
-    __m256i A, B;
-    interleave_pair(_mm256_loadu_si256(pair), _mm256_loadu_si256(pair + 1), A, B);
-    _mm256_storeu_si256(pair, A);
-    _mm256_storeu_si256(pair + 1, B);
+  const int64_t pairs = (nb + 1) / 2;
+  for (int64_t j = 0; j < pairs; j += kPairsPerStep) {
+    __m256i* step = reinterpret_cast<__m256i*>(q_row + j * 2 * kBlock);
+    __m256i A0, B0;
+    interleave_pair(_mm256_loadu_si256(step), _mm256_loadu_si256(step + 1), A0, B0);
+#ifdef KILN_Q4_ZMM
+    __m256i A1 = _mm256_setzero_si256(), B1 = _mm256_setzero_si256();  // an odd last pair's partner: zeros
+    if (j + 1 < pairs) interleave_pair(_mm256_loadu_si256(step + 2), _mm256_loadu_si256(step + 3), A1, B1);
+    _mm256_storeu_si256(step, A0);
+    _mm256_storeu_si256(step + 1, A1);
+    _mm256_storeu_si256(step + 2, B0);
+    _mm256_storeu_si256(step + 3, B1);
+#else
+    _mm256_storeu_si256(step, A0);
+    _mm256_storeu_si256(step + 1, B0);
+#endif
   }
 }
+
+// Pairs rounded up to whole steps: the rows' and the unpacked weights' buffers hold zeros past the last pair.
+inline int64_t padded_pairs(int64_t pairs) { return (pairs + kPairsPerStep - 1) / kPairsPerStep * kPairsPerStep; }
 
 struct Problem {
   const uint8_t* qs;    // [N, pairs, 32]
@@ -204,6 +232,84 @@ inline void unpack_pair(const uint8_t* qs, const uint16_t* d, __m256i& wa, __m25
   step = _mm256_permute_ps(_mm256_cvtph_ps(_mm_set1_epi32(d01)), _MM_SHUFFLE(1, 1, 0, 0));
 }
 
+// One step's weights of a channel, unpacked: kPairsPerStep block pairs.
+#ifdef KILN_Q4_ZMM
+using Acc = __m512;
+struct StepWeights {
+  __m512i a, b;  // the A halves of pairs j, j + 1, and their B halves
+  __m512 d;      // both pairs' steps, laid out as unpack_pair's
+};
+
+inline Acc zero_acc() { return _mm512_setzero_ps(); }
+
+// Pairs j and j + 1 (kTwo: whether j + 1 exists; if not, its lanes are zero) of a channel, from qs at pair j and
+// the d plane at block 2j.
+template <bool kTwo>
+inline void unpack_step(const uint8_t* qs, const uint16_t* d, StepWeights& w) {
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  const __m512i raw = kTwo ? _mm512_loadu_si512(qs) : _mm512_maskz_loadu_epi8(0xFFFFFFFFull, qs);
+  const __m512i a = _mm512_and_si512(raw, low), b = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low);
+  w.a = _mm512_mask_blend_epi32(0xCCCC, a, b);  // interleave_pair in each 256-bit half
+  w.b = _mm512_shuffle_epi32(_mm512_mask_blend_epi32(0x3333, a, b), static_cast<_MM_PERM_ENUM>(_MM_SHUFFLE(1, 0, 3, 2)));
+  int64_t d4 = 0;  // d0 d1 (d2 d3): no read past the plane for an odd last pair
+  std::memcpy(&d4, d, kTwo ? 8 : 4);
+  const __m512i lanes = _mm512_setr_epi32(0, 0, 1, 1, 0, 0, 1, 1, 2, 2, 3, 3, 2, 2, 3, 3);
+  w.d = _mm512_permutexvar_ps(lanes, _mm512_castps128_ps512(_mm_cvtph_ps(_mm_cvtsi64_si128(d4))));
+}
+
+inline void load_step(const int8_t* w, const float* d, StepWeights& out) {
+  out.a = _mm512_loadu_si512(w);
+  out.b = _mm512_loadu_si512(w + 2 * kPairBytes);
+  out.d = _mm512_loadu_ps(d);
+}
+
+inline void store_step(const StepWeights& in, int8_t* w, float* d) {
+  _mm512_storeu_si512(w, in.a);
+  _mm512_storeu_si512(w + 2 * kPairBytes, in.b);
+  _mm512_storeu_ps(d, in.d);
+}
+
+// accumulate_pair for two pairs: x holds their A halves then their B halves, xstep both pairs' 8 steps.
+inline Acc accumulate_step(const StepWeights& w, const int8_t* x, const float* xstep, Acc acc) {
+  const __m512i xa = _mm512_loadu_si512(x), xb = _mm512_loadu_si512(x + 2 * kBlock);
+  const __m512i dots = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), w.a, xa), w.b, xb);
+  return _mm512_fmadd_ps(_mm512_cvtepi32_ps(dots), _mm512_mul_ps(w.d, _mm512_loadu_ps(xstep)), acc);
+}
+
+// The even pairs' lanes plus the odd pairs': the 8 lanes every path then finishes alike.
+inline __m256 fold(Acc acc) {
+  return _mm256_add_ps(_mm512_castps512_ps256(acc), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc), 1)));
+}
+#else
+using Acc = __m256;
+struct StepWeights {
+  __m256i a, b;
+  __m256 d;
+};
+
+inline Acc zero_acc() { return _mm256_setzero_ps(); }
+template <bool kTwo>
+inline void unpack_step(const uint8_t* qs, const uint16_t* d, StepWeights& w) { unpack_pair(qs, d, w.a, w.b, w.d); }
+
+inline void load_step(const int8_t* w, const float* d, StepWeights& out) {
+  out.a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w));
+  out.b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + kBlock));
+  out.d = _mm256_loadu_ps(d);
+}
+
+inline void store_step(const StepWeights& in, int8_t* w, float* d) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(w), in.a);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(w + kBlock), in.b);
+  _mm256_storeu_ps(d, in.d);
+}
+
+inline Acc accumulate_step(const StepWeights& w, const int8_t* x, const float* xstep, Acc acc) {
+  return accumulate_pair(w.a, w.b, x, w.d, xstep, acc);
+}
+
+inline __m256 fold(Acc acc) { return acc; }
+#endif
+
 // y[rows t0.., channels n0..] = the tile's accumulators summed (+ bias). Every accumulator is summed
 // in hsum4's order, whatever the tile's shape: a row's outputs are then bitwise the same in every path
 // and for every T (speculative verification reproduces decode's logits exactly).
@@ -231,6 +337,28 @@ void store_tile(const Problem& p, const __m256 (&acc)[NC][NT], int64_t n0, int64
   }
 }
 
+// One step of tile_stream: pair j (and j + 1 if kTwo) of NC channels applied to NT rows. Always inlined, so the
+// accumulators stay in registers.
+template <int NC, int NT, bool kTwo>
+__attribute__((always_inline)) inline void stream_step(const Problem& p, const uint8_t* w, const uint16_t* dm,
+                                                       const int8_t* xq, const float* xstep, int64_t j,
+                                                       Acc (&sums)[NC][NT]) {
+  const Int8Rows& x = *p.x;
+  const int64_t w_stride = p.pairs * kPairBytes, dm_stride = 2 * p.nb;
+#pragma GCC unroll 4
+  for (int c = 0; c < NC; ++c) {
+    _mm_prefetch(reinterpret_cast<const char*>(w + (kPrefetchChannels + c) * w_stride + j * kPairBytes), _MM_HINT_T0);
+    if (j * 32 < dm_stride)  // 32 float16 a cache line
+      _mm_prefetch(reinterpret_cast<const char*>(dm + (kPrefetchChannels + c) * dm_stride + j * 32), _MM_HINT_T0);
+    StepWeights wt;
+    unpack_step<kTwo>(w + c * w_stride + j * kPairBytes, dm + c * dm_stride + 2 * j, wt);
+#pragma GCC unroll 16  // every accumulator in a register (GCC leaves 16 zmm rows rolled, in memory, without it)
+    for (int r = 0; r < NT; ++r)
+      sums[c][r] = accumulate_step(wt, xq + r * x.q_stride + j * 2 * kBlock, xstep + r * x.step_stride + j * 8,
+                                   sums[c][r]);
+  }
+}
+
 // Few rows (T <= kStreamRows, speculative verification and small batches): y for channels [n0, n0 + NC)
 // x rows [t0, t0 + NT), each block pair of the weights read straight from qs and dm, unpacked in
 // registers once and applied to all NT rows. The weights kPrefetchChannels channels ahead are prefetched
@@ -243,25 +371,18 @@ void tile_stream(const Problem& p, int64_t n0, int64_t t0) {
   const Int8Rows& x = *p.x;
   const uint8_t* w = p.qs + n0 * p.pairs * kPairBytes;
   const uint16_t* dm = p.dm + n0 * 2 * p.nb;
-  const int64_t w_stride = p.pairs * kPairBytes, dm_stride = 2 * p.nb;
+  const int64_t dm_stride = 2 * p.nb;
   const int8_t* xq = x.q.data() + t0 * x.q_stride;
   const float* xstep = x.step.data() + t0 * x.step_stride;
+  Acc sums[NC][NT];
+  for (int c = 0; c < NC; ++c)
+    for (int r = 0; r < NT; ++r) sums[c][r] = zero_acc();
+  const int64_t whole = p.pairs / kPairsPerStep * kPairsPerStep;  // pairs in whole steps; an odd last one after
+  for (int64_t j = 0; j < whole; j += kPairsPerStep) stream_step<NC, NT, true>(p, w, dm, xq, xstep, j, sums);
+  if (whole < p.pairs) stream_step<NC, NT, false>(p, w, dm, xq, xstep, whole, sums);
   __m256 acc[NC][NT];
   for (int c = 0; c < NC; ++c)
-    for (int r = 0; r < NT; ++r) acc[c][r] = _mm256_setzero_ps();
-  for (int64_t j = 0; j < p.pairs; ++j) {
-    for (int c = 0; c < NC; ++c) {
-      _mm_prefetch(reinterpret_cast<const char*>(w + (kPrefetchChannels + c) * w_stride + j * kPairBytes), _MM_HINT_T0);
-      if (j * 32 < dm_stride)  // 32 float16 a cache line
-        _mm_prefetch(reinterpret_cast<const char*>(dm + (kPrefetchChannels + c) * dm_stride + j * 32), _MM_HINT_T0);
-      __m256i wa, wb;
-      __m256 d;
-      unpack_pair(w + c * w_stride + j * kPairBytes, dm + c * dm_stride + 2 * j, wa, wb, d);
-      for (int r = 0; r < NT; ++r)
-        acc[c][r] = accumulate_pair(wa, wb, xq + r * x.q_stride + j * 2 * kBlock, d,
-                                    xstep + r * x.step_stride + j * 8, acc[c][r]);
-    }
-  }
+    for (int r = 0; r < NT; ++r) acc[c][r] = fold(sums[c][r]);
   // the minimum's term sum_b m * sum(x_block) and the centring's sum_b 7.5 d * sum_error, 8 blocks at a
   // time (the rows' sums are zero-padded to whole groups of 8)
   for (int64_t b8 = 0; b8 < p.nb; b8 += 8) {
@@ -311,13 +432,13 @@ void stream_rows(const Problem& p, int64_t n_begin, int64_t n_end, int64_t t0, i
 // kTileChannels channels unpacked once per work item and reused by all its row tiles (T > 1).
 struct UnpackedChannels {
   int64_t w_stride, step_stride, s_stride;
-  AlignedVector<int8_t> w;      // [channel, pairs, 64]: interleaved nibbles
+  AlignedVector<int8_t> w;      // [channel, pairs, 64]: interleaved nibbles, laid out as the rows' q
   AlignedVector<float> step;    // [channel, pairs, 8]: (d0, d0, d1, d1) twice
   AlignedVector<float> m;       // [channel, s_stride]: the minima, zero-padded
   AlignedVector<float> centre;  // [channel, s_stride]: 7.5 d, zero-padded
 
   UnpackedChannels(const Problem& p, int64_t s_stride_)
-      : w_stride(p.pairs * 2 * kBlock), step_stride(p.pairs * 8), s_stride(s_stride_),
+      : w_stride(padded_pairs(p.pairs) * 2 * kBlock), step_stride(padded_pairs(p.pairs) * 8), s_stride(s_stride_),
         w(kTileChannels * w_stride), step(kTileChannels * step_stride), m(kTileChannels * s_stride),
         centre(kTileChannels * s_stride) {}
 
@@ -325,14 +446,12 @@ struct UnpackedChannels {
     for (int c = 0; c < channels; ++c) {
       const uint8_t* qs = p.qs + (n0 + c) * p.pairs * kPairBytes;
       const uint16_t* dm = p.dm + (n0 + c) * 2 * p.nb;
-      for (int64_t j = 0; j < p.pairs; ++j) {
-        __m256i wa, wb;
-        __m256 d;
-        unpack_pair(qs + j * kPairBytes, dm + 2 * j, wa, wb, d);
-        __m256i* out = reinterpret_cast<__m256i*>(w.data() + c * w_stride + j * 2 * kBlock);
-        _mm256_storeu_si256(out, wa);
-        _mm256_storeu_si256(out + 1, wb);
-        _mm256_storeu_ps(step.data() + c * step_stride + j * 8, d);
+      const int64_t whole = p.pairs / kPairsPerStep * kPairsPerStep;
+      for (int64_t j = 0; j < p.pairs; j += kPairsPerStep) {
+        StepWeights wt;
+        if (j < whole) unpack_step<true>(qs + j * kPairBytes, dm + 2 * j, wt);
+        else unpack_step<false>(qs + j * kPairBytes, dm + 2 * j, wt);
+        store_step(wt, w.data() + c * w_stride + j * 2 * kBlock, step.data() + c * step_stride + j * 8);
       }
       for (int64_t b = 0; b < p.nb; ++b) {
         m[c * s_stride + b] = _cvtsh_ss(dm[p.nb + b]);
@@ -346,22 +465,25 @@ struct UnpackedChannels {
 template <int NC, int NT>
 void tile_rows(const Problem& p, const UnpackedChannels& u, int64_t n0, int64_t t0) {
   const Int8Rows& x = *p.x;
-  __m256 acc[NC][NT];
+  Acc sums[NC][NT];
   for (int c = 0; c < NC; ++c)
-    for (int r = 0; r < NT; ++r) acc[c][r] = _mm256_setzero_ps();
+    for (int r = 0; r < NT; ++r) sums[c][r] = zero_acc();
   const int8_t* xq = x.q.data() + t0 * x.q_stride;
   const float* xstep = x.step.data() + t0 * x.step_stride;
-  for (int64_t j = 0; j < p.pairs; ++j) {
+  for (int64_t j = 0; j < p.pairs; j += kPairsPerStep) {
+#pragma GCC unroll 4
     for (int c = 0; c < NC; ++c) {
-      const int8_t* w = u.w.data() + c * u.w_stride + j * 2 * kBlock;
-      const __m256i wa = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w));
-      const __m256i wb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + kBlock));
-      const __m256 d = _mm256_loadu_ps(u.step.data() + c * u.step_stride + j * 8);
+      StepWeights wt;
+      load_step(u.w.data() + c * u.w_stride + j * 2 * kBlock, u.step.data() + c * u.step_stride + j * 8, wt);
+#pragma GCC unroll 4
       for (int r = 0; r < NT; ++r)
-        acc[c][r] = accumulate_pair(wa, wb, xq + r * x.q_stride + j * 2 * kBlock, d,
-                                    xstep + r * x.step_stride + j * 8, acc[c][r]);
+        sums[c][r] = accumulate_step(wt, xq + r * x.q_stride + j * 2 * kBlock, xstep + r * x.step_stride + j * 8,
+                                     sums[c][r]);
     }
   }
+  __m256 acc[NC][NT];
+  for (int c = 0; c < NC; ++c)
+    for (int r = 0; r < NT; ++r) acc[c][r] = fold(sums[c][r]);
   for (int64_t b8 = 0; b8 < p.nb; b8 += 8) {  // the minimum's and the centring's terms, as tile_decode
     for (int c = 0; c < NC; ++c) {
       const __m256 m = _mm256_loadu_ps(u.m.data() + c * u.s_stride + b8);
@@ -441,7 +563,8 @@ struct MatMulQ4_1 {
               y.Allocate(xs), N, nb, pairs};
     if (T == 0) return;
 
-    const int64_t q_stride = pairs * 2 * kBlock, step_stride = pairs * 8, s_stride = (nb + 7) / 8 * 8;
+    const int64_t q_stride = padded_pairs(pairs) * 2 * kBlock, step_stride = padded_pairs(pairs) * 8;
+    const int64_t s_stride = (nb + 7) / 8 * 8;
     Int8Rows rows{q_stride, step_stride, s_stride, AlignedVector<int8_t>(T * q_stride),
                   AlignedVector<float>(T * step_stride), AlignedVector<float>(T * s_stride),
                   AlignedVector<float>(T * s_stride)};
