@@ -64,7 +64,7 @@ constexpr int64_t kPassRows = 7;
 constexpr int64_t kStreamRows = 16;
 #endif
 // The dot loop's step: one block pair in ymm registers (AVX2), or two in zmm registers in the VNNI build, where
-// each instruction does the work of two and a decode step measured 16% faster on one thread, 5% on two (docs/
+// each instruction does the work of two and a decode step measured 7% faster on one thread, 5% on two (docs/
 // design.md, "Two block pairs a step"). Every path of one build sums a (channel, row) in the same order, so a
 // row's outputs stay bitwise the same for every T; the two builds differ in the last bits.
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__) && defined(__AVX512BW__)
