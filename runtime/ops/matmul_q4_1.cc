@@ -214,18 +214,11 @@ inline __m256 load_f16x8(const uint16_t* p, int64_t count, bool readable) {
 // 2j's sums in int16 lanes 0-3 and 2j + 1's in 4-7 of each half (see interleave_pair), one madd folds
 // them into int32 lanes 0-1, 4-5 and 2-3, 6-7, and one float FMA scales them by the steps laid out
 // the same way: the channel's (d0, d0, d1, d1) twice times the row's (xs0, xs0, xs1, xs1) twice.
-// With VNNI, each vpdpbusd sums 4 adjacent products into an int32 lane: lanes 0-1 and 4-5 of the result hold
-// block 2j's dot, 2-3 and 6-7 block 2j + 1's, as madd's do; the int32 sums are the same (no int16 step: a
-// nibble (<= 15) times |x| <= 127, twice, never saturates maddubs' int16 either).
 inline __m256 accumulate_pair(__m256i wa, __m256i wb, const int8_t* x, __m256 d, const float* xstep, __m256 acc) {
   const __m256i xa = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
   const __m256i xb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + kBlock));
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-  const __m256i dots = _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(_mm256_setzero_si256(), wa, xa), wb, xb);
-#else
   const __m256i sums = _mm256_add_epi16(_mm256_maddubs_epi16(wa, xa), _mm256_maddubs_epi16(wb, xb));
   const __m256i dots = _mm256_madd_epi16(sums, _mm256_set1_epi16(1));
-#endif
   const __m256 step = _mm256_mul_ps(d, _mm256_loadu_ps(xstep));
   return _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots), step, acc);
 }
@@ -278,7 +271,9 @@ inline void store_step(const StepWeights& in, int8_t* w, float* d) {
   _mm512_storeu_ps(d, in.d);
 }
 
-// accumulate_pair for two pairs: x holds their A halves then their B halves, xstep both pairs' 8 steps.
+// accumulate_pair for two pairs: x holds their A halves then their B halves, xstep both pairs' 8 steps. Each
+// vpdpbusd sums 4 adjacent products into an int32 lane, so a 256-bit half's lanes hold its pair's two blocks
+// as madd's do, with the same int32 sums (a nibble times |x| <= 127, twice, never saturates int16 either).
 inline Acc accumulate_step(const StepWeights& w, const int8_t* x, const float* xstep, Acc acc) {
   const __m512i xa = _mm512_loadu_si512(x), xb = _mm512_loadu_si512(x + 2 * kBlock);
   const __m512i dots = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), w.a, xa), w.b, xb);
