@@ -322,12 +322,15 @@ class Engine:
         seqs = out.to_sample
         if not seqs:
             return self._take_outputs(changed)
-        widths = [len(out.proposals_of(r)) + 1 for r, need in enumerate(out.needs_logits) if need]
-        starts = np.cumsum([0, *widths[:-1]])
+        if out.proposals:
+            widths = [len(out.proposals_of(r)) + 1 for r, need in enumerate(out.needs_logits) if need]
+            starts = np.cumsum([0, *widths[:-1]]).tolist()
+        else:  # a row of logits each
+            widths, starts = [1] * len(seqs), list(range(len(seqs)))
         plain = [i for i, w in enumerate(widths) if w == 1]
-        next_rows = starts.tolist()  # per sequence, the row that chose its latest token
+        next_rows = list(starts)  # per sequence, the row that chose its latest token
         if plain:
-            rows = logits[: len(plain)] if len(plain) == len(widths) else logits[starts[plain]]
+            rows = logits[: len(plain)] if len(plain) == len(widths) else logits[[starts[i] for i in plain]]
             for i, outcome in zip(plain, self._sample_rows(rows, [seqs[i] for i in plain]), strict=True):
                 request = self._by_seq[seqs[i].seq_id]
                 changed[request.request_id] = request

@@ -120,7 +120,9 @@ class OrtModelRunner(ModelRunner):
                              "leave medusa_indices unset")
         self.binding.bind_output(contract.LOGITS, "cpu")
         self.session.run_with_iobinding(self.binding)
-        outputs = self.binding.get_outputs()  # in binding order: rebinding a name keeps its place
+        # In binding order (rebinding a name keeps its place). The C-level vector: IOBinding.get_outputs wraps
+        # every output, the 30 KV pools too, in a Python OrtValue, ~0.13 ms of a ~7 ms single-stream step.
+        outputs = self.binding._iobinding.get_outputs()
         heads = outputs[1].numpy() if self.medusa_output is not None else None
         if self.medusa_output == contract.MEDUSA_HIDDEN:
             return RunnerOutput(outputs[0].numpy(), medusa_hidden=heads)

@@ -341,19 +341,30 @@ void store_tile(const Problem& p, const __m256 (&acc)[NC][NT], int64_t n0, int64
   }
 }
 
+// A prefetch of weights that tile_stream reads `once` per call (its rows fit one pass) is non-temporal: the
+// weights, ~80 MB a decode step, would otherwise evict from L2 and L3 what the rest of the step reads next (the
+// activations, the KV cache, ONNX Runtime's and the Python runtime's own data): a single-stream step measured
+// 8-9% faster (docs/design.md, "Weights that pass by the caches"). With more passes, the later ones re-read
+// the item's weights from the caches, so those prefetches keep them. Always inlined: GCC takes a function that
+// only prefetches for one without effects and drops its calls.
+__attribute__((always_inline)) inline void prefetch_weights(const void* p, bool once) {
+  if (once) _mm_prefetch(static_cast<const char*>(p), _MM_HINT_NTA);
+  else _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T0);
+}
+
 // One step of tile_stream: pair j (and j + 1 if kTwo) of NC channels applied to NT rows. Always inlined, so the
 // accumulators stay in registers.
 template <int NC, int NT, bool kTwo>
 __attribute__((always_inline)) inline void stream_step(const Problem& p, const uint8_t* w, const uint16_t* dm,
-                                                       const int8_t* xq, const float* xstep, int64_t j,
+                                                       const int8_t* xq, const float* xstep, int64_t j, bool once,
                                                        Acc (&sums)[NC][NT]) {
   const Int8Rows& x = *p.x;
   const int64_t w_stride = p.pairs * kPairBytes, dm_stride = 2 * p.nb;
 #pragma GCC unroll 4
   for (int c = 0; c < NC; ++c) {
-    _mm_prefetch(reinterpret_cast<const char*>(w + (kPrefetchChannels + c) * w_stride + j * kPairBytes), _MM_HINT_T0);
+    prefetch_weights(w + (kPrefetchChannels + c) * w_stride + j * kPairBytes, once);
     if (j * 32 < dm_stride)  // 32 float16 a cache line
-      _mm_prefetch(reinterpret_cast<const char*>(dm + (kPrefetchChannels + c) * dm_stride + j * 32), _MM_HINT_T0);
+      prefetch_weights(dm + (kPrefetchChannels + c) * dm_stride + j * 32, once);
     StepWeights wt;
     unpack_step<kTwo>(w + c * w_stride + j * kPairBytes, dm + c * dm_stride + 2 * j, wt);
 #pragma GCC unroll 16  // every accumulator in a register (GCC leaves 16 zmm rows rolled, in memory, without it)
@@ -369,7 +380,7 @@ __attribute__((always_inline)) inline void stream_step(const Problem& p, const u
 // (a call streams its weights from DRAM: the model's layers do not fit the caches; a prefetch past the
 // tensor does not fault). Per (channel, row) the arithmetic and its order are those of tile_rows.
 template <int NC, int NT>
-void tile_stream(const Problem& p, int64_t n0, int64_t t0) {
+void tile_stream(const Problem& p, int64_t n0, int64_t t0, bool once) {
   static_assert(NC * NT <= kAccumulators,
                 "the accumulators, the weights' 3 registers and the dot's temporaries fit the ymm registers");
   const Int8Rows& x = *p.x;
@@ -382,8 +393,8 @@ void tile_stream(const Problem& p, int64_t n0, int64_t t0) {
   for (int c = 0; c < NC; ++c)
     for (int r = 0; r < NT; ++r) sums[c][r] = zero_acc();
   const int64_t whole = p.pairs / kPairsPerStep * kPairsPerStep;  // pairs in whole steps; an odd last one after
-  for (int64_t j = 0; j < whole; j += kPairsPerStep) stream_step<NC, NT, true>(p, w, dm, xq, xstep, j, sums);
-  if (whole < p.pairs) stream_step<NC, NT, false>(p, w, dm, xq, xstep, whole, sums);
+  for (int64_t j = 0; j < whole; j += kPairsPerStep) stream_step<NC, NT, true>(p, w, dm, xq, xstep, j, once, sums);
+  if (whole < p.pairs) stream_step<NC, NT, false>(p, w, dm, xq, xstep, whole, once, sums);
   __m256 acc[NC][NT];
   for (int c = 0; c < NC; ++c)
     for (int r = 0; r < NT; ++r) acc[c][r] = fold(sums[c][r]);
@@ -408,29 +419,30 @@ void tile_stream(const Problem& p, int64_t n0, int64_t t0) {
 
 // Channels [n_begin, n_end) x rows [t0, t0 + NT) in tiles of NC channels, the last channels one a tile.
 template <int NC, int NT>
-void stream_channels(const Problem& p, int64_t n_begin, int64_t n_end, int64_t t0) {
+void stream_channels(const Problem& p, int64_t n_begin, int64_t n_end, int64_t t0, bool once) {
   int64_t n = n_begin;
-  for (; n + NC <= n_end; n += NC) tile_stream<NC, NT>(p, n, t0);
+  for (; n + NC <= n_end; n += NC) tile_stream<NC, NT>(p, n, t0, once);
   if constexpr (NC > 1)
-    for (; n < n_end; ++n) tile_stream<1, NT>(p, n, t0);
+    for (; n < n_end; ++n) tile_stream<1, NT>(p, n, t0, once);
 }
 
 // One pass over channels [n_begin, n_end) x rows [t0, t0 + rows), rows <= NT. A pass takes as many channels a
 // tile as the accumulators allow (one row 4, as decode ever did; 2 rows 4; 3 rows 2), and 1 from 4 rows (1 x 4
 // measured 2-10% faster than 2 x 4).
 template <int NT>
-void stream_pass(const Problem& p, int64_t n_begin, int64_t n_end, int64_t t0, int64_t rows) {
+void stream_pass(const Problem& p, int64_t n_begin, int64_t n_end, int64_t t0, int64_t rows, bool once) {
   if constexpr (NT > 1)
-    if (rows < NT) return stream_pass<NT - 1>(p, n_begin, n_end, t0, rows);
+    if (rows < NT) return stream_pass<NT - 1>(p, n_begin, n_end, t0, rows, once);
   constexpr int kChannels = NT <= 2 ? 4 : NT == 3 ? 2 : 1;
-  stream_channels<kChannels, NT>(p, n_begin, n_end, t0);
+  stream_channels<kChannels, NT>(p, n_begin, n_end, t0, once);
 }
 
 // Channels [n_begin, n_end) x rows [t0, t0 + rows), rows <= kStreamRows, in passes of up to kPassRows rows
 // (the first streams the weights from memory, the next find them in L1/L2).
 void stream_rows(const Problem& p, int64_t n_begin, int64_t n_end, int64_t t0, int64_t rows) {
+  const bool once = rows <= kPassRows;
   for (; rows > 0; rows -= kPassRows, t0 += kPassRows)
-    stream_pass<kPassRows>(p, n_begin, n_end, t0, std::min<int64_t>(rows, kPassRows));
+    stream_pass<kPassRows>(p, n_begin, n_end, t0, std::min<int64_t>(rows, kPassRows), once);
 }
 
 // kTileChannels channels unpacked once per work item and reused by all its row tiles (T > 1).

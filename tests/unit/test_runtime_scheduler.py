@@ -71,6 +71,28 @@ def test_the_batch_asks_logits_for_the_rows_the_scheduler_marked():
         SchedulerOutput(out.scheduled, (True,))
 
 
+def test_a_step_of_decodes_packs_as_any_step_does():
+    """build_batch's decode-only path (plain lists) gives the arrays, dtypes and shapes of the general one,
+    block tables of unequal length padded alike."""
+    from kiln.runtime.model_runner import _pack_scheduled
+
+    _, s = make(num_blocks=64, max_num_tokens=64)
+    seqs = [add(s, n, i) for i, n in enumerate((3, 9, 4))]
+    step(s)
+    for _ in range(3):
+        out = s.schedule()
+        assert [n for _, n in out.scheduled] == [1, 1, 1] and all(out.needs_logits)
+        fast, general = build_batch(out), _pack_scheduled(out)
+        assert [len(seq.block_table) for seq in seqs] != [len(seqs[0].block_table)] * 3  # padding is exercised
+        for name in ("input_ids", "position_ids", "query_start_loc", "seq_lens", "block_tables", "logits_indices"):
+            a, b = getattr(fast, name), getattr(general, name)
+            assert a.dtype == b.dtype and a.shape == b.shape and (a == b).all(), name
+        assert fast.num_logits == general.num_logits == 3
+        s.update(out)
+        for seq in seqs:
+            seq.append(5)
+
+
 def test_decodes_go_before_prefill_chunks():
     _, s = make(max_num_tokens=4)
     a = add(s, 2, 0)
