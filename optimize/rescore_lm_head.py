@@ -6,10 +6,11 @@ logits are coarse (+4-8% perplexity). Decoding and sampling need the logits exac
 step of few logits rows the head stays int4 for the whole vocabulary and the logits of its RESCORE_TOP_K best
 tokens are recomputed from an 8-bit table of the same weights, k rows of it per token instead of V:
 
-    approx  = head_int4(h)                       [..., V]
-    _, top  = TopK(approx, k = 256)              [..., k]
-    exact   = Gather(table, top) @ h             [..., k]
-    logits  = ScatterElements(approx, top, exact)
+    approx  = head_int4(h)                                 [..., V]
+    logits  = kiln.RescoreLogits(approx, h, table, k=256)  [..., V]: approx's k largest as table[top] @ h
+
+(kiln/rescore_logits.py; it replaced TopK -> GatherBlockQuantized -> MatMul -> ScatterElements, ~6% of a
+single-stream step.)
 
 A step of more rows is bound by arithmetic, not bytes, and there the int4 kernel, the TopK and the gathers cost
 more than they save: an If on the row count sends it to the int8 per-channel head (`--lm-head int8`'s). For a tied
@@ -25,11 +26,12 @@ from dataclasses import dataclass
 import numpy as np
 import onnx_ir as ir
 
-from kiln.contract import LOGITS
+from kiln.contract import LOGITS, OP_DOMAIN
 from kiln.quant_scheme import RESCORED_HEAD_MAX_ROWS
+from kiln.rescore_logits import OP_TYPE as RESCORE_OP
 
-from .quant.graph import find_linears, initializer, is_lm_head
-from .quant.nbits import MS_DOMAIN, make_matmul_nbits
+from .quant.graph import ensure_opset, find_linears, initializer, is_lm_head
+from .quant.nbits import make_matmul_nbits
 from .quant.rtn import per_channel_as_groups, quantize_groupwise
 from .quantize_embedding import BLOCK_SIZE, TABLE_KEY
 
@@ -103,8 +105,6 @@ def rescore_lm_head(model: ir.Model, rows: HeadRows, top_k: int = RESCORE_TOP_K,
                          f"{hidden_size} is not a multiple")
     top_k = min(top_k, vocab)  # a vocabulary smaller than k: every logit rescored
     data, scales, zero_points = _table(model, rows)
-    last = initializer(model, "lm_head.rescore.last_axis", np.array([-1], dtype=np.int64))
-    k = initializer(model, "lm_head.rescore.k", np.array([top_k], dtype=np.int64))
     few = initializer(model, "lm_head.few_rows", np.array([few_rows], dtype=np.int64))
     readers = [(use.node, use.idx) for use in approx.uses()]
     was_output = approx.is_graph_output()
@@ -121,15 +121,9 @@ def rescore_lm_head(model: ir.Model, rows: HeadRows, top_k: int = RESCORE_TOP_K,
         value.type, value.shape = approx.type, approx.shape
         return value
 
-    top = node("TopK", [approx, k], "top_k", outputs=2, axis=-1, largest=1, sorted=0)
-    candidates = node("GatherBlockQuantized", [data, top.outputs[1], scales, zero_points], "candidates",
-                      domain=MS_DOMAIN, gather_axis=0, quantize_axis=1, block_size=BLOCK_SIZE, bits=8)  # [..., k, D]
-    column = node("Unsqueeze", [hidden, last], "column")  # [..., D, 1]
-    dots = node("MatMul", [candidates.outputs[0], column.outputs[0]], "dots")  # [..., k, 1]
-    exact = node("Squeeze", [dots.outputs[0], last], "exact")
-    scatter = node("ScatterElements", [approx, top.outputs[1], exact.outputs[0]], "scatter", axis=-1)
-    rescored = ir.Graph([], [typed(scatter.outputs[0])], nodes=[head, top, candidates, column, dots, exact, scatter],
-                        name="lm_head.int4_rescored")
+    ensure_opset(model, OP_DOMAIN)
+    rescore = node(RESCORE_OP, [approx, hidden, data, scales, zero_points], "rescore", domain=OP_DOMAIN, k=top_k)
+    rescored = ir.Graph([], [typed(rescore.outputs[0])], nodes=[head, rescore], name="lm_head.int4_rescored")
     wide = make_matmul_nbits(model, hidden, per_channel_as_groups(rows.weight, 128), "lm_head.int8")  # the default
     wide.outputs[0].name = "lm_head.int8"
     int8 = ir.Graph([], [typed(wide.outputs[0])], nodes=[wide], name="lm_head.int8")

@@ -30,13 +30,14 @@
 #include <vector>
 
 #include "matmul_q4_1.h"
+#include "rescore_logits.h"
 #include "swiglu.h"
 #include "simd.h"
 #include "validate.h"
 
 namespace kiln {
 
-constexpr int kAbiVersion = 4;  // kiln.contract.OP_LIBRARY_ABI
+constexpr int kAbiVersion = 5;  // kiln.contract.OP_LIBRARY_ABI
 constexpr int kTargetRowsPerItem = 64;  // query rows (tokens x heads of one group) per work item
 constexpr int kMinPartition = 128;      // smallest context partition worth a separate item
 // Attention work (query rows x keys x head_dim) below which the calling thread runs every item:
@@ -512,6 +513,7 @@ __attribute__((visibility("default"))) OrtStatus* ORT_API_CALL RegisterCustomOps
       domain->Add(Ort::Custom::CreateLiteCustomOp<kiln::PagedAttention<int8_t>>("PagedAttention", "CPUExecutionProvider"));
       kiln::add_matmul_q4_1(*domain);
       kiln::add_swiglu(*domain);
+      kiln::add_rescore_logits(*domain);
     }
     Ort::UnownedSessionOptions(options).Add(*domain);
   } catch (const std::exception& e) {

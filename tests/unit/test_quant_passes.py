@@ -237,8 +237,9 @@ def test_int4_rescored_lm_head_recomputes_its_top_k_from_the_8_bit_table(tied):
     rescore_lm_head(model, rows, top_k, few_rows)
     embedding = next(n for n in model.graph if n.op_type == "GatherBlockQuantized")
     switch = next(n for n in model.graph if n.op_type == "If")
-    candidates = next(n for n in switch.attributes["else_branch"].as_graph() if n.op_type == "GatherBlockQuantized")
-    assert (candidates.inputs[0] is embedding.inputs[0]) == tied  # a tied head's table is the embedding's
+    rescore = next(n for n in switch.attributes["else_branch"].as_graph() if n.op_type == "RescoreLogits")
+    assert rescore.attributes["k"].as_int() == top_k
+    assert (rescore.inputs[2] is embedding.inputs[0]) == tied  # a tied head's table is the embedding's
     assert [v.name for v in model.graph.outputs] == ["logits"]
     up, down, head4 = (rtn.quantize_groupwise(x, 4, 32).dequantize() for x in (w["up"], w["down"], weight))
     embed = rtn.quantize_groupwise(w["embed"], 8, 32).dequantize().astype(np.float64)
