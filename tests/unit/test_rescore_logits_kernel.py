@@ -38,7 +38,8 @@ def test_reference_rescores_the_k_largest_from_the_dequantized_rows():
     vocab, width, k = 40, 64, 5
     data, scales, zero_points = tables = table(vocab, width)
     rng = np.random.default_rng(1)
-    approx, hidden = rng.standard_normal((2, vocab)).astype(np.float32), rng.standard_normal((2, width)).astype(np.float32)
+    approx = rng.standard_normal((2, vocab)).astype(np.float32)
+    hidden = rng.standard_normal((2, width)).astype(np.float32)
     rows = (data.astype(np.float64) - np.repeat(zero_points, 32, axis=1)) * np.repeat(scales, 32, axis=1)
     out = rescore_logits_ref(approx, hidden, *tables, k)
     for r in range(2):
