@@ -222,3 +222,22 @@ def test_runner_refuses_pools_the_graph_does_not_declare(int8_engine):
             OrtModelRunner(session, wrong, num_blocks=4)
     with pytest.raises(ValueError, match="KV dtype 'int3' is not one of"):
         replace(declared, kv_dtype="int3")
+
+
+def test_a_steps_logits_outlive_later_steps(tiny_engine):
+    """The runner hands back ORT's own logits buffer (no copy, no Python OrtValue per output): it stays valid and
+    unchanged while later steps run and allocate theirs."""
+    import gc
+
+    from kiln.runtime.ort_runner import OrtModelRunner, graph_kv_pools, open_session
+
+    session = open_session(tiny_engine / "model.onnx", num_threads=1)
+    runner = OrtModelRunner(session, graph_kv_pools(session), num_blocks=8)
+    first = runner.execute(pack_chunks([Chunk(0, [1, 2, 3], [0])], all_rows=True))
+    kept = first.copy()
+    later = [runner.execute(pack_chunks([Chunk(0, [4 + i, 5, 6, 7], [1])], all_rows=True)) for i in range(4)]
+    gc.collect()
+    assert first.shape == (3, runner.vocab_size)
+    np.testing.assert_array_equal(first, kept)
+    assert all(not np.shares_memory(first, other) for other in later)
+    assert not np.array_equal(later[0], later[1])  # each step's own logits
