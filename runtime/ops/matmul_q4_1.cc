@@ -343,8 +343,9 @@ void store_tile(const Problem& p, const __m256 (&acc)[NC][NT], int64_t n0, int64
 
 // A prefetch of weights that tile_stream reads `once` per call (its rows fit one pass) is non-temporal: the
 // weights, ~80 MB a decode step, would otherwise evict from L2 and L3 what the rest of the step reads next (the
-// activations, the KV cache, ONNX Runtime's and the Python runtime's own data): a single-stream step measured
-// 8-9% faster (docs/design.md, "Weights that pass by the caches"). With more passes, the later ones re-read
+// activations, the KV cache, ONNX Runtime's and the Python runtime's own data): single-stream steps measured
+// 0.92-0.94 of T0's in three paired sittings and 0.97-1.0 in four on a busier host, never slower (docs/design.md,
+// "Session 16"). With more passes, the later ones re-read
 // the item's weights from the caches, so those prefetches keep them. Always inlined: GCC takes a function that
 // only prefetches for one without effects and drops its calls.
 __attribute__((always_inline)) inline void prefetch_weights(const void* p, bool once) {

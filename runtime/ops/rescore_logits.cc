@@ -70,7 +70,6 @@ inline bool before(const std::pair<float, int32_t>& a, const std::pair<float, in
 struct Scratch {
   std::vector<float> maxima, order;
   std::vector<std::pair<float, int32_t>> candidates;
-  std::vector<float> block_sums;
 };
 
 // The ids of row's k largest values (ties towards the lower id; a row with fewer non-NaN values gives them all).
