@@ -145,13 +145,13 @@ class Sampler:
         penalized = any(s.token_counts is not None for s in seqs)
         processed = apply_penalties(raw.copy(), seqs) if penalized else raw
         if all(s.params.greedy for s in seqs):  # the common step, in one call
-            tokens = processed.argmax(axis=1)
+            tokens = greedy_tokens(processed)
             return SamplerOutput(tokens, *self.logprobs(raw, tokens, seqs))
         tokens = np.empty(len(seqs), dtype=np.int64)
         greedy = np.array([s.params.greedy for s in seqs], dtype=bool)
         if greedy.any():
             rows = np.flatnonzero(greedy)
-            tokens[rows] = (processed if greedy.all() else processed[rows]).argmax(axis=1)
+            tokens[rows] = greedy_tokens(processed[rows], rows)
         if not greedy.all():
             rows = np.flatnonzero(~greedy)
             sampled = [seqs[i] for i in rows]
@@ -172,6 +172,18 @@ class Sampler:
             for i, (chosen, best) in zip(lp_rows, raw_logprobs(raw[lp_rows], tokens[lp_rows], ks), strict=True):
                 sampled_lp[i], top[i] = chosen, best
         return sampled_lp, top
+
+
+def greedy_tokens(logits: Floats, rows: Ints | None = None) -> Ints:
+    """Each row's argmax; a row holding a NaN or +inf, or no finite logit, raises as sampling it would (argmax
+    returns the first NaN or +inf there, or the first -inf of an all -inf row: its logit is not finite). rows:
+    the rows' numbers in the step, for the error, when logits are a subset of its rows."""
+    tokens: Ints = logits.argmax(axis=1)
+    best = logits[np.arange(len(tokens)), tokens]
+    if not np.isfinite(best).all():
+        bad = int(np.flatnonzero(~np.isfinite(best))[0])
+        raise kernels.unsampleable(bad if rows is None else int(rows[bad]))
+    return tokens
 
 
 def raw_logprobs(logits: Floats, tokens: Ints, ks: list[int]) -> list[tuple[float, dict[int, tuple[float, int]]]]:

@@ -169,8 +169,21 @@ inline void attend_group(RowState* st, const ActiveRow* act, int nr, const float
   }
 }
 
+// The tile `ahead` blocks past block blk of item w, read on: past w's last block, the next item's first ones
+// (`next`, or nullptr). A decode item spans a few blocks, so without the next item's tiles its first
+// kPrefetchBlocks would always be demand misses: a step's other layers have evicted the pool by now.
 template <typename KvT>
-void run_item(const Problem<KvT>& p, const WorkItem& w) {
+const KvT* tile_ahead(const Problem<KvT>& p, const WorkItem& w, const WorkItem* next, int64_t blk, int kv) {
+  const int64_t bs = p.block_size, ahead = blk + kPrefetchBlocks;
+  if (ahead * bs < w.ctx_end) return p.tile(w.seq, ahead, kv, w.kv_head);
+  if (next == nullptr) return nullptr;
+  const int64_t past = ahead - (w.ctx_end + bs - 1) / bs;  // blocks beyond w's last: 0, 1, ...
+  const int64_t nblk = next->ctx_begin / bs + past;
+  return nblk * bs < next->ctx_end ? p.tile(next->seq, nblk, kv, next->kv_head) : nullptr;
+}
+
+template <typename KvT>
+void run_item(const Problem<KvT>& p, const WorkItem& w, const WorkItem* next) {
   const int64_t D = p.D, G = p.G, bs = p.block_size;
   const int nq = w.q_end - w.q_begin;
   const int rows = nq * static_cast<int>(G);
@@ -227,10 +240,8 @@ void run_item(const Problem<KvT>& p, const WorkItem& w) {
     const float* K = as_float(p.tile(w.seq, blk, 0, w.kv_head) + j0 * D, kbuf, (j1 - j0) * D);
     const float* V = as_float(p.tile(w.seq, blk, 1, w.kv_head) + j0 * D, vbuf, (j1 - j0) * D);
     Prefetch next_k, next_v;  // the tiles kPrefetchBlocks ahead, fetched during this block's math
-    if ((blk + kPrefetchBlocks) * bs < w.ctx_end) {
-      next_k = Prefetch{reinterpret_cast<const char*>(p.tile(w.seq, blk + kPrefetchBlocks, 0, w.kv_head)), tile_bytes};
-      next_v = Prefetch{reinterpret_cast<const char*>(p.tile(w.seq, blk + kPrefetchBlocks, 1, w.kv_head)), tile_bytes};
-    }
+    if (const KvT* t = tile_ahead(p, w, next, blk, 0)) next_k = Prefetch{reinterpret_cast<const char*>(t), tile_bytes};
+    if (const KvT* t = tile_ahead(p, w, next, blk, 1)) next_v = Prefetch{reinterpret_cast<const char*>(t), tile_bytes};
     for (int g = 0; g < nact; g += group)
       attend_group(st.data(), act.data() + g, std::min(group, nact - g), K, V, D, scores, static_cast<int>(bs),
                    g == 0 ? next_k : Prefetch{}, g == 0 ? next_v : Prefetch{});
@@ -463,7 +474,8 @@ struct PagedAttention {
     std::vector<SplitGroup> groups;
     std::vector<float> partials(static_cast<size_t>(plan(p, S, serial, items, groups) * (D + 2)));
     p.partials = partials.data();
-    auto attend = [&](size_t i) { run_item(p, items[i]); };
+    // ORT's pool hands a thread the items in order (from its own shard): the next item is most often its next
+    auto attend = [&](size_t i) { run_item(p, items[i], i + 1 < items.size() ? &items[i + 1] : nullptr); };
     if (serial) for (size_t i = 0; i < items.size(); ++i) attend(i);
     else parallel_for(ctx, items.size(), attend);
     auto merge = [&](size_t i) { merge_group(p, groups[i]); };

@@ -414,20 +414,25 @@ bool sample_row(const float* x, int64_t n, double temperature, int64_t top_k, do
   return true;
 }
 
-// The k largest logits of a row and their ids, most likely first (ties in vocabulary order).
+// The k largest logits of a row and their ids, most likely first (ties in vocabulary order). A NaN, which no
+// order places, comes after every number (numpy's sort does the same), NaNs in vocabulary order: the strided
+// selection needs a total order, so a row holding one takes the plain path, whose gather (>=) drops NaNs.
 void top_tokens_row(const float* x, int64_t n, int64_t k, int64_t* ids, float* values, Scratch& s) {
-  if (k < n) {
+  const bool has_nan = std::isnan(row_max(x, n));
+  if (k < n && !has_nan) {
     const float kth = top_k_threshold(x, n, k, s.cands, s.values);
     descending_kept(s.cands, kth, s.order);
   } else {
     s.cands.gather(x, n, kNegInf);
     descending_kept(s.cands, kNegInf, s.order);
   }
-  for (int64_t i = 0; i < k; ++i) {
-    const int64_t c = s.order[std::min<int64_t>(i, s.order.size() - 1)];
-    ids[i] = s.cands.id[c];
-    values[i] = s.cands.value[c];
+  int64_t i = 0;
+  for (; i < k && i < static_cast<int64_t>(s.order.size()); ++i) {
+    ids[i] = s.cands.id[s.order[i]];
+    values[i] = s.cands.value[s.order[i]];
   }
+  for (int64_t t = 0; i < k; ++t)  // fewer numbers than k: the NaNs (k <= n, so enough of them)
+    if (std::isnan(x[t])) ids[i] = t, values[i++] = x[t];
 }
 
 }  // namespace
@@ -454,7 +459,7 @@ __attribute__((visibility("default"))) int64_t kiln_sample_rows(
 }
 
 // Per row of logits [rows, vocab]: the ids and logits of its k largest (1 <= k <= vocab), most likely first,
-// ties in vocabulary order, into ids / values [rows, k].
+// ties in vocabulary order, NaNs last, into ids / values [rows, k].
 __attribute__((visibility("default"))) void kiln_top_tokens(const float* logits, int64_t rows, int64_t vocab,
                                                             int64_t k, int64_t* ids, float* values) {
   kiln_sampling::Scratch scratch;

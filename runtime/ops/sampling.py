@@ -67,13 +67,18 @@ def sample_rows(logits: npt.ArrayLike, temperature: Doubles, top_k: Ints, top_p:
                                       None if u is None else _ptr(u), _ptr(thresholds),
                                       None if tokens is None else _ptr(tokens))
     if bad:
-        raise KilnError(f"logits row {bad - 1} cannot be sampled: it holds a NaN or +inf, or no finite value")
+        raise unsampleable(bad - 1)
     return thresholds, tokens
+
+
+def unsampleable(row: int) -> KilnError:
+    """The error for a logits row no token can be drawn from (the sampler's and the greedy argmax's)."""
+    return KilnError(f"logits row {row} cannot be sampled: it holds a NaN or +inf, or no finite value")
 
 
 def top_tokens(logits: npt.ArrayLike, k: int) -> tuple[Ints, Floats]:
     """The ids and logits of each row's k largest logits (1 <= k <= vocab), most likely first, ties in
-    vocabulary order."""
+    vocabulary order; NaNs after every number, in vocabulary order."""
     x = _rows(logits)
     rows, vocab = x.shape
     if not 1 <= k <= vocab:

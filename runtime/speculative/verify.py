@@ -22,7 +22,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kiln.runtime.params import SamplingParams
-from kiln.runtime.sampler import Doubles, Floats, apply_penalties, filtered_probs
+from kiln.runtime.sampler import Doubles, Floats, apply_penalties, filtered_probs, greedy_tokens
 from kiln.runtime.sequence import Sequence, TokenCounts
 from kiln.runtime.speculative.proposer import Proposal
 
@@ -88,13 +88,13 @@ def verify(seq: Sequence, logits: npt.ArrayLike, proposal: Proposal) -> Verdict:
     tally = _Tally(seq)
     penalized = tally.token_counts is not None
     if not penalized:  # rows do not depend on the kept tokens: all at once
-        best = raw.argmax(axis=1) if greedy else None
+        best = greedy_tokens(raw) if greedy else None
         probs = None if greedy else filtered_probs(raw, [tally] * (k + 1))
     kept: list[int] = []
     for j in range(k + 1):
         if penalized:
             row = apply_penalties(raw[j:j + 1].copy(), [tally])
-            best_j = int(row.argmax()) if greedy else -1
+            best_j = int(greedy_tokens(row)[0]) if greedy else -1
             p_j = None if greedy else filtered_probs(row, [tally])[0]
         else:
             best_j = int(best[j]) if best is not None else -1

@@ -417,3 +417,35 @@ def test_top_tokens_equal_a_stable_full_sort(vocab):
         want = np.argsort(-logits, axis=1, kind="stable")[:, :k]
         np.testing.assert_array_equal(ids, want)
         np.testing.assert_array_equal(values, np.take_along_axis(logits, want, axis=1))
+
+
+@pytest.mark.parametrize("vocab", [49152, 40])
+def test_top_tokens_put_nans_after_every_number(vocab):
+    from kiln.runtime.ops import sampling as kernels
+
+    rng = np.random.default_rng(13)
+    logits = rng.normal(0, 2, size=(3, vocab)).astype(np.float32)
+    logits[0, [5, 37]] = np.nan  # the strided selection's body and tail
+    logits[1] = np.nan  # nothing to order: the NaNs in vocabulary order
+    logits[2, 1:] = np.nan  # one number, then NaNs
+    for k in sorted({1, 5, vocab - 1, vocab}):
+        ids, values = kernels.top_tokens(logits, k)
+        want = np.argsort(-logits, axis=1, kind="stable")[:, :k]  # numpy's sort also puts NaNs last
+        np.testing.assert_array_equal(ids, want)
+        np.testing.assert_array_equal(values, np.take_along_axis(logits, want, axis=1))
+
+
+@pytest.mark.parametrize("column,value", [(slice(None), -np.inf), (5, np.nan), (37, np.nan), (37, np.inf)])
+@pytest.mark.parametrize("logprobs", [None, 3])
+def test_a_greedy_row_that_cannot_be_sampled_is_named(column, value, logprobs):
+    # as a sampled row's is (test_kernel_names_a_row_it_cannot_sample): argmax alone would pick the NaN's id
+    from kiln.errors import KilnError
+
+    logits = np.zeros((2, 40), dtype=np.float32)
+    logits[1, column] = value
+    seqs = [make_seq(SamplingParams(temperature=0, logprobs=logprobs)) for _ in range(2)]
+    with pytest.raises(KilnError, match="logits row 1 cannot be sampled"):
+        Sampler()(logits, seqs)
+    mixed = [seqs[0], make_seq(SamplingParams(temperature=1.0, seed=1)), seqs[1]]
+    with pytest.raises(KilnError, match="logits row 2 cannot be sampled"):  # named by its row in the step
+        Sampler()(np.concatenate([logits[:1], np.zeros((1, 40), np.float32), logits[1:]]), mixed)
