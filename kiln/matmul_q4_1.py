@@ -15,7 +15,9 @@ channels, ``w = m + q * d``, q in [0, 15], d and m float16 as in a Q4_1 GGUF. By
 of pair j holds element i of block 2j in its low nibble and element i of block 2j + 1 in its high
 one (an odd nb leaves the last pair's high nibbles 0). One 32-byte load and two masks then give two
 whole blocks in element order (llama.cpp's 16-byte block_q4_1 needs a load, a shift and an insert per
-block), and the d and m planes convert eight blocks at a time.
+block), and the d and m planes convert eight blocks at a time. This is the engine's layout; the CPU kernel
+repacks constant weights once, at session load, into records of 16 output channels per block (the channels in
+a vector's lanes), so an engine keeps a second copy of these bytes in memory while it runs.
 
 Semantics (llama.cpp's vec_dot_q4_1_q8_1, with exact block sums and centred nibbles): each row of x
 is quantized per block of 32 to int8, ``xs = max|x_block| / 127`` (0 for an all-zero block),

@@ -16,7 +16,7 @@ from kiln.matmul_q4_1 import (
 from kiln.optimize.quant.rtn import quantize_q4_1
 
 ort = pytest.importorskip("onnxruntime")
-from onnx import numpy_helper  # noqa: E402
+from onnx import TensorProto, helper, numpy_helper  # noqa: E402
 from op_library import op_library_or_skip  # noqa: E402
 
 LIBRARY = op_library_or_skip()
@@ -75,8 +75,8 @@ def test_reference_is_x_at_w_up_to_int8_activations():
     np.testing.assert_array_equal(acts.q.reshape(5, 3, 32)[0, 1], 0)  # the zero block stays zero
 
 
-# decode tiles of 4/3/2/1 channels; row tiles of 4 and edges of 3/2/1 rows over 2 or 1 channels; nb = 1..48, odd
-# and even, with and without a partial group of 8 blocks (nb = 7 is the smallest whose tail reads ahead unmasked)
+# one row (decode), passes of up to 6 (AVX2) or 12 (VNNI) rows, work items of 32 rows; N a whole number of groups
+# of 16 channels (960), a group and a ragged one (17, 33, 35), less than one (1, 3, 5, 6, 7, 9); nb = 1..48
 @pytest.mark.parametrize("t, k, n", [(1, 32, 1), (1, 96, 7), (1, 576, 960), (3, 64, 17), (7, 96, 33), (37, 160, 5),
                                      (64, 1536, 66), (5, 288, 3), (2, 224, 9), (10, 608, 6), (1, 224, 6),
                                      (33, 576, 35), (16, 576, 35), (24, 96, 7)])
@@ -89,11 +89,9 @@ def test_kernel_matches_reference(t, k, n, threads):
     np.testing.assert_allclose(y, matmul_q4_1_ref(x, *w.pack()), rtol=0, atol=2e-6 * scale_of(x, w))
 
 
-# the few-rows tiles (T = 2..7: 4, 2 or 1 channels x T rows straight from the weights; T = 8, 9: a pass of 7
-# rows, then one of 1 or 2; the AVX-512 VNNI build: one pass of up to 16 rows); K = 576 ends on a partial group
-# of 8 blocks (18), K = 96 on an odd block pair;
-# N = 35 leaves items of 32 and 3 channels (whole tiles and single-channel edges), N = 7 a tile of 4 and 3 edges
-@pytest.mark.parametrize("t", range(2, 10))
+# the few-rows tiles (speculative verification): T = 2..13 covers one pass of 2..12 rows and two passes in either
+# build; N = 35 leaves two groups of 16 channels and a ragged one, N = 7 only a ragged one
+@pytest.mark.parametrize("t", range(2, 14))
 @pytest.mark.parametrize("k, n", [(576, 35), (96, 7)])
 @pytest.mark.parametrize("threads", [1, 2])
 def test_kernel_matches_reference_for_few_rows(t, k, n, threads):
@@ -104,8 +102,8 @@ def test_kernel_matches_reference_for_few_rows(t, k, n, threads):
     np.testing.assert_allclose(y, matmul_q4_1_ref(x, *w.pack(), bias), rtol=0, atol=2e-6 * scale_of(x, w))
 
 
-# from 17 rows the unpacked tiles (the AVX-512 VNNI build: two passes of up to 16 rows, the tiles from 33)
-@pytest.mark.parametrize("t", [2, 3, 4, 5, 8, 9, 16, 17, 24, 32, 33])
+# passes of up to 6 or 12 rows and their remainders, one work item of rows (32) and more
+@pytest.mark.parametrize("t", [2, 3, 4, 5, 7, 8, 12, 13, 16, 17, 24, 25, 32, 33])
 def test_each_row_is_bitwise_what_it_is_alone(t):
     """A row's outputs do not depend on the rows around it, in any path (decode, few rows, unpacked tiles):
     speculative verification of k guesses reproduces plain decoding's numbers exactly. Rows are distinct, so
@@ -117,6 +115,21 @@ def test_each_row_is_bitwise_what_it_is_alone(t):
     y = sess.run(None, {"x": x})[0]
     alone = np.concatenate([sess.run(None, {"x": x[i:i + 1]})[0] for i in range(t)])
     np.testing.assert_array_equal(y, alone)
+
+
+def test_weights_that_are_graph_inputs_are_repacked_per_call():
+    """Engines' weights are constants, repacked once at load; weights fed as inputs take the same kernel."""
+    rng = np.random.default_rng(8)
+    x, w = random_case(rng, 5, 96, 19)
+    model = make_single_op_model(w)
+    for name in ("qs", "dm"):
+        init = next(i for i in model.graph.initializer if i.name == name)
+        model.graph.initializer.remove(init)
+        dtype = {"qs": TensorProto.UINT8, "dm": TensorProto.FLOAT16}[name]
+        model.graph.input.append(helper.make_tensor_value_info(name, dtype, list(init.dims)))
+    qs, dm = w.pack()
+    y = session(model).run(None, {"x": x, "qs": qs, "dm": dm})[0]
+    np.testing.assert_array_equal(y, session(make_single_op_model(w)).run(None, {"x": x})[0])
 
 
 def test_kernel_bias_rank3_and_empty_input():
