@@ -38,6 +38,7 @@ class EngineLimits:
     max_seq_len: int
     max_num_tokens: int  # the step budget, resolved once by the loader (loader.step_token_budget)
     eos_token_ids: tuple[int, ...]
+    threads: int = 1  # the engine's CPU threads (the sampler's too: the model's are idle while it samples)
 
 
 @dataclass(frozen=True)
@@ -160,7 +161,7 @@ class Engine:
         self.limits = limits
         self.block_manager = BlockManager(runner.num_blocks, runner.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, limits.max_num_tokens)
-        self.sampler = Sampler()
+        self.sampler = Sampler(limits.threads)
         self.requests: dict[str, Request] = {}
         self._by_seq: dict[int, Request] = {}
         self.num_generated_tokens = 0

@@ -63,7 +63,8 @@ def load_engine(engine_dir: str | Path, config: RuntimeConfig | None = None) -> 
     if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in eos:
         eos.append(tokenizer.eos_token_id)
     step_tokens = step_token_budget(build.max_num_tokens, config.max_num_tokens, manifest.backend, num_threads)
-    limits = EngineLimits(max_seq_len=max_model_len, max_num_tokens=step_tokens, eos_token_ids=tuple(eos))
+    limits = EngineLimits(max_seq_len=max_model_len, max_num_tokens=step_tokens, eos_token_ids=tuple(eos),
+                          threads=num_threads or os.cpu_count() or 1)
     threads = num_threads or f"onnxruntime's default (one per core; {os.cpu_count()} CPUs)"
     log.info("KV pool: %d blocks of %d tokens = %d tokens, %.1f MiB; max context %d tokens; step budget %d tokens; "
              "threads: %s; prefix caching: %s", runner.num_blocks, runner.block_size,

@@ -130,15 +130,20 @@ def filtered_probs(logits: Floats, seqs: SequenceOf[SamplingState]) -> Doubles:
     return probs
 
 
-def sample(logits: Floats, settings: RowSettings, uniforms: Doubles) -> Ints:
-    """One token per row from its filtered distribution, by inverse CDF with the row's uniform."""
+def sample(logits: Floats, settings: RowSettings, uniforms: Doubles, threads: int = 1) -> Ints:
+    """One token per row from its filtered distribution, by inverse CDF with the row's uniform (rows on up to
+    `threads` threads: the same tokens for any count)."""
     _, tokens = kernels.sample_rows(logits, settings.temperature, settings.top_k, settings.top_p, settings.min_p,
-                                    uniforms)
+                                    uniforms, threads)
     assert tokens is not None
     return tokens
 
 
 class Sampler:
+    def __init__(self, threads: int = 1) -> None:
+        """threads: how many threads may sample a step's rows (the engine's: they idle while it samples)."""
+        self.threads = threads
+
     def __call__(self, logits: npt.ArrayLike, seqs: list[Sequence]) -> SamplerOutput:
         raw: Floats = np.ascontiguousarray(logits, dtype=np.float32)
         assert raw.shape[0] == len(seqs), (raw.shape, len(seqs))
@@ -157,7 +162,7 @@ class Sampler:
             sampled = [seqs[i] for i in rows]
             uniforms = np.array([s.rng.random() for s in sampled], dtype=np.float64)
             tokens[rows] = sample(processed if rows.size == len(seqs) else processed[rows], RowSettings.of(sampled),
-                                  uniforms)
+                                  uniforms, self.threads)
         return SamplerOutput(tokens, *self.logprobs(raw, tokens, seqs))
 
     @staticmethod

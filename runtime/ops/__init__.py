@@ -87,7 +87,7 @@ def library_path(variant: str | None = None) -> str:
     return str(path)
 
 
-_RUNTIME_SYMBOLS = ("kiln_sample_rows", "kiln_top_tokens")
+_RUNTIME_SYMBOLS = ("kiln_sample_rows_on_threads", "kiln_top_tokens")
 
 
 def check_abi() -> int:

@@ -330,6 +330,30 @@ def test_a_row_samples_the_same_token_whatever_else_is_in_the_batch():
         assert sample(logits[i:i + 1], settings.subset(np.array([i])), u[i:i + 1])[0] == together[i]
 
 
+@pytest.mark.parametrize("threads", [2, 3, 8])
+def test_rows_on_several_threads_sample_what_one_thread_does(threads):
+    """The step's rows split over threads (contiguous ranges, from 4 rows a thread) give the same thresholds and
+    tokens, and a row that cannot be sampled is still named, lowest first, whichever range holds it."""
+    from kiln.errors import KilnError
+    from kiln.runtime.ops import sampling as kernels
+
+    rng = np.random.default_rng(11)
+    rows = 29  # ranges of unequal length
+    logits = rng.normal(0, 2, size=(rows, 4099)).astype(np.float32)
+    params = [SamplingParams(top_p=0.9), SamplingParams(top_k=50, min_p=0.05), SamplingParams(temperature=0.7),
+              SamplingParams(top_p=0.5, temperature=1.3)] * 8
+    settings = RowSettings.of([make_seq(p) for p in params[:rows]])
+    columns = (settings.temperature, settings.top_k, settings.top_p, settings.min_p)
+    u = rng.random(rows)
+    one = kernels.sample_rows(logits, *columns, u, threads=1)
+    many = kernels.sample_rows(logits, *columns, u, threads=threads)
+    np.testing.assert_array_equal(many[0], one[0])
+    np.testing.assert_array_equal(many[1], one[1])
+    logits[[21, 26], 7] = np.nan  # in a later range than row 0's
+    with pytest.raises(KilnError, match="logits row 21 cannot be sampled"):
+        kernels.sample_rows(logits, *columns, u, threads=threads)
+
+
 # -- penalties from incremental counts --------------------------------------------------------
 
 
