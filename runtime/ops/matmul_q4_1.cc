@@ -16,9 +16,9 @@
 //      A tile's accumulators are its outputs, so nothing is summed across lanes at the end.
 //
 // Output channels in lanes make the per-block float work one conversion and three FMAs per 16 channels and
-// row, where inputs in lanes paid it per 8 inputs (docs/design.md, "Channels in lanes"). Every path sums a
-// (channel, row) over the blocks in order with the same arithmetic, so a row's outputs are bitwise the same for
-// every T and every tile (speculative verification reproduces decode's logits exactly), and the AVX2 build,
+// row, where inputs in lanes paid it per 8 inputs (docs/design.md, "Session 18: channels in lanes"). Every path
+// sums a (channel, row) over the blocks in order with the same arithmetic, so a row's outputs are bitwise the same
+// for every T and every tile (speculative verification reproduces decode's logits exactly), and the AVX2 build,
 // which emulates vpdpbusd with maddubs + madd (the same int32 sums: a nibble times |x| <= 127, twice, fits
 // int16), computes the same bits.
 #define ORT_API_MANUAL_INIT
@@ -200,6 +200,8 @@ inline VI dot4(VI acc, VI w, const int8_t* x) {
   std::memcpy(&x4, x, 4);
   return _mm512_dpbusd_epi32(acc, w, _mm512_set1_epi32(x4));
 }
+// A block's dots as int32 per lane (dot4 already sums into int32 here).
+inline VI block_sums(VI dots) { return dots; }
 inline VI zero_i() { return _mm512_setzero_si512(); }
 inline VF zero_f() { return _mm512_setzero_ps(); }
 inline VF to_float(VI v) { return _mm512_cvtepi32_ps(v); }
@@ -221,12 +223,15 @@ using VF = __m256;
 inline VI load_chunk(const uint8_t* p) { return _mm256_load_si256(reinterpret_cast<const __m256i*>(p)); }
 inline VI low_nibbles(VI raw) { return _mm256_and_si256(raw, _mm256_set1_epi8(0x0F)); }
 inline VI high_nibbles(VI raw) { return _mm256_and_si256(_mm256_srli_epi16(raw, 4), _mm256_set1_epi8(0x0F)); }
+// Without vpdpbusd a block's dot stays in int16 pairs (maddubs) until block_sums folds them: a pair is at most
+// 2 * 15 * 127 = 3810 and a block sums 8 of them per lane, 30480 < 2^15, so nothing saturates or wraps and the
+// int32 sums are vpdpbusd's.
 inline VI dot4(VI acc, VI w, const int8_t* x) {
   int32_t x4;
   std::memcpy(&x4, x, 4);
-  const __m256i products = _mm256_maddubs_epi16(w, _mm256_set1_epi32(x4));
-  return _mm256_add_epi32(acc, _mm256_madd_epi16(products, _mm256_set1_epi16(1)));
+  return _mm256_add_epi16(acc, _mm256_maddubs_epi16(w, _mm256_set1_epi32(x4)));
 }
+inline VI block_sums(VI dots) { return _mm256_madd_epi16(dots, _mm256_set1_epi16(1)); }
 inline VI zero_i() { return _mm256_setzero_si256(); }
 inline VF zero_f() { return _mm256_setzero_ps(); }
 inline VF to_float(VI v) { return _mm256_cvtepi32_ps(v); }
@@ -300,7 +305,7 @@ __attribute__((noinline)) void tile(const Problem& p, int64_t v, int64_t t0, boo
 #pragma GCC unroll 16
     for (int r = 0; r < NT; ++r) {
       const int64_t i = (t0 + r) * x.nb + b;
-      const VF scaled = fmadd(to_float(dots[r]), broadcast(&x.step[i]), broadcast(&x.centred_error[i]));
+      const VF scaled = fmadd(to_float(block_sums(dots[r])), broadcast(&x.step[i]), broadcast(&x.centred_error[i]));
       acc[r] = fmadd(m, broadcast(&x.sum[i]), fmadd(d, scaled, acc[r]));
     }
   }
@@ -351,10 +356,11 @@ struct MatMulQ4_1 {
     const std::vector<int64_t> qss = qs_info.GetShape(), ds = dm_info.GetShape();
     if (!valid_shapes(qss, ds)) return;
     shape_ = Shape{ds[0], ds[2]};
-    packed_ = pack_weights(qs.GetTensorData<uint8_t>(), reinterpret_cast<const uint16_t*>(dm.GetTensorData<Ort::Float16_t>()),
-                           shape_);
-    release_pages(qs.GetTensorData<uint8_t>(), qs_info.GetElementCount());
-    release_pages(dm.GetTensorData<Ort::Float16_t>(), dm_info.GetElementCount() * sizeof(uint16_t));
+    const uint8_t* nibbles = qs.GetTensorData<uint8_t>();
+    const uint16_t* steps = reinterpret_cast<const uint16_t*>(dm.GetTensorData<Ort::Float16_t>());
+    packed_ = pack_weights(nibbles, steps, shape_);
+    release_pages(nibbles, qs_info.GetElementCount());
+    release_pages(steps, dm_info.GetElementCount() * sizeof(uint16_t));
   }
 
   static bool valid_shapes(const std::vector<int64_t>& qss, const std::vector<int64_t>& ds) {
