@@ -109,3 +109,12 @@ def test_a_failed_compile_names_the_copies_and_leaves_nothing(tmp_path, monkeypa
     with pytest.raises(build_ops.BuildError, match=r"failed: avx2 \(exit 1\), avx512vnni \(exit 1\)"):
         build_ops.build(tmp_path / build_ops.LIBRARY_NAME, include=tmp_path, verbose=False)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_library_without_the_runtime_routines_is_refused_at_load(monkeypatch):
+    """The sampler's C routines are outside the engines' op ABI: a library built before one of them (today's
+    threaded sampler, say) must be refused by name when an engine loads, not crash the first sampled step."""
+    assert ops.check_abi() == ops.OP_LIBRARY_ABI  # this install's library has every routine
+    monkeypatch.setattr(ops, "_RUNTIME_SYMBOLS", (*ops._RUNTIME_SYMBOLS, "kiln_a_routine_from_the_future"))
+    with pytest.raises(ops.OpLibraryError, match="lacks kiln_a_routine_from_the_future .*rebuild it"):
+        ops.check_abi()
