@@ -38,6 +38,7 @@
 
 #include "matmul_q4_1.h"
 #include "shape_text.h"
+#include "simd.h"
 
 namespace kiln {
 namespace {
@@ -146,13 +147,6 @@ struct Int8Rows {
   }
 };
 
-inline float hsum8(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
-
 void quantize_row(const float* x, int64_t nb, int8_t* q, float* steps, float* sums, float* centred_errors) {
   const __m256 sign = _mm256_set1_ps(-0.f);
   const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);  // undoes packs' lane interleave
@@ -166,7 +160,7 @@ void quantize_row(const float* x, int64_t nb, int8_t* q, float* steps, float* su
     h = _mm_max_ss(h, _mm_movehdup_ps(h));
     const float step = _mm_cvtss_f32(h) / 127.f;
     const __m256 inv = _mm256_set1_ps(step > 0.f ? 1.f / step : 0.f);
-    const float sum = hsum8(_mm256_add_ps(_mm256_add_ps(v0, v1), _mm256_add_ps(v2, v3)));
+    const float sum = hsum(_mm256_add_ps(_mm256_add_ps(v0, v1), _mm256_add_ps(v2, v3)));
     constexpr int kRound = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;  // half to even, as np.rint
     const __m256i i0 = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v0, inv), kRound));
     const __m256i i1 = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v1, inv), kRound));
@@ -175,7 +169,7 @@ void quantize_row(const float* x, int64_t nb, int8_t* q, float* steps, float* su
     const __m256i isum = _mm256_add_epi32(_mm256_add_epi32(i0, i1), _mm256_add_epi32(i2, i3));
     steps[b] = step;
     sums[b] = sum;
-    centred_errors[b] = kCentre * (sum - step * hsum8(_mm256_cvtepi32_ps(isum)));
+    centred_errors[b] = kCentre * (sum - step * hsum(_mm256_cvtepi32_ps(isum)));
     const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(i0, i1), _mm256_packs_epi32(i2, i3));
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), _mm256_permutevar8x32_epi32(bytes, order));
   }
@@ -341,6 +335,10 @@ void run_item(const Problem& p, int64_t v_begin, int64_t v_end, int64_t t_begin,
       pass_rows<kPassRows>(p, v, t, std::min<int64_t>(kPassRows, t_end - t), once);
 }
 
+// The op's contract on its weights' shapes (kiln/matmul_q4_1.py), for the constructor and for Compute's errors.
+bool valid_dm(const std::vector<int64_t>& ds) { return ds.size() == 3 && ds[0] > 0 && ds[1] == 2 && ds[2] > 0; }
+std::vector<int64_t> qs_shape(const std::vector<int64_t>& ds) { return {ds[0], (ds[2] + 1) / 2, kPairBytes}; }
+
 struct MatMulQ4_1 {
   // Constant weights (every engine's) are repacked once, here; others on every call.
   MatMulQ4_1(const OrtApi*, const OrtKernelInfo* info) {
@@ -354,19 +352,14 @@ struct MatMulQ4_1 {
         dm_info.GetElementType() != ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16)
       return;  // Compute names the problem
     const std::vector<int64_t> qss = qs_info.GetShape(), ds = dm_info.GetShape();
-    if (!valid_shapes(qss, ds)) return;
-    shape_ = Shape{ds[0], ds[2]};
+    if (!valid_dm(ds) || qss != qs_shape(ds)) return;
     const uint8_t* nibbles = qs.GetTensorData<uint8_t>();
     const uint16_t* steps = reinterpret_cast<const uint16_t*>(dm.GetTensorData<Ort::Float16_t>());
-    packed_ = pack_weights(nibbles, steps, shape_);
+    packed_ = pack_weights(nibbles, steps, Shape{ds[0], ds[2]});
     release_pages(nibbles, qs_info.GetElementCount());
     release_pages(steps, dm_info.GetElementCount() * sizeof(uint16_t));
   }
 
-  static bool valid_shapes(const std::vector<int64_t>& qss, const std::vector<int64_t>& ds) {
-    if (ds.size() != 3 || ds[0] <= 0 || ds[1] != 2 || ds[2] <= 0) return false;
-    return qss == std::vector<int64_t>{ds[0], (ds[2] + 1) / 2, kPairBytes};
-  }
 
   Ort::Status Compute(OrtKernelContext* ctx, const Ort::Custom::Tensor<float>& x,
                       const Ort::Custom::Tensor<uint8_t>& qs, const Ort::Custom::Tensor<Ort::Float16_t>& dm,
@@ -387,12 +380,11 @@ struct MatMulQ4_1 {
     const std::vector<int64_t>& ds = dm.Shape();
     const std::vector<int64_t>& qss = qs.Shape();
     std::vector<int64_t> xs = x.Shape();
-    if (ds.size() != 3 || ds[0] <= 0 || ds[1] != 2 || ds[2] <= 0)
-      fail_q4("dm must be float16 [N, 2, nb] (rows d and m of each block), got " + shape_text(ds));
-    const int64_t N = ds[0], nb = ds[2], K = nb * kBlock, pairs = (nb + 1) / 2;
-    if (qss != std::vector<int64_t>{N, pairs, kPairBytes})
-      fail_q4("qs must be uint8 [N, ceil(nb / 2), 32] = " + shape_text({N, pairs, kPairBytes}) + " for dm " +
-              shape_text(ds) + ", got " + shape_text(qss));
+    if (!valid_dm(ds)) fail_q4("dm must be float16 [N, 2, nb] (rows d and m of each block), got " + shape_text(ds));
+    const int64_t N = ds[0], nb = ds[2], K = nb * kBlock;
+    if (qss != qs_shape(ds))
+      fail_q4("qs must be uint8 [N, ceil(nb / 2), 32] = " + shape_text(qs_shape(ds)) + " for dm " + shape_text(ds) +
+              ", got " + shape_text(qss));
     if (xs.empty() || xs.back() != K)
       fail_q4("x must be [..., K = " + std::to_string(K) + "] for dm " + shape_text(ds) + ", got " + shape_text(xs));
     if (bias != nullptr && bias->Shape() != std::vector<int64_t>{N})
@@ -435,8 +427,7 @@ struct MatMulQ4_1 {
     parallel_for_q4(ctx, static_cast<size_t>(channel_chunks * row_chunks), item);
   }
 
-  Shape shape_;
-  AlignedVector<uint8_t> packed_;
+  AlignedVector<uint8_t> packed_;  // the constant weights' records; empty: repacked per call
 };
 
 }  // namespace
