@@ -1,4 +1,4 @@
-"""Paired A/B of model-step time under several builds of the op library, in one process.
+"""Paired A/B of model-step time under several builds of the op library, or of the engine, in one process.
 
 This machine's speed drifts 10-30% within minutes, so two builds timed one after the other differ by more
 than most kernel changes do. Here every build gets its own ONNX Runtime session of the same engine graph,
@@ -16,7 +16,9 @@ prompt chunk. A short sleep before each block lets the previous session's pool t
         [--threads 2] [--blocks 40] [--steps 16]
 
 LIB: a libkiln_ops*.so, e.g. runtime/ops/libkiln_ops_avx512vnni.so copied aside before a change, and the
-rebuilt one.
+rebuilt one. `--engines DIR ...` adds sessions of other engine directories (the same inputs: e.g. the engine
+with one graph constant changed) on `--engines-library` (default: the first library), compared with the
+first session like the others.
 """
 
 from __future__ import annotations
@@ -51,17 +53,21 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("engine_dir", type=Path)
     parser.add_argument("libraries", nargs="+", help="op library builds; the first is the baseline")
+    parser.add_argument("--engines", type=Path, nargs="*", default=[],
+                        help="other engine dirs, each also measured on --engines-library")
+    parser.add_argument("--engines-library", help="the op library of --engines (default: the first library)")
     parser.add_argument("--batch", type=int, default=1, help="sequences decoding one token each a step")
     parser.add_argument("--chunk", type=int, default=0, help="instead: one sequence's prompt chunk of N tokens")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--blocks", type=int, default=40, help="rounds; each build runs one block a round")
     parser.add_argument("--steps", type=int, default=16, help="steps a block (its median is the block's time)")
     args = parser.parse_args()
-    if len(args.libraries) < 2:
+    engines_library = args.engines_library or args.libraries[0]
+    builds = [(args.engine_dir, lib) for lib in args.libraries] + [(d, engines_library) for d in args.engines]
+    if len(builds) < 2:
         parser.error("give at least two builds (the same one twice measures the noise)")
     num_sequences = max(args.batch, 1)
-    runners = [runner(args.engine_dir, lib, args.threads, num_sequences * BLOCKS_PER_SEQUENCE)
-               for lib in args.libraries]
+    runners = [runner(engine, lib, args.threads, num_sequences * BLOCKS_PER_SEQUENCE) for engine, lib in builds]
     span = BLOCKS_PER_SEQUENCE * runners[0].block_size  # tokens a sequence's block table holds
     if args.chunk > span or PROMPT_TOKENS + args.steps > span:
         parser.error(f"--chunk and {PROMPT_TOKENS} + --steps must fit the {span} tokens of a sequence's blocks")
@@ -90,9 +96,9 @@ def main() -> None:
             blocks[k].append(statistics.median(times) * 1e3)
     what = f"chunk of {args.chunk} tokens" if args.chunk else f"decode step, batch {args.batch}"
     print(f"{what}, {args.threads} threads, {args.blocks} rounds of {args.steps} steps ({args.engine_dir})")
-    for k, lib in enumerate(args.libraries):
+    for k, (engine, lib) in enumerate(builds):
         ratios = [t / base for t, base in zip(blocks[k], blocks[0], strict=True)]
-        print(f"  {lib}: median block {statistics.median(blocks[k]):.2f} ms "
+        print(f"  {engine if engine != args.engine_dir else lib}: median block {statistics.median(blocks[k]):.2f} ms "
               f"[{min(blocks[k]):.2f}-{max(blocks[k]):.2f}], vs the first {statistics.median(ratios):.3f} "
               f"[{min(ratios):.3f}-{max(ratios):.3f}]")
 

@@ -44,7 +44,8 @@ class EngineSession:
         self.block_table = list(range(-(-max_tokens // self.manifest.build.block_size)))
         self.runner = open_engine_runner(self.engine_dir, self.manifest, len(self.block_table), threads)
         self.tokenizer = Tokenizer.from_file(str(self.engine_dir / "tokenizer.json"))
-        # An int4-rescored head rescores only steps of few rows, the ones decoding makes: score with those.
+        # An int4-rescored head may rescore only steps of few rows (behind a MatMulNBits head, and int4-q4_1 engines
+        # built before session 19), the ones decoding makes: score with those.
         rescored = self.manifest.build.lm_head is LmHead.INT4_RESCORED
         self.logits_chunk = RESCORED_HEAD_MAX_ROWS if rescored else 128
 

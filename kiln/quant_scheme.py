@@ -30,9 +30,10 @@ class QuantMethod(Enum):
     W8A8_SMOOTHQUANT = "w8a8-smoothquant"
 
 
-# Steps of up to this many logits rows (a few streams, or one stream verifying 4 speculative tokens) take an
-# int4-rescored head's rescored path; larger steps, bound by arithmetic rather than bytes, its int8 head (measured
-# on SmolLM2: rescoring +3.5% output tok/s at 4 rows a step, -2.5% at 8; optimize/rescore_lm_head.py).
+# Behind a 4-bit MatMulNBits head (int4-rtn, int4-awq), steps of up to this many logits rows (a few streams, or one
+# stream verifying 4 speculative tokens) take an int4-rescored head's rescored path; larger steps, bound by
+# arithmetic rather than bytes, its int8 head (measured on SmolLM2: rescoring +3.5% output tok/s at 4 rows a step,
+# -2.5% at 8). int4-q4_1's head (kiln.MatMulQ4_1) is rescored at every step (optimize/rescore_lm_head.py).
 RESCORED_HEAD_MAX_ROWS = 5
 
 

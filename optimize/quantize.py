@@ -23,7 +23,7 @@ from pathlib import Path
 import onnx_ir as ir
 
 from kiln.errors import KilnError
-from kiln.quant_scheme import RESCORED_HEAD_MAX_ROWS, LmHead, QuantMethod, QuantScheme
+from kiln.quant_scheme import LmHead, QuantMethod, QuantScheme
 
 from .quant.graph import is_lm_head
 from .quantize_embedding import quantize_embedding
@@ -141,10 +141,10 @@ def quantize_model(model: ir.Model, scheme: QuantScheme, lm_head: LmHead = LmHea
         progress(f"  quantize_embedding: converted {embeddings} Gathers")
     if rescored is not None:
         try:
-            rescore_lm_head(model, rescored)
+            few_rows = rescore_lm_head(model, rescored)
         except ValueError as exc:
             raise QuantizationError(str(exc)) from exc
         if progress:
-            progress(f"  rescore_lm_head: up to {RESCORED_HEAD_MAX_ROWS} rows the int4 head's top {RESCORE_TOP_K} "
-                     "logits from the 8-bit table, above that the int8 head")
+            steps = "every step" if few_rows is None else f"steps of up to {few_rows} rows (the int8 head above)"
+            progress(f"  rescore_lm_head: the int4 head's top {RESCORE_TOP_K} logits from the 8-bit table, {steps}")
     return count

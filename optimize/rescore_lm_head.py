@@ -12,8 +12,12 @@ tokens are recomputed from an 8-bit table of the same weights, k rows of it per 
 (kiln/rescore_logits.py; it replaced TopK -> GatherBlockQuantized -> MatMul -> ScatterElements, ~6% of a
 single-stream step.)
 
-A step of more rows is bound by arithmetic, not bytes, and there the int4 kernel, the TopK and the gathers cost
-more than they save: an If on the row count sends it to the int8 per-channel head (`--lm-head int8`'s). For a tied
+With kiln.MatMulQ4_1 as the int4 head (int4-q4_1) every step is rescored, at any row count: its channels-in-lanes
+kernel is cheaper per product than the int8 MatMulNBits at any batch and the rows are rescored in parallel, so a
+batch of 32 decodes ~5-9% faster than with the int8 head (docs/design.md, "Session 19"), and a row's logits do not
+depend on how many rows share its step. Behind a 4-bit MatMulNBits head (int4-rtn, int4-awq) a step of more than
+RESCORED_HEAD_MAX_ROWS rows is bound by arithmetic, not bytes, and the int4 head costs more than it saves there: an
+If on the row count sends it to the int8 per-channel head (`--lm-head int8`'s). For a tied
 head the table is the embedding's (the 8-bit blocks of 32 that quantize_embedding made for the first Gather); an
 untied head gets its own. Capture the head's rows with `head_rows` before the scheme's pass quantizes the head,
 and call `rescore_lm_head` after quantize_embedding.
@@ -21,6 +25,7 @@ and call `rescore_lm_head` after quantize_embedding.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -91,11 +96,12 @@ def _table(model: ir.Model, rows: HeadRows) -> list[ir.Value]:
             initializer(model, "lm_head.rows.zero_points", table.zero_points)]
 
 
-def rescore_lm_head(model: ir.Model, rows: HeadRows, top_k: int = RESCORE_TOP_K,
-                    few_rows: int = RESCORED_HEAD_MAX_ROWS) -> None:
-    """Put an If on the number of logits rows in place of the (already int4) head: the rescored int4 head up to
-    few_rows rows, the int8 per-channel head above. Run after quantize_embedding (a tied table is then 8-bit)."""
+def rescore_lm_head(model: ir.Model, rows: HeadRows, top_k: int = RESCORE_TOP_K) -> int | None:
+    """Rescore the (already int4) head's top_k logits from the 8-bit table: at every step for a MatMulQ4_1 head,
+    else up to RESCORED_HEAD_MAX_ROWS rows with the int8 per-channel head above (an If). Returns that row limit,
+    None for every step. Run after quantize_embedding (a tied table is then 8-bit)."""
     head = _head_node(model)
+    few_rows = None if head.op_type == "MatMulQ4_1" else RESCORED_HEAD_MAX_ROWS
     hidden, approx = head.inputs[0], head.outputs[0]
     if top_k < 1:
         raise ValueError(f"top_k must be at least 1, not {top_k}")
@@ -105,41 +111,50 @@ def rescore_lm_head(model: ir.Model, rows: HeadRows, top_k: int = RESCORE_TOP_K,
                          f"{hidden_size} is not a multiple")
     top_k = min(top_k, vocab)  # a vocabulary smaller than k: every logit rescored
     data, scales, zero_points = _table(model, rows)
-    few = initializer(model, "lm_head.few_rows", np.array([few_rows], dtype=np.int64))
     readers = [(use.node, use.idx) for use in approx.uses()]
     was_output = approx.is_graph_output()
-    model.graph.remove(head)
-
-    def node(op: str, inputs: list[ir.Value], name: str, outputs: int = 1, domain: str = "",
-             **attributes) -> ir.Node:
-        made = ir.node(op, inputs, attributes, domain=domain, num_outputs=outputs, name=f"lm_head.{name}")
-        for i, value in enumerate(made.outputs):  # named: a subgraph's unnamed values clash with the graph's
-            value.name = f"lm_head.{name}" + (f".{i}" if i else "")
-        return made
 
     def typed(value: ir.Value) -> ir.Value:
         value.type, value.shape = approx.type, approx.shape
         return value
 
     ensure_opset(model, OP_DOMAIN)
-    rescore = node(RESCORE_OP, [approx, hidden, data, scales, zero_points], "rescore", domain=OP_DOMAIN, k=top_k)
-    rescored = ir.Graph([], [typed(rescore.outputs[0])], nodes=[head, rescore], name="lm_head.int4_rescored")
-    wide = make_matmul_nbits(model, hidden, per_channel_as_groups(rows.weight, 128), "lm_head.int8")  # the default
-    wide.outputs[0].name = "lm_head.int8"
-    int8 = ir.Graph([], [typed(wide.outputs[0])], nodes=[wide], name="lm_head.int8")
-
-    count = node("Shape", [hidden], "row_count", start=-2, end=-1)  # logits rows: [1, T, D] or [T, D]
-    many = node("Greater", [count.outputs[0], few], "many_rows")
-    many_scalar = node("Squeeze", [many.outputs[0]], "many_rows_scalar")
-    switch = node("If", [many_scalar.outputs[0]], "by_rows", then_branch=int8, else_branch=rescored)
-    logits = typed(switch.outputs[0])
-    model.graph.extend([count, many, many_scalar, switch])
+    rescore = _node(RESCORE_OP, [approx, hidden, data, scales, zero_points], "rescore", domain=OP_DOMAIN, k=top_k)
+    if few_rows is None:
+        logits = typed(rescore.outputs[0])
+        model.graph.insert_after(head, rescore)
+    else:
+        model.graph.remove(head)
+        rescored = ir.Graph([], [typed(rescore.outputs[0])], nodes=[head, rescore], name="lm_head.int4_rescored")
+        logits = typed(_by_rows(model, hidden, few_rows, rescored, rows, typed))
     for reader, index in readers:
         reader.replace_input_with(index, logits)
     name = approx.name
     approx.name = f"{name}.int4"
     logits.name = name
-    if was_output:  # the head wrote the logits output itself: the If takes its place
+    if was_output:  # the head wrote the logits output itself: the rescored logits take its place
         outputs = model.graph.outputs
         outputs[outputs.index(approx)] = logits
     model.graph.sort()
+    return few_rows
+
+
+def _node(op: str, inputs: list[ir.Value], name: str, domain: str = "", **attributes) -> ir.Node:
+    made = ir.node(op, inputs, attributes, domain=domain, name=f"lm_head.{name}")
+    made.outputs[0].name = f"lm_head.{name}"  # named: a subgraph's unnamed values clash with the graph's
+    return made
+
+
+def _by_rows(model: ir.Model, hidden: ir.Value, few_rows: int, rescored: ir.Graph, rows: HeadRows,
+             typed: Callable[[ir.Value], ir.Value]) -> ir.Value:
+    """An If on the step's logits rows: the rescored head up to few_rows, the int8 per-channel head above."""
+    few = initializer(model, "lm_head.few_rows", np.array([few_rows], dtype=np.int64))
+    wide = make_matmul_nbits(model, hidden, per_channel_as_groups(rows.weight, 128), "lm_head.int8")  # the default
+    wide.outputs[0].name = "lm_head.int8"
+    int8 = ir.Graph([], [typed(wide.outputs[0])], nodes=[wide], name="lm_head.int8")
+    count = _node("Shape", [hidden], "row_count", start=-2, end=-1)  # logits rows: [1, T, D] or [T, D]
+    many = _node("Greater", [count.outputs[0], few], "many_rows")
+    many_scalar = _node("Squeeze", [many.outputs[0]], "many_rows_scalar")
+    switch = _node("If", [many_scalar.outputs[0]], "by_rows", then_branch=int8, else_branch=rescored)
+    model.graph.extend([count, many, many_scalar, switch])
+    return switch.outputs[0]

@@ -37,6 +37,7 @@
 #include <vector>
 
 #include "matmul_q4_1.h"
+#include "parallel_for.h"
 #include "shape_text.h"
 #include "simd.h"
 
@@ -58,13 +59,6 @@ constexpr int64_t kParallelQuantize = 1 << 15;  // activation elements from whic
 
 [[noreturn]] void fail_q4(const std::string& msg) {
   throw Ort::Exception("kiln.MatMulQ4_1: " + msg, ORT_INVALID_ARGUMENT);
-}
-
-template <typename F>
-void parallel_for_q4(OrtKernelContext* ctx, size_t n, F& f) {
-  if (n == 0) return;
-  if (n == 1) return f(0);
-  Ort::KernelContext(ctx).ParallelFor([](void* fn, size_t i) { (*static_cast<F*>(fn))(i); }, n, 0, &f);
 }
 
 // std::vector's storage on 64-byte boundaries: a record's chunks are whole cache lines.
@@ -411,7 +405,7 @@ struct MatMulQ4_1 {
       quantize_row(xd + t * K, nb, rows.q.data() + t * K, rows.step.data() + t * nb, rows.sum.data() + t * nb,
                    rows.centred_error.data() + t * nb);
     };
-    if (T * K >= kParallelQuantize) parallel_for_q4(ctx, T, quantize);
+    if (T * K >= kParallelQuantize) parallel_for(ctx, T, quantize);
     else for (int64_t t = 0; t < T; ++t) quantize(t);
 
     const Problem p{w, bias ? bias->Data() : nullptr, &rows, out, N, nb, shape.group_bytes()};
@@ -424,7 +418,7 @@ struct MatMulQ4_1 {
       run_item(p, c * vectors_per_item, std::min(vectors, (c + 1) * vectors_per_item), r * kRowsPerItem,
                std::min(T, (r + 1) * kRowsPerItem));
     };
-    parallel_for_q4(ctx, static_cast<size_t>(channel_chunks * row_chunks), item);
+    parallel_for(ctx, static_cast<size_t>(channel_chunks * row_chunks), item);
   }
 
   AlignedVector<uint8_t> packed_;  // the constant weights' records; empty: repacked per call

@@ -30,6 +30,7 @@
 #include <vector>
 
 #include "matmul_q4_1.h"
+#include "parallel_for.h"
 #include "rescore_logits.h"
 #include "swiglu.h"
 #include "simd.h"
@@ -346,13 +347,6 @@ int64_t plan(const Problem<KvT>& p, int64_t num_seqs, bool serial, std::vector<W
   }
   std::stable_sort(items.begin(), items.end(), [](const WorkItem& a, const WorkItem& b) { return a.cost > b.cost; });
   return partial_rows;
-}
-
-template <typename F>
-void parallel_for(OrtKernelContext* ctx, size_t n, F& f) {
-  if (n == 0) return;
-  if (n == 1) return f(0);
-  Ort::KernelContext(ctx).ParallelFor([](void* fn, size_t i) { (*static_cast<F*>(fn))(i); }, n, 0, &f);
 }
 
 // ---------------------------------------------------------------- the op

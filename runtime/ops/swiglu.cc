@@ -20,6 +20,7 @@
 #include <string>
 #include <vector>
 
+#include "parallel_for.h"
 #include "shape_text.h"
 #include "simd.h"
 #include "swiglu.h"
@@ -59,12 +60,6 @@ void swiglu_row(const float* x, float* y, int64_t F) {
   }
 }
 
-struct Rows {
-  const float* x;
-  float* y;
-  int64_t F, rows, rows_per_item;
-};
-
 struct SwiGLU {
   SwiGLU(const OrtApi*, const OrtKernelInfo*) {}
 
@@ -96,16 +91,11 @@ struct SwiGLU {
       return;
     }
     const int64_t per_item = std::max<int64_t>(1, kItemElements / F);
-    Rows work{in, out, F, rows, per_item};
-    const size_t items = static_cast<size_t>((rows + per_item - 1) / per_item);
-    Ort::KernelContext(ctx).ParallelFor(
-        [](void* data, size_t item) {
-          const Rows& w = *static_cast<const Rows*>(data);
-          const int64_t end = std::min(w.rows, (static_cast<int64_t>(item) + 1) * w.rows_per_item);
-          for (int64_t r = static_cast<int64_t>(item) * w.rows_per_item; r < end; ++r)
-            swiglu_row(w.x + r * 2 * w.F, w.y + r * w.F, w.F);
-        },
-        items, 0, &work);
+    auto item = [&](size_t i) {
+      const int64_t end = std::min(rows, (static_cast<int64_t>(i) + 1) * per_item);
+      for (int64_t r = static_cast<int64_t>(i) * per_item; r < end; ++r) swiglu_row(in + r * 2 * F, out + r * F, F);
+    };
+    parallel_for(ctx, static_cast<size_t>((rows + per_item - 1) / per_item), item);
   }
 };
 

@@ -215,15 +215,18 @@ def test_int4_lm_head_on_request():
     assert_computes(model, forward(w, up, down, head))
 
 
+@pytest.mark.parametrize("kernel", ["MatMulNBits", "MatMulQ4_1"])
 @pytest.mark.parametrize("tied", [True, False])
-def test_int4_rescored_lm_head_recomputes_its_top_k_from_the_8_bit_table(tied):
-    """--lm-head int4-rescored: up to few_rows rows, the int4 head's logits everywhere but its top k, those
-    recomputed from the head's 8-bit blocks (a tied head: the embedding Gather's own table); above, the int8
-    head."""
+def test_int4_rescored_lm_head_recomputes_its_top_k_from_the_8_bit_table(tied, kernel):
+    """--lm-head int4-rescored: the int4 head's logits everywhere but its top k, those recomputed from the head's
+    8-bit blocks (a tied head: the embedding Gather's own table). A MatMulQ4_1 head (int4-q4_1) is rescored at
+    every row count; behind a 4-bit MatMulNBits head, steps of more than RESCORED_HEAD_MAX_ROWS rows take the
+    int8 head instead (an If)."""
     from kiln.optimize.quantize_embedding import quantize_embedding
     from kiln.optimize.rescore_lm_head import head_rows, rescore_lm_head
+    from kiln.quant_scheme import RESCORED_HEAD_MAX_ROWS
 
-    top_k, few_rows = 8, 6
+    top_k = 8
     model, w = tiny_graph()
     weight = w["embed"]
     if not tied:  # the head reads its own [H, V] initializer
@@ -232,25 +235,35 @@ def test_int4_rescored_lm_head_recomputes_its_top_k_from_the_8_bit_table(tied):
         head.replace_input_with(1, initializer(model, "head_t", np.ascontiguousarray(weight.T)))
     rows = head_rows(model)
     assert rows.source == ("embed" if tied else "head_t") and np.array_equal(rows.weight, weight)
-    assert quantize_int4(model, group_size=32, int4_lm_head=True) == 3
+    matrices = {"up": w["up"], "down": w["down"], "head": weight}
+    if kernel == "MatMulQ4_1":
+        assert quantize_q4_1_pass(model, int4_lm_head=True) == 3
+        few_rows = None
+        linear = lambda x, name: q4_1_linear(x, matrices[name])  # noqa: E731
+    else:
+        assert quantize_int4(model, group_size=32, int4_lm_head=True) == 3
+        few_rows = RESCORED_HEAD_MAX_ROWS
+        int4 = {name: rtn.quantize_groupwise(m, 4, 32).dequantize() for name, m in matrices.items()}
+        linear = lambda x, name: x @ int4[name].T  # noqa: E731
     assert quantize_embedding(model) == 1
-    rescore_lm_head(model, rows, top_k, few_rows)
+    assert rescore_lm_head(model, rows, top_k) == few_rows
     embedding = next(n for n in model.graph if n.op_type == "GatherBlockQuantized")
-    switch = next(n for n in model.graph if n.op_type == "If")
-    rescore = next(n for n in switch.attributes["else_branch"].as_graph() if n.op_type == "RescoreLogits")
+    switches = [n for n in model.graph if n.op_type == "If"]
+    assert len(switches) == (few_rows is not None)
+    graph = switches[0].attributes["else_branch"].as_graph() if switches else model.graph
+    rescore = next(n for n in graph if n.op_type == "RescoreLogits")
     assert rescore.attributes["k"].as_int() == top_k
     assert (rescore.inputs[2] is embedding.inputs[0]) == tied  # a tied head's table is the embedding's
     assert [v.name for v in model.graph.outputs] == ["logits"]
-    up, down, head4 = (rtn.quantize_groupwise(x, 4, 32).dequantize() for x in (w["up"], w["down"], weight))
     embed = rtn.quantize_groupwise(w["embed"], 8, 32).dequantize().astype(np.float64)
     table = rtn.quantize_groupwise(weight, 8, 32).dequantize().astype(np.float64)
-    for ids in (IDS[:few_rows], IDS[:1], IDS):
+    for ids in (IDS[:RESCORED_HEAD_MAX_ROWS], IDS[:1], IDS):
         h = embed[ids]
-        r = np.maximum(h @ up.T + w["up_bias"], 0) @ down.T + h
-        if len(ids) > few_rows:
+        r = linear(np.maximum(linear(h, "up") + w["up_bias"], 0), "down") + h
+        if few_rows is not None and len(ids) > few_rows:
             reference = r @ rtn.per_channel_as_groups(weight, 128).dequantize().T  # --lm-head int8's head
         else:
-            reference = r @ head4.T
+            reference = linear(r, "head")
             top = np.argsort(-reference, axis=-1)[:, :top_k]
             np.put_along_axis(reference, top, np.einsum("td,tkd->tk", r, table[top]), axis=-1)
         np.testing.assert_allclose(run(model, ids, fp32_kernels=True), reference, rtol=0,

@@ -24,9 +24,10 @@ def table(vocab: int, width: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray
     return data, scales, zero_points
 
 
-def run(approx: np.ndarray, hidden: np.ndarray, tables, k: int) -> np.ndarray:
+def run(approx: np.ndarray, hidden: np.ndarray, tables, k: int, threads: int = 1) -> np.ndarray:
     data, scales, zero_points = tables
     so = ort.SessionOptions()
+    so.intra_op_num_threads = threads  # rows are spread over the pool's threads
     so.register_custom_ops_library(LIBRARY)
     model = make_single_op_model(k, rank=approx.ndim)
     sess = ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
@@ -56,22 +57,35 @@ def test_top_k_ids_break_ties_towards_the_lower_id_and_skip_nan():
     assert sorted(top_k_ids(row, 10).tolist()) == [0, 1, 3, 4, 5, 6]
 
 
+@pytest.mark.parametrize("threads", [1, 3])
 @pytest.mark.parametrize("shape, k", [((1, 49152), 256), ((5, 49152), 256), ((2, 3, 1000), 7), ((1, 64), 64),
                                       ((1, 100), 150), ((3, 130), 1), ((4, 2000), 40)])
-def test_kernel_matches_reference(shape, k):
+def test_kernel_matches_reference(shape, k, threads):
     """SmolLM2's head (V = 49,152, D = 576, k = 256) and small ones: k under, at and past the vocabulary,
-    vocabularies that are and are not a multiple of the kernel's group of 64, ranks 2 and 3."""
+    vocabularies that are and are not a multiple of the kernel's group of 64, ranks 2 and 3; rows on one
+    thread and spread over three."""
     vocab, width = shape[-1], 576 if shape[-1] == 49152 else 96
     tables = table(vocab, width, seed=vocab)
     rng = np.random.default_rng(k)
     approx = (rng.standard_normal(shape) * 3).astype(np.float32)
     hidden = rng.standard_normal((*shape[:-1], width)).astype(np.float32)
-    out = run(approx, hidden, tables, k)
+    out = run(approx, hidden, tables, k, threads)
     assert out.shape == approx.shape and out.dtype == np.float32
     expected = rescore_logits_ref(approx, hidden, *tables, k)
     np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-5 * np.abs(expected).max())
     changed = (out != approx).reshape(-1, vocab).sum(axis=1)
     assert (changed == min(k, vocab)).all()  # exactly k logits of each row rescored (random rows never match)
+
+
+def test_rows_are_the_same_on_any_number_of_threads():
+    """A batch's rows are rescored in parallel (one row a task): each row's bits are those of one thread."""
+    tables = table(49152, 576, seed=3)
+    rng = np.random.default_rng(3)
+    approx = (rng.standard_normal((32, 49152)) * 3).astype(np.float32)
+    hidden = rng.standard_normal((32, 576)).astype(np.float32)
+    one = run(approx, hidden, tables, 256, threads=1)
+    np.testing.assert_array_equal(run(approx, hidden, tables, 256, threads=4), one)
+    np.testing.assert_array_equal(run(approx[7:8], hidden[7:8], tables, 256), one[7:8])
 
 
 def test_ties_at_the_kth_value_and_non_finite_logits_follow_the_reference():
