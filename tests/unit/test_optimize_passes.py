@@ -138,10 +138,13 @@ def test_select_logits(raw_graph):
     fuse_rmsnorm(after)
     assert select_logits(after) == 1
     assert after.graph.outputs[0].name == contract.LOGITS
-    # the gather sits before the final norm, so the norm and the LM head see only those rows
-    final_norm = after.graph.outputs[0].producer().inputs[0].producer().inputs[0].producer()
-    assert final_norm.op_type == "SimplifiedLayerNormalization"
-    assert final_norm.inputs[0].producer().op_type == "Gather"
+    # the gather sits before the final norm, so the norm and the LM head see only those rows, squeezed to
+    # [L, D] there: the head writes the logits output itself (no Squeeze copying [L, V] after it)
+    head = after.graph.outputs[0].producer()
+    final_norm = head.inputs[0].producer()
+    assert head.op_type == "MatMul" and final_norm.op_type == "SimplifiedLayerNormalization"
+    squeeze = final_norm.inputs[0].producer()
+    assert squeeze.op_type == "Squeeze" and squeeze.inputs[0].producer().op_type == "Gather"
     feeds = feeds_2d(vocab_of(before))
     rows = np.array([T - 1, 0, 5], dtype=np.int64)
     full = run(before, feeds)[0]
