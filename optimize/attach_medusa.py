@@ -86,15 +86,10 @@ def attach_hidden(model: ir.Model) -> None:
     _, _, _, split_x = _gather_medusa_rows(graph, gather, norm)
     x_l, x_m = split_x.outputs
     head.replace_input_with(0, x_l)
-    gather.outputs[0].shape = ir.Shape([1, "num_logits_and_medusa", hidden])
-    split_x.inputs[0].shape = ir.Shape(["num_logits_and_medusa", hidden])
-    x_l.shape = ir.Shape(["num_logits", hidden])
-    for value in split_x.outputs:
-        value.type = split_x.inputs[0].type
+    _restate_rows(gather, split_x, hidden)
     out = x_m
     out.name = contract.MEDUSA_HIDDEN
     out.type = ir.TensorType(ir.DataType.FLOAT)
-    out.shape = ir.Shape(["num_medusa", hidden])
     graph.outputs.insert(1, out)
 
 
@@ -140,15 +135,20 @@ def _logits_chain(graph: ir.Graph) -> tuple[ir.Node, ir.Node, ir.Node]:
     return head, norm, gather
 
 
-def _restate_shapes(gather: ir.Node, head: ir.Node, split_x: ir.Node, split_out: ir.Node, hidden: int,
-                    vocab: int) -> None:
-    """Rows between the Gather and the outputs are symbolic: L + M, L, M, L + M*K."""
+def _restate_rows(gather: ir.Node, split_x: ir.Node, hidden: int) -> None:
+    """The gathered rows are symbolic: L + M, split into L and M after the final norm."""
     gather.outputs[0].shape = ir.Shape([1, "num_logits_and_medusa", hidden])
     split_x.inputs[0].shape = ir.Shape(["num_logits_and_medusa", hidden])  # the final norm's output
     split_x.outputs[0].shape = ir.Shape(["num_logits", hidden])
     split_x.outputs[1].shape = ir.Shape(["num_medusa", hidden])
     for value in split_x.outputs:
         value.type = split_x.inputs[0].type
+
+
+def _restate_shapes(gather: ir.Node, head: ir.Node, split_x: ir.Node, split_out: ir.Node, hidden: int,
+                    vocab: int) -> None:
+    """Rows between the Gather and the outputs are symbolic: L + M, L, M, L + M*K."""
+    _restate_rows(gather, split_x, hidden)
     head.outputs[0].shape = ir.Shape(["num_logits_and_heads", vocab])
     split_out.outputs[0].shape = ir.Shape(["num_logits", vocab])
     split_out.outputs[1].shape = ir.Shape(["num_medusa_heads", vocab])

@@ -25,7 +25,6 @@ and call `rescore_lm_head` after quantize_embedding.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -113,20 +112,16 @@ def rescore_lm_head(model: ir.Model, rows: HeadRows, top_k: int = RESCORE_TOP_K)
     data, scales, zero_points = _table(model, rows)
     readers = [(use.node, use.idx) for use in approx.uses()]
     was_output = approx.is_graph_output()
-
-    def typed(value: ir.Value) -> ir.Value:
-        value.type, value.shape = approx.type, approx.shape
-        return value
-
     ensure_opset(model, OP_DOMAIN)
     rescore = _node(RESCORE_OP, [approx, hidden, data, scales, zero_points], "rescore", domain=OP_DOMAIN, k=top_k)
     if few_rows is None:
-        logits = typed(rescore.outputs[0])
+        logits = _like(rescore.outputs[0], approx)
         model.graph.insert_after(head, rescore)
     else:
         model.graph.remove(head)
-        rescored = ir.Graph([], [typed(rescore.outputs[0])], nodes=[head, rescore], name="lm_head.int4_rescored")
-        logits = typed(_by_rows(model, hidden, few_rows, rescored, rows, typed))
+        rescored = ir.Graph([], [_like(rescore.outputs[0], approx)], nodes=[head, rescore],
+                            name="lm_head.int4_rescored")
+        logits = _like(_by_rows(model, hidden, approx, few_rows, rescored, rows), approx)
     for reader, index in readers:
         reader.replace_input_with(index, logits)
     name = approx.name
@@ -145,13 +140,19 @@ def _node(op: str, inputs: list[ir.Value], name: str, domain: str = "", **attrib
     return made
 
 
-def _by_rows(model: ir.Model, hidden: ir.Value, few_rows: int, rescored: ir.Graph, rows: HeadRows,
-             typed: Callable[[ir.Value], ir.Value]) -> ir.Value:
+def _like(value: ir.Value, approx: ir.Value) -> ir.Value:
+    """value typed and shaped as the int4 head's logits, which every head here replaces."""
+    value.type, value.shape = approx.type, approx.shape
+    return value
+
+
+def _by_rows(model: ir.Model, hidden: ir.Value, approx: ir.Value, few_rows: int, rescored: ir.Graph,
+             rows: HeadRows) -> ir.Value:
     """An If on the step's logits rows: the rescored head up to few_rows, the int8 per-channel head above."""
     few = initializer(model, "lm_head.few_rows", np.array([few_rows], dtype=np.int64))
     wide = make_matmul_nbits(model, hidden, per_channel_as_groups(rows.weight, 128), "lm_head.int8")  # the default
     wide.outputs[0].name = "lm_head.int8"
-    int8 = ir.Graph([], [typed(wide.outputs[0])], nodes=[wide], name="lm_head.int8")
+    int8 = ir.Graph([], [_like(wide.outputs[0], approx)], nodes=[wide], name="lm_head.int8")
     count = _node("Shape", [hidden], "row_count", start=-2, end=-1)  # logits rows: [1, T, D] or [T, D]
     many = _node("Greater", [count.outputs[0], few], "many_rows")
     many_scalar = _node("Squeeze", [many.outputs[0]], "many_rows_scalar")

@@ -149,10 +149,7 @@ void quantize_row(const float* x, int64_t nb, int8_t* q, float* steps, float* su
     const __m256 v2 = _mm256_loadu_ps(x + 16), v3 = _mm256_loadu_ps(x + 24);
     const __m256 amax = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v0), _mm256_andnot_ps(sign, v1)),
                                       _mm256_max_ps(_mm256_andnot_ps(sign, v2), _mm256_andnot_ps(sign, v3)));
-    __m128 h = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
-    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
-    h = _mm_max_ss(h, _mm_movehdup_ps(h));
-    const float step = _mm_cvtss_f32(h) / 127.f;
+    const float step = hmax(amax) / 127.f;
     const __m256 inv = _mm256_set1_ps(step > 0.f ? 1.f / step : 0.f);
     const float sum = hsum(_mm256_add_ps(_mm256_add_ps(v0, v1), _mm256_add_ps(v2, v3)));
     constexpr int kRound = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;  // half to even, as np.rint
@@ -353,7 +350,6 @@ struct MatMulQ4_1 {
     release_pages(nibbles, qs_info.GetElementCount());
     release_pages(steps, dm_info.GetElementCount() * sizeof(uint16_t));
   }
-
 
   Ort::Status Compute(OrtKernelContext* ctx, const Ort::Custom::Tensor<float>& x,
                       const Ort::Custom::Tensor<uint8_t>& qs, const Ort::Custom::Tensor<Ort::Float16_t>& dm,

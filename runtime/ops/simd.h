@@ -27,6 +27,13 @@ inline float hsum(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
+// The largest of v's lanes (max_ps order: on a NaN lane the result depends on the lane's place).
+inline float hmax(__m256 v) {
+  __m128 h = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+  return _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
+}
+
 // [sum(a), sum(b), sum(c), sum(d)]
 inline __m128 hsum4(__m256 a, __m256 b, __m256 c, __m256 d) {
   const __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
@@ -189,9 +196,7 @@ inline float max_of(const float* s, int n) {
   if (n >= 8) {
     __m256 m = _mm256_loadu_ps(s);
     for (j = 8; j + 8 <= n; j += 8) m = _mm256_max_ps(m, _mm256_loadu_ps(s + j));
-    __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
-    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
-    mx = _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
+    mx = hmax(m);
   }
   for (; j < n; ++j) mx = std::max(mx, s[j]);
   return mx;
