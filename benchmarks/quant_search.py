@@ -1,5 +1,5 @@
 """Fake-quant perplexity per domain on the corpus's VALIDATION split: the harness the int4 choices
-were made with (never the evaluation split, which only `kiln eval` reads for the README).
+were made with (never the evaluation split, which only `kiln eval` reads for RESULTS.md).
 
 The PyTorch reference model with the weights exactly as a build would quantize them (artifact folded,
 clipped and norm-tuned by `apply_artifact`; decoder linears int4 RTN group-wise, or int8 per channel
