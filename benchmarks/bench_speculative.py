@@ -1,4 +1,4 @@
-"""Speculative decoding against plain decoding on one engine, in one sitting, interleaved.
+"""Speculative decoding against plain decoding on one engine, in one run, interleaved.
 
 Workload (`--workload`): `grounded`, input-grounded chat requests (rewrite, quote or summarise a given
 passage; edit given code), or `open`, open chat questions (the Medusa training's held-out CHAT_QUESTIONS,

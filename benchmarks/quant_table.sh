@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The README's quantization table, end to end, with the default commands: calibrate (mixed corpus),
+# benchmarks/RESULTS.md's quantization table, end to end, with the default commands: calibrate (mixed corpus),
 # build every engine of the table, `kiln eval` each against fp32 (16 x 512 tokens per domain),
 # then benchmarks/quant_table.py. Long on a small machine: an hour or more on 2 idle cores.
 #   bash benchmarks/quant_table.sh [OUT_DIR]        (default: engines/quant-table)

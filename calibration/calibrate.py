@@ -23,7 +23,7 @@ from .windows import domain_windows
 Progress = Callable[[str], None]
 ROUNDINGS = ("gptq", "rtn")
 # AWQ's default int8 fallback: one decoder unit in FALLBACK_SHARE (sensitivity.units: q/k/v, o, gate/up,
-# down per layer) stays int8, chosen on the validation split (docs/quantization-notes.md, session 10)
+# down per layer) stays int8, chosen on the validation split (docs/quantization.md, "int4 AWQ")
 FALLBACK_SHARE = 4
 
 

@@ -45,7 +45,7 @@ class EngineSession:
         self.runner = open_engine_runner(self.engine_dir, self.manifest, len(self.block_table), threads)
         self.tokenizer = Tokenizer.from_file(str(self.engine_dir / "tokenizer.json"))
         # An int4-rescored head may rescore only steps of few rows (behind a MatMulNBits head, and int4-q4_1 engines
-        # built before session 19), the ones decoding makes: score with those.
+        # built before their head was rescored at every step), the ones decoding makes: score with those.
         rescored = self.manifest.build.lm_head is LmHead.INT4_RESCORED
         self.logits_chunk = RESCORED_HEAD_MAX_ROWS if rescored else 128
 

@@ -1,4 +1,4 @@
-"""What tree verification would give a set of Medusa heads, estimated from their scored rows (issue 11).
+"""What tree verification would give a set of Medusa heads, estimated from their scored rows.
 
 Not built: a tree needs a tree-shaped attention mask in the verification step, which kiln.PagedAttention
 does not take. This module measures what it would be worth before anyone changes that contract.

@@ -37,8 +37,8 @@ RUNTIME_FRONT_ENDS = ("kiln.runtime.server", "kiln.runtime.bench", "kiln.runtime
 # has its batch types). Never the policy core (engine, scheduler, block manager, sampler, ...).
 RUNTIME_API = {"kiln.runtime", "kiln.runtime.params", "kiln.runtime.ops", "kiln.runtime.loader",
                "kiln.runtime.model_runner"}
-# calibration/evaluate.py's EngineSession still builds its OrtModelRunner itself; issue 15 item 1
-# opens it through the loader instead. Then delete this entry: the test fails while one is unused.
+# calibration/evaluate.py's EngineSession still builds its OrtModelRunner itself; opening it
+# through the loader instead removes this. Then delete this entry: the test fails while one is unused.
 RUNTIME_INTERNALS_IN_USE: dict[str, set[str]] = {}
 # Packages only the compile extra installs: nothing the runtime loads imports them.
 COMPILE_ONLY = {"torch", "transformers", "safetensors", "gguf", "onnx", "onnxscript", "onnx_ir", "tqdm"}
