@@ -38,7 +38,8 @@ def medusa_engine(tmp_path_factory, tiny_model_dir, medusa_dir):
     from kiln.optimize.build import build_engine
 
     out = tmp_path_factory.mktemp("medusa-engine") / "engine"
-    build_engine(tiny_model_dir, out, BuildOptions(medusa=medusa_dir), progress=lambda _m: None)
+    # float32 KV, as tiny_engine's: held to the torch heads and to the plain engine's logits
+    build_engine(tiny_model_dir, out, BuildOptions(kv_dtype="float32", medusa=medusa_dir), progress=lambda _m: None)
     return out
 
 
@@ -229,7 +230,7 @@ def hydra_engine(tmp_path_factory, tiny_model_dir):
             "model_source": checkpoint.source, "model_fingerprint": checkpoint.fingerprint()}
     heads = MedusaArtifact(heads.state(), info).save(tmp_path_factory.mktemp("hydra") / "heads")
     out = tmp_path_factory.mktemp("hydra-engine") / "engine"
-    build_engine(tiny_model_dir, out, BuildOptions(medusa=heads), progress=lambda _m: None)
+    build_engine(tiny_model_dir, out, BuildOptions(kv_dtype="float32", medusa=heads), progress=lambda _m: None)
     return out
 
 
