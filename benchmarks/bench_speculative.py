@@ -74,7 +74,7 @@ def clock(kind: str) -> Callable[[], float]:
 
 
 def open_questions() -> list[str]:
-    from kiln.calibration.medusa_data import CHAT_QUESTIONS
+    from kiln.heads.medusa_data import CHAT_QUESTIONS
 
     return list(CHAT_QUESTIONS[::3])  # 8 of the 24
 

@@ -42,8 +42,8 @@ def simulated_weights(weights: dict[str, torch.Tensor], group_size: int, int8: l
 def validation_windows(checkpoint, count: int, window: int = 512, split: str = "validation") -> dict[str, list]:
     from tokenizers import Tokenizer
 
-    from kiln.calibration.windows import domain_windows
     from kiln.chat_template import ChatTemplate
+    from kiln.corpus.windows import domain_windows
 
     tok = Tokenizer.from_str(checkpoint.tokenizer.tokenizer_json)
     template = ChatTemplate(checkpoint.tokenizer.tokenizer_config)

@@ -13,12 +13,13 @@ from typing import Any
 
 import torch
 
+from kiln import corpus as text_corpus
+from kiln.corpus.windows import domain_windows
+
 from . import awq, gptq, norm_tuning, sensitivity, smoothquant
-from . import corpus as text_corpus
 from .artifact import METHODS, CalibrationArtifact, CalibrationError, apply_artifact
 from .collect import collect, token_windows
 from .smoothing import smooth_groups
-from .windows import domain_windows
 
 Progress = Callable[[str], None]
 ROUNDINGS = ("gptq", "rtn")

@@ -282,7 +282,7 @@ def _kv_scales(checkpoint, calibration: Path | None, say: Progress):
 def _medusa_heads(checkpoint, medusa: Path, say: Progress):
     """The artifact's heads, checked against the checkpoint they will read (before any scales are folded:
     the folding leaves the final hidden state unchanged, so the heads fit every weight scheme)."""
-    from kiln.calibration.medusa_heads import MedusaArtifact, MedusaError
+    from kiln.heads.medusa_heads import MedusaArtifact, MedusaError
 
     try:
         artifact = MedusaArtifact.load(medusa)

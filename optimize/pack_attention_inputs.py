@@ -60,7 +60,8 @@ def _pack(model: ir.Model, node: ir.Node) -> bool:
     node.replace_input_with(1, empty)
     node.replace_input_with(2, empty)
     if unflatten is not None:
-        node.outputs[0].shape = unflatten.outputs[0].shape
+        # the op's output takes the Reshape's type with its shape: a shape without a type is not serialized
+        node.outputs[0].type, node.outputs[0].shape = unflatten.outputs[0].type, unflatten.outputs[0].shape
         ir.convenience.replace_all_uses_with(unflatten.outputs[0], node.outputs[0])
         if not unflatten.outputs[0].is_graph_output():  # else the (now no-op) Reshape stays as its producer
             model.graph.remove(unflatten, safe=True)

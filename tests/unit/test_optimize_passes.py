@@ -338,6 +338,8 @@ def test_pack_attention_inputs(raw_graph, tmp_path):
                 assert [v.name for v in node.inputs[1:3]] == [PACKED_QKV, PACKED_QKV]
                 assert node.inputs[0].producer().op_type == "MatMul"  # the fused QKV projection
                 assert [u.node.op_type for u in node.outputs[0].uses()] == ["MatMul"]  # the o projection
+                # typed with its shape: onnx_ir skips (and logs) a value's shape when its type is unknown
+                assert node.outputs[0].type == ir.TensorType(ir.DataType.FLOAT) and node.outputs[0].shape is not None
                 assert pack_attention_inputs(model) == 0  # nothing left to pack
         drivers.append(paged_driver(model, tmp_path, f"model{pack}"))
     assert_same_logits(raw_graph, drivers, seed=3)
