@@ -164,11 +164,13 @@ def main() -> None:
                                                             enable_prefix_caching=False))
                for name, spec in methods.items()}
     for name, rows in medusa_rows.items():
-        if isinstance(engines[name].proposer, MedusaProposer):  # hydra heads' states cost nothing per row
+        speculator = engines[name].speculator
+        # Medusa heads only: hydra heads' states cost nothing per row
+        if speculator is not None and isinstance(speculator.proposer, MedusaProposer):
             spec = methods[name]
             assert spec is not None
-            engines[name].proposer = MedusaProposer(engines[name].runner.num_medusa_heads, rows,
-                                                    spec.guess_probability(hydra=False))
+            speculator.proposer = MedusaProposer(engines[name].runner.num_medusa_heads, rows,
+                                                 spec.guess_probability(hydra=False))
     ids = prompts(engines["plain"], TASKS if args.workload == "grounded" else open_questions())
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
     results: dict[str, dict[str, Any]] = {name: {"single": [], "aggregate": []} for name in methods}

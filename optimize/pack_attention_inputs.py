@@ -7,8 +7,8 @@ After fuse_projections a layer's attention input is one Split of the fused proje
 flattened to [T, width] for the op, and the op's [T, H*D] output is reshaped back to the graph's batch of one:
 five nodes and a copy of every row per layer that only move data. The op's packed layout (key and value the
 empty PACKED_QKV; kiln/paged_attention.py) reads q, k and v straight from the projection's rows, and a rank-3
-query gives a rank-3 output. Run after quantization (which only swaps the MatMul above the Split) and only for
-the ONNX Runtime backend: the Triton/TensorRT kernels take separate q, k, v.
+query gives a rank-3 output. Part of the ONNX Runtime lowering (optimize/lower_onnxruntime.py) only: the
+Triton/TensorRT kernels take separate q, k, v. Quantization, which runs later, only swaps the MatMul above.
 """
 
 from __future__ import annotations
