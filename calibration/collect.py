@@ -100,12 +100,18 @@ def collect(model: nn.Module, windows: list[torch.Tensor], rows_per_window: int 
         if not s.hessian_owner:
             s.hessian.addmm_(x.T, x)
 
+    from kiln.export.reference import rope_attention_factor
+
+    rotated, half = spec.rotated_dims, spec.rotated_dims // 2
+    # partial rotary carries LongRoPE's attention factor on cos/sin, hence on the cached rotated dims
+    rotated_gain = rope_attention_factor(spec) if rotated < spec.head_dim else 1.0
+
     def kv_hook(layer, is_key):
         def hook(_module, _args, out):
             h = out.reshape(-1, spec.num_kv_heads, spec.head_dim).float()
-            if is_key:  # RoPE rotates (d, d + D/2) pairs: their norm bounds |K| at any position
-                half = spec.head_dim // 2
-                h = torch.sqrt(h[..., :half] ** 2 + h[..., half:] ** 2)
+            if is_key:  # RoPE rotates (d, d + R/2) pairs: their norm bounds |K| at any position; dims >= R pass
+                pairs = torch.sqrt(h[..., :half] ** 2 + h[..., half:rotated] ** 2) * rotated_gain
+                h = torch.cat((pairs, h[..., rotated:].abs()), dim=-1)
                 torch.maximum(k_max[layer], h.abs().amax((0, 2)), out=k_max[layer])
             else:
                 torch.maximum(v_max[layer], h.abs().amax((0, 2)), out=v_max[layer])
@@ -115,7 +121,9 @@ def collect(model: nn.Module, windows: list[torch.Tensor], rows_per_window: int 
         if isinstance(module, nn.Linear) and ".layers." in name:
             hooks.append(module.register_forward_hook(linear_hook(name)))
     for i, layer in enumerate(model.model.layers):
-        hooks.append(layer.self_attn.k_proj.register_forward_hook(kv_hook(i, True)))
+        # the cached K is the k_norm output where the model normalises k per head (Qwen3)
+        key_module = layer.self_attn.k_norm if spec.qk_norm else layer.self_attn.k_proj
+        hooks.append(key_module.register_forward_hook(kv_hook(i, True)))
         hooks.append(layer.self_attn.v_proj.register_forward_hook(kv_hook(i, False)))
     try:
         tokens = 0

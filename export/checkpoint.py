@@ -16,6 +16,7 @@ import torch
 from kiln.spec import ModelSpec
 
 from .checkpoint_types import Checkpoint, TokenizerFiles, select_weights
+from .fused_weights import split_fused_projections
 from .gguf_loader import load_gguf
 
 DEFAULT_MODEL = "default"
@@ -73,7 +74,7 @@ def _load_hf_dir(folder: Path) -> Checkpoint:
         raise ValueError(f"{config_path}: incomplete model config (missing or bad {exc})") from None
     except ValueError as exc:
         raise ValueError(f"{config_path}: {exc}") from None
-    weights = _read_safetensors(folder)
+    weights = split_fused_projections(spec, _read_safetensors(folder), str(folder))
     weights = select_weights(spec, weights, str(folder))
     return Checkpoint(spec=spec, weights=weights, tokenizer=_read_hf_tokenizer(folder), source=str(folder))
 

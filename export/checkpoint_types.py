@@ -60,6 +60,8 @@ def expected_weight_names(spec: ModelSpec) -> list[str]:
         names += [p + f"self_attn.{n}_proj.weight" for n in ("q", "k", "v", "o")]
         if spec.attention_bias:
             names += [p + f"self_attn.{n}_proj.bias" for n in ("q", "k", "v")]
+        if spec.qk_norm:
+            names += [p + "self_attn.q_norm.weight", p + "self_attn.k_norm.weight"]
         names += [p + f"mlp.{n}_proj.weight" for n in ("gate", "up", "down")]
     return names
 
@@ -76,6 +78,8 @@ def expected_weight_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
         "self_attn.q_proj.bias": (spec.q_size,),
         "self_attn.k_proj.bias": (spec.kv_size,),
         "self_attn.v_proj.bias": (spec.kv_size,),
+        "self_attn.q_norm.weight": (spec.head_dim,),
+        "self_attn.k_norm.weight": (spec.head_dim,),
         "mlp.gate_proj.weight": (inter, h),
         "mlp.up_proj.weight": (inter, h),
         "mlp.down_proj.weight": (h, inter),

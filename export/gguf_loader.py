@@ -1,80 +1,38 @@
-"""GGUF (llama architecture) -> Checkpoint: metadata to ModelSpec, tensors dequantized to float32
-under Hugging Face names, llama.cpp's rotary row permutation of attn_q/attn_k undone, and the
+"""GGUF -> Checkpoint: metadata to ModelSpec, tensors dequantized to float32 under Hugging Face names
+(what each architecture's conversion changed undone by export/gguf_architectures.py), and the
 tokenizer metadata converted to a `tokenizers` tokenizer.json."""
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from kiln.spec import ModelSpec, RopeScaling
-
 from .checkpoint_types import Checkpoint, TokenizerFiles, select_weights
+from .gguf_architectures import ROPE_TENSORS, gguf_architecture
 
-SUPPORTED_GGUF_ARCHITECTURES = ("llama",)
 # Large arrays the tokenizer converter reads itself; the metadata dict leaves them out.
 _TOKENIZER_ARRAYS = (
     "tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.token_type", "tokenizer.ggml.scores"
 )
 
-_GLOBAL_NAMES = {
-    "token_embd.weight": "model.embed_tokens.weight",
-    "output_norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
-_BLOCK_NAMES = {
-    "attn_norm": "input_layernorm",
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_norm": "post_attention_layernorm",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-}
-_BLOCK_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
-
 
 def load_gguf(path: Path) -> Checkpoint:
     reader = _open(path)
     metadata = _metadata(reader, path)
-    arch = metadata.get("general.architecture")
-    if arch not in SUPPORTED_GGUF_ARCHITECTURES:
-        raise ValueError(
-            f"{path}: unsupported GGUF architecture {arch!r} (kiln reads {', '.join(SUPPORTED_GGUF_ARCHITECTURES)})"
-        )
+    architecture = gguf_architecture(metadata.get("general.architecture"), path)
     shapes = {t.name: tuple(int(d) for d in reversed(t.shape.tolist())) for t in reader.tensors}
-    spec = _spec_from_metadata(metadata, shapes, path)
     try:
         raw = {t.name: _dequantize(t) for t in reader.tensors}
     except Exception as exc:
         raise ValueError(f"{path}: truncated or corrupt GGUF tensor data ({_first_line(exc)})") from None
-    freqs = raw.pop("rope_freqs.weight", None)
-    if freqs is not None:
-        spec = _with_llama3_scaling(spec, freqs, path)
-    weights = {_hf_name(name, path): tensor for name, tensor in raw.items()}
-    for layer in range(spec.num_layers):
-        for proj, heads in (("q_proj", spec.num_heads), ("k_proj", spec.num_kv_heads)):
-            for kind in ("weight", "bias"):
-                name = f"model.layers.{layer}.self_attn.{proj}.{kind}"
-                if name in weights:
-                    weights[name] = unpermute_rotary_rows(weights[name], heads)
+    spec = architecture.spec(metadata, shapes, {n: raw.pop(n) for n in ROPE_TENSORS if n in raw}, path)
+    weights = {}
+    for name, tensor in raw.items():
+        weights.update(architecture.hf_tensors(name, tensor, spec, path))
     weights = select_weights(spec, weights, str(path))
     return Checkpoint(spec=spec, weights=weights, tokenizer=_tokenizer(path, metadata), source=str(path))
-
-
-def unpermute_rotary_rows(w: torch.Tensor, num_heads: int) -> torch.Tensor:
-    """Undo llama.cpp's convert permutation of q/k rows (interleaved pairs -> HF rotate_half halves).
-
-    llama.cpp stores ``w.reshape(H, 2, D/2, ...).swapaxes(1, 2)``; this is its inverse.
-    """
-    rows = w.shape[0]
-    half = rows // num_heads // 2
-    return w.reshape(num_heads, half, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape).contiguous()
 
 
 def _open(path: Path):
@@ -103,91 +61,6 @@ def _metadata(reader, path: Path) -> dict:
     return values
 
 
-def _nice_float(value: float) -> float:
-    """GGUF stores float32; 9.999999747e-06 -> 1e-05."""
-    return float(str(np.float32(value)))
-
-
-def _spec_from_metadata(md: dict, shapes: dict[str, tuple[int, ...]], path: Path) -> ModelSpec:
-    def get(key, default=None):
-        value = md.get(f"llama.{key}", default)
-        if value is None:
-            raise ValueError(f"{path}: GGUF metadata lacks llama.{key}")
-        return value
-
-    num_heads = int(get("attention.head_count"))
-    hidden = int(get("embedding_length"))
-    head_dim = int(md.get("llama.attention.key_length") or hidden // num_heads)
-    rope_dim = int(md.get("llama.rope.dimension_count") or head_dim)
-    if rope_dim != head_dim:
-        raise ValueError(
-            f"{path}: partial rotary embeddings (rope dim {rope_dim} of head dim {head_dim}) are not supported"
-        )
-    if "token_embd.weight" not in shapes:
-        raise ValueError(f"{path}: GGUF has no token_embd.weight tensor")
-    vocab = md.get("llama.vocab_size") or shapes["token_embd.weight"][0]
-    bos = md.get("tokenizer.ggml.bos_token_id")
-    eos_ids = tuple(
-        dict.fromkeys(int(md[k]) for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id") if k in md)
-    )
-    try:
-        return ModelSpec(
-            family="llama",
-            vocab_size=int(vocab),
-            hidden_size=hidden,
-            intermediate_size=int(get("feed_forward_length")),
-            num_layers=int(get("block_count")),
-            num_heads=num_heads,
-            num_kv_heads=int(md.get("llama.attention.head_count_kv") or num_heads),
-            head_dim=head_dim,
-            rms_norm_eps=_nice_float(get("attention.layer_norm_rms_epsilon")),
-            rope_theta=_nice_float(md.get("llama.rope.freq_base", 10000.0)),
-            max_position_embeddings=int(md.get("llama.context_length", 2048)),
-            tie_word_embeddings="output.weight" not in shapes,
-            attention_bias="blk.0.attn_q.bias" in shapes,
-            rope_scaling=_rope_scaling(md, path),
-            sliding_window=0,
-            bos_token_id=int(bos) if bos is not None else None,
-            eos_token_ids=eos_ids,
-        )
-    except (TypeError, ValueError) as exc:
-        raise ValueError(f"{path}: bad GGUF metadata ({_first_line(exc)})") from None
-
-
-def _rope_scaling(md: dict, path: Path) -> RopeScaling | None:
-    kind = md.get("llama.rope.scaling.type")
-    if kind in (None, "none"):
-        return None
-    if kind != "linear":
-        raise ValueError(f"{path}: unsupported GGUF rope scaling {kind!r} (kiln supports linear and llama3)")
-    factor = md.get("llama.rope.scaling.factor")
-    return RopeScaling(rope_type="linear", factor=_nice_float(factor)) if factor and factor != 1.0 else None
-
-
-def _with_llama3_scaling(spec: ModelSpec, freqs: torch.Tensor, path: Path) -> ModelSpec:
-    """llama.cpp bakes Llama 3 rope scaling into a rope_freqs tensor (per-frequency divisors);
-    recover the llama3 parameters that reproduce it."""
-    import dataclasses
-
-    from .reference import rope_inv_freq
-
-    freqs = freqs.reshape(-1).to(torch.float64)
-    base = rope_inv_freq(dataclasses.replace(spec, rope_scaling=None)).to(torch.float64)
-    if freqs.shape != base.shape:
-        raise ValueError(f"{path}: rope_freqs has {freqs.numel()} entries, expected {base.numel()}")
-    if torch.allclose(freqs, torch.ones_like(freqs)):
-        return spec
-    factor = float(freqs.max())
-    # Any parameters that reproduce the divisors give the same inv_freq, hence the same model.
-    for original in [spec.max_position_embeddings] + [2**k for k in range(4, 21)]:
-        for low, high in ((1.0, 4.0), (1.0, 2.0), (1.0, 8.0)):
-            scaling = RopeScaling("llama3", factor, low, high, original)
-            scaled = rope_inv_freq(dataclasses.replace(spec, rope_scaling=scaling)).to(torch.float64)
-            if torch.allclose(base / scaled, freqs, rtol=1e-3):
-                return dataclasses.replace(spec, rope_scaling=scaling)
-    raise ValueError(f"{path}: rope_freqs does not match any llama3 rope scaling kiln can express")
-
-
 def _dequantize(tensor) -> torch.Tensor:
     from gguf import dequantize
 
@@ -195,16 +68,6 @@ def _dequantize(tensor) -> torch.Tensor:
     shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
     array = np.asarray(array, dtype=np.float32).reshape(shape)
     return torch.from_numpy(array if array.flags.writeable else array.copy())
-
-
-def _hf_name(name: str, path: Path) -> str:
-    if name in _GLOBAL_NAMES:
-        return _GLOBAL_NAMES[name]
-    match = _BLOCK_RE.match(name)
-    if match and match.group(2) in _BLOCK_NAMES:
-        layer, part, kind = match.groups()
-        return f"model.layers.{layer}.{_BLOCK_NAMES[part]}.{kind}"
-    raise ValueError(f"{path}: unexpected GGUF tensor {name!r} for a llama model")
 
 
 def _tokenizer(path: Path, md: dict) -> TokenizerFiles | None:
@@ -221,7 +84,7 @@ def _tokenizer(path: Path, md: dict) -> TokenizerFiles | None:
     config = dict(config)
     config.setdefault("add_bos_token", False)
     config.setdefault("add_eos_token", False)
-    config["model_max_length"] = int(md.get("llama.context_length", 2048))
+    config["model_max_length"] = int(md.get(f"{md['general.architecture']}.context_length", 2048))
     bos, eos = config.get("bos_token"), config.get("eos_token")
     # Make tokenizer.json itself add BOS/EOS the way the model expects, so its users need no flag.
     add_bos, add_eos = bool(config["add_bos_token"] and bos), bool(config["add_eos_token"] and eos)

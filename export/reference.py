@@ -12,6 +12,13 @@ recognisable graph rather than for speed:
   and pos[i] - pos[j] < sliding_window when the model has one). One row is one sequence:
   separating packed sequences is kiln.PagedAttention's job once the optimizer swaps it in;
 - no data-dependent Python control flow; batch and sequence lengths stay dynamic.
+
+Family pieces, each a plain op sequence the optimizer leaves in the graph around the fused attention:
+Qwen3's per-head q/k RMSNorm (``q_norm``/``k_norm`` over head_dim, before RoPE, as standard ops
+feeding kiln.PagedAttention), partial rotary (Phi-4: RoPE on the first ``rotary_dim`` dims, the rest
+passed through), and LongRoPE's attention factor (transformers scales cos and sin by it; with full rotary
+q.k then scales by its square, which kiln folds into the attention scale so that RoPE keeps the form the op
+absorbs; with partial rotary only the rotated dims scale, so cos and sin carry it as in transformers).
 """
 
 from __future__ import annotations
@@ -29,12 +36,16 @@ MASK_VALUE = -1e9
 
 
 def rope_inv_freq(spec: ModelSpec) -> torch.Tensor:
-    """RoPE inverse frequencies [head_dim // 2], float32, with llama3 / linear scaling applied."""
-    dim = spec.head_dim
+    """RoPE inverse frequencies [rotated_dims // 2], float32, with llama3 / linear / longrope scaling applied."""
+    dim = spec.rotated_dims
     inv_freq = 1.0 / (spec.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
     scaling = spec.rope_scaling
     if scaling is None:
         return inv_freq
+    if scaling.rope_type == "longrope":  # transformers' expression, for bit-equal frequencies
+        factors = scaling.long_factor if scaling.long_context else scaling.short_factor
+        exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
+        return 1.0 / (torch.tensor(factors, dtype=torch.float32) * spec.rope_theta**exponents)
     if scaling.rope_type == "linear":
         return inv_freq / scaling.factor
     # llama3: long wavelengths are divided by factor, short ones kept, the band between smoothed.
@@ -69,7 +80,25 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    return x * cos + rotate_half(x) * sin
+    """RoPE on the first cos.shape[-1] dims of x (all of them unless the rotary is partial)."""
+    dims = cos.shape[-1]
+    if dims == x.shape[-1]:  # static: fixed by the spec
+        return x * cos + rotate_half(x) * sin
+    rotated, passed = x[..., :dims], x[..., dims:]
+    return torch.cat((rotated * cos + rotate_half(rotated) * sin, passed), dim=-1)
+
+
+def rope_attention_factor(spec: ModelSpec) -> float:
+    """LongRoPE's factor on cos and sin (1.0 for every other rope)."""
+    scaling = spec.rope_scaling
+    return scaling.attention_factor if scaling is not None and scaling.rope_type == "longrope" else 1.0
+
+
+def attention_scale(spec: ModelSpec) -> float:
+    """The softmax scale: 1/sqrt(head_dim), times the rope attention factor squared when RoPE rotates the whole
+    head (see the module doc)."""
+    factor = rope_attention_factor(spec) if spec.rotated_dims == spec.head_dim else 1.0
+    return spec.head_dim**-0.5 * factor * factor
 
 
 class RMSNorm(nn.Module):
@@ -89,17 +118,24 @@ class Attention(nn.Module):
         self.num_heads = spec.num_heads
         self.num_kv_heads = spec.num_kv_heads
         self.head_dim = spec.head_dim
-        self.scale = spec.head_dim**-0.5
+        self.scale = attention_scale(spec)
         bias = spec.attention_bias
         self.q_proj = nn.Linear(spec.hidden_size, spec.q_size, bias=bias)
         self.k_proj = nn.Linear(spec.hidden_size, spec.kv_size, bias=bias)
         self.v_proj = nn.Linear(spec.hidden_size, spec.kv_size, bias=bias)
         self.o_proj = nn.Linear(spec.q_size, spec.hidden_size, bias=False)
+        if spec.qk_norm:  # Qwen3: RMSNorm over each head's head_dim values, before RoPE
+            self.q_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps)
+            self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps)
+        self.qk_norm = spec.qk_norm
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         batch = x.shape[0]
-        q = self.q_proj(x).reshape(batch, -1, self.num_heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).reshape(batch, -1, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        q = self.q_proj(x).reshape(batch, -1, self.num_heads, self.head_dim)
+        k = self.k_proj(x).reshape(batch, -1, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
         v = self.v_proj(x).reshape(batch, -1, self.num_kv_heads, self.head_dim).transpose(1, 2)
         q = apply_rope(q, cos, sin)
         k = apply_rope(k, cos, sin)
@@ -176,10 +212,13 @@ class ReferenceModel(nn.Module):
         return cls(checkpoint.spec, checkpoint.weights)
 
     def rope_cos_sin(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin [B, 1, S, head_dim] for the given absolute positions."""
+        """cos, sin [B, 1, S, rotated_dims] for the given absolute positions."""
         freqs = position_ids.unsqueeze(-1).to(torch.float32) * self.inv_freq  # [B, S, D/2]
         emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos().unsqueeze(1), emb.sin().unsqueeze(1)
+        cos, sin = emb.cos().unsqueeze(1), emb.sin().unsqueeze(1)
+        if self.spec.rotated_dims == self.spec.head_dim or rope_attention_factor(self.spec) == 1.0:
+            return cos, sin  # (a full-rotary factor is in the attention scale)
+        return cos * rope_attention_factor(self.spec), sin * rope_attention_factor(self.spec)
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
         x = self.model.embed_tokens(input_ids)

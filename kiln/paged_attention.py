@@ -21,6 +21,10 @@ Inputs
   cos_cache        float32 [P, R/2]       optional 9th and 10th inputs, both or neither: cos and sin of
   sin_cache        float32 [P, R/2]       position p times rotary frequency j (rope scaling folded in at
                                             build time), for p < P; R = rotary dims (even, <= D)
+  Per-head q/k normalisation (Qwen3's q_norm / k_norm, RMSNorm over each head's D values) is not part of
+  the op: the graph applies it to the projections as standard ops (SimplifiedLayerNormalization over D)
+  and feeds the normalised, pre-RoPE query and key in. Partial rotary (Phi-4-mini) is R < D in the caches,
+  or RoPE left as graph ops ahead of the op.
   Packed QKV: key and value both empty float32 [0] -> query is [T, (H + 2*Hkv)*D], each token's row its H
   query heads, then its Hkv key heads, then its Hkv value heads (the fused QKV projection's output, read in
   place: no Split). Batch of one: query (and key/value unless packed) may be [1, T, width]; out is then

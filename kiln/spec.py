@@ -7,6 +7,7 @@ there is exactly one place that knows how a Hugging Face config maps to kiln's v
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -15,23 +16,47 @@ SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+    "Phi3ForCausalLM": "phi3",
 }
+# The same families as GGUF files name them in general.architecture (export/gguf_architectures.py reads them).
+SUPPORTED_GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3")
+
+
+def supported_architectures_sentence() -> str:
+    """What kiln compiles, for the error that names an architecture it does not."""
+    return (f"kiln supports the Hugging Face architectures {', '.join(SUPPORTED_ARCHITECTURES)} "
+            f"and the GGUF architectures {', '.join(SUPPORTED_GGUF_ARCHITECTURES)}")
 
 
 @dataclass(frozen=True)
 class RopeScaling:
-    """Rotary-embedding frequency scaling (Llama 3 style, or linear)."""
+    """Rotary-embedding frequency scaling (Llama 3 style, linear, or Phi-3's LongRoPE).
 
-    rope_type: str  # "llama3" | "linear"
+    LongRoPE divides each frequency by a per-frequency factor: `short_factor` for contexts up to
+    original_max_position_embeddings, `long_factor` beyond, and multiplies cos and sin by
+    `attention_factor`. Transformers picks the set from the length of the sequence at hand and
+    recomputes the whole cache when a sequence crosses the original context; a paged KV cache cannot
+    re-rotate the keys it holds, so kiln picks the set once per engine from its context
+    (`ModelSpec.for_context`, `long_context`), as llama.cpp does from n_ctx. An engine whose context
+    fits the original one therefore equals transformers on every sequence, and a longer engine equals
+    it on every sequence longer than the original context.
+    """
+
+    rope_type: str  # "llama3" | "linear" | "longrope"
     factor: float
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    short_factor: tuple[float, ...] = ()  # longrope only: one divisor per rotary frequency
+    long_factor: tuple[float, ...] = ()
+    attention_factor: float = 1.0  # longrope only: cos and sin are multiplied by it
+    long_context: bool = False  # longrope only: use long_factor (the engine's context exceeds the original)
 
 
 @dataclass(frozen=True)
 class ModelSpec:
-    family: str  # "llama" | "mistral" | "qwen2"
+    family: str  # "llama" | "mistral" | "qwen2" | "qwen3" | "phi3"
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -48,12 +73,37 @@ class ModelSpec:
     sliding_window: int = 0  # 0: full causal attention
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    qk_norm: bool = False  # per-head RMSNorm of q and k before RoPE (Qwen3): q_norm/k_norm weights [head_dim]
+    rotary_dim: int = 0  # leading dims of each head that RoPE rotates (Phi-4's partial rotary); 0: all
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"num_heads ({self.num_heads}) is not a multiple of num_kv_heads ({self.num_kv_heads})"
             )
+        if not (0 <= self.rotary_dim <= self.head_dim and self.rotary_dim % 2 == 0):
+            raise ValueError(f"rotary_dim {self.rotary_dim} is not an even number of dims within head_dim "
+                             f"{self.head_dim}")
+        scaling = self.rope_scaling
+        if scaling is not None and scaling.rope_type == "longrope":
+            pairs = self.rotated_dims // 2
+            for name in ("short_factor", "long_factor"):
+                if len(getattr(scaling, name)) != pairs:
+                    raise ValueError(f"rope_scaling {name} has {len(getattr(scaling, name))} entries; the "
+                                     f"{self.rotated_dims} rotary dims need {pairs}")
+
+    @property
+    def rotated_dims(self) -> int:
+        """How many leading dims of each head RoPE rotates."""
+        return self.rotary_dim or self.head_dim
+
+    def for_context(self, max_seq_len: int) -> ModelSpec:
+        """This spec as an engine of context max_seq_len computes it: LongRoPE's factor set chosen."""
+        scaling = self.rope_scaling
+        if scaling is None or scaling.rope_type != "longrope":
+            return self
+        long_context = max_seq_len > scaling.original_max_position_embeddings
+        return dataclasses.replace(self, rope_scaling=dataclasses.replace(scaling, long_context=long_context))
 
     @property
     def q_size(self) -> int:
@@ -68,14 +118,11 @@ class ModelSpec:
         """Parse a Hugging Face config.json dict; unsupported models fail with one sentence."""
         archs = config.get("architectures") or []
         family = next((SUPPORTED_ARCHITECTURES[a] for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        if family is None and config.get("model_type") in SUPPORTED_ARCHITECTURES.values():
+            family = config["model_type"]
         if family is None:
-            model_type = config.get("model_type", "")
-            family = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2"}.get(model_type)
-        if family is None:
-            raise ValueError(
-                f"unsupported architecture {archs or config.get('model_type')!r}: kiln supports "
-                f"{sorted(SUPPORTED_ARCHITECTURES)}"
-            )
+            named = ", ".join(archs) if archs else f"model_type {config.get('model_type')!r}"
+            raise ValueError(f"unsupported architecture {named}: {supported_architectures_sentence()}")
         _check_supported_features(config)
         num_heads = config["num_attention_heads"]
         hidden = config["hidden_size"]
@@ -89,6 +136,12 @@ class ModelSpec:
             rope_theta = params.get("rope_theta", 10000.0)
         if scaling is None and params.get("rope_type", "default") != "default":
             scaling = params
+        head_dim = config.get("head_dim") or hidden // num_heads
+        partial = config.get("partial_rotary_factor", params.get("partial_rotary_factor")) or 1.0
+        if partial != 1.0 and family != "phi3":  # only Phi-3's modelling code rotates part of the head
+            raise ValueError(f"unsupported partial_rotary_factor {partial} for {family}: kiln rotates part of the "
+                             "head for phi3 only")
+        rotary_dim = int(head_dim * partial) if partial != 1.0 else 0
         return cls(
             family=family,
             vocab_size=config["vocab_size"],
@@ -97,16 +150,18 @@ class ModelSpec:
             num_layers=config["num_hidden_layers"],
             num_heads=num_heads,
             num_kv_heads=config.get("num_key_value_heads") or num_heads,
-            head_dim=config.get("head_dim") or hidden // num_heads,
+            head_dim=head_dim,
             rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
             rope_theta=float(rope_theta),
             max_position_embeddings=config.get("max_position_embeddings", 2048),
             tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
             attention_bias=bool(config.get("attention_bias", family == "qwen2")),
-            rope_scaling=_parse_rope_scaling(scaling),
+            rope_scaling=_parse_rope_scaling(scaling, config),
             sliding_window=_sliding_window(config, family),
             bos_token_id=config.get("bos_token_id"),
             eos_token_ids=eos_ids,
+            qk_norm=family == "qwen3",
+            rotary_dim=rotary_dim,
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -116,25 +171,52 @@ class ModelSpec:
     def from_dict(cls, data: dict[str, Any]) -> ModelSpec:
         data = dict(data)
         if data.get("rope_scaling"):
-            data["rope_scaling"] = RopeScaling(**data["rope_scaling"])
+            scaling = dict(data["rope_scaling"])
+            for name in ("short_factor", "long_factor"):
+                scaling[name] = tuple(scaling.get(name, ()))
+            data["rope_scaling"] = RopeScaling(**scaling)
         data["eos_token_ids"] = tuple(data.get("eos_token_ids", ()))
         return cls(**data)
 
 
-def _parse_rope_scaling(scaling: dict[str, Any] | None) -> RopeScaling | None:
+def _parse_rope_scaling(scaling: dict[str, Any] | None, config: dict[str, Any]) -> RopeScaling | None:
     if not scaling:
         return None
     rope_type = scaling.get("rope_type") or scaling.get("type")
     if rope_type in (None, "default"):
         return None
+    if rope_type == "longrope":
+        return _parse_longrope(scaling, config)
     if rope_type not in ("llama3", "linear"):
-        raise ValueError(f"unsupported rope_scaling type {rope_type!r}: kiln supports 'llama3' and 'linear'")
+        raise ValueError(f"unsupported rope_scaling type {rope_type!r}: kiln supports 'llama3', 'linear' and "
+                         "'longrope'")
     return RopeScaling(
         rope_type=rope_type,
         factor=float(scaling["factor"]),
         low_freq_factor=float(scaling.get("low_freq_factor", 1.0)),
         high_freq_factor=float(scaling.get("high_freq_factor", 4.0)),
         original_max_position_embeddings=int(scaling.get("original_max_position_embeddings", 8192)),
+    )
+
+
+def _parse_longrope(scaling: dict[str, Any], config: dict[str, Any]) -> RopeScaling:
+    """Phi-3's LongRoPE, with transformers' defaults: the factor is max / original context, and the
+    attention factor sqrt(1 + ln(factor) / ln(original)) unless given."""
+    original = scaling.get("original_max_position_embeddings") or config.get("original_max_position_embeddings")
+    if not original:
+        raise ValueError("longrope rope_scaling needs original_max_position_embeddings")
+    original = int(original)
+    factor = scaling.get("factor") or config.get("max_position_embeddings", original) / original
+    attention = scaling.get("attention_factor")
+    if attention is None:
+        attention = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    return RopeScaling(
+        rope_type="longrope",
+        factor=float(factor),
+        original_max_position_embeddings=original,
+        short_factor=tuple(float(f) for f in scaling["short_factor"]),
+        long_factor=tuple(float(f) for f in scaling["long_factor"]),
+        attention_factor=float(attention),
     )
 
 
@@ -145,24 +227,20 @@ def _check_supported_features(config: dict[str, Any]) -> None:
         raise ValueError(f"unsupported hidden_act {act!r}: kiln supports SwiGLU MLPs (silu)")
     if config.get("mlp_bias"):
         raise ValueError("unsupported mlp_bias=true: kiln supports bias-free MLPs")
-    params = config.get("rope_parameters") or {}
-    partial = config.get("partial_rotary_factor", params.get("partial_rotary_factor", 1.0))
-    if partial not in (None, 1, 1.0):
-        raise ValueError(f"unsupported partial_rotary_factor {partial}: kiln rotates the full head")
 
 
 def _sliding_window(config: dict[str, Any], family: str) -> int:
     window = config.get("sliding_window")
-    if family == "qwen2":
+    if family in ("qwen2", "qwen3"):
         if not config.get("use_sliding_window", False):
             return 0
-        # Qwen2 slides only from layer max_window_layers on; kiln has one window for all layers.
+        # Qwen slides only from layer max_window_layers on; kiln has one window for all layers.
         layer_types = config.get("layer_types") or [
             "sliding_attention" if i >= config.get("max_window_layers", 0) else "full_attention"
             for i in range(config["num_hidden_layers"])
         ]
         if len(set(layer_types)) > 1:
-            raise ValueError("unsupported Qwen2 config: sliding window on some layers only")
+            raise ValueError(f"unsupported {family} config: sliding window on some layers only")
         if set(layer_types) == {"full_attention"}:
             return 0
     return int(window) if window else 0

@@ -90,7 +90,7 @@ def build_engine(
         except QuantizationError as exc:
             raise BuildError(str(exc)) from exc
         kv_scales = _kv_scales(checkpoint, options.calibration, say) if options.kv_dtype == "int8" else None
-    spec = checkpoint.spec
+    spec = checkpoint.spec.for_context(options.max_seq_len)  # LongRoPE: the factor set this context uses
     say(f"model: {spec.family}, {spec.num_layers} layers, hidden {spec.hidden_size}, vocab {spec.vocab_size}, "
         f"context {options.max_seq_len}")
     out_dir.parent.mkdir(parents=True, exist_ok=True)
@@ -100,7 +100,7 @@ def build_engine(
         with tempfile.TemporaryDirectory(prefix="kiln-build-") as work:
             raw_path = Path(work) / "raw.onnx"
             with _stage(say, "export onnx"):
-                export_onnx(checkpoint, raw_path, say)
+                export_onnx(dataclasses.replace(checkpoint, spec=spec), raw_path, say)
             with _stage(say, "optimize"):
                 model = ir.load(raw_path)
                 attention = AttentionConfig(options.kv_dtype, options.block_size, spec.sliding_window, kv_scales,

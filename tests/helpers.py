@@ -8,8 +8,8 @@ and returns that directory. Keyword overrides go to the transformers config clas
 (``hidden_size``, ``num_key_value_heads``, ``tie_word_embeddings``, ``rope_scaling``,
 ``sliding_window``, ...); ``seed`` picks the random weights.
 
-``make_tiny_gguf(tmp_path, **overrides)`` converts such a llama to an F32 GGUF the way
-llama.cpp does (tensor names, q/k row permutation, rope scaling, tokenizer metadata).
+``tiny_gguf.make_tiny_gguf(tmp_path, family, **overrides)`` converts such a model to an F32 GGUF the way
+llama.cpp's converter does.
 
 Weights are drawn at a scale that gives O(1) logits, so numeric comparisons are meaningful
 (the transformers default init of std 0.02 makes every logit nearly zero).
@@ -51,25 +51,55 @@ _TINY_DEFAULTS = dict(
     pad_token_id=None,
 )
 
-_FAMILIES = ("llama", "mistral", "qwen2")
+# LongRoPE factor sets for the tiny Phi models: one per rotary frequency, short near 1 (as Phi-3.5's
+# 1.0-1.1), long growing to 18 over the low frequencies (as its 1.0-60): far enough apart that using the
+# wrong set moves the logits by O(1).
+def _longrope_factors(pairs: int) -> dict[str, list[float]]:
+    return {"short_factor": [1.0 + 0.02 * i for i in range(pairs)],
+            "long_factor": [1.0 + 17.0 * (i / (pairs - 1)) ** 2 for i in range(pairs)]}
+
+
+# Each family: its transformers config class, the architecture config.json names, and the keys of a real
+# config.json of that family (values as the real model has them unless shrunk: layers, width, heads, vocab,
+# contexts). Qwen3-0.6B: head_dim 128 with hidden 1024 / 16 heads (head_dim is not hidden / heads). Phi-3.5-mini:
+# MHA, untied, LongRoPE over a 4k original context. Phi-4-mini: GQA, tied, partial rotary 0.75 with LongRoPE.
+_FAMILY_CONFIGS = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
+    "mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": None}),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(
+        head_dim=32, attention_bias=False, attention_dropout=0.0, hidden_act="silu", rms_norm_eps=1e-6,
+        rope_theta=1000000.0, rope_scaling=None, sliding_window=None, use_sliding_window=False,
+        max_window_layers=2, initializer_range=0.02,
+    )),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", dict(
+        num_key_value_heads=4, tie_word_embeddings=False, hidden_act="silu", attention_dropout=0.0,
+        embd_pdrop=0.0, resid_pdrop=0.0, rope_theta=10000.0, max_position_embeddings=128,
+        original_max_position_embeddings=32, sliding_window=262144,
+        rope_scaling={"type": "longrope", **_longrope_factors(8)},
+    )),
+    "phi4": ("Phi3Config", "Phi3ForCausalLM", dict(
+        num_key_value_heads=2, tie_word_embeddings=True, hidden_act="silu", attention_dropout=0.0,
+        embd_pdrop=0.0, resid_pdrop=0.0, rope_theta=10000.0, max_position_embeddings=128,
+        original_max_position_embeddings=32, sliding_window=262144, partial_rotary_factor=0.75,
+        rope_scaling={"type": "longrope", **_longrope_factors(6)},
+    )),
+}
+_FAMILIES = tuple(_FAMILY_CONFIGS)
 
 
 def tiny_hf_config(family: str = "llama", **overrides):
     """The transformers config object make_tiny_hf_model builds (not saved)."""
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config
+    import transformers
 
-    classes = {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config}
-    if family not in classes:
+    if family not in _FAMILY_CONFIGS:
         raise ValueError(f"unknown family {family!r}; expected one of {_FAMILIES}")
-    kwargs = dict(_TINY_DEFAULTS)
-    if family == "mistral":
-        kwargs["sliding_window"] = None  # full attention unless a test asks for a window
-    kwargs.update(overrides)
+    class_name, architecture, family_keys = _FAMILY_CONFIGS[family]
+    kwargs = {**_TINY_DEFAULTS, **family_keys, **overrides}
     if "head_dim" not in kwargs:
         kwargs["head_dim"] = kwargs["hidden_size"] // kwargs["num_attention_heads"]
-    config = classes[family](**kwargs)
-    config.architectures = [{"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-                             "qwen2": "Qwen2ForCausalLM"}[family]]
+    config = getattr(transformers, class_name)(**kwargs)
+    config.architectures = [architecture]
     return config
 
 
@@ -129,116 +159,3 @@ def write_tiny_tokenizer(out: Path) -> None:
         "model_max_length": 512,
     }
     (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
-
-
-def llama_cpp_permute(weights, num_heads: int):
-    """llama.cpp's convert_hf_to_gguf permutation of attn_q / attn_k rows (numpy or torch)."""
-    rows = weights.shape[0]
-    w = weights.reshape(num_heads, 2, rows // num_heads // 2, *weights.shape[1:])
-    return w.swapaxes(1, 2).reshape(weights.shape)
-
-
-_GGUF_BLOCK_NAMES = {
-    "input_layernorm.weight": "attn_norm.weight",
-    "self_attn.q_proj.weight": "attn_q.weight",
-    "self_attn.k_proj.weight": "attn_k.weight",
-    "self_attn.v_proj.weight": "attn_v.weight",
-    "self_attn.o_proj.weight": "attn_output.weight",
-    "post_attention_layernorm.weight": "ffn_norm.weight",
-    "mlp.gate_proj.weight": "ffn_gate.weight",
-    "mlp.up_proj.weight": "ffn_up.weight",
-    "mlp.down_proj.weight": "ffn_down.weight",
-}
-
-
-def make_tiny_gguf(tmp_path, architecture: str = "llama", **overrides) -> tuple[Path, Path]:
-    """Convert make_tiny_hf_model(tmp_path, "llama", **overrides) to an F32 GGUF the way
-    llama.cpp does (renamed tensors, permuted q/k rows, tokenizer metadata).
-    Returns (gguf_path, hf_dir). ``architecture`` only sets the metadata (for error tests)."""
-    import gguf
-    from safetensors.torch import load_file
-
-    hf_dir = make_tiny_hf_model(tmp_path, "llama", **overrides)
-    config = json.loads((hf_dir / "config.json").read_text())
-    weights = load_file(str(hf_dir / "model.safetensors"))
-    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
-    path = Path(tmp_path) / "tiny.gguf"
-    writer = gguf.GGUFWriter(str(path), architecture)
-    writer.add_name("tiny llama")
-    writer.add_block_count(config["num_hidden_layers"])
-    writer.add_context_length(config["max_position_embeddings"])
-    writer.add_embedding_length(config["hidden_size"])
-    writer.add_feed_forward_length(config["intermediate_size"])
-    writer.add_head_count(heads)
-    writer.add_head_count_kv(kv_heads)
-    writer.add_rope_dimension_count(config["head_dim"])
-    writer.add_rope_freq_base(config["rope_parameters"]["rope_theta"])
-    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
-    writer.add_vocab_size(config["vocab_size"])
-    _add_tiny_gguf_tokenizer(writer, hf_dir, config["vocab_size"])
-    _add_gguf_rope_scaling(writer, config)
-    for name, tensor in weights.items():
-        array = tensor.float().numpy()
-        if name.startswith("model.layers."):
-            _, _, layer, rest = name.split(".", 3)
-            if rest == "self_attn.q_proj.weight":
-                array = llama_cpp_permute(array, heads)
-            elif rest == "self_attn.k_proj.weight":
-                array = llama_cpp_permute(array, kv_heads)
-            gguf_name = f"blk.{layer}.{_GGUF_BLOCK_NAMES[rest]}"
-        else:
-            gguf_name = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-                         "lm_head.weight": "output.weight"}[name]
-        writer.add_tensor(gguf_name, array.copy())
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path, hf_dir
-
-
-def _add_tiny_gguf_tokenizer(writer, hf_dir: Path, vocab_size: int) -> None:
-    import gguf
-
-    tokenizer = json.loads((hf_dir / "tokenizer.json").read_text())
-    vocab = sorted(tokenizer["model"]["vocab"].items(), key=lambda item: item[1])
-    tokens = [tok for tok, _ in vocab]
-    tokens += [f"[PAD{i}]" for i in range(len(tokens), vocab_size)]
-    types = [gguf.TokenType.CONTROL if i < len(TINY_SPECIAL_TOKENS) else gguf.TokenType.NORMAL
-             for i in range(len(tokens))]
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("smollm")
-    writer.add_token_list(tokens)
-    writer.add_token_types(types)
-    writer.add_token_merges([f"{left} {right}" for left, right in TINY_MERGES])
-    writer.add_bos_token_id(TINY_BOS_ID)
-    writer.add_eos_token_id(TINY_EOS_ID)
-    writer.add_add_bos_token(False)
-    writer.add_chat_template(TINY_CHAT_TEMPLATE)
-
-
-def _add_gguf_rope_scaling(writer, config: dict) -> None:
-    """As llama.cpp's convert does: linear scaling as metadata, llama3 as a rope_freqs tensor."""
-    import gguf
-    import numpy as np
-
-    rope = config.get("rope_parameters") or {}
-    if rope.get("rope_type") == "linear":
-        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
-        writer.add_rope_scaling_factor(rope["factor"])
-    elif rope.get("rope_type") == "llama3":
-        dim = config["head_dim"]
-        freqs = 1.0 / (rope["rope_theta"] ** (np.arange(0, dim, 2, dtype=np.float32) / dim))
-        factor, low, high = rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"]
-        old_len = rope["original_max_position_embeddings"]
-        factors = []
-        for freq in freqs:
-            wavelen = 2 * math.pi / freq
-            if wavelen < old_len / high:
-                factors.append(1.0)
-            elif wavelen > old_len / low:
-                factors.append(factor)
-            else:
-                smooth = (old_len / wavelen - low) / (high - low)
-                factors.append(1 / ((1 - smooth) / factor + smooth))
-        writer.add_tensor("rope_freqs.weight", np.array(factors, dtype=np.float32))

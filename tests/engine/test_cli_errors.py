@@ -19,6 +19,34 @@ def test_missing_model_is_one_line(tmp_path):
     assert "Traceback" not in result.output
 
 
+@pytest.mark.parametrize("source", ["hf", "gguf"])
+def test_unsupported_architecture_names_it_and_what_kiln_supports(tmp_path, source):
+    """A Gemma 2 checkpoint (or a GGUF of an architecture kiln does not read) fails in one line that names
+    the architecture and lists the Hugging Face and GGUF architectures kiln compiles."""
+    import json
+
+    from helpers import make_tiny_hf_model
+    from tiny_gguf import make_tiny_gguf
+
+    if source == "hf":
+        model = make_tiny_hf_model(tmp_path, "llama")
+        config = json.loads((model / "config.json").read_text())
+        config.update(architectures=["Gemma2ForCausalLM"], model_type="gemma2")
+        (model / "config.json").write_text(json.dumps(config))
+        named = "Gemma2ForCausalLM"
+    else:
+        model, _ = make_tiny_gguf(tmp_path, "llama", architecture="gemma2")
+        named = "'gemma2'"
+    result = _run("build", str(model), "-o", str(tmp_path / "engine"))
+    assert result.exit_code == 1 and "Traceback" not in result.output
+    message = result.output.strip().splitlines()[-1]  # after the build's progress lines
+    kind = "" if source == "hf" else "GGUF "
+    assert message.startswith("Error: ") and f"unsupported {kind}architecture {named}" in message
+    for name in ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Phi3ForCausalLM",
+                 "llama, qwen2, qwen3, phi3"):
+        assert name in message
+
+
 def test_directory_without_manifest_is_one_line(tmp_path):
     result = _run("generate", str(tmp_path), "hello")
     assert result.exit_code == 1

@@ -69,18 +69,74 @@ def test_smollm2_engine_matches_reference(smollm2_engine):
     check_against_reference(smollm2_engine, "default", lengths=[7, 64, 200, 513], steps=16, atol=1e-3)
 
 
-@pytest.mark.parametrize("family, overrides", [
-    ("llama", {"num_key_value_heads": 1}),  # MQA
-    ("qwen2", {}),  # q/k/v biases
-    ("mistral", {"sliding_window": 8}),  # shorter than most prompts: the window masks
-], ids=["llama-mqa", "qwen2", "mistral-window8"])
-def test_tiny_families_match_reference(tmp_path, family, overrides):
+def generate_chunked(engine_dir, lengths: list[int], steps: int) -> tuple[list[list[int]], list[list[tuple]]]:
+    """Greedy-decode the prompts on a schedule of packed ragged steps: prompt 0 prefills in one chunk, the
+    others in two, so step 2 mixes prompt 0's first decode with the others' second chunks; then `steps`
+    decodes each. Returns the final sequences and, per sequence, (position, logits row) of every step."""
+    from engine_driver import PagedDriver
+
+    driver = PagedDriver(engine_dir / "model.onnx", num_blocks=sum(-(-(n + steps) // 16) for n in lengths) + 4)
+    seqs = prompts(engine_dir, lengths)
+    pending = [[n] if s == 0 else [n // 2, n - n // 2] for s, n in enumerate(lengths)]
+    fed = [0] * len(seqs)
+    rows: list[list[tuple]] = [[] for _ in seqs]
+    while any(fed[s] < n + steps for s, n in enumerate(lengths)):
+        chunks = []
+        for s, seq in enumerate(seqs):
+            if pending[s]:
+                chunks.append((s, seq[fed[s]: fed[s] + pending[s].pop(0)]))
+            elif fed[s] < lengths[s] + steps:
+                chunks.append((s, [seq[-1]]))
+        for (s, chunk), row in zip(chunks, driver.step(chunks), strict=True):
+            fed[s] += len(chunk)
+            rows[s].append((fed[s] - 1, row))
+            if fed[s] >= lengths[s]:
+                seqs[s].append(int(row.argmax()))
+    return seqs, rows
+
+
+def check_against_transformers(engine_dir, model_dir, lengths: list[int], steps: int, atol: float) -> None:
+    """Every step's logits rows equal transformers' (eager, fp32) on the full final sequences; greedy agrees."""
+    from transformers import AutoModelForCausalLM
+
+    seqs, rows = generate_chunked(engine_dir, lengths, steps)
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="eager", dtype=torch.float32).eval()
+    for s, (seq, prompt_len) in enumerate(zip(seqs, lengths, strict=True)):
+        tokens = seq[: prompt_len + steps]
+        with torch.no_grad():
+            ref = hf(input_ids=torch.tensor([tokens]), position_ids=torch.arange(len(tokens))[None]).logits[0].numpy()
+        positions = [pos for pos, _ in rows[s]]
+        got = np.stack([row for _, row in rows[s]])
+        err = np.abs(got - ref[positions]).max()
+        assert err <= atol, f"sequence {s} (prompt {prompt_len}): max |logits - transformers| = {err:.2e}"
+        decoded = [pos for pos in positions if pos >= prompt_len - 1]
+        assert [seq[pos + 1] for pos in decoded] == ref[decoded].argmax(axis=-1).tolist(), f"sequence {s}: greedy"
+
+
+SHORT_PROMPTS = [3, 7, 20, 33]
+# LongRoPE families at their default context (128, past the original 32): prompts past the original context,
+# where transformers uses the long factors on every position.
+LONG_PROMPTS = [33, 40, 47, 60]
+
+
+@pytest.mark.parametrize("family, overrides, max_seq_len, lengths", [
+    ("llama", {"num_key_value_heads": 1}, None, SHORT_PROMPTS),  # MQA
+    ("qwen2", {}, None, SHORT_PROMPTS),  # q/k/v biases
+    ("mistral", {"sliding_window": 8}, None, SHORT_PROMPTS),  # shorter than most prompts: the window masks
+    ("qwen3", {}, None, SHORT_PROMPTS),  # q/k norm, head_dim 32 != hidden / heads, tied
+    ("qwen3", {"tie_word_embeddings": False}, None, SHORT_PROMPTS),
+    ("phi3", {}, None, LONG_PROMPTS),  # fused qkv / gate_up, LongRoPE long factors + attention factor
+    ("phi4", {}, 32, [3, 7, 12, 20]),  # partial rotary, LongRoPE short factors (context = the original)
+    ("phi4", {}, None, LONG_PROMPTS),  # partial rotary, LongRoPE long factors
+], ids=["llama-mqa", "qwen2", "mistral-window8", "qwen3", "qwen3-untied", "phi3-long", "phi4-short", "phi4-long"])
+def test_tiny_families_match_transformers(tmp_path, family, overrides, max_seq_len, lengths):
     from helpers import make_tiny_hf_model
 
     from kiln.manifest import BuildOptions
     from kiln.optimize.build import build_engine
 
     model = make_tiny_hf_model(tmp_path, family=family, **overrides)
-    # float32 KV: the fp32 pipeline's numerics, held to the reference at 1e-4 (float16 KV: test_build.py)
-    build_engine(model, tmp_path / "engine", BuildOptions(kv_dtype="float32"), progress=lambda _msg: None)
-    check_against_reference(tmp_path / "engine", model, lengths=[3, 7, 20, 33], steps=6, atol=1e-4)
+    # float32 KV: the fp32 pipeline's numerics, held to transformers at 1e-4 (float16 KV: test_build.py)
+    build_engine(model, tmp_path / "engine", BuildOptions(kv_dtype="float32", max_seq_len=max_seq_len),
+                 progress=lambda _msg: None)
+    check_against_transformers(tmp_path / "engine", model, lengths, steps=6, atol=1e-4)

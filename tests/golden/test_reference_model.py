@@ -3,11 +3,15 @@ GGUF path, and (slow) SmolLM2-135M-Instruct from its GGUF, tokenizer and chat te
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
-from helpers import make_tiny_gguf, make_tiny_hf_model
+from helpers import make_tiny_hf_model
+from tiny_gguf import make_tiny_gguf
 
 from kiln.export import ReferenceModel, default_model_path, load_checkpoint
+from kiln.export.reference import attention_scale, rope_inv_freq
 
 LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                   "original_max_position_embeddings": 32}
@@ -21,6 +25,11 @@ TINY_CASES = {
     "llama-head-dim-32": ("llama", dict(head_dim=32)),
     "mistral-sliding-window": ("mistral", dict(sliding_window=5, num_key_value_heads=1)),
     "qwen2-bias-untied": ("qwen2", dict(tie_word_embeddings=False)),
+    "qwen3-qk-norm-tied": ("qwen3", {}),
+    "qwen3-qk-norm-untied": ("qwen3", dict(tie_word_embeddings=False)),
+    "phi3-fused-longrope": ("phi3", {}),
+    "phi3-no-rope-scaling": ("phi3", dict(rope_scaling=None, max_position_embeddings=32)),
+    "phi4-partial-rotary-longrope": ("phi4", {}),
 }
 
 
@@ -48,6 +57,67 @@ def test_tiny_models_match_transformers(tmp_path, case):
         ours = model(input_ids, position_ids)
     assert ours.shape == (2, 13, model.spec.vocab_size) and ours.dtype == torch.float32
     torch.testing.assert_close(ours, _hf_logits(folder, input_ids, position_ids), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("family", ["phi3", "phi4"])
+def test_longrope_factor_set_follows_the_context(tmp_path, family):
+    """LongRoPE: a context within the original one uses the short factors, a longer one the long factors,
+    each equal to transformers on sequences of that kind (transformers picks by the sequence's length)."""
+    folder = make_tiny_hf_model(tmp_path, family)
+    ckpt = load_checkpoint(folder)
+    original = ckpt.spec.rope_scaling.original_max_position_embeddings
+    for length, context in ((original - 5, original), (original + 20, ckpt.spec.max_position_embeddings)):
+        spec = ckpt.spec.for_context(context)
+        assert spec.rope_scaling.long_context == (context > original)
+        input_ids = torch.randint(0, spec.vocab_size, (1, length))
+        position_ids = torch.arange(length)[None]
+        with torch.no_grad():
+            ours = ReferenceModel(spec, ckpt.weights)(input_ids, position_ids)
+        torch.testing.assert_close(ours, _hf_logits(folder, input_ids, position_ids), atol=1e-4, rtol=1e-4)
+
+
+def _without_qk_norm(spec, weights):
+    return dataclasses.replace(spec, qk_norm=False), {k: v for k, v in weights.items() if "_norm." not in k}
+
+
+def _switch_longrope_set(spec, weights):
+    scaling = dataclasses.replace(spec.rope_scaling, long_context=not spec.rope_scaling.long_context)
+    return dataclasses.replace(spec, rope_scaling=scaling), weights
+
+
+def _without_attention_factor(spec, weights):
+    return dataclasses.replace(spec, rope_scaling=dataclasses.replace(spec.rope_scaling, attention_factor=1.0)), weights
+
+
+def _full_rotary(spec, weights):
+    scaling = spec.rope_scaling
+    pairs = spec.head_dim // 2  # the factor lists must cover every pair once the whole head rotates
+    scaling = dataclasses.replace(scaling, short_factor=scaling.short_factor[:1] * pairs,
+                                  long_factor=scaling.long_factor[:1] * pairs)
+    return dataclasses.replace(spec, rotary_dim=0, rope_scaling=scaling), weights
+
+
+@pytest.mark.parametrize("family, remove", [
+    ("qwen3", _without_qk_norm),
+    ("phi3", _switch_longrope_set),
+    ("phi3", _without_attention_factor),
+    ("phi4", _switch_longrope_set),
+    ("phi4", _without_attention_factor),
+    ("phi4", _full_rotary),
+], ids=["qwen3-qk-norm", "phi3-longrope-set", "phi3-attention-factor", "phi4-longrope-set",
+        "phi4-attention-factor", "phi4-partial-rotary"])
+def test_each_family_piece_matters(tmp_path, family, remove):
+    """Without the piece, the tiny model's logits leave transformers' by far more than the parity tolerance,
+    so the parity tests above fail when a family-specific piece is dropped."""
+    folder = make_tiny_hf_model(tmp_path, family)
+    ckpt = load_checkpoint(folder)
+    length = 40  # past the tiny Phi models' original context of 32: transformers uses the long factors
+    spec, weights = remove(ckpt.spec.for_context(ckpt.spec.max_position_embeddings), ckpt.weights)
+    input_ids = torch.randint(0, spec.vocab_size, (1, length))
+    position_ids = torch.arange(length)[None]
+    with torch.no_grad():
+        ours = ReferenceModel(spec, weights)(input_ids, position_ids)
+    assert (ours - _hf_logits(folder, input_ids, position_ids)).abs().max() > 0.05
 
 
 def test_causal_mask_follows_positions():
@@ -90,20 +160,34 @@ def test_parameters_carry_hf_names(tmp_path):
 
 
 GGUF_CASES = {
-    "mqa-untied": dict(num_key_value_heads=1, tie_word_embeddings=False),
-    "llama3-rope-freqs": dict(rope_scaling=LLAMA3_SCALING, num_key_value_heads=4),
-    "linear-rope": dict(rope_scaling={"rope_type": "linear", "factor": 4.0}),
+    "mqa-untied": ("llama", dict(num_key_value_heads=1, tie_word_embeddings=False)),
+    "llama3-rope-freqs": ("llama", dict(rope_scaling=LLAMA3_SCALING, num_key_value_heads=4)),
+    "linear-rope": ("llama", dict(rope_scaling={"rope_type": "linear", "factor": 4.0})),
+    "qwen2-bias": ("qwen2", {}),
+    "qwen3-qk-norm": ("qwen3", {}),
+    "qwen3-untied": ("qwen3", dict(tie_word_embeddings=False)),
+    "phi3-longrope": ("phi3", {}),
+    "phi4-partial-rotary": ("phi4", {}),
 }
 
 
 @pytest.mark.parametrize("case", list(GGUF_CASES))
 def test_tiny_gguf_matches_transformers(tmp_path, case):
-    gguf_path, hf_dir = make_tiny_gguf(tmp_path, **GGUF_CASES[case])
-    ckpt = load_checkpoint(gguf_path)
-    assert ckpt.spec.rope_scaling == load_checkpoint(hf_dir).spec.rope_scaling or case == "llama3-rope-freqs"
+    """A GGUF converted as llama.cpp does loads to the HF checkpoint's spec and the same logits."""
+    family, overrides = GGUF_CASES[case]
+    gguf_path, hf_dir = make_tiny_gguf(tmp_path, family, **overrides)
+    ckpt, hf_ckpt = load_checkpoint(gguf_path), load_checkpoint(hf_dir)
+    assert dataclasses.replace(ckpt.spec, rope_scaling=None) == dataclasses.replace(hf_ckpt.spec, rope_scaling=None)
+    # The rope scaling may differ in how it is spelled (llama3 recovered from rope_freqs, LongRoPE factors
+    # rounded to float32), never in the frequencies or the attention factor.
+    for context in (32, 128):
+        ours, theirs = ckpt.spec.for_context(context), hf_ckpt.spec.for_context(context)
+        torch.testing.assert_close(rope_inv_freq(ours), rope_inv_freq(theirs), rtol=1e-6, atol=0)
+        assert attention_scale(ours) == pytest.approx(attention_scale(theirs), rel=1e-6)
     model = ReferenceModel.from_checkpoint(ckpt)
     input_ids = torch.randint(0, 320, (2, 11))
-    position_ids = _positions(2, 11, offsets=(0, 40))
+    # within the tiny Phi models' original context (32), where transformers uses the short factors, as the spec
+    position_ids = _positions(2, 11, offsets=(0, 9 if family.startswith("phi") else 40))
     with torch.no_grad():
         ours = model(input_ids, position_ids)
     torch.testing.assert_close(ours, _hf_logits(hf_dir, input_ids, position_ids), atol=1e-4, rtol=1e-4)

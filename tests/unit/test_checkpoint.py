@@ -9,12 +9,13 @@ import shutil
 import numpy as np
 import pytest
 import torch
-from helpers import TINY_CHAT_TEMPLATE, llama_cpp_permute, make_tiny_gguf, make_tiny_hf_model
+from helpers import TINY_CHAT_TEMPLATE, make_tiny_hf_model
+from tiny_gguf import llama_cpp_permute, make_tiny_gguf
 
 from kiln.export import Checkpoint, load_checkpoint
 from kiln.export.checkpoint import default_model_path
 from kiln.export.checkpoint_types import expected_weight_names
-from kiln.export.gguf_loader import unpermute_rotary_rows
+from kiln.export.gguf_architectures import unpermute_rotary_rows
 from kiln.spec import ModelSpec
 
 

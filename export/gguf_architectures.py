@@ -1,0 +1,235 @@
+"""The GGUF architectures kiln reads, and how llama.cpp's converter wrote each of them.
+
+Per architecture (general.architecture): the metadata key prefix (``qwen3.block_count``...), the map from
+GGUF tensor names to Hugging Face names, and what the converter did to the weights that kiln undoes:
+
+- ``llama``: attn_q / attn_k rows permuted to interleaved rotary pairs (undone here); Llama 3 rope scaling
+  baked into a ``rope_freqs`` tensor of per-frequency divisors (recovered as llama3 parameters).
+- ``qwen2`` / ``qwen3``: stored as Hugging Face has them (NEOX rotary, no permutation); qwen2 carries
+  q/k/v biases, qwen3 per-head ``attn_q_norm`` / ``attn_k_norm``.
+- ``phi3``: fused ``attn_qkv`` and ``ffn_up`` (gate and up rows, in that order), split like the HF
+  checkpoint's qkv_proj / gate_up_proj; LongRoPE as ``rope_factors_short`` / ``rope_factors_long`` tensors,
+  ``rope.scaling.original_context_length`` and ``rope.scaling.attn_factor``; partial rotary as
+  ``rope.dimension_count`` below the head dim.
+
+The result is the same Checkpoint the Hugging Face directory of that model loads to.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from kiln.spec import SUPPORTED_GGUF_ARCHITECTURES, ModelSpec, RopeScaling, supported_architectures_sentence
+
+from .fused_weights import split_fused_projections
+
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_LLAMA_BLOCKS = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_QWEN3_BLOCKS = {**_LLAMA_BLOCKS, "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
+_PHI3_BLOCKS = {
+    "attn_norm": "input_layernorm",
+    "attn_qkv": "self_attn.qkv_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_up": "mlp.gate_up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_BLOCK_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
+# Tensors that describe the rotary embedding rather than weights: read into the spec, never renamed.
+ROPE_TENSORS = ("rope_freqs.weight", "rope_factors_short.weight", "rope_factors_long.weight")
+
+
+@dataclass(frozen=True)
+class GgufArchitecture:
+    name: str  # general.architecture, also the metadata key prefix
+    family: str  # kiln's family (ModelSpec.family)
+    block_names: Mapping[str, str]  # blk.N.<part> -> model.layers.N.<module>
+    permutes_rotary_rows: bool = False  # llama.cpp permuted attn_q / attn_k rows (llama only)
+
+    def spec(self, md: dict, shapes: dict[str, tuple[int, ...]], rope: dict[str, torch.Tensor],
+             path: Path) -> ModelSpec:
+        """The ModelSpec from the metadata, the tensor shapes and the rope tensors (ROPE_TENSORS present)."""
+        spec = _spec_from_metadata(self, md, shapes, rope, path)
+        freqs = rope.get("rope_freqs.weight")
+        return _with_llama3_scaling(spec, freqs, path) if freqs is not None else spec
+
+    def hf_tensors(self, name: str, tensor: torch.Tensor, spec: ModelSpec, path: Path) -> dict[str, torch.Tensor]:
+        """The Hugging Face tensor(s) one GGUF tensor holds: renamed, un-permuted, fused ones split."""
+        hf_name = self._hf_name(name, path)
+        if self.permutes_rotary_rows and re.search(r"\.self_attn\.[qk]_proj\.", hf_name):
+            heads = spec.num_heads if ".q_proj." in hf_name else spec.num_kv_heads
+            tensor = unpermute_rotary_rows(tensor, heads)
+        return split_fused_projections(spec, {hf_name: tensor}, str(path))
+
+    def _hf_name(self, name: str, path: Path) -> str:
+        if name in _GLOBAL_NAMES:
+            return _GLOBAL_NAMES[name]
+        match = _BLOCK_RE.match(name)
+        if match and match.group(2) in self.block_names:
+            layer, part, kind = match.groups()
+            return f"model.layers.{layer}.{self.block_names[part]}.{kind}"
+        raise ValueError(f"{path}: unexpected GGUF tensor {name!r} for a {self.name} model")
+
+
+GGUF_ARCHITECTURES = {
+    "llama": GgufArchitecture("llama", "llama", _LLAMA_BLOCKS, permutes_rotary_rows=True),
+    "qwen2": GgufArchitecture("qwen2", "qwen2", _LLAMA_BLOCKS),
+    "qwen3": GgufArchitecture("qwen3", "qwen3", _QWEN3_BLOCKS),
+    "phi3": GgufArchitecture("phi3", "phi3", _PHI3_BLOCKS),
+}
+assert tuple(GGUF_ARCHITECTURES) == SUPPORTED_GGUF_ARCHITECTURES
+
+
+def gguf_architecture(name: object, path: Path) -> GgufArchitecture:
+    """The architecture a file's general.architecture names, or one sentence naming what kiln reads."""
+    if not isinstance(name, str) or name not in GGUF_ARCHITECTURES:
+        raise ValueError(f"{path}: unsupported GGUF architecture {name!r}; {supported_architectures_sentence()}")
+    return GGUF_ARCHITECTURES[name]
+
+
+def unpermute_rotary_rows(w: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Undo llama.cpp's convert permutation of q/k rows (interleaved pairs -> HF rotate_half halves).
+
+    llama.cpp stores ``w.reshape(H, 2, D/2, ...).swapaxes(1, 2)``; this is its inverse.
+    """
+    rows = w.shape[0]
+    half = rows // num_heads // 2
+    return w.reshape(num_heads, half, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape).contiguous()
+
+
+def _first_line(exc: Exception) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+def nice_float(value: float) -> float:
+    """GGUF stores float32; 9.999999747e-06 -> 1e-05."""
+    return float(str(np.float32(value)))
+
+
+def _spec_from_metadata(
+    arch: GgufArchitecture, md: dict, shapes: dict[str, tuple[int, ...]], rope: dict[str, torch.Tensor], path: Path
+) -> ModelSpec:
+    prefix = arch.name
+
+    def get(key, default=None):
+        value = md.get(f"{prefix}.{key}", default)
+        if value is None:
+            raise ValueError(f"{path}: GGUF metadata lacks {prefix}.{key}")
+        return value
+
+    num_heads = int(get("attention.head_count"))
+    hidden = int(get("embedding_length"))
+    head_dim = int(md.get(f"{prefix}.attention.key_length") or hidden // num_heads)
+    rope_dim = int(md.get(f"{prefix}.rope.dimension_count") or head_dim)
+    if rope_dim != head_dim and arch.name != "phi3":
+        raise ValueError(
+            f"{path}: partial rotary embeddings (rope dim {rope_dim} of head dim {head_dim}) are not supported "
+            f"for {arch.name}"
+        )
+    if "token_embd.weight" not in shapes:
+        raise ValueError(f"{path}: GGUF has no token_embd.weight tensor")
+    vocab = md.get(f"{prefix}.vocab_size") or shapes["token_embd.weight"][0]
+    bos = md.get("tokenizer.ggml.bos_token_id")
+    eos_ids = tuple(
+        dict.fromkeys(int(md[k]) for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id") if k in md)
+    )
+    context = int(md.get(f"{prefix}.context_length", 2048))
+    rotary = _longrope(md, rope, context, path) if arch.name == "phi3" else _linear_scaling(md, prefix, path)
+    try:
+        return ModelSpec(
+            family=arch.family,
+            vocab_size=int(vocab),
+            hidden_size=hidden,
+            intermediate_size=int(get("feed_forward_length")),
+            num_layers=int(get("block_count")),
+            num_heads=num_heads,
+            num_kv_heads=int(md.get(f"{prefix}.attention.head_count_kv") or num_heads),
+            head_dim=head_dim,
+            rms_norm_eps=nice_float(get("attention.layer_norm_rms_epsilon")),
+            rope_theta=nice_float(md.get(f"{prefix}.rope.freq_base", 10000.0)),
+            max_position_embeddings=context,
+            tie_word_embeddings="output.weight" not in shapes,
+            attention_bias="blk.0.attn_q.bias" in shapes,
+            rope_scaling=rotary,
+            sliding_window=int(md.get(f"{prefix}.attention.sliding_window") or 0),
+            bos_token_id=int(bos) if bos is not None else None,
+            eos_token_ids=eos_ids,
+            qk_norm="blk.0.attn_q_norm.weight" in shapes,
+            rotary_dim=rope_dim if rope_dim != head_dim else 0,
+        )
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"{path}: bad GGUF metadata ({_first_line(exc)})") from None
+
+
+def _linear_scaling(md: dict, prefix: str, path: Path) -> RopeScaling | None:
+    kind = md.get(f"{prefix}.rope.scaling.type")
+    if kind in (None, "none"):
+        return None
+    if kind != "linear":
+        raise ValueError(f"{path}: unsupported GGUF rope scaling {kind!r} (kiln supports linear and llama3)")
+    factor = md.get(f"{prefix}.rope.scaling.factor")
+    return RopeScaling(rope_type="linear", factor=nice_float(factor)) if factor and factor != 1.0 else None
+
+
+def _longrope(md: dict, rope: dict[str, torch.Tensor], context: int, path: Path) -> RopeScaling | None:
+    """Phi-3's LongRoPE from the factor tensors llama.cpp writes (none: plain RoPE, as Phi-3-mini-4k)."""
+    short, long = rope.get("rope_factors_short.weight"), rope.get("rope_factors_long.weight")
+    if short is None and long is None:
+        return None
+    if short is None or long is None:
+        raise ValueError(f"{path}: GGUF has one of rope_factors_short / rope_factors_long but not the other")
+    original = md.get("phi3.rope.scaling.original_context_length")
+    if not original:
+        raise ValueError(f"{path}: GGUF LongRoPE factors without phi3.rope.scaling.original_context_length")
+    return RopeScaling(
+        rope_type="longrope",
+        factor=context / int(original),
+        original_max_position_embeddings=int(original),
+        short_factor=tuple(nice_float(f) for f in short.reshape(-1).tolist()),
+        long_factor=tuple(nice_float(f) for f in long.reshape(-1).tolist()),
+        attention_factor=float(md.get("phi3.rope.scaling.attn_factor", 1.0)),
+    )
+
+
+def _with_llama3_scaling(spec: ModelSpec, freqs: torch.Tensor, path: Path) -> ModelSpec:
+    """llama.cpp bakes Llama 3 rope scaling into a rope_freqs tensor (per-frequency divisors);
+    recover the llama3 parameters that reproduce it."""
+    from .reference import rope_inv_freq
+
+    freqs = freqs.reshape(-1).to(torch.float64)
+    base = rope_inv_freq(dataclasses.replace(spec, rope_scaling=None)).to(torch.float64)
+    if freqs.shape != base.shape:
+        raise ValueError(f"{path}: rope_freqs has {freqs.numel()} entries, expected {base.numel()}")
+    if torch.allclose(freqs, torch.ones_like(freqs)):
+        return spec
+    factor = float(freqs.max())
+    # Any parameters that reproduce the divisors give the same inv_freq, hence the same model.
+    for original in [spec.max_position_embeddings] + [2**k for k in range(4, 21)]:
+        for low, high in ((1.0, 4.0), (1.0, 2.0), (1.0, 8.0)):
+            scaling = RopeScaling("llama3", factor, low, high, original)
+            scaled = rope_inv_freq(dataclasses.replace(spec, rope_scaling=scaling)).to(torch.float64)
+            if torch.allclose(base / scaled, freqs, rtol=1e-3):
+                return dataclasses.replace(spec, rope_scaling=scaling)
+    raise ValueError(f"{path}: rope_freqs does not match any llama3 rope scaling kiln can express")
