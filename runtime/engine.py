@@ -29,6 +29,7 @@ from kiln.runtime.sequence import Sequence
 from kiln.runtime.speculative.ngram import NgramProposer
 from kiln.runtime.speculative.proposer import Proposal, ProposalRequest, Proposer
 from kiln.runtime.speculative.verify import SpecStats, verify
+from kiln.runtime.structured.grammar import CompiledGrammar, GrammarCompiler
 
 log = logging.getLogger("kiln.runtime")
 
@@ -53,6 +54,7 @@ class EngineRequest:
     prompt: str | None  # the text, when the prompt was given as text
     prompt_token_ids: list[int]
     params: SamplingParams
+    grammar: CompiledGrammar | None = None  # params.structured compiled for the engine's tokenizer
 
     def __post_init__(self) -> None:
         if not isinstance(self.params, SamplingParams):
@@ -120,6 +122,8 @@ class Request:
         params, ids = prepared.params, prepared.prompt_token_ids
         arrival = time.monotonic()
         self.seqs = [Sequence(ids, params, index=i, arrival=arrival) for i in range(params.n)]
+        for seq in self.seqs:
+            seq.grammar = None if prepared.grammar is None else prepared.grammar.start()
         self.pending = [
             _PendingOutput(IncrementalDetokenizer(tokenizer, ids, params.skip_special_tokens, params.stop))
             for _ in range(params.n)
@@ -170,6 +174,7 @@ class Engine:
         self.spec_stats = SpecStats()
         self._proposals: dict[Sequence, Proposal] = {}  # this step's, by sequence
         self._imports: deque[tuple[Request, KvHandoff]] = deque()  # handed-off requests waiting for blocks
+        self._grammars: GrammarCompiler | None = None  # made on the first structured request
 
     def _default_proposer(self) -> Proposer | None:
         spec = self.config.speculative
@@ -190,7 +195,21 @@ class Engine:
     def prepare(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> EngineRequest:
         """Tokenize and check a request; ValueError naming the problem. Reads only what never
         changes after loading, so any thread may call it."""
-        return prepare_request(request_id, prompt, params, self.tokenizer, self.runner.vocab_size, self.max_seq_len)
+        request = prepare_request(request_id, prompt, params, self.tokenizer, self.runner.vocab_size,
+                                  self.max_seq_len)
+        if params.structured is None:
+            return request
+        return dataclasses.replace(request, grammar=self.grammars.compile(params.structured))
+
+    @property
+    def grammars(self) -> GrammarCompiler:
+        """The structured-output compiler over this engine's tokenizer (its tokenizer.json, read once)."""
+        if self._grammars is None:
+            to_json = getattr(self.tokenizer, "to_json", None)
+            if to_json is None:
+                raise InvalidParamError("this engine's tokenizer cannot drive structured output", "structured")
+            self._grammars = GrammarCompiler(to_json(), self.runner.vocab_size, self.limits.eos_token_ids)
+        return self._grammars
 
     def add(self, prepared: EngineRequest, kv: KvHandoff | None = None, export_kv: bool = False) -> None:
         """Queue a prepared request; its outputs come from step().
@@ -202,6 +221,8 @@ class Engine:
             raise InvalidParamError(f"request_id {prepared.request_id!r} is already in use", "request_id")
         if kv is not None:
             kv.check(prepared.prompt_token_ids, self.runner.block_size, self.runner.kv_layout())
+        if prepared.params.structured is not None and prepared.grammar is None:  # prepared without this engine
+            prepared = dataclasses.replace(prepared, grammar=self.grammars.compile(prepared.params.structured))
         request = Request(prepared, self.tokenizer, export_kv)
         self.requests[prepared.request_id] = request
         for seq in request.seqs:
@@ -288,8 +309,9 @@ class Engine:
         checking guesses costs more than it saves: docs/design.md), shared evenly among them."""
         spec = self.config.speculative
         assert spec is not None and self.proposer is not None
+        # a structured row is not speculated: its proposals would need the grammar checked and rolled back
         decodes = [seq for (seq, n), need in zip(out.scheduled, out.needs_logits, strict=True)
-                   if need and n == 1 and seq.num_output_tokens > 0]
+                   if need and n == 1 and seq.num_output_tokens > 0 and seq.grammar is None]
         room = min(spec.max_batch_tokens, self.scheduler.max_num_tokens) - out.num_tokens
         share = min(spec.num_tokens, room // len(decodes)) if decodes else 0
         if share < 1:
@@ -449,6 +471,10 @@ class Engine:
         stop = detok.find_stop(len(detok.add(token)))
         if stop is not None:
             return self.scheduler.finish(seq, "stop", stop)
+        if seq.grammar is not None:  # a complete match admits only EOS next: end it now, a step sooner
+            seq.grammar.sync(seq.token_ids, seq.num_prompt_tokens)
+            if seq.grammar.done:
+                return self.scheduler.finish(seq, "stop", None)
         out_of_tokens = params.max_tokens is not None and seq.num_output_tokens >= params.max_tokens
         if out_of_tokens or len(seq) >= self.max_seq_len:
             return self.scheduler.finish(seq, "length")
