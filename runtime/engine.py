@@ -29,6 +29,7 @@ from kiln.runtime.sequence import Sequence
 from kiln.runtime.speculative.ngram import NgramProposer
 from kiln.runtime.speculative.proposer import Proposal, ProposalRequest, Proposer
 from kiln.runtime.speculative.verify import SpecStats, verify
+from kiln.runtime.structured import StructuredOutput
 from kiln.runtime.structured.grammar import CompiledGrammar, GrammarCompiler
 
 log = logging.getLogger("kiln.runtime")
@@ -199,17 +200,17 @@ class Engine:
                                   self.max_seq_len)
         if params.structured is None:
             return request
-        return dataclasses.replace(request, grammar=self.grammars.compile(params.structured))
+        return dataclasses.replace(request, grammar=self._compile(params.structured))
 
-    @property
-    def grammars(self) -> GrammarCompiler:
-        """The structured-output compiler over this engine's tokenizer (its tokenizer.json, read once)."""
+    def _compile(self, spec: StructuredOutput) -> CompiledGrammar:
+        """spec compiled for this engine's tokenizer (tokenizer.json, read on the first structured request)."""
         if self._grammars is None:
             to_json = getattr(self.tokenizer, "to_json", None)
             if to_json is None:
-                raise InvalidParamError("this engine's tokenizer cannot drive structured output", "structured")
+                raise InvalidParamError(f"{spec.param}: this engine's tokenizer cannot drive structured output",
+                                        spec.param)
             self._grammars = GrammarCompiler(to_json(), self.runner.vocab_size, self.limits.eos_token_ids)
-        return self._grammars
+        return self._grammars.compile(spec)
 
     def add(self, prepared: EngineRequest, kv: KvHandoff | None = None, export_kv: bool = False) -> None:
         """Queue a prepared request; its outputs come from step().
@@ -222,7 +223,7 @@ class Engine:
         if kv is not None:
             kv.check(prepared.prompt_token_ids, self.runner.block_size, self.runner.kv_layout())
         if prepared.params.structured is not None and prepared.grammar is None:  # prepared without this engine
-            prepared = dataclasses.replace(prepared, grammar=self.grammars.compile(prepared.params.structured))
+            prepared = dataclasses.replace(prepared, grammar=self._compile(prepared.params.structured))
         request = Request(prepared, self.tokenizer, export_kv)
         self.requests[prepared.request_id] = request
         for seq in request.seqs:

@@ -49,6 +49,7 @@ from kiln.runtime.server.streams import (
     engine_stream,
     sse_stream,
 )
+from kiln.runtime.server.tools import ToolMode, ToolResponses, render_messages
 
 log = logging.getLogger("kiln.server")
 
@@ -113,6 +114,8 @@ async def _run(request: Request, body: CompletionRequest | ChatCompletionRequest
         log.exception("request %s failed", request_id)
         raise APIError(500, f"Internal error: {type(e).__name__}: {e}") from None
     fmt = ResponseFormatter(chat, request_id, state.model_names[0], params)
+    mode = body.tool_mode() if isinstance(body, ChatCompletionRequest) else None  # checked by sampling_params
+    fmt.tools = None if mode is None else ToolResponses(mode)
     stream = engine_stream(request, streams, ids, params, request_id)
     try:
         first = await stream.__anext__()
@@ -232,13 +235,18 @@ def _add_generation_routes(app: FastAPI) -> None:
 
     @app.post("/v1/chat/completions", summary="Create a chat completion", responses=_GENERATION_RESPONSES)
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-        prompt = _render_chat(request.app.state.llm, body.messages)
+        try:
+            mode = body.tool_mode()
+        except InvalidParamError as e:
+            raise APIError(400, str(e), e.param) from None
+        prompt = _render_chat(request.app.state.llm, body.messages, tools=mode)
         return await _run(request, body, [prompt], chat=True)
 
 
-def _render_chat(llm: Any, messages: list[Any], add_generation_prompt: bool = True) -> str:
+def _render_chat(llm: Any, messages: list[Any], add_generation_prompt: bool = True,
+                 tools: ToolMode | None = None) -> str:
     try:
-        return str(llm.apply_chat_template([m.as_dict() for m in messages], add_generation_prompt))
+        return str(llm.apply_chat_template(render_messages(messages, tools), add_generation_prompt))
     except Exception as e:  # a template may reject a conversation (e.g. role order)
         raise APIError(400, f"messages: the chat template rejected them: {e}", "messages") from None
 
