@@ -92,7 +92,8 @@ def test_history_with_calls_and_tool_results_renders_for_any_template():
         {"role": "system", "content": "Be brief."},
         {"role": "user", "content": "Weather?"},
         {"role": "assistant", "content": None, "tool_calls": [
-            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Rome"}'}}]},
+            {"id": "call_1", "type": "function",
+             "function": {"name": "get_weather", "arguments": '{"city": "Rome"}'}}]},
         {"role": "tool", "tool_call_id": "call_1", "content": "21 C"}]]
     rendered = render_messages(messages, request(tool_choice="auto").tool_mode())
     assert [m["role"] for m in rendered] == ["system", "user", "assistant", "tool"]
