@@ -9,6 +9,7 @@ shape; an engine exception fails only the request that raised it.
 
 from __future__ import annotations
 
+import json
 import logging
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -41,6 +42,7 @@ from kiln.runtime.server.protocol import (
     TokenizeResponse,
     error_body,
 )
+from kiln.runtime.server.responses_api import ResponsesRequest, response_body
 from kiln.runtime.server.streams import (
     ClientDisconnected,
     Drain,
@@ -192,6 +194,7 @@ def build_app(load_llm: Callable[[], Any], served_model_name: str | None = None,
                            on_reject=lambda: app.state.metrics.rejected.labels(status="401").inc())
     _add_error_handlers(app)
     _add_generation_routes(app)
+    _add_responses_route(app)
     _add_info_routes(app)
     app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]  # FastAPI's documented way to replace it
     return app
@@ -241,6 +244,22 @@ def _add_generation_routes(app: FastAPI) -> None:
             raise APIError(400, str(e), e.param) from None
         prompt = _render_chat(request.app.state.llm, body.messages, tools=mode)
         return await _run(request, body, [prompt], chat=True)
+
+
+def _add_responses_route(app: FastAPI) -> None:
+    @app.post("/v1/responses", summary="Create a model response (OpenAI's Responses API, not streamed)",
+              responses=_GENERATION_RESPONSES)
+    async def responses(body: ResponsesRequest, request: Request) -> Response:
+        try:
+            chat = body.chat_request()
+            mode = chat.tool_mode()
+        except InvalidParamError as e:
+            raise APIError(400, str(e), e.param) from None
+        prompt = _render_chat(request.app.state.llm, chat.messages, tools=mode)
+        answer = await _run(request, chat, [prompt], chat=True)
+        if not isinstance(answer, JSONResponse):  # the client left
+            return answer
+        return JSONResponse(response_body(json.loads(bytes(answer.body)), body))
 
 
 def _render_chat(llm: Any, messages: list[Any], add_generation_prompt: bool = True,

@@ -142,3 +142,27 @@ def test_generate_json_schema_from_the_cli(tiny_engine, tmp_path):
     jsonschema.validate(json.loads(result.stdout.strip()), schema)
     bad = CliRunner().invoke(main, ["generate", str(tiny_engine), "x", "--regex", "a[", "--max-tokens", "4"])
     assert bad.exit_code != 0 and "regex" in bad.output and "unclosed character class" in bad.output
+
+
+def test_responses_api_text_tools_json_and_a_round_trip(server):
+    client = server.client()
+    text = client.responses.create(model="tiny", input="Hello", max_output_tokens=6, temperature=0)
+    assert text.status == "incomplete" and text.output_text and text.usage.output_tokens == 6
+    forced = client.responses.create(model="tiny", input="Weather in Paris?", tool_choice="required",
+                                     tools=[{"type": "function", **WEATHER_TOOL["function"]}], max_output_tokens=120,
+                                     temperature=0, parallel_tool_calls=False)
+    [call] = [item for item in forced.output if item.type == "function_call"]
+    jsonschema.validate(json.loads(call.arguments), WEATHER_TOOL["function"]["parameters"])
+    answer = client.responses.create(model="tiny", max_output_tokens=4, temperature=0, tools=[
+        {"type": "function", **WEATHER_TOOL["function"]}], input=[
+        {"role": "user", "content": "Weather in Paris?"},
+        {"type": "function_call", "call_id": call.call_id, "name": call.name, "arguments": call.arguments},
+        {"type": "function_call_output", "call_id": call.call_id, "output": "21 C"}])
+    # the history (the call and its output) is in the prompt, after the same tools prompt
+    assert answer.output[0].type == "message" and answer.usage.input_tokens > forced.usage.input_tokens + 20
+    parsed = client.responses.parse(model="tiny", input="Weather?", text_format=Weather, max_output_tokens=60,
+                                    temperature=0)
+    assert isinstance(parsed.output_parsed, Weather)
+    with pytest.raises(openai.BadRequestError) as err:
+        client.responses.create(model="tiny", input="x", previous_response_id="resp_1")
+    assert err.value.body["param"] == "previous_response_id"
