@@ -42,7 +42,7 @@ from kiln.runtime.server.protocol import (
     TokenizeResponse,
     error_body,
 )
-from kiln.runtime.server.responses_api import ResponsesRequest, response_body
+from kiln.runtime.server.responses_api import ResponsesRequest, response_body, stream_events
 from kiln.runtime.server.streams import (
     ClientDisconnected,
     Drain,
@@ -247,7 +247,7 @@ def _add_generation_routes(app: FastAPI) -> None:
 
 
 def _add_responses_route(app: FastAPI) -> None:
-    @app.post("/v1/responses", summary="Create a model response (OpenAI's Responses API, not streamed)",
+    @app.post("/v1/responses", summary="Create a model response (OpenAI's Responses API)",
               responses=_GENERATION_RESPONSES)
     async def responses(body: ResponsesRequest, request: Request) -> Response:
         try:
@@ -257,6 +257,9 @@ def _add_responses_route(app: FastAPI) -> None:
             raise APIError(400, str(e), e.param) from None
         prompt = _render_chat(request.app.state.llm, chat.messages, tools=mode)
         answer = await _run(request, chat, [prompt], chat=True)
+        if isinstance(answer, StreamingResponse):
+            return StreamingResponse(stream_events(answer.body_iterator, body), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         if not isinstance(answer, JSONResponse):  # the client left
             return answer
         return JSONResponse(response_body(json.loads(bytes(answer.body)), body))

@@ -1,13 +1,16 @@
 """POST /v1/responses (OpenAI's Responses API, the Agents SDK's default) over the chat path: the request's input
 items become chat messages (function_call items an assistant's tool_calls, function_call_output items tool
 messages), its flat tools and text.format the chat request's tools and response_format; the chat answer becomes
-output items (a message with output_text, then function_call items). Stateless: previous_response_id is refused
-(kiln stores no responses), and so is stream (not implemented for this endpoint)."""
+output items (a message with output_text, then function_call items). With stream, the chat stream's chunks become
+the Responses API's events (response.created, output items added, output_text and function-call argument deltas,
+items done, response.completed). Stateless: previous_response_id is refused (kiln stores no responses)."""
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
+from collections.abc import AsyncIterable, AsyncIterator
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -37,13 +40,11 @@ class ResponsesRequest(BaseModel):
 
     def chat_request(self) -> ChatCompletionRequest:
         """The equivalent chat completions request; InvalidParamError naming this request's field."""
-        if self.stream:
-            raise InvalidParamError("stream is not supported on /v1/responses by kiln; use /v1/chat/completions "
-                                    "to stream", "stream")
         if self.previous_response_id is not None:
             raise InvalidParamError("previous_response_id is not supported: kiln stores no responses; send the "
                                     "whole conversation as input", "previous_response_id")
-        body: dict[str, Any] = {"model": self.model, "messages": self._messages(), "stream": False}
+        body: dict[str, Any] = {"model": self.model, "messages": self._messages(), "stream": self.stream,
+                                "stream_options": {"include_usage": True} if self.stream else None}
         for name in ("temperature", "top_p", "seed", "parallel_tool_calls"):
             if getattr(self, name) is not None:
                 body[name] = getattr(self, name)
@@ -150,3 +151,79 @@ def response_body(chat: dict[str, Any], request: ResponsesRequest) -> dict[str, 
                   "input_tokens_details": {"cached_tokens": usage["prompt_tokens_details"]["cached_tokens"]},
                   "output_tokens_details": {"reasoning_tokens": 0}},
     }
+
+
+class _EventStream:
+    """The Responses API's server-sent events, numbered in order."""
+
+    def __init__(self) -> None:
+        self.number = 0
+
+    def event(self, kind: str, **fields: Any) -> str:
+        self.number += 1
+        data = {"type": kind, "sequence_number": self.number, **fields}
+        return f"event: {kind}\ndata: {json.dumps(data, separators=(',', ':'))}\n\n"
+
+
+async def stream_events(chat_sse: AsyncIterable[str | bytes | memoryview], request: ResponsesRequest
+                        ) -> AsyncIterator[str]:
+    """The chat completion stream (server-sent chunks, usage included) as Responses API events."""
+    events, message_id = _EventStream(), f"msg_{uuid.uuid4().hex}"
+    text, reason, usage, model = "", None, None, request.model or ""
+    calls: dict[int, dict[str, Any]] = {}
+    started, response_id = False, f"resp_{uuid.uuid4().hex}"
+    async for raw in chat_sse:
+        payload = (raw if isinstance(raw, str) else bytes(raw).decode()).removeprefix("data: ").strip()
+        if not payload or payload == "[DONE]":
+            continue
+        chunk = json.loads(payload)
+        if "error" in chunk:
+            yield events.event("error", message=chunk["error"]["message"], code=chunk["error"].get("code"),
+                               param=chunk["error"].get("param"))
+            return
+        model = chunk.get("model", model)
+        if not started:
+            started = True
+            shell = {"id": response_id, "object": "response", "status": "in_progress", "model": model,
+                     "output": [], "created_at": int(time.time())}
+            yield events.event("response.created", response=shell)
+        usage = chunk.get("usage") or usage
+        for choice in chunk.get("choices", []):
+            delta = choice.get("delta", {})
+            if delta.get("content"):
+                if not text:
+                    yield events.event("response.output_item.added", output_index=0, item={
+                        "type": "message", "id": message_id, "status": "in_progress", "role": "assistant",
+                        "content": []})
+                    yield events.event("response.content_part.added", item_id=message_id, output_index=0,
+                                       content_index=0, part={"type": "output_text", "text": "", "annotations": []})
+                text += delta["content"]
+                yield events.event("response.output_text.delta", item_id=message_id, output_index=0,
+                                   content_index=0, delta=delta["content"], logprobs=[])
+            for call in delta.get("tool_calls") or []:
+                entry = calls.setdefault(call["index"], {"id": call.get("id"),
+                                                         "function": {"name": "", "arguments": ""}})
+                entry["function"]["name"] += call.get("function", {}).get("name") or ""
+                entry["function"]["arguments"] += call.get("function", {}).get("arguments") or ""
+            reason = choice.get("finish_reason") or reason
+    message = {"content": text or None, "tool_calls": [calls[i] for i in sorted(calls)] or None}
+    chat = {"model": model, "choices": [{"message": message, "finish_reason": reason}], "usage": usage}
+    final = {**response_body(chat, request), "id": response_id}
+    for index, item in enumerate(final["output"]):
+        if item["type"] == "message":
+            item["id"] = message_id
+            part = item["content"][0]
+            yield events.event("response.output_text.done", item_id=message_id, output_index=index, content_index=0,
+                               text=part["text"], logprobs=[])
+            yield events.event("response.content_part.done", item_id=message_id, output_index=index,
+                               content_index=0, part=part)
+        else:
+            yield events.event("response.output_item.added", output_index=index, item={**item, "arguments": "",
+                                                                                        "status": "in_progress"})
+            yield events.event("response.function_call_arguments.delta", item_id=item["id"], output_index=index,
+                               delta=item["arguments"])
+            yield events.event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
+                               arguments=item["arguments"], name=item["name"])
+        yield events.event("response.output_item.done", output_index=index, item=item)
+    yield events.event("response.completed" if final["status"] == "completed" else "response.incomplete",
+                       response=final)

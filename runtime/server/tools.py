@@ -203,8 +203,9 @@ def parse_calls(text: str, names: set[str]) -> tuple[str | None, list[dict[str, 
     content = text
     if HERMES_OPEN in text:
         content = text[: text.index(HERMES_OPEN)]
-        for body in _HERMES.findall(text):
-            candidates.append(_loads(body))
+        for body in _HERMES.findall(text):  # an object, or a list of them (SmolLM2's function-calling data)
+            parsed = _loads(body)
+            candidates += parsed if isinstance(parsed, list) else [parsed]
     elif MISTRAL_MARK in text:
         content = text[: text.index(MISTRAL_MARK)]
         parsed = _loads(text[text.index(MISTRAL_MARK) + len(MISTRAL_MARK):].strip())

@@ -166,3 +166,22 @@ def test_responses_api_text_tools_json_and_a_round_trip(server):
     with pytest.raises(openai.BadRequestError) as err:
         client.responses.create(model="tiny", input="x", previous_response_id="resp_1")
     assert err.value.body["param"] == "previous_response_id"
+
+
+def test_responses_api_streams_text_and_call_events(server):
+    client = server.client()
+    events = list(client.responses.create(model="tiny", input="Hello", max_output_tokens=6, temperature=0,
+                                          stream=True))
+    deltas = [e.delta for e in events if e.type == "response.output_text.delta"]
+    assert events[-1].type == "response.incomplete"  # cut by max_output_tokens, as OpenAI says it
+    assert "".join(deltas) == events[-1].response.output_text and events[-1].response.usage.output_tokens == 6
+    assert [e.sequence_number for e in events] == list(range(1, len(events) + 1))
+    with client.responses.stream(model="tiny", input="Weather?", tool_choice="required", max_output_tokens=120,
+                                 tools=[{"type": "function", **WEATHER_TOOL["function"]}], temperature=0) as events:
+        kinds = [e.type for e in events]
+        final = events.get_final_response()
+    assert kinds[0] == "response.created" and kinds[-1] == "response.completed"
+    assert "response.function_call_arguments.done" in kinds
+    for item in final.output:
+        assert item.type == "function_call"
+        jsonschema.validate(json.loads(item.arguments), WEATHER_TOOL["function"]["parameters"])

@@ -25,6 +25,7 @@ def request(**fields) -> ChatCompletionRequest:
 @pytest.mark.parametrize("text", [
     'Let me check.<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>',
     'Let me check.[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris"}}]',
+    'Let me check.<tool_call>[{"name": "get_weather", "arguments": {"city": "Paris"}}]</tool_call>',
 ])
 def test_the_families_call_syntaxes_parse(text):
     content, calls = parse_calls(text, {"get_weather"})
