@@ -57,6 +57,8 @@ class ResponsesRequest(BaseModel):
         elif self.tool_choice is not None:
             body["tool_choice"] = self.tool_choice
         fmt = (self.text or {}).get("format")
+        if fmt is not None and not isinstance(fmt, dict):
+            raise InvalidParamError("text.format must be an object such as {'type': 'json_object'}", "text.format")
         if fmt is not None:
             body["response_format"] = _chat_format(fmt)
         try:
