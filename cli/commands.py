@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -16,6 +17,7 @@ from kiln.quant_scheme import RESCORED_HEAD_MAX_ROWS
 
 if TYPE_CHECKING:
     from kiln.runtime.params import SamplingParams, SpeculativeConfig
+    from kiln.runtime.structured import StructuredOutput
 
 CommandFunction = TypeVar("CommandFunction", bound=Callable[..., Any])
 
@@ -245,16 +247,37 @@ def sampling_options(func: CommandFunction) -> CommandFunction:
 @click.argument("prompt", required=False)
 @click.option("--chat", "chat", default=None, help="a user message, wrapped in the engine's chat template")
 @sampling_options
+@click.option("--json-schema", "json_schema", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="a JSON schema file the output must validate against")
+@click.option("--regex", default=None, help="a regex the whole output must match")
+@click.option("--choice", multiple=True, help="the output is exactly one of these (repeat the option)")
 @speculative_options
 def generate(engine_dir: str, prompt: str | None, chat: str | None, max_tokens: int, temperature: float,
-             top_p: float, top_k: int, seed: int | None, speculative: str | None, num_speculative_tokens: int,
-             draft: str | None, min_guess_probability: float | None) -> None:
+             top_p: float, top_k: int, seed: int | None, json_schema: str | None, regex: str | None,
+             choice: tuple[str, ...], speculative: str | None, num_speculative_tokens: int, draft: str | None,
+             min_guess_probability: float | None) -> None:
     """Generate from ENGINE_DIR for PROMPT (or --chat TEXT), streaming the text to stdout."""
     from kiln.cli.generation import generate as run
     from kiln.runtime.params import RuntimeConfig
 
     config = RuntimeConfig(speculative=_speculative(speculative, num_speculative_tokens, draft, min_guess_probability))
-    run(engine_dir, prompt, chat, _sampling(max_tokens, temperature, top_p, top_k, seed), config)
+    params = dataclasses.replace(_sampling(max_tokens, temperature, top_p, top_k, seed),
+                                 structured=_structured(json_schema, regex, choice))
+    run(engine_dir, prompt, chat, params, config)
+
+
+def _structured(json_schema: str | None, regex: str | None, choice: tuple[str, ...]) -> StructuredOutput | None:
+    """The one output constraint given (--json-schema FILE, --regex or --choice), or None."""
+    from kiln.runtime.structured import StructuredOutput
+
+    given = [name for name, value in (("json_schema", json_schema), ("regex", regex), ("choice", choice)) if value]
+    if len(given) > 1:
+        raise InvalidParamError(f"give at most one of --json-schema, --regex, --choice (got {len(given)})", given[1])
+    if json_schema is not None:
+        return StructuredOutput.json_schema(Path(json_schema).read_text(encoding="utf-8"), "json_schema")
+    if regex is not None:
+        return StructuredOutput.regex(regex, "regex")
+    return StructuredOutput.choice(choice, "choice") if choice else None
 
 
 @main.command()

@@ -10,6 +10,7 @@ thread. A step's outputs are deltas.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 
@@ -31,6 +32,8 @@ from kiln.runtime.speculative.ngram import NgramProposer
 from kiln.runtime.speculative.proposer import Proposer
 from kiln.runtime.speculative.speculator import Speculator
 from kiln.runtime.speculative.verify import SpecStats
+from kiln.runtime.structured import StructuredOutput
+from kiln.runtime.structured.grammar import CompiledGrammar, GrammarCompiler
 
 log = logging.getLogger("kiln.runtime")
 
@@ -77,6 +80,7 @@ class Engine:
         self.speculator = None if spec is None else \
             Speculator(proposer or _default_proposer(spec), spec, self.scheduler, self.max_seq_len)
         self.handoffs = HandoffQueue(self.scheduler, runner)  # handed-off requests waiting for blocks
+        self._grammars: GrammarCompiler | None = None  # made on the first structured request
 
     @property
     def proposer(self) -> Proposer | None:
@@ -92,7 +96,21 @@ class Engine:
     def prepare(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> EngineRequest:
         """Tokenize and check a request; ValueError naming the problem. Reads only what never
         changes after loading, so any thread may call it."""
-        return prepare_request(request_id, prompt, params, self.tokenizer, self.runner.vocab_size, self.max_seq_len)
+        request = prepare_request(request_id, prompt, params, self.tokenizer, self.runner.vocab_size,
+                                  self.max_seq_len)
+        if params.structured is None:
+            return request
+        return dataclasses.replace(request, grammar=self._compile(params.structured))
+
+    def _compile(self, spec: StructuredOutput) -> CompiledGrammar:
+        """spec compiled for this engine's tokenizer (tokenizer.json, read on the first structured request)."""
+        if self._grammars is None:
+            to_json = getattr(self.tokenizer, "to_json", None)
+            if to_json is None:
+                raise InvalidParamError(f"{spec.param}: this engine's tokenizer cannot drive structured output",
+                                        spec.param)
+            self._grammars = GrammarCompiler(to_json(), self.runner.vocab_size, self.limits.eos_token_ids)
+        return self._grammars.compile(spec)
 
     def add(self, prepared: EngineRequest, kv: KvHandoff | None = None, export_kv: bool = False) -> None:
         """Queue a prepared request; its outputs come from step().
@@ -104,6 +122,8 @@ class Engine:
             raise InvalidParamError(f"request_id {prepared.request_id!r} is already in use", "request_id")
         if kv is not None:
             kv.check(prepared.prompt_token_ids, self.runner.block_size, self.runner.kv_layout())
+        if prepared.params.structured is not None and prepared.grammar is None:  # prepared without this engine
+            prepared = dataclasses.replace(prepared, grammar=self._compile(prepared.params.structured))
         request = Request(prepared, self.tokenizer, export_kv)
         self.requests[prepared.request_id] = request
         for seq in request.seqs:
@@ -280,6 +300,10 @@ class Engine:
         stop = detok.find_stop(len(detok.add(token)))
         if stop is not None:
             return self.scheduler.finish(seq, "stop", stop)
+        if seq.grammar is not None:  # a complete match admits only EOS next: end it now, a step sooner
+            seq.grammar.sync(seq.token_ids, seq.num_prompt_tokens)
+            if seq.grammar.done:
+                return self.scheduler.finish(seq, "stop", None)
         out_of_tokens = params.max_tokens is not None and seq.num_output_tokens >= params.max_tokens
         if out_of_tokens or len(seq) >= self.max_seq_len:
             return self.scheduler.finish(seq, "length")

@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass
 
 from kiln.errors import require as _require
+from kiln.runtime.structured.spec import StructuredOutput
 
 # Temperatures below this sample greedily: the distribution they ask for is the argmax's to within float rounding,
 # and 1 / temperature overflows float32 from ~3e-39 (vLLM's _SAMPLING_EPS is the same 1e-5).
@@ -18,8 +19,8 @@ class SamplingParams:
     vLLM: 1 / temperature would overflow the sampler's float arithmetic); top_k 0 and top_p 1 are off.
 
     Order of logit processing (as in vLLM): repetition/frequency/presence penalties on the
-    raw logits, then temperature, then min_p, then top_k and top_p. Logprobs are those of
-    the raw model distribution (log_softmax of the unprocessed logits).
+    raw logits, then the structured output's token mask, then temperature, then min_p, then top_k
+    and top_p. Logprobs are those of the raw model distribution (log_softmax of the unprocessed logits).
     """
 
     n: int = 1
@@ -37,6 +38,8 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # number of top logprobs per token; 0: only the sampled token's
     skip_special_tokens: bool = True
+    # what the output must match (a JSON schema, a regex, ...): tokens outside it are masked before the cut-offs
+    structured: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
         # Accept lists / single strings from callers, store tuples (hashable, immutable).
@@ -66,6 +69,8 @@ class SamplingParams:
             self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20),
             "logprobs", "None or in [0, 20]", self.logprobs,
         )
+        _require(self.structured is None or isinstance(self.structured, StructuredOutput), "structured",
+                 "a StructuredOutput (StructuredOutput.json_schema(...), .regex(...), ...) or None", self.structured)
 
     @property
     def greedy(self) -> bool:

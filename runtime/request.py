@@ -12,6 +12,7 @@ from kiln.runtime.kv_transfer import KvHandoff
 from kiln.runtime.outputs import CompletionOutput, Logprob, RequestOutput
 from kiln.runtime.params import SamplingParams
 from kiln.runtime.sequence import Sequence
+from kiln.runtime.structured.grammar import CompiledGrammar
 
 
 @dataclass(frozen=True)
@@ -26,6 +27,7 @@ class EngineRequest:
     prompt: str | None  # the text, when the prompt was given as text
     prompt_token_ids: list[int]
     params: SamplingParams
+    grammar: CompiledGrammar | None = None  # params.structured compiled for the engine's tokenizer
 
     def __post_init__(self) -> None:
         if not isinstance(self.params, SamplingParams):
@@ -93,6 +95,8 @@ class Request:
         params, ids = prepared.params, prepared.prompt_token_ids
         arrival = time.monotonic()
         self.seqs = [Sequence(ids, params, index=i, arrival=arrival) for i in range(params.n)]
+        for seq in self.seqs:
+            seq.grammar = None if prepared.grammar is None else prepared.grammar.start()
         self.pending = [
             PendingOutput(IncrementalDetokenizer(tokenizer, ids, params.skip_special_tokens, params.stop))
             for _ in range(params.n)

@@ -1,7 +1,8 @@
 """Sampler: numpy around one op-library kernel per step, vectorized over the rows of a step's logits.
 
 Per row (one sequence): penalties on the raw logits (repetition over prompt + output tokens,
-frequency and presence over output tokens), then greedy argmax when temperature is 0;
+frequency and presence over output tokens), then a structured request's token mask (disallowed
+tokens to -inf: runtime/structured/grammar.py), then greedy argmax when temperature is 0;
 otherwise logits / temperature, min_p (drop tokens with p < min_p * p_max), top_k (keep the
 k largest, ties at the k-th included), top_p (keep the smallest set of most likely tokens
 whose mass reaches top_p, ties at its last included), softmax, and one uniform draw from the
@@ -28,6 +29,7 @@ import numpy.typing as npt
 from kiln.runtime.ops import sampling as kernels
 from kiln.runtime.params import SamplingParams
 from kiln.runtime.sequence import Sequence, TokenCounts
+from kiln.runtime.structured.grammar import MaskStep
 
 Floats = npt.NDArray[np.float32]
 Doubles = npt.NDArray[np.float64]
@@ -143,12 +145,21 @@ class Sampler:
     def __init__(self, threads: int = 1) -> None:
         """threads: how many threads may sample a step's rows (the engine's: they idle while it samples)."""
         self.threads = threads
+        self.masks = MaskStep(threads)
 
     def __call__(self, logits: npt.ArrayLike, seqs: list[Sequence]) -> SamplerOutput:
         raw: Floats = np.ascontiguousarray(logits, dtype=np.float32)
         assert raw.shape[0] == len(seqs), (raw.shape, len(seqs))
         penalized = any(s.token_counts is not None for s in seqs)
-        processed = apply_penalties(raw.copy(), seqs) if penalized else raw
+        constrained = any(s.grammar is not None for s in seqs)
+        processed = raw.copy() if penalized or constrained else raw
+        if penalized:
+            apply_penalties(processed, seqs)
+        if constrained:  # after the penalties (they never make a token allowed), before every cut-off
+            for s in seqs:
+                if s.grammar is not None:
+                    s.grammar.sync(s.token_ids, s.num_prompt_tokens)
+            self.masks.apply(processed, [s.grammar for s in seqs])
         if all(s.params.greedy for s in seqs):  # the common step, in one call
             tokens = greedy_tokens(processed)
             return SamplerOutput(tokens, *self.logprobs(raw, tokens, seqs))

@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import enum
 import itertools
+from typing import TYPE_CHECKING
 
 import numpy as np
 import numpy.typing as npt
 
 from kiln.runtime.params import SamplingParams
+
+if TYPE_CHECKING:
+    from kiln.runtime.structured.grammar import GrammarState
 
 _ids = itertools.count()
 
@@ -103,6 +107,7 @@ class Sequence:
             rng = np.random.default_rng(None if params.seed is None else [params.seed, index])
         self.rng = rng
         self.token_counts = TokenCounts(prompt_token_ids) if _penalized(params) else None
+        self.grammar: GrammarState | None = None  # the matcher of a structured request (params.structured)
 
     def __len__(self) -> int:
         return len(self.token_ids)

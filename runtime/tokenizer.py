@@ -72,6 +72,10 @@ class Tokenizer:
     def eos_token_id(self) -> int | None:
         return None if self.eos_token is None else self._tok.token_to_id(self.eos_token)
 
+    def to_json(self) -> str:
+        """The tokenizer as tokenizer.json text (what structured output's llguidance tokenizer is built from)."""
+        return str(self._tok.to_str())
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 

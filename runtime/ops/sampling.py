@@ -88,3 +88,27 @@ def top_tokens(logits: npt.ArrayLike, k: int) -> tuple[Ints, Floats]:
     values = np.empty((rows, k), dtype=np.float32)
     _library().kiln_top_tokens(_ptr(x), rows, vocab, k, _ptr(ids), _ptr(values))
     return ids, values
+
+
+@cache
+def _mask_kernel() -> ctypes._NamedFuncPointer:
+    path = library_path()
+    try:
+        kernel = ctypes.CDLL(path).kiln_mask_rows
+    except AttributeError as exc:
+        raise OpLibraryError(f"{path} has no token-mask kernel (built before it); rebuild it with "
+                             "`python runtime/ops/build_ops.py` or reinstall kiln") from exc
+    kernel.argtypes = [_P, _I64, _I64, _P, _I64]
+    kernel.restype = None
+    return kernel
+
+
+def mask_rows(logits: Floats, bitmask: npt.NDArray[np.int32]) -> None:
+    """In place: each row's tokens whose bit is clear in its row of bitmask [rows, ceil(vocab / 32)] (llguidance's
+    layout: token i is bit i % 32 of word i // 32) set to -inf. logits must be float32 and C-contiguous."""
+    if logits.dtype != np.float32 or not logits.flags["C_CONTIGUOUS"] or logits.ndim != 2:
+        raise ValueError("logits must be a C-contiguous float32 [rows, vocab] array")
+    mask = np.ascontiguousarray(bitmask, dtype=np.int32)
+    if mask.ndim != 2 or mask.shape[0] != logits.shape[0]:
+        raise ValueError(f"bitmask must be [rows ({logits.shape[0]}), words], got shape {mask.shape}")
+    _mask_kernel()(_ptr(logits), logits.shape[0], logits.shape[1], _ptr(mask), mask.shape[1])

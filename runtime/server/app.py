@@ -9,6 +9,7 @@ shape; an engine exception fails only the request that raised it.
 
 from __future__ import annotations
 
+import json
 import logging
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -41,6 +42,7 @@ from kiln.runtime.server.protocol import (
     TokenizeResponse,
     error_body,
 )
+from kiln.runtime.server.responses_api import ResponsesRequest, response_body, stream_events
 from kiln.runtime.server.streams import (
     ClientDisconnected,
     Drain,
@@ -49,6 +51,7 @@ from kiln.runtime.server.streams import (
     engine_stream,
     sse_stream,
 )
+from kiln.runtime.server.tools import ToolMode, ToolResponses, render_messages
 
 log = logging.getLogger("kiln.server")
 
@@ -113,6 +116,8 @@ async def _run(request: Request, body: CompletionRequest | ChatCompletionRequest
         log.exception("request %s failed", request_id)
         raise APIError(500, f"Internal error: {type(e).__name__}: {e}") from None
     fmt = ResponseFormatter(chat, request_id, state.model_names[0], params)
+    mode = body.tool_mode() if isinstance(body, ChatCompletionRequest) else None  # checked by sampling_params
+    fmt.tools = None if mode is None else ToolResponses(mode)
     stream = engine_stream(request, streams, ids, params, request_id)
     try:
         first = await stream.__anext__()
@@ -189,6 +194,7 @@ def build_app(load_llm: Callable[[], Any], served_model_name: str | None = None,
                            on_reject=lambda: app.state.metrics.rejected.labels(status="401").inc())
     _add_error_handlers(app)
     _add_generation_routes(app)
+    _add_responses_route(app)
     _add_info_routes(app)
     app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]  # FastAPI's documented way to replace it
     return app
@@ -232,13 +238,37 @@ def _add_generation_routes(app: FastAPI) -> None:
 
     @app.post("/v1/chat/completions", summary="Create a chat completion", responses=_GENERATION_RESPONSES)
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-        prompt = _render_chat(request.app.state.llm, body.messages)
+        try:
+            mode = body.tool_mode()
+        except InvalidParamError as e:
+            raise APIError(400, str(e), e.param) from None
+        prompt = _render_chat(request.app.state.llm, body.messages, tools=mode)
         return await _run(request, body, [prompt], chat=True)
 
 
-def _render_chat(llm: Any, messages: list[Any], add_generation_prompt: bool = True) -> str:
+def _add_responses_route(app: FastAPI) -> None:
+    @app.post("/v1/responses", summary="Create a model response (OpenAI's Responses API)",
+              responses=_GENERATION_RESPONSES)
+    async def responses(body: ResponsesRequest, request: Request) -> Response:
+        try:
+            chat = body.chat_request()
+            mode = chat.tool_mode()
+        except InvalidParamError as e:
+            raise APIError(400, str(e), e.param) from None
+        prompt = _render_chat(request.app.state.llm, chat.messages, tools=mode)
+        answer = await _run(request, chat, [prompt], chat=True)
+        if isinstance(answer, StreamingResponse):
+            return StreamingResponse(stream_events(answer.body_iterator, body), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        if not isinstance(answer, JSONResponse):  # the client left
+            return answer
+        return JSONResponse(response_body(json.loads(bytes(answer.body)), body))
+
+
+def _render_chat(llm: Any, messages: list[Any], add_generation_prompt: bool = True,
+                 tools: ToolMode | None = None) -> str:
     try:
-        return str(llm.apply_chat_template([m.as_dict() for m in messages], add_generation_prompt))
+        return str(llm.apply_chat_template(render_messages(messages, tools), add_generation_prompt))
     except Exception as e:  # a template may reject a conversation (e.g. role order)
         raise APIError(400, f"messages: the chat template rejected them: {e}", "messages") from None
 

@@ -17,6 +17,9 @@ from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Fie
 from kiln.errors import InvalidParamError
 from kiln.runtime.outputs import CompletionOutput, Logprob, RequestOutput, merge_completions
 from kiln.runtime.params import SamplingParams
+from kiln.runtime.server.structured_request import structured_output
+from kiln.runtime.server.tools import NamedToolChoice, Tool, ToolCallIn, ToolMode, ToolResponses, tool_mode
+from kiln.runtime.structured import StructuredOutput
 
 MAX_LOGPROBS = 20
 MAX_N = 16
@@ -75,23 +78,16 @@ class _SamplingRequest(BaseModel):
     # OpenAI fields kiln does not implement: setting one is a 400 naming it, never silently ignored.
     logit_bias: Annotated[dict[str, float] | None, Unsupported] = Field(
         None, description="Not supported: null or {} only.")
-    tools: Annotated[list[Any] | None, Unsupported] = Field(None, description="Not supported: null or [] only.")
-    tool_choice: Any = Field(None, description="Not supported: null or 'none' only.")
-    response_format: dict[str, Any] | None = Field(None, description="Only {'type': 'text'} is supported.")
+    # output constraints (runtime/server/structured_request.py): at most one of them
+    response_format: dict[str, Any] | None = Field(None, description="{'type': 'text' | 'json_object' | "
+                                                   "'json_schema', 'json_schema': {'schema': ..., 'strict': ...}}")
+    guided_json: dict[str, Any] | str | None = Field(None, description="vLLM's: a JSON schema the output follows.")
+    guided_regex: str | None = Field(None, description="vLLM's: a regex the whole output matches.")
+    guided_choice: list[str] | None = Field(None, description="vLLM's: the output is one of these strings.")
+    guided_grammar: str | None = Field(None, description="vLLM's: a Lark or GBNF grammar of the output.")
 
-    @field_validator("tool_choice")
-    @classmethod
-    def _no_tool_choice(cls, value: Any) -> Any:
-        if value not in (None, "none"):
-            raise ValueError("is not supported by kiln (no tool calling)")
-        return value
-
-    @field_validator("response_format")
-    @classmethod
-    def _text_format_only(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
-        if value is not None and value.get("type") != "text":
-            raise ValueError("only {'type': 'text'} is supported by kiln")
-        return value
+    def structured(self) -> StructuredOutput | None:
+        return structured_output(self)
 
     def _sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         """Raises InvalidParamError naming the field when the engine's rules reject a value."""
@@ -112,6 +108,7 @@ class _SamplingRequest(BaseModel):
             ignore_eos=self.ignore_eos,
             logprobs=logprobs,
             skip_special_tokens=self.skip_special_tokens,
+            structured=self.structured(),
         )
 
     @property
@@ -129,6 +126,7 @@ class CompletionRequest(_SamplingRequest):
     max_tokens: Int | None = Field(16, ge=1, description="null: up to the model's context length.")
     logprobs: Int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="Top logprobs per token.")
     echo: Annotated[bool, Unsupported] = Field(False, description="Not supported: false only.")
+    tools: Annotated[list[Any] | None, Unsupported] = Field(None, description="Chat only: null or [] here.")
     suffix: Annotated[str | None, Unsupported] = Field(None, description="Not supported: null or empty only.")
     best_of: Int | None = Field(None, ge=1, description="Not supported beyond 1 (use n).")
 
@@ -161,6 +159,8 @@ class ChatMessage(BaseModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallIn] | None = None  # an assistant's calls
+    tool_call_id: str | None = None  # a tool message's answer to
 
     def as_dict(self) -> dict[str, str]:
         content = self.content
@@ -175,6 +175,20 @@ class ChatCompletionRequest(_SamplingRequest):
     max_completion_tokens: Int | None = Field(None, ge=1, description="null: up to the context length.")
     logprobs: bool = False
     top_logprobs: Int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="Needs logprobs: true.")
+    tools: list[Tool] | None = Field(None, description="Functions the model may call (runtime/server/tools.py).")
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+
+    def tool_mode(self) -> ToolMode | None:
+        return tool_mode(self.tools, self.tool_choice, self.parallel_tool_calls)
+
+    def structured(self) -> StructuredOutput | None:
+        mode, own = self.tool_mode(), structured_output(self)
+        forced = None if mode is None else mode.constraint()
+        if forced is not None and own is not None:
+            raise InvalidParamError("a forced tool call (tool_choice required or a function) cannot also have an "
+                                    "output constraint", "tool_choice")
+        return forced or own
 
     def sampling_params(self) -> SamplingParams:
         if self.top_logprobs is not None and not self.logprobs:
@@ -304,6 +318,7 @@ class ResponseFormatter:
         self.sent: dict[int, int] = {}  # choice index -> characters streamed
         # deltas of tokens without text yet, merged once when text comes (their logprobs go with it)
         self.held: dict[int, list[CompletionOutput]] = {}
+        self.tools: ToolResponses | None = None  # a chat request with tools: calls parsed out of the text
 
     def _logprobs(self, out: CompletionOutput, start_char: int) -> dict[str, Any] | None:
         if self.params.logprobs is None:
@@ -329,12 +344,17 @@ class ResponseFormatter:
                 out = merge_completions([*self.held.pop(index), out])
             delta = out.text
             choice: dict[str, Any] = {"index": index}
-            if self.chat:
+            reason = out.finish_reason
+            if self.chat and self.tools is not None:
+                choice["delta"], reason = self.tools.delta(index, delta, out.finish_reason)
+                if index not in self.sent:
+                    choice["delta"] = {"role": "assistant", **choice["delta"]}
+            elif self.chat:
                 choice["delta"] = {"content": delta} if index in self.sent else {"role": "assistant", "content": delta}
             else:
                 choice["text"] = delta
             choice["logprobs"] = self._logprobs(out, chars)
-            choice["finish_reason"] = out.finish_reason
+            choice["finish_reason"] = reason
             self.sent[index] = chars + len(delta)
             chunk = self._head(self.object + ".chunk" if self.chat else self.object)
             chunk["choices"] = [choice]
@@ -353,12 +373,15 @@ class ResponseFormatter:
         for i in sorted(finals):
             for out in finals[i].outputs:
                 choice: dict[str, Any] = {"index": i * self.params.n + out.index}
-                if self.chat:
+                reason = out.finish_reason
+                if self.chat and self.tools is not None:
+                    choice["message"], reason = self.tools.message(out.text, out.finish_reason)
+                elif self.chat:
                     choice["message"] = {"role": "assistant", "content": out.text}
                 else:
                     choice["text"] = out.text
                 choice["logprobs"] = self._logprobs(out, 0)
-                choice["finish_reason"] = out.finish_reason
+                choice["finish_reason"] = reason
                 choice["stop_reason"] = out.stop_reason
                 choices.append(choice)
         body = self._head(self.object)

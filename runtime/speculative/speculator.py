@@ -43,8 +43,9 @@ class Speculator:
     def _propose(self, out: SchedulerOutput) -> SchedulerOutput:
         """Proposals for the step's decodes, while the step stays within max_step_tokens, shared evenly among
         them."""
+        # a structured row is not speculated: its proposals would need the grammar checked and rolled back
         decodes = [seq for (seq, n), need in zip(out.scheduled, out.needs_logits, strict=True)
-                   if need and n == 1 and seq.num_output_tokens > 0]
+                   if need and n == 1 and seq.num_output_tokens > 0 and seq.grammar is None]
         room = self.max_step_tokens - out.num_tokens
         share = min(self.config.num_tokens, room // len(decodes)) if decodes else 0
         if share < 1:

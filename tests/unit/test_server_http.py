@@ -163,13 +163,17 @@ def test_unsupported_openai_fields_are_rejected_not_ignored(client, payload, par
     assert err["param"] == param and "not supported" in err["message"]
 
 
-def test_unsupported_chat_fields_are_rejected_and_defaults_pass(client):
+def test_tool_and_format_fields_are_checked_and_defaults_pass(client):
     chat = {"messages": [{"role": "user", "content": "hi"}]}
     tool = {"type": "function", "function": {"name": "f"}}
-    assert_error(client.post("/v1/chat/completions", json={**chat, "tools": [tool]}), 400, "tools")
-    assert_error(client.post("/v1/chat/completions", json={**chat, "tool_choice": "auto"}), 400, "tool_choice")
-    assert_error(client.post("/v1/chat/completions", json={**chat, "response_format": {"type": "json_object"}}),
-                 400, "response_format")
+    assert_error(client.post("/v1/chat/completions", json={**chat, "tools": [tool]}), 400,
+                 "tools.0.function.parameters")
+    assert_error(client.post("/v1/chat/completions", json={**chat, "tool_choice": "auto"}), 400, "tool_choice",
+                 "needs tools")
+    assert_error(client.post("/v1/chat/completions", json={**chat, "response_format": {"type": "xml"}}),
+                 400, "response_format.type")
+    assert_error(client.post("/v1/completions", json={"prompt": "x", "tools": [tool]}), 400, "tools",
+                 "not supported")
     ok = {**chat, "logit_bias": {}, "tools": [], "tool_choice": "none", "response_format": {"type": "text"}}
     assert client.post("/v1/chat/completions", json=ok).status_code == 200
     assert client.post("/v1/completions", json={"prompt": "x", "echo": False, "best_of": 1}).status_code == 200

@@ -1,0 +1,121 @@
+"""What structured output costs an engine: a decode step of ROWS sequences with a JSON schema on every row against
+the same step without one, and the time to first token of a request with a 30-property schema (first use of the
+schema, then cached) against none.
+
+    python benchmarks/bench_structured.py ENGINE_DIR [--rows 16] [--rounds 5]
+
+Step times are medians over the steps where all rows decode, in interleaved rounds (the machine drifts); the mask's
+own parts (llguidance's fill, the op library's apply) are timed inside the constrained steps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+from kiln.runtime.llm import LLM
+from kiln.runtime.params import SamplingParams
+from kiln.runtime.structured import StructuredOutput
+from kiln.runtime.structured.grammar import MaskStep
+
+PROMPT = "Describe a fictional person as JSON, with every field filled in:"
+
+
+def wide_schema(properties: int) -> dict[str, object]:
+    kinds = [{"type": "string", "maxLength": 12}, {"type": "integer"}, {"type": "boolean"},
+             {"enum": ["red", "green", "blue"]}]
+    props = {f"field_{i}": kinds[i % len(kinds)] for i in range(properties)}
+    return {"type": "object", "properties": props, "required": list(props), "additionalProperties": False}
+
+
+class MaskTimer:
+    """Wraps MaskStep.bitmask and MaskStep.apply to add up their seconds."""
+
+    def __init__(self) -> None:
+        self.fill = self.total = 0.0
+        self.calls = 0
+        bitmask, apply = MaskStep.bitmask, MaskStep.apply
+
+        def timed_bitmask(step, states, vocab):  # type: ignore[no-untyped-def]
+            start = time.perf_counter()
+            try:
+                return bitmask(step, states, vocab)
+            finally:
+                self.fill += time.perf_counter() - start
+
+        def timed_apply(step, logits, states):  # type: ignore[no-untyped-def]
+            start = time.perf_counter()
+            try:
+                return apply(step, logits, states)
+            finally:
+                self.total += time.perf_counter() - start
+                self.calls += 1
+
+        MaskStep.bitmask, MaskStep.apply = timed_bitmask, timed_apply  # type: ignore[method-assign]
+
+
+def decode_steps(llm: LLM, rows: int, params: SamplingParams) -> list[float]:
+    """Seconds of each step in which every one of `rows` sequences decodes."""
+    engine = llm.engine
+    for i in range(rows):
+        engine.add_request(f"bench-{time.monotonic_ns()}-{i}", f"{PROMPT} (#{i})", params)
+    times = []
+    while engine.has_unfinished():
+        start = time.perf_counter()
+        engine.step()
+        elapsed = time.perf_counter() - start
+        running = engine.scheduler.running
+        if len(running) == rows and all(s.num_output_tokens > 1 for s in running):
+            times.append(elapsed)
+    return times
+
+
+def first_token(llm: LLM, params: SamplingParams) -> float:
+    start = time.perf_counter()
+    llm.generate(PROMPT, params)
+    return time.perf_counter() - start
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("engine")
+    parser.add_argument("--rows", type=int, default=16)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--tokens", type=int, default=48)
+    args = parser.parse_args()
+    llm = LLM(args.engine)
+    schema = StructuredOutput.json_schema(wide_schema(30))
+    plain = SamplingParams(temperature=0, max_tokens=args.tokens, ignore_eos=True)
+    constrained = SamplingParams(temperature=0, max_tokens=args.tokens, structured=schema)
+
+    start = time.perf_counter()
+    llm.engine.prepare("warm", "x", SamplingParams(structured=StructuredOutput.json_object()))
+    tokenizer_s = time.perf_counter() - start
+    ttft = {"none": [], "schema, first use": [], "schema, cached": []}
+    for round_ in range(args.rounds):
+        one = SamplingParams(temperature=0, max_tokens=1)
+        ttft["none"].append(first_token(llm, one))
+        fresh = StructuredOutput.json_schema({**wide_schema(30), "description": f"round {round_}"})  # uncached
+        ttft["schema, first use"].append(first_token(llm, SamplingParams(temperature=0, max_tokens=1,
+                                                                         structured=fresh)))
+        ttft["schema, cached"].append(first_token(llm, SamplingParams(temperature=0, max_tokens=1,
+                                                                      structured=schema)))
+
+    timer = MaskTimer()
+    steps: dict[str, list[float]] = {"none": [], "schema": []}
+    for _ in range(args.rounds):
+        steps["none"] += decode_steps(llm, args.rows, plain)
+        steps["schema"] += decode_steps(llm, args.rows, constrained)
+    base, masked = statistics.median(steps["none"]), statistics.median(steps["schema"])
+    print(f"llguidance tokenizer build (once per engine): {tokenizer_s * 1e3:.0f} ms")
+    for name, values in ttft.items():
+        print(f"TTFT, 1 output token, {name}: median {statistics.median(values) * 1e3:.1f} ms")
+    print(f"{args.rows}-row decode step: none {base * 1e3:.2f} ms, JSON schema on every row {masked * 1e3:.2f} ms "
+          f"= {masked / base:.3f}x ({len(steps['none'])} / {len(steps['schema'])} steps)")
+    print(f"mask per constrained step: {timer.total / timer.calls * 1e3:.2f} ms "
+          f"(llguidance fill {timer.fill / timer.calls * 1e3:.2f} ms, the rest sync + apply)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,71 @@
+"""Structured output and tool calling with SmolLM2 through `kiln serve` and the official openai client: a Pydantic
+model parsed from a greedy and a sampled answer, a forced tool call whose arguments validate (streamed and not),
+and the Responses API's text answer."""
+
+from __future__ import annotations
+
+import json
+from typing import Literal
+
+import jsonschema
+import pytest
+
+openai = pytest.importorskip("openai")
+pydantic = pytest.importorskip("pydantic")
+pytest.importorskip("uvicorn")
+
+from server_process import Server  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+
+class Person(pydantic.BaseModel):
+    name: str = pydantic.Field(max_length=20)
+    age: int = pydantic.Field(ge=0, le=120)
+    city: Literal["Paris", "London", "Berlin"]
+
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Get the current weather of a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 30}},
+                   "required": ["city"], "additionalProperties": False}}}
+ASK = [{"role": "user", "content": "What's the weather in Paris?"}]
+
+
+@pytest.fixture(scope="module")
+def server(smollm2_engine, tmp_path_factory):
+    srv = Server(smollm2_engine, tmp_path_factory.mktemp("structured-smollm2") / "server.log",
+                 "--served-model-name", "smol")
+    yield srv
+    assert srv.stop() == 0
+
+
+def test_parse_gives_the_pydantic_object(server):
+    client = server.client()
+    for temperature in (0.0, 0.8):
+        done = client.chat.completions.parse(
+            model="smol", messages=[{"role": "user", "content": "Invent a person who lives in Paris."}],
+            response_format=Person, temperature=temperature, seed=2, max_tokens=80)
+        person = done.choices[0].message.parsed
+        assert isinstance(person, Person), done.choices[0].message.content
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_required_tool_call_arguments_validate(server, stream):
+    client = server.client()
+    kwargs = dict(model="smol", messages=ASK, tools=[WEATHER], tool_choice="required", temperature=0, max_tokens=80)
+    if stream:
+        with client.chat.completions.stream(**kwargs) as events:
+            done = events.get_final_completion()
+    else:
+        done = client.chat.completions.create(**kwargs)
+    choice = done.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    [call] = choice.message.tool_calls
+    assert call.function.name == "get_weather"
+    jsonschema.validate(json.loads(call.function.arguments), WEATHER["function"]["parameters"])
+
+
+def test_responses_api_answers(server):
+    answer = server.client().responses.create(model="smol", input="Say hello.", max_output_tokens=16, temperature=0)
+    assert answer.output_text.strip() and answer.usage.output_tokens <= 16
