@@ -1,10 +1,12 @@
 """`kiln serve`'s ASGI app: an OpenAI-compatible HTTP API (FastAPI) on AsyncLLM.
 
-One HTTP request is one (or, for a batch of prompts, several) engine requests, admitted
-against the queue bound in one step with no await in between, so a burst cannot pass the
-check together. A request is bound to its connection (see streams.py): when the client goes
-away its engine requests are aborted and their KV blocks freed. Errors use OpenAI's body
-shape; an engine exception fails only the request that raised it.
+One HTTP request is one (or, for a batch of prompts, several) engine requests. Its body is read
+within limits.py's size and time bounds, then decoded, rendered through the chat template and
+tokenized on the worker pool (bodies.py, offload.py), so the event loop only moves bytes; the
+prepared requests are admitted against the queue bound in one step with no await in between
+(admission.py), so a burst cannot pass the check together. A request is bound to its connection
+(see streams.py): when the client goes away its engine requests are aborted and their KV blocks
+freed. Errors use OpenAI's body shape; an engine exception fails only the request that raised it.
 """
 
 from __future__ import annotations
@@ -159,6 +161,7 @@ def build_app(load_llm: Callable[[], Any], served_model_name: str | None = None,
     app.state.max_queue = max_queue
     app.state.drain = Drain()
     app.state.metrics = ServerMetrics(lambda: app.state.llm.stats() if app.state.llm is not None else None)
+    # the floor until startup, when the engine's context length gives the default
     app.state.max_request_bytes = limits.max_request_bytes or default_max_request_bytes(1)
     if api_key is not None:
         app.add_middleware(ApiKeyAuth, api_key=api_key,
@@ -196,11 +199,13 @@ _GENERATION_RESPONSES: dict[int | str, dict[str, Any]] = {
     400: {"model": ErrorResponse, "description": "Invalid JSON or parameter; prompt + max_tokens too long"},
     401: {"model": ErrorResponse, "description": "Missing or wrong API key (when the server has one)"},
     404: {"model": ErrorResponse, "description": "Unknown model"},
+    408: {"model": ErrorResponse, "description": "The body did not arrive within --read-timeout"},
+    413: {"model": ErrorResponse, "description": "The body is larger than --max-request-bytes"},
     500: {"model": ErrorResponse, "description": "The engine failed on this request"},
     503: {"model": ErrorResponse, "description": "Queue bound reached (see Retry-After), or shutting down"},
 }
 _INFO_RESPONSES: dict[int | str, dict[str, Any]] = {
-    400: _GENERATION_RESPONSES[400], 401: _GENERATION_RESPONSES[401], 404: _GENERATION_RESPONSES[404]}
+    code: _GENERATION_RESPONSES[code] for code in (400, 401, 404, 408, 413)}
 
 
 # The routes read their bodies themselves (bodies.parse_body: off the event loop); openapi_extra
