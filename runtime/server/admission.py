@@ -1,7 +1,8 @@
 """Admission: from a request's prompts to queued engine requests, without blocking the event loop.
 
-1. Cheap refusals first, on the loop: the queue bound (503), and a prompt with more characters than
-   max_model_len tokens can hold (400; no tokenizer sees it).
+1. Cheap refusals first: the queue bound (503), a prompt of more token ids than max_model_len (400,
+   before its ids are validated), and a prompt with more characters than max_model_len tokens can
+   hold (400; no tokenizer sees it).
 2. Tokenizing and checking each prompt on the worker pool (offload.py).
 3. Queueing the prepared requests in one step of the event loop: nothing awaits between the
    queue-bound check and AsyncLLM counting them, so a burst cannot pass the check together.
@@ -9,7 +10,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from kiln.errors import InvalidParamError
@@ -39,6 +40,20 @@ def check_length(llm: Any, chars: int, param: str) -> None:
         raise InvalidParamError(
             f"{param} has {chars} characters, more than max_seq_len ({llm.max_seq_len}) tokens can hold with this "
             f"tokenizer (at most {llm.max_prompt_chars} characters); shorten the prompt", param)
+
+
+def token_prompts_fit(max_seq_len: int) -> Callable[[Any], None]:
+    """A bodies.Precheck for /v1/completions: a prompt of more token ids than max_model_len is refused
+    before pydantic checks each id (200,000 ids take it ~0.7 s; counting them takes nothing)."""
+    def check(data: Any) -> None:
+        prompt = data.get("prompt") if isinstance(data, dict) else None
+        if not isinstance(prompt, list) or not prompt:
+            return
+        for ids in (prompt if isinstance(prompt[0], list) else [prompt]):
+            if isinstance(ids, list) and len(ids) > max_seq_len and not isinstance(ids[0], str):
+                raise InvalidParamError(f"prompt has {len(ids)} tokens, more than max_seq_len ({max_seq_len})",
+                                        "prompt")
+    return check
 
 
 def _prepare(llm: Any, prompts: Sequence[Prompt], params: SamplingParams, ids: Sequence[str]) -> list[Any]:

@@ -29,7 +29,7 @@ except ImportError as e:  # the bare runtime install has no HTTP stack
 import kiln
 from kiln.errors import InvalidParamError, require
 from kiln.runtime.outputs import merge_outputs
-from kiln.runtime.server.admission import admit, check_length
+from kiln.runtime.server.admission import admit, check_length, token_prompts_fit
 from kiln.runtime.server.auth import ApiKeyAuth
 from kiln.runtime.server.bodies import body_schemas, openapi_body, parse_body
 from kiln.runtime.server.errors import APIError
@@ -217,7 +217,7 @@ def _add_generation_routes(app: FastAPI) -> None:
     @app.post("/v1/completions", summary="Create a completion", responses=_GENERATION_RESPONSES,
               openapi_extra=openapi_body(CompletionRequest))
     async def completions(request: Request) -> Response:
-        body = await parse_body(request, CompletionRequest)
+        body = await parse_body(request, CompletionRequest, token_prompts_fit(request.app.state.llm.max_seq_len))
         return await _run(request, body, body.prompts(), chat=False)
 
     @app.post("/v1/chat/completions", summary="Create a chat completion", responses=_GENERATION_RESPONSES,

@@ -9,12 +9,14 @@ the schema stays the contract the server enforces.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from typing import Any, TypeVar
 
 from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ValidationError
 from starlette.requests import ClientDisconnect, Request
 
+from kiln.errors import InvalidParamError
 from kiln.runtime.server.errors import APIError
 
 M = TypeVar("M", bound=BaseModel)
@@ -25,8 +27,16 @@ def _json_error(message: str, position: int = 0) -> RequestValidationError:
                                     "input": {}, "ctx": {"error": message}}])
 
 
-def decode(raw: bytes, model: type[M]) -> M:
-    """JSON bytes -> a validated ``model`` (worker thread); RequestValidationError for bad input."""
+Precheck = Callable[[Any], None]  # a look at the decoded JSON before validation; InvalidParamError to refuse
+
+
+def _no_precheck(data: Any) -> None:
+    pass
+
+
+def decode(raw: bytes, model: type[M], precheck: Precheck = _no_precheck) -> M:
+    """JSON bytes -> a validated ``model`` (worker thread); RequestValidationError for bad input.
+    ``precheck`` sees the decoded JSON first: a cheap refusal (a size) spares validating every element."""
     try:
         data = json.loads(raw)
     except json.JSONDecodeError as e:
@@ -35,6 +45,7 @@ def decode(raw: bytes, model: type[M]) -> M:
         raise _json_error(f"the body is not UTF-8 text ({e.reason} at byte {e.start})", e.start) from None
     except RecursionError:
         raise _json_error("nested too deeply") from None
+    precheck(data)
     try:
         return model.model_validate(data)
     except ValidationError as e:
@@ -43,12 +54,15 @@ def decode(raw: bytes, model: type[M]) -> M:
         raise RequestValidationError([{"type": "value_error", "loc": (), "msg": "nested too deeply"}]) from None
 
 
-async def parse_body(request: Request, model: type[M]) -> M:
+async def parse_body(request: Request, model: type[M], precheck: Precheck = _no_precheck) -> M:
     try:
         raw = await request.body()
     except ClientDisconnect:
         raise APIError(400, "The client closed the connection before sending the whole body.") from None
-    parsed: M = await request.app.state.offload.run(decode, raw, model)
+    try:
+        parsed: M = await request.app.state.offload.run(decode, raw, model, precheck)
+    except InvalidParamError as e:
+        raise APIError(400, str(e), e.param) from None
     return parsed
 
 

@@ -1,5 +1,6 @@
 """What a request costs before the engine sees it, on the fake engine: bodies past --max-request-bytes
-are 413 unparsed, prompts longer than max_model_len tokens can hold are 400 untokenized, text that is
+are 413 unparsed, prompts longer than max_model_len tokens can hold are 400 untokenized (token-id
+prompts longer than max_model_len before their ids are validated), text that is
 no Unicode (invalid UTF-8, lone surrogates) is a 400 naming the field, and the work that can be slow
 (decoding the body, rendering the chat template, tokenizing) runs on the worker pool, never on the
 event loop's thread."""
@@ -70,6 +71,13 @@ def test_a_prompt_longer_than_the_context_can_hold_is_400_untokenized(client, fa
     assert f"max_seq_len ({fake.max_seq_len})" in err["message"]
     err = error(client.post("/v1/completions", json={"prompt": ["ok", "y" * 1000]}), 400)
     assert err["param"] == "prompt" and prepared == []
+
+    ids = [7] * (fake.max_seq_len + 1)  # counted before pydantic checks each id
+    for prompt in (ids, [[7, 8], ids]):
+        err = error(client.post("/v1/completions", json={"prompt": prompt}), 400)
+        assert err["param"] == "prompt"
+        assert err["message"] == f"prompt has {len(ids)} tokens, more than max_seq_len ({fake.max_seq_len})"
+    assert prepared == []
 
     rendered = []
     monkeypatch.setattr(fake, "apply_chat_template", lambda *args: rendered.append(args))
