@@ -246,18 +246,24 @@ class GuardedProtocol(asyncio.Protocol):
 
     def linger(self) -> None:
         """Shut the write side once what is written has gone, drop what still comes, close at EOF or after
-        ``linger`` seconds. Over TLS (no half-close) it closes at once."""
+        ``linger`` seconds. Over TLS (no half-close) it closes at once, and aborts after ``linger`` seconds
+        a TLS shutdown the client does not answer."""
         if self.lost or self._linger_timer is not None or self.transport is None:
             return
         self.lingering = True
         self._stop_arriving()
         transport = self.transport
-        if not transport.can_write_eof() or self.guard.limits.linger == 0:
+        loop = asyncio.get_running_loop()
+        if not transport.can_write_eof():  # TLS: close() sends close_notify and waits for the peer's; an idle
+            transport.close()  # keep-alive client never answers, so that wait (30 s in asyncio) is cut short
+            self._linger_timer = loop.call_later(self.guard.limits.linger, transport.abort)
+            return
+        if self.guard.limits.linger == 0:
             transport.close()
             return
         transport.write_eof()
         transport.resume_reading()  # uvicorn may have paused reading a body it did not want
-        self._linger_timer = asyncio.get_running_loop().call_later(self.guard.limits.linger, self._close_now)
+        self._linger_timer = loop.call_later(self.guard.limits.linger, self._close_now)
 
     def _close_now(self) -> None:
         if self.transport is not None:
