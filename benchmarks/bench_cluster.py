@@ -1,4 +1,4 @@
-"""`kiln serve --replicas` layouts against each other on one machine, in one sitting, interleaved rounds.
+"""`kiln serve --replicas` layouts against each other on one machine, in interleaved rounds.
 
 Layouts (each deployed on one local Ray session, in turn, every round):
 - `1x2`: one replica with 2 threads (what `kiln serve --num-threads 2` gives, behind the cluster ingress)

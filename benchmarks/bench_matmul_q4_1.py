@@ -17,7 +17,7 @@ relative to its own T = 1 when T = 1 is measured first. Times: 1-thread CPU time
         [--baseline-library OTHER/libkiln_ops.so] [--copies 60]
 
 --baseline-library adds a fourth way, "base": kiln.MatMulQ4_1 from another build of the op library
-(e.g. main's), timed interleaved with the others for a before/after ratio in one sitting.
+(e.g. main's), timed interleaved with the others for a before/after ratio in one run.
 """
 
 from __future__ import annotations

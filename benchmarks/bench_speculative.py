@@ -1,4 +1,4 @@
-"""Speculative decoding against plain decoding on one engine, in one sitting, interleaved.
+"""Speculative decoding against plain decoding on one engine, in one run, interleaved.
 
 Workload (`--workload`): `grounded`, input-grounded chat requests (rewrite, quote or summarise a given
 passage; edit given code), or `open`, open chat questions (the Medusa training's held-out CHAT_QUESTIONS,
@@ -74,7 +74,7 @@ def clock(kind: str) -> Callable[[], float]:
 
 
 def open_questions() -> list[str]:
-    from kiln.calibration.medusa_data import CHAT_QUESTIONS
+    from kiln.heads.medusa_data import CHAT_QUESTIONS
 
     return list(CHAT_QUESTIONS[::3])  # 8 of the 24
 
@@ -164,11 +164,13 @@ def main() -> None:
                                                             enable_prefix_caching=False))
                for name, spec in methods.items()}
     for name, rows in medusa_rows.items():
-        if isinstance(engines[name].proposer, MedusaProposer):  # hydra heads' states cost nothing per row
+        speculator = engines[name].speculator
+        # Medusa heads only: hydra heads' states cost nothing per row
+        if speculator is not None and isinstance(speculator.proposer, MedusaProposer):
             spec = methods[name]
             assert spec is not None
-            engines[name].proposer = MedusaProposer(engines[name].runner.num_medusa_heads, rows,
-                                                    spec.guess_probability(hydra=False))
+            speculator.proposer = MedusaProposer(engines[name].runner.num_medusa_heads, rows,
+                                                 spec.guess_probability(hydra=False))
     ids = prompts(engines["plain"], TASKS if args.workload == "grounded" else open_questions())
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
     results: dict[str, dict[str, Any]] = {name: {"single": [], "aggregate": []} for name in methods}

@@ -1,10 +1,10 @@
-"""Fake-quant perplexity per domain on the corpus's VALIDATION split: the harness the int4 choices of
-issue 16 were made with (never the evaluation split, which only `kiln eval` reads for the README).
+"""Fake-quant perplexity per domain on the corpus's VALIDATION split: the harness the int4 choices
+were made with (never the evaluation split, which only `kiln eval` reads for RESULTS.md).
 
 The PyTorch reference model with the weights exactly as a build would quantize them (artifact folded,
 clipped and norm-tuned by `apply_artifact`; decoder linears int4 RTN group-wise, or int8 per channel
 where --int8 names them; the tied LM head int8 per channel). It matched the engine to 0.1% on
-SmolLM2 (docs/quantization-notes.md).
+SmolLM2 (docs/quantization.md).
 
     python benchmarks/quant_search.py [--artifact DIR] [--group-size 128] [--int8 PATTERN ...] [--windows 4]
     python benchmarks/quant_search.py --fp32          (the reference row)
@@ -42,8 +42,8 @@ def simulated_weights(weights: dict[str, torch.Tensor], group_size: int, int8: l
 def validation_windows(checkpoint, count: int, window: int = 512, split: str = "validation") -> dict[str, list]:
     from tokenizers import Tokenizer
 
-    from kiln.calibration.windows import domain_windows
     from kiln.chat_template import ChatTemplate
+    from kiln.corpus.windows import domain_windows
 
     tok = Tokenizer.from_str(checkpoint.tokenizer.tokenizer_json)
     template = ChatTemplate(checkpoint.tokenizer.tokenizer_config)

@@ -1,4 +1,4 @@
-"""The README's quantization table from `kiln eval` reports: perplexity per domain and its change vs fp32.
+"""benchmarks/RESULTS.md's quantization table from `kiln eval` reports: perplexity per domain and its change vs fp32.
 
     kiln eval ENGINE --reference FP32_ENGINE > reports/NAME.json     (one per engine, fp32 included)
     python benchmarks/quant_table.py reports/*.json

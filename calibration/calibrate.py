@@ -13,17 +13,18 @@ from typing import Any
 
 import torch
 
+from kiln import corpus as text_corpus
+from kiln.corpus.windows import domain_windows
+
 from . import awq, gptq, norm_tuning, sensitivity, smoothquant
-from . import corpus as text_corpus
 from .artifact import METHODS, CalibrationArtifact, CalibrationError, apply_artifact
 from .collect import collect, token_windows
 from .smoothing import smooth_groups
-from .windows import domain_windows
 
 Progress = Callable[[str], None]
 ROUNDINGS = ("gptq", "rtn")
 # AWQ's default int8 fallback: one decoder unit in FALLBACK_SHARE (sensitivity.units: q/k/v, o, gate/up,
-# down per layer) stays int8, chosen on the validation split (docs/quantization-notes.md, session 10)
+# down per layer) stays int8, chosen on the validation split (docs/quantization.md, "int4 AWQ")
 FALLBACK_SHARE = 4
 
 

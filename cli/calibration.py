@@ -1,4 +1,4 @@
-"""``kiln calibrate`` and ``kiln eval`` (registered on the kiln click group in cli/commands.py).
+"""``kiln calibrate`` (registered on the kiln click group in cli/commands.py).
 
 Heavy imports (torch, the exporter) happen inside the commands: ``kiln --help`` stays light.
 """
@@ -16,7 +16,7 @@ def _say(message: str) -> None:
 
 
 def _say_above_bars(message: str) -> None:
-    """`kiln calibrate`'s messages, between its progress bars (`kiln eval` has none: it runs without tqdm)."""
+    """`kiln calibrate`'s messages, between its progress bars."""
     from kiln.export.progress import print_above_bars
 
     print_above_bars(f"[kiln] {message}")
@@ -48,7 +48,7 @@ def calibrate(model: str, method: str, output: Path, alpha: float | None, group_
     """Collect activation statistics of MODEL on the corpus's calibration split (prose, technical, code and
     chat windows in equal shares) or on --calibration-text, and write scales to OUTPUT."""
     from kiln.calibration.calibrate import CalibrationConfig, calibrate_windows, corpus_windows
-    from kiln.calibration.debian import CorpusNotFound
+    from kiln.corpus.debian import CorpusNotFound
     from kiln.export.checkpoint import load_checkpoint
 
     config = CalibrationConfig(method, windows, window_tokens, alpha=alpha, group_size=int(group_size),
@@ -65,31 +65,3 @@ def calibrate(model: str, method: str, output: Path, alpha: float | None, group_
     _say("calibration windows: " + ", ".join(f"{d} {m['windows']}" for d, m in manifest["domains"].items()))
     artifact = calibrate_windows(checkpoint, token_windows, config, _say_above_bars, corpus=manifest)
     _say(f"wrote {artifact.save(output)}")
-
-
-@click.command(name="eval")
-@click.argument("engine_dir", type=click.Path(exists=True, file_okay=False, path_type=Path))
-@click.option("--reference", type=click.Path(exists=True, file_okay=False, path_type=Path), default=None,
-              help="fp32 engine of the same model, for greedy agreement")
-@click.option("--windows", type=int, default=16, show_default=True,
-              help="perplexity windows of --window-tokens per domain")
-@click.option("--window-tokens", type=int, default=512, show_default=True)
-@click.option("--threads", type=int, default=None, help="onnxruntime intra-op threads (default: all cores)")
-@click.option("--text", "text_file", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
-              help="UTF-8 text file to measure on instead of the corpus's domains (e.g. your own domain)")
-@click.option("--split", type=click.Choice(["evaluation", "validation"]), default="evaluation", show_default=True,
-              help="corpus split: validation is the one to choose methods and hyperparameters on")
-def evaluate(engine_dir: Path, reference: Path | None, windows: int, window_tokens: int, threads: int | None,
-             text_file: Path | None, split: str) -> None:
-    """Perplexity per domain (prose, technical, code, chat) on the corpus's evaluation split, greedy
-    agreement with --reference, decode tok/s, size."""
-    from kiln.calibration.debian import CorpusNotFound
-    from kiln.calibration.evaluate import EvalOptions
-    from kiln.calibration.evaluate import evaluate as run
-
-    options = EvalOptions(reference, windows, window_tokens, threads, text_file, split)
-    try:
-        report = run(engine_dir, options, _say)
-    except (CorpusNotFound, UnicodeDecodeError) as exc:
-        raise click.ClickException(str(exc)) from exc
-    click.echo(report.to_json())

@@ -57,11 +57,11 @@ def train_medusa(model: str, output: Path, num_heads: int, engine: str | None, p
     the calibration book."""
     import torch
 
-    from kiln.calibration.corpus import CALIBRATION_BOOK, calibration_text
-    from kiln.calibration.debian import CorpusNotFound
-    from kiln.calibration.medusa_train import ChatAnswers, MedusaConfig, train_medusa_chat
-    from kiln.calibration.medusa_train import train_medusa as run
+    from kiln.corpus import CALIBRATION_BOOK, calibration_text
+    from kiln.corpus.debian import CorpusNotFound
     from kiln.export.checkpoint import load_checkpoint
+    from kiln.heads.medusa_train import ChatAnswers, MedusaConfig, train_medusa_chat
+    from kiln.heads.medusa_train import train_medusa as run
 
     chat = engine is not None
     for name, cache in (("--answer-cache", answer_cache), ("--rows-cache", rows_cache)):

@@ -1,5 +1,5 @@
 """Rendering a Hugging Face chat template (jinja, sandboxed), shared by the runtime's tokenizer and
-the build's templated chat corpus (calibration/chat_mix.py), so both see the same conversation text."""
+the build's templated chat corpus (corpus/chat_mix.py), so both see the same conversation text."""
 
 from __future__ import annotations
 

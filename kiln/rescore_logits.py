@@ -17,8 +17,8 @@ Output
 The table is com.microsoft::GatherBlockQuantized's (bits 8, quantize_axis 1), so a tied head shares the
 embedding's (optimize/quantize_embedding.py). Which k: the k largest values of the row, ties broken towards the
 lower token id; NaN is never among them. It replaces TopK -> GatherBlockQuantized -> MatMul -> ScatterElements
-(optimize/rescore_lm_head.py), which cost ~6% of a single-stream decode step on SmolLM2 (docs/design.md, "One
-node to rescore the int4 head"): ORT's TopK and the gather dequantize and copy what the op reads in place.
+(optimize/rescore_lm_head.py), which cost ~6% of a single-stream decode step on SmolLM2 (docs/design.md, "The
+LM head"): ORT's TopK and the gather dequantize and copy what the op reads in place.
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """Compile Medusa heads (kiln/medusa.py) into the engine graph.
 
-Runs on the optimized graph (after select_logits: the final norm reads the rows Gather(hidden,
-logits_indices) as [L, D] and the LM head reads the norm) and before quantization, so the heads' linear
-and the shared LM head are quantized like every other linear. Adds the input ``medusa_indices int64
+Runs on the graph lowered for ONNX Runtime (select_logits made the final norm read the rows Gather(hidden,
+logits_indices) as [L, D], fuse_rmsnorm made it one op, and the LM head reads it) and before quantization, so
+the heads' linear and the shared LM head are quantized like every other linear. Adds the input ``medusa_indices int64
 [num_medusa]`` (rows of the packed batch, like logits_indices) and the output ``medusa_logits float32
 [num_medusa, K, V]``:
 

@@ -36,8 +36,8 @@ from kiln.manifest import (
 )
 from kiln.optimize.attach_medusa import MedusaGraphError, attach_hidden, attach_medusa
 from kiln.optimize.fuse_attention import AttentionConfig
+from kiln.optimize.lower_onnxruntime import lower_for_onnxruntime
 from kiln.optimize.medusa_draft import build_draft_graph, save_draft_graph
-from kiln.optimize.pack_attention_inputs import pack_attention_inputs
 from kiln.optimize.pipeline import optimize_model
 from kiln.optimize.quantize import QuantizationError, check_lm_head, int8_fallback, prepare_checkpoint, quantize_model
 from kiln.optimize.quantize import check_options as check_quantization
@@ -106,6 +106,7 @@ def build_engine(
                 attention = AttentionConfig(options.kv_dtype, options.block_size, spec.sliding_window, kv_scales,
                                             rotary_positions=options.max_seq_len)
                 counts = optimize_model(model, attention)
+                counts.update(_lower(model, backend))
                 for name, count in counts.items():
                     say(f"  {name}: fired {count}x")
                 _check_counts(counts, spec.num_layers)
@@ -125,12 +126,6 @@ def build_engine(
                         quantize_model(model, options.quantization, options.lm_head, say, int8_modules)
                     except QuantizationError as exc:
                         raise BuildError(str(exc)) from exc
-            if backend == BACKEND_TENSORRT:
-                with _stage(say, "lower for TensorRT"):
-                    _lower_for_tensorrt(model, say)
-            else:
-                with _stage(say, "lower for onnxruntime"):
-                    say(f"  pack_attention_inputs: fired {pack_attention_inputs(model)}x")
             with _stage(say, "write engine"):
                 _save_graph(model, staging)
                 _write_tokenizer(checkpoint, staging)
@@ -197,15 +192,16 @@ def _check_backend(options: BuildOptions, backend: str) -> None:
         raise BuildError("--medusa is not supported with --backend tensorrt yet (its runner reads the logits only)")
 
 
-def _lower_for_tensorrt(model: ir.Model, say: Progress) -> None:
+def _lower(model: ir.Model, backend: str) -> dict[str, int]:
+    """The backend's lowering of the neutral graph (its fusions, its op forms); how often each step fired."""
+    if backend != BACKEND_TENSORRT:
+        return lower_for_onnxruntime(model)
     from kiln.optimize.lower_tensorrt import TensorRTLoweringError, lower_for_tensorrt
 
     try:
-        counts = lower_for_tensorrt(model)
+        return {f"lower_tensorrt.{name}": count for name, count in lower_for_tensorrt(model).items()}
     except TensorRTLoweringError as exc:
         raise BuildError(str(exc)) from exc
-    for name, count in counts.items():
-        say(f"  lower {name}: fired {count}x")
 
 
 def _finish_tensorrt(staging: Path, say: Progress) -> Manifest:
@@ -282,7 +278,7 @@ def _kv_scales(checkpoint, calibration: Path | None, say: Progress):
 def _medusa_heads(checkpoint, medusa: Path, say: Progress):
     """The artifact's heads, checked against the checkpoint they will read (before any scales are folded:
     the folding leaves the final hidden state unchanged, so the heads fit every weight scheme)."""
-    from kiln.calibration.medusa_heads import MedusaArtifact, MedusaError
+    from kiln.heads.medusa_heads import MedusaArtifact, MedusaError
 
     try:
         artifact = MedusaArtifact.load(medusa)

@@ -7,8 +7,8 @@ After fuse_projections a layer's attention input is one Split of the fused proje
 flattened to [T, width] for the op, and the op's [T, H*D] output is reshaped back to the graph's batch of one:
 five nodes and a copy of every row per layer that only move data. The op's packed layout (key and value the
 empty PACKED_QKV; kiln/paged_attention.py) reads q, k and v straight from the projection's rows, and a rank-3
-query gives a rank-3 output. Run after quantization (which only swaps the MatMul above the Split) and only for
-the ONNX Runtime backend: the Triton/TensorRT kernels take separate q, k, v.
+query gives a rank-3 output. Part of the ONNX Runtime lowering (optimize/lower_onnxruntime.py) only: the
+Triton/TensorRT kernels take separate q, k, v. Quantization, which runs later, only swaps the MatMul above.
 """
 
 from __future__ import annotations
@@ -60,7 +60,8 @@ def _pack(model: ir.Model, node: ir.Node) -> bool:
     node.replace_input_with(1, empty)
     node.replace_input_with(2, empty)
     if unflatten is not None:
-        node.outputs[0].shape = unflatten.outputs[0].shape
+        # the op's output takes the Reshape's type with its shape: a shape without a type is not serialized
+        node.outputs[0].type, node.outputs[0].shape = unflatten.outputs[0].type, unflatten.outputs[0].shape
         ir.convenience.replace_all_uses_with(unflatten.outputs[0], node.outputs[0])
         if not unflatten.outputs[0].is_graph_output():  # else the (now no-op) Reshape stays as its producer
             model.graph.remove(unflatten, safe=True)

@@ -1,4 +1,8 @@
-"""The optimizer pipeline: raw exported graph -> engine graph (kiln/contract.py)."""
+"""The optimizer pipeline: raw exported graph -> backend-neutral engine graph (kiln/contract.py).
+
+Every pass here emits standard ONNX ops and kiln.PagedAttention, which both backends run; what only one
+backend runs is its lowering's (optimize/lower_onnxruntime.py, optimize/lower_tensorrt.py), so nothing is
+fused for one backend and unfused for the other."""
 
 from __future__ import annotations
 
@@ -16,9 +20,6 @@ from kiln import contract
 from kiln.optimize.flatten_inputs import flatten_inputs
 from kiln.optimize.fuse_attention import AttentionConfig, fuse_attention
 from kiln.optimize.fuse_projections import fuse_projections
-from kiln.optimize.fuse_rmsnorm import fuse_rmsnorm
-from kiln.optimize.fuse_skip_rmsnorm import fuse_skip_rmsnorm
-from kiln.optimize.fuse_swiglu import fuse_swiglu
 from kiln.optimize.select_logits import select_logits
 
 _CLEANUP_RULES = [transpose_transpose_rule, no_op_transpose_rule, reshape_reshape_rule]
@@ -28,15 +29,12 @@ DEFAULT_ATTENTION = AttentionConfig()  # frozen: one shared default is safe
 
 
 def optimize_model(model: ir.Model, attention: AttentionConfig = DEFAULT_ATTENTION) -> dict[str, int]:
-    """Run every pass in order on model (in place); returns how often each fired."""
+    """Run the backend-neutral passes in order on model (in place); returns how often each fired."""
     counts = {
         "flatten_inputs": flatten_inputs(model),
         "fuse_attention": fuse_attention(model, attention),
-        "fuse_rmsnorm": fuse_rmsnorm(model),
         "select_logits": select_logits(model),
-        "fuse_skip_rmsnorm": fuse_skip_rmsnorm(model),
-        "fuse_projections": fuse_projections(model),  # after the fusions above: they match the separate q/k/v
-        "fuse_swiglu": fuse_swiglu(model),  # the Split the gate/up fusion made
+        "fuse_projections": fuse_projections(model),  # after fuse_attention: it matches the separate q/k/v
     }
     cleanup(model)
     _order_io(model)

@@ -14,7 +14,7 @@ single-stream step.)
 
 With kiln.MatMulQ4_1 as the int4 head (int4-q4_1) every step is rescored, at any row count: its channels-in-lanes
 kernel is cheaper per product than the int8 MatMulNBits at any batch and the rows are rescored in parallel, so a
-batch of 32 decodes ~5-9% faster than with the int8 head (docs/design.md, "Session 19"), and a row's logits do not
+batch of 32 decodes ~5-9% faster than with the int8 head (docs/design.md, "The LM head"), and a row's logits do not
 depend on how many rows share its step. Behind a 4-bit MatMulNBits head (int4-rtn, int4-awq) a step of more than
 RESCORED_HEAD_MAX_ROWS rows is bound by arithmetic, not bytes, and the int4 head costs more than it saves there: an
 If on the row count sends it to the int8 per-channel head (`--lm-head int8`'s). For a tied
@@ -39,7 +39,7 @@ from .quant.nbits import make_matmul_nbits
 from .quant.rtn import per_channel_as_groups, quantize_groupwise
 from .quantize_embedding import BLOCK_SIZE, TABLE_KEY
 
-# Measured on SmolLM2 int4-q4_1 (docs/design.md, "An int4 LM head rescored at 8 bits"): 64 candidates leave
+# Measured on SmolLM2 int4-q4_1 (docs/design.md, "The LM head"): 64 candidates leave
 # +0.4-1.3% perplexity over the int8 head (the tail's int4 logits), 256 +0.2-0.5%, 1024 none, but ORT's TopK and
 # GatherBlockQuantized at k = 1024 cost a batch-1 step what the int4 head saved; 256 keeps the whole saving.
 RESCORE_TOP_K = 256

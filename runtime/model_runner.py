@@ -7,6 +7,7 @@ TensorRT elsewhere, a fake in tests) turns it into logits for the rows that need
 from __future__ import annotations
 
 import abc
+import dataclasses
 import itertools
 from dataclasses import dataclass
 
@@ -73,7 +74,7 @@ def _pack(starts: list[int], token_runs: list[list[int]], block_tables: list[lis
     return input_ids, position_ids, qsl, seq_lens, tables
 
 
-def _pack_decodes(seqs: list[Sequence]) -> BatchInput:
+def _pack_decodes(seqs: list[Sequence], logits_indices: np.ndarray) -> BatchInput:
     """build_batch for a step of decodes only (one new token each, all needing logits): the same arrays from
     plain lists, in a few numpy calls (_pack's dozen cost a single-stream step ~0.1 ms of Python)."""
     positions = [seq.num_computed_tokens for seq in seqs]
@@ -84,16 +85,20 @@ def _pack_decodes(seqs: list[Sequence]) -> BatchInput:
     tables = [seq.block_table if len(seq.block_table) == width else
               seq.block_table + [0] * (width - len(seq.block_table)) for seq in seqs]
     return BatchInput(input_ids, position_ids, rows, (position_ids + 1).astype(np.int32),
-                      np.array(tables, dtype=np.int32), rows[:-1].astype(np.int64), len(seqs))
+                      np.array(tables, dtype=np.int32), logits_indices, len(seqs))
 
 
 def build_batch(out: SchedulerOutput) -> BatchInput:
     """Pack the new tokens of each scheduled sequence (from its num_computed_tokens on) and its
-    speculative tokens; logits for the last token of the rows the scheduler marked as needing them,
-    and for a row with k proposals its last k + 1 tokens (in row order)."""
-    if not out.proposals and all(n == 1 for _, n in out.scheduled) and all(out.needs_logits):
-        return _pack_decodes([seq for seq, _ in out.scheduled])
-    return _pack_scheduled(out)
+    speculative tokens; logits, and the Medusa heads' rows, where out.logits_rows places them."""
+    rows = out.logits_rows
+    if out.is_decode_only:
+        batch = _pack_decodes([seq for seq, _ in out.scheduled], rows.token_indices)
+    else:
+        batch = _pack_scheduled(out)
+    if rows.heads.size:
+        batch = dataclasses.replace(batch, medusa_indices=rows.token_indices[rows.heads])
+    return batch
 
 
 def _pack_scheduled(out: SchedulerOutput) -> BatchInput:
@@ -104,19 +109,10 @@ def _pack_scheduled(out: SchedulerOutput) -> BatchInput:
     if out.proposals:
         runs = [run + list(proposal) for run, proposal in zip(runs, out.proposals, strict=True)]
     input_ids, position_ids, qsl, seq_lens, tables = _pack(starts, runs, [seq.block_table for seq, _ in scheduled])
-    needs = np.array(out.needs_logits, dtype=bool)
-    ends = qsl[1:][needs].astype(np.int64)
-    if out.proposals:
-        widths = np.array([len(p) + 1 for p in out.proposals], dtype=np.int64)[needs]
-        # the last widths[r] tokens of each row that needs logits
-        rows = np.repeat(ends - widths, widths) + np.arange(int(widths.sum())) - np.repeat(np.cumsum(widths) - widths,
-                                                                                            widths)
-    else:
-        rows = ends - 1
-    num_logits = int(rows.size)
+    rows = out.logits_rows.token_indices
     # A step of prefill chunks only still asks for one (ignored) row: some backends dislike empty gathers.
-    logits_indices = rows if num_logits else np.array([int(qsl[-1]) - 1], dtype=np.int64)
-    return BatchInput(input_ids, position_ids, qsl, seq_lens, tables, logits_indices, num_logits)
+    logits_indices = rows if rows.size else np.array([int(qsl[-1]) - 1], dtype=np.int64)
+    return BatchInput(input_ids, position_ids, qsl, seq_lens, tables, logits_indices, int(rows.size))
 
 
 @dataclass(frozen=True)

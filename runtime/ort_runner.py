@@ -36,7 +36,7 @@ def open_session(graph: Path, num_threads: int | None = None) -> ort.InferenceSe
     options.inter_op_num_threads = 1
     # The pool's threads spin between a run's parallel nodes (the step needs that: with spinning off it measured
     # 1.19x) but stop when the run ends, so the sampler's threads and the server get the cores between steps
-    # (docs/design.md, "Session 18").
+    # (docs/design.md, "Sampler").
     options.add_session_config_entry("session.force_spinning_stop", "1")
     options.log_severity_level = 3  # errors only: shape-hint warnings are noise here
     try:

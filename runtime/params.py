@@ -76,7 +76,7 @@ SPECULATIVE_METHODS = ("ngram", "draft", "medusa")
 
 
 # hydra heads on SmolLM2, open chat, fp32, k = 3: 1.18x plain at 0.2 against 1.13x with whole chains, one
-# sitting (docs/design.md, "Hydra heads"); the estimate from scored rows peaks at 0.15-0.3
+# measurement (docs/design.md, "Hydra heads"); the estimate from scored rows peaks at 0.15-0.3
 HYDRA_MIN_GUESS_PROBABILITY = 0.2
 
 

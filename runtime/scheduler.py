@@ -20,16 +20,65 @@ import bisect
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import cached_property
+
+import numpy as np
 
 from kiln.runtime.block_manager import BlockManager
 from kiln.runtime.sequence import Sequence, SequenceStatus
+
+_NO_ROWS = np.zeros(0, np.int64)
+_NO_ROWS.flags.writeable = False
+
+
+@dataclass(frozen=True)
+class LogitsRows:
+    """Where each sampling sequence's rows sit in a step's logits, laid out once per step
+    (SchedulerOutput.logits_rows) and read by everyone who needs it: the batch (logits_indices,
+    medusa_indices), the sampler and verification (each sequence's rows), and the Medusa heads.
+
+    Sequences that sample follow each other in row order (SchedulerOutput.to_sample). One with k
+    proposals has k + 1 rows, the last k + 1 tokens of its run (row j follows its tokens and its first
+    j proposals); any other has one, its last token's."""
+
+    token_indices: np.ndarray  # int64 [L]: the packed-batch token of each logits row
+    starts: tuple[int, ...]  # per sampling sequence, its first logits row
+    counts: tuple[int, ...]  # per sampling sequence, its number of rows (k + 1)
+    heads: np.ndarray  # int64 [M]: the logits rows the Medusa heads are computed at, ascending
+
+    @property
+    def num_rows(self) -> int:
+        return int(self.token_indices.size)
+
+    @staticmethod
+    def of(out: SchedulerOutput) -> LogitsRows:
+        if out.is_decode_only:  # a row each, in order: the common step, without the arithmetic
+            rows = np.arange(len(out.scheduled), dtype=np.int64)
+            starts, counts = tuple(range(len(rows))), (1,) * len(rows)
+        else:
+            need = np.array(out.needs_logits, dtype=bool)
+            tokens = np.array([n + len(out.proposals_of(r)) for r, (_, n) in enumerate(out.scheduled)], np.int64)
+            ends = np.cumsum(tokens)[need]
+            widths = np.array([len(p) + 1 for p in out.proposals], np.int64)[need] if out.proposals \
+                else np.ones(int(need.sum()), np.int64)
+            first_rows = np.cumsum(widths) - widths
+            # the last widths[i] tokens of each sequence that samples
+            rows = np.repeat(ends - widths - first_rows, widths) + np.arange(int(widths.sum()), dtype=np.int64)
+            starts, counts = tuple(first_rows.tolist()), tuple(widths.tolist())
+        if not out.medusa_rows:
+            return LogitsRows(rows, starts, counts, _NO_ROWS)
+        wanted = [m for m, need in zip(out.medusa_rows, out.needs_logits, strict=True) if need]
+        heads = np.concatenate([np.arange(start, start + m, dtype=np.int64)
+                                for start, m in zip(starts, wanted, strict=True)]) if any(wanted) else _NO_ROWS
+        return LogitsRows(rows, starts, counts, heads)
 
 
 @dataclass(frozen=True)
 class SchedulerOutput:
     """One step: the scheduled sequences with how many new tokens each computes (from its
     num_computed_tokens on), and which of them reach their last token and so need logits and
-    a sampled token. Decided once here; the batch builder and the engine's postprocess read it."""
+    a sampled token. Decided once here; the batch builder and the engine's postprocess read it,
+    the logits rows through logits_rows."""
 
     scheduled: tuple[tuple[Sequence, int], ...] = ()
     needs_logits: tuple[bool, ...] = ()  # per scheduled row
@@ -37,6 +86,9 @@ class SchedulerOutput:
     # Per scheduled row, speculative tokens checked after its own (empty: none; () for all: no speculation).
     # A row with k proposals computes n + k tokens and needs logits for its last k + 1.
     proposals: tuple[tuple[int, ...], ...] = ()
+    # Per scheduled row, at how many of its logits rows (from the first) the Medusa heads are computed
+    # (() for all: at none).
+    medusa_rows: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if len(self.needs_logits) != len(self.scheduled):
@@ -45,6 +97,13 @@ class SchedulerOutput:
         if self.proposals and len(self.proposals) != len(self.scheduled):
             raise ValueError(f"proposals has {len(self.proposals)} entries for {len(self.scheduled)} "
                              "scheduled sequences")
+        if self.medusa_rows:
+            if len(self.medusa_rows) != len(self.scheduled):
+                raise ValueError(f"medusa_rows has {len(self.medusa_rows)} entries for {len(self.scheduled)} "
+                                 "scheduled sequences")
+            for r, (m, need) in enumerate(zip(self.medusa_rows, self.needs_logits, strict=True)):
+                if not 0 <= m <= (len(self.proposals_of(r)) + 1 if need else 0):
+                    raise ValueError(f"medusa_rows[{r}] is {m}, outside the row's logits rows")
 
     @property
     def num_tokens(self) -> int:
@@ -52,6 +111,15 @@ class SchedulerOutput:
 
     def proposals_of(self, row: int) -> tuple[int, ...]:
         return self.proposals[row] if self.proposals else ()
+
+    @cached_property
+    def is_decode_only(self) -> bool:
+        """Every scheduled sequence computes one token and samples after it (no proposals)."""
+        return not self.proposals and all(n == 1 for _, n in self.scheduled) and all(self.needs_logits)
+
+    @cached_property
+    def logits_rows(self) -> LogitsRows:
+        return LogitsRows.of(self)
 
     @property
     def to_sample(self) -> list[Sequence]:
@@ -211,7 +279,7 @@ class Scheduler:
                 assert allocated
                 budget -= len(proposal)
             rows.append(proposal)
-        return SchedulerOutput(out.scheduled, out.needs_logits, out.preempted, tuple(rows))
+        return SchedulerOutput(out.scheduled, out.needs_logits, out.preempted, tuple(rows), out.medusa_rows)
 
     def settle(self, seq: Sequence, num_accepted: int) -> None:
         """After verification (the engine has appended the accepted tokens and the bonus token): the

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import fcntl
 import hashlib
+import json
 import os
 from pathlib import Path
 
@@ -76,25 +77,29 @@ def tiny_model_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_engine(tmp_path_factory, tiny_model_dir) -> Path:
-    """The tiny llama built into an engine dir (fp32, block size 16)."""
+    """The tiny llama built into an engine dir (fp32 weights and KV cache, block size 16): the tests that hold
+    an engine to the reference's logits at 1e-4 use it, so its KV is float32, not the build's float16 default."""
+    from kiln.manifest import BuildOptions
     from kiln.optimize.build import build_engine
 
     out = tmp_path_factory.mktemp("tiny-engine") / "engine"
-    build_engine(tiny_model_dir, out, progress=lambda _msg: None)
+    build_engine(tiny_model_dir, out, BuildOptions(kv_dtype="float32"), progress=lambda _msg: None)
     return out
 
 
 @pytest.fixture(scope="session")
 def smollm2_engine() -> Path:
-    """SmolLM2-135M-Instruct fp32, built once into .cache/engines/smollm2-fp32 and reused while the
-    kiln build sources are unchanged (a file lock keeps concurrent test runs from racing)."""
+    """SmolLM2-135M-Instruct fp32 (weights and KV cache: the golden tests hold its logits to HF's at 1e-3),
+    built once into .cache/engines/smollm2-fp32 and reused while the kiln build sources are unchanged (a file
+    lock keeps concurrent test runs from racing)."""
     from kiln.export.checkpoint import default_model_path
+    from kiln.manifest import BuildOptions
 
     try:
         default_model_path()
     except FileNotFoundError as exc:
         pytest.skip(str(exc))
-    return cached_engine("smollm2-fp32", "default")
+    return cached_engine("smollm2-fp32", "default", BuildOptions(kv_dtype="float32"))
 
 
 @pytest.fixture(scope="session")
@@ -113,7 +118,8 @@ def cached_engine(name: str, model: str, options=None) -> Path:
     ENGINE_CACHE.mkdir(parents=True, exist_ok=True)
     engine = ENGINE_CACHE / name
     stamp = ENGINE_CACHE / f"{name}.source-sha256"
-    source = kiln_source_hash()
+    options = options or BuildOptions()
+    source = f"{kiln_source_hash()} {json.dumps(options.to_dict(), sort_keys=True)}"  # new options rebuild it too
     with open(ENGINE_CACHE / f"{name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if stamp.is_file() and stamp.read_text() == source:
@@ -123,6 +129,6 @@ def cached_engine(name: str, model: str, options=None) -> Path:
             except EngineLoadError:
                 pass
         stamp.unlink(missing_ok=True)
-        build_engine(model, engine, options or BuildOptions())
+        build_engine(model, engine, options)
         stamp.write_text(source)
     return engine

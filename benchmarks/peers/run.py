@@ -1,4 +1,4 @@
-"""kiln against onnxruntime-genai and llama.cpp in one sitting, in interleaved rounds (run setup.py first).
+"""kiln against onnxruntime-genai and llama.cpp in interleaved rounds (run setup.py first).
 
     .venv/bin/python benchmarks/peers/run.py --kiln-engine w8a8=engines/w8a8 [--kiln-engine NAME=DIR ...] [--plot DIR]
 

@@ -16,7 +16,7 @@
 //      A tile's accumulators are its outputs, so nothing is summed across lanes at the end.
 //
 // Output channels in lanes make the per-block float work one conversion and three FMAs per 16 channels and
-// row, where inputs in lanes paid it per 8 inputs (docs/design.md, "Session 18: channels in lanes"). Every path
+// row, where inputs in lanes paid it per 8 inputs (docs/design.md, "kiln.MatMulQ4_1"). Every path
 // sums a (channel, row) over the blocks in order with the same arithmetic, so a row's outputs are bitwise the same
 // for every T and every tile (speculative verification reproduces decode's logits exactly), and the AVX2 build,
 // which emulates vpdpbusd with maddubs + madd (the same int32 sums: a nibble times |x| <= 127, twice, fits
@@ -247,7 +247,7 @@ struct Problem {
 };
 
 // A weight prefetch that a call reads once (its rows fit one pass) is non-temporal: the weights, ~60 MB a decode
-// step, would otherwise evict from L2 and L3 what the rest of the step reads next (docs/design.md, "Session 16").
+// step, would otherwise evict from L2 and L3 what the rest of the step reads next (docs/design.md, "kiln.MatMulQ4_1").
 // With more passes the later ones re-read the group from the caches, so those prefetches keep it. Always inlined:
 // GCC takes a function that only prefetches for one without effects and drops its calls.
 __attribute__((always_inline)) inline void prefetch_record(const uint8_t* p, bool once) {
@@ -390,7 +390,7 @@ struct MatMulQ4_1 {
     const uint8_t* w = packed_.empty() ? repacked.data() : packed_.data();
 
     // Decode-sized rows reuse a scratch of the calling thread (allocations a call measured ~4% of a decode step:
-    // docs/design.md, "Where a single-stream step goes"); larger batches allocate their own, so the scratch stays
+    // docs/design.md, "kiln.MatMulQ4_1"); larger batches allocate their own, so the scratch stays
     // small. `rows` is a reference: the lambdas below run on the pool's threads too.
     thread_local Int8Rows scratch;
     Int8Rows local;

@@ -449,7 +449,7 @@ extern "C" {
 // rows' may be set).
 // Up to `threads` threads take contiguous ranges of at least kRowsPerThread rows (the calling thread one of them):
 // rows are independent, so the results do not depend on the split. A top_p row of SmolLM2's 49,152 logits takes
-// ~0.1 ms, so a batch of 32 is ~3.5 ms, 13% of a 2-thread decode step on one thread (docs/design.md, "Session 18").
+// ~0.1 ms, so a batch of 32 is ~3.5 ms, 13% of a 2-thread decode step on one thread (docs/design.md, "Sampler").
 __attribute__((visibility("default"))) int64_t kiln_sample_rows_on_threads(
     const float* logits, int64_t rows, int64_t vocab, const double* temperature, const int64_t* top_k,
     const double* top_p, const double* min_p, const double* uniforms, float* thresholds, int64_t* tokens,

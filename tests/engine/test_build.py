@@ -31,16 +31,16 @@ def test_engine_dir_and_manifest(tiny_engine):
     assert "chat_template" in json.loads((tiny_engine / "tokenizer_config.json").read_text())
 
 
-def test_cli_build_float16_kv(tmp_path, tiny_model_dir, tiny_engine):
-    """`kiln build` with an fp16 pool: same logits as the fp32 engine within fp16 rounding."""
+def test_cli_build_defaults_to_a_float16_kv_cache(tmp_path, tiny_model_dir, tiny_engine):
+    """`kiln build` without --kv-dtype makes an fp16 pool: same logits as the fp32-KV engine within fp16 rounding."""
     from click.testing import CliRunner
     from engine_driver import PagedDriver
 
     from kiln.cli import main
 
     out = tmp_path / "engine16"
-    result = CliRunner().invoke(main, ["build", str(tiny_model_dir), "-o", str(out), "--kv-dtype", "float16",
-                                       "--block-size", "8", "--max-seq-len", "256"])
+    result = CliRunner().invoke(main, ["build", str(tiny_model_dir), "-o", str(out), "--block-size", "8",
+                                       "--max-seq-len", "256"])
     assert result.exit_code == 0, result.output
     manifest = read_manifest(out)
     assert (manifest.build.kv_dtype, manifest.build.block_size, manifest.build.max_seq_len) == ("float16", 8, 256)

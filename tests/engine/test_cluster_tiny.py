@@ -79,7 +79,7 @@ def test_prefix_routing_reaches_the_ideal_hit_rate_and_round_robin_does_not(pref
     finally:
         undeploy("rr")
     print(f"hit rate of the ideal: prefix {prefix:.2f}, round-robin {round_robin:.2f}")
-    # issue 13: prefix >= 0.9 of the ideal (runs here: 0.93-0.97; round-robin 0.6-0.7)
+    # the router's bar: prefix >= 0.9 of the ideal (runs here: 0.93-0.97; round-robin 0.6-0.7)
     assert prefix >= 0.9
     assert round_robin <= prefix - 0.15
 

@@ -153,7 +153,7 @@ def test_int8_kv_with_a_weight_scheme_that_needs_no_calibration(tiny_model_dir, 
 
 def test_eval_driver_sizes_int8_pools(int8_engine, tiny_engine):
     """`kiln eval`'s engine session on an int8-KV engine: perplexity within 1% of the fp32 engine's."""
-    from kiln.calibration.evaluate import EngineSession, perplexity
+    from kiln.evaluation.evaluate import EngineSession, perplexity
 
     ids = [(37 * j + j // 7) % 290 + 3 for j in range(200)]
     sessions = [EngineSession(e, max_tokens=256, threads=1) for e in (tiny_engine, int8_engine)]
@@ -176,7 +176,7 @@ def test_int8_engine_logits_agree_through_every_driver(int8_engine):
     logprobs agree, and each driver's argmax is the runtime's greedy token."""
     from engine_driver import PagedDriver
 
-    from kiln.calibration.evaluate import EngineSession
+    from kiln.evaluation.evaluate import EngineSession
 
     prompts = [[(29 * i + 11 * j) % 290 + 3 for j in range(20 + 13 * i)] for i in range(3)]
     llm = LLM(int8_engine, RuntimeConfig(kv_cache_bytes=1 << 20, num_threads=1))

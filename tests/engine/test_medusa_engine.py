@@ -22,8 +22,8 @@ PROMPT = [5, 77, 190, 33, 250, 12, 8, 99, 140, 201, 64, 3, 17, 222, 180, 45, 71,
 
 @pytest.fixture(scope="module")
 def medusa_dir(tmp_path_factory, tiny_model_dir):
-    from kiln.calibration.medusa_train import MedusaConfig, train_medusa
     from kiln.export.checkpoint import load_checkpoint
+    from kiln.heads.medusa_train import MedusaConfig, train_medusa
 
     config = MedusaConfig(num_heads=3, text_prompts=8, chat_prompts=8, prompt_tokens=24, new_tokens=16, epochs=2)
     artifact = train_medusa(load_checkpoint(tiny_model_dir), tiny_text(), config)
@@ -38,17 +38,18 @@ def medusa_engine(tmp_path_factory, tiny_model_dir, medusa_dir):
     from kiln.optimize.build import build_engine
 
     out = tmp_path_factory.mktemp("medusa-engine") / "engine"
-    build_engine(tiny_model_dir, out, BuildOptions(medusa=medusa_dir), progress=lambda _m: None)
+    # float32 KV, as tiny_engine's: held to the torch heads and to the plain engine's logits
+    build_engine(tiny_model_dir, out, BuildOptions(kv_dtype="float32", medusa=medusa_dir), progress=lambda _m: None)
     return out
 
 
 def torch_reference(tiny_model_dir, medusa_dir, tokens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     """(logits [T, V], heads' logits [T, K, V]) of the torch reference model and the torch heads."""
     from kiln.calibration.collect import run_layers
-    from kiln.calibration.medusa_data import lm_head_weight
-    from kiln.calibration.medusa_heads import MedusaArtifact
     from kiln.export.checkpoint import load_checkpoint
     from kiln.export.reference import ReferenceModel
+    from kiln.heads.medusa_data import lm_head_weight
+    from kiln.heads.medusa_heads import MedusaArtifact
 
     model = ReferenceModel.from_checkpoint(load_checkpoint(tiny_model_dir))
     heads = MedusaArtifact.load(medusa_dir).heads()
@@ -183,9 +184,9 @@ def test_medusa_speculation_needs_heads(tiny_engine):
 
 def test_train_medusa_chat_end_to_end(tiny_model_dir, tiny_engine):
     """`kiln train-medusa --answers-from`: answers from the runtime, teacher-forced rows, heads, scores."""
-    from kiln.calibration import corpus
-    from kiln.calibration.medusa_train import ChatAnswers, MedusaConfig, train_medusa_chat
+    from kiln import corpus
     from kiln.export.checkpoint import load_checkpoint
+    from kiln.heads.medusa_train import ChatAnswers, MedusaConfig, train_medusa_chat
 
     try:
         for source in corpus.SOURCES:
@@ -204,7 +205,7 @@ def test_train_medusa_chat_end_to_end(tiny_model_dir, tiny_engine):
 def test_self_instructed_prompts_refuse_a_model_that_writes_no_user_turn(tiny_engine):
     """A random model never closes the user turn it is asked to write: a clear error, not an endless loop
     (what is kept from a chat model: tests/unit/test_medusa.py)."""
-    from kiln.calibration.medusa_train import ChatAnswers
+    from kiln.heads.medusa_train import ChatAnswers
 
     with pytest.raises(ValueError, match="wrote only 0 usable user turns in 64 samples.*--prompt-source templates"):
         ChatAnswers(str(tiny_engine), prompts=8, threads=1).chat_prompts(0, lambda _m: None)
@@ -214,8 +215,8 @@ def test_self_instructed_prompts_refuse_a_model_that_writes_no_user_turn(tiny_en
 def hydra_engine(tmp_path_factory, tiny_model_dir):
     """An engine with random hydra heads (kiln/medusa.py kind "hydra"; training is tests/unit/test_hydra.py's)."""
     from kiln import medusa
-    from kiln.calibration.medusa_heads import HydraHeads, MedusaArtifact
     from kiln.export.checkpoint import load_checkpoint
+    from kiln.heads.medusa_heads import HydraHeads, MedusaArtifact
     from kiln.optimize.build import build_engine
 
     checkpoint = load_checkpoint(tiny_model_dir)
@@ -229,7 +230,7 @@ def hydra_engine(tmp_path_factory, tiny_model_dir):
             "model_source": checkpoint.source, "model_fingerprint": checkpoint.fingerprint()}
     heads = MedusaArtifact(heads.state(), info).save(tmp_path_factory.mktemp("hydra") / "heads")
     out = tmp_path_factory.mktemp("hydra-engine") / "engine"
-    build_engine(tiny_model_dir, out, BuildOptions(medusa=heads), progress=lambda _m: None)
+    build_engine(tiny_model_dir, out, BuildOptions(kv_dtype="float32", medusa=heads), progress=lambda _m: None)
     return out
 
 

@@ -12,8 +12,8 @@ import onnx
 import pytest
 import torch
 
-from kiln.calibration import evaluate
-from kiln.calibration.evaluate import EngineSession, decode_speed, greedy_agreement, loops, perplexity
+from kiln.evaluation import evaluate
+from kiln.evaluation.evaluate import EngineSession, decode_speed, greedy_agreement, loops, perplexity
 
 TEXT = "It is a truth universally acknowledged, that a single man in possession " * 6
 
@@ -107,7 +107,7 @@ def test_loop_check_flags_a_looping_tail_not_a_template():
 
 
 def test_chat_answers_are_the_torch_models_greedy_chat(tiny_engine, torch_model):
-    from kiln.calibration.evaluate import CHAT_QUESTIONS, chat_answers
+    from kiln.evaluation.evaluate import CHAT_QUESTIONS, chat_answers
 
     answers = chat_answers(tiny_engine, max_tokens=12, threads=1)
     assert [a["question"] for a in answers] == list(CHAT_QUESTIONS)
@@ -138,10 +138,10 @@ def test_kiln_eval_report_against_another_model(tiny_engine, tiny_model_dir, tor
     from click.testing import CliRunner
     from helpers import make_tiny_hf_model
 
-    from kiln.calibration.corpus import DOMAINS, evaluation_text, token_digest
-    from kiln.calibration.evaluate import CHAT_QUESTIONS
-    from kiln.calibration.windows import domain_windows
     from kiln.cli import main
+    from kiln.corpus import DOMAINS, evaluation_text, token_digest
+    from kiln.corpus.windows import domain_windows
+    from kiln.evaluation.evaluate import CHAT_QUESTIONS
     from kiln.optimize.build import build_engine
 
     other_dir = make_tiny_hf_model(tmp_path / "other", seed=1)
@@ -201,7 +201,7 @@ def test_kiln_eval_report_against_another_model(tiny_engine, tiny_model_dir, tor
 
 
 def test_divergence_finds_where_an_answer_leaves_the_reference(tiny_engine, torch_model):
-    from kiln.calibration.evaluate import divergence
+    from kiln.evaluation.evaluate import divergence
 
     session = EngineSession(tiny_engine, max_tokens=256, threads=1)
     prompt = session.encode("It is a truth universally acknowledged")

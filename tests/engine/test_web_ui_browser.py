@@ -104,6 +104,13 @@ def text_of(element) -> str:
     return element.find_element(By.CSS_SELECTOR, ".text").get_property("textContent")
 
 
+def shown(text: str) -> str:
+    """What an answer without Markdown syntax shows once rendered: its characters, less the blank lines and breaks
+    between blocks that rendering turns into spacing."""
+    assert not set(text) & set("*_`#[]>~"), f"this answer holds Markdown syntax: {text!r}"
+    return "".join(text.split())
+
+
 def finished(driver):
     """The last answer once it is no longer streaming."""
     items = answers(driver)
@@ -134,13 +141,14 @@ def test_page_loads_its_assets_and_names_the_model(page, server):
     assert not severe, severe  # a CSP violation or a failed asset load would be logged here
 
 
-# Records the answer text's length before every change the page makes to it (a MutationObserver sees each
-# append, however loaded the machine is; polling the DOM from the test could miss most of them).
+# Records the last answer's text length after every change the page makes to it (a MutationObserver sees each
+# render, however loaded the machine is; polling the DOM from the test could miss most of them).
 WATCH_TEXT_LENGTHS = """
 window.textLengths = [];
-new MutationObserver(records => {
-  for (const r of records) if (r.type === "characterData") window.textLengths.push(r.oldValue.length);
-}).observe(document.getElementById("messages"), {subtree: true, characterData: true, characterDataOldValue: true});
+new MutationObserver(() => {
+  const answer = [...document.querySelectorAll("#messages li.assistant .text")].pop();
+  if (answer) window.textLengths.push(answer.textContent.length);
+}).observe(document.getElementById("messages"), {subtree: true, childList: true, characterData: true});
 """
 
 
@@ -172,14 +180,14 @@ def test_history_system_prompt_settings_and_regenerate(page, reference):
     second = sent_requests(page, "/v1/chat/completions")[-1]["body"]
     assert second["messages"] == conversation
     assert (second["temperature"], second["max_tokens"], second["stream"]) == (0, 8, True)
-    assert text_of(answers(page)[-1]) == reference(conversation, 8)
+    assert shown(text_of(answers(page)[-1])) == shown(reference(conversation, 8))  # the tiny model writes "\n"s
 
     page.find_element(By.ID, "regenerate").click()
     wait_for(lambda: finished(page) and not page.find_element(By.ID, "regenerate").get_attribute("disabled"),
              "the regenerated answer")
     assert len(answers(page)) == 2  # the last answer was replaced, not added to
     assert sent_requests(page, "/v1/chat/completions")[-1]["body"] == second
-    assert text_of(answers(page)[-1]) == reference(conversation, 8)
+    assert shown(text_of(answers(page)[-1])) == shown(reference(conversation, 8))  # the tiny model writes "\n"s
     page.refresh()  # settings outlive the page
     assert page.find_element(By.ID, "system").get_property("value") == "Be brief."
     assert page.find_element(By.ID, "max-tokens").get_property("value") == "8"
@@ -255,3 +263,107 @@ def test_the_api_key_is_kept_in_the_browser_and_sent_as_bearer(page):
     for path in ("/v1/models", "/v1/chat/completions"):
         requests = [r for r in sent if r["url"].endswith(path)]
         assert requests and all(r["headers"].get("Authorization") == "Bearer sk-kiln-test" for r in requests), path
+
+
+# Answers /v1/chat/completions inside the page with `arguments[0]`'s pieces as streamed deltas (20 ms apart), as
+# the server would stream a model that writes them: the page's rendering of any text, without a model that does.
+STUB_STREAM = """
+const pieces = arguments[0];
+const serverFetch = window.fetch;
+window.fetch = (url, options) => {
+  if (!String(url).endsWith("/v1/chat/completions")) return serverFetch(url, options);
+  const events = pieces.map((content) => ({choices: [{index: 0, delta: {content}}]}));
+  const encoder = new TextEncoder();
+  const body = new ReadableStream({
+    async pull(controller) {
+      await new Promise((resolve) => setTimeout(resolve, 20));
+      const event = events.length ? JSON.stringify(events.shift()) : "[DONE]";
+      controller.enqueue(encoder.encode(`data: ${event}\\n\\n`));
+      if (event === "[DONE]") controller.close();
+    },
+  });
+  return Promise.resolve(new Response(body, {headers: {"Content-Type": "text/event-stream"}}));
+};
+"""
+
+MARKDOWN = (
+    "# Plan\n\n"
+    "Use **bold**, *emphasis*, `inline <code>` and [the docs](https://example.org/docs).\n\n"
+    "- first\n"
+    "- second\n"
+    "  - nested\n\n"
+    "3. three\n"
+    "4. four\n\n"
+    "```python\n"
+    "print(\"<b>hi</b>\")\n"
+    "```\n"
+    "After the code."
+)
+
+
+def stream_answer(page, text: str, piece: int = 5):
+    """Ask once with the page answering `text` in pieces of `piece` characters; the finished answer's element."""
+    page.get_log("browser")  # drop what earlier tests logged
+    page.execute_script(STUB_STREAM, [text[i:i + piece] for i in range(0, len(text), piece)])
+    page.execute_script(WATCH_TEXT_LENGTHS)
+    ask(page, "Show me markdown.")
+    return wait_for(lambda: finished(page), "the stubbed answer")
+
+
+def rendered(item, selector: str) -> list[str]:
+    return [e.get_property("textContent") for e in item.find_elements(By.CSS_SELECTOR, f".text {selector}")]
+
+
+def test_markdown_renders_as_it_streams(page, server):
+    item = stream_answer(page, MARKDOWN)
+    assert item.get_attribute("data-state") == "done"
+    assert rendered(item, "h1") == ["Plan"]
+    assert rendered(item, "p > strong") == ["bold"] and rendered(item, "p > em") == ["emphasis"]
+    assert rendered(item, "p > code") == ["inline <code>"]
+    link = item.find_element(By.CSS_SELECTOR, ".text p > a")
+    assert (link.text, link.get_attribute("href")) == ("the docs", "https://example.org/docs")
+    assert (link.get_attribute("target"), link.get_attribute("rel")) == ("_blank", "noopener noreferrer")
+    assert rendered(item, "ul > li > ul > li") == ["nested"]
+    assert rendered(item, "> ul > li > p") == ["first", "second"]
+    assert rendered(item, "ol > li") == ["three", "four"]
+    assert item.find_element(By.CSS_SELECTOR, ".text ol").get_attribute("start") == "3"
+    assert rendered(item, "pre > code") == ['print("<b>hi</b>")']  # a fence's text, never its markup
+    assert rendered(item, ".code-head .language") == ["python"]
+    assert rendered(item, "p")[-1] == "After the code."
+    assert item.find_elements(By.CSS_SELECTOR, ".text b") == []
+    lengths = page.execute_script("return window.textLengths")
+    assert len({n for n in lengths if 0 < n < lengths[-1]}) >= 5, f"rendered in too few steps: {lengths}"
+    severe = [e for e in page.get_log("browser") if e["level"] == "SEVERE"]
+    assert not severe, severe
+
+
+def test_the_copy_button_copies_the_code(page, server):
+    page.execute_cdp_cmd("Browser.grantPermissions", {
+        "origin": server.url, "permissions": ["clipboardReadWrite", "clipboardSanitizedWrite"]})
+    item = stream_answer(page, "Run:\n\n~~~\nmake build-engine\nkiln serve x\n~~~\n")
+    button = item.find_element(By.CSS_SELECTOR, ".code-block .copy")
+    assert button.text == "Copy"
+    button.click()
+    wait_for(lambda: button.text == "Copied", "the button to say Copied", timeout=5)
+    page.set_script_timeout(10)
+    copied = page.execute_async_script("navigator.clipboard.readText().then(arguments[0], (e) => arguments[0](null))")
+    assert copied == "make build-engine\nkiln serve x"
+
+
+HOSTILE = (
+    '<script>window.pwned = "script"</script>\n\n'
+    '<img src="/no-such-image" onerror="window.pwned = \'img\'">\n\n'
+    '[click me](javascript:window.pwned=1) and **<i onmouseover="window.pwned=2">bold</i>**'
+)
+
+
+def test_html_and_script_in_the_model_text_show_as_text(page, server):
+    item = stream_answer(page, HOSTILE, piece=7)
+    time.sleep(0.5)  # an image's onerror would have run by now
+    assert page.execute_script("return window.pwned") is None
+    for tag in ("script", "img", "i", "a"):
+        assert item.find_elements(By.CSS_SELECTOR, f".text {tag}") == [], tag
+    assert rendered(item, "p") == ['<script>window.pwned = "script"</script>',
+                                   '<img src="/no-such-image" onerror="window.pwned = \'img\'">',
+                                   '[click me](javascript:window.pwned=1) and <i onmouseover="window.pwned=2">bold</i>']
+    assert rendered(item, "strong") == ['<i onmouseover="window.pwned=2">bold</i>']

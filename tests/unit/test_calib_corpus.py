@@ -9,11 +9,12 @@ import pytest
 import torch
 from helpers import TINY_CHAT_TEMPLATE, make_tiny_hf_model
 
-from kiln.calibration import chat_mix, corpus
+from kiln import corpus
 from kiln.calibration.artifact import CalibrationArtifact
 from kiln.calibration.calibrate import CalibrationConfig, calibrate_windows, corpus_windows
-from kiln.calibration.windows import domain_windows
 from kiln.chat_template import ChatTemplate
+from kiln.corpus import chat_mix
+from kiln.corpus.windows import domain_windows
 from kiln.errors import InvalidParamError
 from kiln.export.checkpoint import load_checkpoint
 
@@ -164,7 +165,7 @@ def test_calibration_text_file_or_dir_replaces_the_corpus(tmp_path):
 
 
 def test_eval_options_name_the_split():
-    from kiln.calibration.evaluate import EvalOptions
+    from kiln.evaluation.evaluate import EvalOptions
 
     assert EvalOptions(split="validation").split == "validation"
     with pytest.raises(InvalidParamError, match="split must be one of"):
@@ -172,7 +173,7 @@ def test_eval_options_name_the_split():
 
 
 def test_debian_sources_come_from_the_cache_with_their_recorded_version(tmp_path, monkeypatch):
-    from kiln.calibration import debian
+    from kiln.corpus import debian
 
     monkeypatch.setenv("KILN_CACHE_DIR", str(tmp_path))
     source = debian.DebianSource("kiln-test-pkg", "usr/share/doc/kiln-test-pkg/text", "CC0-1.0")

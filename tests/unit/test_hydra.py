@@ -13,9 +13,11 @@ import torch
 from helpers import make_tiny_hf_model
 from medusa_fixtures import tiny_text
 
-from kiln.calibration.medusa_data import greedy_states, lm_head_weight
-from kiln.calibration.medusa_heads import HydraHeads, MedusaArtifact, MedusaError
-from kiln.calibration.medusa_train import (
+from kiln.export.checkpoint import load_checkpoint
+from kiln.export.reference import ReferenceModel
+from kiln.heads.medusa_data import greedy_states, lm_head_weight
+from kiln.heads.medusa_heads import HydraHeads, MedusaArtifact, MedusaError
+from kiln.heads.medusa_train import (
     IGNORE,
     HeadRows,
     MedusaConfig,
@@ -26,8 +28,6 @@ from kiln.calibration.medusa_train import (
     train_heads,
     train_medusa,
 )
-from kiln.export.checkpoint import load_checkpoint
-from kiln.export.reference import ReferenceModel
 from kiln.optimize.medusa_draft import build_draft_graph, save_draft_graph
 
 HYDRA = MedusaConfig(num_heads=2, text_prompts=4, chat_prompts=4, prompt_tokens=16, new_tokens=12, epochs=3,

@@ -1,8 +1,15 @@
 """kiln's layers, checked statically over the source folders (ast; nothing is imported).
 
     kiln (contract, manifest, spec, paged_attention)  the bottom: imports no other kiln package
-    runtime                                            bottom only; never torch or the compile stages
-    export -> calibration -> optimize                  the build stages, each above the ones before it
+    runtime                                            bottom only; never torch or the build-side rooms
+    corpus                                             bottom only: the calibration and evaluation text
+    export -> calibration -> optimize                  the build stages, each above the ones before it;
+                                                       calibration reads the corpus
+    evaluation                                         measures a built engine: the corpus and the runtime,
+                                                       never torch's side (export, calibration, optimize)
+    heads                                              trains draft heads: the corpus, export's reference
+                                                       model, calibration's layer runner, the runtime
+    optimize                                           also attaches a heads artifact (kiln build --medusa)
     cli                                                the top: may import everything; nothing imports it
 
 Inside the runtime, the policy core never imports its front ends (runtime/server/, runtime/bench/).
@@ -25,20 +32,26 @@ REPO = Path(__file__).resolve().parents[2]
 ALLOWED = {
     "kiln": {"kiln"},
     "kiln.runtime": {"kiln", "kiln.runtime"},
+    "kiln.corpus": {"kiln", "kiln.corpus"},
     "kiln.export": {"kiln", "kiln.export"},
-    "kiln.calibration": {"kiln", "kiln.export", "kiln.calibration", "kiln.runtime"},
-    "kiln.optimize": {"kiln", "kiln.export", "kiln.calibration", "kiln.optimize", "kiln.runtime", "kiln.plugins_trt"},
+    "kiln.calibration": {"kiln", "kiln.corpus", "kiln.export", "kiln.calibration"},
+    "kiln.evaluation": {"kiln", "kiln.corpus", "kiln.runtime", "kiln.evaluation"},
+    "kiln.heads": {"kiln", "kiln.corpus", "kiln.export", "kiln.calibration", "kiln.runtime", "kiln.heads"},
+    "kiln.optimize": {"kiln", "kiln.export", "kiln.calibration", "kiln.heads", "kiln.optimize", "kiln.runtime",
+                      "kiln.plugins_trt"},
     "kiln.plugins_trt": {"kiln", "kiln.runtime", "kiln.plugins_trt"},
-    "kiln.cli": {"kiln", "kiln.runtime", "kiln.export", "kiln.calibration", "kiln.optimize", "kiln.cli"},
+    "kiln.cli": {"kiln", "kiln.runtime", "kiln.corpus", "kiln.export", "kiln.calibration", "kiln.evaluation",
+                 "kiln.heads", "kiln.optimize", "kiln.cli"},
 }
+# The rooms on the build side of the house: they use the runtime only through RUNTIME_API.
+BUILD_SIDE = ("kiln.corpus", "kiln.export", "kiln.calibration", "kiln.evaluation", "kiln.heads", "kiln.optimize")
 RUNTIME_FRONT_ENDS = ("kiln.runtime.server", "kiln.runtime.bench", "kiln.runtime.cluster")
 # What a build stage may import from the runtime: the LLM API (the package, its params), the op
 # library, and the runner API that drives the engine graph (the loader opens a runner, model_runner
 # has its batch types). Never the policy core (engine, scheduler, block manager, sampler, ...).
 RUNTIME_API = {"kiln.runtime", "kiln.runtime.params", "kiln.runtime.ops", "kiln.runtime.loader",
                "kiln.runtime.model_runner"}
-# calibration/evaluate.py's EngineSession still builds its OrtModelRunner itself; issue 15 item 1
-# opens it through the loader instead. Then delete this entry: the test fails while one is unused.
+# Build-side modules allowed past RUNTIME_API, each with its reason (none today); the test fails while one is unused.
 RUNTIME_INTERNALS_IN_USE: dict[str, set[str]] = {}
 # Packages only the compile extra installs: nothing the runtime loads imports them.
 COMPILE_ONLY = {"torch", "transformers", "safetensors", "gguf", "onnx", "onnxscript", "onnx_ir", "tqdm"}
@@ -114,7 +127,7 @@ def _core_to_front_end(source: str, target: str) -> bool:
 
 
 def _stage_to_runtime_internal(source: str, target: str) -> bool:
-    return (_layer(source) in ("kiln.export", "kiln.calibration", "kiln.optimize")
+    return (_layer(source) in BUILD_SIDE
             and target in MODULES and _layer(target) == "kiln.runtime" and target not in RUNTIME_API)
 
 
@@ -135,7 +148,8 @@ def _compile_only_in_runtime(graph: dict[str, set[str]]) -> list[str]:
 
 
 def test_every_module_is_in_a_layer():
-    assert {"kiln.contract", "kiln.cli", "kiln.runtime.engine", "kiln.runtime.server.app"} <= set(MODULES)
+    assert {"kiln.contract", "kiln.cli", "kiln.runtime.engine", "kiln.runtime.server.app", "kiln.corpus",
+            "kiln.corpus.windows", "kiln.evaluation.evaluate", "kiln.heads.medusa_train"} <= set(MODULES)
     assert all(_layer(module) for module in MODULES)
 
 
@@ -207,7 +221,16 @@ def test_the_checks_can_fail():
     planted["kiln.cli.commands"].add("kiln.runtime.loader")
     planted["kiln.manifest"].add("torch.nn")  # the bottom layer, loaded by the runtime
     planted["kiln.runtime.engine"].add("kiln.runtime.server.app")
+    planted["kiln.runtime.loader"].add("kiln.heads.medusa_heads")  # the runtime never imports a build-side room
+    planted["kiln.evaluation.evaluate"].add("kiln.export.reference")  # evaluation stays on the engine's side
+    planted["kiln.corpus.windows"].add("kiln.calibration.collect")  # the corpus is below calibration
+    planted["kiln.heads.medusa_chat"].add("kiln.runtime.engine")  # past RUNTIME_API
     assert any({"kiln.cli.commands", "kiln.runtime.loader"} <= set(cycle) for cycle in _cycles(planted))
     assert "kiln.runtime.loader imports kiln.cli.commands" in _edges(planted, _against_layers)
     assert "kiln.manifest imports torch.nn" in _compile_only_in_runtime(planted)
     assert _edges(planted, _core_to_front_end) == ["kiln.runtime.engine imports kiln.runtime.server.app"]
+    against = _edges(planted, _against_layers)
+    assert {"kiln.runtime.loader imports kiln.heads.medusa_heads",
+            "kiln.evaluation.evaluate imports kiln.export.reference",
+            "kiln.corpus.windows imports kiln.calibration.collect"} <= set(against)
+    assert "kiln.heads.medusa_chat imports kiln.runtime.engine" in _edges(planted, _stage_to_runtime_internal)

@@ -12,9 +12,12 @@ import torch.nn.functional as F
 from helpers import make_tiny_hf_model
 from medusa_fixtures import tiny_text
 
-from kiln.calibration.medusa_data import Continuations, greedy_states
-from kiln.calibration.medusa_heads import MedusaArtifact, MedusaError, MedusaHeads
-from kiln.calibration.medusa_train import (
+from kiln.errors import InvalidParamError
+from kiln.export.checkpoint import load_checkpoint
+from kiln.export.reference import ReferenceModel
+from kiln.heads.medusa_data import Continuations, greedy_states
+from kiln.heads.medusa_heads import MedusaArtifact, MedusaError, MedusaHeads
+from kiln.heads.medusa_train import (
     IGNORE,
     HeadRows,
     MedusaConfig,
@@ -23,9 +26,6 @@ from kiln.calibration.medusa_train import (
     train_heads,
     train_medusa,
 )
-from kiln.errors import InvalidParamError
-from kiln.export.checkpoint import load_checkpoint
-from kiln.export.reference import ReferenceModel
 from kiln.manifest import BuildOptions, Manifest
 from kiln.medusa import MedusaSpec
 
@@ -166,7 +166,7 @@ def test_manifest_records_the_heads_and_old_manifests_load(checkpoint, tmp_path)
 @pytest.mark.parametrize("batch_tokens", [4096, 16])  # both sequences in one padded batch, or one each
 def test_teacher_forced_rows_are_the_greedy_states(checkpoint, batch_tokens):
     """Chat answers' rows from one forward of prompt + answer: the states and labels greedy decoding gives."""
-    from kiln.calibration.medusa_chat import teacher_forced_rows
+    from kiln.heads.medusa_chat import teacher_forced_rows
 
     model = ReferenceModel.from_checkpoint(checkpoint)
     prompts = [[5, 6, 7, 8, 9, 10, 11], [20, 21, 22]]
@@ -193,7 +193,7 @@ def test_early_stopping_keeps_the_best_held_out_epoch(checkpoint):
 
 
 def test_label_vocabulary_trains_on_the_labels_tokens(checkpoint):
-    from kiln.calibration.medusa_train import label_vocabulary
+    from kiln.heads.medusa_train import label_vocabulary
 
     head = torch.arange(10, dtype=torch.float32)[:, None].repeat(1, 3)  # row v is [v, v, v]: token 9 scores best
     labels = torch.tensor([[7, 2], [2, IGNORE], [IGNORE, 5]])
@@ -210,7 +210,7 @@ def test_label_vocabulary_trains_on_the_labels_tokens(checkpoint):
 
 
 def test_open_questions_pair_headwords_with_templates_prefix_stably(monkeypatch):
-    from kiln.calibration import medusa_chat
+    from kiln.heads import medusa_chat
 
     monkeypatch.setattr(medusa_chat, "headwords", lambda: ["apple", "bread", "cloud", "door"])
     pairs = 4 * len(medusa_chat.TEMPLATES)
@@ -223,8 +223,8 @@ def test_open_questions_pair_headwords_with_templates_prefix_stably(monkeypatch)
 
 
 def test_chat_prompts_never_hold_the_benchmark_questions(monkeypatch):
-    from kiln.calibration import medusa_chat
-    from kiln.calibration.medusa_data import CHAT_QUESTIONS
+    from kiln.heads import medusa_chat
+    from kiln.heads.medusa_data import CHAT_QUESTIONS
 
     monkeypatch.setattr(medusa_chat, "corpus_requests", lambda n: [f"request {i}" for i in range(n)])
     prompts = medusa_chat.chat_prompts(40)
@@ -256,8 +256,8 @@ class _ScriptedLLM:
 
 
 def test_self_instructed_prompts_keep_closed_distinct_turns_and_never_a_held_out_question():
-    from kiln.calibration.medusa_chat import same_question, sample_user_turns
-    from kiln.calibration.medusa_data import CHAT_QUESTIONS
+    from kiln.heads.medusa_chat import same_question, sample_user_turns
+    from kiln.heads.medusa_data import CHAT_QUESTIONS
 
     def turns(seed):
         if seed % 10 == 3:
@@ -280,8 +280,8 @@ def test_self_instructed_prompts_keep_closed_distinct_turns_and_never_a_held_out
 
 
 def test_mixed_prompts_hold_out_both_kinds_alike(monkeypatch, tmp_path):
-    from kiln.calibration import medusa_chat
-    from kiln.calibration.medusa_train import HOLDOUT_EVERY, ChatAnswers, interleave_runs
+    from kiln.heads import medusa_chat
+    from kiln.heads.medusa_train import HOLDOUT_EVERY, ChatAnswers, interleave_runs
 
     assert interleave_runs(list("abcde"), list("XYZ"), 2) == list("abXYcdZe")
     asked = []
@@ -304,7 +304,7 @@ def test_mixed_prompts_hold_out_both_kinds_alike(monkeypatch, tmp_path):
 
 
 def test_answer_cache_resumes_and_refuses_another_engine(tmp_path):
-    from kiln.calibration import medusa_chat
+    from kiln.heads import medusa_chat
 
     cache = tmp_path / "answers.jsonl"
     header = {"engine": "/e", "max_tokens": 8}
@@ -316,7 +316,7 @@ def test_answer_cache_resumes_and_refuses_another_engine(tmp_path):
 
 
 def test_training_rows_are_scored_on_a_fixed_sample():
-    from kiln.calibration.medusa_train import _sample
+    from kiln.heads.medusa_train import _sample
 
     x, labels, chosen = torch.arange(10.0)[:, None], torch.arange(10)[:, None], torch.arange(10) + 100
     assert _sample(x, labels, chosen, None)[0] is x and _sample(x, labels, chosen, 10)[0] is x
@@ -337,7 +337,7 @@ def test_cli_caches_need_answers_from(tmp_path, option):
 
 def test_rows_cache_is_reused_only_for_the_same_answers_and_model(checkpoint, tmp_path):
     """Written once, read back equal; answers that differ (labels) or another model (states) are refused."""
-    from kiln.calibration.medusa_chat import cached_rows, teacher_forced_rows
+    from kiln.heads.medusa_chat import cached_rows, teacher_forced_rows
 
     model = ReferenceModel.from_checkpoint(checkpoint)
     out = greedy_states(model, [[5, 6, 7, 8, 9], [20, 21, 22]], 8)
@@ -370,7 +370,7 @@ def test_rows_cache_is_reused_only_for_the_same_answers_and_model(checkpoint, tm
 
 
 def test_artifact_records_every_training_row_though_it_scores_a_sample(checkpoint, monkeypatch):
-    from kiln.calibration import medusa_train
+    from kiln.heads import medusa_train
 
     monkeypatch.setattr(medusa_train, "SCORED_TRAIN_ROWS", 5)
     model = ReferenceModel.from_checkpoint(checkpoint)

@@ -1,12 +1,12 @@
-"""The tree-verification estimate (calibration/medusa_tree.py) on hand-made ranks and heads."""
+"""The tree-verification estimate (heads/medusa_tree.py) on hand-made ranks and heads."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from kiln.calibration.medusa_heads import MedusaHeads
-from kiln.calibration.medusa_tree import (
+from kiln.heads.medusa_heads import MedusaHeads
+from kiln.heads.medusa_tree import (
     IGNORE,
     accepted_beyond_root,
     best_tree,

@@ -22,6 +22,7 @@ from kiln.optimize.fuse_projections import fuse_projections
 from kiln.optimize.fuse_rmsnorm import fuse_rmsnorm
 from kiln.optimize.fuse_skip_rmsnorm import fuse_skip_rmsnorm
 from kiln.optimize.fuse_swiglu import fuse_swiglu
+from kiln.optimize.lower_onnxruntime import lower_for_onnxruntime
 from kiln.optimize.pack_attention_inputs import pack_attention_inputs
 from kiln.optimize.pipeline import optimize_model
 from kiln.optimize.select_logits import select_logits
@@ -133,24 +134,55 @@ def test_fuse_skip_rmsnorm(raw_graph):
     np.testing.assert_allclose(run(after, feeds), run(before, feeds), atol=1e-4, rtol=0)
 
 
-def test_select_logits(raw_graph):
+@pytest.mark.parametrize("fused_norm", [False, True])
+def test_select_logits(raw_graph, fused_norm):
+    """Backend-neutral: the gather sits before the final norm as the export wrote it (x * rsqrt(mean(x^2) + eps)
+    * w, every read of x) or as one fused op, so the norm and the LM head see only those rows, squeezed to
+    [L, D] there: the head writes the logits output itself (no Squeeze copying [L, V] after it)."""
     before, after = ir.load(raw_graph), ir.load(raw_graph)
-    fuse_rmsnorm(after)
+    if fused_norm:
+        fuse_rmsnorm(after)
     assert select_logits(after) == 1
     assert after.graph.outputs[0].name == contract.LOGITS
-    # the gather sits before the final norm, so the norm and the LM head see only those rows, squeezed to
-    # [L, D] there: the head writes the logits output itself (no Squeeze copying [L, V] after it)
     head = after.graph.outputs[0].producer()
-    final_norm = head.inputs[0].producer()
-    assert head.op_type == "MatMul" and final_norm.op_type == "SimplifiedLayerNormalization"
-    squeeze = final_norm.inputs[0].producer()
-    assert squeeze.op_type == "Squeeze" and squeeze.inputs[0].producer().op_type == "Gather"
+    assert head.op_type == "MatMul"
+    squeeze = next(n for n in after.graph if n.op_type == "Squeeze" and n.inputs[0].producer().op_type == "Gather")
+    residual = squeeze.inputs[0].producer().inputs[0]
+    assert residual.producer().op_type == "Add"  # the last residual sum, read by nothing else now
+    assert [u.node.op_type for u in residual.uses()] == ["Gather"]
+    readers = sorted(u.node.op_type for u in squeeze.outputs[0].uses())
+    assert readers == (["SimplifiedLayerNormalization"] if fused_norm else ["Mul", "Pow"])
+    if not fused_norm:  # the backends' norm fusion still finds the final norm, on the gathered rows
+        assert fuse_rmsnorm(after) == 2 * LAYERS + 1
+        assert head.inputs[0].producer().inputs[0] is squeeze.outputs[0]
     feeds = feeds_2d(vocab_of(before))
     rows = np.array([T - 1, 0, 5], dtype=np.int64)
     full = run(before, feeds)[0]
     selected = run(after, {**feeds, contract.LOGITS_INDICES: rows})
     assert selected.shape == (3, vocab_of(before))
     np.testing.assert_allclose(selected, full[rows], atol=1e-4, rtol=0)
+
+
+def test_select_logits_gathers_before_the_head_without_a_norm():
+    """An LM head reading a value that is not a per-row computation of one activation: the gather goes
+    right before the head."""
+    from onnx import TensorProto, helper
+
+    rng = np.random.default_rng(0)
+    w = helper.make_tensor("w", TensorProto.FLOAT, [4, 6], rng.standard_normal((4, 6)).astype(np.float32).ravel())
+    nodes = [helper.make_node("Add", ["a", "b"], ["h"]), helper.make_node("MatMul", ["h", "w"], ["y"])]
+    io = [helper.make_tensor_value_info(n, TensorProto.FLOAT, [1, "T", 4]) for n in ("a", "b")]
+    out = helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, "T", 6])
+    proto = helper.make_model(helper.make_graph(nodes, "g", io, [out], [w]),
+                              opset_imports=[helper.make_opsetid("", 18)])
+    model = ir.from_proto(proto)
+    assert select_logits(model) == 1
+    head = model.graph.outputs[0].producer()
+    assert head.inputs[0].producer().op_type == "Squeeze" and op_counts(model)["Add"] == 1
+    feeds = {n: rng.standard_normal((1, 5, 4)).astype(np.float32) for n in ("a", "b")}
+    rows = np.array([4, 1], dtype=np.int64)
+    full = ort.InferenceSession(proto.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds)[0][0]
+    np.testing.assert_allclose(run(model, {**feeds, contract.LOGITS_INDICES: rows}), full[rows], atol=1e-5)
 
 
 def test_fuse_projections(raw_graph):
@@ -185,17 +217,21 @@ def test_fuse_swiglu(raw_graph):
     np.testing.assert_allclose(run(after, feeds), run(before, feeds), atol=1e-5, rtol=0)
 
 
-def test_engine_graph_lowers_for_tensorrt_without_kiln_cpu_ops(kiln_raw):
-    """The whole optimized graph lowered for TensorRT: every kiln.SwiGLU expanded, no kiln-domain op left."""
+def test_neutral_graph_lowers_for_tensorrt_with_nothing_to_unfuse(kiln_raw):
+    """The neutral graph lowered for TensorRT: the attention split into its plugins, and nothing else to do:
+    no ONNX Runtime op was ever made (norms and silu as the export wrote them)."""
     import onnx
 
     from kiln.optimize.lower_tensorrt import PLUGIN_DOMAIN, lower_for_tensorrt
 
     model = ir.load(kiln_raw)
     optimize_model(model)
-    counts = lower_for_tensorrt(model)
-    assert counts["swiglu"] == counts["paged_attention"] == LAYERS
+    before = op_counts(model)
+    assert lower_for_tensorrt(model) == {"paged_attention": LAYERS}
     assert {n.domain for n in model.graph} <= {"", PLUGIN_DOMAIN}
+    ops = op_counts(model)
+    assert ops["ReduceMean"] == before["ReduceMean"] == 2 * LAYERS + 1 and ops["Sigmoid"] == LAYERS
+    assert ops["SimplifiedLayerNormalization"] == ops["SwiGLU"] == 0
     ir.external_data.load_to_model(model)
     onnx.checker.check_model(ir.to_proto(model))
 
@@ -230,17 +266,17 @@ def test_fuse_projections_concatenates_biases(tmp_path):
 
 
 def test_optimized_graph_structure(raw_graph):
+    """The backend-neutral graph: standard ops and kiln.PagedAttention only."""
     model = ir.load(raw_graph)
     counts = optimize_model(model)
-    assert counts["fuse_attention"] == LAYERS
-    assert counts["fuse_projections"] == 2 * LAYERS
-    assert counts["fuse_swiglu"] == LAYERS
+    assert counts == {"flatten_inputs": 2, "fuse_attention": LAYERS, "select_logits": 1,
+                      "fuse_projections": 2 * LAYERS}
     ops = op_counts(model)
-    assert ops["PagedAttention"] == LAYERS
+    assert {n.domain for n in model.graph} == {"", contract.OP_DOMAIN} and ops["PagedAttention"] == LAYERS
     assert ops["Softmax"] == 0
     # per layer one QKV, one o, one gate/up and one down projection; then the LM head
-    assert ops["MatMul"] == 4 * LAYERS + 1 and ops["Split"] == LAYERS  # the gate/up Split went into SwiGLU
-    assert ops["SwiGLU"] == LAYERS and ops["Sigmoid"] == 0
+    assert ops["MatMul"] == 4 * LAYERS + 1 and ops["Split"] == 2 * LAYERS
+    assert ops["ReduceMean"] == 2 * LAYERS + 1  # the norms, unfused: ONNX Runtime's fusion is its lowering's
     assert ops["Identity"] == 0  # cleanup drops them, so the Reshapes around them collapse
     # RoPE runs inside the op: no rotary subgraph (cos/sin from position_ids, rotate_half) is left
     assert ops["Cos"] == ops["Sin"] == ops["Neg"] == ops["Slice"] == ops["Concat"] == 0, ops
@@ -267,13 +303,37 @@ def test_optimized_graph_structure(raw_graph):
     assert [v.name for v in model.graph.outputs] == [contract.LOGITS] + kv_outputs
 
 
-def test_fuse_attention_numerics(raw_graph, tmp_path):
-    """Whole pipeline vs the raw graph: three sequences prefilled in one packed step (one in two
-    chunks), then decode steps with all in flight; every step's logits match the full recompute."""
+def test_onnxruntime_lowering_structure(raw_graph):
+    """The neutral graph lowered for ONNX Runtime: its norm, residual-norm and SwiGLU fusions and the packed
+    attention inputs, each firing once per site; what is left is the ORT engine graph."""
+    model = ir.load(raw_graph)
+    optimize_model(model)
+    counts = lower_for_onnxruntime(model)
+    # every norm but the first (it reads the embedding) and the final one (it reads the gathered rows) takes
+    # its residual Add along
+    assert counts == {"fuse_rmsnorm": 2 * LAYERS + 1, "fuse_skip_rmsnorm": 2 * LAYERS - 1, "fuse_swiglu": LAYERS,
+                      "pack_attention_inputs": LAYERS}
+    ops = op_counts(model)
+    assert ops["SimplifiedLayerNormalization"] == 2 and ops["SkipSimplifiedLayerNormalization"] == 2 * LAYERS - 1
+    assert ops["SwiGLU"] == LAYERS and ops["Sigmoid"] == ops["Split"] == ops["ReduceMean"] == 0
+    assert ops["MatMul"] == 4 * LAYERS + 1
+    head = model.graph.outputs[0].producer()
+    assert head.inputs[0].producer().op_type == "SimplifiedLayerNormalization"  # on the gathered rows
+    assert head.inputs[0].producer().inputs[0].producer().op_type == "Squeeze"
+    assert not [name for name in model.graph.initializers if not model.graph.initializers[name].uses()]
+
+
+@pytest.mark.parametrize("lowered", [False, True], ids=["neutral", "onnxruntime"])
+def test_fuse_attention_numerics(raw_graph, tmp_path, lowered):
+    """Whole pipeline (the neutral graph, and lowered for ONNX Runtime) vs the raw graph: three sequences
+    prefilled in one packed step (one in two chunks), then decode steps with all in flight; every step's logits
+    match the full recompute."""
     from engine_driver import PagedDriver
 
     before, after = ir.load(raw_graph), ir.load(raw_graph)
     optimize_model(after)
+    if lowered:
+        lower_for_onnxruntime(after)
     ir.save(after, tmp_path / "model.onnx", external_data="model.onnx.data")
     driver = PagedDriver(tmp_path / "model.onnx", num_blocks=32)
     vocab = vocab_of(before)
@@ -338,6 +398,8 @@ def test_pack_attention_inputs(raw_graph, tmp_path):
                 assert [v.name for v in node.inputs[1:3]] == [PACKED_QKV, PACKED_QKV]
                 assert node.inputs[0].producer().op_type == "MatMul"  # the fused QKV projection
                 assert [u.node.op_type for u in node.outputs[0].uses()] == ["MatMul"]  # the o projection
+                # typed with its shape: onnx_ir skips (and logs) a value's shape when its type is unknown
+                assert node.outputs[0].type == ir.TensorType(ir.DataType.FLOAT) and node.outputs[0].shape is not None
                 assert pack_attention_inputs(model) == 0  # nothing left to pack
         drivers.append(paged_driver(model, tmp_path, f"model{pack}"))
     assert_same_logits(raw_graph, drivers, seed=3)

@@ -91,6 +91,7 @@ def test_build_options_dict_round_trip():
                     "max_num_tokens": 64, "calibration": "calib/awq", "lm_head": "int4", "medusa": "heads/smollm2"}
     assert BuildOptions.from_dict(data) == options
     assert BuildOptions().to_dict()["calibration"] is None and BuildOptions().to_dict()["medusa"] is None
+    assert BuildOptions().kv_dtype == "float16"  # the default: fp32's perplexity, half the KV bytes
     assert BuildOptions.from_dict(BuildOptions().to_dict()) == BuildOptions()
 
 

@@ -1,4 +1,4 @@
-"""benchmarks/quant_table.py: the README's per-domain quantization table from `kiln eval` reports."""
+"""benchmarks/quant_table.py: RESULTS.md's per-domain quantization table from `kiln eval` reports."""
 
 from __future__ import annotations
 

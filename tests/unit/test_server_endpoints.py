@@ -1,5 +1,5 @@
 """/v1/models/{id}, /tokenize, /detokenize, /version, the API key, the request log line and the
-small API truths of issue 14 (integral floats, NaN, aborts), on the fake engine; where the
+small API truths (integral floats, NaN, aborts), on the fake engine; where the
 official openai client has a call for it, through that client (in-process, over TestClient)."""
 
 from __future__ import annotations

@@ -41,7 +41,7 @@ def engine(num_blocks=256, spec: SpeculativeConfig | None = None, caching=True, 
                          config=RuntimeConfig(enable_prefix_caching=caching, speculative=spec))
     e.runner = CopyingRunner(num_blocks, e.runner.block_size, e.runner.vocab_size)
     if proposer is not None:
-        e.proposer = proposer
+        e.speculator.proposer = proposer
     return e
 
 
@@ -195,11 +195,11 @@ def test_speculation_switches_off_when_the_batch_is_large():
         e.step()
     for _ in range(3):  # 12 decodes: no room under 12 tokens for any proposal
         out = e.scheduler.schedule()
-        assert e._speculate(out) is out and out.num_tokens == 12
+        assert e.speculator.plan(out) is out and out.num_tokens == 12
         e._postprocess(out, RunnerOutput(e.runner.execute(build_batch(out))), None)
     for i in range(9):  # 3 left: 9 tokens of room, 3 proposals each at most
         e.abort(f"r{i}")
-    out = e._speculate(e.scheduler.schedule())
+    out = e.speculator.plan(e.scheduler.schedule())
     assert out.num_tokens <= 12 and max(len(p) for p in out.proposals) <= 3
     assert any(out.proposals)
 
@@ -210,7 +210,7 @@ def test_batch_asks_logits_for_every_verified_row():
     e.add_request("b", [5, 6, 7, 8, 9, 10], GREEDY)
     while not any(s.num_output_tokens > 3 for s in e.scheduler.running):
         e.step()
-    out = e._speculate(e.scheduler.schedule())
+    out = e.speculator.plan(e.scheduler.schedule())
     batch = build_batch(out)
     expected, start = [], 0
     for (_seq, n), proposal in zip(out.scheduled, out.proposals, strict=True):
@@ -430,7 +430,7 @@ def test_medusa_serves_sampled_requests():
 def test_a_request_whose_verification_fails_fails_alone(monkeypatch):
     """A verification that raises (a bug, or settings it cannot handle) ends its request only: the others
     keep their speculative output, and every block comes back."""
-    import kiln.runtime.engine as engine_module
+    import kiln.runtime.speculative.speculator as engine_module
 
     ps = prompts(6)
     expected = run_staggered(engine(spec=NGRAM), ps[1:], GREEDY)
@@ -446,5 +446,5 @@ def test_a_request_whose_verification_fails_fails_alone(monkeypatch):
     got = run_staggered(e, ps, GREEDY)
     assert got[0].error == "IndexError: verification failed" and got[0].outputs[0].finish_reason == "abort"
     assert token_ids(got[1:]) == token_ids(expected)
-    assert e.spec_stats.accepted > 0
+    assert e.speculator.stats.accepted > 0
     assert e.block_manager.num_used_blocks == 0 and not e.requests

@@ -62,6 +62,174 @@ async function* sseData(body) {
   }
 }
 
+// Markdown of the model's answers, rendered as DOM nodes: every piece of the text goes in through text nodes or
+// textContent, so nothing the model writes is ever parsed as HTML or run. Blocks: fenced code (with a copy button),
+// headings, lists (nested by indentation), block quotes, rules, paragraphs; inline: code, links (http and https
+// only, else shown as typed), strong, emphasis, strikethrough.
+const FENCE = /^ {0,3}(`{3,}|~{3,})\s*([^\s`]*)[^`]*$/;
+const HEADING = /^ {0,3}(#{1,6})\s+(.*?)(\s+#+)?\s*$/;
+const RULE = /^ {0,3}([-*_])(\s*\1){2,}\s*$/;
+const QUOTE = /^ {0,3}> ?(.*)$/;
+const ITEM = /^(\s*)([-*+]|\d{1,9}[.)])(\s+|$)(.*)$/;
+const INLINE = new RegExp([
+  /(`+)([\s\S]*?[^`])\1(?!`)/.source,              // 1, 2: code span
+  /\[([^\]\n]+)\]\(\s*([^\s()]+)\s*\)/.source,     // 3, 4: link
+  /\*\*(?=\S)([\s\S]*?\S)\*\*/.source,             // 5: strong
+  /(?<!\w)__(?=\S)([\s\S]*?\S)__(?!\w)/.source,    // 6: strong
+  /~~(?=\S)([\s\S]*?\S)~~/.source,                 // 7: strikethrough
+  /\*(?=[^\s*])([\s\S]*?[^\s*])\*/.source,         // 8: emphasis
+  /(?<!\w)_(?=[^\s_])([\s\S]*?[^\s_])_(?!\w)/.source,  // 9: emphasis
+].join("|"), "g");
+
+function element(tag, className) {
+  const node = document.createElement(tag);
+  if (className) node.className = className;
+  return node;
+}
+
+function renderMarkdown(text) {
+  const fragment = document.createDocumentFragment();
+  appendBlocks(fragment, text.split("\n"));
+  return fragment;
+}
+
+function startsBlock(line) {
+  return FENCE.test(line) || HEADING.test(line) || RULE.test(line) || QUOTE.test(line) || ITEM.test(line);
+}
+
+function appendBlocks(parent, lines) {
+  let i = 0, m;
+  while (i < lines.length) {
+    const line = lines[i];
+    if (!line.trim()) {
+      i += 1;
+    } else if ((m = FENCE.exec(line))) {
+      i = appendCode(parent, lines, i, m);
+    } else if ((m = HEADING.exec(line))) {
+      appendInline(parent.appendChild(element(`h${m[1].length}`)), m[2]);
+      i += 1;
+    } else if (RULE.test(line)) {
+      parent.append(element("hr"));
+      i += 1;
+    } else if (QUOTE.test(line)) {
+      const inner = [];
+      for (; i < lines.length && (m = QUOTE.exec(lines[i])); i += 1) inner.push(m[1]);
+      appendBlocks(parent.appendChild(element("blockquote")), inner);
+    } else if (ITEM.test(line)) {
+      i = appendList(parent, lines, i);
+    } else {
+      const start = i;
+      for (i += 1; i < lines.length && lines[i].trim() && !startsBlock(lines[i]); i += 1);
+      appendInline(parent.appendChild(element("p")), lines.slice(start, i).map((l) => l.trim()).join("\n"));
+    }
+  }
+}
+
+// A fenced block runs to its closing fence, or to the end of the text while the answer is still streaming.
+function appendCode(parent, lines, start, [, fence, language]) {
+  const close = new RegExp(`^ {0,3}${fence[0]}{${fence.length},}\\s*$`);
+  let end = start + 1;
+  while (end < lines.length && !close.test(lines[end])) end += 1;
+  const block = element("div", "code-block");
+  const head = block.appendChild(element("div", "code-head"));
+  head.appendChild(element("span", "language")).textContent = language;
+  const copy = head.appendChild(element("button", "copy"));
+  copy.type = "button";
+  copy.textContent = "Copy";
+  const code = block.appendChild(element("pre")).appendChild(element("code"));
+  code.textContent = lines.slice(start + 1, end).join("\n");
+  copy.addEventListener("click", () => copyText(copy, code.textContent));
+  parent.append(block);
+  return end + 1;
+}
+
+// The clipboard API needs a secure context (localhost, https); elsewhere the code is selected and copied.
+async function copyText(button, text) {
+  let copied = false;
+  try {
+    await navigator.clipboard.writeText(text);
+    copied = true;
+  } catch (_) {
+    const range = document.createRange();
+    range.selectNodeContents(button.closest(".code-block").querySelector("code"));
+    getSelection().removeAllRanges();
+    getSelection().addRange(range);
+    copied = document.execCommand("copy");
+  }
+  button.textContent = copied ? "Copied" : "Select and copy";
+  setTimeout(() => { button.textContent = "Copy"; }, 1500);
+}
+
+// One list: the items at its first item's indentation and kind; deeper lines belong to the item above them.
+function appendList(parent, lines, start) {
+  const first = ITEM.exec(lines[start]);
+  const indent = first[1].length, ordered = /\d/.test(first[2]);
+  const sameList = (m) => m && m[1].length <= indent + 1 && /\d/.test(m[2]) === ordered;
+  const items = [];  // each item's lines, its own indentation removed
+  let i = start, offset = 0;
+  for (; i < lines.length; i += 1) {
+    const line = lines[i], m = ITEM.exec(line), depth = line.length - line.trimStart().length;
+    const item = items[items.length - 1];
+    if (sameList(m)) {
+      items.push([m[4]]);
+      offset = m[1].length + m[2].length + Math.max(1, m[3].length);
+    } else if (!line.trim()) {
+      const next = lines.slice(i + 1).find((l) => l.trim());
+      if (!next || !(next.length - next.trimStart().length > indent || sameList(ITEM.exec(next)))) break;
+      item.push("");
+    } else if (depth > indent || (!m && !startsBlock(line) && item[item.length - 1] !== "")) {
+      item.push(line.slice(Math.min(depth, offset)));  // a nested block, or the item's text going on
+    } else {
+      break;
+    }
+  }
+  const list = parent.appendChild(element(ordered ? "ol" : "ul"));
+  if (ordered && parseInt(first[2], 10) !== 1) list.start = parseInt(first[2], 10);
+  for (const item of items) appendBlocks(list.appendChild(element("li")), item);
+  return i;
+}
+
+function appendInline(parent, text) {
+  let last = 0;
+  for (const m of text.matchAll(INLINE)) {
+    if (m.index > last) parent.append(text.slice(last, m.index));
+    parent.append(inlineNode(m));
+    last = m.index + m[0].length;
+  }
+  if (last < text.length) parent.append(text.slice(last));
+}
+
+function inlineNode(m) {
+  if (m[2] !== undefined) {
+    const code = element("code");
+    code.textContent = m[2];
+    return code;
+  }
+  if (m[3] !== undefined) {
+    const href = safeHref(m[4]);
+    if (href === null) return document.createTextNode(m[0]);
+    const link = element("a");
+    Object.assign(link, {href, target: "_blank", rel: "noopener noreferrer"});
+    appendInline(link, m[3]);
+    return link;
+  }
+  const [tag, inner] = m[5] !== undefined ? ["strong", m[5]] : m[6] !== undefined ? ["strong", m[6]]
+    : m[7] !== undefined ? ["del", m[7]] : ["em", m[8] !== undefined ? m[8] : m[9]];
+  const node = element(tag);
+  appendInline(node, inner);
+  return node;
+}
+
+// Absolute http(s) URLs only: no javascript:, data: or relative links into this server.
+function safeHref(raw) {
+  try {
+    const url = new URL(raw);
+    return url.protocol === "http:" || url.protocol === "https:" ? url.href : null;
+  } catch (_) {
+    return null;
+  }
+}
+
 function addMessage(role, text) {
   const item = document.createElement("li");
   item.className = `message ${role}`;
@@ -69,7 +237,7 @@ function addMessage(role, text) {
   who.className = "role";
   who.textContent = role;
   const body = document.createElement("div");
-  body.className = "text";
+  body.className = role === "assistant" ? "text markdown" : "text";  // the user's text is shown as typed
   body.textContent = text;
   item.append(who, body);
   if (role === "assistant") {
@@ -134,11 +302,17 @@ async function answer() {
   item.dataset.state = "streaming";
   const current = conversation;
   const textEl = item.querySelector(".text");
-  const textNode = textEl.appendChild(document.createTextNode(""));  // appended to: no re-render of the whole
   const controller = new AbortController();
   setBusy(controller);
   const timing = {start: performance.now(), first: null, last: null};
-  let text = "", chunks = 0, usage = null, ended = false;
+  let text = "", chunks = 0, usage = null, ended = false, state = "done", failure = null;
+  // The answer is rendered again as it grows (a later line can close a code fence or continue a list), at most
+  // once a frame however fast tokens arrive.
+  let frame = null;
+  const show = () => {
+    frame = null;
+    follow(() => textEl.replaceChildren(renderMarkdown(text)));
+  };
   try {
     const resp = await fetch("/v1/chat/completions", {
       method: "POST", signal: controller.signal,
@@ -160,21 +334,22 @@ async function answer() {
         if (timing.first === null) timing.first = timing.last;
         chunks += 1;
         text += delta;
-        follow(() => textNode.appendData(delta));
+        if (frame === null) frame = requestAnimationFrame(show);
       }
     }
     if (!ended) throw new ServerError("The connection closed before the answer was complete.");
-    item.dataset.state = "done";
   } catch (e) {
-    if (e.name === "AbortError") {
-      item.dataset.state = "stopped";
-    } else {
-      item.dataset.state = "error";
-      item.classList.add("error");
-      textEl.textContent = text ? `${text}\n\n${e.message}` : e.message;
-      if (e.status === 401) $("api-key").focus();
-    }
+    state = e.name === "AbortError" ? "stopped" : "error";
+    if (state === "error") failure = e;
   }
+  if (frame !== null) cancelAnimationFrame(frame);
+  show();  // the whole answer, before its state says it is complete
+  if (failure) {
+    item.classList.add("error");
+    textEl.appendChild(element("p", "error-message")).textContent = failure.message;
+    if (failure.status === 401) $("api-key").focus();
+  }
+  item.dataset.state = state;
   if (current !== conversation) return;
   if (!text && item.dataset.state !== "done") {
     // Nothing was answered (an error, or stopped before the first token): the user's turn leaves the history

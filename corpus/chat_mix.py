@@ -8,7 +8,7 @@ Templates (one conversation per passage, the domains taken in turn):
     answered by the rest of the passage;
   * code: the first lines of a stdlib passage in a fenced block with "Continue this code from
     <title>.", answered by the rest in a fenced block.
-A conversation has the split of the document it is made from (corpus.py keeps them disjoint).
+A conversation has the split of the document it is made from (kiln.corpus keeps them disjoint).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from itertools import zip_longest
 
-from .corpus import Passage, documents, split_passages
+from . import Passage, documents, split_passages
 
 CHAT_CHARS = 1500  # a conversation's source text is cut to about this: a few of them fill a window
 _FAQ_QUESTION = re.compile(r"^\d+\.\d+(\.\d+)*\.[ \xa0]", re.M)  # the text puts a no-break space there

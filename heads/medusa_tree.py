@@ -1,4 +1,4 @@
-"""What tree verification would give a set of Medusa heads, estimated from their scored rows (issue 11).
+"""What tree verification would give a set of Medusa heads, estimated from their scored rows.
 
 Not built: a tree needs a tree-shaped attention mask in the verification step, which kiln.PagedAttention
 does not take. This module measures what it would be worth before anyone changes that contract.
@@ -11,7 +11,7 @@ of the true token i places ahead, node (p_1..p_d) is kept iff r_j = p_j for ever
 assumed between heads). A node is never likelier than its parent, so the best tree of n nodes is simply the
 n likeliest paths (Medusa's "sparse tree", found without search); a chain of k guesses is (0), (0,0), ...
 
-    python -m kiln.calibration.medusa_tree HEADS_DIR ROWS.pt [--split chat] [--nodes 1 2 3 4 6 8]
+    python -m kiln.heads.medusa_tree HEADS_DIR ROWS.pt [--split chat] [--nodes 1 2 3 4 6 8]
 
 (HEADS_DIR: `kiln train-medusa -o`; ROWS.pt: its `--rows-cache`.)
 """
@@ -108,10 +108,10 @@ def top_k_accuracy(ranks: torch.Tensor, ks: tuple[int, ...] = (1, 2, 3, 5)) -> d
 
 
 def main(argv: list[str] | None = None) -> None:
-    from kiln.calibration.medusa_data import lm_head_weight
-    from kiln.calibration.medusa_heads import MedusaArtifact
     from kiln.export.checkpoint import load_checkpoint
     from kiln.export.reference import ReferenceModel
+    from kiln.heads.medusa_data import lm_head_weight
+    from kiln.heads.medusa_heads import MedusaArtifact
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("heads")

@@ -1,4 +1,4 @@
-"""Token windows of one domain's split of the corpus (corpus.py), the chat domain rendered with the
+"""Token windows of one domain's split of the corpus (kiln.corpus), the chat domain rendered with the
 model's chat template (chat_mix.py)."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ from collections.abc import Callable
 from kiln.chat_template import ChatTemplate
 from kiln.errors import InvalidParamError
 
+from . import DOMAINS, SPLITS, DomainWindows, cut_windows, split_passages
 from .chat_mix import conversations
-from .corpus import DOMAINS, SPLITS, DomainWindows, cut_windows, split_passages
 
 
 def domain_windows(domain: str, split: str, encode: Callable[[str], list[int]], window: int, count: int,

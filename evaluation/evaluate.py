@@ -3,7 +3,7 @@ reference (fp32) engine, decode speed and engine size.
 
 The engine runs through kiln.runtime's ONNX Runtime model runner (the same session, op library
 and in-place KV pools as serving), one sequence at a time:
-  * perplexity per domain (prose, technical, code, chat; corpus.py): non-overlapping windows of
+  * perplexity per domain (prose, technical, code, chat; kiln.corpus): non-overlapping windows of
     the split's text, each a fresh sequence from position 0, prefilled in chunks with logits on
     every row (or windows of one text file, reported as the domain "text");
   * greedy agreement: the reference engine continues each fixed prompt greedily; the engine
@@ -20,11 +20,15 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from kiln.errors import InvalidParamError, require
 from kiln.quant_scheme import RESCORED_HEAD_MAX_ROWS, LmHead
+
+if TYPE_CHECKING:
+    from kiln.corpus import DomainWindows
 
 Progress = Callable[[str], None]
 
@@ -45,7 +49,7 @@ class EngineSession:
         self.runner = open_engine_runner(self.engine_dir, self.manifest, len(self.block_table), threads)
         self.tokenizer = Tokenizer.from_file(str(self.engine_dir / "tokenizer.json"))
         # An int4-rescored head may rescore only steps of few rows (behind a MatMulNBits head, and int4-q4_1 engines
-        # built before session 19), the ones decoding makes: score with those.
+        # built before their head was rescored at every step), the ones decoding makes: score with those.
         rescored = self.manifest.build.lm_head is LmHead.INT4_RESCORED
         self.logits_chunk = RESCORED_HEAD_MAX_ROWS if rescored else 128
 
@@ -83,7 +87,8 @@ def _nll(logits: np.ndarray, targets: np.ndarray) -> np.ndarray:
     z = logits.astype(np.float64)
     z -= z.max(-1, keepdims=True)
     logsumexp = np.log(np.exp(z).sum(-1))
-    return logsumexp - z[np.arange(len(targets)), targets]
+    nll: np.ndarray = logsumexp - z[np.arange(len(targets)), targets]
+    return nll
 
 
 def perplexity(session: EngineSession, token_ids: list[int], window: int = 512, num_windows: int = 8,
@@ -156,7 +161,7 @@ def loops(tokens: list[int], repeats: int = 3) -> bool:
                for p in range(1, n // repeats + 1))
 
 
-def chat_answers(engine_dir: str | Path, max_tokens: int = 64, threads: int | None = None) -> list[dict]:
+def chat_answers(engine_dir: str | Path, max_tokens: int = 64, threads: int | None = None) -> list[dict[str, Any]]:
     """[{question, answer, degenerate, prompt_ids, answer_ids}] for CHAT_QUESTIONS, greedy, through
     the serving runtime."""
     from kiln.manifest import read_manifest
@@ -174,7 +179,7 @@ def chat_answers(engine_dir: str | Path, max_tokens: int = 64, threads: int | No
             for q, o in zip(CHAT_QUESTIONS, outputs, strict=True)]
 
 
-def divergence(reference: EngineSession, prompt: list[int], answer: list[int]) -> dict:
+def divergence(reference: EngineSession, prompt: list[int], answer: list[int]) -> dict[str, Any]:
     """Where a (quantized) engine's greedy answer leaves the reference's greedy path, teacher-forced:
     the first answer token that is not the reference's argmax after the same prefix, the reference's
     log-probability margin there (its own token over the engine's; near 0 = a near-tie any rounding
@@ -192,7 +197,7 @@ def divergence(reference: EngineSession, prompt: list[int], answer: list[int]) -
             "reference_loops_too": loops(forced)}
 
 
-def trace_loops(reference: EngineSession, answers: list[dict]) -> int:
+def trace_loops(reference: EngineSession, answers: list[dict[str, Any]]) -> int:
     """Add a "divergence" to each looping answer; return how many the reference loops on too
     (from the same first divergent token, or because it gives the very same answer)."""
     for a in answers:
@@ -216,8 +221,8 @@ class EvalReport:
     degenerate_answers: int  # of len(CHAT_QUESTIONS)
     # of those, answers the reference engine also loops on once put on the same first divergent token
     degenerate_in_reference_too: int | None
-    chat: list[dict]
-    corpus: dict  # the windows' manifest (corpus.manifest): sources, documents, token digests
+    chat: list[dict[str, Any]]
+    corpus: dict[str, Any]  # the windows' manifest (corpus.manifest): sources, documents, token digests
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2)
@@ -237,7 +242,7 @@ class EvalOptions:
     split: str = "evaluation"
 
     def __post_init__(self) -> None:
-        from .corpus import SPLITS
+        from kiln.corpus import SPLITS
 
         require(self.split in SPLITS, "split", f"one of {SPLITS}", self.split)
         require(self.num_windows >= 1, "num_windows", "at least 1", self.num_windows)
@@ -245,12 +250,12 @@ class EvalOptions:
         require(self.threads is None or self.threads >= 1, "threads", "None or >= 1", self.threads)
 
 
-def _domain_windows(session: EngineSession, options: EvalOptions) -> tuple[str, str, list, dict]:
+def _domain_windows(session: EngineSession,
+                    options: EvalOptions) -> tuple[str, str, list[DomainWindows], dict[str, Any]]:
     """(what was measured, the prompts' text, [DomainWindows], manifest) for the options."""
+    from kiln import corpus
     from kiln.chat_template import ChatTemplate
-
-    from . import corpus
-    from .windows import domain_windows
+    from kiln.corpus.windows import domain_windows
 
     if options.text_file is not None:
         text = options.text_file.read_text(encoding="utf-8")

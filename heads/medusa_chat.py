@@ -74,10 +74,10 @@ REQUEST_EVERY = 15
 
 def headwords() -> list[str]:
     """The Devil's Dictionary's headwords, lower case, in dictionary order."""
-    from .corpus import _devil
+    from kiln.corpus import devils_dictionary
 
     seen: dict[str, None] = {}
-    for word in _HEADWORD.findall(_devil()):
+    for word in _HEADWORD.findall(devils_dictionary()):
         seen.setdefault(word.lower(), None)
     return list(seen)
 
@@ -198,7 +198,7 @@ def assert_held_out(prompts: list[str]) -> None:
 
 def corpus_requests(count: int) -> list[str]:
     """The user turns of the first count calibration-split conversations (prose, technical, code in turn)."""
-    from .chat_mix import conversations
+    from kiln.corpus.chat_mix import conversations
 
     return [c.messages[0]["content"] for c in islice(conversations("calibration"), count)]
 
@@ -262,7 +262,7 @@ def teacher_forced_rows(model, sequences: list[tuple[list[int], list[int]]], num
     one and the answer's but its last); labels [n, K]: the answer token i places after the one predicted.
     Sequences of similar length run together, right-padded: under the causal mask a real position never sees
     the padding after it, so its state is the unpadded one; rows come back in the sequences' order."""
-    from .collect import run_layers
+    from kiln.calibration.collect import run_layers
 
     kept = [n for n, (_, answer) in enumerate(sequences) if answer]
     order = sorted(kept, key=lambda n: len(sequences[n][0]) + len(sequences[n][1]))
