@@ -167,8 +167,8 @@ def bad_text(server: Endpoint) -> list[int]:
 
 def queue_burst(server: Server | Endpoint, trickle: Trickle, count: int = 3 * MAX_NUM_SEQS) -> list[int]:
     """Streaming requests all at once: 503 beyond the queue bound, 200 (after a first token) for the rest; long
-    enough (32 tokens) that none finishes while the burst is decided."""
-    body = json.dumps({"prompt": "burst", "max_tokens": 32, "ignore_eos": True, "stream": True}).encode()
+    enough (128 tokens) that none finishes while the burst is decided."""
+    body = json.dumps({"prompt": "burst", "max_tokens": 128, "ignore_eos": True, "stream": True}).encode()
     with trickle.pause:
         socks = [raw(server) for _ in range(count)]
         for sock in socks:
