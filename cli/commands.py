@@ -157,6 +157,20 @@ def _speculative(method: str | None, num_tokens: int, draft: str | None,
 @click.option("--shutdown-timeout", type=click.FloatRange(min=0), default=30.0, show_default=True,
               help="seconds running requests get after SIGTERM; streams still running then end with an error event")
 @click.option("--no-web-ui", "no_web_ui", is_flag=True, help="leave out the chat page at /")
+@click.option("--max-request-bytes", type=click.IntRange(min=1), default=None,
+              help="request bodies above this are answered 413 before any parsing (default: 1 KiB per token of "
+              "--max-model-len, at least 1 MiB)")
+@click.option("--read-timeout", type=click.FloatRange(min=0, min_open=True), default=10.0, show_default=True,
+              help="seconds a client has to send a request's headers, and again its body; slower ones get 408")
+@click.option("--max-connections", type=click.IntRange(min=1), default=512, show_default=True,
+              help="open connections; one more is answered 503 and closed (a quarter of them, at most 64, may be "
+              "sending a request slowly at once: past that the slowest are closed)")
+@click.option("--ssl-keyfile", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="the TLS private key (PEM), with --ssl-certfile")
+@click.option("--ssl-certfile", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="serve HTTPS with this TLS certificate chain (PEM)")
+@click.option("--allowed-origins", multiple=True, help="CORS: an origin (scheme://host[:port]) whose pages may call "
+              "the API, e.g. the chat page served elsewhere; repeat it or separate by commas; '*' for any")
 @speculative_options
 @click.option("--replicas", type=click.IntRange(min=1), default=None,
               help="serve on N engine replicas (Ray Serve; kiln[cluster]), each with its own KV pool and threads")
@@ -174,7 +188,9 @@ def _speculative(method: str | None, num_tokens: int, draft: str | None,
 def serve(engine_dir: Path, host: str, port: int, api_key: str | None, served_model_name: str | None,
           chat_template: Path | None, max_model_len: int | None, max_queue: int | None, max_num_seqs: int,
           max_num_tokens: int | None, kv_cache_bytes: int | None, num_threads: int | None, disable_prefix_caching: bool,
-          shutdown_timeout: float, no_web_ui: bool, speculative: str | None, num_speculative_tokens: int,
+          shutdown_timeout: float, no_web_ui: bool, max_request_bytes: int | None, read_timeout: float,
+          max_connections: int, ssl_keyfile: str | None, ssl_certfile: str | None, allowed_origins: tuple[str, ...],
+          speculative: str | None, num_speculative_tokens: int,
           draft: str | None, min_guess_probability: float | None, replicas: int | None,
           prefill_replicas: int | None, decode_replicas: int | None,
           routing: str, ray_address: str | None, log_level: str) -> None:
@@ -191,7 +207,10 @@ def serve(engine_dir: Path, host: str, port: int, api_key: str | None, served_mo
                            speculative=_speculative(speculative, num_speculative_tokens, draft, min_guess_probability))
     options = ServeOptions(host=host, port=port, served_model_name=served_model_name, max_queue=max_queue,
                            shutdown_timeout=shutdown_timeout, log_level=log_level, api_key=api_key or None,
-                           web_ui=not no_web_ui)
+                           web_ui=not no_web_ui, max_request_bytes=max_request_bytes, read_timeout=read_timeout,
+                           max_connections=max_connections, ssl_keyfile=ssl_keyfile, ssl_certfile=ssl_certfile,
+                           allowed_origins=tuple(o.strip() for value in allowed_origins for o in value.split(",")
+                                                 if o.strip()))
     cluster = _cluster_options(replicas, prefill_replicas, decode_replicas, routing, ray_address)
     if cluster is None:
         run_server(engine_dir, config, options)

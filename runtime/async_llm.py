@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kiln.errors import InvalidParamError, RequestFailedError
-from kiln.runtime.detokenizer import ChatMessage, TextTokenizer, with_token_text
+from kiln.runtime.detokenizer import ChatMessage, TextTokenizer, max_prompt_chars, with_token_text
 from kiln.runtime.engine import Engine, EngineRequest
 from kiln.runtime.kv_transfer import KvHandoff
 from kiln.runtime.llm import as_engine
@@ -108,6 +108,8 @@ class AsyncLLM:
         self._closed = False
         self._thread = threading.Thread(target=self._loop, name="kiln-engine", daemon=True)
         self._thread.start()
+        self.max_prompt_chars = max_prompt_chars(self.engine.tokenizer, self.engine.runner.vocab_size,
+                                                 self.max_seq_len)
 
     # -- properties -------------------------------------------------------------------------
 
@@ -165,7 +167,16 @@ class AsyncLLM:
         """Validate, tokenize and queue a request now (InvalidParamError / ValueError at once for bad
         input; num_waiting counts it on return); iterate the returned stream for its deltas.
         kv: the prompt's KV and first token from a prefill engine (AsyncLLM.prefill): decoding starts on them."""
-        return self._queue(self.engine.prepare(request_id, prompt, params), kv, export_kv=False)
+        return self.add_prepared(self.prepare_request(prompt, params, request_id), kv)
+
+    def prepare_request(self, prompt: str | list[int], params: SamplingParams, request_id: str) -> EngineRequest:
+        """add_request's first half, for any thread (tokenizing a long prompt is slow: the HTTP server does
+        it off its event loop): tokenize and check; InvalidParamError naming the problem."""
+        return self.engine.prepare(request_id, prompt, params)
+
+    def add_prepared(self, request: EngineRequest, kv: KvHandoff | None = None) -> RequestStream:
+        """add_request's second half, on the event loop: queue a prepared request (num_waiting counts it)."""
+        return self._queue(request, kv, export_kv=False)
 
     async def prefill(self, prompt: str | list[int], params: SamplingParams, request_id: str) -> KvHandoff:
         """Compute the prompt and its first token only, and return them with the prompt's KV for another

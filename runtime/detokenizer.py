@@ -25,6 +25,14 @@ class Decoder(Protocol):
 ChatMessage = dict[str, str]  # {"role": ..., "content": ...}
 
 
+def max_prompt_chars(tokenizer: TextTokenizer, vocab_size: int, max_seq_len: int) -> int:
+    """The most characters a prompt of max_seq_len tokens can have: each token covers at most as many
+    characters as its vocabulary string is long (byte-level BPE spells a byte as one character; byte
+    fallback and special tokens spell more), so a longer text cannot fit and is refused untokenized."""
+    longest = max((len(tokenizer.id_to_token(t) or "") for t in range(vocab_size)), default=1)
+    return max_seq_len * max(longest, 1)
+
+
 class TextTokenizer(Decoder, Protocol):
     """What the engine and its front ends need of a tokenizer (tokenizer.Tokenizer; a stand-in in tests)."""
 

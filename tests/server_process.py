@@ -7,6 +7,7 @@ import os
 import re
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import time
@@ -24,9 +25,11 @@ def _free_port() -> int:
 
 class Server:
     def __init__(self, engine: Path, log: Path, *extra: str, env: dict[str, str] | None = None,
-                 api_key: str = "none"):
+                 api_key: str = "none", tls_ca: Path | None = None):
+        """tls_ca: the server runs with --ssl-* flags (in ``extra``); clients trust this CA file."""
         self.port = _free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.url = f"{'https' if tls_ca else 'http'}://127.0.0.1:{self.port}"
+        self.verify: bool | ssl.SSLContext = ssl.create_default_context(cafile=str(tls_ca)) if tls_ca else True
         self.api_key = api_key
         self.log_path = log
         self.log = open(log, "w")
@@ -37,7 +40,7 @@ class Server:
         while time.monotonic() < deadline:
             assert self.proc.poll() is None, Path(log).read_text()
             try:
-                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
+                if httpx.get(self.url + "/health", timeout=1, verify=self.verify).status_code == 200:
                     return
             except httpx.HTTPError:
                 pass
@@ -49,13 +52,15 @@ class Server:
         return {"Authorization": f"Bearer {self.api_key}"}
 
     def client(self, **kw):
+        if self.verify is not True:
+            kw.setdefault("http_client", httpx.Client(verify=self.verify))
         return openai.OpenAI(base_url=self.url + "/v1", api_key=self.api_key, max_retries=0, **kw)
 
     def async_client(self, **kw):
         return openai.AsyncOpenAI(base_url=self.url + "/v1", api_key=self.api_key, max_retries=0, **kw)
 
     def metric(self, name: str) -> float:
-        text = httpx.get(self.url + "/metrics", headers=self.headers, timeout=5).text
+        text = httpx.get(self.url + "/metrics", headers=self.headers, timeout=5, verify=self.verify).text
         return float(re.search(rf"^{re.escape(name)} (\S+)$", text, re.M).group(1))
 
     def finished(self) -> dict[str, float]:
@@ -67,6 +72,11 @@ class Server:
     def aborted(self) -> float:
         """kiln_request_abort_total: completions cut short (not a finish reason of success)."""
         return self.metric("kiln_request_abort_total")
+
+    def rss_bytes(self) -> int:
+        """The server process's resident memory now (Linux /proc)."""
+        status = Path(f"/proc/{self.proc.pid}/status").read_text()
+        return int(re.search(r"^VmRSS:\s+(\d+) kB", status, re.M).group(1)) * 1024
 
     def stop(self) -> int:
         if self.proc.poll() is None:

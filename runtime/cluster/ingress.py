@@ -24,8 +24,8 @@ from kiln.errors import InvalidParamError
 from kiln.runtime.block_manager import prompt_block_hashes
 from kiln.runtime.cluster.protocol import ReplicaInfo, ReplicaRequest
 from kiln.runtime.cluster.replica import ReplicaStats
-from kiln.runtime.detokenizer import ChatMessage, TextTokenizer
-from kiln.runtime.engine import prepare_request
+from kiln.runtime.detokenizer import ChatMessage, TextTokenizer, max_prompt_chars
+from kiln.runtime.engine import EngineRequest, prepare_request
 from kiln.runtime.outputs import EngineStats, RequestOutput
 from kiln.runtime.params import SamplingParams
 
@@ -101,6 +101,7 @@ class ClusterLLM:
         self._stats_at = -float("inf")
         self._stats_period_s = stats_period_s
         self._refreshing: asyncio.Task[None] | None = None
+        self.max_prompt_chars = max_prompt_chars(tokenizer, info.vocab_size, info.max_seq_len)
 
     # -- what build_app reads ---------------------------------------------------------------
 
@@ -167,14 +168,22 @@ class ClusterLLM:
 
     def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: str) -> ClusterStream:
         """Check, tokenize and send a request now (InvalidParamError at once for bad input)."""
+        return self.add_prepared(self.prepare_request(prompt, params, request_id))
+
+    def prepare_request(self, prompt: str | list[int], params: SamplingParams, request_id: str) -> EngineRequest:
+        """Tokenize and check (any thread: the HTTP server does it off its event loop)."""
+        return prepare_request(request_id, prompt, params, self.tokenizer, self.info.vocab_size,
+                               self.info.max_seq_len)
+
+    def add_prepared(self, prepared: EngineRequest) -> ClusterStream:
+        """Send a prepared request to its replica (on the event loop)."""
+        request_id = prepared.request_id
         if request_id in self._streams:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        prepared = prepare_request(request_id, prompt, params, self.tokenizer, self.info.vocab_size,
-                                   self.info.max_seq_len)
         ids = prepared.prompt_token_ids
         # the blocks a replica can have cached: match_prefix always leaves the last token to compute
         hashes = prompt_block_hashes(ids, self.info.block_size, (len(ids) - 1) // self.info.block_size)
-        request = ReplicaRequest(request_id, ids, params, tuple(hashes))
+        request = ReplicaRequest(request_id, ids, prepared.params, tuple(hashes))
         kv: Any = None
         if self._prefill is not None:
             kv = self._prefill.prefill.remote(request)  # resolved on the decode replica, from the object store

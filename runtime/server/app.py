@@ -1,10 +1,12 @@
 """`kiln serve`'s ASGI app: an OpenAI-compatible HTTP API (FastAPI) on AsyncLLM.
 
-One HTTP request is one (or, for a batch of prompts, several) engine requests, admitted
-against the queue bound in one step with no await in between, so a burst cannot pass the
-check together. A request is bound to its connection (see streams.py): when the client goes
-away its engine requests are aborted and their KV blocks freed. Errors use OpenAI's body
-shape; an engine exception fails only the request that raised it.
+One HTTP request is one (or, for a batch of prompts, several) engine requests. Its body is read
+within limits.py's size and time bounds, then decoded, rendered through the chat template and
+tokenized on the worker pool (bodies.py, offload.py), so the event loop only moves bytes; the
+prepared requests are admitted against the queue bound in one step with no await in between
+(admission.py), so a burst cannot pass the check together. A request is bound to its connection
+(see streams.py): when the client goes away its engine requests are aborted and their KV blocks
+freed. Errors use OpenAI's body shape; an engine exception fails only the request that raised it.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from __future__ import annotations
 import json
 import logging
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -28,9 +30,13 @@ except ImportError as e:  # the bare runtime install has no HTTP stack
 import kiln
 from kiln.errors import InvalidParamError, require
 from kiln.runtime.outputs import merge_outputs
-from kiln.runtime.params import SamplingParams
+from kiln.runtime.server.admission import admit, check_length, token_prompts_fit
 from kiln.runtime.server.auth import ApiKeyAuth
+from kiln.runtime.server.bodies import body_schemas, openapi_body, parse_body
+from kiln.runtime.server.errors import APIError
+from kiln.runtime.server.limits import BodyLimit, RequestLimits, default_max_request_bytes
 from kiln.runtime.server.metrics import CONTENT_TYPE, ServerMetrics
+from kiln.runtime.server.offload import Offload
 from kiln.runtime.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -46,7 +52,6 @@ from kiln.runtime.server.responses_api import ResponsesRequest, response_body, s
 from kiln.runtime.server.streams import (
     ClientDisconnected,
     Drain,
-    OutputStream,
     ServerShuttingDown,
     engine_stream,
     sse_stream,
@@ -56,45 +61,12 @@ from kiln.runtime.server.tools import ToolMode, ToolResponses, render_messages
 log = logging.getLogger("kiln.server")
 
 
-class APIError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 headers: dict[str, str] | None = None):
-        super().__init__(message)
-        self.status, self.message, self.param, self.code, self.headers = status, message, param, code, headers
-
-    def response(self) -> JSONResponse:
-        return JSONResponse(error_body(self.status, self.message, self.param, self.code),
-                            status_code=self.status, headers=self.headers)
-
-
 # ---- handlers --------------------------------------------------------------------------
 
 def _check_model(state: Any, model: str | None) -> None:
     if model is not None and model not in state.model_names:
         raise APIError(404, f"The model '{model}' does not exist; this server serves "
                             f"'{state.model_names[0]}'.", "model", "model_not_found")
-
-
-def _admit(state: Any, prompts: list[str | list[int]], params: SamplingParams, ids: list[str]) -> list[OutputStream]:
-    """Check the queue bound and queue the prompts' engine requests, in one step of the event loop:
-    nothing awaits between the check and AsyncLLM counting the requests, so the bound is exact."""
-    llm, max_queue = state.llm, state.max_queue
-    if max_queue is not None:
-        if len(prompts) > max_queue:
-            raise APIError(400, f"A batch of {len(prompts)} prompts is more than the server's queue bound "
-                                f"({max_queue}); send at most {max_queue} at a time.", "prompt")
-        if llm.num_waiting + len(prompts) > max_queue:
-            raise APIError(503, f"The server is at its queue bound ({max_queue} waiting requests); retry later.",
-                           code="queue_full", headers={"Retry-After": "1"})
-    streams: list[OutputStream] = []
-    try:
-        for prompt, request_id in zip(prompts, ids, strict=True):
-            streams.append(llm.add_request(prompt, params, request_id))
-    except BaseException:
-        for stream in streams:  # a later prompt of the batch was refused: none of it runs
-            stream.close()
-        raise
-    return streams
 
 
 async def _run(request: Request, body: CompletionRequest | ChatCompletionRequest,
@@ -107,7 +79,7 @@ async def _run(request: Request, body: CompletionRequest | ChatCompletionRequest
     ids = [request_id if len(prompts) == 1 else f"{request_id}-{i}" for i in range(len(prompts))]
     try:
         params = body.sampling_params()
-        streams = _admit(state, prompts, params, ids)
+        streams = await admit(state, prompts, params, ids)
     except InvalidParamError as e:
         raise APIError(400, str(e), e.param) from None
     except APIError:
@@ -166,21 +138,26 @@ def _validation_error(request: Request, exc: RequestValidationError) -> JSONResp
 
 
 def build_app(load_llm: Callable[[], Any], served_model_name: str | None = None, max_queue: int | None = None,
-              api_key: str | None = None) -> FastAPI:
+              api_key: str | None = None, limits: RequestLimits | None = None) -> FastAPI:
     """The ASGI app. ``load_llm`` is called at startup (inside the event loop); the engine
     is shut down when the app's lifespan ends (uvicorn's graceful shutdown, e.g. SIGTERM).
-    max_queue: 503 once that many engine requests wait; api_key: Bearer auth on all but /health."""
+    max_queue: 503 once that many engine requests wait; api_key: Bearer auth on all but /health;
+    limits: the request-size and body-time bounds (413 and 408 before anything parses a body)."""
     require(max_queue is None or max_queue >= 1, "max_queue", ">= 1 (omit it for no bound)", max_queue)
     require(api_key is None or bool(api_key), "api_key", "a non-empty string", api_key)
+    limits = limits or RequestLimits()
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         app.state.llm = llm = load_llm()
         app.state.model_names = [served_model_name or llm.model_name, llm.model_name]
+        app.state.max_request_bytes = limits.max_request_bytes or default_max_request_bytes(llm.max_seq_len)
+        app.state.offload = Offload()
         try:
             yield
         finally:
             app.state.llm = None
+            app.state.offload.close()
             await llm.shutdown()
 
     app = FastAPI(title="kiln", version=kiln.__version__, lifespan=lifespan,
@@ -189,9 +166,13 @@ def build_app(load_llm: Callable[[], Any], served_model_name: str | None = None,
     app.state.max_queue = max_queue
     app.state.drain = Drain()
     app.state.metrics = ServerMetrics(lambda: app.state.llm.stats() if app.state.llm is not None else None)
+    # the floor until startup, when the engine's context length gives the default
+    app.state.max_request_bytes = limits.max_request_bytes or default_max_request_bytes(1)
     if api_key is not None:
         app.add_middleware(ApiKeyAuth, api_key=api_key,
                            on_reject=lambda: app.state.metrics.rejected.labels(status="401").inc())
+    app.add_middleware(BodyLimit, limits=lambda: (app.state.max_request_bytes, limits.read_timeout),
+                       on_reject=lambda status: app.state.metrics.rejected.labels(status=str(status)).inc())
     _add_error_handlers(app)
     _add_generation_routes(app)
     _add_responses_route(app)
@@ -224,38 +205,46 @@ _GENERATION_RESPONSES: dict[int | str, dict[str, Any]] = {
     400: {"model": ErrorResponse, "description": "Invalid JSON or parameter; prompt + max_tokens too long"},
     401: {"model": ErrorResponse, "description": "Missing or wrong API key (when the server has one)"},
     404: {"model": ErrorResponse, "description": "Unknown model"},
+    408: {"model": ErrorResponse, "description": "The body did not arrive within --read-timeout"},
+    413: {"model": ErrorResponse, "description": "The body is larger than --max-request-bytes"},
     500: {"model": ErrorResponse, "description": "The engine failed on this request"},
     503: {"model": ErrorResponse, "description": "Queue bound reached (see Retry-After), or shutting down"},
 }
 _INFO_RESPONSES: dict[int | str, dict[str, Any]] = {
-    400: _GENERATION_RESPONSES[400], 401: _GENERATION_RESPONSES[401], 404: _GENERATION_RESPONSES[404]}
+    code: _GENERATION_RESPONSES[code] for code in (400, 401, 404, 408, 413)}
+
+
+# The routes read their bodies themselves (bodies.parse_body: off the event loop); openapi_extra
+# declares each body's model, so /openapi.json still documents it.
+_BODY_MODELS: list[type[Any]] = [CompletionRequest, ChatCompletionRequest, ResponsesRequest, TokenizeRequest,
+                                 DetokenizeRequest]
 
 
 def _add_generation_routes(app: FastAPI) -> None:
-    @app.post("/v1/completions", summary="Create a completion", responses=_GENERATION_RESPONSES)
-    async def completions(body: CompletionRequest, request: Request) -> Response:
+    @app.post("/v1/completions", summary="Create a completion", responses=_GENERATION_RESPONSES,
+              openapi_extra=openapi_body(CompletionRequest))
+    async def completions(request: Request) -> Response:
+        body = await parse_body(request, CompletionRequest, token_prompts_fit(request.app.state.llm.max_seq_len))
         return await _run(request, body, body.prompts(), chat=False)
 
-    @app.post("/v1/chat/completions", summary="Create a chat completion", responses=_GENERATION_RESPONSES)
-    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-        try:
-            mode = body.tool_mode()
-        except InvalidParamError as e:
-            raise APIError(400, str(e), e.param) from None
-        prompt = _render_chat(request.app.state.llm, body.messages, tools=mode)
+    @app.post("/v1/chat/completions", summary="Create a chat completion", responses=_GENERATION_RESPONSES,
+              openapi_extra=openapi_body(ChatCompletionRequest))
+    async def chat_completions(request: Request) -> Response:
+        body = await parse_body(request, ChatCompletionRequest)
+        prompt = await _render_chat(request.app.state, body.messages, tools=_tool_mode(body))
         return await _run(request, body, [prompt], chat=True)
 
 
 def _add_responses_route(app: FastAPI) -> None:
     @app.post("/v1/responses", summary="Create a model response (OpenAI's Responses API)",
-              responses=_GENERATION_RESPONSES)
-    async def responses(body: ResponsesRequest, request: Request) -> Response:
+              responses=_GENERATION_RESPONSES, openapi_extra=openapi_body(ResponsesRequest))
+    async def responses(request: Request) -> Response:
+        body = await parse_body(request, ResponsesRequest)
         try:
             chat = body.chat_request()
-            mode = chat.tool_mode()
         except InvalidParamError as e:
             raise APIError(400, str(e), e.param) from None
-        prompt = _render_chat(request.app.state.llm, chat.messages, tools=mode)
+        prompt = await _render_chat(request.app.state, chat.messages, tools=_tool_mode(chat))
         answer = await _run(request, chat, [prompt], chat=True)
         if isinstance(answer, StreamingResponse):
             return StreamingResponse(stream_events(answer.body_iterator, body), media_type="text/event-stream",
@@ -265,12 +254,30 @@ def _add_responses_route(app: FastAPI) -> None:
         return JSONResponse(response_body(json.loads(bytes(answer.body)), body))
 
 
-def _render_chat(llm: Any, messages: list[Any], add_generation_prompt: bool = True,
-                 tools: ToolMode | None = None) -> str:
+def _tool_mode(chat: ChatCompletionRequest) -> ToolMode | None:
     try:
-        return str(llm.apply_chat_template(render_messages(messages, tools), add_generation_prompt))
+        return chat.tool_mode()
+    except InvalidParamError as e:
+        raise APIError(400, str(e), e.param) from None
+
+
+def _render(llm: Any, messages: Sequence[Any], add_generation_prompt: bool, tools: ToolMode | None = None) -> str:
+    """The conversation through the chat template (a worker thread), with the tools' system prompt and earlier
+    calls written in; refused untouched when its messages alone are longer than max_model_len tokens can hold."""
+    conversation = render_messages(list(messages), tools)
+    check_length(llm, sum(len(m["content"]) for m in conversation), "messages")
+    try:
+        return str(llm.apply_chat_template(conversation, add_generation_prompt))
     except Exception as e:  # a template may reject a conversation (e.g. role order)
         raise APIError(400, f"messages: the chat template rejected them: {e}", "messages") from None
+
+
+async def _render_chat(state: Any, messages: Sequence[Any], add_generation_prompt: bool = True,
+                       tools: ToolMode | None = None) -> str:
+    try:
+        return str(await state.offload.run(_render, state.llm, messages, add_generation_prompt, tools))
+    except InvalidParamError as e:
+        raise APIError(400, str(e), e.param) from None
 
 
 def _model_card(state: Any) -> dict[str, Any]:
@@ -290,24 +297,30 @@ def _add_info_routes(app: FastAPI) -> None:
         _check_model(request.app.state, model)
         return _model_card(request.app.state)
 
-    @app.post("/tokenize", summary="Tokenize a prompt or chat messages (vLLM's API)", responses=_INFO_RESPONSES)
-    async def tokenize(body: TokenizeRequest, request: Request) -> TokenizeResponse:
+    @app.post("/tokenize", summary="Tokenize a prompt or chat messages (vLLM's API)", responses=_INFO_RESPONSES,
+              openapi_extra=openapi_body(TokenizeRequest), response_model=TokenizeResponse)
+    async def tokenize(request: Request) -> TokenizeResponse:
+        body = await parse_body(request, TokenizeRequest)
         state = request.app.state
         _check_model(state, body.model)
         if body.messages is not None:
-            text = _render_chat(state.llm, body.messages, body.add_generation_prompt)
+            text = await _render_chat(state, body.messages, body.add_generation_prompt)
             special = bool(body.add_special_tokens)
         else:
             text, special = body.prompt or "", body.add_special_tokens is not False
-        tokens = state.llm.tokenize(text, special)
+        tokens = await state.offload.run(state.llm.tokenize, text, special)
+        strings = await state.offload.run(state.llm.token_strings, tokens) if body.return_token_strs else None
         return TokenizeResponse(count=len(tokens), max_model_len=state.llm.max_seq_len, tokens=tokens,
-                                token_strs=state.llm.token_strings(tokens) if body.return_token_strs else None)
+                                token_strs=strings)
 
-    @app.post("/detokenize", summary="Token ids to text (vLLM's API)", responses=_INFO_RESPONSES)
-    async def detokenize(body: DetokenizeRequest, request: Request) -> DetokenizeResponse:
-        _check_model(request.app.state, body.model)
+    @app.post("/detokenize", summary="Token ids to text (vLLM's API)", responses=_INFO_RESPONSES,
+              openapi_extra=openapi_body(DetokenizeRequest), response_model=DetokenizeResponse)
+    async def detokenize(request: Request) -> DetokenizeResponse:
+        body = await parse_body(request, DetokenizeRequest)
+        state = request.app.state
+        _check_model(state, body.model)
         try:
-            return DetokenizeResponse(prompt=request.app.state.llm.detokenize(body.tokens))
+            return DetokenizeResponse(prompt=await state.offload.run(state.llm.detokenize, body.tokens))
         except InvalidParamError as e:
             raise APIError(400, str(e), e.param) from None
 
@@ -333,7 +346,9 @@ def _openapi(app: FastAPI) -> dict[str, Any]:
         for path in schema["paths"].values():
             for operation in path.values():
                 operation.get("responses", {}).pop("422", None)
+        schemas = schema.setdefault("components", {}).setdefault("schemas", {})
         for name in ("HTTPValidationError", "ValidationError"):
-            schema.get("components", {}).get("schemas", {}).pop(name, None)
+            schemas.pop(name, None)
+        schemas.update(body_schemas(_BODY_MODELS))
         app.openapi_schema = schema
     return app.openapi_schema

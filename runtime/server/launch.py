@@ -22,10 +22,14 @@ except ImportError as e:  # the bare runtime install has no HTTP stack
     raise ImportError(f"kiln serve needs the server extras (pip install 'kiln[server]'): {e}") from e
 
 from fastapi import FastAPI
+from starlette.middleware.cors import CORSMiddleware
+from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
 from kiln.errors import require
 from kiln.runtime.params import RuntimeConfig
 from kiln.runtime.server.app import build_app
+from kiln.runtime.server.connections import ConnectionGuard, ConnectionLimits
+from kiln.runtime.server.limits import RequestLimits
 from kiln.runtime.server.web import add_web_ui
 
 log = logging.getLogger("kiln.server")
@@ -44,6 +48,12 @@ class ServeOptions:
     log_level: str = "info"
     api_key: str | None = None  # Bearer auth on every route but /health and the chat page's files
     web_ui: bool = True  # the chat page at / (kiln.runtime.server.web)
+    max_request_bytes: int | None = None  # 413 above it; None: limits.default_max_request_bytes(max_model_len)
+    read_timeout: float = 10.0  # seconds for a request's headers, and again for its body (408 after)
+    max_connections: int = 512  # open connections; one more is answered 503 and closed
+    ssl_keyfile: str | None = None
+    ssl_certfile: str | None = None  # given: HTTPS (the key may be in this file, or in ssl_keyfile)
+    allowed_origins: tuple[str, ...] = ()  # CORS: other origins whose pages may call the API ("*": any)
 
     def __post_init__(self) -> None:
         require(0 <= self.port <= 65535, "port", "in [0, 65535]", self.port)
@@ -52,6 +62,18 @@ class ServeOptions:
         require(self.shutdown_timeout >= 0, "shutdown_timeout", ">= 0", self.shutdown_timeout)
         require(self.log_level in LOG_LEVELS, "log_level", f"one of {list(LOG_LEVELS)}", self.log_level)
         require(self.api_key is None or bool(self.api_key), "api_key", "a non-empty string", self.api_key)
+        require(self.max_connections >= 1, "max_connections", ">= 1", self.max_connections)
+        require(self.ssl_keyfile is None or self.ssl_certfile is not None, "ssl_keyfile",
+                "given with ssl_certfile (the certificate it is the key of)", self.ssl_keyfile)
+        self.request_limits()  # checks max_request_bytes and read_timeout
+
+    def request_limits(self) -> RequestLimits:
+        return RequestLimits(self.max_request_bytes, self.read_timeout)
+
+    def connection_limits(self) -> ConnectionLimits:
+        # slowloris bound: a quarter of the connections may be arriving slowly at once (at most 64)
+        return ConnectionLimits(max_connections=self.max_connections, read_timeout=self.read_timeout,
+                                max_incomplete=max(1, min(64, self.max_connections // 4)))
 
 
 def configure_logging(level: str) -> None:
@@ -67,9 +89,12 @@ def configure_logging(level: str) -> None:
 
 def serving_app(load_llm: Callable[[], Any], options: ServeOptions) -> FastAPI:
     """The app `serve` runs: the API, and the chat page unless ``options.web_ui`` is off."""
-    app = build_app(load_llm, options.served_model_name, options.max_queue, options.api_key)
+    app = build_app(load_llm, options.served_model_name, options.max_queue, options.api_key, options.request_limits())
     if options.web_ui:
         add_web_ui(app)
+    if options.allowed_origins:  # outside the API key check: a browser's preflight carries no key
+        app.add_middleware(CORSMiddleware, allow_origins=list(options.allowed_origins), allow_methods=["GET", "POST"],
+                           allow_headers=["Authorization", "Content-Type"], max_age=600)
     return app
 
 
@@ -91,14 +116,24 @@ def serve_llm(llm: Any, what: str, options: ServeOptions) -> None:
     """Serve an AsyncLLM-shaped object (AsyncLLM, or the cluster's ClusterLLM) under uvicorn until
     SIGTERM/SIGINT; ``what`` names it in the start-up line."""
     app = serving_app(lambda: llm, options)
-    log.info("serving %s as %r on http://%s:%d (queue bound %s, shutdown deadline %g s, API key %s)", what,
-             options.served_model_name or llm.model_name, options.host, options.port, options.max_queue or "none",
-             options.shutdown_timeout, "required" if options.api_key else "off")
-    uvicorn_config = uvicorn.Config(
-        app, host=options.host, port=options.port, log_level=options.log_level,
+    scheme = "https" if options.ssl_certfile else "http"
+    log.info("serving %s as %r on %s://%s:%d (queue bound %s, shutdown deadline %g s, API key %s, at most %d "
+             "connections, request read timeout %g s)", what, options.served_model_name or llm.model_name, scheme,
+             options.host, options.port, options.max_queue or "none", options.shutdown_timeout,
+             "required" if options.api_key else "off", options.max_connections, options.read_timeout)
+    guard = ConnectionGuard(options.connection_limits(),
+                            on_refuse=lambda status: app.state.metrics.rejected.labels(status=str(status)).inc())
+    uvicorn_config = guarded_config(app, options, guard)
+    _DrainingServer(uvicorn_config, lambda: app.state.drain.start(options.shutdown_timeout)).run()
+
+
+def guarded_config(app: FastAPI, options: ServeOptions, guard: ConnectionGuard) -> uvicorn.Config:
+    """uvicorn's settings for ``app``: its HTTP protocol under ``guard`` (connections.py), TLS when asked."""
+    return uvicorn.Config(
+        guard.asgi(app), http=guard.protocol(AutoHTTPProtocol), host=options.host, port=options.port,
+        log_level=options.log_level, ssl_keyfile=options.ssl_keyfile, ssl_certfile=options.ssl_certfile,
         # uvicorn annotates int but hands it to asyncio.wait_for, which takes any seconds
         timeout_graceful_shutdown=options.shutdown_timeout + _BACKSTOP_S)  # type: ignore[arg-type]
-    _DrainingServer(uvicorn_config, lambda: app.state.drain.start(options.shutdown_timeout)).run()
 
 
 def install_exit_handlers() -> None:

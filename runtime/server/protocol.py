@@ -26,7 +26,6 @@ MAX_N = 16
 MAX_SEED = 2**63 - 1
 
 
-
 def _integral(value: Any) -> Any:
     """4.0 -> 4 (JSON has one number type); any other value is left for the strict int check."""
     if isinstance(value, float) and value.is_integer():
@@ -34,9 +33,21 @@ def _integral(value: Any) -> Any:
     return value
 
 
+def _unicode(text: str) -> str:
+    """JSON can spell a lone UTF-16 surrogate ("\\ud800"); that is no Unicode text a tokenizer can read."""
+    if not text.isascii():
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise ValueError(f"contains a lone surrogate (U+{ord(text[e.start]):04X} at character {e.start}), "
+                             "which is not Unicode text") from None
+    return text
+
+
 Int = Annotated[int, BeforeValidator(_integral)]
 TokenId = Annotated[Int, Field(ge=0, le=2**31 - 1)]
-StopString = Annotated[str, Field(min_length=1)]
+Text = Annotated[str, AfterValidator(_unicode)]
+StopString = Annotated[Text, Field(min_length=1)]
 
 
 def _reject_if_set(value: Any) -> Any:
@@ -118,9 +129,9 @@ class _SamplingRequest(BaseModel):
 
 class CompletionRequest(_SamplingRequest):
     prompt: (
-        Annotated[str, Field(min_length=1)]
+        Annotated[Text, Field(min_length=1)]
         | Annotated[list[TokenId], Field(min_length=1)]
-        | Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1, max_length=64)]
+        | Annotated[list[Annotated[Text, Field(min_length=1)]], Field(min_length=1, max_length=64)]
         | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1, max_length=64)]
     ) = Field(description="A string, a list of token ids, or a batch of either.")
     max_tokens: Int | None = Field(16, ge=1, description="null: up to the model's context length.")
@@ -151,13 +162,13 @@ class CompletionRequest(_SamplingRequest):
 class TextPart(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
     type: Literal["text"]
-    text: str
+    text: Text
 
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
+    content: Text | list[TextPart] | None = None
     name: str | None = None
     tool_calls: list[ToolCallIn] | None = None  # an assistant's calls
     tool_call_id: str | None = None  # a tool message's answer to
@@ -204,7 +215,7 @@ class TokenizeRequest(BaseModel):
 
     model_config = ConfigDict(extra="ignore", strict=True)
     model: str | None = None
-    prompt: str | None = Field(None, description="Text to tokenize (give this or messages).")
+    prompt: Text | None = Field(None, description="Text to tokenize (give this or messages).")
     messages: list[ChatMessage] | None = Field(None, min_length=1, description="A conversation to render and "
                                                "tokenize (give this or prompt).")
     add_generation_prompt: bool = Field(True, description="messages only: end with the assistant's turn opening.")
@@ -239,8 +250,8 @@ class DetokenizeResponse(BaseModel):
 # ---- errors ---------------------------------------------------------------------------
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "not_found_error",
-               405: "invalid_request_error",
-               500: "internal_server_error", 503: "service_unavailable"}
+               405: "invalid_request_error", 408: "invalid_request_error", 413: "invalid_request_error",
+               431: "invalid_request_error", 500: "internal_server_error", 503: "service_unavailable"}
 
 
 class ErrorDetail(BaseModel):

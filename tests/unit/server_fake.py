@@ -48,15 +48,26 @@ class FakeAsyncLLM:
     def token_strings(self, token_ids: list[int]) -> list[str]:
         return [f"<{chr(t)}>" for t in token_ids]
 
+    @property
+    def max_prompt_chars(self) -> int:  # a character is a token
+        return self.max_seq_len
+
     def add_request(self, prompt, params: SamplingParams, request_id: str):
         """Like AsyncLLM's: bad input is refused here, at once; the stream runs the request."""
+        return self.add_prepared(self.prepare_request(prompt, params, request_id))
+
+    def prepare_request(self, prompt, params: SamplingParams, request_id: str):
+        """Tokenize and check (the server calls it on a worker thread)."""
         ids = [ord(c) for c in prompt] if isinstance(prompt, str) else list(prompt)
         max_tokens = params.max_tokens or (self.max_seq_len - len(ids))
         if len(ids) + max_tokens > self.max_seq_len:
             raise InvalidParamError(f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) exceeds "
                                     f"max_seq_len ({self.max_seq_len})",
                                     "prompt" if len(ids) >= self.max_seq_len else "max_tokens")
-        return _Stream(self._run(prompt, ids, max_tokens, params, request_id))
+        return prompt, ids, max_tokens, params, request_id
+
+    def add_prepared(self, prepared):
+        return _Stream(self._run(*prepared))
 
     async def _run(self, prompt, ids: list[int], max_tokens: int, params: SamplingParams, request_id: str):
         if isinstance(prompt, str) and "CRASH" in prompt:

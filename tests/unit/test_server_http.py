@@ -208,10 +208,11 @@ def test_too_long_is_400_naming_what_to_shorten(client, stream, prompt_len, para
 
 
 def _engine_raising(fake, monkeypatch, exc: Exception) -> None:
-    def add_request(prompt, params, request_id):
+    """The engine refuses the request when preparing it (tokenizing and checking, on a worker thread)."""
+    def prepare_request(prompt, params, request_id):
         raise exc
 
-    monkeypatch.setattr(fake, "add_request", add_request)
+    monkeypatch.setattr(fake, "prepare_request", prepare_request)
 
 
 @pytest.mark.parametrize("stream", [False, True])
