@@ -141,6 +141,8 @@ class GuardedProtocol(asyncio.Protocol):
         self.lingering = self.lost = False
         self._running = False  # from the app being called until its response is complete
         self._arriving_bytes = 0
+        self._headers_done = False
+        self._header_tail = b""
         self._timer: asyncio.TimerHandle | None = None
         self._linger_timer: asyncio.TimerHandle | None = None
 
@@ -167,8 +169,13 @@ class GuardedProtocol(asyncio.Protocol):
             return  # the rest of a refused request: dropped
         if not self._running and self not in self.guard.arriving:
             self._start_arriving()  # the first byte of the next request on a kept-alive connection
-        if self in self.guard.arriving:
-            self._arriving_bytes += len(data)
+        if self in self.guard.arriving and not self._headers_done:
+            # Only the header block counts: a body sent right behind it may arrive before the app is called.
+            seen = self._header_tail + data
+            end = seen.find(b"\r\n\r\n")
+            self._headers_done = end >= 0
+            self._arriving_bytes += len(data) if end < 0 else max(0, end + 4 - len(self._header_tail))
+            self._header_tail = seen[-3:]
             if self._arriving_bytes > self.guard.limits.max_header_bytes:
                 self.refuse(431, f"The request headers are larger than {self.guard.limits.max_header_bytes} bytes.",
                             "headers_too_large")
@@ -207,6 +214,8 @@ class GuardedProtocol(asyncio.Protocol):
 
     def _start_arriving(self) -> None:
         self._arriving_bytes = 0
+        self._headers_done = False
+        self._header_tail = b""
         loop = asyncio.get_running_loop()
         self._timer = loop.call_later(self.guard.limits.read_timeout, self._timed_out)
         self.guard.start_arriving(self)
