@@ -1,6 +1,7 @@
-"""GGUF (llama architecture) -> Checkpoint: metadata to ModelSpec, tensors dequantized to float32
-under Hugging Face names, llama.cpp's rotary row permutation of attn_q/attn_k undone, and the
-tokenizer metadata converted to a `tokenizers` tokenizer.json."""
+"""GGUF (llama architecture) -> Checkpoint: metadata to ModelSpec, tensors under Hugging Face names
+(each dequantized to float32 when read, llama.cpp's rotary row permutation of attn_q/attn_k undone;
+every type gguf-py dequantizes, in any per-tensor mix), and the tokenizer metadata converted to a
+`tokenizers` tokenizer.json."""
 
 from __future__ import annotations
 
@@ -12,7 +13,10 @@ import torch
 
 from kiln.spec import ModelSpec, RopeScaling
 
-from .checkpoint_types import Checkpoint, TokenizerFiles, select_weights
+from .checkpoint_types import Checkpoint, LazyWeights, TokenizerFiles, select_weights
+from .tensor_files import GgufTensor, unpermute_rotary_rows
+
+__all__ = ["load_gguf", "unpermute_rotary_rows"]
 
 SUPPORTED_GGUF_ARCHITECTURES = ("llama",)
 # Large arrays the tokenizer converter reads itself; the metadata dict leaves them out.
@@ -49,32 +53,43 @@ def load_gguf(path: Path) -> Checkpoint:
         )
     shapes = {t.name: tuple(int(d) for d in reversed(t.shape.tolist())) for t in reader.tensors}
     spec = _spec_from_metadata(metadata, shapes, path)
-    try:
-        raw = {t.name: _dequantize(t) for t in reader.tensors}
-    except Exception as exc:
-        raise ValueError(f"{path}: truncated or corrupt GGUF tensor data ({_first_line(exc)})") from None
-    freqs = raw.pop("rope_freqs.weight", None)
+    sources = _tensor_sources(reader, path, shapes, spec)
+    del reader  # and its memory map: the tensors are read with file reads (tensor_files.py)
+    freqs = sources.pop("rope_freqs.weight", None)
     if freqs is not None:
-        spec = _with_llama3_scaling(spec, freqs, path)
-    weights = {_hf_name(name, path): tensor for name, tensor in raw.items()}
-    for layer in range(spec.num_layers):
-        for proj, heads in (("q_proj", spec.num_heads), ("k_proj", spec.num_kv_heads)):
-            for kind in ("weight", "bias"):
-                name = f"model.layers.{layer}.self_attn.{proj}.{kind}"
-                if name in weights:
-                    weights[name] = unpermute_rotary_rows(weights[name], heads)
+        spec = _with_llama3_scaling(spec, _read(freqs, path), path)
+    weights = LazyWeights({_hf_name(name, path): source for name, source in sources.items()})
     weights = select_weights(spec, weights, str(path))
     return Checkpoint(spec=spec, weights=weights, tokenizer=_tokenizer(path, metadata), source=str(path))
 
 
-def unpermute_rotary_rows(w: torch.Tensor, num_heads: int) -> torch.Tensor:
-    """Undo llama.cpp's convert permutation of q/k rows (interleaved pairs -> HF rotate_half halves).
+def _tensor_sources(reader, path: Path, shapes: dict[str, tuple[int, ...]], spec: ModelSpec) -> dict[str, GgufTensor]:
+    """Where each tensor's blocks lie; q/k rows get llama.cpp's rotary permutation undone when read."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import _type_traits
 
-    llama.cpp stores ``w.reshape(H, 2, D/2, ...).swapaxes(1, 2)``; this is its inverse.
-    """
-    rows = w.shape[0]
-    half = rows // num_heads // 2
-    return w.reshape(num_heads, half, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape).contiguous()
+    size = path.stat().st_size
+    heads = {"attn_q": spec.num_heads, "attn_k": spec.num_kv_heads}
+    plain = (GGMLQuantizationType.F32, GGMLQuantizationType.F16)
+    sources = {}
+    for t in reader.tensors:
+        offset, nbytes, qtype = int(t.data_offset), int(t.n_bytes), GGMLQuantizationType(int(t.tensor_type))
+        if qtype not in plain and qtype not in _type_traits:
+            raise ValueError(f"{path}: tensor {t.name} is {qtype.name}, which gguf-py cannot dequantize")
+        if offset + nbytes > size:
+            raise ValueError(f"{path}: truncated or corrupt GGUF tensor data ({t.name} ends at byte "
+                             f"{offset + nbytes}, the file has {size})")
+        match = _BLOCK_RE.match(t.name)
+        rotary = heads.get(match.group(2), 0) if match else 0
+        sources[t.name] = GgufTensor(path, offset, nbytes, int(qtype), shapes[t.name], rotary)
+    return sources
+
+
+def _read(source: GgufTensor, path: Path) -> torch.Tensor:
+    try:
+        return source.read()
+    except (ValueError, OSError) as exc:
+        raise ValueError(f"{path}: truncated or corrupt GGUF tensor data ({_first_line(exc)})") from None
 
 
 def _open(path: Path):
@@ -186,15 +201,6 @@ def _with_llama3_scaling(spec: ModelSpec, freqs: torch.Tensor, path: Path) -> Mo
             if torch.allclose(base / scaled, freqs, rtol=1e-3):
                 return dataclasses.replace(spec, rope_scaling=scaling)
     raise ValueError(f"{path}: rope_freqs does not match any llama3 rope scaling kiln can express")
-
-
-def _dequantize(tensor) -> torch.Tensor:
-    from gguf import dequantize
-
-    array = dequantize(tensor.data, tensor.tensor_type)
-    shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
-    array = np.asarray(array, dtype=np.float32).reshape(shape)
-    return torch.from_numpy(array if array.flags.writeable else array.copy())
 
 
 def _hf_name(name: str, path: Path) -> str:
