@@ -13,7 +13,7 @@ read for real: they are small, and the exporter's rewrite rules may look at thei
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -44,6 +44,24 @@ def placeholder_weights(weights: Mapping[str, torch.Tensor]) -> tuple[dict[str, 
     return state, placeholders
 
 
+class MatrixRows(ir.LazyTensor):
+    """A lazy ``W^T [K, N]`` initializer (a linear's weight as a MatMul reads it) whose ``W [N, K]`` can also be
+    read directly: the quantizers want W, and a transposed copy of a large matrix is memory a build need not
+    hold. rows() returns W as float32, C-contiguous."""
+
+    __slots__ = ("_rows",)
+
+    def __init__(self, rows: Callable[[], np.ndarray], n: int, k: int, name: str | None = None) -> None:
+        self._rows = rows
+        super().__init__(self._transposed, ir.DataType.FLOAT, ir.Shape([k, n]), name=name)
+
+    def rows(self) -> np.ndarray:
+        return self._rows()
+
+    def _transposed(self) -> ir.Tensor:
+        return ir.tensor(np.ascontiguousarray(self._rows().T))
+
+
 class LazyInitializerError(RuntimeError):
     """The exporter did something with a weight other than keep or transpose it."""
 
@@ -70,8 +88,10 @@ def attach_lazy_weights(model: ir.Model, weights: Mapping[str, torch.Tensor],
         else:
             raise LazyInitializerError(f"initializer {value.name} views weight {placeholder.name} "
                                        f"{list(shape)} as {list(array.shape)} with strides {array.strides}")
-        value.const_value = ir.LazyTensor(_reader(weights, placeholder.name, transpose), ir.DataType.FLOAT,
-                                          ir.Shape(array.shape), name=tensor.name)
+        read = _reader(weights, placeholder.name)
+        value.const_value = (MatrixRows(read, *shape, name=tensor.name) if transpose else
+                             ir.LazyTensor(lambda read=read: ir.tensor(read()), ir.DataType.FLOAT, ir.Shape(shape),
+                                           name=tensor.name))
         swapped += 1
     _check_no_placeholder_left(model, placeholders)
     return swapped
@@ -87,10 +107,9 @@ def _backing_array(tensor: ir.TensorProtocol | None) -> np.ndarray | None:
     return raw if isinstance(raw, np.ndarray) else None
 
 
-def _reader(weights: Mapping[str, torch.Tensor], name: str, transpose: bool):
-    def read() -> ir.Tensor:
-        array = weights[name].numpy()
-        return ir.tensor(np.ascontiguousarray(array.T) if transpose else array)
+def _reader(weights: Mapping[str, torch.Tensor], name: str) -> Callable[[], np.ndarray]:
+    def read() -> np.ndarray:
+        return np.ascontiguousarray(weights[name].numpy(), dtype=np.float32)
     return read
 
 

@@ -25,7 +25,7 @@ _SAFETENSORS_DTYPES = {
     "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64,
 }
 _MAX_HEADER = 100 * 2**20  # the format's own limit on the JSON header
-_SLAB_BYTES = 64 * 2**20  # float32 output per dequantized slab of GGUF rows
+_SLAB_BYTES = 16 * 2**20  # float32 output per dequantized slab of GGUF rows (gguf-py's temporaries: ~6x that)
 
 
 def read_bytes(path: Path, offset: int, size: int) -> bytearray:

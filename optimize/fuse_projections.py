@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 import onnx_ir as ir
 
+from kiln.export.lazy_initializers import MatrixRows
 from kiln.optimize.quant.graph import MODULES_KEY, initializer, linear_modules, onnx_opset, unique_name
 
 
@@ -122,16 +123,28 @@ def _fuse(model: ir.Model, parts: list[_Part]) -> None:
 
 
 def _concatenated(model: ir.Model, name: str, weights: list[ir.TensorProtocol]) -> ir.Value:
-    """An initializer holding the weights side by side [K, sum N_i], computed when read (the parts are read
-    then, one fused matrix at a time: never the whole model's)."""
-    shape = ir.Shape([int(weights[0].shape[0]), sum(int(w.shape[1]) for w in weights)])
-
-    def concatenate() -> ir.TensorProtocol:
-        return ir.tensor(np.concatenate([w.numpy() for w in weights], axis=1))
-
+    """An initializer holding the weights side by side [K, sum N_i], computed when read, one part at a time into
+    the result (never the whole model's weights; a build's parts are lazy). Over checkpoint matrices the result
+    is MatrixRows too, so a quantizer reads the fused W [sum N_i, K] without a transposed copy."""
+    k, sizes = int(weights[0].shape[0]), [int(w.shape[1]) for w in weights]
+    shape = ir.Shape([k, sum(sizes)])
     value = ir.Value(name=name, shape=shape, type=ir.TensorType(ir.DataType.FLOAT))
     unique_name(model, value)
-    value.const_value = ir.LazyTensor(concatenate, ir.DataType.FLOAT, shape, name=value.name)
+    bounds = np.cumsum([0, *sizes])
+    if all(isinstance(w, MatrixRows) for w in weights):
+        def stacked_rows() -> np.ndarray:
+            out = np.empty((int(bounds[-1]), k), np.float32)
+            for w, start, end in zip(weights, bounds[:-1], bounds[1:], strict=True):
+                out[start:end] = w.rows()  # type: ignore[attr-defined]
+            return out
+        value.const_value = MatrixRows(stacked_rows, int(bounds[-1]), k, name=value.name)
+    else:
+        def side_by_side() -> ir.TensorProtocol:
+            out = np.empty((k, int(bounds[-1])), np.float32)
+            for w, start, end in zip(weights, bounds[:-1], bounds[1:], strict=True):
+                out[:, start:end] = w.numpy()
+            return ir.tensor(out)
+        value.const_value = ir.LazyTensor(side_by_side, ir.DataType.FLOAT, shape, name=value.name)
     model.graph.register_initializer(value)
     return value
 

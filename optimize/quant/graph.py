@@ -15,6 +15,8 @@ import numpy as np
 import onnx_ir as ir
 from onnx_ir.passes.common import RemoveUnusedNodesPass
 
+from kiln.export.lazy_initializers import MatrixRows
+
 
 @dataclass(frozen=True)
 class Linear:
@@ -46,8 +48,11 @@ class Linear:
     def weight(self) -> np.ndarray:
         """float32 [N, K], nn.Linear orientation, read from the initializer on every access (a build's
         initializers are lazy: read a linear's weight once, quantize it, let it go)."""
-        assert self.source.const_value is not None
-        array = self.source.const_value.numpy()
+        tensor = self.source.const_value
+        assert tensor is not None
+        if self.transposed and isinstance(tensor, MatrixRows):  # W itself: no transposed copy of W^T
+            return tensor.rows()
+        array = tensor.numpy()
         return np.ascontiguousarray(array.T if self.transposed else array, dtype=np.float32)
 
 
