@@ -38,6 +38,9 @@ class LazyWeights(Mapping[str, torch.Tensor]):
     def __getitem__(self, name: str) -> torch.Tensor:
         return self._sources[name].read().to(torch.float32).contiguous()
 
+    def __contains__(self, name: object) -> bool:  # Mapping's would read the tensor
+        return name in self._sources
+
     def __iter__(self) -> Iterator[str]:
         return iter(self._sources)
 
