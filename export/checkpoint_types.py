@@ -8,12 +8,61 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from functools import cached_property
+from typing import Protocol
 
 import torch
 
 from kiln.spec import ModelSpec
+
+
+class TensorSource(Protocol):
+    """A tensor in a file, read on demand (export/tensor_files.py)."""
+
+    @property
+    def shape(self) -> tuple[int, ...]: ...
+
+    def read(self) -> torch.Tensor: ...
+
+
+class LazyWeights(Mapping[str, torch.Tensor]):
+    """Weights read from their files when asked for, as float32, and never cached: a build asks for each
+    tensor about once and drops it, so the model's fp32 weights never exist in memory together.
+    dict(weights) (what calibration does) reads them all."""
+
+    def __init__(self, sources: Mapping[str, TensorSource]) -> None:
+        self._sources = dict(sources)
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self._sources[name].read().to(torch.float32).contiguous()
+
+    def __contains__(self, name: object) -> bool:  # Mapping's would read the tensor
+        return name in self._sources
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._sources)
+
+    def __len__(self) -> int:
+        return len(self._sources)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._sources[name].shape)
+
+    def sources(self) -> dict[str, TensorSource]:
+        """Where each weight is read from (for views that read parts of a tensor, e.g. fused projections)."""
+        return dict(self._sources)
+
+    def subset(self, names: list[str]) -> LazyWeights:
+        return LazyWeights({name: self._sources[name] for name in names})
+
+
+def weight_shape(weights: Mapping[str, torch.Tensor], name: str) -> tuple[int, ...]:
+    """A weight's shape without reading it when the weights are lazy."""
+    if isinstance(weights, LazyWeights):
+        return weights.shape(name)
+    return tuple(weights[name].shape)
 
 
 @dataclass(frozen=True)
@@ -25,7 +74,7 @@ class TokenizerFiles:
 @dataclass(frozen=True, eq=False)
 class Checkpoint:
     spec: ModelSpec
-    weights: dict[str, torch.Tensor] = field(repr=False)  # float32, HF parameter names
+    weights: Mapping[str, torch.Tensor] = field(repr=False)  # float32, HF parameter names; LazyWeights from files
     tokenizer: TokenizerFiles | None = field(repr=False)
     source: str
 
@@ -95,8 +144,9 @@ def expected_weight_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def select_weights(spec: ModelSpec, weights: dict[str, torch.Tensor], source: str) -> dict[str, torch.Tensor]:
-    """Check names and shapes against the spec; keep exactly the expected ones, as float32."""
+def select_weights(spec: ModelSpec, weights: Mapping[str, torch.Tensor], source: str) -> Mapping[str, torch.Tensor]:
+    """Check names and shapes against the spec; keep exactly the expected ones, as float32 (lazy weights stay
+    lazy: their shapes come from the files' headers)."""
     shapes = expected_weight_shapes(spec)
     names = expected_weight_names(spec)
     missing = [n for n in names if n not in weights]
@@ -111,12 +161,10 @@ def select_weights(spec: ModelSpec, weights: dict[str, torch.Tensor], source: st
     if unexpected:
         more = f" (and {len(unexpected) - 3} more)" if len(unexpected) > 3 else ""
         raise ValueError(f"{source}: unsupported weights {', '.join(unexpected[:3])}{more}")
-    selected = {}
     for name in names:
-        tensor = weights[name]
-        if tuple(tensor.shape) != shapes[name]:
-            raise ValueError(
-                f"{source}: {name} has shape {tuple(tensor.shape)}, the config implies {shapes[name]}"
-            )
-        selected[name] = tensor.to(torch.float32).contiguous()
-    return selected
+        shape = weight_shape(weights, name)
+        if shape != shapes[name]:
+            raise ValueError(f"{source}: {name} has shape {shape}, the config implies {shapes[name]}")
+    if isinstance(weights, LazyWeights):
+        return weights.subset(names)
+    return {name: weights[name].to(torch.float32).contiguous() for name in names}

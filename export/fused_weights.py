@@ -8,18 +8,27 @@ the order transformers' ``chunk(2)`` reads them in). Both Hugging Face and GGUF 
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 
 from kiln.spec import ModelSpec
 
+from .checkpoint_types import LazyWeights
+from .tensor_files import RowSlice
+
 _FUSED = re.compile(r"^(model\.layers\.\d+\.)(self_attn\.qkv_proj|mlp\.gate_up_proj)\.(weight|bias)$")
 
 
-def split_fused_projections(spec: ModelSpec, weights: dict[str, torch.Tensor], source: str) -> dict[str, torch.Tensor]:
-    """weights with every fused qkv_proj / gate_up_proj replaced by its parts (others untouched)."""
-    out: dict[str, torch.Tensor] = {}
-    for name, tensor in weights.items():
+def split_fused_projections(spec: ModelSpec, weights: Mapping[str, torch.Tensor], source: str
+                            ) -> Mapping[str, torch.Tensor]:
+    """weights with every fused qkv_proj / gate_up_proj replaced by its parts (others untouched). Lazy
+    weights stay lazy: each part is a view that reads its rows of the fused tensor when asked for."""
+    lazy = isinstance(weights, LazyWeights)
+    items: Mapping[str, Any] = weights.sources() if isinstance(weights, LazyWeights) else weights
+    out: dict[str, Any] = {}
+    for name, tensor in items.items():
         match = _FUSED.match(name)
         if match is None:
             out[name] = tensor
@@ -34,6 +43,8 @@ def split_fused_projections(spec: ModelSpec, weights: dict[str, torch.Tensor], s
         if tensor.shape[0] != rows:
             split = " + ".join(f"{part.rsplit('.', 1)[-1]} {size}" for part, size in parts.items())
             raise ValueError(f"{source}: {name} has {tensor.shape[0]} rows, the config implies {rows} ({split})")
-        for part, piece in zip(parts, torch.split(tensor, list(parts.values())), strict=True):
-            out[f"{prefix}{part}.{kind}"] = piece
-    return out
+        start = 0
+        for part, size in parts.items():
+            out[f"{prefix}{part}.{kind}"] = RowSlice(tensor, start, size) if lazy else tensor[start:start + size]
+            start += size
+    return LazyWeights(out) if lazy else out

@@ -28,8 +28,6 @@ import torch
 
 from kiln.spec import SUPPORTED_GGUF_ARCHITECTURES, ModelSpec, RopeScaling, supported_architectures_sentence
 
-from .fused_weights import split_fused_projections
-
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -74,15 +72,15 @@ class GgufArchitecture:
         freqs = rope.get("rope_freqs.weight")
         return _with_llama3_scaling(spec, freqs, path) if freqs is not None else spec
 
-    def hf_tensors(self, name: str, tensor: torch.Tensor, spec: ModelSpec, path: Path) -> dict[str, torch.Tensor]:
-        """The Hugging Face tensor(s) one GGUF tensor holds: renamed, un-permuted, fused ones split."""
-        hf_name = self._hf_name(name, path)
-        if self.permutes_rotary_rows and re.search(r"\.self_attn\.[qk]_proj\.", hf_name):
-            heads = spec.num_heads if ".q_proj." in hf_name else spec.num_kv_heads
-            tensor = unpermute_rotary_rows(tensor, heads)
-        return split_fused_projections(spec, {hf_name: tensor}, str(path))
+    def rotary_heads(self, name: str, spec: ModelSpec) -> int:
+        """The heads whose rows llama.cpp permuted in this GGUF tensor (attn_q / attn_k of llama), else 0."""
+        match = _BLOCK_RE.match(name)
+        if not self.permutes_rotary_rows or match is None:
+            return 0
+        return {"attn_q": spec.num_heads, "attn_k": spec.num_kv_heads}.get(match.group(2), 0)
 
-    def _hf_name(self, name: str, path: Path) -> str:
+    def hf_name(self, name: str, path: Path) -> str:
+        """The Hugging Face name of a GGUF tensor (fused ones split later: export/fused_weights.py)."""
         if name in _GLOBAL_NAMES:
             return _GLOBAL_NAMES[name]
         match = _BLOCK_RE.match(name)
@@ -106,16 +104,6 @@ def gguf_architecture(name: object, path: Path) -> GgufArchitecture:
     if not isinstance(name, str) or name not in GGUF_ARCHITECTURES:
         raise ValueError(f"{path}: unsupported GGUF architecture {name!r}; {supported_architectures_sentence()}")
     return GGUF_ARCHITECTURES[name]
-
-
-def unpermute_rotary_rows(w: torch.Tensor, num_heads: int) -> torch.Tensor:
-    """Undo llama.cpp's convert permutation of q/k rows (interleaved pairs -> HF rotate_half halves).
-
-    llama.cpp stores ``w.reshape(H, 2, D/2, ...).swapaxes(1, 2)``; this is its inverse.
-    """
-    rows = w.shape[0]
-    half = rows // num_heads // 2
-    return w.reshape(num_heads, half, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape).contiguous()
 
 
 def _first_line(exc: Exception) -> str:

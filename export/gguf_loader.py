@@ -1,16 +1,19 @@
-"""GGUF -> Checkpoint: metadata to ModelSpec, tensors dequantized to float32 under Hugging Face names
-(what each architecture's conversion changed undone by export/gguf_architectures.py), and the
-tokenizer metadata converted to a `tokenizers` tokenizer.json."""
+"""GGUF -> Checkpoint: metadata to ModelSpec, tensors under Hugging Face names, each read from the file
+and dequantized to float32 only when asked for (every type gguf-py dequantizes, in any per-tensor mix; what
+each architecture's conversion changed is undone by export/gguf_architectures.py), and the tokenizer
+metadata converted to a `tokenizers` tokenizer.json."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
-import numpy as np
 import torch
 
-from .checkpoint_types import Checkpoint, TokenizerFiles, select_weights
-from .gguf_architectures import ROPE_TENSORS, gguf_architecture
+from .checkpoint_types import Checkpoint, LazyWeights, TokenizerFiles, select_weights
+from .fused_weights import split_fused_projections
+from .gguf_architectures import ROPE_TENSORS, GgufArchitecture, gguf_architecture
+from .tensor_files import GgufTensor
 
 # Large arrays the tokenizer converter reads itself; the metadata dict leaves them out.
 _TOKENIZER_ARRAYS = (
@@ -23,16 +26,47 @@ def load_gguf(path: Path) -> Checkpoint:
     metadata = _metadata(reader, path)
     architecture = gguf_architecture(metadata.get("general.architecture"), path)
     shapes = {t.name: tuple(int(d) for d in reversed(t.shape.tolist())) for t in reader.tensors}
-    try:
-        raw = {t.name: _dequantize(t) for t in reader.tensors}
-    except Exception as exc:
-        raise ValueError(f"{path}: truncated or corrupt GGUF tensor data ({_first_line(exc)})") from None
-    spec = architecture.spec(metadata, shapes, {n: raw.pop(n) for n in ROPE_TENSORS if n in raw}, path)
-    weights = {}
-    for name, tensor in raw.items():
-        weights.update(architecture.hf_tensors(name, tensor, spec, path))
+    sources = _tensor_sources(reader, path, shapes)
+    del reader  # and its memory map: the tensors are read with file reads (tensor_files.py)
+    rope = {name: _read(sources.pop(name), path) for name in ROPE_TENSORS if name in sources}
+    spec = architecture.spec(metadata, shapes, rope, path)
+    hf_sources = {architecture.hf_name(name, path): _with_rotary(architecture, name, source, spec)
+                  for name, source in sources.items()}
+    weights = split_fused_projections(spec, LazyWeights(hf_sources), str(path))
     weights = select_weights(spec, weights, str(path))
     return Checkpoint(spec=spec, weights=weights, tokenizer=_tokenizer(path, metadata), source=str(path))
+
+
+def _tensor_sources(reader, path: Path, shapes: dict[str, tuple[int, ...]]) -> dict[str, GgufTensor]:
+    """Where each tensor's blocks lie (checked against the file's size and gguf-py's types)."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import _type_traits
+
+    size = path.stat().st_size
+    plain = (GGMLQuantizationType.F32, GGMLQuantizationType.F16)
+    sources = {}
+    for t in reader.tensors:
+        offset, nbytes, qtype = int(t.data_offset), int(t.n_bytes), GGMLQuantizationType(int(t.tensor_type))
+        if qtype not in plain and qtype not in _type_traits:
+            raise ValueError(f"{path}: tensor {t.name} is {qtype.name}, which gguf-py cannot dequantize")
+        if offset + nbytes > size:
+            raise ValueError(f"{path}: truncated or corrupt GGUF tensor data ({t.name} ends at byte "
+                             f"{offset + nbytes}, the file has {size})")
+        sources[t.name] = GgufTensor(path, offset, nbytes, int(qtype), shapes[t.name])
+    return sources
+
+
+def _with_rotary(architecture: GgufArchitecture, name: str, source: GgufTensor, spec) -> GgufTensor:
+    """q/k rows get llama.cpp's rotary permutation undone when read (the architectures that permuted them)."""
+    heads = architecture.rotary_heads(name, spec)
+    return dataclasses.replace(source, rotary_heads=heads) if heads else source
+
+
+def _read(source: GgufTensor, path: Path) -> torch.Tensor:
+    try:
+        return source.read()
+    except (ValueError, OSError) as exc:
+        raise ValueError(f"{path}: truncated or corrupt GGUF tensor data ({_first_line(exc)})") from None
 
 
 def _open(path: Path):
@@ -59,15 +93,6 @@ def _metadata(reader, path: Path) -> dict:
         except Exception as exc:
             raise ValueError(f"{path}: unreadable GGUF metadata {key!r} ({_first_line(exc)})") from None
     return values
-
-
-def _dequantize(tensor) -> torch.Tensor:
-    from gguf import dequantize
-
-    array = dequantize(tensor.data, tensor.tensor_type)
-    shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
-    array = np.asarray(array, dtype=np.float32).reshape(shape)
-    return torch.from_numpy(array if array.flags.writeable else array.copy())
 
 
 def _tokenizer(path: Path, md: dict) -> TokenizerFiles | None:

@@ -3,7 +3,9 @@
 The graph takes ``input_ids [1, T]`` and ``position_ids [1, T]`` int64 (T dynamic) and
 returns ``logits [1, T, V]`` float32; attention stays a recognisable
 matmul -> scale -> +mask -> softmax -> matmul subgraph for kiln.optimize to fuse.
-Weights go to ``<name>.data`` (external data) beside the graph.
+``export_model`` returns the graph in memory with its weight matrices as lazy initializers
+(export/lazy_initializers.py: the trace never holds the weights); ``export_onnx`` writes it,
+weights to ``<name>.data`` (external data) beside the graph, one tensor at a time.
 """
 
 from __future__ import annotations
@@ -16,11 +18,13 @@ from collections.abc import Callable
 from contextlib import redirect_stdout
 from pathlib import Path
 
+import onnx_ir as ir
 import torch
 from tqdm import tqdm
 
 from kiln import contract
 from kiln.export.checkpoint_types import Checkpoint
+from kiln.export.lazy_initializers import as_if_loaded, attach_lazy_weights, placeholder_weights
 from kiln.export.progress import progress_bar
 from kiln.export.reference import ReferenceModel
 
@@ -34,8 +38,20 @@ def export_onnx(checkpoint: Checkpoint, out_path: str | Path, progress: Progress
     """Write the raw graph (+ external weights) to out_path; returns out_path."""
     out_path = Path(out_path)
     out_path.parent.mkdir(parents=True, exist_ok=True)
+    model = export_model(checkpoint, progress)
+    data = out_path.with_name(out_path.name + ".data")
+    for path in (out_path, data):
+        if path.exists():
+            path.unlink()
+    ir.save(model, out_path, external_data=data.name)
+    return out_path
+
+
+def export_model(checkpoint: Checkpoint, progress: Progress | None = None) -> ir.Model:
+    """The raw graph, its weight matrices read from the checkpoint only when a pass or writer asks."""
     say = progress or (lambda _msg: None)
-    model = ReferenceModel.from_checkpoint(checkpoint).eval()
+    state, placeholders = placeholder_weights(checkpoint.weights)
+    model = ReferenceModel(checkpoint.spec, state).eval()
     input_ids = torch.zeros((1, _EXAMPLE_TOKENS), dtype=torch.int64)
     position_ids = torch.arange(_EXAMPLE_TOKENS, dtype=torch.int64)[None]
     tokens = torch.export.Dim("T", min=1)  # no max: a packed step may exceed max_position_embeddings
@@ -61,15 +77,11 @@ def export_onnx(checkpoint: Checkpoint, out_path: str | Path, progress: Progress
             for hook in hooks:
                 hook.remove()
         say(f"traced in {time.perf_counter() - start:.1f}s")
-        if out_path.exists():
-            out_path.unlink()
-        data = out_path.with_name(out_path.name + ".data")
-        if data.exists():
-            data.unlink()
-        bar.set_postfix_str("save")
-        program.save(str(out_path), external_data=True)
+        bar.set_postfix_str("lazy weights")
+        attach_lazy_weights(program.model, checkpoint.weights, placeholders)
+        model = as_if_loaded(program.model)
         bar.update(1)
-    return out_path
+    return model
 
 
 # The exporter's phases after tracing, as its verbose output names them ("[torch.onnx] <phase>... ✅").

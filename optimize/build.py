@@ -1,4 +1,8 @@
-"""build_engine: checkpoint -> raw.onnx -> optimized graph -> engine directory + manifest.
+"""build_engine: checkpoint -> exported graph -> optimized graph -> engine directory + manifest.
+
+The exported graph stays in memory with lazy weight initializers (export/lazy_initializers.py): a pass
+reads a weight when it needs it, quantization keeps only the quantized tensors, and the engine writer
+reads each remaining float tensor as it writes it, so the model's fp32 weights never exist at once.
 
     kiln build MODEL -o DIR      (cli/commands.py)
 
@@ -8,7 +12,9 @@ fired. The result is loaded once in ONNX Runtime with the kiln op library before
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
+import gc
 import importlib.util
 import json
 import os
@@ -74,7 +80,7 @@ def build_engine(
     _check_backend(options, backend)
     out_dir = Path(out_dir)
     _check_out_dir(out_dir)
-    from kiln.export.onnx_export import export_onnx
+    from kiln.export.onnx_export import export_model
 
     with _stage(say, "load checkpoint"):
         checkpoint = _load_checkpoint(model_path)
@@ -97,43 +103,41 @@ def build_engine(
     staging = out_dir.parent / f".{out_dir.name}.building-{os.getpid()}-{secrets.token_hex(4)}"
     staging.mkdir()  # not mkdtemp: the engine dir gets the umask's permissions, not 0700
     try:
-        with tempfile.TemporaryDirectory(prefix="kiln-build-") as work:
-            raw_path = Path(work) / "raw.onnx"
-            with _stage(say, "export onnx"):
-                export_onnx(dataclasses.replace(checkpoint, spec=spec), raw_path, say)
-            with _stage(say, "optimize"):
-                model = ir.load(raw_path)
-                attention = AttentionConfig(options.kv_dtype, options.block_size, spec.sliding_window, kv_scales,
-                                            rotary_positions=options.max_seq_len)
-                counts = optimize_model(model, attention)
-                counts.update(_lower(model, backend))
-                for name, count in counts.items():
-                    say(f"  {name}: fired {count}x")
-                _check_counts(counts, spec.num_layers)
-                if heads is not None:
-                    try:
-                        if heads.kind == "hydra":
-                            attach_hidden(model)
-                            say(f"  attach_hidden: the final norm's output at medusa_indices, for {heads.num_heads} "
-                                "hydra heads")
-                        else:
-                            say(f"  attach_medusa: {attach_medusa(model, *heads.arrays())} heads")
-                    except MedusaGraphError as exc:
-                        raise BuildError(str(exc)) from exc
-            if options.quantization.method is not QuantMethod.NONE:
-                with _stage(say, f"quantize {options.quantization}"):
-                    try:
-                        quantize_model(model, options.quantization, options.lm_head, say, int8_modules)
-                    except QuantizationError as exc:
-                        raise BuildError(str(exc)) from exc
-            with _stage(say, "write engine"):
-                _save_graph(model, staging)
-                _write_tokenizer(checkpoint, staging)
-                if draft is not None:
-                    say(f"  {save_draft_graph(draft, staging).name}: the hydra heads' chain")
+        with _stage(say, "export onnx"):
+            model = export_model(dataclasses.replace(checkpoint, spec=spec), say)
+        with _stage(say, "optimize"):
+            attention = AttentionConfig(options.kv_dtype, options.block_size, spec.sliding_window, kv_scales,
+                                        rotary_positions=options.max_seq_len)
+            counts = optimize_model(model, attention)
+            counts.update(_lower(model, backend))
+            for name, count in counts.items():
+                say(f"  {name}: fired {count}x")
+            _check_counts(counts, spec.num_layers)
+            if heads is not None:
+                try:
+                    if heads.kind == "hydra":
+                        attach_hidden(model)
+                        say(f"  attach_hidden: the final norm's output at medusa_indices, for {heads.num_heads} "
+                            "hydra heads")
+                    else:
+                        say(f"  attach_medusa: {attach_medusa(model, *heads.arrays())} heads")
+                except MedusaGraphError as exc:
+                    raise BuildError(str(exc)) from exc
+        if options.quantization.method is not QuantMethod.NONE:
+            with _stage(say, f"quantize {options.quantization}"):
+                try:
+                    quantize_model(model, options.quantization, options.lm_head, say, int8_modules)
+                except QuantizationError as exc:
+                    raise BuildError(str(exc)) from exc
+        with _stage(say, "write engine"):
+            _save_graph(model, staging)
+            _write_tokenizer(checkpoint, staging)
+            if draft is not None:
+                say(f"  {save_draft_graph(draft, staging).name}: the hydra heads' chain")
         graph_inputs = tuple(v.name for v in model.graph.inputs)
         graph_outputs = tuple(v.name for v in model.graph.outputs)
         del model
+        _release_memory()  # the graph's quantized weights go before onnxruntime loads the engine
         manifest = Manifest(
             spec=spec, build=options, backend=backend, graph_inputs=graph_inputs,
             graph_outputs=graph_outputs, medusa=None if heads is None else heads.spec(),
@@ -162,8 +166,18 @@ def _write_failure(exc: OSError, out_dir: Path) -> str:
             places.append(f"{shutil.disk_usage(place).free / 2**30:.1f} GiB free in {place}")
         except OSError:
             continue
-    return (f"writing the engine failed ({exc}); {', '.join(places)} (the build writes an fp32 export, 4 bytes per "
-            "parameter, besides the engine)")
+    return f"writing the engine failed ({exc}); {', '.join(places)}"
+
+
+def _release_memory() -> None:
+    """Free what the dropped graph held (the IR's cycles need the collector) and hand the freed heap back to the
+    system (glibc keeps it otherwise), so verifying does not stack onnxruntime's copy of the engine on the
+    build's: the peak of an 8B build is then one engine, not two."""
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: its allocator keeps what it keeps
+        pass
 
 
 def verify_engine(engine_dir: str | Path) -> None:

@@ -18,15 +18,24 @@ from dataclasses import dataclass
 import numpy as np
 import onnx_ir as ir
 
-from kiln.optimize.quant.graph import MODULES_KEY, initializer, linear_modules, onnx_opset
+from kiln.export.lazy_initializers import MatrixRows
+from kiln.optimize.quant.graph import MODULES_KEY, initializer, linear_modules, onnx_opset, unique_name
 
 
 @dataclass(frozen=True)
 class _Part:
     matmul: ir.Node
-    weight: np.ndarray  # float32 [K, N_i], the MatMul's orientation
+    weight: ir.TensorProtocol  # float32 [K, N_i], the MatMul's orientation (lazy in a build: not read here)
     bias_add: ir.Node | None
     bias: np.ndarray | None  # float32 [N_i]
+
+    @property
+    def k(self) -> int:
+        return int(self.weight.shape[0])
+
+    @property
+    def n(self) -> int:
+        return int(self.weight.shape[1])
 
     @property
     def output(self) -> ir.Value:
@@ -45,7 +54,7 @@ def fuse_projections(model: ir.Model) -> int:
     for parts in groups.values():
         by_k: dict[int, list[_Part]] = {}
         for part in parts:
-            by_k.setdefault(part.weight.shape[0], []).append(part)
+            by_k.setdefault(part.k, []).append(part)
         for same_k in by_k.values():
             if len(same_k) >= 2:
                 _fuse(model, same_k)
@@ -68,10 +77,12 @@ def _as_part(node: ir.Node) -> _Part | None:
     """node as a fusable linear: a MatMul of an activation by a constant [K, N] float32 initializer."""
     if not _is_default(node, "MatMul") or node.inputs[0] is None or node.inputs[0].const_value is not None:
         return None
-    weight = _float_const(node.inputs[1], rank=2)
-    if weight is None or node.outputs[0].is_graph_output():
+    weight = node.inputs[1].const_value if node.inputs[1] is not None else None
+    if weight is None or weight.dtype != ir.DataType.FLOAT or len(weight.shape) != 2:
         return None
-    bias_add, bias = _bias_of(node.outputs[0], weight.shape[1])
+    if node.outputs[0].is_graph_output():
+        return None
+    bias_add, bias = _bias_of(node.outputs[0], int(weight.shape[1]))
     return _Part(node, weight, bias_add, bias)
 
 
@@ -90,17 +101,17 @@ def _fuse(model: ir.Model, parts: list[_Part]) -> None:
     """One MatMul (+ bias Add) over the concatenated weight, split back into the parts' outputs."""
     first = parts[0].matmul
     prefix = f"{first.inputs[1].name}.fused"  # initializer names: unique, the first part's weight + suffix
-    weight = initializer(model, prefix, np.concatenate([p.weight for p in parts], axis=1))
+    weight = _concatenated(model, prefix, [p.weight for p in parts])
     matmul = ir.node("MatMul", [first.inputs[0], weight], name=f"{first.name}.fused")
     modules = [m for p in parts for m in linear_modules(p.matmul)]
     if modules:  # the quantization passes find a linear by module name (int8 fallback)
         matmul.metadata_props[MODULES_KEY] = ",".join(modules)
     nodes, fused = [matmul], matmul.outputs[0]
     if any(p.bias is not None for p in parts):
-        biases = [p.bias if p.bias is not None else np.zeros(p.weight.shape[1], np.float32) for p in parts]
+        biases = [p.bias if p.bias is not None else np.zeros(p.n, np.float32) for p in parts]
         add = ir.node("Add", [fused, initializer(model, f"{prefix}.bias", np.concatenate(biases))])
         nodes, fused = [*nodes, add], add.outputs[0]
-    sizes = np.array([p.weight.shape[1] for p in parts], np.int64)
+    sizes = np.array([p.n for p in parts], np.int64)
     outputs = [p.output for p in parts]
     split = _split(model, fused, sizes, f"{prefix}.split")
     for node in nodes:  # the fused [..., sum N_i] keeps the parts' dtype and leading dims
@@ -109,6 +120,33 @@ def _fuse(model: ir.Model, parts: list[_Part]) -> None:
     old_nodes = [n for p in parts for n in (p.matmul, p.bias_add) if n is not None]
     ir.convenience.replace_nodes_and_values(model.graph, first, old_nodes, [*nodes, split], outputs,
                                             list(split.outputs))
+
+
+def _concatenated(model: ir.Model, name: str, weights: list[ir.TensorProtocol]) -> ir.Value:
+    """An initializer holding the weights side by side [K, sum N_i], computed when read, one part at a time into
+    the result (never the whole model's weights; a build's parts are lazy). Over checkpoint matrices the result
+    is MatrixRows too, so a quantizer reads the fused W [sum N_i, K] without a transposed copy."""
+    k, sizes = int(weights[0].shape[0]), [int(w.shape[1]) for w in weights]
+    shape = ir.Shape([k, sum(sizes)])
+    value = ir.Value(name=name, shape=shape, type=ir.TensorType(ir.DataType.FLOAT))
+    unique_name(model, value)
+    bounds = np.cumsum([0, *sizes])
+    if all(isinstance(w, MatrixRows) for w in weights):
+        def stacked_rows() -> np.ndarray:
+            out = np.empty((int(bounds[-1]), k), np.float32)
+            for w, start, end in zip(weights, bounds[:-1], bounds[1:], strict=True):
+                out[start:end] = w.rows()  # type: ignore[attr-defined]
+            return out
+        value.const_value = MatrixRows(stacked_rows, int(bounds[-1]), k, name=value.name)
+    else:
+        def side_by_side() -> ir.TensorProtocol:
+            out = np.empty((k, int(bounds[-1])), np.float32)
+            for w, start, end in zip(weights, bounds[:-1], bounds[1:], strict=True):
+                out[:, start:end] = w.numpy()
+            return ir.tensor(out)
+        value.const_value = ir.LazyTensor(side_by_side, ir.DataType.FLOAT, shape, name=value.name)
+    model.graph.register_initializer(value)
+    return value
 
 
 def _split(model: ir.Model, fused: ir.Value, sizes: np.ndarray, name: str) -> ir.Node:

@@ -84,8 +84,8 @@ def prepare_checkpoint(checkpoint, scheme: QuantScheme, calibration: Path | None
         folded = apply_artifact(checkpoint, artifact)
     except CalibrationError as exc:
         raise QuantizationError(str(exc)) from exc
-    if progress:
-        progress(f"folded {artifact.method} scales from {calibration}")
+    if progress:  # the folded weights are a dict in memory: a calibrated build is not streamed
+        progress(f"folded {artifact.method} scales from {calibration} (all weights in memory as fp32)")
     return folded
 
 

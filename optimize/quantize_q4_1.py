@@ -24,12 +24,13 @@ def quantize_q4_1_pass(model: ir.Model, int4_lm_head: bool = False) -> int:
     """Rewrite every linear MatMul in place; return how many were converted."""
     linears = find_linears(model)
     for lin in track(linears, "quantize q4_1", "linear"):
-        if (is_lm_head(lin) and not int4_lm_head) or lin.weight.shape[1] % BLOCK:
-            node = make_matmul_nbits(model, lin.activation, per_channel_as_groups(lin.weight, 128),
+        weight = lin.weight  # read once: the build's initializers are lazy
+        if (is_lm_head(lin) and not int4_lm_head) or lin.shape[1] % BLOCK:
+            node = make_matmul_nbits(model, lin.activation, per_channel_as_groups(weight, 128),
                                      f"{lin.weight_name}.int8", lin.bias)
             ensure_opset(model, MS_DOMAIN)
         else:
-            qs, dm = quantize_q4_1(lin.weight).pack()
+            qs, dm = quantize_q4_1(weight).pack()
             inputs = [lin.activation, initializer(model, f"{lin.weight_name}.q4_1.qs", qs),
                       initializer(model, f"{lin.weight_name}.q4_1.dm", dm)]
             node = ir.node(OP_TYPE, inputs + ([lin.bias] if lin.bias is not None else []), domain=OP_DOMAIN,

@@ -34,7 +34,7 @@ from kiln.contract import LOGITS, OP_DOMAIN
 from kiln.quant_scheme import RESCORED_HEAD_MAX_ROWS
 from kiln.rescore_logits import OP_TYPE as RESCORE_OP
 
-from .quant.graph import ensure_opset, find_linears, initializer, is_lm_head
+from .quant.graph import Linear, ensure_opset, find_linears, initializer, is_lm_head
 from .quant.nbits import make_matmul_nbits
 from .quant.rtn import per_channel_as_groups, quantize_groupwise
 from .quantize_embedding import BLOCK_SIZE, TABLE_KEY
@@ -48,10 +48,22 @@ _SHAPE_ONLY = ("Squeeze", "Unsqueeze", "Reshape", "Identity", "Flatten")
 
 @dataclass(frozen=True)
 class HeadRows:
-    """The LM head's float weight [V, D] and the initializer it came from (the embedding table when tied)."""
+    """The LM head's float linear (the embedding table behind it when tied); its weight [V, D] is read from the
+    initializer when asked, which stays readable after the scheme's pass has replaced the head."""
 
-    weight: np.ndarray
-    source: str
+    linear: Linear
+
+    @property
+    def weight(self) -> np.ndarray:
+        return self.linear.weight
+
+    @property
+    def source(self) -> str:
+        return self.linear.weight_name
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.linear.shape
 
 
 def head_rows(model: ir.Model) -> HeadRows:
@@ -59,7 +71,7 @@ def head_rows(model: ir.Model) -> HeadRows:
     heads = [lin for lin in find_linears(model) if is_lm_head(lin)]
     if len(heads) != 1:
         raise ValueError(f"an int4-rescored LM head needs exactly one float LM head in the graph, found {len(heads)}")
-    return HeadRows(heads[0].weight, heads[0].weight_name)
+    return HeadRows(heads[0])
 
 
 def _head_node(model: ir.Model) -> ir.Node:
@@ -104,7 +116,7 @@ def rescore_lm_head(model: ir.Model, rows: HeadRows, top_k: int = RESCORE_TOP_K)
     hidden, approx = head.inputs[0], head.outputs[0]
     if top_k < 1:
         raise ValueError(f"top_k must be at least 1, not {top_k}")
-    vocab, hidden_size = rows.weight.shape
+    vocab, hidden_size = rows.shape
     if hidden_size % BLOCK_SIZE:
         raise ValueError(f"an int4-rescored head gathers 8-bit blocks of {BLOCK_SIZE}: the hidden size "
                          f"{hidden_size} is not a multiple")

@@ -8,7 +8,7 @@ from pathlib import Path
 
 ORT_GENAI_VERSION = "0.18.0"
 LLAMA_CPP_PYTHON_VERSION = "0.3.36"  # its sdist vendors the llama.cpp tree we build
-LLAMA_TOOLS = ("llama-bench", "llama-batched-bench", "llama-server")
+LLAMA_TOOLS = ("llama-bench", "llama-batched-bench", "llama-server", "llama-quantize")  # the last: benchmarks/scale
 
 
 def default_scratch() -> Path:

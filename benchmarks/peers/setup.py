@@ -7,8 +7,9 @@ Steps (each skipped when already done; about 12 minutes on 2 cores from scratch,
      kiln's own venv through a .pth file (so PyPI's multi-GB CUDA torch is never pulled in);
   2. a Hugging Face checkpoint directory of kiln's default model (the SmolLM2 GGUF, read by kiln's own loader);
   3. onnxruntime-genai's int4 CPU model of that checkpoint, built by its builder (`-p int4 -e cpu`);
-  4. llama.cpp's llama-bench, llama-batched-bench and llama-server, built (GGML_NATIVE) from the tree
-     vendored in the llama-cpp-python 0.3.36 sdist.
+  4. llama.cpp's llama-bench, llama-batched-bench, llama-server and llama-quantize, built (GGML_NATIVE) from the
+     tree vendored in the llama-cpp-python 0.3.36 sdist (benchmarks/scale/run.py converts with its
+     convert_hf_to_gguf.py and llama-quantize).
 Needs: kiln's venv with the compile extra (run it with that venv's python), cmake, ninja and a C++ compiler.
 """
 

@@ -15,14 +15,16 @@ import numpy as np
 import onnx_ir as ir
 from onnx_ir.passes.common import RemoveUnusedNodesPass
 
+from kiln.export.lazy_initializers import MatrixRows
+
 
 @dataclass(frozen=True)
 class Linear:
     matmul: ir.Node
     activation: ir.Value
     output: ir.Value  # what the replacement must produce (the bias Add's output if folded)
-    weight: np.ndarray  # float32 [N, K], nn.Linear orientation
-    weight_name: str  # the initializer the weight came from
+    source: ir.Value  # the initializer holding the weight: W^T [K, N], or W [N, K] behind a Transpose
+    transposed: bool  # source holds W^T (the MatMul reads it directly)
     bias_add: ir.Node | None
     bias: ir.Value | None
 
@@ -30,35 +32,56 @@ class Linear:
     def name(self) -> str:
         return self.matmul.name or self.matmul.outputs[0].name
 
+    @property
+    def weight_name(self) -> str:
+        """The initializer the weight comes from."""
+        return self.source.name or ""
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """[N, K] of the weight, without reading it."""
+        assert self.source.const_value is not None
+        rows, cols = (int(d) for d in self.source.const_value.shape)
+        return (cols, rows) if self.transposed else (rows, cols)
+
+    @property
+    def weight(self) -> np.ndarray:
+        """float32 [N, K], nn.Linear orientation, read from the initializer on every access (a build's
+        initializers are lazy: read a linear's weight once, quantize it, let it go)."""
+        tensor = self.source.const_value
+        assert tensor is not None
+        if self.transposed and isinstance(tensor, MatrixRows):  # W itself: no transposed copy of W^T
+            return tensor.rows()
+        array = tensor.numpy()
+        return np.ascontiguousarray(array.T if self.transposed else array, dtype=np.float32)
+
 
 def _is_default(node: ir.Node, op_type: str) -> bool:
     return node.op_type == op_type and node.domain in ("", "ai.onnx")
 
 
-def _float_matrix(value: ir.Value | None) -> np.ndarray | None:
+def _is_float_matrix(value: ir.Value | None) -> bool:
+    """value is a constant 2-D float32 tensor (its metadata only: nothing is read)."""
     if value is None or value.const_value is None:
-        return None
-    array = value.const_value.numpy()
-    if array.ndim != 2 or array.dtype != np.float32:
-        return None
-    return array
+        return False
+    tensor = value.const_value
+    return tensor.dtype == ir.DataType.FLOAT and len(tensor.shape) == 2
 
 
-def _weight(b: ir.Value) -> tuple[np.ndarray, str] | None:
-    """The [N, K] weight behind MatMul input B, or None when B is not a constant."""
-    direct = _float_matrix(b)
-    if direct is not None:
-        return np.ascontiguousarray(direct.T), b.name
+def _weight_source(b: ir.Value) -> tuple[ir.Value, bool] | None:
+    """The initializer behind MatMul input B and whether it holds W^T; None when B is not a constant."""
+    if _is_float_matrix(b):
+        return b, True
     producer = b.producer()
     if producer is None or not _is_default(producer, "Transpose"):
         return None
     perm = producer.attributes.get("perm")
     if perm is not None and list(perm.as_ints()) != [1, 0]:
         return None
-    source = _float_matrix(producer.inputs[0])
-    if source is None:
+    source = producer.inputs[0]
+    if source is None or not _is_float_matrix(source):
         return None
-    return np.ascontiguousarray(source), producer.inputs[0].name
+    return source, False
 
 
 MODULES_KEY = "kiln.modules"  # metadata of a fused MatMul: the torch modules it computes, comma-separated
@@ -76,18 +99,22 @@ def linear_modules(node: ir.Node) -> tuple[str, ...]:
 
 
 def find_linears(model: ir.Model, min_size: int = 16) -> list[Linear]:
-    """Every MatMul with a constant 2-D float weight (both dims >= min_size), in graph order."""
+    """Every MatMul with a constant 2-D float weight (both dims >= min_size), in graph order. No weight is
+    read: Linear.weight reads it when a pass asks."""
     found = []
     for node in model.graph:
         if not _is_default(node, "MatMul"):
             continue
-        weight = _weight(node.inputs[1])
-        if weight is None or min(weight[0].shape) < min_size:
+        weight = _weight_source(node.inputs[1])
+        if weight is None:
             continue
-        w, source = weight
-        bias_add, bias = _bias_add(node, w.shape[0])
+        source, transposed = weight
+        lin = Linear(node, node.inputs[0], node.outputs[0], source, transposed, None, None)
+        if min(lin.shape) < min_size:
+            continue
+        bias_add, bias = _bias_add(node, lin.shape[0])
         output = bias_add.outputs[0] if bias_add is not None else node.outputs[0]
-        found.append(Linear(node, node.inputs[0], output, w.astype(np.float32), source, bias_add, bias))
+        found.append(Linear(node, node.inputs[0], output, source, transposed, bias_add, bias))
     return found
 
 
@@ -124,14 +151,21 @@ def _bias_add(matmul: ir.Node, n: int) -> tuple[ir.Node | None, ir.Value | None]
 
 def initializer(model: ir.Model, name: str, array: np.ndarray) -> ir.Value:
     """Register a new initializer (name made unique) and return its value."""
-    existing = model.graph.initializers
-    unique, i = name, 1
-    while unique in existing:
-        unique, i = f"{name}.{i}", i + 1
-    value = ir.Value(name=unique, shape=ir.Shape(array.shape), type=ir.TensorType(ir.DataType.from_numpy(array.dtype)),
-                     const_value=ir.tensor(array, name=unique))
+    value = ir.Value(name=name, shape=ir.Shape(array.shape), type=ir.TensorType(ir.DataType.from_numpy(array.dtype)))
+    unique_name(model, value)
+    value.const_value = ir.tensor(array, name=value.name)
     model.graph.register_initializer(value)
     return value
+
+
+def unique_name(model: ir.Model, value: ir.Value) -> None:
+    """Give value its name, or name.1, name.2... when an initializer already has it."""
+    existing = model.graph.initializers
+    name = unique = value.name or ""
+    i = 1
+    while unique in existing:
+        unique, i = f"{name}.{i}", i + 1
+    value.name = unique
 
 
 def replace_linear(model: ir.Model, lin: Linear, nodes: list[ir.Node], output: ir.Value) -> None:

@@ -6,11 +6,33 @@ run along K (the reduction axis), which is what ``com.microsoft::MatMulNBits`` e
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, fields
+from typing import TypeVar
 
 import numpy as np
 
 from kiln.matmul_q4_1 import BLOCK, Q4_1Weights
+
+# Rows quantized at once: every quantizer here works row by row, so slabs of rows give the same bits as the
+# whole matrix while numpy's temporaries stay a few times 16 MB (an 8B model's embedding is 2 GB of fp32).
+SLAB_ELEMENTS = 1 << 22
+_Rows = TypeVar("_Rows")
+
+
+def by_row_slabs(quantize: Callable[[np.ndarray], _Rows], w: np.ndarray) -> _Rows:
+    """quantize(w) computed on slabs of rows and stacked (quantize must treat rows independently and return a
+    dataclass whose array fields have rows first; other fields must agree across slabs)."""
+    n, k = w.shape
+    step = max(1, SLAB_ELEMENTS // max(k, 1))
+    if n <= step:
+        return quantize(w)
+    parts = [quantize(w[start:start + step]) for start in range(0, n, step)]
+    merged = {}
+    for f in fields(parts[0]):  # type: ignore[arg-type]
+        values = [getattr(p, f.name) for p in parts]
+        merged[f.name] = np.concatenate(values, axis=0) if isinstance(values[0], np.ndarray) else values[0]
+    return type(parts[0])(**merged)
 
 
 @dataclass(frozen=True)
@@ -33,6 +55,10 @@ class GroupQuantized:
 
 def quantize_groupwise(w: np.ndarray, bits: int, group_size: int) -> GroupQuantized:
     """Asymmetric round-to-nearest with zero points; each group's range always includes 0."""
+    return by_row_slabs(lambda rows: _quantize_groupwise(rows, bits, group_size), np.asarray(w, dtype=np.float32))
+
+
+def _quantize_groupwise(w: np.ndarray, bits: int, group_size: int) -> GroupQuantized:
     w = np.asarray(w, dtype=np.float32)
     n, k = w.shape
     qmax = (1 << bits) - 1
@@ -65,6 +91,10 @@ def per_channel_as_groups(w: np.ndarray, group_size: int) -> GroupQuantized:
     group of a row is exactly per-channel quantization in its layout. The group size is only a
     layout choice: the largest of group_size, 64, 32, 16 that divides K (no padding) is used.
     """
+    return by_row_slabs(lambda rows: _per_channel_as_groups(rows, group_size), np.asarray(w, dtype=np.float32))
+
+
+def _per_channel_as_groups(w: np.ndarray, group_size: int) -> GroupQuantized:
     q, scale = quantize_per_channel_int8(w)
     n, k = q.shape
     group_size = next((g for g in (group_size, 64, 32, 16) if g <= group_size and k % g == 0), group_size)
@@ -83,9 +113,13 @@ def quantize_q4_1(w: np.ndarray) -> Q4_1Weights:
     dequantized the block's min is m exactly and (max - min) / 15 rounds back to d in float16.
     """
     w = np.asarray(w, dtype=np.float32)
+    if w.shape[1] % BLOCK:
+        raise ValueError(f"Q4_1 blocks of {BLOCK} need K divisible by {BLOCK}, not {w.shape[1]}")
+    return by_row_slabs(_quantize_q4_1, w)
+
+
+def _quantize_q4_1(w: np.ndarray) -> Q4_1Weights:
     n, k = w.shape
-    if k % BLOCK:
-        raise ValueError(f"Q4_1 blocks of {BLOCK} need K divisible by {BLOCK}, not {k}")
     blocks = w.reshape(n, -1, BLOCK)
     lo, hi = blocks.min(axis=-1), blocks.max(axis=-1)
     d, m = ((hi - lo) / np.float32(15)).astype(np.float16), lo.astype(np.float16)

@@ -15,7 +15,7 @@ from tiny_gguf import llama_cpp_permute, make_tiny_gguf
 from kiln.export import Checkpoint, load_checkpoint
 from kiln.export.checkpoint import default_model_path
 from kiln.export.checkpoint_types import expected_weight_names
-from kiln.export.gguf_architectures import unpermute_rotary_rows
+from kiln.export.tensor_files import unpermute_rotary_rows
 from kiln.spec import ModelSpec
 
 
@@ -228,3 +228,20 @@ def test_spec_rejects_mlp_bias_and_partial_rotary():
         ModelSpec.from_hf_config({**base, "mlp_bias": True})
     with pytest.raises(ValueError, match="partial_rotary_factor"):
         ModelSpec.from_hf_config({**base, "partial_rotary_factor": 0.5})
+
+
+def test_loading_reads_no_tensor_until_asked(tiny_llama, tmp_path, monkeypatch):
+    """A checkpoint loads from the files' headers; each tensor's bytes are read when the build asks for it."""
+    from kiln.export import tensor_files
+
+    reads = []
+    real = tensor_files.read_bytes
+    monkeypatch.setattr(tensor_files, "read_bytes", lambda *args: reads.append(args) or real(*args))
+    gguf_path, _ = make_tiny_gguf(tmp_path)
+    for source in (tiny_llama, gguf_path):
+        ckpt = load_checkpoint(source)
+        assert "model.norm.weight" in ckpt.weights and len(ckpt.weights) == len(expected_weight_names(ckpt.spec))
+        assert reads == []
+        ckpt.weights["model.norm.weight"]
+        assert len(reads) == 1
+        reads.clear()

@@ -1,0 +1,142 @@
+"""Tracing without the weights: placeholders in, lazy initializers out.
+
+The exporter (torch.onnx, dynamo) needs a module with real tensors, and its graph optimizer folds
+``Transpose(W)`` of every linear weight into a ``W^T`` initializer. Neither needs the numbers: tracing
+runs on fake tensors, and numpy folds a Transpose into a view. So every matrix enters the export as an
+uninitialised placeholder (``torch.empty``: address space, no pages touched), and afterwards each
+initializer still backed by a placeholder's memory (the parameter itself, or a transposed view of it)
+becomes an ``ir.LazyTensor`` that reads the checkpoint's tensor, transposed as the view was, when a pass
+or the engine writer asks for it. The graph, its names and its initializer order are the exporter's own,
+so the engine is the one a fully materialised export gives, bit for bit. Vectors (norm gains, biases) are
+read for real: they are small, and the exporter's rewrite rules may look at their values.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+import numpy as np
+import onnx_ir as ir
+import torch
+
+from .checkpoint_types import weight_shape
+
+
+@dataclass(frozen=True)
+class _Placeholder:
+    name: str  # the checkpoint weight it stands for
+    tensor: torch.Tensor
+
+
+def placeholder_weights(weights: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], list[_Placeholder]]:
+    """The state dict to trace with: matrices as untouched placeholders, vectors read."""
+    state: dict[str, torch.Tensor] = {}
+    placeholders = []
+    for name in weights:
+        shape = weight_shape(weights, name)
+        if len(shape) >= 2:
+            tensor = torch.empty(shape, dtype=torch.float32)
+            placeholders.append(_Placeholder(name, tensor))
+            state[name] = tensor
+        else:
+            state[name] = weights[name]
+    return state, placeholders
+
+
+class MatrixRows(ir.LazyTensor):
+    """A lazy ``W^T [K, N]`` initializer (a linear's weight as a MatMul reads it) whose ``W [N, K]`` can also be
+    read directly: the quantizers want W, and a transposed copy of a large matrix is memory a build need not
+    hold. rows() returns W as float32, C-contiguous."""
+
+    __slots__ = ("_rows",)
+
+    def __init__(self, rows: Callable[[], np.ndarray], n: int, k: int, name: str | None = None) -> None:
+        self._rows = rows
+        super().__init__(self._transposed, ir.DataType.FLOAT, ir.Shape([k, n]), name=name)
+
+    def rows(self) -> np.ndarray:
+        return self._rows()
+
+    def _transposed(self) -> ir.Tensor:
+        return ir.tensor(np.ascontiguousarray(self._rows().T))
+
+
+class LazyInitializerError(RuntimeError):
+    """The exporter did something with a weight other than keep or transpose it."""
+
+
+def attach_lazy_weights(model: ir.Model, weights: Mapping[str, torch.Tensor],
+                        placeholders: list[_Placeholder]) -> int:
+    """Swap every placeholder-backed initializer for a LazyTensor over the checkpoint; returns how many."""
+    by_address = {p.tensor.data_ptr(): p for p in placeholders}
+    swapped = 0
+    for value in model.graph.initializers.values():
+        tensor = value.const_value
+        array = _backing_array(tensor)
+        if array is None or array.ndim != 2:
+            continue
+        address = array.__array_interface__["data"][0]
+        placeholder = by_address.get(address)
+        if placeholder is None:
+            continue
+        shape = tuple(placeholder.tensor.shape)
+        if array.shape == shape and array.flags.c_contiguous:
+            transpose = False
+        elif array.shape == shape[::-1] and array.T.flags.c_contiguous:
+            transpose = True
+        else:
+            raise LazyInitializerError(f"initializer {value.name} views weight {placeholder.name} "
+                                       f"{list(shape)} as {list(array.shape)} with strides {array.strides}")
+        read = _reader(weights, placeholder.name)
+        value.const_value = (MatrixRows(read, *shape, name=tensor.name) if transpose else
+                             ir.LazyTensor(lambda read=read: ir.tensor(read()), ir.DataType.FLOAT, ir.Shape(shape),
+                                           name=tensor.name))
+        swapped += 1
+    _check_no_placeholder_left(model, placeholders)
+    return swapped
+
+
+def _backing_array(tensor: ir.TensorProtocol | None) -> np.ndarray | None:
+    """The numpy array behind an in-memory initializer without copying it (None for other kinds)."""
+    if tensor is None or isinstance(tensor, ir.LazyTensor):
+        return None
+    raw = getattr(tensor, "raw", None)
+    if isinstance(raw, torch.Tensor):
+        return raw.detach().numpy() if raw.dtype == torch.float32 and raw.device.type == "cpu" else None
+    return raw if isinstance(raw, np.ndarray) else None
+
+
+def _reader(weights: Mapping[str, torch.Tensor], name: str) -> Callable[[], np.ndarray]:
+    def read() -> np.ndarray:
+        return np.ascontiguousarray(weights[name].numpy(), dtype=np.float32)
+    return read
+
+
+def _check_no_placeholder_left(model: ir.Model, placeholders: list[_Placeholder]) -> None:
+    """Any other initializer of a placeholder's size was computed from uninitialised memory: refuse it."""
+    sizes = {p.tensor.numel() for p in placeholders}
+    for value in model.graph.initializers.values():
+        tensor = value.const_value
+        if tensor is not None and not isinstance(tensor, ir.LazyTensor) and tensor.size in sizes:
+            raise LazyInitializerError(f"initializer {value.name} {list(tensor.shape)} was computed from a weight "
+                                       "placeholder; the exporter transformed a weight beyond a transpose")
+
+
+def as_if_loaded(model: ir.Model) -> ir.Model:
+    """The model as saving and loading it would give (its graph through a proto, the lazy weights kept): the
+    names the optimizer's passes then give new nodes and values ("val_0", "node_Constant_0") are the ones an
+    export written to disk and read back gets, so the engine is that build's to the byte."""
+    lazy = {name: value.const_value for name, value in model.graph.initializers.items()
+            if isinstance(value.const_value, ir.LazyTensor)}
+    for name, tensor in lazy.items():  # serialized as a reference: nothing is read
+        model.graph.initializers[name].const_value = ir.ExternalTensor(
+            "lazy", 0, tensor.nbytes, tensor.dtype, shape=tensor.shape, name=name)
+    try:
+        loaded = ir.serde.deserialize_model(ir.serde.serialize_model(model))
+    finally:
+        for name, tensor in lazy.items():
+            model.graph.initializers[name].const_value = tensor
+    for name, tensor in lazy.items():
+        loaded.graph.initializers[name].const_value = tensor
+    return loaded
