@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import threading
 from dataclasses import dataclass
 
 import numpy as np
@@ -81,6 +82,7 @@ class Engine:
             Speculator(proposer or _default_proposer(spec), spec, self.scheduler, self.max_seq_len)
         self.handoffs = HandoffQueue(self.scheduler, runner)  # handed-off requests waiting for blocks
         self._grammars: GrammarCompiler | None = None  # made on the first structured request
+        self._grammars_lock = threading.Lock()  # prepare runs on the server's worker threads
 
     @property
     def proposer(self) -> Proposer | None:
@@ -104,13 +106,15 @@ class Engine:
 
     def _compile(self, spec: StructuredOutput) -> CompiledGrammar:
         """spec compiled for this engine's tokenizer (tokenizer.json, read on the first structured request)."""
-        if self._grammars is None:
-            to_json = getattr(self.tokenizer, "to_json", None)
-            if to_json is None:
-                raise InvalidParamError(f"{spec.param}: this engine's tokenizer cannot drive structured output",
-                                        spec.param)
-            self._grammars = GrammarCompiler(to_json(), self.runner.vocab_size, self.limits.eos_token_ids)
-        return self._grammars.compile(spec)
+        with self._grammars_lock:  # one tokenizer build (~1 s) even when the first requests come together
+            if self._grammars is None:
+                to_json = getattr(self.tokenizer, "to_json", None)
+                if to_json is None:
+                    raise InvalidParamError(f"{spec.param}: this engine's tokenizer cannot drive structured output",
+                                            spec.param)
+                self._grammars = GrammarCompiler(to_json(), self.runner.vocab_size, self.limits.eos_token_ids)
+            grammars = self._grammars
+        return grammars.compile(spec)
 
     def add(self, prepared: EngineRequest, kv: KvHandoff | None = None, export_kv: bool = False) -> None:
         """Queue a prepared request; its outputs come from step().
