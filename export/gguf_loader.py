@@ -10,6 +10,8 @@ from pathlib import Path
 
 import torch
 
+from kiln.spec import ModelSpec
+
 from .checkpoint_types import Checkpoint, LazyWeights, TokenizerFiles, select_weights
 from .fused_weights import split_fused_projections
 from .gguf_architectures import ROPE_TENSORS, GgufArchitecture, gguf_architecture
@@ -56,7 +58,7 @@ def _tensor_sources(reader, path: Path, shapes: dict[str, tuple[int, ...]]) -> d
     return sources
 
 
-def _with_rotary(architecture: GgufArchitecture, name: str, source: GgufTensor, spec) -> GgufTensor:
+def _with_rotary(architecture: GgufArchitecture, name: str, source: GgufTensor, spec: ModelSpec) -> GgufTensor:
     """q/k rows get llama.cpp's rotary permutation undone when read (the architectures that permuted them)."""
     heads = architecture.rotary_heads(name, spec)
     return dataclasses.replace(source, rotary_heads=heads) if heads else source
