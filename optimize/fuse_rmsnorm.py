@@ -45,12 +45,15 @@ class RmsNormFusion(pattern.RewriteRuleClassBase):
         return op.SimplifiedLayerNormalization(x, weight, axis=-1, epsilon=const_float(epsilon), stash_type=1)
 
 
-_RULES = pattern.RewriteRuleSet(
-    [RmsNormFusion.rule(square, divide) for square in ("Pow", "Mul") for divide in (False, True)],
-    commute=True,
-)
+def _rules() -> pattern.RewriteRuleSet:
+    """A fresh rule set per call: a rule's matcher keeps the last graph it matched in, so a module-level set would
+    hold an engine's whole graph (and its quantized weights) alive after the build drops it."""
+    return pattern.RewriteRuleSet(
+        [RmsNormFusion.rule(square, divide) for square in ("Pow", "Mul") for divide in (False, True)],
+        commute=True,
+    )
 
 
 def fuse_rmsnorm(model: ir.Model) -> int:
     """Fuse every RMSNorm; returns how many."""
-    return _RULES.apply_to_model(model)
+    return _rules().apply_to_model(model)

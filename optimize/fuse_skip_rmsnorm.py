@@ -37,12 +37,10 @@ class SkipRmsNormFusion(pattern.RewriteRuleClassBase):
         return out, total
 
 
-_RULES = pattern.RewriteRuleSet([SkipRmsNormFusion.rule()])
-
-
 def fuse_skip_rmsnorm(model: ir.Model) -> int:
     """Fuse every residual Add feeding an RMSNorm; returns how many."""
-    count = _RULES.apply_to_model(model)
+    # a fresh rule per call: its matcher keeps the last graph it matched in (fuse_rmsnorm._rules)
+    count = pattern.RewriteRuleSet([SkipRmsNormFusion.rule()]).apply_to_model(model)
     if count:
         add_opset(model, "com.microsoft", 1)
     return count

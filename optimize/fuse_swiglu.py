@@ -76,12 +76,11 @@ def _unequal_halves(split: ir.Node, x: ir.Value) -> str | None:
     return None if width is not None and width % 2 == 0 else "the Split has no sizes and x's last dim is not even"
 
 
-_RULES = pattern.RewriteRuleSet([SwiGluFusion.rule(silu) for silu in _SILU_FORMS], commute=True)
-
-
 def fuse_swiglu(model: ir.Model) -> int:
     """Fuse every Split -> silu(gate) * up into kiln.SwiGLU; returns how many."""
-    count = _RULES.apply_to_model(model)
+    # a fresh rule set per call: a matcher keeps the last graph it matched in (fuse_rmsnorm._rules)
+    rules = pattern.RewriteRuleSet([SwiGluFusion.rule(silu) for silu in _SILU_FORMS], commute=True)
+    count = rules.apply_to_model(model)
     if count:
         add_opset(model, OP_DOMAIN, OP_VERSION)
     return count

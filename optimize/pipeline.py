@@ -10,11 +10,7 @@ import onnx_ir as ir
 import onnxscript
 from onnx_ir.passes.common import IdentityEliminationPass
 from onnxscript.rewriter import rewrite
-from onnxscript.rewriter.rules.common import (
-    no_op_transpose_rule,
-    reshape_reshape_rule,
-    transpose_transpose_rule,
-)
+from onnxscript.rewriter.rules.common._basic_rules import ReshapeReshape, TransposeIdentity, TransposeTranspose
 
 from kiln import contract
 from kiln.optimize.flatten_inputs import flatten_inputs
@@ -22,7 +18,11 @@ from kiln.optimize.fuse_attention import AttentionConfig, fuse_attention
 from kiln.optimize.fuse_projections import fuse_projections
 from kiln.optimize.select_logits import select_logits
 
-_CLEANUP_RULES = [transpose_transpose_rule, no_op_transpose_rule, reshape_reshape_rule]
+
+def _cleanup_rules() -> list:
+    """onnxscript's transpose/reshape rules, made fresh per call: its module-level instances keep the last graph they
+    matched in (a matcher's state), which would hold an engine's graph and weights alive after the build drops it."""
+    return [TransposeTranspose.rule(), TransposeIdentity.rule(), ReshapeReshape.rule()]
 
 
 DEFAULT_ATTENTION = AttentionConfig()  # frozen: one shared default is safe
@@ -45,9 +45,9 @@ def cleanup(model: ir.Model) -> None:
     """Drop dead code (the old mask computation) and the transposes the fusions cancelled; the
     Identities a cancelled Transpose pair leaves go too, so the Reshapes around them collapse."""
     onnxscript.optimizer.remove_unused_nodes(model)
-    rewrite(model, pattern_rewrite_rules=_CLEANUP_RULES)
+    rewrite(model, pattern_rewrite_rules=_cleanup_rules())
     IdentityEliminationPass()(model)
-    rewrite(model, pattern_rewrite_rules=_CLEANUP_RULES)
+    rewrite(model, pattern_rewrite_rules=_cleanup_rules())
     onnxscript.optimizer.remove_unused_nodes(model)
 
 
