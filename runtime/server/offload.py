@@ -8,8 +8,8 @@ hand-overs (each up to the 5 ms switch interval while the engine thread runs Pyt
 load those, not the work, were most of a short request's latency. What counts as small is set per
 kind of work from its cost, so inline work never holds the loop for more than ~0.5 ms.
 
-Bounded: a few threads (the engine thread and its onnxruntime threads need the cores more), and
-what waits for a thread is bounded by the request-size limit times the connection limit.
+Bounded: half the cores at most (the engine thread and its onnxruntime threads need the cores more),
+and what waits for a thread is bounded by the request-size limit times the connection limit.
 """
 
 from __future__ import annotations
@@ -32,7 +32,9 @@ INLINE_TOKEN_IDS = 2048  # detokenizing, or each id's string: ~0.1 us an id
 
 
 def default_workers() -> int:
-    return max(1, min(4, os.cpu_count() or 1))
+    """Half the cores, 1 to 4: the work here releases the GIL where it is long (tokenizing), so each thread can
+    take a core; half are left to the engine thread and the event loop whatever the requests ask."""
+    return max(1, min(4, (os.cpu_count() or 1) // 2))
 
 
 class Offload:
