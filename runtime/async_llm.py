@@ -52,11 +52,10 @@ class _Stream:
         self.loop = loop
         self.queue: asyncio.Queue[_StreamItem] = asyncio.Queue()
 
-    def put(self, item: _StreamItem) -> None:
-        try:
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
-        except RuntimeError:  # the loop is closed: nobody is listening any more
-            pass
+
+def _put_all(batch: list[tuple[_Stream, _StreamItem]]) -> None:
+    for stream, item in batch:
+        stream.queue.put_nowait(item)
 
 
 class RequestStream:
@@ -239,10 +238,23 @@ class AsyncLLM:
     # -- the engine thread ------------------------------------------------------------------
 
     def _deliver(self, request_id: str, item: _StreamItem) -> None:
+        self._deliver_all([(request_id, item)])
+
+    def _deliver_all(self, items: list[tuple[str, _StreamItem]]) -> None:
+        """Each item to its request's stream, in one wake-up of the listening event loop: a step's outputs go
+        together, so a step advancing many requests wakes the loop (a thread switch, and a GIL hand-over from
+        this thread) once, not once per request."""
         with self._lock:
-            stream = self._streams.get(request_id)
-        if stream is not None:
-            stream.put(item)
+            found = [(self._streams.get(request_id), item) for request_id, item in items]
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[_Stream, _StreamItem]]] = {}
+        for stream, item in found:
+            if stream is not None:
+                by_loop.setdefault(stream.loop, []).append((stream, item))
+        for loop, batch in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, batch)
+            except RuntimeError:  # the loop is closed: nobody is listening any more
+                pass
 
     def _handle(self, command: _Command) -> bool:
         if isinstance(command, _Stop):
@@ -280,13 +292,15 @@ class AsyncLLM:
             if not running:
                 break
             try:
-                for output in self.engine.step():
-                    failed = output.error is not None
-                    self._deliver(output.request_id, RequestFailedError(output.error) if failed else output)
+                outputs = self.engine.step()
+                self._deliver_all([(output.request_id, output if output.error is None else
+                                    RequestFailedError(output.error)) for output in outputs])
             except Exception as exc:  # noqa: BLE001 - fail every request, keep serving
+                failed: list[tuple[str, _StreamItem]] = []
                 for request_id in list(self.engine.requests):
                     self.engine.abort(request_id)
-                    self._deliver(request_id, RuntimeError(f"engine step failed: {exc!r}"))
+                    failed.append((request_id, RuntimeError(f"engine step failed: {exc!r}")))
+                self._deliver_all(failed)
         for request_id in list(self.engine.requests):
             final = self.engine.abort(request_id)
             if final is not None:  # always, for a request the engine still holds

@@ -14,6 +14,8 @@ from kiln.errors import InvalidParamError
 from kiln.manifest import EngineLoadError
 from kiln.runtime.detokenizer import ChatMessage
 
+_LONG_DECODE = 512  # ids; a decode this long releases the GIL while it runs
+
 
 def _read_tokenizer(path: Path) -> HFTokenizer:
     try:
@@ -76,11 +78,18 @@ class Tokenizer:
         """The tokenizer as tokenizer.json text (what structured output's llguidance tokenizer is built from)."""
         return str(self._tok.to_str())
 
+    # The *_batch calls release the GIL while the Rust code runs (encode and decode hold it): tokenizing a long
+    # prompt on the server's worker pool must not stop the event loop and the engine thread for its duration
+    # (~3 us per character). Encoding one text either way costs the same; a short decode (the incremental
+    # detokenizer's, every token) stays on the cheaper call.
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        return self._tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
-        return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
+        if len(ids) < _LONG_DECODE:
+            return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
+        return self._tok.decode_batch([ids], skip_special_tokens=skip_special_tokens)[0]
 
     def id_to_token(self, token_id: int) -> str | None:
         return self._tok.id_to_token(token_id)

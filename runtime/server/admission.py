@@ -3,19 +3,22 @@
 1. Cheap refusals first: the queue bound (503), a prompt of more token ids than max_model_len (400,
    before its ids are validated), and a prompt with more characters than max_model_len tokens can
    hold (400; no tokenizer sees it).
-2. Tokenizing and checking each prompt on the worker pool (offload.py).
+2. Tokenizing and checking each prompt on the worker pool (offload.py; a short prompt, on the event
+   loop, where it costs less than the trip to a worker).
 3. Queueing the prepared requests in one step of the event loop: nothing awaits between the
    queue-bound check and AsyncLLM counting them, so a burst cannot pass the check together.
 """
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from kiln.errors import InvalidParamError
 from kiln.runtime.params import SamplingParams
 from kiln.runtime.server.errors import APIError
+from kiln.runtime.server.offload import INLINE_TOKENIZE_CHARS
 from kiln.runtime.server.streams import OutputStream
 
 Prompt = str | list[int]
@@ -86,5 +89,14 @@ async def admit(state: Any, prompts: Sequence[Prompt], params: SamplingParams,
     for prompt in prompts:
         if isinstance(prompt, str):
             check_length(state.llm, len(prompt), "prompt")
-    prepared = await state.offload.run(_prepare, state.llm, prompts, params, ids)
+    prepared = await state.offload.run_sized(_tokenize_cost(prompts, params), INLINE_TOKENIZE_CHARS, _prepare,
+                                             state.llm, prompts, params, ids)
     return _queue(state, prepared)
+
+
+def _tokenize_cost(prompts: Sequence[Prompt], params: SamplingParams) -> int:
+    """The characters _prepare tokenizes (token ids cost ~a character each to check); no bound for a structured
+    request, whose grammar may take long to compile."""
+    if params.structured is not None:
+        return sys.maxsize
+    return sum(len(p) for p in prompts)

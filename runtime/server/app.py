@@ -2,7 +2,8 @@
 
 One HTTP request is one (or, for a batch of prompts, several) engine requests. Its body is read
 within limits.py's size and time bounds, then decoded, rendered through the chat template and
-tokenized on the worker pool (bodies.py, offload.py), so the event loop only moves bytes; the
+tokenized on the worker pool (bodies.py, offload.py), so the event loop only moves bytes (work
+smaller than the trip to a worker, a short request's, stays on the loop: offload.run_sized); the
 prepared requests are admitted against the queue bound in one step with no await in between
 (admission.py), so a burst cannot pass the check together. A request is bound to its connection
 (see streams.py): when the client goes away its engine requests are aborted and their KV blocks
@@ -36,7 +37,7 @@ from kiln.runtime.server.bodies import body_schemas, openapi_body, parse_body
 from kiln.runtime.server.errors import APIError
 from kiln.runtime.server.limits import BodyLimit, RequestLimits, default_max_request_bytes
 from kiln.runtime.server.metrics import CONTENT_TYPE, ServerMetrics
-from kiln.runtime.server.offload import Offload
+from kiln.runtime.server.offload import INLINE_TEMPLATE_BYTES, INLINE_TOKEN_IDS, INLINE_TOKENIZE_CHARS, Offload
 from kiln.runtime.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -231,7 +232,7 @@ def _add_generation_routes(app: FastAPI) -> None:
               openapi_extra=openapi_body(ChatCompletionRequest))
     async def chat_completions(request: Request) -> Response:
         body = await parse_body(request, ChatCompletionRequest)
-        prompt = await _render_chat(request.app.state, body.messages, tools=_tool_mode(body))
+        prompt = await _render_chat(request, body.messages, tools=_tool_mode(body))
         return await _run(request, body, [prompt], chat=True)
 
 
@@ -244,7 +245,7 @@ def _add_responses_route(app: FastAPI) -> None:
             chat = body.chat_request()
         except InvalidParamError as e:
             raise APIError(400, str(e), e.param) from None
-        prompt = await _render_chat(request.app.state, chat.messages, tools=_tool_mode(chat))
+        prompt = await _render_chat(request, chat.messages, tools=_tool_mode(chat))
         answer = await _run(request, chat, [prompt], chat=True)
         if isinstance(answer, StreamingResponse):
             return StreamingResponse(stream_events(answer.body_iterator, body), media_type="text/event-stream",
@@ -272,10 +273,14 @@ def _render(llm: Any, messages: Sequence[Any], add_generation_prompt: bool, tool
         raise APIError(400, f"messages: the chat template rejected them: {e}", "messages") from None
 
 
-async def _render_chat(state: Any, messages: Sequence[Any], add_generation_prompt: bool = True,
+async def _render_chat(request: Request, messages: Sequence[Any], add_generation_prompt: bool = True,
                        tools: ToolMode | None = None) -> str:
+    """The conversation rendered: on the event loop when the request's body (read and kept by then: its size
+    bounds the conversation's) is small, else on the worker pool."""
+    state = request.app.state
     try:
-        return str(await state.offload.run(_render, state.llm, messages, add_generation_prompt, tools))
+        return str(await state.offload.run_sized(len(await request.body()), INLINE_TEMPLATE_BYTES, _render, state.llm,
+                                                 messages, add_generation_prompt, tools))
     except InvalidParamError as e:
         raise APIError(400, str(e), e.param) from None
 
@@ -304,12 +309,13 @@ def _add_info_routes(app: FastAPI) -> None:
         state = request.app.state
         _check_model(state, body.model)
         if body.messages is not None:
-            text = await _render_chat(state, body.messages, body.add_generation_prompt)
+            text = await _render_chat(request, body.messages, body.add_generation_prompt)
             special = bool(body.add_special_tokens)
         else:
             text, special = body.prompt or "", body.add_special_tokens is not False
-        tokens = await state.offload.run(state.llm.tokenize, text, special)
-        strings = await state.offload.run(state.llm.token_strings, tokens) if body.return_token_strs else None
+        tokens = await state.offload.run_sized(len(text), INLINE_TOKENIZE_CHARS, state.llm.tokenize, text, special)
+        strings = (await state.offload.run_sized(len(tokens), INLINE_TOKEN_IDS, state.llm.token_strings, tokens)
+                   if body.return_token_strs else None)
         return TokenizeResponse(count=len(tokens), max_model_len=state.llm.max_seq_len, tokens=tokens,
                                 token_strs=strings)
 
@@ -320,7 +326,8 @@ def _add_info_routes(app: FastAPI) -> None:
         state = request.app.state
         _check_model(state, body.model)
         try:
-            return DetokenizeResponse(prompt=await state.offload.run(state.llm.detokenize, body.tokens))
+            return DetokenizeResponse(prompt=await state.offload.run_sized(len(body.tokens), INLINE_TOKEN_IDS,
+                                                                           state.llm.detokenize, body.tokens))
         except InvalidParamError as e:
             raise APIError(400, str(e), e.param) from None
 

@@ -1,6 +1,6 @@
 """Request bodies: read (within limits.BodyLimit's size and time bounds), then decoded and validated
-on the worker pool, never on the event loop. Errors keep FastAPI's shape (RequestValidationError),
-so the app's one handler answers them all with a 400 naming the field.
+on the worker pool (a small body, on the event loop: offload.run_sized). Errors keep FastAPI's shape
+(RequestValidationError), so the app's one handler answers them all with a 400 naming the field.
 
 The routes take the raw Request and declare their body model for /openapi.json (openapi_body), so
 the schema stays the contract the server enforces.
@@ -18,6 +18,7 @@ from starlette.requests import ClientDisconnect, Request
 
 from kiln.errors import InvalidParamError
 from kiln.runtime.server.errors import APIError
+from kiln.runtime.server.offload import INLINE_BODY_BYTES
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -60,7 +61,7 @@ async def parse_body(request: Request, model: type[M], precheck: Precheck = _no_
     except ClientDisconnect:
         raise APIError(400, "The client closed the connection before sending the whole body.") from None
     try:
-        parsed: M = await request.app.state.offload.run(decode, raw, model, precheck)
+        parsed: M = await request.app.state.offload.run_sized(len(raw), INLINE_BODY_BYTES, decode, raw, model, precheck)
     except InvalidParamError as e:
         raise APIError(400, str(e), e.param) from None
     return parsed

@@ -3,7 +3,7 @@ are 413 unparsed, prompts longer than max_model_len tokens can hold are 400 unto
 prompts longer than max_model_len before their ids are validated), text that is
 no Unicode (invalid UTF-8, lone surrogates) is a 400 naming the field, and the work that can be slow
 (decoding the body, rendering the chat template, tokenizing) runs on the worker pool, never on the
-event loop's thread."""
+event loop's thread, unless it is smaller than the trip to a worker."""
 
 from __future__ import annotations
 
@@ -17,7 +17,8 @@ from fastapi.testclient import TestClient  # noqa: E402
 from server_fake import FakeAsyncLLM  # noqa: E402
 
 from kiln.runtime.detokenizer import max_prompt_chars  # noqa: E402
-from kiln.runtime.server import bodies  # noqa: E402
+from kiln.runtime.server import admission, bodies  # noqa: E402
+from kiln.runtime.server import app as app_module  # noqa: E402
 from kiln.runtime.server.app import build_app  # noqa: E402
 from kiln.runtime.server.limits import RequestLimits, default_max_request_bytes  # noqa: E402
 
@@ -105,7 +106,8 @@ def test_lone_surrogates_in_chat_and_invalid_utf8_are_400(client):
     assert client.post("/v1/completions", json={"prompt": "caf\u00e9 \U0001f600", "max_tokens": 2}).status_code == 200
 
 
-def test_decoding_rendering_and_tokenizing_run_off_the_event_loop(client, fake, monkeypatch):
+def _record_threads(fake, monkeypatch) -> dict[str, str]:
+    """{work: the name of the thread that did it} for the server's CPU work around the engine."""
     threads: dict[str, str] = {}
     decode, prepare, render = bodies.decode, fake.prepare_request, fake.apply_chat_template
 
@@ -120,12 +122,40 @@ def test_decoding_rendering_and_tokenizing_run_off_the_event_loop(client, fake, 
     monkeypatch.setattr(fake, "apply_chat_template", record("render", render))
     monkeypatch.setattr(fake, "tokenize", record("tokenize", fake.tokenize))
     monkeypatch.setattr(fake, "detokenize", record("detokenize", fake.detokenize))
+    return threads
+
+
+def _every_kind_of_work(client) -> None:
     assert client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
                                                      "max_tokens": 2}).status_code == 200
     assert client.post("/tokenize", json={"prompt": "hi"}).status_code == 200
     assert client.post("/detokenize", json={"tokens": [104, 105]}).json()["prompt"] == "hi"
+
+
+def test_slow_work_runs_on_the_worker_pool(client, fake, monkeypatch):
+    """Past its kind's inline bound (here: all of it), the work runs on the pool's threads, not the loop's."""
+    threads = _record_threads(fake, monkeypatch)
+    for name in ("INLINE_BODY_BYTES", "INLINE_TEMPLATE_BYTES", "INLINE_TOKENIZE_CHARS", "INLINE_TOKEN_IDS"):
+        for module in (bodies, admission, app_module):
+            if hasattr(module, name):
+                monkeypatch.setattr(module, name, 0)
+    _every_kind_of_work(client)
     assert set(threads) == {"decode", "prepare", "render", "tokenize", "detokenize"}
     assert all(name.startswith("kiln-http") for name in threads.values()), threads
+
+
+def test_a_short_request_is_served_on_the_event_loop_and_a_structured_one_prepared_on_the_pool(client, fake,
+                                                                                               monkeypatch):
+    """Work smaller than a trip to a worker stays on the loop's thread; a grammar (which may take long to
+    compile) is prepared on the pool however short the prompt."""
+    threads = _record_threads(fake, monkeypatch)
+    _every_kind_of_work(client)
+    assert set(threads) == {"decode", "prepare", "render", "tokenize", "detokenize"}
+    assert len(set(threads.values())) == 1 and not threads["decode"].startswith("kiln-http"), threads
+    threads.clear()
+    assert client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2,
+                                                "response_format": {"type": "json_object"}}).status_code == 200
+    assert threads["prepare"].startswith("kiln-http") and not threads["decode"].startswith("kiln-http"), threads
 
 
 def test_max_prompt_chars_is_the_context_times_the_longest_token():
