@@ -48,6 +48,7 @@ from kiln.runtime.server.protocol import (
     TokenizeResponse,
     error_body,
 )
+from kiln.runtime.server.reasoning import REASONING_PARSERS, ReasoningSplitter, opens_thinking, reasoning_enabled
 from kiln.runtime.server.responses_api import ResponsesRequest, response_body, stream_events
 from kiln.runtime.server.streams import (
     ClientDisconnected,
@@ -90,6 +91,8 @@ async def _run(request: Request, body: CompletionRequest | ChatCompletionRequest
     fmt = ResponseFormatter(chat, request_id, state.model_names[0], params)
     mode = body.tool_mode() if isinstance(body, ChatCompletionRequest) else None  # checked by sampling_params
     fmt.tools = None if mode is None else ToolResponses(mode)
+    if chat and state.reasoning and params.structured is None:  # a grammar writes the whole output
+        fmt.reasoning = ReasoningSplitter(opens_thinking(str(prompts[0])))
     stream = engine_stream(request, streams, ids, params, request_id)
     try:
         first = await stream.__anext__()
@@ -138,13 +141,17 @@ def _validation_error(request: Request, exc: RequestValidationError) -> JSONResp
 
 
 def build_app(load_llm: Callable[[], Any], served_model_name: str | None = None, max_queue: int | None = None,
-              api_key: str | None = None, limits: RequestLimits | None = None) -> FastAPI:
+              api_key: str | None = None, limits: RequestLimits | None = None,
+              reasoning_parser: str = "auto") -> FastAPI:
     """The ASGI app. ``load_llm`` is called at startup (inside the event loop); the engine
     is shut down when the app's lifespan ends (uvicorn's graceful shutdown, e.g. SIGTERM).
     max_queue: 503 once that many engine requests wait; api_key: Bearer auth on all but /health;
-    limits: the request-size and body-time bounds (413 and 408 before anything parses a body)."""
+    limits: the request-size and body-time bounds (413 and 408 before anything parses a body);
+    reasoning_parser: one of reasoning.REASONING_PARSERS (<think> split into reasoning_content)."""
     require(max_queue is None or max_queue >= 1, "max_queue", ">= 1 (omit it for no bound)", max_queue)
     require(api_key is None or bool(api_key), "api_key", "a non-empty string", api_key)
+    require(reasoning_parser in REASONING_PARSERS, "reasoning_parser", f"one of {list(REASONING_PARSERS)}",
+            reasoning_parser)
     limits = limits or RequestLimits()
 
     @asynccontextmanager
@@ -152,6 +159,9 @@ def build_app(load_llm: Callable[[], Any], served_model_name: str | None = None,
         app.state.llm = llm = load_llm()
         app.state.model_names = [served_model_name or llm.model_name, llm.model_name]
         app.state.max_request_bytes = limits.max_request_bytes or default_max_request_bytes(llm.max_seq_len)
+        app.state.reasoning = reasoning_enabled(reasoning_parser, llm)
+        if app.state.reasoning:
+            log.info("reasoning parser on: <think>...</think> goes to reasoning_content")
         app.state.offload = Offload()
         try:
             yield
