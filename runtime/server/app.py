@@ -11,6 +11,7 @@ freed. Errors use OpenAI's body shape; an engine exception fails only the reques
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import uuid
@@ -57,6 +58,7 @@ from kiln.runtime.server.streams import (
     engine_stream,
     sse_stream,
 )
+from kiln.runtime.server.tool_templates import native_messages, template_tools
 from kiln.runtime.server.tools import ToolMode, ToolResponses, render_messages
 
 log = logging.getLogger("kiln.server")
@@ -80,6 +82,9 @@ async def _run(request: Request, body: CompletionRequest | ChatCompletionRequest
     ids = [request_id if len(prompts) == 1 else f"{request_id}-{i}" for i in range(len(prompts))]
     try:
         params = body.sampling_params()
+        mode = body.tool_mode() if isinstance(body, ChatCompletionRequest) else None
+        if mode is not None and mode.choice == "auto" and state.llm.tool_family == "mistral":
+            params = dataclasses.replace(params, skip_special_tokens=False)  # [TOOL_CALLS] is a special token
         streams = await admit(state, prompts, params, ids)
     except InvalidParamError as e:
         raise APIError(400, str(e), e.param) from None
@@ -89,7 +94,6 @@ async def _run(request: Request, body: CompletionRequest | ChatCompletionRequest
         log.exception("request %s failed", request_id)
         raise APIError(500, f"Internal error: {type(e).__name__}: {e}") from None
     fmt = ResponseFormatter(chat, request_id, state.model_names[0], params)
-    mode = body.tool_mode() if isinstance(body, ChatCompletionRequest) else None  # checked by sampling_params
     fmt.tools = None if mode is None else ToolResponses(mode)
     if chat and state.reasoning and params.structured is None:  # a grammar writes the whole output
         fmt.reasoning = ReasoningSplitter(opens_thinking(str(prompts[0])))
@@ -272,11 +276,16 @@ def _tool_mode(chat: ChatCompletionRequest) -> ToolMode | None:
 
 
 def _render(llm: Any, messages: Sequence[Any], add_generation_prompt: bool, tools: ToolMode | None = None) -> str:
-    """The conversation through the chat template (a worker thread), with the tools' system prompt and earlier
-    calls written in; refused untouched when its messages alone are longer than max_model_len tokens can hold."""
-    conversation = render_messages(list(messages), tools)
-    check_length(llm, sum(len(m["content"]) for m in conversation), "messages")
+    """The conversation through the chat template (a worker thread): the tools and earlier calls handed to a
+    template that takes them, else written in Hermes-style; refused untouched when its messages alone are longer
+    than max_model_len tokens can hold."""
+    family = llm.tool_family
+    native = family is not None
+    conversation = native_messages(list(messages), family) if native else render_messages(list(messages), tools)
+    check_length(llm, sum(len(m["content"] or "") for m in conversation), "messages")
     try:
+        if native and tools is not None:
+            return str(llm.apply_chat_template(conversation, add_generation_prompt, tools=template_tools(tools)))
         return str(llm.apply_chat_template(conversation, add_generation_prompt))
     except Exception as e:  # a template may reject a conversation (e.g. role order)
         raise APIError(400, f"messages: the chat template rejected them: {e}", "messages") from None

@@ -33,6 +33,8 @@ class FakeAsyncLLM:
         self.shut_down = False
         self.requests: list[tuple[object, SamplingParams]] = []
 
+    tool_family = None  # its template takes no tools: the server writes them Hermes-style
+
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         if messages[-1]["role"] == "assistant" and messages[-1]["content"] == "REJECT":
             raise ValueError("template rejects this conversation")
