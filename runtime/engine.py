@@ -79,9 +79,11 @@ class Engine:
         if spec is None and proposer is not None:
             raise InvalidParamError("a proposer needs config.speculative (its method and limits)", "speculative")
         self.speculator = None if spec is None else \
-            Speculator(proposer or _default_proposer(spec), spec, self.scheduler, self.max_seq_len)
+            Speculator(proposer or _default_proposer(spec), spec, self.scheduler, self.max_seq_len, self.sampler.masks)
         self.handoffs = HandoffQueue(self.scheduler, runner)  # handed-off requests waiting for blocks
-        self._grammars: GrammarCompiler | None = None  # made on the first structured request
+        # structured output's compiler: the loader gives one whose llguidance tokenizer it built while the model
+        # opened; else it is made on the first structured request
+        self.grammars: GrammarCompiler | None = None
         self._grammars_lock = threading.Lock()  # prepare runs on the server's worker threads
 
     @property
@@ -106,14 +108,14 @@ class Engine:
 
     def _compile(self, spec: StructuredOutput) -> CompiledGrammar:
         """spec compiled for this engine's tokenizer (tokenizer.json, read on the first structured request)."""
-        with self._grammars_lock:  # one tokenizer build (~1 s) even when the first requests come together
-            if self._grammars is None:
+        with self._grammars_lock:  # one compiler even when the first requests come together
+            if self.grammars is None:
                 to_json = getattr(self.tokenizer, "to_json", None)
                 if to_json is None:
                     raise InvalidParamError(f"{spec.param}: this engine's tokenizer cannot drive structured output",
                                             spec.param)
-                self._grammars = GrammarCompiler(to_json(), self.runner.vocab_size, self.limits.eos_token_ids)
-            grammars = self._grammars
+                self.grammars = GrammarCompiler(to_json(), self.runner.vocab_size, self.limits.eos_token_ids)
+            grammars = self.grammars
         return grammars.compile(spec)
 
     def add(self, prepared: EngineRequest, kv: KvHandoff | None = None, export_kv: bool = False) -> None:

@@ -17,6 +17,7 @@ from kiln.runtime.engine import Engine, EngineLimits
 from kiln.runtime.model_runner import KvBudget, ModelRunner, choose_num_blocks
 from kiln.runtime.params import RuntimeConfig, SpeculativeConfig
 from kiln.runtime.speculative.proposer import Proposer
+from kiln.runtime.structured.grammar import GrammarCompiler
 from kiln.runtime.tokenizer import Tokenizer
 
 NUM_THREADS_ENV = "KILN_NUM_THREADS"
@@ -45,6 +46,12 @@ def load_engine(engine_dir: str | Path, config: RuntimeConfig | None = None) -> 
         if not (engine_dir / name).is_file():
             raise EngineLoadError(f"engine file {name} is missing from {engine_dir}")
     tokenizer = Tokenizer(engine_dir, config.chat_template)
+    eos = list(manifest.spec.eos_token_ids)
+    if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in eos:
+        eos.append(tokenizer.eos_token_id)
+    # structured output's tokenizer (~1 s for 49k tokens) builds while the model opens: no request waits for it
+    grammars = GrammarCompiler(tokenizer.to_json(), manifest.spec.vocab_size, eos)
+    grammars.build_tokenizer(background=True)
     build = manifest.build
     max_model_len = served_max_model_len(manifest.max_seq_len, config.max_model_len)
     pools = engine_kv_pools(manifest)
@@ -59,9 +66,6 @@ def load_engine(engine_dir: str | Path, config: RuntimeConfig | None = None) -> 
     else:
         num_blocks = choose_num_blocks(budget, config.kv_cache_bytes, config.kv_cache_fraction)
         runner = open_engine_runner(engine_dir, manifest, num_blocks, num_threads)
-    eos = list(manifest.spec.eos_token_ids)
-    if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in eos:
-        eos.append(tokenizer.eos_token_id)
     step_tokens = step_token_budget(build.max_num_tokens, config.max_num_tokens, manifest.backend, num_threads)
     limits = EngineLimits(max_seq_len=max_model_len, max_num_tokens=step_tokens, eos_token_ids=tuple(eos),
                           threads=num_threads or os.cpu_count() or 1)
@@ -73,7 +77,14 @@ def load_engine(engine_dir: str | Path, config: RuntimeConfig | None = None) -> 
     proposer = None
     if config.speculative is not None and config.speculative.method != "ngram":
         proposer = open_proposer(config.speculative, engine_dir, manifest, runner, num_threads)
-    return Engine(runner, tokenizer, config, limits, model_name=engine_dir.resolve().name, proposer=proposer)
+    engine = Engine(runner, tokenizer, config, limits, model_name=engine_dir.resolve().name, proposer=proposer)
+    if runner.vocab_size == grammars.vocab_size:  # else the engine makes one for the logits' width when asked
+        try:
+            grammars.tokenizer  # noqa: B018 - waits for the build: the engine is ready when it returns
+        except Exception as exc:  # noqa: BLE001 - the engine serves; its structured requests get the error
+            log.warning("structured output is unavailable with this tokenizer: %s", exc)
+        engine.grammars = grammars
+    return engine
 
 
 CPU_STEP_TOKENS_PER_THREAD = 128

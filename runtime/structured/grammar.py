@@ -1,8 +1,10 @@
 """The token-mask provider: StructuredOutput specs compiled against an engine's tokenizer (llguidance), a
 matcher per sequence, and the step's masks applied to its logits rows.
 
-Compiling builds the grammar's lexer over the vocabulary (~10 ms for a 30-property schema on SmolLM2's 49,152
-tokens); it happens once per distinct spec (an LRU cache) on the caller's thread when a request is prepared, and
+llguidance's tokenizer (the vocabulary's trie, ~1 s for SmolLM2's 49,152 tokens) is built once per engine, by the
+loader while the model opens, so no request waits for it. Compiling a spec builds the grammar's lexer over the
+vocabulary (~10 ms for a 30-property schema); it happens once per distinct spec (an LRU cache) on the caller's
+thread when a request is prepared, and
 each sequence starts from a copy of the compiled matcher (~10 us). A matcher follows its sequence's output tokens
 by count (GrammarState.sync), so whatever appended them (a sample, a fork's first token, a recompute after
 preemption, which keeps the tokens) leaves it consistent without a hook at each place.
@@ -13,11 +15,12 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
+from concurrent.futures import Future
 
 import llguidance
 import numpy as np
 import numpy.typing as npt
-from llguidance.numpy import fill_next_token_bitmask_par
+from llguidance.numpy import fill_next_token_bitmask_par, fill_next_token_bitmask_par_with_draft_tokens
 
 from kiln.errors import InvalidParamError
 from kiln.runtime.ops import sampling as kernels
@@ -85,18 +88,37 @@ class GrammarCompiler:
         tokenizer's: the padding tokens are never allowed)."""
         self._tokenizer_json, self.vocab_size = tokenizer_json, vocab_size
         self._eos = [int(t) for t in eos_token_ids]
-        self._tokenizer: llguidance.LLTokenizer | None = None  # built on first use: ~1 s for 49k tokens
+        # llguidance's tokenizer (the vocabulary's trie and slices): ~1 s for 49k tokens, built once
+        self._tokenizer: Future[llguidance.LLTokenizer] | None = None
         self._cache: OrderedDict[StructuredOutput, CompiledGrammar] = OrderedDict()
         self._cache_size = cache_size
         self._lock = threading.Lock()
 
+    def build_tokenizer(self, background: bool = False) -> None:
+        """Start building llguidance's tokenizer (once): on a thread of its own when `background` (the loader
+        overlaps it with opening the model), else here. Whoever needs it waits for the one build."""
+        with self._lock:
+            if self._tokenizer is not None:
+                return
+            self._tokenizer = future = Future()
+        if background:
+            threading.Thread(target=self._build, args=(future,), name="kiln-grammar-tokenizer", daemon=True).start()
+        else:
+            self._build(future)
+
+    def _build(self, future: Future[llguidance.LLTokenizer]) -> None:
+        try:
+            future.set_result(llguidance.LLTokenizer(self._tokenizer_json, n_vocab=self.vocab_size,
+                                                     eos_token=self._eos or None))
+        except BaseException as exc:  # noqa: BLE001 - handed to whoever waits for it
+            future.set_exception(exc)
+
     @property
     def tokenizer(self) -> llguidance.LLTokenizer:
-        with self._lock:
-            if self._tokenizer is None:
-                self._tokenizer = llguidance.LLTokenizer(self._tokenizer_json, n_vocab=self.vocab_size,
-                                                         eos_token=self._eos or None)
-            return self._tokenizer
+        """The tokenizer, built now if no build was started, else once that build ends."""
+        self.build_tokenizer()
+        assert self._tokenizer is not None
+        return self._tokenizer.result()
 
     def compile(self, spec: StructuredOutput) -> CompiledGrammar:
         """The spec's compiled grammar; InvalidParamError naming spec.param when it cannot be built for this
@@ -106,7 +128,12 @@ class GrammarCompiler:
             if hit is not None:
                 self._cache.move_to_end(spec)
                 return hit
-        matcher = llguidance.LLMatcher(self.tokenizer, spec.llguidance_grammar(), log_level=0)
+        try:
+            tokenizer = self.tokenizer
+        except Exception as exc:  # noqa: BLE001 - llguidance could not read this vocabulary
+            raise InvalidParamError(f"{spec.param}: this engine's tokenizer cannot drive structured output "
+                                    f"({exc})", spec.param) from None
+        matcher = llguidance.LLMatcher(tokenizer, spec.llguidance_grammar(), log_level=0)
         if matcher.is_error():
             raise InvalidParamError(f"{spec.param}: the {spec.kind.replace('_', ' ')} cannot be compiled: "
                                     f"{matcher.get_error().strip().splitlines()[0]}", spec.param)
@@ -138,6 +165,21 @@ class MaskStep:
         subset = np.ascontiguousarray(logits[rows])
         kernels.mask_rows(subset, bitmask)
         logits[rows] = subset
+
+    def apply_speculated(self, logits: npt.NDArray[np.float32], state: GrammarState, proposed: Sequence[int]) -> None:
+        """In place on one sequence's verification rows [k + 1, vocab] (C-contiguous float32): row j masked with
+        the grammar after the first j proposals, up to the first proposal the grammar refuses (verification
+        rejects it there, so the rows after it are never read). The matcher is left where it was (llguidance
+        advances it over the proposals and rolls it back)."""
+        valid = list(proposed[: state.matcher.validate_tokens(list(proposed))])
+        if not valid:  # the first proposal is refused: only the first row is read
+            kernels.mask_rows(logits[:1], self.bitmask([state], logits.shape[1]))
+            return
+        mask = np.zeros((len(valid) + 1, (logits.shape[1] + 31) // 32), dtype=np.int32)
+        fill_next_token_bitmask_par_with_draft_tokens(self._executor, [(state.matcher, 0, valid)], mask)
+        if state.matcher.is_error():
+            raise GrammarError(f"the grammar failed: {state.matcher.get_error()}")
+        kernels.mask_rows(logits[: len(valid) + 1], mask)
 
     def bitmask(self, states: Sequence[GrammarState], vocab_size: int) -> Bitmask:
         """[len(states), ceil(vocab / 32)] int32: bit t % 32 of word t // 32 set where token t may come next."""
