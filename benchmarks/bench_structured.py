@@ -5,7 +5,8 @@ structured request; first use of a schema; a cached one) against none.
     python benchmarks/bench_structured.py ENGINE_DIR [--rows 16] [--rounds 5]
 
 Step times are medians over the steps where all rows decode, in interleaved rounds (the machine drifts); the mask's
-own parts (llguidance's fill, the op library's apply) are timed inside the constrained steps.
+own parts (llguidance's fill, the op library's apply) are timed inside the constrained steps, with the fill done
+after the model step (inline) and during it (overlapped, the engine's default).
 """
 
 from __future__ import annotations
@@ -30,12 +31,16 @@ def wide_schema(properties: int) -> dict[str, object]:
 
 
 class MaskTimer:
-    """Wraps MaskStep.bitmask and MaskStep.apply to add up their seconds."""
+    """While entered, wraps MaskStep.bitmask (the fill, on whichever thread) and MaskStep.apply (what the sampler
+    waits) to add up their seconds."""
 
     def __init__(self) -> None:
         self.fill = self.total = 0.0
         self.calls = 0
-        bitmask, apply = MaskStep.bitmask, MaskStep.apply
+        self._saved = (MaskStep.bitmask, MaskStep.apply)
+
+    def __enter__(self) -> MaskTimer:
+        bitmask, apply = self._saved
 
         def timed_bitmask(step, states, vocab):  # type: ignore[no-untyped-def]
             start = time.perf_counter()
@@ -53,6 +58,10 @@ class MaskTimer:
                 self.calls += 1
 
         MaskStep.bitmask, MaskStep.apply = timed_bitmask, timed_apply  # type: ignore[method-assign]
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        MaskStep.bitmask, MaskStep.apply = self._saved  # type: ignore[method-assign]
 
 
 def decode_steps(llm: LLM, rows: int, params: SamplingParams) -> list[float]:
@@ -105,21 +114,30 @@ def main() -> None:
         ttft["schema, cached"].append(first_token(llm, SamplingParams(temperature=0, max_tokens=1,
                                                                       structured=schema)))
 
-    timer = MaskTimer()
-    steps: dict[str, list[float]] = {"none": [], "schema": []}
+    timers = {overlap: MaskTimer() for overlap in (False, True)}
+    steps: dict[str, list[float]] = {"none": [], "schema, inline": [], "schema, overlapped": []}
+    masks = llm.engine.sampler.masks
     for _ in range(args.rounds):
         steps["none"] += decode_steps(llm, args.rows, plain)
-        steps["schema"] += decode_steps(llm, args.rows, constrained)
-    base, masked = statistics.median(steps["none"]), statistics.median(steps["schema"])
+        for overlap in (False, True):
+            masks.overlap = overlap
+            with timers[overlap]:
+                steps["schema, overlapped" if overlap else "schema, inline"] += decode_steps(llm, args.rows,
+                                                                                            constrained)
+    base = statistics.median(steps["none"])
     print(f"engine load (llguidance's tokenizer built meanwhile): {load_s:.2f} s")
     print(f"the engine's first requests, TTFT: plain {first_plain * 1e3:.1f} ms, then a 30-property schema "
           f"{first_structured * 1e3:.1f} ms")
     for name, values in ttft.items():
         print(f"TTFT, 1 output token, {name}: median {statistics.median(values) * 1e3:.1f} ms")
-    print(f"{args.rows}-row decode step: none {base * 1e3:.2f} ms, JSON schema on every row {masked * 1e3:.2f} ms "
-          f"= {masked / base:.3f}x ({len(steps['none'])} / {len(steps['schema'])} steps)")
-    print(f"mask per constrained step: {timer.total / timer.calls * 1e3:.2f} ms "
-          f"(llguidance fill {timer.fill / timer.calls * 1e3:.2f} ms, the rest sync + apply)")
+    print(f"{args.rows}-row decode step, no constraint: {base * 1e3:.2f} ms ({len(steps['none'])} steps)")
+    for overlap in (False, True):
+        name, timer = ("schema, overlapped" if overlap else "schema, inline"), timers[overlap]
+        masked = statistics.median(steps[name])
+        print(f"  JSON schema on every row, mask filled {'during the model step' if overlap else 'after it'}: "
+              f"{masked * 1e3:.2f} ms = {masked / base:.3f}x ({len(steps[name])} steps); the sampler waits "
+              f"{timer.total / timer.calls * 1e3:.2f} ms per step for the mask (llguidance fill "
+              f"{timer.fill / timer.calls * 1e3:.2f} ms)")
 
 
 if __name__ == "__main__":

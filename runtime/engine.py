@@ -34,7 +34,7 @@ from kiln.runtime.speculative.proposer import Proposer
 from kiln.runtime.speculative.speculator import Speculator
 from kiln.runtime.speculative.verify import SpecStats
 from kiln.runtime.structured import StructuredOutput
-from kiln.runtime.structured.grammar import CompiledGrammar, GrammarCompiler
+from kiln.runtime.structured.grammar import CompiledGrammar, GrammarCompiler, GrammarError
 
 log = logging.getLogger("kiln.runtime")
 
@@ -171,7 +171,23 @@ class Engine:
             return self._take_outputs(changed)
         if self.speculator is not None:
             out = self.speculator.plan(out)
+        self._prefetch_masks(out)
         return self._postprocess(out, self.runner.execute_all(build_batch(out)), changed)
+
+    def _prefetch_masks(self, out: SchedulerOutput) -> None:
+        """Start the grammar masks of the step's plain (not speculated) rows, filled while the model runs: their
+        tokens are all known before the step."""
+        seqs = out.to_sample
+        if not any(s.grammar is not None for s in seqs):
+            return
+        plain = [seqs[i] for i, count in enumerate(out.logits_rows.counts) if count == 1]
+        try:
+            for seq in plain:
+                if seq.grammar is not None:
+                    seq.grammar.sync(seq.token_ids, seq.num_prompt_tokens)
+        except GrammarError:  # sampling meets it again and fails that request alone
+            return
+        self.sampler.masks.prefetch([s.grammar for s in plain], self.runner.vocab_size)
 
     def _start_handoffs(self) -> dict[str, Request]:
         """Start the handed-off requests blocks allow; their first token (sampled by the prefill engine,

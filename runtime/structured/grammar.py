@@ -15,7 +15,8 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass
 
 import llguidance
 import numpy as np
@@ -145,20 +146,59 @@ class GrammarCompiler:
         return compiled
 
 
+@dataclass
+class _Prefetch:
+    """Masks being filled while the model step runs, for these states at these positions."""
+
+    states: list[GrammarState]
+    consumed: list[int]
+    vocab_size: int
+    future: Future[Bitmask]
+
+    def matches(self, states: Sequence[GrammarState], vocab_size: int) -> bool:
+        return (vocab_size == self.vocab_size and len(states) == len(self.states)
+                and all(a is b for a, b in zip(states, self.states, strict=True))
+                and [s.consumed for s in states] == self.consumed)
+
+
 class MaskStep:
     """Fills and applies one step's masks: the matchers of the constrained rows compute their bitmasks together
     on llguidance's threads (it releases the GIL), then the op library's kernel sets each row's disallowed
-    logits to -inf."""
+    logits to -inf. The engine starts the fill before the model step (prefetch), so it runs while the model
+    does, and apply finds it done."""
 
     def __init__(self, threads: int = 1) -> None:
         self._executor = llguidance.LLExecutor(max(1, threads))
+        self._filler = ThreadPoolExecutor(1, thread_name_prefix="kiln-grammar-mask")
+        self._pending: _Prefetch | None = None
+        self.overlap = True  # prefetch fills on the side; off: apply fills them itself (benchmarks compare)
+
+    def prefetch(self, states: Sequence[GrammarState | None], vocab_size: int) -> None:
+        """Start filling the masks of these states (synced, at the positions the next apply reads them) on a
+        thread of their own; apply takes them when asked for the same states at the same positions."""
+        self.settle()
+        live = [s for s in states if s is not None]
+        if self.overlap and live:
+            self._pending = _Prefetch(live, [s.consumed for s in live], vocab_size,
+                                      self._filler.submit(self.bitmask, live, vocab_size))
+
+    def settle(self) -> None:
+        """Wait for a fill in flight (its matchers are read on the other thread until it ends)."""
+        if self._pending is not None:
+            wait([self._pending.future])
 
     def apply(self, logits: npt.NDArray[np.float32], states: Sequence[GrammarState | None]) -> None:
         """In place on logits [rows, vocab] (C-contiguous float32): the rows whose state is not None masked."""
+        self.settle()
+        pending, self._pending = self._pending, None
         rows = [i for i, s in enumerate(states) if s is not None]
         if not rows:
             return
-        bitmask = self.bitmask([s for s in states if s is not None], logits.shape[1])
+        live = [s for s in states if s is not None]
+        if pending is not None and pending.matches(live, logits.shape[1]):
+            bitmask = pending.future.result()  # raises what the fill raised, as filling it here would
+        else:
+            bitmask = self.bitmask(live, logits.shape[1])
         if len(rows) == logits.shape[0]:
             kernels.mask_rows(logits, bitmask)
             return
@@ -171,6 +211,7 @@ class MaskStep:
         the grammar after the first j proposals, up to the first proposal the grammar refuses (verification
         rejects it there, so the rows after it are never read). The matcher is left where it was (llguidance
         advances it over the proposals and rolls it back)."""
+        self.settle()
         valid = list(proposed[: state.matcher.validate_tokens(list(proposed))])
         if not valid:  # the first proposal is refused: only the first row is read
             kernels.mask_rows(logits[:1], self.bitmask([state], logits.shape[1]))

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+import threading
 from pathlib import Path
 
 import jsonschema
@@ -192,6 +193,27 @@ def test_preemption_and_speculation_keep_the_greedy_outputs(tokenizer_dir):
     assert texts(speculating, prompts, params) == reference  # greedy: speculation changes no token
     stats = speculating.stats()
     assert stats.num_spec_verifications > 0 and 0 < stats.num_spec_accepted_tokens < stats.num_spec_proposed_tokens
+
+
+def test_masks_are_filled_while_the_model_step_runs(tokenizer_dir, monkeypatch):
+    """The engine starts each step's fill before running the model; sampling takes it. Same outputs either way."""
+    params = SamplingParams(temperature=0, max_tokens=80, n=2, structured=StructuredOutput.json_schema(SCHEMA))
+    prompts = [f"prompt {i} " * (i + 1) for i in range(3)]
+    fills: list[str] = []
+    bitmask = MaskStep.bitmask
+
+    def recorded(step, states, vocab_size):
+        fills.append(threading.current_thread().name)
+        return bitmask(step, states, vocab_size)
+
+    monkeypatch.setattr(MaskStep, "bitmask", recorded)
+    overlapped = texts(make_llm(tokenizer_dir), prompts, params)
+    assert fills and all(name.startswith("kiln-grammar-mask") for name in fills), set(fills)
+    inline = make_llm(tokenizer_dir)
+    inline.engine.sampler.masks.overlap = False
+    fills.clear()
+    assert texts(inline, prompts, params) == overlapped
+    assert fills and not any(name.startswith("kiln-grammar-mask") for name in fills)
 
 
 def test_speculated_sampled_outputs_follow_the_grammar(tokenizer_dir):
