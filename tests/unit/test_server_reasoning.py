@@ -14,7 +14,6 @@ openai = pytest.importorskip("openai")
 from fastapi.testclient import TestClient  # noqa: E402
 from server_fake import FakeAsyncLLM  # noqa: E402
 
-from kiln.runtime.server.app import build_app  # noqa: E402
 from kiln.runtime.server.reasoning import ReasoningSplitter, opens_thinking, reasoning_enabled  # noqa: E402
 
 THOUGHT = "<think>\nThe user greets me.\nI greet back.\n</think>\n\nHello there!"
@@ -71,9 +70,13 @@ def test_auto_turns_on_for_a_tokenizer_with_both_tags():
 # ---- through the app --------------------------------------------------------------------------------------
 
 def _client(script: str, parser: str = "qwen3"):
+    """The app `kiln serve --reasoning-parser PARSER` runs, on the fake engine writing `script`."""
+    pytest.importorskip("uvicorn")
+    from kiln.runtime.server.launch import ServeOptions, serving_app
+
     fake = FakeAsyncLLM(script=script)
     fake.max_seq_len = 2048
-    return TestClient(build_app(lambda: fake, reasoning_parser=parser))
+    return TestClient(serving_app(lambda: fake, ServeOptions(reasoning_parser=parser, web_ui=False)))
 
 
 def official(http: TestClient):
