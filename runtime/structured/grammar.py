@@ -109,8 +109,12 @@ class GrammarCompiler:
 
     def _build(self, future: Future[llguidance.LLTokenizer]) -> None:
         try:
-            future.set_result(llguidance.LLTokenizer(self._tokenizer_json, n_vocab=self.vocab_size,
-                                                     eos_token=self._eos or None))
+            tokenizer = llguidance.LLTokenizer(self._tokenizer_json, n_vocab=self.vocab_size,
+                                               eos_token=self._eos or None)
+            # the tokenizer's first mask sets up tables lazily (~10-14 ms on 49k tokens): pay it here too
+            llguidance.LLMatcher(tokenizer, StructuredOutput.json_object().llguidance_grammar(),
+                                 log_level=0).compute_bitmask()
+            future.set_result(tokenizer)
         except BaseException as exc:  # noqa: BLE001 - handed to whoever waits for it
             future.set_exception(exc)
 
