@@ -3,11 +3,11 @@ matcher per sequence, and the step's masks applied to its logits rows.
 
 llguidance's tokenizer (the vocabulary's trie, ~1 s for SmolLM2's 49,152 tokens) is built once per engine, by the
 loader while the model opens, so no request waits for it. Compiling a spec builds the grammar's lexer over the
-vocabulary (~10 ms for a 30-property schema); it happens once per distinct spec (an LRU cache) on the caller's
-thread when a request is prepared, and
-each sequence starts from a copy of the compiled matcher (~10 us). A matcher follows its sequence's output tokens
-by count (GrammarState.sync), so whatever appended them (a sample, a fork's first token, a recompute after
-preemption, which keeps the tokens) leaves it consistent without a hook at each place.
+vocabulary (1-3 ms for a 30-property schema); it happens once per distinct spec (an LRU cache) on the caller's
+thread when a request is prepared, and each sequence starts from a copy of the compiled matcher (~10 us). A
+matcher follows its sequence's output tokens by count (GrammarState.sync), so whatever appended them (a sample, a
+fork's first token, a recompute after preemption, which keeps the tokens, the tokens kept by a speculative
+verification) leaves it consistent without a hook at each place.
 """
 
 from __future__ import annotations
