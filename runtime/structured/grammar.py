@@ -98,10 +98,11 @@ class GrammarCompiler:
     def build_tokenizer(self, background: bool = False) -> None:
         """Start building llguidance's tokenizer (once): on a thread of its own when `background` (the loader
         overlaps it with opening the model), else here. Whoever needs it waits for the one build."""
+        future: Future[llguidance.LLTokenizer] = Future()
         with self._lock:
             if self._tokenizer is not None:
                 return
-            self._tokenizer = future = Future()
+            self._tokenizer = future
         if background:
             threading.Thread(target=self._build, args=(future,), name="kiln-grammar-tokenizer", daemon=True).start()
         else:
