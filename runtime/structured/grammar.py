@@ -120,6 +120,11 @@ class GrammarCompiler:
             future.set_exception(exc)
 
     @property
+    def tokenizer_ready(self) -> bool:
+        """The tokenizer is built (using it does not wait)."""
+        return self._tokenizer is not None and self._tokenizer.done()
+
+    @property
     def tokenizer(self) -> llguidance.LLTokenizer:
         """The tokenizer, built now if no build was started, else once that build ends."""
         self.build_tokenizer()
