@@ -96,7 +96,7 @@ async def _run(request: Request, body: CompletionRequest | ChatCompletionRequest
     fmt = ResponseFormatter(chat, request_id, state.model_names[0], params)
     fmt.tools = None if mode is None else ToolResponses(mode)
     if chat and state.reasoning and params.structured is None:  # a grammar writes the whole output
-        fmt.reasoning = ReasoningSplitter(opens_thinking(str(prompts[0])))
+        fmt.reasoning = ReasoningSplitter(opens_thinking(str(prompts[0])), state.llm.detokenize)
     stream = engine_stream(request, streams, ids, params, request_id)
     try:
         first = await stream.__anext__()

@@ -16,6 +16,7 @@ is not split: its grammar writes the whole output, from the first token.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -87,10 +88,35 @@ def _tag_prefix_at_end(text: str, tag: str) -> int:
 
 @dataclass
 class ReasoningSplitter:
-    """Splits one chat request's choices: whole answers (split) or stream deltas (delta, per choice index)."""
+    """Splits one chat request's choices: whole answers (split) or stream deltas (delta, per choice index), and
+    counts their reasoning tokens (usage's reasoning_tokens)."""
 
     prompt_opens: bool  # opens_thinking(the rendered prompt)
+    decode: Callable[[list[int]], str]  # token ids to text, special tokens kept (the tags may be special)
     streams: dict[int, _Split] = field(default_factory=dict)
+    stream_tokens: dict[int, list[int]] = field(default_factory=dict)  # each streamed choice's tokens so far
+
+    def reasoning_tokens(self, token_ids: list[int], thought: bool) -> int:
+        """How many of an answer's tokens are its thinking: up to the one that completes </think>, or all of them
+        when the block never closed; 0 when it did not think. Exact: the shortest prefix whose text holds the
+        closing tag (a binary search over decodes, log2(n) of them)."""
+        if not thought:
+            return 0
+        if THINK_CLOSE not in self.decode(token_ids):
+            return len(token_ids)
+        low, high = 1, len(token_ids)
+        while low < high:
+            middle = (low + high) // 2
+            if THINK_CLOSE in self.decode(token_ids[:middle]):
+                high = middle
+            else:
+                low = middle + 1
+        return low
+
+    def streamed_reasoning_tokens(self) -> int:
+        """The reasoning tokens of every streamed choice (call once they are finished)."""
+        return sum(self.reasoning_tokens(ids, self.streams[i].phase == "reasoning" or self.streams[i].strip_content)
+                   for i, ids in self.stream_tokens.items() if i in self.streams)
 
     def _start(self) -> _Split:
         return _Split("reasoning" if self.prompt_opens else "deciding")

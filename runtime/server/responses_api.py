@@ -156,7 +156,8 @@ def response_body(chat: dict[str, Any], request: ResponsesRequest) -> dict[str, 
         "usage": {"input_tokens": usage["prompt_tokens"], "output_tokens": usage["completion_tokens"],
                   "total_tokens": usage["total_tokens"],
                   "input_tokens_details": {"cached_tokens": usage["prompt_tokens_details"]["cached_tokens"]},
-                  "output_tokens_details": {"reasoning_tokens": 0}},
+                  "output_tokens_details": {"reasoning_tokens": usage.get("completion_tokens_details", {})
+                                            .get("reasoning_tokens", 0)}},
     }
 
 

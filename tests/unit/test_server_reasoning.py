@@ -30,19 +30,31 @@ THOUGHT = "<think>\nThe user greets me.\nI greet back.\n</think>\n\nHello there!
     ("<thin", False, (None, "<thin")),
 ])
 def test_split_whole_answers(text, prompt_opens, expected):
-    assert ReasoningSplitter(prompt_opens).split(text) == expected
+    assert ReasoningSplitter(prompt_opens, _chars).split(text) == expected
 
 
 @pytest.mark.parametrize("text", [THOUGHT, "  <think>a</think>", "Plain <answer>", "<thi", "x</think>y"])
 @pytest.mark.parametrize("prompt_opens", [False, True])
 def test_every_stream_cut_gives_the_whole_split(text, prompt_opens):
-    reasoning, content = ReasoningSplitter(prompt_opens).split(text)
+    reasoning, content = ReasoningSplitter(prompt_opens, _chars).split(text)
     cuts = [[text[:i], text[i:]] for i in range(len(text) + 1)] + [list(text)]
     for pieces in cuts:
-        splitter = ReasoningSplitter(prompt_opens)
+        splitter = ReasoningSplitter(prompt_opens, _chars)
         deltas = [splitter.delta(0, p, False) for p in pieces] + [splitter.delta(0, "", True)]
         assert "".join(r for r, _ in deltas) == (reasoning or ""), pieces
         assert "".join(c for _, c in deltas) == content, pieces
+
+
+def _chars(ids: list[int]) -> str:  # the fake engine's tokens are characters
+    return "".join(map(chr, ids))
+
+
+def test_reasoning_tokens_are_counted_to_the_closing_tag():
+    splitter = ReasoningSplitter(False, _chars)
+    ids = [ord(c) for c in THOUGHT]
+    assert splitter.reasoning_tokens(ids, True) == THOUGHT.index("</think>") + len("</think>")
+    assert splitter.reasoning_tokens(ids[:20], True) == 20  # never closed: all of it
+    assert splitter.reasoning_tokens(ids, False) == 0
 
 
 def test_a_prompt_opens_thinking_when_its_last_think_is_open():
@@ -100,6 +112,12 @@ def test_chat_splits_reasoning_whole_and_streamed():
         first_content = next(i for i, d in enumerate(deltas) if d.content)
         assert all(not (d.model_extra or {}).get("reasoning_content") for d in deltas[first_content:])
         assert chunks[-1].choices[0].finish_reason == "stop"
+        thinking = THOUGHT.index("</think>") + len("</think>")
+        usage = oai.chat.completions.create(model="fake-model", messages=MESSAGES).usage
+        assert usage.completion_tokens == len(THOUGHT) and usage.completion_tokens_details.reasoning_tokens == thinking
+        streamed = list(oai.chat.completions.create(model="fake-model", messages=MESSAGES, stream=True,
+                                                    stream_options={"include_usage": True}))
+        assert streamed[-1].usage.completion_tokens_details.reasoning_tokens == thinking
 
 
 def test_parser_off_or_a_constraint_leaves_the_text_whole():
@@ -138,6 +156,8 @@ def test_responses_api_reasoning_items_whole_and_streamed():
         assert [item.type for item in response.output] == ["reasoning", "message"]
         assert response.output[0].content[0].text == "The user greets me.\nI greet back.\n"
         assert response.output_text == "Hello there!"
+        thinking = THOUGHT.index("</think>") + len("</think>")
+        assert response.usage.output_tokens_details.reasoning_tokens == thinking
         events = list(oai.responses.create(model="fake-model", input="hi", stream=True))
         kinds = [e.type for e in events]
         assert kinds.index("response.reasoning_text.delta") < kinds.index("response.output_text.delta")
@@ -147,6 +167,7 @@ def test_responses_api_reasoning_items_whole_and_streamed():
         assert added == [(0, "reasoning"), (1, "message")]
         final = events[-1].response
         assert [item.type for item in final.output] == ["reasoning", "message"]
+        assert final.usage.output_tokens_details.reasoning_tokens == thinking
         assert final.output[0].id.startswith("rs_")
         # the Agents SDK sends the reasoning item back in the next turn's input: it is accepted and dropped
         follow = oai.responses.create(model="fake-model", input=[
