@@ -71,6 +71,29 @@ class _Vocab:
         return [0] if text in self.tokens else [ord(c) for c in text]
 
 
+def test_auto_reads_a_real_tokenizer(tmp_path):
+    """A tiny byte-level tokenizer spells <think> in pieces; with both tags added as tokens (as Qwen3's has them)
+    auto turns the parser on."""
+    from helpers import write_tiny_tokenizer
+    from tokenizers import AddedToken
+    from tokenizers import Tokenizer as HFTokenizer
+
+    from kiln.runtime.tokenizer import Tokenizer
+
+    write_tiny_tokenizer(tmp_path)
+    plain = Tokenizer(tmp_path)
+    hf = HFTokenizer.from_file(str(tmp_path / "tokenizer.json"))
+    hf.add_tokens([AddedToken(t, normalized=False) for t in ("<think>", "</think>")])
+    hf.save(str(tmp_path / "tokenizer.json"))
+    thinking = Tokenizer(tmp_path)
+    assert not reasoning_enabled("auto", _Encoder(plain)) and reasoning_enabled("auto", _Encoder(thinking))
+
+
+class _Encoder:
+    def __init__(self, tokenizer):
+        self.tokenize = tokenizer.encode
+
+
 def test_auto_turns_on_for_a_tokenizer_with_both_tags():
     assert reasoning_enabled("auto", _Vocab({"<think>", "</think>"}))
     assert not reasoning_enabled("auto", _Vocab({"<think>"}))
