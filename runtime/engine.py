@@ -107,7 +107,8 @@ class Engine:
         return dataclasses.replace(request, grammar=self._compile(params.structured))
 
     def _compile(self, spec: StructuredOutput) -> CompiledGrammar:
-        """spec compiled for this engine's tokenizer (tokenizer.json, read on the first structured request)."""
+        """spec compiled for this engine's tokenizer: by the loader's compiler, else by one made here on the first
+        structured request (an Engine built without load_engine: its first request builds the tokenizer)."""
         with self._grammars_lock:  # one compiler even when the first requests come together
             if self.grammars is None:
                 to_json = getattr(self.tokenizer, "to_json", None)
