@@ -32,7 +32,6 @@ log = logging.getLogger("kiln.runtime")
 def load_engine(engine_dir: str | Path, config: RuntimeConfig | None = None) -> Engine:
     """The Engine serving an engine directory (the one factory: engine.py knows nothing of files)."""
     engine_dir, config = Path(engine_dir), config or RuntimeConfig()
-    num_threads = config.num_threads or threads_from_env()
     manifest = read_manifest(engine_dir)
     check_backend(manifest.backend)
     if manifest.backend == BACKEND_ORT_CPU:
@@ -52,6 +51,24 @@ def load_engine(engine_dir: str | Path, config: RuntimeConfig | None = None) -> 
     # structured output's tokenizer (~1 s for 49k tokens) builds while the model opens: no request waits for it
     grammars = GrammarCompiler(tokenizer.to_json(), manifest.spec.vocab_size, eos)
     grammars.build_tokenizer(background=True)
+    try:
+        engine = _open_engine(engine_dir, config, manifest, tokenizer, tuple(eos))
+    except BaseException:
+        grammars.wait_for_build()  # a thread left inside llguidance when the interpreter exits crashes it
+        raise
+    try:
+        grammars.tokenizer  # noqa: B018 - waits for the build: the engine is ready when it returns
+    except Exception as exc:  # noqa: BLE001 - the engine serves; its structured requests get the error
+        log.warning("structured output is unavailable with this tokenizer: %s", exc)
+    if engine.runner.vocab_size == grammars.vocab_size:  # else the engine makes one for the logits' width
+        engine.grammars = grammars
+    return engine
+
+
+def _open_engine(engine_dir: Path, config: RuntimeConfig, manifest: Manifest, tokenizer: Tokenizer,
+                 eos: tuple[int, ...]) -> Engine:
+    """The runner (KV pool sized from the config), the step limits and the proposer, as one Engine."""
+    num_threads = config.num_threads or threads_from_env()
     build = manifest.build
     max_model_len = served_max_model_len(manifest.max_seq_len, config.max_model_len)
     pools = engine_kv_pools(manifest)
@@ -67,7 +84,7 @@ def load_engine(engine_dir: str | Path, config: RuntimeConfig | None = None) -> 
         num_blocks = choose_num_blocks(budget, config.kv_cache_bytes, config.kv_cache_fraction)
         runner = open_engine_runner(engine_dir, manifest, num_blocks, num_threads)
     step_tokens = step_token_budget(build.max_num_tokens, config.max_num_tokens, manifest.backend, num_threads)
-    limits = EngineLimits(max_seq_len=max_model_len, max_num_tokens=step_tokens, eos_token_ids=tuple(eos),
+    limits = EngineLimits(max_seq_len=max_model_len, max_num_tokens=step_tokens, eos_token_ids=eos,
                           threads=num_threads or os.cpu_count() or 1)
     threads = num_threads or f"onnxruntime's default (one per core; {os.cpu_count()} CPUs)"
     log.info("KV pool: %d blocks of %d tokens = %d tokens, %.1f MiB; max context %d tokens; step budget %d tokens; "
@@ -77,14 +94,7 @@ def load_engine(engine_dir: str | Path, config: RuntimeConfig | None = None) -> 
     proposer = None
     if config.speculative is not None and config.speculative.method != "ngram":
         proposer = open_proposer(config.speculative, engine_dir, manifest, runner, num_threads)
-    engine = Engine(runner, tokenizer, config, limits, model_name=engine_dir.resolve().name, proposer=proposer)
-    if runner.vocab_size == grammars.vocab_size:  # else the engine makes one for the logits' width when asked
-        try:
-            grammars.tokenizer  # noqa: B018 - waits for the build: the engine is ready when it returns
-        except Exception as exc:  # noqa: BLE001 - the engine serves; its structured requests get the error
-            log.warning("structured output is unavailable with this tokenizer: %s", exc)
-        engine.grammars = grammars
-    return engine
+    return Engine(runner, tokenizer, config, limits, model_name=engine_dir.resolve().name, proposer=proposer)
 
 
 CPU_STEP_TOKENS_PER_THREAD = 128

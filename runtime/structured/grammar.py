@@ -119,6 +119,11 @@ class GrammarCompiler:
         except BaseException as exc:  # noqa: BLE001 - handed to whoever waits for it
             future.set_exception(exc)
 
+    def wait_for_build(self) -> None:
+        """Wait until a started build has ended, whatever its outcome."""
+        if self._tokenizer is not None:
+            wait([self._tokenizer])
+
     @property
     def tokenizer_ready(self) -> bool:
         """The tokenizer is built (using it does not wait)."""
