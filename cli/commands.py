@@ -172,6 +172,9 @@ def _speculative(method: str | None, num_tokens: int, draft: str | None,
               help="serve HTTPS with this TLS certificate chain (PEM)")
 @click.option("--allowed-origins", multiple=True, help="CORS: an origin (scheme://host[:port]) whose pages may call "
               "the API, e.g. the chat page served elsewhere; repeat it or separate by commas; '*' for any")
+@click.option("--reasoning-parser", type=click.Choice(["auto", "qwen3", "none"]), default="auto", show_default=True,
+              help="split a reasoning model's <think>...</think> into reasoning_content: auto when the tokenizer "
+              "has both tags as tokens, qwen3 always, none never")
 @speculative_options
 @click.option("--replicas", type=click.IntRange(min=1), default=None,
               help="serve on N engine replicas (Ray Serve; kiln[cluster]), each with its own KV pool and threads")
@@ -191,7 +194,7 @@ def serve(engine_dir: Path, host: str, port: int, api_key: str | None, served_mo
           max_num_tokens: int | None, kv_cache_bytes: int | None, num_threads: int | None, disable_prefix_caching: bool,
           shutdown_timeout: float, no_web_ui: bool, max_request_bytes: int | None, read_timeout: float,
           max_connections: int, ssl_keyfile: str | None, ssl_certfile: str | None, allowed_origins: tuple[str, ...],
-          speculative: str | None, num_speculative_tokens: int,
+          reasoning_parser: str, speculative: str | None, num_speculative_tokens: int,
           draft: str | None, min_guess_probability: float | None, replicas: int | None,
           prefill_replicas: int | None, decode_replicas: int | None,
           routing: str, ray_address: str | None, log_level: str) -> None:
@@ -211,7 +214,7 @@ def serve(engine_dir: Path, host: str, port: int, api_key: str | None, served_mo
                            web_ui=not no_web_ui, max_request_bytes=max_request_bytes, read_timeout=read_timeout,
                            max_connections=max_connections, ssl_keyfile=ssl_keyfile, ssl_certfile=ssl_certfile,
                            allowed_origins=tuple(o.strip() for value in allowed_origins for o in value.split(",")
-                                                 if o.strip()))
+                                                 if o.strip()), reasoning_parser=reasoning_parser)
     cluster = _cluster_options(replicas, prefill_replicas, decode_replicas, routing, ray_address)
     if cluster is None:
         run_server(engine_dir, config, options)

@@ -7,7 +7,7 @@ import json
 from datetime import datetime
 from typing import Any
 
-from jinja2 import Template
+from jinja2 import Template, meta
 from jinja2.exceptions import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
@@ -35,10 +35,26 @@ class ChatTemplate:
         self.template: str | None = template
         self._compiled: Template | None = None
 
-    def render(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
-        """The conversation as text; raises jinja2's TemplateError when the template rejects it."""
+    def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+               tools: list[dict[str, Any]] | None = None) -> str:
+        """The conversation as text; raises jinja2's TemplateError when the template rejects it.
+        tools: OpenAI-shaped function tools, for a template that takes them (tool_family)."""
         return self.compile().render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                     bos_token=self.bos_token or "", eos_token=self.eos_token or "", tools=None)
+                                     bos_token=self.bos_token or "", eos_token=self.eos_token or "", tools=tools)
+
+    @property
+    def tool_family(self) -> str | None:
+        """Whose tool-call syntax the template writes, when it takes `tools`: "mistral" ([TOOL_CALLS]),
+        "hermes" (<tool_call> blocks: Hermes, Qwen) or "llama3" (a JSON {"name", "parameters"} object, the
+        ipython role); None for a template that takes no tools (SmolLM2's)."""
+        if self.template is None or "tools" not in meta.find_undeclared_variables(
+                self.compile().environment.parse(self.template)):
+            return None
+        if "[TOOL_CALLS]" in self.template:
+            return "mistral"
+        if "<tool_call>" in self.template:
+            return "hermes"
+        return "llama3"
 
     def compile(self) -> Template:
         """The compiled template (once); raises TemplateError when there is none or it is not valid Jinja."""

@@ -15,6 +15,7 @@ import threading
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from kiln.errors import InvalidParamError, RequestFailedError
 from kiln.runtime.detokenizer import ChatMessage, TextTokenizer, max_prompt_chars, with_token_text
@@ -141,8 +142,14 @@ class AsyncLLM:
         stats.num_waiting += self._pending_adds
         return stats
 
-    def apply_chat_template(self, messages: list[ChatMessage], add_generation_prompt: bool = True) -> str:
-        return self.engine.tokenizer.apply_chat_template(messages, add_generation_prompt)
+    def apply_chat_template(self, messages: list[ChatMessage], add_generation_prompt: bool = True,
+                            tools: list[dict[str, Any]] | None = None) -> str:
+        return self.engine.tokenizer.apply_chat_template(messages, add_generation_prompt, tools)
+
+    @property
+    def tool_family(self) -> str | None:
+        """The chat template's tool-call syntax when it takes tools (ChatTemplate.tool_family), else None."""
+        return self.engine.tokenizer.tool_family
 
     def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self.engine.tokenizer.encode(text, add_special_tokens)

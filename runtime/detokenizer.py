@@ -13,7 +13,7 @@ as skipped special tokens, does not widen the window either).
 from __future__ import annotations
 
 import dataclasses
-from typing import Protocol
+from typing import Any, Protocol
 
 from kiln.runtime.outputs import Logprob, RequestOutput
 
@@ -22,7 +22,7 @@ class Decoder(Protocol):
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str: ...
 
 
-ChatMessage = dict[str, str]  # {"role": ..., "content": ...}
+ChatMessage = dict[str, Any]  # {"role": ..., "content": ...} (+ tool_calls, tool_call_id with native tools)
 
 
 def max_prompt_chars(tokenizer: TextTokenizer, vocab_size: int, max_seq_len: int) -> int:
@@ -40,7 +40,11 @@ class TextTokenizer(Decoder, Protocol):
 
     def id_to_token(self, token_id: int) -> str | None: ...
 
-    def apply_chat_template(self, messages: list[ChatMessage], add_generation_prompt: bool = True) -> str: ...
+    def apply_chat_template(self, messages: list[ChatMessage], add_generation_prompt: bool = True,
+                            tools: list[dict[str, Any]] | None = None) -> str: ...
+
+    @property
+    def tool_family(self) -> str | None: ...
 
 
 class IncrementalDetokenizer:

@@ -34,7 +34,7 @@ from kiln.runtime.speculative.proposer import Proposer
 from kiln.runtime.speculative.speculator import Speculator
 from kiln.runtime.speculative.verify import SpecStats
 from kiln.runtime.structured import StructuredOutput
-from kiln.runtime.structured.grammar import CompiledGrammar, GrammarCompiler
+from kiln.runtime.structured.grammar import CompiledGrammar, GrammarCompiler, GrammarError
 
 log = logging.getLogger("kiln.runtime")
 
@@ -79,9 +79,11 @@ class Engine:
         if spec is None and proposer is not None:
             raise InvalidParamError("a proposer needs config.speculative (its method and limits)", "speculative")
         self.speculator = None if spec is None else \
-            Speculator(proposer or _default_proposer(spec), spec, self.scheduler, self.max_seq_len)
+            Speculator(proposer or _default_proposer(spec), spec, self.scheduler, self.max_seq_len, self.sampler.masks)
         self.handoffs = HandoffQueue(self.scheduler, runner)  # handed-off requests waiting for blocks
-        self._grammars: GrammarCompiler | None = None  # made on the first structured request
+        # structured output's compiler: the loader gives one whose llguidance tokenizer it built while the model
+        # opened; else it is made on the first structured request
+        self.grammars: GrammarCompiler | None = None
         self._grammars_lock = threading.Lock()  # prepare runs on the server's worker threads
 
     @property
@@ -105,15 +107,16 @@ class Engine:
         return dataclasses.replace(request, grammar=self._compile(params.structured))
 
     def _compile(self, spec: StructuredOutput) -> CompiledGrammar:
-        """spec compiled for this engine's tokenizer (tokenizer.json, read on the first structured request)."""
-        with self._grammars_lock:  # one tokenizer build (~1 s) even when the first requests come together
-            if self._grammars is None:
+        """spec compiled for this engine's tokenizer: by the loader's compiler, else by one made here on the first
+        structured request (an Engine built without load_engine: its first request builds the tokenizer)."""
+        with self._grammars_lock:  # one compiler even when the first requests come together
+            if self.grammars is None:
                 to_json = getattr(self.tokenizer, "to_json", None)
                 if to_json is None:
                     raise InvalidParamError(f"{spec.param}: this engine's tokenizer cannot drive structured output",
                                             spec.param)
-                self._grammars = GrammarCompiler(to_json(), self.runner.vocab_size, self.limits.eos_token_ids)
-            grammars = self._grammars
+                self.grammars = GrammarCompiler(to_json(), self.runner.vocab_size, self.limits.eos_token_ids)
+            grammars = self.grammars
         return grammars.compile(spec)
 
     def add(self, prepared: EngineRequest, kv: KvHandoff | None = None, export_kv: bool = False) -> None:
@@ -169,7 +172,23 @@ class Engine:
             return self._take_outputs(changed)
         if self.speculator is not None:
             out = self.speculator.plan(out)
+        self._prefetch_masks(out)
         return self._postprocess(out, self.runner.execute_all(build_batch(out)), changed)
+
+    def _prefetch_masks(self, out: SchedulerOutput) -> None:
+        """Start the grammar masks of the step's plain (not speculated) rows, filled while the model runs: their
+        tokens are all known before the step."""
+        seqs = out.to_sample
+        if not any(s.grammar is not None for s in seqs):
+            return
+        plain = [seqs[i] for i, count in enumerate(out.logits_rows.counts) if count == 1]
+        try:
+            for seq in plain:
+                if seq.grammar is not None:
+                    seq.grammar.sync(seq.token_ids, seq.num_prompt_tokens)
+        except GrammarError:  # sampling meets it again and fails that request alone
+            return
+        self.sampler.masks.prefetch([s.grammar for s in plain], self.runner.vocab_size)
 
     def _start_handoffs(self) -> dict[str, Request]:
         """Start the handed-off requests blocks allow; their first token (sampled by the prefill engine,

@@ -17,6 +17,7 @@ from kiln.runtime.engine import Engine, EngineLimits
 from kiln.runtime.model_runner import KvBudget, ModelRunner, choose_num_blocks
 from kiln.runtime.params import RuntimeConfig, SpeculativeConfig
 from kiln.runtime.speculative.proposer import Proposer
+from kiln.runtime.structured.grammar import GrammarCompiler
 from kiln.runtime.tokenizer import Tokenizer
 
 NUM_THREADS_ENV = "KILN_NUM_THREADS"
@@ -31,7 +32,6 @@ log = logging.getLogger("kiln.runtime")
 def load_engine(engine_dir: str | Path, config: RuntimeConfig | None = None) -> Engine:
     """The Engine serving an engine directory (the one factory: engine.py knows nothing of files)."""
     engine_dir, config = Path(engine_dir), config or RuntimeConfig()
-    num_threads = config.num_threads or threads_from_env()
     manifest = read_manifest(engine_dir)
     check_backend(manifest.backend)
     if manifest.backend == BACKEND_ORT_CPU:
@@ -45,6 +45,30 @@ def load_engine(engine_dir: str | Path, config: RuntimeConfig | None = None) -> 
         if not (engine_dir / name).is_file():
             raise EngineLoadError(f"engine file {name} is missing from {engine_dir}")
     tokenizer = Tokenizer(engine_dir, config.chat_template)
+    eos = list(manifest.spec.eos_token_ids)
+    if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in eos:
+        eos.append(tokenizer.eos_token_id)
+    # structured output's tokenizer (~1 s for 49k tokens) builds while the model opens: no request waits for it
+    grammars = GrammarCompiler(tokenizer.to_json(), manifest.spec.vocab_size, eos)
+    grammars.build_tokenizer(background=True)
+    try:
+        engine = _open_engine(engine_dir, config, manifest, tokenizer, tuple(eos))
+    except BaseException:
+        grammars.wait_for_build()  # a thread left inside llguidance when the interpreter exits crashes it
+        raise
+    try:
+        grammars.tokenizer  # noqa: B018 - waits for the build: the engine is ready when it returns
+    except Exception as exc:  # noqa: BLE001 - the engine serves; its structured requests get the error
+        log.warning("structured output is unavailable with this tokenizer: %s", exc)
+    if engine.runner.vocab_size == grammars.vocab_size:  # else the engine makes one for the logits' width
+        engine.grammars = grammars
+    return engine
+
+
+def _open_engine(engine_dir: Path, config: RuntimeConfig, manifest: Manifest, tokenizer: Tokenizer,
+                 eos: tuple[int, ...]) -> Engine:
+    """The runner (KV pool sized from the config), the step limits and the proposer, as one Engine."""
+    num_threads = config.num_threads or threads_from_env()
     build = manifest.build
     max_model_len = served_max_model_len(manifest.max_seq_len, config.max_model_len)
     pools = engine_kv_pools(manifest)
@@ -59,11 +83,8 @@ def load_engine(engine_dir: str | Path, config: RuntimeConfig | None = None) -> 
     else:
         num_blocks = choose_num_blocks(budget, config.kv_cache_bytes, config.kv_cache_fraction)
         runner = open_engine_runner(engine_dir, manifest, num_blocks, num_threads)
-    eos = list(manifest.spec.eos_token_ids)
-    if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in eos:
-        eos.append(tokenizer.eos_token_id)
     step_tokens = step_token_budget(build.max_num_tokens, config.max_num_tokens, manifest.backend, num_threads)
-    limits = EngineLimits(max_seq_len=max_model_len, max_num_tokens=step_tokens, eos_token_ids=tuple(eos),
+    limits = EngineLimits(max_seq_len=max_model_len, max_num_tokens=step_tokens, eos_token_ids=eos,
                           threads=num_threads or os.cpu_count() or 1)
     threads = num_threads or f"onnxruntime's default (one per core; {os.cpu_count()} CPUs)"
     log.info("KV pool: %d blocks of %d tokens = %d tokens, %.1f MiB; max context %d tokens; step budget %d tokens; "

@@ -156,6 +156,7 @@ class Sampler:
         if penalized:
             apply_penalties(processed, seqs)
         if constrained:  # after the penalties (they never make a token allowed), before every cut-off
+            self.masks.settle()  # a prefetched fill reads the matchers until it ends
             for s in seqs:
                 if s.grammar is not None:
                     s.grammar.sync(s.token_ids, s.num_prompt_tokens)

@@ -94,11 +94,17 @@ class Tokenizer:
     def id_to_token(self, token_id: int) -> str | None:
         return self._tok.id_to_token(token_id)
 
-    def apply_chat_template(self, messages: list[ChatMessage], add_generation_prompt: bool = True) -> str:
+    @property
+    def tool_family(self) -> str | None:
+        """Whose tool-call syntax the chat template writes, when it takes tools (ChatTemplate.tool_family)."""
+        return self._chat.tool_family
+
+    def apply_chat_template(self, messages: list[ChatMessage], add_generation_prompt: bool = True,
+                            tools: list[dict[str, Any]] | None = None) -> str:
         if not self.chat_template:
             raise InvalidParamError("this engine's tokenizer_config.json has no chat_template; pass a plain prompt",
                                     "messages")
         try:
-            return self._chat.render(messages, add_generation_prompt)
+            return self._chat.render(messages, add_generation_prompt, tools)
         except TemplateError as exc:
             raise InvalidParamError(f"chat template rejected the messages: {exc}", "messages") from exc

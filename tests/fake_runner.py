@@ -75,7 +75,9 @@ class CharTokenizer:
     def id_to_token(self, token_id: int) -> str | None:
         return self.ALPHABET[token_id] if 0 <= token_id < len(self.ALPHABET) else None
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    tool_family = None  # its template takes no tools
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, tools=None) -> str:
         turns = "".join(f"{m['role']}:{m['content']};" for m in messages)
         return turns + ("assistant:" if add_generation_prompt else "")
 

@@ -149,8 +149,14 @@ class ClusterLLM:
         finally:
             self._refreshing = None
 
-    def apply_chat_template(self, messages: list[ChatMessage], add_generation_prompt: bool = True) -> str:
-        return self.tokenizer.apply_chat_template(messages, add_generation_prompt)
+    def apply_chat_template(self, messages: list[ChatMessage], add_generation_prompt: bool = True,
+                            tools: list[dict[str, Any]] | None = None) -> str:
+        return self.tokenizer.apply_chat_template(messages, add_generation_prompt, tools)
+
+    @property
+    def tool_family(self) -> str | None:
+        """The chat template's tool-call syntax when it takes tools (ChatTemplate.tool_family), else None."""
+        return self.tokenizer.tool_family
 
     def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens)

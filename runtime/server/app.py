@@ -12,6 +12,7 @@ freed. Errors use OpenAI's body shape; an engine exception fails only the reques
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import uuid
@@ -49,6 +50,7 @@ from kiln.runtime.server.protocol import (
     TokenizeResponse,
     error_body,
 )
+from kiln.runtime.server.reasoning import REASONING_PARSERS, ReasoningSplitter, opens_thinking, reasoning_enabled
 from kiln.runtime.server.responses_api import ResponsesRequest, response_body, stream_events
 from kiln.runtime.server.streams import (
     ClientDisconnected,
@@ -57,6 +59,7 @@ from kiln.runtime.server.streams import (
     engine_stream,
     sse_stream,
 )
+from kiln.runtime.server.tool_templates import native_messages, template_tools
 from kiln.runtime.server.tools import ToolMode, ToolResponses, render_messages
 
 log = logging.getLogger("kiln.server")
@@ -80,6 +83,9 @@ async def _run(request: Request, body: CompletionRequest | ChatCompletionRequest
     ids = [request_id if len(prompts) == 1 else f"{request_id}-{i}" for i in range(len(prompts))]
     try:
         params = body.sampling_params()
+        mode = body.tool_mode() if isinstance(body, ChatCompletionRequest) else None
+        if mode is not None and mode.choice == "auto" and state.llm.tool_family == "mistral":
+            params = dataclasses.replace(params, skip_special_tokens=False)  # [TOOL_CALLS] is a special token
         streams = await admit(state, prompts, params, ids)
     except InvalidParamError as e:
         raise APIError(400, str(e), e.param) from None
@@ -89,8 +95,9 @@ async def _run(request: Request, body: CompletionRequest | ChatCompletionRequest
         log.exception("request %s failed", request_id)
         raise APIError(500, f"Internal error: {type(e).__name__}: {e}") from None
     fmt = ResponseFormatter(chat, request_id, state.model_names[0], params)
-    mode = body.tool_mode() if isinstance(body, ChatCompletionRequest) else None  # checked by sampling_params
     fmt.tools = None if mode is None else ToolResponses(mode)
+    if chat and state.reasoning and params.structured is None:  # a grammar writes the whole output
+        fmt.reasoning = ReasoningSplitter(opens_thinking(str(prompts[0])), state.llm.detokenize)
     stream = engine_stream(request, streams, ids, params, request_id)
     try:
         first = await stream.__anext__()
@@ -139,13 +146,17 @@ def _validation_error(request: Request, exc: RequestValidationError) -> JSONResp
 
 
 def build_app(load_llm: Callable[[], Any], served_model_name: str | None = None, max_queue: int | None = None,
-              api_key: str | None = None, limits: RequestLimits | None = None) -> FastAPI:
+              api_key: str | None = None, limits: RequestLimits | None = None,
+              reasoning_parser: str = "auto") -> FastAPI:
     """The ASGI app. ``load_llm`` is called at startup (inside the event loop); the engine
     is shut down when the app's lifespan ends (uvicorn's graceful shutdown, e.g. SIGTERM).
     max_queue: 503 once that many engine requests wait; api_key: Bearer auth on all but /health;
-    limits: the request-size and body-time bounds (413 and 408 before anything parses a body)."""
+    limits: the request-size and body-time bounds (413 and 408 before anything parses a body);
+    reasoning_parser: one of reasoning.REASONING_PARSERS (<think> split into reasoning_content)."""
     require(max_queue is None or max_queue >= 1, "max_queue", ">= 1 (omit it for no bound)", max_queue)
     require(api_key is None or bool(api_key), "api_key", "a non-empty string", api_key)
+    require(reasoning_parser in REASONING_PARSERS, "reasoning_parser", f"one of {list(REASONING_PARSERS)}",
+            reasoning_parser)
     limits = limits or RequestLimits()
 
     @asynccontextmanager
@@ -153,6 +164,9 @@ def build_app(load_llm: Callable[[], Any], served_model_name: str | None = None,
         app.state.llm = llm = load_llm()
         app.state.model_names = [served_model_name or llm.model_name, llm.model_name]
         app.state.max_request_bytes = limits.max_request_bytes or default_max_request_bytes(llm.max_seq_len)
+        app.state.reasoning = reasoning_enabled(reasoning_parser, llm)
+        if app.state.reasoning:
+            log.info("reasoning parser on: <think>...</think> goes to reasoning_content")
         app.state.offload = Offload()
         try:
             yield
@@ -263,11 +277,16 @@ def _tool_mode(chat: ChatCompletionRequest) -> ToolMode | None:
 
 
 def _render(llm: Any, messages: Sequence[Any], add_generation_prompt: bool, tools: ToolMode | None = None) -> str:
-    """The conversation through the chat template (a worker thread), with the tools' system prompt and earlier
-    calls written in; refused untouched when its messages alone are longer than max_model_len tokens can hold."""
-    conversation = render_messages(list(messages), tools)
-    check_length(llm, sum(len(m["content"]) for m in conversation), "messages")
+    """The conversation through the chat template (a worker thread): the tools and earlier calls handed to a
+    template that takes them, else written in Hermes-style; refused untouched when its messages alone are longer
+    than max_model_len tokens can hold."""
+    family = llm.tool_family
+    native = family is not None
+    conversation = native_messages(list(messages), family) if native else render_messages(list(messages), tools)
+    check_length(llm, sum(len(m["content"] or "") for m in conversation), "messages")
     try:
+        if native and tools is not None:
+            return str(llm.apply_chat_template(conversation, add_generation_prompt, tools=template_tools(tools)))
         return str(llm.apply_chat_template(conversation, add_generation_prompt))
     except Exception as e:  # a template may reject a conversation (e.g. role order)
         raise APIError(400, f"messages: the chat template rejected them: {e}", "messages") from None

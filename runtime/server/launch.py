@@ -30,6 +30,7 @@ from kiln.runtime.params import RuntimeConfig
 from kiln.runtime.server.app import build_app
 from kiln.runtime.server.connections import ConnectionGuard, ConnectionLimits
 from kiln.runtime.server.limits import RequestLimits
+from kiln.runtime.server.reasoning import REASONING_PARSERS
 from kiln.runtime.server.web import add_web_ui
 
 log = logging.getLogger("kiln.server")
@@ -54,12 +55,15 @@ class ServeOptions:
     ssl_keyfile: str | None = None
     ssl_certfile: str | None = None  # given: HTTPS (the key may be in this file, or in ssl_keyfile)
     allowed_origins: tuple[str, ...] = ()  # CORS: other origins whose pages may call the API ("*": any)
+    reasoning_parser: str = "auto"  # <think> split into reasoning_content: auto (the tags are tokens), qwen3, none
 
     def __post_init__(self) -> None:
         require(0 <= self.port <= 65535, "port", "in [0, 65535]", self.port)
         require(self.max_queue is None or self.max_queue >= 1, "max_queue", ">= 1 (omit it for no bound)",
                 self.max_queue)
         require(self.shutdown_timeout >= 0, "shutdown_timeout", ">= 0", self.shutdown_timeout)
+        require(self.reasoning_parser in REASONING_PARSERS, "reasoning_parser", f"one of {list(REASONING_PARSERS)}",
+                self.reasoning_parser)
         require(self.log_level in LOG_LEVELS, "log_level", f"one of {list(LOG_LEVELS)}", self.log_level)
         require(self.api_key is None or bool(self.api_key), "api_key", "a non-empty string", self.api_key)
         require(self.max_connections >= 1, "max_connections", ">= 1", self.max_connections)
@@ -89,7 +93,8 @@ def configure_logging(level: str) -> None:
 
 def serving_app(load_llm: Callable[[], Any], options: ServeOptions) -> FastAPI:
     """The app `serve` runs: the API, and the chat page unless ``options.web_ui`` is off."""
-    app = build_app(load_llm, options.served_model_name, options.max_queue, options.api_key, options.request_limits())
+    app = build_app(load_llm, options.served_model_name, options.max_queue, options.api_key, options.request_limits(),
+                    options.reasoning_parser)
     if options.web_ui:
         add_web_ui(app)
     if options.allowed_origins:  # outside the API key check: a browser's preflight carries no key

@@ -17,6 +17,7 @@ from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Fie
 from kiln.errors import InvalidParamError
 from kiln.runtime.outputs import CompletionOutput, Logprob, RequestOutput, merge_completions
 from kiln.runtime.params import SamplingParams
+from kiln.runtime.server.reasoning import ReasoningSplitter
 from kiln.runtime.server.structured_request import structured_output
 from kiln.runtime.server.tools import NamedToolChoice, Tool, ToolCallIn, ToolMode, ToolResponses, tool_mode
 from kiln.runtime.structured import StructuredOutput
@@ -330,6 +331,7 @@ class ResponseFormatter:
         # deltas of tokens without text yet, merged once when text comes (their logprobs go with it)
         self.held: dict[int, list[CompletionOutput]] = {}
         self.tools: ToolResponses | None = None  # a chat request with tools: calls parsed out of the text
+        self.reasoning: ReasoningSplitter | None = None  # a reasoning model's chat: <think> split out first
 
     def _logprobs(self, out: CompletionOutput, start_char: int) -> dict[str, Any] | None:
         if self.params.logprobs is None:
@@ -356,12 +358,10 @@ class ResponseFormatter:
             delta = out.text
             choice: dict[str, Any] = {"index": index}
             reason = out.finish_reason
-            if self.chat and self.tools is not None:
-                choice["delta"], reason = self.tools.delta(index, delta, out.finish_reason)
+            if self.chat:
+                choice["delta"], reason = self._chat_delta(index, delta, list(out.token_ids), out.finish_reason)
                 if index not in self.sent:
                     choice["delta"] = {"role": "assistant", **choice["delta"]}
-            elif self.chat:
-                choice["delta"] = {"content": delta} if index in self.sent else {"role": "assistant", "content": delta}
             else:
                 choice["text"] = delta
             choice["logprobs"] = self._logprobs(out, chars)
@@ -374,21 +374,51 @@ class ResponseFormatter:
             chunks.append(chunk)
         return chunks
 
+    def _chat_delta(self, index: int, text: str, token_ids: list[int], finish_reason: str | None
+                    ) -> tuple[dict[str, Any], str | None]:
+        """A chat chunk's delta (without the role): reasoning split off, then tool calls held back and parsed."""
+        thought = ""
+        if self.reasoning is not None:
+            thought, text = self.reasoning.delta(index, text, finish_reason is not None)
+            self.reasoning.stream_tokens.setdefault(index, []).extend(token_ids)
+        if self.tools is not None:
+            delta, reason = self.tools.delta(index, text, finish_reason)
+        else:
+            delta, reason = ({"content": text} if text or not thought else {}), finish_reason
+        return ({"reasoning_content": thought, **delta} if thought else delta), reason
+
+    def _chat_message(self, out: CompletionOutput) -> tuple[dict[str, Any], str | None, int]:
+        """A whole choice's message and finish reason, and how many of its tokens were thinking."""
+        thought, text, finish_reason, thinking_tokens = None, out.text, out.finish_reason, 0
+        if self.reasoning is not None:
+            thought, text = self.reasoning.split(text)
+            thinking_tokens = self.reasoning.reasoning_tokens(list(out.token_ids), thought is not None)
+        if self.tools is not None:
+            message, reason = self.tools.message(text, finish_reason)
+        else:
+            message, reason = {"role": "assistant", "content": text}, finish_reason
+        if self.reasoning is not None:
+            message["reasoning_content"] = thought
+            if thought is not None and not message["content"]:
+                message["content"] = None  # it only thought (cut short, or it answered with calls)
+        return message, reason, thinking_tokens
+
     def usage_chunk(self, usage: Usage) -> dict[str, Any]:
         chunk = self._head(self.object + ".chunk" if self.chat else self.object)
+        if self.reasoning is not None:
+            usage.reasoning = self.reasoning.streamed_reasoning_tokens()
         chunk.update(choices=[], usage=usage.as_dict())
         return chunk
 
     def response(self, finals: dict[int, RequestOutput]) -> dict[str, Any]:
-        choices = []
+        choices, thinking_tokens = [], 0
         for i in sorted(finals):
             for out in finals[i].outputs:
                 choice: dict[str, Any] = {"index": i * self.params.n + out.index}
                 reason = out.finish_reason
-                if self.chat and self.tools is not None:
-                    choice["message"], reason = self.tools.message(out.text, out.finish_reason)
-                elif self.chat:
-                    choice["message"] = {"role": "assistant", "content": out.text}
+                if self.chat:
+                    choice["message"], reason, thinking = self._chat_message(out)
+                    thinking_tokens += thinking
                 else:
                     choice["text"] = out.text
                 choice["logprobs"] = self._logprobs(out, 0)
@@ -396,7 +426,7 @@ class ResponseFormatter:
                 choice["stop_reason"] = out.stop_reason
                 choices.append(choice)
         body = self._head(self.object)
-        body.update(choices=choices, usage=_usage(finals))
+        body.update(choices=choices, usage=_usage(finals, thinking_tokens if self.reasoning is not None else None))
         return body
 
 
@@ -408,6 +438,7 @@ class Usage:
         self.prompt: dict[int, int] = {}  # prompt index -> prompt tokens
         self.cached: dict[int, int] = {}  # prompt index -> of which served from the prefix cache
         self.completion = 0
+        self.reasoning: int | None = None  # of completion, the thinking tokens (with a reasoning parser)
 
     def add(self, prompt_index: int, ro: RequestOutput) -> None:
         self.prompt[prompt_index] = len(ro.prompt_token_ids)
@@ -416,12 +447,17 @@ class Usage:
 
     def as_dict(self) -> dict[str, Any]:
         prompt = sum(self.prompt.values())
-        return {"prompt_tokens": prompt, "completion_tokens": self.completion, "total_tokens": prompt + self.completion,
-                "prompt_tokens_details": {"cached_tokens": sum(self.cached.values())}}
+        usage: dict[str, Any] = {"prompt_tokens": prompt, "completion_tokens": self.completion,
+                                 "total_tokens": prompt + self.completion,
+                                 "prompt_tokens_details": {"cached_tokens": sum(self.cached.values())}}
+        if self.reasoning is not None:
+            usage["completion_tokens_details"] = {"reasoning_tokens": self.reasoning}
+        return usage
 
 
-def _usage(finals: dict[int, RequestOutput]) -> dict[str, Any]:
+def _usage(finals: dict[int, RequestOutput], reasoning: int | None) -> dict[str, Any]:
     usage = Usage()
     for i, ro in finals.items():
         usage.add(i, ro)
+    usage.reasoning = reasoning
     return usage.as_dict()

@@ -1,9 +1,11 @@
 """POST /v1/responses (OpenAI's Responses API, the Agents SDK's default) over the chat path: the request's input
 items become chat messages (function_call items an assistant's tool_calls, function_call_output items tool
-messages), its flat tools and text.format the chat request's tools and response_format; the chat answer becomes
-output items (a message with output_text, then function_call items). With stream, the chat stream's chunks become
-the Responses API's events (response.created, output items added, output_text and function-call argument deltas,
-items done, response.completed). Stateless: previous_response_id is refused (kiln stores no responses)."""
+messages; reasoning items sent back are dropped, as chat templates drop earlier thinking), its flat tools and
+text.format the chat request's tools and response_format; the chat answer becomes output items (a reasoning item
+when a reasoning model thought, a message with output_text, then function_call items). With stream, the chat
+stream's chunks become the Responses API's events (response.created, output items added, reasoning_text,
+output_text and function-call argument deltas, items done, response.completed). Stateless: previous_response_id
+is refused (kiln stores no responses)."""
 
 from __future__ import annotations
 
@@ -88,9 +90,9 @@ class ResponsesRequest(BaseModel):
             elif kind == "function_call_output":
                 messages.append({"role": "tool", "tool_call_id": item.get("call_id"),
                                  "content": _text(item.get("output"), i)})
-            else:
+            elif kind != "reasoning":  # earlier thinking, sent back: templates leave it out of the prompt
                 raise InvalidParamError(f"input.{i}.type {kind!r} is not supported (message, function_call, "
-                                        "function_call_output)", f"input.{i}.type")
+                                        "function_call_output, reasoning)", f"input.{i}.type")
         return messages
 
 
@@ -130,6 +132,9 @@ def response_body(chat: dict[str, Any], request: ResponsesRequest) -> dict[str, 
     choice = chat["choices"][0]
     message, reason = choice["message"], choice["finish_reason"]
     output: list[dict[str, Any]] = []
+    if message.get("reasoning_content"):
+        output.append({"type": "reasoning", "id": f"rs_{uuid.uuid4().hex}", "status": "completed", "summary": [],
+                       "content": [{"type": "reasoning_text", "text": message["reasoning_content"]}]})
     if message.get("content"):
         output.append({"type": "message", "id": f"msg_{uuid.uuid4().hex}", "status": "completed",
                        "role": "assistant",
@@ -151,7 +156,8 @@ def response_body(chat: dict[str, Any], request: ResponsesRequest) -> dict[str, 
         "usage": {"input_tokens": usage["prompt_tokens"], "output_tokens": usage["completion_tokens"],
                   "total_tokens": usage["total_tokens"],
                   "input_tokens_details": {"cached_tokens": usage["prompt_tokens_details"]["cached_tokens"]},
-                  "output_tokens_details": {"reasoning_tokens": 0}},
+                  "output_tokens_details": {"reasoning_tokens": usage.get("completion_tokens_details", {})
+                                            .get("reasoning_tokens", 0)}},
     }
 
 
@@ -169,9 +175,10 @@ class _EventStream:
 
 async def stream_events(chat_sse: AsyncIterable[str | bytes | memoryview], request: ResponsesRequest
                         ) -> AsyncIterator[str]:
-    """The chat completion stream (server-sent chunks, usage included) as Responses API events."""
-    events, message_id = _EventStream(), f"msg_{uuid.uuid4().hex}"
-    text, reason, usage, model = "", None, None, request.model or ""
+    """The chat completion stream (server-sent chunks, usage included) as Responses API events: reasoning text
+    and output text stream as they come (each its item, in the order the model writes them), calls at the end."""
+    events, stream = _EventStream(), _StreamedItems()
+    reason, usage, model = None, None, request.model or ""
     calls: dict[int, dict[str, Any]] = {}
     started, response_id = False, f"resp_{uuid.uuid4().hex}"
     async for raw in chat_sse:
@@ -192,32 +199,29 @@ async def stream_events(chat_sse: AsyncIterable[str | bytes | memoryview], reque
         usage = chunk.get("usage") or usage
         for choice in chunk.get("choices", []):
             delta = choice.get("delta", {})
-            if delta.get("content"):
-                if not text:
-                    yield events.event("response.output_item.added", output_index=0, item={
-                        "type": "message", "id": message_id, "status": "in_progress", "role": "assistant",
-                        "content": []})
-                    yield events.event("response.content_part.added", item_id=message_id, output_index=0,
-                                       content_index=0, part={"type": "output_text", "text": "", "annotations": []})
-                text += delta["content"]
-                yield events.event("response.output_text.delta", item_id=message_id, output_index=0,
-                                   content_index=0, delta=delta["content"], logprobs=[])
+            for kind in ("reasoning", "message"):
+                text = delta.get("reasoning_content" if kind == "reasoning" else "content")
+                if text:
+                    for event in stream.add(kind, text, events):
+                        yield event
             for call in delta.get("tool_calls") or []:
                 entry = calls.setdefault(call["index"], {"id": call.get("id"),
                                                          "function": {"name": "", "arguments": ""}})
                 entry["function"]["name"] += call.get("function", {}).get("name") or ""
                 entry["function"]["arguments"] += call.get("function", {}).get("arguments") or ""
             reason = choice.get("finish_reason") or reason
-    message = {"content": text or None, "tool_calls": [calls[i] for i in sorted(calls)] or None}
+    message = {"content": stream.text.get("message") or None, "reasoning_content": stream.text.get("reasoning"),
+               "tool_calls": [calls[i] for i in sorted(calls)] or None}
     chat = {"model": model, "choices": [{"message": message, "finish_reason": reason}], "usage": usage}
     final = {**response_body(chat, request), "id": response_id}
     for index, item in enumerate(final["output"]):
-        if item["type"] == "message":
-            item["id"] = message_id
+        if item["type"] in stream.ids:
+            item["id"] = stream.ids[item["type"]]
             part = item["content"][0]
-            yield events.event("response.output_text.done", item_id=message_id, output_index=index, content_index=0,
-                               text=part["text"], logprobs=[])
-            yield events.event("response.content_part.done", item_id=message_id, output_index=index,
+            done = "response.output_text.done" if item["type"] == "message" else "response.reasoning_text.done"
+            yield events.event(done, item_id=item["id"], output_index=index, content_index=0, text=part["text"],
+                               **({"logprobs": []} if item["type"] == "message" else {}))
+            yield events.event("response.content_part.done", item_id=item["id"], output_index=index,
                                content_index=0, part=part)
         else:
             yield events.event("response.output_item.added", output_index=index, item={**item, "arguments": "",
@@ -229,3 +233,32 @@ async def stream_events(chat_sse: AsyncIterable[str | bytes | memoryview], reque
         yield events.event("response.output_item.done", output_index=index, item=item)
     yield events.event("response.completed" if final["status"] == "completed" else "response.incomplete",
                        response=final)
+
+
+class _StreamedItems:
+    """The reasoning and message items a stream has opened, in order, with their text so far."""
+
+    def __init__(self) -> None:
+        self.ids: dict[str, str] = {}  # item type -> id
+        self.text: dict[str, str] = {}
+
+    def add(self, kind: str, text: str, events: _EventStream) -> list[str]:
+        """The events for `text` more of the item `kind` ("reasoning" or "message"), opening it first if new."""
+        out = []
+        index = list(self.ids).index(kind) if kind in self.ids else len(self.ids)
+        if kind not in self.ids:
+            self.ids[kind] = f"{'rs' if kind == 'reasoning' else 'msg'}_{uuid.uuid4().hex}"
+            item: dict[str, Any] = {"type": kind, "id": self.ids[kind], "status": "in_progress", "content": []}
+            part: dict[str, Any] = {"type": "reasoning_text", "text": ""}
+            if kind == "message":
+                item["role"], part = "assistant", {"type": "output_text", "text": "", "annotations": []}
+            else:
+                item["summary"] = []
+            out.append(events.event("response.output_item.added", output_index=index, item=item))
+            out.append(events.event("response.content_part.added", item_id=self.ids[kind], output_index=index,
+                                    content_index=0, part=part))
+        self.text[kind] = self.text.get(kind, "") + text
+        kind_event = "response.output_text.delta" if kind == "message" else "response.reasoning_text.delta"
+        out.append(events.event(kind_event, item_id=self.ids[kind], output_index=index, content_index=0, delta=text,
+                                **({"logprobs": []} if kind == "message" else {})))
+        return out

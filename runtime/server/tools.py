@@ -1,11 +1,12 @@
 """Tool calling for /v1/chat/completions: the tools in the prompt, the constraint that forces a call, and the
 model's calls parsed out of its text into OpenAI's `tool_calls` (whole, or as stream deltas).
 
-Prompt: every chat template gets the tools the same way, Hermes-style (NousResearch's function-calling format,
-which Qwen2.5 and SmolLM2's instruct data follow): a system message listing the tools' JSON signatures inside
-<tools></tools> and asking for each call as <tool_call>{"name": ..., "arguments": {...}}</tool_call>. Earlier
-assistant calls are written back in that form and tool results as <tool_response> turns, so a conversation
-reads the same to the model whether or not its template knows tools.
+Prompt: a chat template that takes tools (Hermes/Qwen, Llama 3.1+, Mistral) gets them itself, with the history's
+calls and results in its own form (tool_templates.py). One that takes none (SmolLM2's) gets them Hermes-style
+(NousResearch's function-calling format, which SmolLM2's instruct data follows): a system message listing the
+tools' JSON signatures inside <tools></tools> and asking for each call as
+<tool_call>{"name": ..., "arguments": {...}}</tool_call>; earlier assistant calls are written back in that form
+and tool results as <tool_response> turns (render_messages).
 
 tool_choice: "none" sends no tools and parses nothing; "auto" lets the model answer or call, and parses its
 text (Hermes <tool_call> blocks; Mistral's [TOOL_CALLS] [...]; a Llama 3 JSON object {"name", "parameters"});
@@ -28,7 +29,8 @@ from kiln.runtime.structured import StructuredOutput
 
 HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
 MISTRAL_MARK = "[TOOL_CALLS]"
-_MARKERS = (HERMES_OPEN, MISTRAL_MARK)
+PYTHON_TAG = "<|python_tag|>"  # Llama 3.1's call opener, when special tokens are kept in the text
+_MARKERS = (HERMES_OPEN, MISTRAL_MARK, PYTHON_TAG)
 
 
 class FunctionDef(BaseModel):
@@ -175,10 +177,10 @@ def render_messages(messages: list[Any], mode: ToolMode | None) -> list[dict[str
 
 
 def _hermes_call(name: str, arguments: str) -> str:
-    return f"{HERMES_OPEN}\n{json.dumps({'name': name, 'arguments': _loads(arguments)})}\n{HERMES_CLOSE}"
+    return f"{HERMES_OPEN}\n{json.dumps({'name': name, 'arguments': loads_arguments(arguments)})}\n{HERMES_CLOSE}"
 
 
-def _loads(arguments: str) -> Any:
+def loads_arguments(arguments: str) -> Any:
     try:
         return json.loads(arguments)
     except json.JSONDecodeError:
@@ -204,15 +206,15 @@ def parse_calls(text: str, names: set[str]) -> tuple[str | None, list[dict[str, 
     if HERMES_OPEN in text:
         content = text[: text.index(HERMES_OPEN)]
         for body in _HERMES.findall(text):  # an object, or a list of them (SmolLM2's function-calling data)
-            parsed = _loads(body)
+            parsed = loads_arguments(body)
             candidates += parsed if isinstance(parsed, list) else [parsed]
     elif MISTRAL_MARK in text:
         content = text[: text.index(MISTRAL_MARK)]
-        parsed = _loads(text[text.index(MISTRAL_MARK) + len(MISTRAL_MARK):].strip())
+        parsed = loads_arguments(text[text.index(MISTRAL_MARK) + len(MISTRAL_MARK):].strip())
         candidates = parsed if isinstance(parsed, list) else [parsed]
-    elif stripped.startswith("{"):  # Llama 3's JSON call
+    elif stripped.removeprefix(PYTHON_TAG).lstrip().startswith("{"):  # Llama 3's JSON call
         content = ""
-        candidates = [_loads(stripped.removeprefix("<|python_tag|>"))]
+        candidates = [loads_arguments(stripped.removeprefix(PYTHON_TAG))]
     calls = []
     for c in candidates:
         if not (isinstance(c, dict) and c.get("name") in names):

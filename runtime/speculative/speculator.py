@@ -18,12 +18,16 @@ from kiln.runtime.scheduler import Scheduler, SchedulerOutput
 from kiln.runtime.sequence import Sequence
 from kiln.runtime.speculative.proposer import Proposal, ProposalRequest, Proposer
 from kiln.runtime.speculative.verify import SpecStats, Verdict, verify
+from kiln.runtime.structured.grammar import MaskStep
 
 
 class Speculator:
-    def __init__(self, proposer: Proposer, config: SpeculativeConfig, scheduler: Scheduler, max_seq_len: int) -> None:
-        """max_seq_len: the engine's (a sequence's proposals never take it past that)."""
+    def __init__(self, proposer: Proposer, config: SpeculativeConfig, scheduler: Scheduler, max_seq_len: int,
+                 masks: MaskStep) -> None:
+        """max_seq_len: the engine's (a sequence's proposals never take it past that); masks: the engine's
+        structured-output masks (a constrained sequence's rows are verified under its grammar)."""
         self.proposer = proposer
+        self.masks = masks
         self.config = config
         self.scheduler = scheduler
         self.max_seq_len = max_seq_len
@@ -43,9 +47,8 @@ class Speculator:
     def _propose(self, out: SchedulerOutput) -> SchedulerOutput:
         """Proposals for the step's decodes, while the step stays within max_step_tokens, shared evenly among
         them."""
-        # a structured row is not speculated: its proposals would need the grammar checked and rolled back
         decodes = [seq for (seq, n), need in zip(out.scheduled, out.needs_logits, strict=True)
-                   if need and n == 1 and seq.num_output_tokens > 0 and seq.grammar is None]
+                   if need and n == 1 and seq.num_output_tokens > 0]
         room = self.max_step_tokens - out.num_tokens
         share = min(self.config.num_tokens, room // len(decodes)) if decodes else 0
         if share < 1:
@@ -79,8 +82,15 @@ class Speculator:
         return SchedulerOutput(out.scheduled, out.needs_logits, out.preempted, out.proposals, tuple(wanted))
 
     def verify(self, seq: Sequence, logits: np.ndarray) -> Verdict:
-        """Which of seq's proposals to keep, given its k + 1 rows of logits; recorded in stats."""
+        """Which of seq's proposals to keep, given its k + 1 rows of logits; recorded in stats. A structured
+        sequence's rows are masked by its grammar first (row j: after the first j proposals), so a proposal the
+        grammar refuses is rejected and every kept or added token follows it; the matcher then advances over
+        what was kept (GrammarState.sync), never over what was rejected."""
         proposal = self._proposals.pop(seq)
+        if seq.grammar is not None:
+            seq.grammar.sync(seq.token_ids, seq.num_prompt_tokens)
+            logits = np.array(logits, dtype=np.float32)  # a copy: the step's rows stay raw for logprobs
+            self.masks.apply_speculated(logits, seq.grammar, proposal.token_ids)
         verdict = verify(seq, logits, proposal)
         self.stats.record(len(proposal.token_ids), verdict.num_accepted)
         return verdict

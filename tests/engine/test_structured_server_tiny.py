@@ -132,6 +132,20 @@ def test_bad_constraints_are_400s_naming_the_field_and_others_go_on(server, body
     assert ok.choices[0].finish_reason in ("stop", "length")
 
 
+def test_the_loaded_engine_has_its_grammar_tokenizer_built(tiny_engine):
+    """load_engine builds llguidance's tokenizer (and its first mask) while the model opens and waits for it, so
+    the first structured request compiles its spec against a ready tokenizer."""
+    from kiln.runtime.loader import load_engine
+    from kiln.runtime.params import SamplingParams
+    from kiln.runtime.structured import StructuredOutput
+
+    engine = load_engine(tiny_engine)
+    grammars = engine.grammars
+    assert grammars is not None and grammars.tokenizer_ready
+    prepared = engine.prepare("r", "x", SamplingParams(structured=StructuredOutput.json_object()))
+    assert prepared.grammar is not None and engine.grammars is grammars  # the loader's compiler serves requests
+
+
 def test_generate_json_schema_from_the_cli(tiny_engine, tmp_path):
     schema = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"enum": [1, 2, 3]}},
               "required": ["ok", "n"], "additionalProperties": False}

@@ -1,8 +1,9 @@
 """A fake AsyncLLM with the real one's interface, for fast tests of the HTTP layer.
 
 Tokens are characters: a string prompt is its code points; generated token k of a request
-is the letter ``"abcdefghij"[k % 10]``; a prompt containing "CRASH" raises a RuntimeError
-inside the engine. Each token takes ``token_delay`` seconds. Like the real one, it streams deltas.
+is the letter ``"abcdefghij"[k % 10]`` (or, given a ``script``, its character k, stopping at its end);
+a prompt containing "CRASH" raises a RuntimeError inside the engine. Each token takes ``token_delay``
+seconds. Like the real one, it streams deltas.
 """
 
 from __future__ import annotations
@@ -20,8 +21,9 @@ class FakeAsyncLLM:
     model_name = "fake-model"
     max_seq_len = 64
 
-    def __init__(self, token_delay: float = 0.0, kv_blocks_total: int = 32):
+    def __init__(self, token_delay: float = 0.0, kv_blocks_total: int = 32, script: str | None = None):
         self.token_delay = token_delay
+        self.script = script
         self.num_waiting = 0
         self.running: set[str] = set()
         self.aborted: list[str] = []
@@ -30,6 +32,8 @@ class FakeAsyncLLM:
         self.kv_blocks_total = kv_blocks_total
         self.shut_down = False
         self.requests: list[tuple[object, SamplingParams]] = []
+
+    tool_family = None  # its template takes no tools: the server writes them Hermes-style
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         if messages[-1]["role"] == "assistant" and messages[-1]["content"] == "REJECT":
@@ -88,7 +92,7 @@ class FakeAsyncLLM:
                     if reasons[j] is not None:
                         continue
                     k = len(toks[j])
-                    ch = LETTERS[(k + j) % 10]
+                    ch = self.script[k] if self.script else LETTERS[(k + j) % 10]
                     toks[j].append(ord(ch))
                     texts[j] += ch
                     self.generated += 1
@@ -101,6 +105,8 @@ class FakeAsyncLLM:
                     if any(s in texts[j] for s in params.stop):
                         stop = next(s for s in params.stop if s in texts[j])
                         texts[j] = texts[j][: texts[j].index(stop)]
+                        reasons[j] = "stop"
+                    elif self.script and len(toks[j]) == len(self.script):
                         reasons[j] = "stop"
                     elif len(toks[j]) >= max_tokens:
                         reasons[j] = "length"

@@ -18,6 +18,7 @@ from kiln.cli import main
     (["serve", "{dir}", "--num-threads", "0"], "'--num-threads': 0 is not in the range x>=1"),
     (["serve", "{dir}", "--shutdown-timeout", "-1"], "'--shutdown-timeout': -1.0 is not in the range x>=0"),
     (["serve", "{dir}", "--log-level", "loud"], "'--log-level': 'loud' is not one of"),
+    (["serve", "{dir}", "--reasoning-parser", "r1"], "'--reasoning-parser': 'r1' is not one of"),
     (["serve", "{dir}", "--chat-template", "{dir}/missing.jinja"], "'--chat-template': File"),
     (["bench", "{dir}", "--num-requests", "0"], "'--num-requests': 0 is not in the range x>=1"),
     (["bench", "{dir}", "--concurrency", "0"], "'--concurrency': 0 is not in the range x>=1"),
@@ -46,7 +47,7 @@ def test_serve_options_name_the_bad_field():
     from kiln.runtime.server.launch import ServeOptions
 
     for field, value in [("port", 70000), ("max_queue", 0), ("shutdown_timeout", -1.0), ("log_level", "loud"),
-                         ("api_key", "")]:
+                         ("api_key", ""), ("reasoning_parser", "r1")]:
         with pytest.raises(ValueError, match=f"^{field} must be ") as err:
             ServeOptions(**{field: value})
         assert err.value.param == field

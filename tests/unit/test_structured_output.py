@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+import threading
 from pathlib import Path
 
 import jsonschema
@@ -181,7 +182,7 @@ def test_stop_strings_end_a_structured_output_early(tokenizer_dir):
     assert reason == "stop" and text.startswith('{"id": ') and '"kind"' not in text
 
 
-def test_preemption_and_speculation_keep_the_outputs(tokenizer_dir):
+def test_preemption_and_speculation_keep_the_greedy_outputs(tokenizer_dir):
     params = SamplingParams(temperature=0, max_tokens=80, structured=StructuredOutput.json_schema(SCHEMA))
     prompts = [f"prompt {i} " * (i + 1) for i in range(6)]
     reference = texts(make_llm(tokenizer_dir), prompts, params)
@@ -189,8 +190,58 @@ def test_preemption_and_speculation_keep_the_outputs(tokenizer_dir):
     assert texts(small, prompts, params) == reference
     assert small.stats().num_preemptions > 0
     speculating = make_llm(tokenizer_dir, config=RuntimeConfig(speculative=SpeculativeConfig("ngram", ngram_min=1)))
-    assert texts(speculating, prompts, params) == reference
-    assert speculating.stats().num_spec_verifications == 0  # structured rows are not speculated
+    assert texts(speculating, prompts, params) == reference  # greedy: speculation changes no token
+    stats = speculating.stats()
+    assert stats.num_spec_verifications > 0 and 0 < stats.num_spec_accepted_tokens < stats.num_spec_proposed_tokens
+
+
+def test_masks_are_filled_while_the_model_step_runs(tokenizer_dir, monkeypatch):
+    """The engine starts each step's fill before running the model; sampling takes it. Same outputs either way."""
+    params = SamplingParams(temperature=0, max_tokens=80, n=2, structured=StructuredOutput.json_schema(SCHEMA))
+    prompts = [f"prompt {i} " * (i + 1) for i in range(3)]
+    fills: list[str] = []
+    bitmask = MaskStep.bitmask
+
+    def recorded(step, states, vocab_size):
+        fills.append(threading.current_thread().name)
+        return bitmask(step, states, vocab_size)
+
+    monkeypatch.setattr(MaskStep, "bitmask", recorded)
+    overlapped = texts(make_llm(tokenizer_dir), prompts, params)
+    assert fills and all(name.startswith("kiln-grammar-mask") for name in fills), set(fills)
+    inline = make_llm(tokenizer_dir)
+    inline.engine.sampler.masks.overlap = False
+    fills.clear()
+    assert texts(inline, prompts, params) == overlapped
+    assert fills and not any(name.startswith("kiln-grammar-mask") for name in fills)
+
+
+def test_speculated_sampled_outputs_follow_the_grammar(tokenizer_dir):
+    """Sampled rows verify proposals by rejection sampling on masked rows: whatever is kept or drawn follows the
+    schema, and the matcher follows only what was kept (a wrong rollback fails the request's next sync)."""
+    llm = make_llm(tokenizer_dir, config=RuntimeConfig(speculative=SpeculativeConfig("ngram", ngram_min=1)))
+    params = SamplingParams(temperature=0.3, seed=7, n=3, max_tokens=120,
+                            structured=StructuredOutput.json_schema(SCHEMA))
+    outputs = texts(llm, [f"prompt {i} " * (i + 1) for i in range(4)], params)
+    for text, reason in outputs:
+        assert reason == "stop", text
+        jsonschema.validate(json.loads(text), SCHEMA)
+    assert llm.stats().num_spec_accepted_tokens > 0
+
+
+def test_speculated_rows_are_masked_after_each_proposal_and_the_matcher_rolled_back(tokenizer_dir):
+    compiled = GrammarCompiler(EngineTokenizer(tokenizer_dir).to_json(), VOCAB, [EOS]).compile(
+        StructuredOutput.regex("ab[0-9]c"))
+    state, tokenizer = compiled.start(), EngineTokenizer(tokenizer_dir)
+    a, b, x, five = (tokenizer.encode(ch, add_special_tokens=False)[0] for ch in "abx5")
+    proposed = [a, b, x, five]  # the grammar refuses x: rows 0-2 masked, row 3 and 4 left as they were
+    logits = np.zeros((5, VOCAB), dtype=np.float32)
+    MaskStep().apply_speculated(logits, state, proposed)
+    allowed = [set(np.flatnonzero(np.isfinite(row)).tolist()) for row in logits]
+    digits = {tokenizer.encode(str(d), add_special_tokens=False)[0] for d in range(10)}
+    assert allowed[:3] == [{a}, {b}, digits]
+    assert allowed[3] == allowed[4] == set(range(VOCAB))
+    assert state.matcher.validate_tokens([a, b, five]) == 3  # still at the start: nothing consumed
 
 
 # -- hypothesis: drawn schemas, each with its whole output bounded so every generation can complete -----------
