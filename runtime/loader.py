@@ -14,7 +14,7 @@ from kiln.errors import InvalidParamError
 from kiln.manifest import BACKEND_ORT_CPU, BACKEND_TENSORRT, EngineLoadError, Manifest, read_manifest, sha256_file
 from kiln.medusa import DRAFT_FILE
 from kiln.runtime.engine import Engine, EngineLimits
-from kiln.runtime.model_runner import KvBudget, ModelRunner, choose_num_blocks
+from kiln.runtime.model_runner import KvBudget, ModelRunner, choose_num_blocks, fit_num_blocks, short_context_warning
 from kiln.runtime.params import RuntimeConfig, SpeculativeConfig
 from kiln.runtime.speculative.proposer import Proposer
 from kiln.runtime.tokenizer import Tokenizer
@@ -51,14 +51,19 @@ def load_engine(engine_dir: str | Path, config: RuntimeConfig | None = None) -> 
     budget = KvBudget(pools.bytes_per_block, build.block_size, min_tokens=max_model_len,
                       max_useful_tokens=config.max_num_seqs * max_model_len)
     runner: OrtModelRunner | TrtModelRunner
+    size_pool = choose_num_blocks if config.max_model_len is not None else fit_num_blocks
     if manifest.backend == BACKEND_TENSORRT:
         from kiln.runtime.trt_runner import TrtModelRunner, device_free_bytes
 
-        num_blocks = choose_num_blocks(budget, config.kv_cache_bytes, config.kv_cache_fraction, device_free_bytes())
+        num_blocks = size_pool(budget, config.kv_cache_bytes, config.kv_cache_fraction, device_free_bytes())
         runner = TrtModelRunner(engine_dir, manifest, pools, num_blocks)
     else:
-        num_blocks = choose_num_blocks(budget, config.kv_cache_bytes, config.kv_cache_fraction)
+        num_blocks = size_pool(budget, config.kv_cache_bytes, config.kv_cache_fraction)
         runner = open_engine_runner(engine_dir, manifest, num_blocks, num_threads)
+    warning = short_context_warning(budget, num_blocks)
+    if warning is not None:  # only with the default max_model_len: choose_num_blocks refuses a pool too small
+        log.warning(warning)
+        max_model_len = num_blocks * build.block_size
     eos = list(manifest.spec.eos_token_ids)
     if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in eos:
         eos.append(tokenizer.eos_token_id)
