@@ -13,11 +13,13 @@ from kiln.contract import KvPoolSpec
 from kiln.errors import InvalidParamError
 from kiln.manifest import BACKEND_ORT_CPU, BACKEND_TENSORRT, EngineLoadError, Manifest, read_manifest, sha256_file
 from kiln.medusa import DRAFT_FILE
+from kiln.runtime.block_manager import window_tokens
 from kiln.runtime.engine import Engine, EngineLimits
 from kiln.runtime.model_runner import KvBudget, ModelRunner, choose_num_blocks, fit_num_blocks, short_context_warning
 from kiln.runtime.params import RuntimeConfig, SpeculativeConfig
 from kiln.runtime.speculative.proposer import Proposer
 from kiln.runtime.tokenizer import Tokenizer
+from kiln.spec import ModelSpec
 
 NUM_THREADS_ENV = "KILN_NUM_THREADS"
 
@@ -48,8 +50,12 @@ def load_engine(engine_dir: str | Path, config: RuntimeConfig | None = None) -> 
     build = manifest.build
     max_model_len = served_max_model_len(manifest.max_seq_len, config.max_model_len)
     pools = engine_kv_pools(manifest)
-    budget = KvBudget(pools.bytes_per_block, build.block_size, min_tokens=max_model_len,
-                      max_useful_tokens=config.max_num_seqs * max_model_len)
+    step_tokens = step_token_budget(build.max_num_tokens, config.max_num_tokens, manifest.backend, num_threads)
+    window = kv_release_window(manifest.spec)
+    # one sequence's blocks: all of its context, or with a sliding window the window and one step's chunk
+    held = min(max_model_len, window_tokens(window, step_tokens, build.block_size)) if window else max_model_len
+    budget = KvBudget(pools.bytes_per_block, build.block_size, min_tokens=held,
+                      max_useful_tokens=config.max_num_seqs * held)
     runner: OrtModelRunner | TrtModelRunner
     size_pool = choose_num_blocks if config.max_model_len is not None else fit_num_blocks
     if manifest.backend == BACKEND_TENSORRT:
@@ -67,9 +73,8 @@ def load_engine(engine_dir: str | Path, config: RuntimeConfig | None = None) -> 
     eos = list(manifest.spec.eos_token_ids)
     if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in eos:
         eos.append(tokenizer.eos_token_id)
-    step_tokens = step_token_budget(build.max_num_tokens, config.max_num_tokens, manifest.backend, num_threads)
     limits = EngineLimits(max_seq_len=max_model_len, max_num_tokens=step_tokens, eos_token_ids=tuple(eos),
-                          threads=num_threads or os.cpu_count() or 1)
+                          threads=num_threads or os.cpu_count() or 1, sliding_window=window)
     threads = num_threads or f"onnxruntime's default (one per core; {os.cpu_count()} CPUs)"
     log.info("KV pool: %d blocks of %d tokens = %d tokens, %.1f MiB; max context %d tokens; step budget %d tokens; "
              "threads: %s; prefix caching: %s", runner.num_blocks, runner.block_size,
@@ -79,6 +84,12 @@ def load_engine(engine_dir: str | Path, config: RuntimeConfig | None = None) -> 
     if config.speculative is not None and config.speculative.method != "ngram":
         proposer = open_proposer(config.speculative, engine_dir, manifest, runner, num_threads)
     return Engine(runner, tokenizer, config, limits, model_name=engine_dir.resolve().name, proposer=proposer)
+
+
+def kv_release_window(spec: ModelSpec) -> int:
+    """The window behind which a sequence's KV blocks can be released: the one every layer slides with (one
+    window for all layers in ModelSpec); 0 when some layer attends to the whole context."""
+    return spec.sliding_window
 
 
 CPU_STEP_TOKENS_PER_THREAD = 128

@@ -289,6 +289,6 @@ def short_context_warning(budget: KvBudget, num_blocks: int) -> str | None:
         return None
     need = -(-budget.min_tokens // budget.block_size) * budget.bytes_per_block
     mib = num_blocks * budget.bytes_per_block / 2**20
-    return (f"the KV pool ({mib:.1f} MiB) holds {tokens} tokens, fewer than one sequence of the engine's max_seq_len "
-            f"{budget.min_tokens} ({need:,} bytes): serving sequences of up to {tokens} tokens; pass --kv-cache-bytes "
-            f"{need} (or more) to serve the full context, or --max-model-len to choose a shorter one")
+    return (f"the KV pool ({mib:.1f} MiB) holds {tokens} tokens, fewer than one sequence of the engine's context "
+            f"needs ({budget.min_tokens} tokens, {need:,} bytes): serving sequences of up to {tokens} tokens; pass "
+            f"--kv-cache-bytes {need} (or more) to serve the full context, or --max-model-len to choose a shorter one")

@@ -67,9 +67,9 @@ def test_a_default_context_is_bounded_by_explicit_settings():
     assert short_context_warning(BUDGET, 1024) is None
     assert fit_num_blocks(BUDGET, 64 * 1024, None, available=GIB) == 64  # 1024 tokens: served shorter, and said
     assert short_context_warning(BUDGET, 64) == (
-        "the KV pool (0.1 MiB) holds 1024 tokens, fewer than one sequence of the engine's max_seq_len 2048 (131,072 "
-        "bytes): serving sequences of up to 1024 tokens; pass --kv-cache-bytes 131072 (or more) to serve the full "
-        "context, or --max-model-len to choose a shorter one")
+        "the KV pool (0.1 MiB) holds 1024 tokens, fewer than one sequence of the engine's context needs (2048 tokens, "
+        "131,072 bytes): serving sequences of up to 1024 tokens; pass --kv-cache-bytes 131072 (or more) to serve the "
+        "full context, or --max-model-len to choose a shorter one")
     assert fit_num_blocks(BUDGET, None, 0.5, available=100_000) == 48
 
 
