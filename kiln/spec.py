@@ -233,8 +233,9 @@ def parse_rope_scaling(scaling: dict[str, Any] | None, config: dict[str, Any]) -
 
 
 def _parse_yarn(scaling: dict[str, Any], config: dict[str, Any]) -> RopeScaling:
-    """YaRN with transformers' defaults: the original context from rope_scaling, else the config's
-    original_max_position_embeddings, else max_position_embeddings; the factor max / original unless given;
+    """YaRN with transformers' defaults: the original context from the config's top-level
+    original_max_position_embeddings (transformers gives it priority), else rope_scaling's, else
+    max_position_embeddings; the factor max / original unless given;
     the attention factor 0.1 ln(factor) + 1 (or mscale / mscale_all_dim's ratio) unless given."""
     original = int(config.get("original_max_position_embeddings") or scaling.get("original_max_position_embeddings")
                    or config.get("max_position_embeddings", 2048))

@@ -87,8 +87,11 @@ def load_engine(engine_dir: str | Path, config: RuntimeConfig | None = None) -> 
 
 
 def kv_release_window(spec: ModelSpec) -> int:
-    """The window behind which a sequence's KV blocks can be released: the one every layer slides with (one
-    window for all layers in ModelSpec); 0 when some layer attends to the whole context."""
+    """The window behind which a sequence's KV blocks can be released: the one every layer slides with; 0 when
+    some layer attends to the whole context (a block can go only when every layer allows it). Per-layer kinds
+    come from the spec's `layer_types` where it has them (Gemma 2/3: sliding layers between global ones)."""
+    if "full_attention" in getattr(spec, "layer_types", ()):
+        return 0
     return spec.sliding_window
 
 
