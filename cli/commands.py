@@ -57,7 +57,8 @@ def main() -> None:
                    "from --calibration")
 @click.option("--block-size", type=int, default=16, show_default=True, help="tokens per KV-cache block")
 @click.option("--max-seq-len", type=int, default=None,
-              help="context length in tokens (default: the model's max_position_embeddings, at most 2048)")
+              help="context length in tokens (default: the model's own, max_position_embeddings or the length its "
+                   "rope scaling stretches it to; the server serves what its KV pool holds)")
 @click.option("--quantization", default="none", show_default=True,
               help="none | int8-weight-only | int4-rtn-g{32,64,128} | int4-awq-g{32,64,128} | int4-q4_1 | "
                    "w8a8-smoothquant")

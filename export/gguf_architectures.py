@@ -26,7 +26,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from kiln.spec import SUPPORTED_GGUF_ARCHITECTURES, ModelSpec, RopeScaling, supported_architectures_sentence
+from kiln.spec import (
+    SUPPORTED_GGUF_ARCHITECTURES,
+    ModelSpec,
+    RopeScaling,
+    parse_rope_scaling,
+    supported_architectures_sentence,
+)
 
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -144,7 +150,7 @@ def _spec_from_metadata(
         dict.fromkeys(int(md[k]) for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id") if k in md)
     )
     context = int(md.get(f"{prefix}.context_length", 2048))
-    rotary = _longrope(md, rope, context, path) if arch.name == "phi3" else _linear_scaling(md, prefix, path)
+    rotary = _longrope(md, rope, context, path) if arch.name == "phi3" else _rope_scaling(md, prefix, path)
     try:
         return ModelSpec(
             family=arch.family,
@@ -171,14 +177,27 @@ def _spec_from_metadata(
         raise ValueError(f"{path}: bad GGUF metadata ({_first_line(exc)})") from None
 
 
-def _linear_scaling(md: dict, prefix: str, path: Path) -> RopeScaling | None:
+def _rope_scaling(md: dict, prefix: str, path: Path) -> RopeScaling | None:
+    """linear or YaRN scaling from the rope.scaling keys llama.cpp's converter writes (llama3's is a tensor)."""
     kind = md.get(f"{prefix}.rope.scaling.type")
     if kind in (None, "none"):
         return None
-    if kind != "linear":
-        raise ValueError(f"{path}: unsupported GGUF rope scaling {kind!r} (kiln supports linear and llama3)")
+    if kind not in ("linear", "yarn"):
+        raise ValueError(f"{path}: unsupported GGUF rope scaling {kind!r} (kiln supports linear, yarn and llama3)")
     factor = md.get(f"{prefix}.rope.scaling.factor")
-    return RopeScaling(rope_type="linear", factor=nice_float(factor)) if factor and factor != 1.0 else None
+    if not factor or factor == 1.0:
+        return None
+    if kind == "linear":
+        return RopeScaling(rope_type="linear", factor=nice_float(factor))
+    original = md.get(f"{prefix}.rope.scaling.original_context_length")
+    if not original:
+        raise ValueError(f"{path}: GGUF yarn rope scaling without {prefix}.rope.scaling.original_context_length")
+    # llama.cpp multiplies its attn_factor onto YaRN's own 0.1 ln(factor) + 1
+    extra = float(md.get(f"{prefix}.rope.scaling.attn_factor") or 1.0)
+    yarn = parse_rope_scaling({"rope_type": "yarn", "factor": nice_float(factor)},
+                              {"original_max_position_embeddings": int(original)})
+    assert yarn is not None
+    return dataclasses.replace(yarn, attention_factor=yarn.attention_factor * extra)
 
 
 def _longrope(md: dict, rope: dict[str, torch.Tensor], context: int, path: Path) -> RopeScaling | None:

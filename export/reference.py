@@ -16,7 +16,7 @@ recognisable graph rather than for speed:
 Family pieces, each a plain op sequence the optimizer leaves in the graph around the fused attention:
 Qwen3's per-head q/k RMSNorm (``q_norm``/``k_norm`` over head_dim, before RoPE, as standard ops
 feeding kiln.PagedAttention), partial rotary (Phi-4: RoPE on the first ``rotary_dim`` dims, the rest
-passed through), and LongRoPE's attention factor (transformers scales cos and sin by it; with full rotary
+passed through), and LongRoPE's and YaRN's attention factor (transformers scales cos and sin by it; with full rotary
 q.k then scales by its square, which kiln folds into the attention scale so that RoPE keeps the form the op
 absorbs; with partial rotary only the rotated dims scale, so cos and sin carry it as in transformers).
 """
@@ -36,18 +36,23 @@ MASK_VALUE = -1e9
 
 
 def rope_inv_freq(spec: ModelSpec) -> torch.Tensor:
-    """RoPE inverse frequencies [rotated_dims // 2], float32, with llama3 / linear / longrope scaling applied."""
+    """RoPE inverse frequencies [rotated_dims // 2], float32, with the spec's rope scaling applied (transformers'
+    expressions and dtypes, for bit-equal frequencies)."""
     dim = spec.rotated_dims
-    inv_freq = 1.0 / (spec.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
+    inv_freq = 1.0 / (spec.rope_theta**exponents)
     scaling = spec.rope_scaling
     if scaling is None:
         return inv_freq
-    if scaling.rope_type == "longrope":  # transformers' expression, for bit-equal frequencies
+    if scaling.rope_type == "longrope":
         factors = scaling.long_factor if scaling.long_context else scaling.short_factor
-        exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
         return 1.0 / (torch.tensor(factors, dtype=torch.float32) * spec.rope_theta**exponents)
     if scaling.rope_type == "linear":
         return inv_freq / scaling.factor
+    if scaling.rope_type == "dynamic":
+        return _dynamic_ntk_inv_freq(spec, exponents)
+    if scaling.rope_type == "yarn":
+        return _yarn_inv_freq(spec)
     # llama3: long wavelengths are divided by factor, short ones kept, the band between smoothed.
     old_len = scaling.original_max_position_embeddings
     low_wavelen = old_len / scaling.low_freq_factor
@@ -58,6 +63,39 @@ def rope_inv_freq(spec: ModelSpec) -> torch.Tensor:
     smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
     is_medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
     return torch.where(is_medium, smoothed, scaled)
+
+
+def _dynamic_ntk_inv_freq(spec: ModelSpec, exponents: torch.Tensor) -> torch.Tensor:
+    """Dynamic NTK: the base stretched for the engine's context (ModelSpec.for_context) past the original."""
+    scaling = spec.rope_scaling
+    assert scaling is not None
+    dim, original = spec.rotated_dims, scaling.original_max_position_embeddings
+    seq_len = max(scaling.context_length, original)
+    base = spec.rope_theta * ((scaling.factor * seq_len / original) - (scaling.factor - 1)) ** (dim / (dim - 2))
+    return 1.0 / (base**exponents)
+
+
+def _yarn_inv_freq(spec: ModelSpec) -> torch.Tensor:
+    """YaRN: dims that turn more than beta_fast times over the original context keep their frequency, those
+    turning fewer than beta_slow times are divided by the factor, and a linear ramp blends the band between."""
+    scaling = spec.rope_scaling
+    assert scaling is not None
+    dim, base, original = spec.rotated_dims, spec.rope_theta, scaling.original_max_position_embeddings
+
+    def correction_dim(rotations: float) -> float:
+        return (dim * math.log(original / (rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = correction_dim(scaling.beta_fast), correction_dim(scaling.beta_slow)
+    if scaling.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # transformers' guard against a zero-width ramp
+    pos_freqs = base ** (torch.arange(0, dim, 2).to(dtype=torch.float) / dim)
+    extrapolation, interpolation = 1.0 / pos_freqs, 1.0 / (scaling.factor * pos_freqs)
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    keep = 1 - ramp
+    return interpolation * (1 - keep) + extrapolation * keep
 
 
 def causal_mask(position_ids: torch.Tensor, sliding_window: int = 0) -> torch.Tensor:
@@ -89,9 +127,9 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 def rope_attention_factor(spec: ModelSpec) -> float:
-    """LongRoPE's factor on cos and sin (1.0 for every other rope)."""
+    """The factor on cos and sin: LongRoPE's and YaRN's attention factor (1.0 for every other rope)."""
     scaling = spec.rope_scaling
-    return scaling.attention_factor if scaling is not None and scaling.rope_type == "longrope" else 1.0
+    return scaling.attention_factor if scaling is not None and scaling.rope_type in ("longrope", "yarn") else 1.0
 
 
 def attention_scale(spec: ModelSpec) -> float:

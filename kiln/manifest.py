@@ -27,7 +27,6 @@ FORMAT_VERSION = 1
 MANIFEST_NAME = "manifest.json"
 BACKEND_ORT_CPU = "onnxruntime-cpu"
 BACKEND_TENSORRT = "tensorrt"
-DEFAULT_MAX_SEQ_LEN = 2048  # the context a build gets unless --max-seq-len says otherwise (or the model is shorter)
 
 
 class EngineLoadError(KilnError, RuntimeError):
@@ -45,7 +44,7 @@ class BuildOptions:
     # a key of kiln.contract.KV_DTYPES; float16 halves what attention reads at fp32's measured perplexity
     kv_dtype: str = "float16"
     block_size: int = 16
-    max_seq_len: int | None = None  # None: the model's max_position_embeddings, at most DEFAULT_MAX_SEQ_LEN
+    max_seq_len: int | None = None  # None: the model's own context (ModelSpec.context_length)
     max_num_tokens: int = 2048  # per-step token budget the graph was built and tested for
     calibration: Path | None = None  # artifact of `kiln calibrate`: scales folded in (SmoothQuant / AWQ), int8 KV steps
     lm_head: LmHead = LmHead.INT8  # the LM head's weights under an int4 scheme

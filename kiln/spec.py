@@ -31,27 +31,39 @@ def supported_architectures_sentence() -> str:
 
 @dataclass(frozen=True)
 class RopeScaling:
-    """Rotary-embedding frequency scaling (Llama 3 style, linear, or Phi-3's LongRoPE).
+    """Rotary-embedding frequency scaling, as transformers computes it for each rope_type.
 
-    LongRoPE divides each frequency by a per-frequency factor: `short_factor` for contexts up to
-    original_max_position_embeddings, `long_factor` beyond, and multiplies cos and sin by
-    `attention_factor`. Transformers picks the set from the length of the sequence at hand and
-    recomputes the whole cache when a sequence crosses the original context; a paged KV cache cannot
-    re-rotate the keys it holds, so kiln picks the set once per engine from its context
-    (`ModelSpec.for_context`, `long_context`), as llama.cpp does from n_ctx. An engine whose context
-    fits the original one therefore equals transformers on every sequence, and a longer engine equals
-    it on every sequence longer than the original context.
+    - linear: every frequency divided by `factor`.
+    - llama3: long wavelengths divided by `factor`, short ones kept, the band between
+      (low_freq_factor, high_freq_factor of the original context) interpolated.
+    - yarn (Qwen2.5 / Qwen3 long-context configs): frequencies blended between kept and divided by `factor`
+      over the band of dims that turn between beta_fast and beta_slow times in the original context, and
+      cos and sin multiplied by `attention_factor` (0.1 ln(factor) + 1 unless the config gives it).
+    - dynamic (NTK): the base stretched for the sequence length at hand, past the original context.
+    - longrope (Phi-3): each frequency divided by a per-frequency factor, `short_factor` for contexts up to
+      original_max_position_embeddings and `long_factor` beyond; cos and sin multiplied by `attention_factor`.
+
+    Transformers picks dynamic's base and LongRoPE's factor set from the length of the sequence at hand and
+    recomputes the whole cache when a sequence grows; a paged KV cache cannot re-rotate the keys it holds, so
+    kiln picks them once per engine from its context (`ModelSpec.for_context`: `long_context`,
+    `context_length`), as llama.cpp does from n_ctx and vLLM from its max length. An engine then equals
+    transformers on every sequence when its context fits the original one; past it, LongRoPE equals it on every
+    sequence longer than the original context, and dynamic NTK on a sequence of exactly the engine's context.
     """
 
-    rope_type: str  # "llama3" | "linear" | "longrope"
+    rope_type: str  # "llama3" | "linear" | "yarn" | "dynamic" | "longrope"
     factor: float
-    low_freq_factor: float = 1.0
-    high_freq_factor: float = 4.0
+    low_freq_factor: float = 1.0  # llama3 only
+    high_freq_factor: float = 4.0  # llama3 only
     original_max_position_embeddings: int = 8192
     short_factor: tuple[float, ...] = ()  # longrope only: one divisor per rotary frequency
     long_factor: tuple[float, ...] = ()
-    attention_factor: float = 1.0  # longrope only: cos and sin are multiplied by it
+    attention_factor: float = 1.0  # longrope and yarn: cos and sin are multiplied by it
     long_context: bool = False  # longrope only: use long_factor (the engine's context exceeds the original)
+    beta_fast: float = 32.0  # yarn only: the ramp's bounds, in rotations over the original context
+    beta_slow: float = 1.0
+    truncate: bool = True  # yarn only: round the ramp's bounds to whole dims (floor / ceil)
+    context_length: int = 0  # dynamic only: the sequence length the base is stretched for (0: the original)
 
 
 @dataclass(frozen=True)
@@ -98,12 +110,28 @@ class ModelSpec:
         return self.rotary_dim or self.head_dim
 
     def for_context(self, max_seq_len: int) -> ModelSpec:
-        """This spec as an engine of context max_seq_len computes it: LongRoPE's factor set chosen."""
+        """This spec as an engine of context max_seq_len computes it: LongRoPE's factor set chosen, dynamic
+        NTK's base stretched for max_seq_len."""
         scaling = self.rope_scaling
-        if scaling is None or scaling.rope_type != "longrope":
+        if scaling is None or scaling.rope_type not in ("longrope", "dynamic"):
             return self
-        long_context = max_seq_len > scaling.original_max_position_embeddings
-        return dataclasses.replace(self, rope_scaling=dataclasses.replace(scaling, long_context=long_context))
+        if scaling.rope_type == "dynamic":
+            chosen = dataclasses.replace(scaling, context_length=max_seq_len)
+        else:
+            chosen = dataclasses.replace(scaling, long_context=max_seq_len > scaling.original_max_position_embeddings)
+        return dataclasses.replace(self, rope_scaling=chosen)
+
+    @property
+    def context_length(self) -> int:
+        """The longest context the model is made for: max_position_embeddings, or the length its rope scaling
+        stretches the original context to when that is longer (vLLM's rule: yarn's original context times
+        its factor; linear and dynamic: max_position_embeddings times the factor; llama3 and LongRoPE
+        configs already give the scaled length)."""
+        scaling = self.rope_scaling
+        if scaling is None or scaling.rope_type in ("llama3", "longrope"):
+            return self.max_position_embeddings
+        base = scaling.original_max_position_embeddings if scaling.rope_type == "yarn" else self.max_position_embeddings
+        return max(self.max_position_embeddings, int(base * scaling.factor))
 
     @property
     def q_size(self) -> int:
@@ -156,7 +184,7 @@ class ModelSpec:
             max_position_embeddings=config.get("max_position_embeddings", 2048),
             tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
             attention_bias=bool(config.get("attention_bias", family == "qwen2")),
-            rope_scaling=_parse_rope_scaling(scaling, config),
+            rope_scaling=parse_rope_scaling(scaling, config),
             sliding_window=_sliding_window(config, family),
             bos_token_id=config.get("bos_token_id"),
             eos_token_ids=eos_ids,
@@ -179,7 +207,7 @@ class ModelSpec:
         return cls(**data)
 
 
-def _parse_rope_scaling(scaling: dict[str, Any] | None, config: dict[str, Any]) -> RopeScaling | None:
+def parse_rope_scaling(scaling: dict[str, Any] | None, config: dict[str, Any]) -> RopeScaling | None:
     if not scaling:
         return None
     rope_type = scaling.get("rope_type") or scaling.get("type")
@@ -187,16 +215,50 @@ def _parse_rope_scaling(scaling: dict[str, Any] | None, config: dict[str, Any]) 
         return None
     if rope_type == "longrope":
         return _parse_longrope(scaling, config)
-    if rope_type not in ("llama3", "linear"):
-        raise ValueError(f"unsupported rope_scaling type {rope_type!r}: kiln supports 'llama3', 'linear' and "
-                         "'longrope'")
+    if rope_type == "yarn":
+        return _parse_yarn(scaling, config)
+    if rope_type not in ("llama3", "linear", "dynamic"):
+        raise ValueError(f"unsupported rope_scaling type {rope_type!r}: kiln supports 'linear', 'dynamic', "
+                         "'llama3', 'yarn' and 'longrope'")
+    # dynamic NTK stretches the base past max_position_embeddings: that is its original context
+    default_original = config.get("max_position_embeddings", 2048) if rope_type == "dynamic" else 8192
     return RopeScaling(
         rope_type=rope_type,
         factor=float(scaling["factor"]),
         low_freq_factor=float(scaling.get("low_freq_factor", 1.0)),
         high_freq_factor=float(scaling.get("high_freq_factor", 4.0)),
-        original_max_position_embeddings=int(scaling.get("original_max_position_embeddings", 8192)),
+        original_max_position_embeddings=int(
+            default_original if rope_type == "dynamic" else scaling.get("original_max_position_embeddings", 8192)),
     )
+
+
+def _parse_yarn(scaling: dict[str, Any], config: dict[str, Any]) -> RopeScaling:
+    """YaRN with transformers' defaults: the original context from the config's top-level
+    original_max_position_embeddings (transformers gives it priority), else rope_scaling's, else
+    max_position_embeddings; the factor max / original unless given;
+    the attention factor 0.1 ln(factor) + 1 (or mscale / mscale_all_dim's ratio) unless given."""
+    original = int(config.get("original_max_position_embeddings") or scaling.get("original_max_position_embeddings")
+                   or config.get("max_position_embeddings", 2048))
+    factor = scaling.get("factor") or config.get("max_position_embeddings", original) / original
+    attention = scaling.get("attention_factor")
+    if attention is None:
+        mscale, mscale_all_dim = scaling.get("mscale"), scaling.get("mscale_all_dim")
+        attention = (_yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim) if mscale and mscale_all_dim
+                     else _yarn_mscale(factor, 1.0))
+    return RopeScaling(
+        rope_type="yarn",
+        factor=float(factor),
+        original_max_position_embeddings=original,
+        attention_factor=float(attention),
+        beta_fast=float(scaling.get("beta_fast") or 32.0),
+        beta_slow=float(scaling.get("beta_slow") or 1.0),
+        truncate=bool(scaling.get("truncate", True)),
+    )
+
+
+def _yarn_mscale(factor: float, mscale: float) -> float:
+    """YaRN's magnitude correction, 0.1 * mscale * ln(factor) + 1 (1 when the factor does not stretch)."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
 
 
 def _parse_longrope(scaling: dict[str, Any], config: dict[str, Any]) -> RopeScaling:

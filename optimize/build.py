@@ -34,7 +34,6 @@ from kiln.export.progress import print_above_bars, progress_bar
 from kiln.manifest import (
     BACKEND_ORT_CPU,
     BACKEND_TENSORRT,
-    DEFAULT_MAX_SEQ_LEN,
     MANIFEST_NAME,
     BuildOptions,
     Manifest,
@@ -338,16 +337,22 @@ def _check_counts(counts: dict[str, int], num_layers: int) -> None:
 
 
 def _check_model(checkpoint, options: BuildOptions) -> BuildOptions:
-    """What the model decides before any work: a tokenizer to ship, and the context (max_seq_len, the
-    model's own up to DEFAULT_MAX_SEQ_LEN unless given; never past the positions it was trained on)."""
+    """What the model decides before any work: a tokenizer to ship, and the context (max_seq_len: the model's
+    own, ModelSpec.context_length, unless given; never past it). The graph holds nothing sized by the context
+    but RoPE's cos/sin tables (max_seq_len x rotary_dim float32, 64 MiB at 128k for head_dim 128); the KV
+    pool is sized by the server at load time."""
     if checkpoint.tokenizer is None:
         raise BuildError(f"{checkpoint.source} carries no tokenizer (tokenizer.json); an engine needs one")
-    limit = checkpoint.spec.max_position_embeddings
+    spec = checkpoint.spec
+    limit = spec.context_length
     if options.max_seq_len is None:
-        return dataclasses.replace(options, max_seq_len=min(DEFAULT_MAX_SEQ_LEN, limit))
+        return dataclasses.replace(options, max_seq_len=limit)
     if options.max_seq_len > limit:
-        raise BuildError(f"max_seq_len {options.max_seq_len} is longer than the model's context "
-                         f"(max_position_embeddings {limit}); build with --max-seq-len {limit} or less")
+        context = f"max_position_embeddings {spec.max_position_embeddings}"
+        if limit > spec.max_position_embeddings and spec.rope_scaling is not None:
+            context = f"{limit}: its {spec.rope_scaling.rope_type} rope scaling stretches {context}"
+        raise BuildError(f"max_seq_len {options.max_seq_len} is longer than the model's context ({context}); "
+                         f"build with --max-seq-len {limit} or less")
     return options
 
 

@@ -10,6 +10,15 @@ evicted before the sequence's earlier (more shareable) blocks.
 The block manager writes a sequence's block table and block hashes and nothing else; it
 reads num_computed_tokens, whose one writer is the scheduler (allocation results, such as
 the prefix-cache hit length, are returned to it).
+
+Sliding window (a model whose every layer attends to the last `sliding_window` positions only): a token at
+position p reads keys at p - window + 1 .. p, so once a sequence has computed n tokens no token it will
+compute reads a block ending before n - window + 1. `release_outside_window` gives such blocks back while the
+sequence runs; their places in its block table become RELEASED (-1: the op reads no block-table entry before
+the window, kiln/paged_attention.py), always a leading run of the table. A released block keeps its hash: its
+K/V is what any sequence with that prefix computes (each position's K/V depends on the tokens before it
+only), so it stays findable for a later prompt with the same prefix until evicted, as any freed cached block.
+A sequence's blocks are thus at most those of window + one step's chunk, whatever its length.
 """
 
 from __future__ import annotations
@@ -19,6 +28,7 @@ from collections import OrderedDict
 from kiln.runtime.sequence import Sequence
 
 NO_HASH = None
+RELEASED = -1  # a block-table entry whose block was given back: before the sliding window of every token to come
 
 
 class Block:
@@ -56,12 +66,23 @@ def prompt_block_hashes(token_ids: list[int], block_size: int, max_blocks: int |
     return hashes
 
 
+def window_tokens(sliding_window: int, chunk: int, block_size: int) -> int:
+    """The most tokens' worth of blocks one sequence holds at once with a sliding window, computing at most
+    `chunk` tokens a step: the window's blocks and the chunk's, plus one partly filled at the window's start."""
+    return (-(-(sliding_window + chunk) // block_size) + 1) * block_size
+
+
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 sliding_window: int = 0) -> None:
+        """sliding_window: every layer's window (0: some layer attends to the whole context; nothing released)."""
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
+        if sliding_window < 0:
+            raise ValueError(f"sliding_window must be >= 0 (0 = off), got {sliding_window}")
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.sliding_window = sliding_window
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free_ids: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))  # LRU first
         self.hash_to_block: dict[int, int] = {}
@@ -116,11 +137,16 @@ class BlockManager:
         return max(0, min(num_tokens, capacity - seq.num_computed_tokens))
 
     def allocate(self, seq: Sequence, num_tokens: int) -> bool:
-        """Grow seq's block table to hold its first num_tokens tokens; False (and no change) if it can't."""
-        need = self.blocks_needed(num_tokens) - len(seq.block_table)
+        """Grow seq's block table to hold its first num_tokens tokens; False (and no change but releases behind
+        the sliding window) if it can't. Places behind the window get no block: they are RELEASED at once."""
+        self.release_outside_window(seq)
+        grow = max(self.blocks_needed(num_tokens) - len(seq.block_table), 0)
+        behind = min(max(self.num_outside_window(seq.num_computed_tokens) - len(seq.block_table), 0), grow)
+        need = grow - behind
         if need > len(self.free_ids):
             return False
-        for _ in range(max(need, 0)):
+        seq.block_table.extend([RELEASED] * behind)
+        for _ in range(need):
             block_id, _ = self.free_ids.popitem(last=False)
             block = self.blocks[block_id]
             if block.hash is not NO_HASH and self.hash_to_block.get(block.hash) == block_id:
@@ -136,8 +162,11 @@ class BlockManager:
         returns how many tokens they hold (the child's computed tokens)."""
         assert not child.block_table and child.token_ids[: len(parent)] == parent.token_ids[: len(child)]
         shared = min(parent.num_computed_tokens, len(child) - 1) // self.block_size
+        if RELEASED in parent.block_table[self.num_outside_window(shared * self.block_size):shared]:
+            shared = 0  # the parent has moved on past blocks the child's next token still reads
         for block_id in parent.block_table[:shared]:
-            self.blocks[block_id].ref_count += 1
+            if block_id != RELEASED:
+                self.blocks[block_id].ref_count += 1
         child.block_table = parent.block_table[:shared]
         child.block_hashes = parent.block_hashes[:shared]
         if shared:
@@ -148,10 +177,8 @@ class BlockManager:
         """Release seq's blocks (tail first into the LRU queue); its K/V is gone, so the caller
         resets its computed count."""
         for block_id in reversed(seq.block_table):
-            block = self.blocks[block_id]
-            block.ref_count -= 1
-            if block.ref_count == 0:
-                self.free_ids[block_id] = None
+            if block_id != RELEASED:
+                self._release(block_id)
         seq.block_table = []
         seq.block_hashes = []
         self.owners.pop(seq.seq_id, None)
@@ -179,10 +206,36 @@ class BlockManager:
             tokens = tuple(seq.token_ids[i * bs:(i + 1) * bs])
             h = chain_hash(seq.block_hashes[-1] if seq.block_hashes else None, tokens)
             seq.block_hashes.append(h)
+            if seq.block_table[i] == RELEASED:  # its K/V never reached this pool (a handoff): nothing to offer
+                continue
             block = self.blocks[seq.block_table[i]]
             if self.enable_prefix_caching and h not in self.hash_to_block and block.hash is NO_HASH:
                 block.hash, block.token_ids = h, tokens
                 self.hash_to_block[h] = block.block_id
+
+    def num_outside_window(self, num_computed: int) -> int:
+        """How many leading blocks no token from position num_computed on reads (0 without a sliding window)."""
+        if not self.sliding_window:
+            return 0
+        return max(0, num_computed - self.sliding_window + 1) // self.block_size
+
+    def release_outside_window(self, seq: Sequence) -> int:
+        """Give back seq's blocks that no token it has still to compute reads (sliding window); returns how many."""
+        table = seq.block_table
+        end = min(self.num_outside_window(seq.num_computed_tokens), len(table))
+        start = end
+        while start > 0 and table[start - 1] != RELEASED:  # the released run is a prefix: walk back to it
+            start -= 1
+        for i in range(start, end):
+            self._release(table[i])
+            table[i] = RELEASED
+        return end - start
+
+    def _release(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        block.ref_count -= 1
+        if block.ref_count == 0:
+            self.free_ids[block_id] = None
 
     def _take(self, block_id: int) -> None:
         block = self.blocks[block_id]
@@ -200,7 +253,10 @@ class BlockManager:
             assert seq.num_computed_tokens <= min(len(seq), len(seq.block_table) * self.block_size), seq
             assert len(seq.block_table) <= self.blocks_needed(len(seq)), seq
             assert len(seq.block_hashes) <= seq.num_computed_tokens // self.block_size, seq
-            for block_id in seq.block_table:
+            released = seq.block_table.count(RELEASED)
+            assert RELEASED not in seq.block_table[released:], f"{seq}: released blocks are not a leading run"
+            assert released <= self.num_outside_window(seq.num_computed_tokens), f"{seq}: a block in the window is gone"
+            for block_id in seq.block_table[released:]:
                 refs[block_id] += 1
         for block in self.blocks:
             assert block.ref_count == refs[block.block_id], f"{block} has {refs[block.block_id]} owners"
@@ -212,5 +268,6 @@ class BlockManager:
         assert len(self.free_ids) + sum(1 for r in refs if r) == len(self.blocks)
         for seq in self.owners.values():  # a shared block holds the same prefix in every owner
             for i, h in enumerate(seq.block_hashes):
-                block = self.blocks[seq.block_table[i]]
-                assert block.hash in (NO_HASH, h), (seq, i, block)
+                if seq.block_table[i] != RELEASED:
+                    block = self.blocks[seq.block_table[i]]
+                    assert block.hash in (NO_HASH, h), (seq, i, block)

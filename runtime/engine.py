@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kiln.errors import InvalidParamError
-from kiln.runtime.block_manager import BlockManager
+from kiln.runtime.block_manager import BlockManager, window_tokens
 from kiln.runtime.detokenizer import IncrementalDetokenizer, TextTokenizer
 from kiln.runtime.handoff import HandoffQueue, export_handoff
 from kiln.runtime.kv_transfer import KvHandoff
@@ -47,6 +47,7 @@ class EngineLimits:
     max_num_tokens: int  # the step budget, resolved once by the loader (loader.step_token_budget)
     eos_token_ids: tuple[int, ...]
     threads: int = 1  # the engine's CPU threads (the sampler's too: the model's are idle while it samples)
+    sliding_window: int = 0  # every layer's window: KV blocks behind it are released (block_manager.py); 0: none
 
 
 def _default_proposer(spec: SpeculativeConfig) -> Proposer:
@@ -68,7 +69,8 @@ class Engine:
         self.tokenizer = tokenizer
         self.config = config
         self.limits = limits
-        self.block_manager = BlockManager(runner.num_blocks, runner.block_size, config.enable_prefix_caching)
+        self.block_manager = BlockManager(runner.num_blocks, runner.block_size, config.enable_prefix_caching,
+                                          limits.sliding_window)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, limits.max_num_tokens)
         self.sampler = Sampler(limits.threads)
         self.requests: dict[str, Request] = {}
@@ -92,8 +94,13 @@ class Engine:
 
     @property
     def max_seq_len(self) -> int:
-        # A single sequence must always fit in the pool, or it could never finish.
-        return min(self.limits.max_seq_len, self.runner.num_blocks * self.runner.block_size)
+        # A single sequence must always fit in the pool, or it could never finish; with a sliding window it holds
+        # the window and one step's chunk at most, whatever its length.
+        pool_tokens = self.runner.num_blocks * self.runner.block_size
+        window = self.limits.sliding_window
+        if window and pool_tokens >= window_tokens(window, self.limits.max_num_tokens, self.runner.block_size):
+            return self.limits.max_seq_len
+        return min(self.limits.max_seq_len, pool_tokens)
 
     # -- requests ---------------------------------------------------------------------------
 

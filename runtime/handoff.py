@@ -8,7 +8,7 @@ from collections.abc import Iterator
 
 import numpy as np
 
-from kiln.runtime.block_manager import BlockManager
+from kiln.runtime.block_manager import RELEASED, BlockManager
 from kiln.runtime.kv_transfer import KvHandoff
 from kiln.runtime.model_runner import ModelRunner
 from kiln.runtime.sampler import SamplerOutput
@@ -47,8 +47,15 @@ class HandoffQueue:
 
 def export_handoff(seq: Sequence, sampled: SamplerOutput, row: int, block_manager: BlockManager,
                    runner: ModelRunner) -> KvHandoff:
-    """seq's prompt KV and its first token (sampled's `row`), read before a stop could free the blocks."""
-    blocks = seq.block_table[: block_manager.blocks_needed(seq.num_prompt_tokens)]
+    """seq's prompt KV and its first token (sampled's `row`), read before a stop could free the blocks.
+    Blocks released behind a sliding window go as zeros: no token to come reads them, and the receiver,
+    releasing the same ones, writes none of them."""
+    table = seq.block_table[: block_manager.blocks_needed(seq.num_prompt_tokens)]
+    held = [i for i, block_id in enumerate(table) if block_id != RELEASED]
+    kv = runner.read_kv_blocks([table[i] for i in held])
+    if len(held) < len(table):
+        full = np.zeros((kv.shape[0], len(table), *kv.shape[2:]), kv.dtype)
+        full[:, held] = kv
+        kv = full
     return KvHandoff(tuple(seq.token_ids[: seq.num_prompt_tokens]), int(sampled.token_ids[row]),
-                     sampled.sampled_logprobs[row], sampled.top_logprobs[row], seq.num_cached_tokens,
-                     runner.read_kv_blocks(blocks))
+                     sampled.sampled_logprobs[row], sampled.top_logprobs[row], seq.num_cached_tokens, kv)

@@ -13,12 +13,14 @@ from kiln.contract import KvPoolSpec
 from kiln.errors import InvalidParamError
 from kiln.manifest import BACKEND_ORT_CPU, BACKEND_TENSORRT, EngineLoadError, Manifest, read_manifest, sha256_file
 from kiln.medusa import DRAFT_FILE
+from kiln.runtime.block_manager import window_tokens
 from kiln.runtime.engine import Engine, EngineLimits
-from kiln.runtime.model_runner import KvBudget, ModelRunner, choose_num_blocks
+from kiln.runtime.model_runner import KvBudget, ModelRunner, choose_num_blocks, fit_num_blocks, short_context_warning
 from kiln.runtime.params import RuntimeConfig, SpeculativeConfig
 from kiln.runtime.speculative.proposer import Proposer
 from kiln.runtime.structured.grammar import GrammarCompiler
 from kiln.runtime.tokenizer import Tokenizer
+from kiln.spec import ModelSpec
 
 NUM_THREADS_ENV = "KILN_NUM_THREADS"
 
@@ -72,20 +74,28 @@ def _open_engine(engine_dir: Path, config: RuntimeConfig, manifest: Manifest, to
     build = manifest.build
     max_model_len = served_max_model_len(manifest.max_seq_len, config.max_model_len)
     pools = engine_kv_pools(manifest)
-    budget = KvBudget(pools.bytes_per_block, build.block_size, min_tokens=max_model_len,
-                      max_useful_tokens=config.max_num_seqs * max_model_len)
+    step_tokens = step_token_budget(build.max_num_tokens, config.max_num_tokens, manifest.backend, num_threads)
+    window = kv_release_window(manifest.spec)
+    # one sequence's blocks: all of its context, or with a sliding window the window and one step's chunk
+    held = min(max_model_len, window_tokens(window, step_tokens, build.block_size)) if window else max_model_len
+    budget = KvBudget(pools.bytes_per_block, build.block_size, min_tokens=held,
+                      max_useful_tokens=config.max_num_seqs * held)
     runner: OrtModelRunner | TrtModelRunner
+    size_pool = choose_num_blocks if config.max_model_len is not None else fit_num_blocks
     if manifest.backend == BACKEND_TENSORRT:
         from kiln.runtime.trt_runner import TrtModelRunner, device_free_bytes
 
-        num_blocks = choose_num_blocks(budget, config.kv_cache_bytes, config.kv_cache_fraction, device_free_bytes())
+        num_blocks = size_pool(budget, config.kv_cache_bytes, config.kv_cache_fraction, device_free_bytes())
         runner = TrtModelRunner(engine_dir, manifest, pools, num_blocks)
     else:
-        num_blocks = choose_num_blocks(budget, config.kv_cache_bytes, config.kv_cache_fraction)
+        num_blocks = size_pool(budget, config.kv_cache_bytes, config.kv_cache_fraction)
         runner = open_engine_runner(engine_dir, manifest, num_blocks, num_threads)
-    step_tokens = step_token_budget(build.max_num_tokens, config.max_num_tokens, manifest.backend, num_threads)
+    warning = short_context_warning(budget, num_blocks)
+    if warning is not None:  # only with the default max_model_len: choose_num_blocks refuses a pool too small
+        log.warning(warning)
+        max_model_len = num_blocks * build.block_size
     limits = EngineLimits(max_seq_len=max_model_len, max_num_tokens=step_tokens, eos_token_ids=eos,
-                          threads=num_threads or os.cpu_count() or 1)
+                          threads=num_threads or os.cpu_count() or 1, sliding_window=window)
     threads = num_threads or f"onnxruntime's default (one per core; {os.cpu_count()} CPUs)"
     log.info("KV pool: %d blocks of %d tokens = %d tokens, %.1f MiB; max context %d tokens; step budget %d tokens; "
              "threads: %s; prefix caching: %s", runner.num_blocks, runner.block_size,
@@ -95,6 +105,15 @@ def _open_engine(engine_dir: Path, config: RuntimeConfig, manifest: Manifest, to
     if config.speculative is not None and config.speculative.method != "ngram":
         proposer = open_proposer(config.speculative, engine_dir, manifest, runner, num_threads)
     return Engine(runner, tokenizer, config, limits, model_name=engine_dir.resolve().name, proposer=proposer)
+
+
+def kv_release_window(spec: ModelSpec) -> int:
+    """The window behind which a sequence's KV blocks can be released: the one every layer slides with; 0 when
+    some layer attends to the whole context (a block can go only when every layer allows it). Per-layer kinds
+    come from the spec's `layer_types` where it has them (Gemma 2/3: sliding layers between global ones)."""
+    if "full_attention" in getattr(spec, "layer_types", ()):
+        return 0
+    return spec.sliding_window
 
 
 CPU_STEP_TOKENS_PER_THREAD = 128

@@ -247,3 +247,48 @@ def choose_num_blocks(budget: KvBudget, kv_cache_bytes: int | None, kv_cache_fra
                                 "max_model_len")
     max_useful = -(-budget.max_useful_tokens // budget.block_size)
     return max(min(int(available * 0.1) // bpb, max_useful), min_blocks)
+
+
+# A default pool grows past a tenth of memory to hold one full-context sequence, but never past this share.
+DEFAULT_POOL_MAX_FRACTION = 0.5
+
+
+def fit_num_blocks(budget: KvBudget, kv_cache_bytes: int | None, kv_cache_fraction: float | None,
+                   available: int | None = None) -> int:
+    """Blocks in each layer's pool when max_model_len is left to its default (the engine's max_seq_len,
+    budget.min_tokens): sized as choose_num_blocks sizes it, except that a pool holding fewer tokens than one
+    such sequence serves what it holds instead of failing (the caller shortens the served context and says
+    so, short_context_warning), and a default pool grows to one full sequence only up to
+    DEFAULT_POOL_MAX_FRACTION of the available memory: a 128k-token model must not take all of it by default.
+    A pool that holds not even one block is refused."""
+    available = available_memory_bytes() if available is None else available
+    bpb, min_blocks = budget.bytes_per_block, -(-budget.min_tokens // budget.block_size)
+    if kv_cache_bytes is not None:
+        if kv_cache_bytes > available:
+            raise InvalidParamError(f"kv_cache_bytes {kv_cache_bytes:,} is more than the available memory "
+                                    f"({available:,} bytes); lower it", "kv_cache_bytes")
+        blocks, setting = kv_cache_bytes // bpb, f"kv_cache_bytes {kv_cache_bytes:,}"
+    elif kv_cache_fraction is not None:
+        blocks, setting = int(available * kv_cache_fraction) // bpb, f"kv_cache_fraction {kv_cache_fraction}"
+    else:
+        max_useful = -(-budget.max_useful_tokens // budget.block_size)
+        blocks = min(int(available * 0.1) // bpb, max_useful)
+        blocks = max(blocks, min(min_blocks, int(available * DEFAULT_POOL_MAX_FRACTION) // bpb))
+        setting = f"half the available memory ({available:,} bytes)"
+    if blocks < 1:
+        raise InvalidParamError(f"{setting} holds no block of {budget.block_size} tokens ({bpb:,} bytes); a KV pool "
+                                "needs at least one", "kv_cache_bytes" if kv_cache_bytes is not None else
+                                "kv_cache_fraction" if kv_cache_fraction is not None else "max_model_len")
+    return blocks
+
+
+def short_context_warning(budget: KvBudget, num_blocks: int) -> str | None:
+    """The sentence a server logs when its pool cannot hold one sequence of the engine's context, else None."""
+    tokens = num_blocks * budget.block_size
+    if tokens >= budget.min_tokens:
+        return None
+    need = -(-budget.min_tokens // budget.block_size) * budget.bytes_per_block
+    mib = num_blocks * budget.bytes_per_block / 2**20
+    return (f"the KV pool ({mib:.1f} MiB) holds {tokens} tokens, fewer than one sequence of the engine's context "
+            f"needs ({budget.min_tokens} tokens, {need:,} bytes): serving sequences of up to {tokens} tokens; pass "
+            f"--kv-cache-bytes {need} (or more) to serve the full context, or --max-model-len to choose a shorter one")

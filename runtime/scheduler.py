@@ -24,7 +24,7 @@ from functools import cached_property
 
 import numpy as np
 
-from kiln.runtime.block_manager import BlockManager
+from kiln.runtime.block_manager import RELEASED, BlockManager
 from kiln.runtime.sequence import Sequence, SequenceStatus
 
 _NO_ROWS = np.zeros(0, np.int64)
@@ -174,6 +174,9 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         scheduled: dict[Sequence, int] = {}
         preempted: list[Sequence] = []
+        if self.bm.sliding_window:
+            for seq in self.running:  # blocks behind every window give room to this step's chunks
+                self.bm.release_outside_window(seq)
         decodes = [s for s in self.running if s.num_uncomputed == 1]
         catching_up = [s for s in self.running if s.num_uncomputed > 1]
         budget = self.max_num_tokens
@@ -203,10 +206,10 @@ class Scheduler:
         tokens; returns the chunk's length, or 0 (seq left waiting, no blocks held) if it can't get blocks."""
         cached = self.bm.match_prefix(seq)
         num_new = min(len(seq) - cached, budget)
+        seq.num_computed_tokens = cached  # (allocate releases the cached blocks behind the chunk's window)
         if not self.bm.allocate(seq, cached + num_new):
-            self.bm.free(seq)  # give back the prefix hits
+            self._release(seq)  # give back the prefix hits
             return 0
-        seq.num_computed_tokens = cached
         self.waiting.popleft()
         self.prefix_cache_queries += len(seq)
         self.prefix_cache_hits += cached
@@ -225,12 +228,13 @@ class Scheduler:
         if len(self.running) >= self.max_num_seqs:
             return False
         cached = self.bm.match_prefix(seq)
+        seq.num_computed_tokens = num_computed  # allocate leaves what is behind the sliding window blockless
         if not self.bm.allocate(seq, num_computed):
-            self.bm.free(seq)
+            self._release(seq)
             return False
-        first = cached // self.bm.block_size
-        write(seq.block_table[first:], list(range(first, len(seq.block_table))))
-        seq.num_computed_tokens = num_computed
+        table = seq.block_table
+        indices = [i for i in range(cached // self.bm.block_size, len(table)) if table[i] != RELEASED]
+        write([table[i] for i in indices], indices)
         self.bm.commit(seq)
         seq.status = SequenceStatus.RUNNING
         bisect.insort(self.running, seq, key=_priority)

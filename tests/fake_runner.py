@@ -4,6 +4,8 @@ Its "KV pool" stores token ids: a step writes each new token into its slot throu
 block table, exactly as kiln.PagedAttention writes K/V, and the logits of a row are a
 function of the whole context read back through the block table. A scheduler or block
 manager bug that loses, overwrites or misplaces cached tokens therefore changes the output.
+With a sliding window a row reads only the last `sliding_window` positions, as kiln.PagedAttention does, and
+a block-table entry it reads must name a block (a block released too early fails loudly).
 """
 
 from __future__ import annotations
@@ -15,8 +17,9 @@ from kiln.runtime.model_runner import BatchInput, ModelRunner
 
 
 class FakeModelRunner(ModelRunner):
-    def __init__(self, num_blocks: int, block_size: int = 4, vocab_size: int = 64) -> None:
+    def __init__(self, num_blocks: int, block_size: int = 4, vocab_size: int = 64, sliding_window: int = 0) -> None:
         self.num_blocks = num_blocks
+        self.sliding_window = sliding_window
         self.block_size = block_size
         self.vocab_size = vocab_size
         self.pool = np.full((num_blocks, block_size), -1, dtype=np.int64)
@@ -49,8 +52,10 @@ class FakeModelRunner(ModelRunner):
         """The tokens packed token t attends to (itself included), read back through its block table."""
         bs, qsl = self.block_size, batch.query_start_loc
         s, pos = int(np.searchsorted(qsl, t, side="right")) - 1, int(batch.position_ids[t])
-        ctx = np.arange(pos + 1)
-        tokens = self.pool[batch.block_tables[s, ctx // bs], ctx % bs]
+        ctx = np.arange(max(0, pos - self.sliding_window + 1) if self.sliding_window else 0, pos + 1)
+        blocks = batch.block_tables[s, ctx // bs]
+        assert (blocks >= 0).all(), f"token {t} at {pos} reads a released block: {batch.block_tables[s].tolist()}"
+        tokens = self.pool[blocks, ctx % bs]
         assert (tokens >= 0).all(), f"token {t} reads an unwritten slot"
         return tokens
 
@@ -85,9 +90,17 @@ class CharTokenizer:
 def make_fake_engine(num_blocks: int, block_size: int = 4, vocab_size: int = 64, max_seq_len: int = 64,
                      max_num_tokens: int = 32, config=None):
     """An Engine over FakeModelRunner and CharTokenizer (eos: token 0)."""
+    return make_windowed_fake_engine(num_blocks, 0, release=True, vocab_size=vocab_size, block_size=block_size,
+                                     max_seq_len=max_seq_len, max_num_tokens=max_num_tokens, config=config)
+
+
+def make_windowed_fake_engine(num_blocks: int, sliding_window: int, release: bool = True, **options):
+    """make_fake_engine's Engine over a model that reads the last sliding_window positions only; its block manager
+    releases the blocks behind the window unless release is False. options: make_fake_engine's."""
     from kiln.runtime.engine import Engine, EngineLimits
     from kiln.runtime.params import RuntimeConfig
 
-    runner = FakeModelRunner(num_blocks, block_size, vocab_size)
-    limits = EngineLimits(max_seq_len=max_seq_len, max_num_tokens=max_num_tokens, eos_token_ids=(0,))
-    return Engine(runner, CharTokenizer(), config or RuntimeConfig(), limits, model_name="fake")
+    runner = FakeModelRunner(num_blocks, options.get("block_size", 4), options.get("vocab_size", 64), sliding_window)
+    limits = EngineLimits(max_seq_len=options.get("max_seq_len", 64), max_num_tokens=options.get("max_num_tokens", 32),
+                          eos_token_ids=(0,), sliding_window=sliding_window if release else 0)
+    return Engine(runner, CharTokenizer(), options.get("config") or RuntimeConfig(), limits, model_name="fake")

@@ -4,7 +4,7 @@ does, per architecture:
     gguf_path, hf_dir = make_tiny_gguf(tmp_path, "qwen3", tie_word_embeddings=False)
 
 - llama: tensors renamed, attn_q / attn_k rows permuted to interleaved pairs, linear rope scaling as metadata
-  and llama3 as a rope_freqs tensor;
+  and llama3 as a rope_freqs tensor (qwen2 / qwen3: linear and YaRN scaling as metadata too);
 - qwen2 / qwen3: tensors renamed only (NEOX rotary), biases and attn_q_norm / attn_k_norm kept, head_dim as
   attention.key_length / value_length;
 - phi3 (Phi-3 and Phi-4-mini): the fused qkv_proj / gate_up_proj as attn_qkv / ffn_up, rope.dimension_count
@@ -65,7 +65,7 @@ def make_tiny_gguf(tmp_path, family: str = "llama", architecture: str | None = N
     writer.add_name(f"tiny {family}")
     _add_hparams(writer, arch, config)
     _add_tiny_gguf_tokenizer(writer, hf_dir, config["vocab_size"])
-    if arch == "llama":
+    if arch in ("llama", "qwen2", "qwen3"):
         _add_gguf_rope_scaling(writer, config)
     if arch == "phi3":
         _add_longrope(writer, config)
@@ -147,7 +147,7 @@ def _add_tiny_gguf_tokenizer(writer, hf_dir: Path, vocab_size: int) -> None:
 
 
 def _add_gguf_rope_scaling(writer, config: dict) -> None:
-    """As llama.cpp's convert does: linear scaling as metadata, llama3 as a rope_freqs tensor."""
+    """As llama.cpp's convert does: linear and YaRN scaling as metadata, llama3 as a rope_freqs tensor."""
     import gguf
     import numpy as np
 
@@ -155,6 +155,10 @@ def _add_gguf_rope_scaling(writer, config: dict) -> None:
     if rope.get("rope_type") == "linear":
         writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         writer.add_rope_scaling_factor(rope["factor"])
+    elif rope.get("rope_type") == "yarn":
+        writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        writer.add_rope_scaling_factor(rope["factor"])
+        writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
     elif rope.get("rope_type") == "llama3":
         dim = config["head_dim"]
         freqs = 1.0 / (rope["rope_theta"] ** (np.arange(0, dim, 2, dtype=np.float32) / dim))

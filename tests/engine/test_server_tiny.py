@@ -94,7 +94,9 @@ def test_the_chat_template_file_is_the_one_applied(server):
 
 
 @pytest.mark.parametrize("args,message", [
-    (["--kv-cache-bytes", "1"], "kv_cache_bytes 1 holds 0 tokens but one sequence of max_model_len 2048 tokens needs"),
+    (["--kv-cache-bytes", "1"], "kv_cache_bytes 1 holds no block of 16 tokens"),
+    (["--kv-cache-bytes", "1", "--max-model-len", "64"],
+     "kv_cache_bytes 1 holds 0 tokens but one sequence of max_model_len 64 tokens needs"),
     (["--kv-cache-bytes", str(1 << 50)], "is more than the available memory"),
     (["--max-model-len", "4096"], "max_model_len 4096 exceeds the engine's max_seq_len 2048"),
 ])

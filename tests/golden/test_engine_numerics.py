@@ -117,6 +117,9 @@ SHORT_PROMPTS = [3, 7, 20, 33]
 # LongRoPE families at their default context (128, past the original 32): prompts past the original context,
 # where transformers uses the long factors on every position.
 LONG_PROMPTS = [33, 40, 47, 60]
+# YaRN as Qwen2.5 / Qwen3 configs enable it, over an original context of 32: the engine's default context is 128
+YARN = {"max_position_embeddings": 32,
+        "rope_scaling": {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}}
 
 
 @pytest.mark.parametrize("family, overrides, max_seq_len, lengths", [
@@ -128,7 +131,11 @@ LONG_PROMPTS = [33, 40, 47, 60]
     ("phi3", {}, None, LONG_PROMPTS),  # fused qkv / gate_up, LongRoPE long factors + attention factor
     ("phi4", {}, 32, [3, 7, 12, 20]),  # partial rotary, LongRoPE short factors (context = the original)
     ("phi4", {}, None, LONG_PROMPTS),  # partial rotary, LongRoPE long factors
-], ids=["llama-mqa", "qwen2", "mistral-window8", "qwen3", "qwen3-untied", "phi3-long", "phi4-short", "phi4-long"])
+    ("qwen2", YARN, None, LONG_PROMPTS),  # YaRN frequencies and attention factor, past the original context
+    ("qwen3", YARN, None, LONG_PROMPTS),
+    ("llama", {"rope_scaling": {"type": "linear", "factor": 4.0}}, None, LONG_PROMPTS),
+], ids=["llama-mqa", "qwen2", "mistral-window8", "qwen3", "qwen3-untied", "phi3-long", "phi4-short", "phi4-long",
+        "qwen2-yarn", "qwen3-yarn", "llama-linear"])
 def test_tiny_families_match_transformers(tmp_path, family, overrides, max_seq_len, lengths):
     from helpers import make_tiny_hf_model
 

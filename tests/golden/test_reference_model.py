@@ -168,6 +168,8 @@ GGUF_CASES = {
     "qwen3-untied": ("qwen3", dict(tie_word_embeddings=False)),
     "phi3-longrope": ("phi3", {}),
     "phi4-partial-rotary": ("phi4", {}),
+    "qwen2-yarn": ("qwen2", dict(max_position_embeddings=32, rope_scaling={
+        "type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32})),
 }
 
 

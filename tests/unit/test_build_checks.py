@@ -48,3 +48,19 @@ def test_the_cli_names_the_flag(tmp_path, tiny_model):
     result = CliRunner().invoke(main, ["build", str(tiny_model), "-o", str(tmp_path / "e"), "--max-seq-len", "2048"])
     assert result.exit_code == 1 and "Traceback" not in result.output
     assert result.output.splitlines()[-1].startswith("Error: max_seq_len 2048 is longer than the model's context")
+
+
+def test_a_rope_scaled_context_is_the_default_and_the_limit(tmp_path):
+    """YaRN over an original context of 32 with factor 4: the model's context is 128, the default max_seq_len."""
+    from helpers import make_tiny_hf_model
+
+    from kiln.export.checkpoint import load_checkpoint
+    from kiln.optimize.build import _check_model
+
+    yarn = {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}
+    checkpoint = load_checkpoint(make_tiny_hf_model(tmp_path, "qwen2", max_position_embeddings=32, rope_scaling=yarn))
+    assert _check_model(checkpoint, BuildOptions()).max_seq_len == 128
+    with pytest.raises(BuildError, match=r"max_seq_len 129 is longer than the model's context \(128: its yarn rope "
+                                         r"scaling stretches max_position_embeddings 32\); build with --max-seq-len "
+                                         r"128 or less"):
+        _check_model(checkpoint, BuildOptions(max_seq_len=129))

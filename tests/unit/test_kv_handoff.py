@@ -123,3 +123,25 @@ def test_async_prefill_then_decode():
     out, prefill_stats, decode_stats = asyncio.run(main())
     assert out.outputs[0].token_ids == reference.outputs[0].token_ids
     assert prefill_stats.kv_blocks_used == decode_stats.kv_blocks_used == 0
+
+
+@pytest.mark.parametrize("params", [GREEDY, SamplingParams(temperature=0, max_tokens=9, n=3)])
+def test_a_sliding_window_handoff_sends_and_writes_only_the_window(params):
+    """Prompts of 6-31 tokens through a window of 7 in 4-token chunks: the prefill side has released the blocks
+    behind the window before it exports (they go as zeros), the decode side gives them no block and writes none,
+    and the outputs equal one engine's that releases nothing."""
+    from fake_runner import make_windowed_fake_engine
+
+    ps = prompts()
+    reference = LLM(make_windowed_fake_engine(256, 7, release=False)).generate(ps, params)
+    prefill_engine = make_windowed_fake_engine(64, 7, max_num_tokens=4)
+    decode_engine = make_windowed_fake_engine(64, 7)
+    written: list[int] = []
+    write = decode_engine.runner.write_kv_blocks
+    decode_engine.runner.write_kv_blocks = lambda ids, blocks: (written.extend(ids), write(ids, blocks))[1]
+    handoffs = [(f"r{i}", p, prefill(prefill_engine, f"r{i}", p, params)) for i, p in enumerate(ps)]
+    assert not handoffs[-1][2].blocks[0, 0].any()  # the 31-token prompt's first block: released, sent as zeros
+    got = decode(decode_engine, handoffs, params)
+    for i, ref in enumerate(reference):
+        assert [o.token_ids for o in got[f"r{i}"].outputs] == [o.token_ids for o in ref.outputs], i
+    assert len(written) < sum(-(-len(p) // 4) for p in ps)  # the blocks behind each window were never written

@@ -2,7 +2,7 @@
 
 import pytest
 
-from kiln.runtime.block_manager import BlockManager
+from kiln.runtime.block_manager import RELEASED, BlockManager
 from kiln.runtime.params import SamplingParams
 from kiln.runtime.sequence import Sequence
 
@@ -142,4 +142,72 @@ def test_check_catches_a_broken_ref_count():
     run(bm, a)
     bm.blocks[0].ref_count = 2
     with pytest.raises(AssertionError):
+        bm.check()
+
+
+# -- sliding window: blocks behind every token's window are released while the sequence runs -----------------
+
+def test_blocks_behind_the_window_are_released_as_the_sequence_computes():
+    bm = BlockManager(4, block_size=4, sliding_window=6)
+    a = seq(range(30))
+    run(bm, a, 8)
+    assert a.block_table == [0, 1]  # the token at 8 reads 3..8: block 0 still in use
+    run(bm, a, 12)  # allocating for 8..11 (computed 8): nothing behind the window yet
+    assert a.block_table == [0, 1, 2]
+    run(bm, a, 16)  # computed 12: the next token reads 7..12, so block 0 (0..3) goes back
+    assert a.block_table == [RELEASED, 1, 2, 3] and list(bm.free_ids) == [0]
+    run(bm, a, 24)  # computed 16: the token at 16 reads 11..16, so block 1 (4..7) goes; 16..23 reuses 0 and 1
+    assert a.block_table == [RELEASED, RELEASED, 2, 3, 0, 1]
+    run(bm, a, 30)  # computed 24: 19..24, blocks 2 and 3 go: 30 tokens through a pool of 16 slots
+    assert a.block_table == [RELEASED] * 4 + [0, 1, 2, 3] and bm.num_used_blocks == 4
+    bm.free(a)
+    assert bm.num_free_blocks == 4
+    bm.check()
+
+
+def test_a_released_block_stays_a_findable_prefix_until_evicted():
+    """Its K/V is what any sequence with that prefix computes, so a later prompt with the prefix hits it."""
+    bm = BlockManager(8, block_size=4, sliding_window=4)
+    a = seq(range(20))
+    run(bm, a, 12)
+    run(bm, a, 20)
+    assert a.block_table[:2] == [RELEASED, RELEASED]
+    b = seq(list(range(12)) + [99, 98])
+    assert bm.match_prefix(b) == 12 and b.block_table == [0, 1, 2]
+    b.num_computed_tokens = 12
+    bm.check()
+
+
+def test_allocate_gives_no_block_to_places_behind_the_window():
+    """A sequence starting with computed tokens whose K/V it need not hold (a handoff) takes blocks for the
+    window only."""
+    bm = BlockManager(3, block_size=4, sliding_window=4)
+    a = seq(range(24))
+    a.num_computed_tokens = 20
+    assert bm.allocate(a, 24)
+    assert a.block_table == [RELEASED] * 4 + [0, 1]
+    bm.check()
+
+
+def test_a_fork_shares_no_block_its_window_lost():
+    bm = BlockManager(8, block_size=4, sliding_window=4)
+    parent = seq(range(16))
+    run(bm, parent, 12)  # the child (its 9-token prompt) would resume at 8, reading 5..8: block 1
+    assert bm.allocate(parent, 16)  # computed 12: the token at 12 reads 9..12, so blocks 0 and 1 are released
+    assert parent.block_table[:2] == [RELEASED, RELEASED]
+    child = seq(range(9))
+    assert bm.fork(parent, child) == 0 and child.block_table == []
+    bm.check()
+
+
+def test_check_catches_a_block_released_inside_the_window():
+    bm = BlockManager(8, block_size=4, sliding_window=8)
+    a = seq(range(12))
+    run(bm, a)
+    bm._release(a.block_table[0])  # 0..3, read by the token at 12 (5..12)? no: 12 - 8 + 1 = 5 > 3
+    a.block_table[0] = RELEASED
+    bm.check()
+    bm._release(a.block_table[1])  # 4..7 holds 5..7, which the token at 12 reads
+    a.block_table[1] = RELEASED
+    with pytest.raises(AssertionError, match="a block in the window is gone"):
         bm.check()

@@ -5,7 +5,7 @@ stores tokens in its paged pool) and calls BlockManager.check() after every step
 """
 
 import pytest
-from fake_runner import CharTokenizer, make_fake_engine
+from fake_runner import CharTokenizer, make_fake_engine, make_windowed_fake_engine
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -218,3 +218,42 @@ def test_random_schedules_keep_invariants_and_outputs(schedule, num_blocks, max_
         for c in out.outputs:  # the deltas add up: every token once, the text is theirs
             assert len(c.token_ids) == max_tokens and c.finish_reason == "length", rid
             assert c.text == CharTokenizer().decode(c.token_ids), rid
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(schedule=ops, window=st.integers(1, 14), spare_blocks=st.integers(0, 6), max_num_tokens=st.integers(1, 12),
+       caching=st.booleans())
+def test_random_schedules_with_a_sliding_window_release_blocks_and_keep_outputs(schedule, window, spare_blocks,
+                                                                                max_num_tokens, caching):
+    """A model that reads the last `window` positions: the engine releases the blocks behind every window, so a
+    pool smaller than one 52-token sequence serves it, and every output equals an engine that releases nothing."""
+    from kiln.runtime.block_manager import window_tokens
+
+    num_blocks = window_tokens(window, max_num_tokens, 4) // 4 + spare_blocks
+    config = RuntimeConfig(max_num_seqs=6, enable_prefix_caching=caching)
+    small = make_windowed_fake_engine(num_blocks, window, max_seq_len=52, max_num_tokens=max_num_tokens,
+                                      config=config)
+    assert small.max_seq_len == 52  # one sequence fits: it holds its window and one chunk at most
+    finals = _run(small, schedule)
+    bm = small.block_manager
+    assert bm.num_free_blocks == bm.num_blocks and not bm.owners
+    reference = _run(make_windowed_fake_engine(256, window, release=False, max_seq_len=52, max_num_tokens=64),
+                     schedule, abort=False)
+    for rid, out in finals.items():
+        if out != "aborted":
+            assert [c.token_ids for c in out.outputs] == [c.token_ids for c in reference[rid].outputs], rid
+
+
+def test_a_sequence_longer_than_the_pool_runs_behind_its_window():
+    engine = make_windowed_fake_engine(5, 8, max_seq_len=64, max_num_tokens=4)
+    reference = make_windowed_fake_engine(64, 8, release=False, max_seq_len=64, max_num_tokens=4)
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    tokens: list[list[int]] = [[], []]
+    for e, out_tokens in zip((engine, reference), tokens, strict=True):
+        e.add_request("r", list(range(1, 21)), params)
+        while e.has_unfinished():
+            for out in e.step():
+                out_tokens.extend(out.outputs[0].token_ids)
+            e.block_manager.check()
+    assert engine.peak_blocks_used <= 5 < reference.peak_blocks_used
+    assert len(tokens[0]) == 40 and tokens[0] == tokens[1]
