@@ -50,7 +50,8 @@ def fold_norm_offsets(spec: ModelSpec, weights: Mapping[str, torch.Tensor]) -> M
     if spec.family not in GEMMA_FAMILIES:
         return weights
     if isinstance(weights, LazyWeights):
-        return LazyWeights({name: PlusOne(src) if _NORM.match(name) else src for name, src in weights.sources().items()})
+        sources = weights.sources()
+        return LazyWeights({name: PlusOne(src) if _NORM.match(name) else src for name, src in sources.items()})
     return {name: w.to(torch.float32) + 1.0 if _NORM.match(name) else w for name, w in weights.items()}
 
 
