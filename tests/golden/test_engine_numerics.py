@@ -128,7 +128,12 @@ LONG_PROMPTS = [33, 40, 47, 60]
     ("phi3", {}, None, LONG_PROMPTS),  # fused qkv / gate_up, LongRoPE long factors + attention factor
     ("phi4", {}, 32, [3, 7, 12, 20]),  # partial rotary, LongRoPE short factors (context = the original)
     ("phi4", {}, None, LONG_PROMPTS),  # partial rotary, LongRoPE long factors
-], ids=["llama-mqa", "qwen2", "mistral-window8", "qwen3", "qwen3-untied", "phi3-long", "phi4-short", "phi4-long"])
+    # Gemma: sliding windows of 8, shorter than most prompts; chunked prefill and decode run past them
+    ("gemma2", {}, None, SHORT_PROMPTS),  # soft-caps, alternating sliding / global layers, head_dim 256
+    ("gemma3", {}, None, SHORT_PROMPTS),  # 1B: MQA, q/k norms, 5 local : 1 global, local RoPE base
+    ("gemma3-4b", {}, None, SHORT_PROMPTS),  # linear RoPE scaling on the global layers, scalar != head_dim
+], ids=["llama-mqa", "qwen2", "mistral-window8", "qwen3", "qwen3-untied", "phi3-long", "phi4-short", "phi4-long",
+        "gemma2", "gemma3-1b", "gemma3-4b"])
 def test_tiny_families_match_transformers(tmp_path, family, overrides, max_seq_len, lengths):
     from helpers import make_tiny_hf_model
 
