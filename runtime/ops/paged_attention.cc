@@ -117,8 +117,19 @@ void write_token(const Problem<KvT>& p, int32_t s, int64_t t) {
 // ---------------------------------------------------------------- attention
 
 // s[j] = cap * tanh(s[j] / cap): Gemma 2's attention logit soft-cap, on the scaled scores before the softmax.
+// tanh(|y|) = (1 - e) / (1 + e) with e = exp(-2|y|) <= 1 (exp256's domain), the sign put back: absolute error
+// ~1e-7 of the cap, against 8 std::tanh calls per vector (a scalar loop cost decode ~8% at head_dim 256).
 inline void soft_cap(float* s, int n, float cap) {
-  for (int j = 0; j < n; ++j) s[j] = cap * std::tanh(s[j] / cap);  // divided, as transformers computes it
+  const __m256 vcap = _mm256_set1_ps(cap), minus_two = _mm256_set1_ps(-2.f), one = _mm256_set1_ps(1.f);
+  const __m256 sign_bit = _mm256_set1_ps(-0.f);
+  int j = 0;
+  for (; j + 8 <= n; j += 8) {
+    const __m256 y = _mm256_div_ps(_mm256_loadu_ps(s + j), vcap);  // divided, as transformers computes it
+    const __m256 e = exp256(_mm256_mul_ps(minus_two, _mm256_andnot_ps(sign_bit, y)));
+    const __m256 t = _mm256_div_ps(_mm256_sub_ps(one, e), _mm256_add_ps(one, e));
+    _mm256_storeu_ps(s + j, _mm256_mul_ps(vcap, _mm256_or_ps(t, _mm256_and_ps(y, sign_bit))));
+  }
+  for (; j < n; ++j) s[j] = cap * std::tanh(s[j] / cap);
 }
 
 struct RowState {
