@@ -126,3 +126,18 @@ def test_gemma3_conditional_generation_compiles_its_text_part(tmp_path):
         hf = Gemma3ForConditionalGeneration.from_pretrained(folder, attn_implementation="eager", dtype=torch.float32)
         want = hf.eval()(input_ids=input_ids, position_ids=position_ids).logits
     torch.testing.assert_close(ours, want, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("family", ["gemma2", "gemma3"])
+def test_gguf_engine_matches_transformers(tmp_path, family):
+    """The GGUF written like llama.cpp's converter (norms stored with the 1 added) builds to an engine whose
+    packed, chunked, past-the-window steps equal transformers on the Hugging Face checkpoint it came from."""
+    from test_engine_numerics import SHORT_PROMPTS, check_against_transformers
+    from tiny_gguf import make_tiny_gguf
+
+    from kiln.manifest import BuildOptions
+    from kiln.optimize.build import build_engine
+
+    gguf_path, hf_dir = make_tiny_gguf(tmp_path, family)
+    build_engine(gguf_path, tmp_path / "engine", BuildOptions(kv_dtype="float32"), progress=lambda _msg: None)
+    check_against_transformers(tmp_path / "engine", hf_dir, SHORT_PROMPTS, steps=6, atol=1e-4)
