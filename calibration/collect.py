@@ -141,11 +141,4 @@ def collect(model: nn.Module, windows: list[torch.Tensor], rows_per_window: int 
 def run_layers(model: nn.Module, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
     """ReferenceModel.forward without the final norm and LM head (half the FLOPs of a small model):
     the residual stream after the last layer."""
-    from kiln.export.reference import causal_mask
-
-    x = model.model.embed_tokens(input_ids)
-    cos, sin = model.rope_cos_sin(position_ids)
-    mask = causal_mask(position_ids, model.spec.sliding_window)
-    for layer in model.model.layers:
-        x = layer(x, cos, sin, mask)
-    return x
+    return model.run_layers(model.embed(input_ids), position_ids)

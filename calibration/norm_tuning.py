@@ -32,6 +32,7 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 from kiln.export.progress import track
+from kiln.export.reference import soft_cap
 
 from .collect import run_layers
 from .fake_quant import int4_groupwise, int8_per_channel
@@ -43,9 +44,11 @@ LEARNING_RATE = 1e-2  # Adam on gains that start at 1 (~1% per step, cosine-deca
 
 
 def norm_names(spec) -> list[str]:
-    """Every RMSNorm of the decoder: two per layer and the final one."""
-    names = [f"model.layers.{i}.{kind}" for i in range(spec.num_layers)
-             for kind in ("input_layernorm", "post_attention_layernorm")]
+    """Every RMSNorm of the decoder: two per layer (four with Gemma's sandwich norms) and the final one."""
+    kinds = ("input_layernorm", "post_attention_layernorm")
+    if spec.sandwich_norms:
+        kinds += ("pre_feedforward_layernorm", "post_feedforward_layernorm")
+    names = [f"model.layers.{i}.{kind}" for i in range(spec.num_layers) for kind in kinds]
     return names + ["model.norm"]
 
 
@@ -74,7 +77,8 @@ def _log_probs(model, head: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """log softmax of the logits [T, vocab] of one window, through `head` (the model's own LM head
     or its int8 copy)."""
     x = run_layers(model, ids[None], torch.arange(ids.numel())[None])
-    return torch.log_softmax(F.linear(model.model.norm(x)[0], head), dim=-1)
+    logits = soft_cap(F.linear(model.model.norm(x)[0], head), model.spec.final_logit_softcap)
+    return torch.log_softmax(logits, dim=-1)
 
 
 def _kl(teacher: torch.Tensor, student: torch.Tensor) -> torch.Tensor:

@@ -70,27 +70,14 @@ def first_order_terms(model: nn.Module, delta: dict[str, torch.Tensor], all_unit
 
     hooks = [model.get_submodule(name).register_forward_hook(on_forward(name)) for unit in all_units for name in unit]
     try:
-        x = model.model.embed_tokens(ids[None]).requires_grad_(True)  # the weights need no gradient
-        y = _layers_from(model, x, ids.numel())
-        head = model.lm_head.weight if model.lm_head is not None else model.model.embed_tokens.weight
-        logits = F.linear(model.model.norm(y)[0], head)
+        x = model.embed(ids[None]).requires_grad_(True)  # the weights need no gradient
+        y = model.run_layers(x, torch.arange(ids.numel())[None])
+        logits = model.logits(model.model.norm(y)[0])
         F.cross_entropy(logits[:-1], ids[1:], reduction="sum").backward()
     finally:
         for h in hooks:
             h.remove()
     return {unit: sum(terms[name] for name in unit)[:-1] for unit in all_units}  # the last row predicts nothing
-
-
-def _layers_from(model: nn.Module, x: torch.Tensor, length: int) -> torch.Tensor:
-    """The decoder layers on embeddings x [1, S, hidden] (run_layers without the embedding lookup)."""
-    from kiln.export.reference import causal_mask
-
-    positions = torch.arange(length)[None]
-    cos, sin = model.rope_cos_sin(positions)
-    mask = causal_mask(positions, model.spec.sliding_window)
-    for layer in model.model.layers:
-        x = layer(x, cos, sin, mask)
-    return x
 
 
 def most_sensitive(scores: dict[tuple[str, ...], float], count: int) -> list[tuple[str, ...]]:

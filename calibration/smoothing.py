@@ -8,8 +8,8 @@ salient channels (AWQ).
 
 Groups per decoder layer (the LM head and the tied embedding are never touched):
   self_attn.qkv   input_layernorm.weight          -> q_proj, k_proj, v_proj
-  mlp.gate_up     post_attention_layernorm.weight -> gate_proj, up_proj
-  mlp.down        up_proj rows                    -> down_proj   (down's input is silu(gate) * up)
+  mlp.gate_up     post_attention_layernorm.weight -> gate_proj, up_proj   (Gemma: pre_feedforward_layernorm)
+  mlp.down        up_proj rows                    -> down_proj   (down's input is act(gate) * up)
   self_attn.o     v_proj rows (+ bias)            -> o_proj      (o's input channel h*D+d comes
                                                                   from v's channel kv(h)*D+d)
 
@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kiln.export.reference import mlp_norm_name
 from kiln.spec import ModelSpec
 
 
@@ -63,7 +64,7 @@ def smooth_groups(spec: ModelSpec, gqa_o: bool = False) -> list[SmoothGroup]:
         p = f"model.layers.{i}"
         groups.append(SmoothGroup(f"{p}.self_attn.qkv", f"{p}.input_layernorm.weight",
                                   tuple(f"{p}.self_attn.{n}_proj" for n in "qkv")))
-        groups.append(SmoothGroup(f"{p}.mlp.gate_up", f"{p}.post_attention_layernorm.weight",
+        groups.append(SmoothGroup(f"{p}.mlp.gate_up", f"{p}.{mlp_norm_name(spec)}.weight",
                                   (f"{p}.mlp.gate_proj", f"{p}.mlp.up_proj")))
         groups.append(SmoothGroup(f"{p}.mlp.down", f"{p}.mlp.up_proj.weight", (f"{p}.mlp.down_proj",)))
         if spec.num_heads == spec.num_kv_heads:

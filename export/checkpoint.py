@@ -16,6 +16,7 @@ from kiln.spec import ModelSpec
 
 from .checkpoint_types import Checkpoint, LazyWeights, TokenizerFiles, select_weights
 from .fused_weights import split_fused_projections
+from .gemma_weights import fold_norm_offsets, is_multimodal_gemma3, text_config, text_part
 from .gguf_loader import load_gguf
 from .tensor_files import SafetensorsTensor, safetensors_index
 
@@ -68,14 +69,21 @@ def _has_gguf_magic(path: Path) -> bool:
 def _load_hf_dir(folder: Path) -> Checkpoint:
     config_path = folder / "config.json"
     config = _read_json(config_path, required=True)
+    multimodal = is_multimodal_gemma3(config)
+    if multimodal:  # the text decoder only
+        try:
+            config = text_config(config)
+        except ValueError as exc:
+            raise ValueError(f"{config_path}: {exc}") from None
     try:
         spec = ModelSpec.from_hf_config(config)
     except (KeyError, TypeError) as exc:
         raise ValueError(f"{config_path}: incomplete model config (missing or bad {exc})") from None
     except ValueError as exc:
         raise ValueError(f"{config_path}: {exc}") from None
-    weights = split_fused_projections(spec, _read_safetensors(folder), str(folder))
-    weights = select_weights(spec, weights, str(folder))
+    files = _read_safetensors(folder)
+    weights = split_fused_projections(spec, text_part(files) if multimodal else files, str(folder))
+    weights = select_weights(spec, fold_norm_offsets(spec, weights), str(folder))
     return Checkpoint(spec=spec, weights=weights, tokenizer=_read_hf_tokenizer(folder), source=str(folder))
 
 

@@ -106,6 +106,8 @@ def expected_weight_names(spec: ModelSpec) -> list[str]:
     for i in range(spec.num_layers):
         p = f"model.layers.{i}."
         names += [p + "input_layernorm.weight", p + "post_attention_layernorm.weight"]
+        if spec.sandwich_norms:
+            names += [p + "pre_feedforward_layernorm.weight", p + "post_feedforward_layernorm.weight"]
         names += [p + f"self_attn.{n}_proj.weight" for n in ("q", "k", "v", "o")]
         if spec.attention_bias:
             names += [p + f"self_attn.{n}_proj.bias" for n in ("q", "k", "v")]
@@ -120,6 +122,8 @@ def expected_weight_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
     per_layer = {
         "input_layernorm.weight": (h,),
         "post_attention_layernorm.weight": (h,),
+        "pre_feedforward_layernorm.weight": (h,),
+        "post_feedforward_layernorm.weight": (h,),
         "self_attn.q_proj.weight": (spec.q_size, h),
         "self_attn.k_proj.weight": (spec.kv_size, h),
         "self_attn.v_proj.weight": (spec.kv_size, h),

@@ -11,6 +11,14 @@ GGUF tensor names to Hugging Face names, and what the converter did to the weigh
   checkpoint's qkv_proj / gate_up_proj; LongRoPE as ``rope_factors_short`` / ``rope_factors_long`` tensors,
   ``rope.scaling.original_context_length`` and ``rope.scaling.attn_factor``; partial rotary as
   ``rope.dimension_count`` below the head dim.
+- ``gemma2`` / ``gemma3``: norm weights stored with Gemma's 1 already added (read as they are: kiln's Hugging Face
+  loader adds the same 1); the four block norms as ``attn_norm``, ``post_attention_norm``, ``ffn_norm`` (the
+  pre-feedforward one) and ``post_ffw_norm``; soft-caps as ``attn_logit_softcapping`` /
+  ``final_logit_softcapping``; ``attention.sliding_window`` with the layer pattern llama.cpp fixes per
+  architecture (every other layer from layer 0 for gemma2, five of six for gemma3: read from
+  ``attention.sliding_window_pattern`` when a file has it) and gemma3's local RoPE base 10000 (or
+  ``rope.freq_base_swa``). The attention scale is not stored: llama.cpp derives it from the model size
+  (1/sqrt(hidden / heads) for the 27B models, 1/sqrt(head_dim) otherwise) and so does kiln.
 
 The result is the same Checkpoint the Hugging Face directory of that model loads to.
 """
@@ -27,6 +35,9 @@ import numpy as np
 import torch
 
 from kiln.spec import (
+    FULL,
+    GEMMA_FAMILIES,
+    SLIDING,
     SUPPORTED_GGUF_ARCHITECTURES,
     ModelSpec,
     RopeScaling,
@@ -59,6 +70,12 @@ _PHI3_BLOCKS = {
     "ffn_up": "mlp.gate_up_proj",
     "ffn_down": "mlp.down_proj",
 }
+_GEMMA_BLOCKS = {
+    **_QWEN3_BLOCKS,
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
 _BLOCK_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
 # Tensors that describe the rotary embedding rather than weights: read into the spec, never renamed.
 ROPE_TENSORS = ("rope_freqs.weight", "rope_factors_short.weight", "rope_factors_long.weight")
@@ -75,6 +92,11 @@ class GgufArchitecture:
              path: Path) -> ModelSpec:
         """The ModelSpec from the metadata, the tensor shapes and the rope tensors (ROPE_TENSORS present)."""
         spec = _spec_from_metadata(self, md, shapes, rope, path)
+        if self.family in GEMMA_FAMILIES:
+            try:
+                spec = dataclasses.replace(spec, **_gemma_fields(self.name, md, spec))
+            except (TypeError, ValueError) as exc:
+                raise ValueError(f"{path}: bad GGUF metadata ({_first_line(exc)})") from None
         freqs = rope.get("rope_freqs.weight")
         return _with_llama3_scaling(spec, freqs, path) if freqs is not None else spec
 
@@ -101,7 +123,11 @@ GGUF_ARCHITECTURES = {
     "qwen2": GgufArchitecture("qwen2", "qwen2", _LLAMA_BLOCKS),
     "qwen3": GgufArchitecture("qwen3", "qwen3", _QWEN3_BLOCKS),
     "phi3": GgufArchitecture("phi3", "phi3", _PHI3_BLOCKS),
+    "gemma2": GgufArchitecture("gemma2", "gemma2", _GEMMA_BLOCKS),
+    "gemma3": GgufArchitecture("gemma3", "gemma3", _GEMMA_BLOCKS),
 }
+# block_count of the 27B models, whose attention scale llama.cpp takes from hidden / heads (not head_dim)
+_GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
 assert tuple(GGUF_ARCHITECTURES) == SUPPORTED_GGUF_ARCHITECTURES
 
 
@@ -175,6 +201,29 @@ def _spec_from_metadata(
         )
     except (TypeError, ValueError) as exc:
         raise ValueError(f"{path}: bad GGUF metadata ({_first_line(exc)})") from None
+
+
+def _gemma_fields(prefix: str, md: dict, spec: ModelSpec) -> dict:
+    """The Gemma pieces llama.cpp reads for gemma2 / gemma3 (see the module doc)."""
+    layers = spec.num_layers
+    pattern = md.get(f"{prefix}.attention.sliding_window_pattern")
+    if isinstance(pattern, list) and len(pattern) == layers:  # a per-layer flag: the layer slides
+        types = tuple(SLIDING if flag else FULL for flag in pattern)
+    else:
+        every = 2 if prefix == "gemma2" else int(pattern or 6)
+        types = tuple(SLIDING if (i + 1) % every else FULL for i in range(layers))
+    scalar = spec.hidden_size // spec.num_heads if layers == _GEMMA_27B_LAYERS[prefix] else spec.head_dim
+    local = nice_float(md.get(f"{prefix}.rope.freq_base_swa", 10000.0)) if prefix == "gemma3" else 0.0
+    return dict(
+        sandwich_norms=True,
+        hidden_act="gelu_tanh",
+        embedding_scale=float(np.float32(spec.hidden_size ** 0.5)),
+        query_pre_attn_scalar=float(scalar),
+        attn_logit_softcap=nice_float(md.get(f"{prefix}.attn_logit_softcapping") or 0.0) if prefix == "gemma2" else 0.0,
+        final_logit_softcap=nice_float(md.get(f"{prefix}.final_logit_softcapping") or 0.0),
+        layer_types=types,
+        rope_local_theta=local,
+    )
 
 
 def _rope_scaling(md: dict, prefix: str, path: Path) -> RopeScaling | None:

@@ -19,6 +19,13 @@ feeding kiln.PagedAttention), partial rotary (Phi-4: RoPE on the first ``rotary_
 passed through), and LongRoPE's and YaRN's attention factor (transformers scales cos and sin by it; with full rotary
 q.k then scales by its square, which kiln folds into the attention scale so that RoPE keeps the form the op
 absorbs; with partial rotary only the rotated dims scale, so cos and sin carry it as in transformers).
+
+Gemma 2 / 3 (ModelSpec.sandwich_norms and the fields after it): the embedding times sqrt(hidden); four norms
+per block, each a plain RMSNorm because the loaders fold Gemma's ``1 + w`` into the weight; GeGLU (gelu-tanh
+gate); the attention scale query_pre_attn_scalar^-1/2; the attention scores soft-capped
+``cap * tanh(scores / cap)`` before the mask (Gemma 2), as transformers' eager attention computes it; per-layer
+sliding windows (``layer_types``), with Gemma 3's sliding layers rotated at their own base; the final logits
+soft-capped. Each layer gets its own mask and cos/sin from ``ReferenceModel.layer_inputs``.
 """
 
 from __future__ import annotations
@@ -35,14 +42,15 @@ from kiln.spec import ModelSpec
 MASK_VALUE = -1e9
 
 
-def rope_inv_freq(spec: ModelSpec) -> torch.Tensor:
+def rope_inv_freq(spec: ModelSpec, local: bool = False) -> torch.Tensor:
     """RoPE inverse frequencies [rotated_dims // 2], float32, with the spec's rope scaling applied (transformers'
-    expressions and dtypes, for bit-equal frequencies)."""
+    expressions and dtypes, for bit-equal frequencies); local: those of Gemma 3's sliding layers
+    (rope_local_theta, unscaled)."""
     dim = spec.rotated_dims
     exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
-    inv_freq = 1.0 / (spec.rope_theta**exponents)
+    inv_freq = 1.0 / ((spec.rope_local_theta if local else spec.rope_theta) ** exponents)
     scaling = spec.rope_scaling
-    if scaling is None:
+    if scaling is None or local:
         return inv_freq
     if scaling.rope_type == "longrope":
         factors = scaling.long_factor if scaling.long_context else scaling.short_factor
@@ -133,10 +141,15 @@ def rope_attention_factor(spec: ModelSpec) -> float:
 
 
 def attention_scale(spec: ModelSpec) -> float:
-    """The softmax scale: 1/sqrt(head_dim), times the rope attention factor squared when RoPE rotates the whole
-    head (see the module doc)."""
+    """The softmax scale: 1/sqrt(head_dim) (Gemma: 1/sqrt(query_pre_attn_scalar)), times the rope attention
+    factor squared when RoPE rotates the whole head (see the module doc)."""
     factor = rope_attention_factor(spec) if spec.rotated_dims == spec.head_dim else 1.0
-    return spec.head_dim**-0.5 * factor * factor
+    return (spec.query_pre_attn_scalar or spec.head_dim) ** -0.5 * factor * factor
+
+
+def soft_cap(x: torch.Tensor, cap: float) -> torch.Tensor:
+    """cap * tanh(x / cap), in transformers' order of operations (0: x unchanged)."""
+    return torch.tanh(x / cap) * cap if cap else x
 
 
 class RMSNorm(nn.Module):
@@ -166,6 +179,7 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps)
             self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps)
         self.qk_norm = spec.qk_norm
+        self.softcap = spec.attn_logit_softcap
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         batch = x.shape[0]
@@ -179,7 +193,7 @@ class Attention(nn.Module):
         k = apply_rope(k, cos, sin)
         k = self._repeat_kv(k)
         v = self._repeat_kv(v)
-        scores = torch.matmul(q, k.transpose(-1, -2)) * self.scale
+        scores = soft_cap(torch.matmul(q, k.transpose(-1, -2)) * self.scale, self.softcap)
         scores = scores + mask
         probs = torch.softmax(scores, dim=-1)
         out = torch.matmul(probs, v)  # [B, H, S, D]
@@ -202,22 +216,40 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(spec.hidden_size, spec.intermediate_size, bias=False)
         self.up_proj = nn.Linear(spec.hidden_size, spec.intermediate_size, bias=False)
         self.down_proj = nn.Linear(spec.intermediate_size, spec.hidden_size, bias=False)
+        self.gelu = spec.hidden_act == "gelu_tanh"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate = self.gate_proj(x)
+        gate = F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)
+        return self.down_proj(gate * self.up_proj(x))
 
 
 class DecoderLayer(nn.Module):
+    """Pre-norm block; with sandwich norms (Gemma) attention and MLP outputs are normed too, and the MLP reads
+    pre_feedforward_layernorm where Llama's reads post_attention_layernorm."""
+
     def __init__(self, spec: ModelSpec):
         super().__init__()
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.self_attn = Attention(spec)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.mlp = MLP(spec)
+        self.sandwich = spec.sandwich_norms
+        if spec.sandwich_norms:
+            self.pre_feedforward_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+            self.post_feedforward_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        if not self.sandwich:
+            x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask)
+            return x + self.mlp(self.post_attention_layernorm(x))
+        x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), cos, sin, mask))
+        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+
+
+def mlp_norm_name(spec: ModelSpec) -> str:
+    """The norm whose output the MLP reads (what calibration smooths the gate/up projections against)."""
+    return "pre_feedforward_layernorm" if spec.sandwich_norms else "post_attention_layernorm"
 
 
 class Decoder(nn.Module):
@@ -242,6 +274,8 @@ class ReferenceModel(nn.Module):
         # assign=True shares the checkpoint's tensors instead of copying them.
         self.load_state_dict(weights, strict=True, assign=True)
         self.register_buffer("inv_freq", rope_inv_freq(spec), persistent=False)
+        if spec.rope_local_theta:
+            self.register_buffer("inv_freq_local", rope_inv_freq(spec, local=True), persistent=False)
         self.requires_grad_(False)
         self.eval()
 
@@ -249,22 +283,39 @@ class ReferenceModel(nn.Module):
     def from_checkpoint(cls, checkpoint) -> ReferenceModel:
         return cls(checkpoint.spec, checkpoint.weights)
 
-    def rope_cos_sin(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin [B, 1, S, rotated_dims] for the given absolute positions."""
-        freqs = position_ids.unsqueeze(-1).to(torch.float32) * self.inv_freq  # [B, S, D/2]
+    def rope_cos_sin(self, position_ids: torch.Tensor, local: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [B, 1, S, rotated_dims] for the given absolute positions (local: Gemma 3's sliding layers)."""
+        inv_freq = self.inv_freq_local if local else self.inv_freq
+        freqs = position_ids.unsqueeze(-1).to(torch.float32) * inv_freq  # [B, S, D/2]
         emb = torch.cat((freqs, freqs), dim=-1)
         cos, sin = emb.cos().unsqueeze(1), emb.sin().unsqueeze(1)
         if self.spec.rotated_dims == self.spec.head_dim or rope_attention_factor(self.spec) == 1.0:
             return cos, sin  # (a full-rotary factor is in the attention scale)
         return cos * rope_attention_factor(self.spec), sin * rope_attention_factor(self.spec)
 
-    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+    def layer_inputs(self, position_ids: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """(cos, sin, mask) of every layer, each distinct one computed once."""
+        spec = self.spec
+        rope = {local: self.rope_cos_sin(position_ids, local) for local in {spec.uses_local_rope(i)
+                                                                             for i in range(spec.num_layers)}}
+        masks = {w: causal_mask(position_ids, w) for w in {spec.layer_window(i) for i in range(spec.num_layers)}}
+        return [(*rope[spec.uses_local_rope(i)], masks[spec.layer_window(i)]) for i in range(spec.num_layers)]
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         x = self.model.embed_tokens(input_ids)
-        cos, sin = self.rope_cos_sin(position_ids)
-        mask = causal_mask(position_ids, self.spec.sliding_window)
-        for layer in self.model.layers:
+        return x * self.spec.embedding_scale if self.spec.embedding_scale != 1.0 else x
+
+    def run_layers(self, x: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        """The decoder layers on embeddings x [B, S, hidden]: the residual stream after the last one."""
+        for layer, (cos, sin, mask) in zip(self.model.layers, self.layer_inputs(position_ids), strict=True):
             x = layer(x, cos, sin, mask)
-        x = self.model.norm(x)
-        if self.lm_head is None:
-            return F.linear(x, self.model.embed_tokens.weight)
-        return self.lm_head(x)
+        return x
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The LM head on final-normed states (and the final soft-cap)."""
+        head = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return soft_cap(F.linear(hidden, head), self.spec.final_logit_softcap)
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        x = self.run_layers(self.embed(input_ids), position_ids)
+        return self.logits(self.model.norm(x))

@@ -126,6 +126,10 @@ def lm_head_weight(model: ReferenceModel) -> torch.Tensor:
 @torch.no_grad()
 def greedy_states(model: ReferenceModel, prompts: list[list[int]], new_tokens: int) -> Continuations:
     """Greedy-decode new_tokens after each prompt (any lengths), keeping the predicting states."""
+    spec = model.spec
+    if spec.qk_norm or spec.sandwich_norms or spec.layer_types or spec.attn_logit_softcap:
+        raise ValueError(f"draft-head training decodes Llama-shaped blocks; {spec.family}'s (q/k norms, Gemma's "
+                         "norms, per-layer windows or soft-caps) are not implemented in its cached decoder")
     batch = len(prompts)
     prompt_len = max(len(p) for p in prompts)
     pad = torch.tensor([prompt_len - len(p) for p in prompts])

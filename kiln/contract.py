@@ -43,9 +43,11 @@ OP_VERSION = 1
 #    and the kiln.MatMulQ4_1 op (kiln/matmul_q4_1.py), which int4-q4_1 engines use.
 # 4: the kiln.SwiGLU op (kiln/swiglu.py), which every engine's MLPs use.
 # 5: the kiln.RescoreLogits op (kiln/rescore_logits.py), which int4-rescored LM heads use.
-OP_LIBRARY_ABI = 5
-# The oldest engine ABI this library still runs: ABIs 2 to 5 only added optional inputs, an attribute,
-# a pool dtype and new ops, so ABI-1 to ABI-4 graphs (RoPE as graph ops, no SwiGLU) are unchanged and need no rebuild.
+# 6: kiln.PagedAttention's softcap attribute (Gemma 2's attention logit soft-cap): an older library would
+#    ignore it and compute uncapped attention, so engines that carry it need this one.
+OP_LIBRARY_ABI = 6
+# The oldest engine ABI this library still runs: ABIs 2 to 6 only added optional inputs, attributes,
+# a pool dtype and new ops, so ABI-1 to ABI-5 graphs (RoPE as graph ops, no SwiGLU) are unchanged and need no rebuild.
 OP_LIBRARY_MIN_ABI = 1
 
 INPUT_IDS = "input_ids"

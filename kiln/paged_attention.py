@@ -35,9 +35,13 @@ Outputs
                    and kv_cache_out, and the op then writes only the new tokens' slots.
 Attributes
   num_heads (int), num_kv_heads (int, divides num_heads), scale (float; absent or 0 means
-  1/sqrt(D)), sliding_window (int, 0 = off), rotary_interleaved (int, 0 = Hugging Face rotate_half:
+  1/sqrt(D)), sliding_window (int, 0 = off), softcap (float, absent or 0 = off: Gemma 2's attention logit
+  soft-cap), rotary_interleaved (int, 0 = Hugging Face rotate_half:
   dims j and j + R/2 form a pair, what Llama/Mistral/Qwen2 exports compute; 1 = GPT-J style adjacent pairs
   2j, 2j + 1; only read with cos/sin)
+  Every attribute is per node, so each layer's op carries its own window, scale and soft-cap (Gemma 2 / 3
+  alternate sliding and global layers); an absent attribute takes its default, so graphs written before an
+  attribute existed run unchanged.
 
 Semantics. Sequence s has q_len = qsl[s+1] - qsl[s] new tokens; its token i sits at the
 absolute position pos = seq_lens[s] - q_len + i. With cos/sin, the query and key of that token are
@@ -47,7 +51,8 @@ sequence is written to block block_tables[s][pos // block_size], slot pos % bloc
 (rounded to the pool's dtype; int8 pools store q = clamp(round_half_even(x / kv_scale[0|1][g]),
 -127, 127) in float32 arithmetic, K post-RoPE). Then query head h of that token attends, through
 KV head h // (H / Hkv), to every position p of its sequence with p <= pos (and
-p > pos - sliding_window when set), reading K/V from the updated pool: out = softmax(scale * q.K^T) V.
+p > pos - sliding_window when set), reading K/V from the updated pool: out = softmax(s) V with the scores
+s = scale * q.K^T, soft-capped to softcap * tanh(s / softcap) when softcap > 0 (before the causal mask).
 For an int8 pool the steps factor out of the sums: scores = scale * kv_scale[0][g] * (q . float(k_i8)),
 and out = kv_scale[1][g] * sum_j p_j float(v_i8_j) (i.e. attention over the dequantized K/V). Blocks
 other than the new tokens' slots are left untouched. A sequence with q_len == 0 is allowed and does nothing.
@@ -88,6 +93,7 @@ class PagedAttentionAttrs:
     scale: float = 0.0  # 0 means 1/sqrt(head_dim)
     sliding_window: int = 0  # 0 = off
     rotary_interleaved: int = 0  # 0: rotate_half pairs (j, j + R/2); 1: adjacent pairs (2j, 2j + 1)
+    softcap: float = 0.0  # scores -> softcap * tanh(scores / softcap); 0 = off
 
     def __post_init__(self) -> None:
         if self.num_kv_heads <= 0 or self.num_heads <= 0 or self.num_heads % self.num_kv_heads:
@@ -98,6 +104,8 @@ class PagedAttentionAttrs:
             raise ValueError(f"scale must be finite and >= 0 (0 means 1/sqrt(head_dim)), got {self.scale}")
         if self.sliding_window < 0:
             raise ValueError(f"sliding_window must be >= 0 (0 = off), got {self.sliding_window}")
+        if not (math.isfinite(self.softcap) and self.softcap >= 0):
+            raise ValueError(f"softcap must be finite and >= 0 (0 = off), got {self.softcap}")
         if self.rotary_interleaved not in (0, 1):
             raise ValueError(f"rotary_interleaved must be 0 (rotate_half) or 1 (adjacent pairs), "
                              f"got {self.rotary_interleaved}")
@@ -249,6 +257,8 @@ def _attention_ref(inputs: PagedAttentionInputs, attrs: PagedAttentionAttrs) -> 
         k, v = np.repeat(k, group, axis=1), np.repeat(v, group, axis=1)  # [L, H, D]
         q = query[t0:t1].reshape(q_len, num_heads, D).astype(np.float64)
         scores = np.einsum("qhd,khd->hqk", q, k) * scale
+        if attrs.softcap > 0:
+            scores = np.tanh(scores / attrs.softcap) * attrs.softcap
         allowed = ctx[None, :] <= new_pos[:, None]
         if attrs.sliding_window > 0:
             allowed &= ctx[None, :] > new_pos[:, None] - attrs.sliding_window
@@ -322,6 +332,8 @@ def make_single_op_model(
     )
     if rotary:
         node.attribute.append(helper.make_attribute("rotary_interleaved", attrs.rotary_interleaved))
+    if attrs.softcap:
+        node.attribute.append(helper.make_attribute("softcap", float(attrs.softcap)))
     graph = helper.make_graph([node], "kiln_paged_attention", inputs, outputs, initializers)
     opsets = [helper.make_opsetid("", 17), helper.make_opsetid(OP_DOMAIN, OP_VERSION)]
     return helper.make_model(graph, opset_imports=opsets, ir_version=8)

@@ -11,6 +11,8 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 # Architectures kiln can compile, as Hugging Face names them in config.json "architectures".
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
@@ -18,9 +20,15 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
     "Phi3ForCausalLM": "phi3",
+    "Gemma2ForCausalLM": "gemma2",
+    "Gemma3ForCausalLM": "gemma3",
 }
 # The same families as GGUF files name them in general.architecture (export/gguf_architectures.py reads them).
-SUPPORTED_GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3")
+SUPPORTED_GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3", "gemma2", "gemma3")
+# The families whose blocks are Gemma's: (1 + w) RMSNorms (kiln folds the 1 into the weight when it loads a
+# Hugging Face checkpoint; llama.cpp's GGUF converter already stored w + 1), four norms per block, GeGLU.
+GEMMA_FAMILIES = ("gemma2", "gemma3")
+SLIDING, FULL = "sliding_attention", "full_attention"  # the layer types of config.json "layer_types"
 
 
 def supported_architectures_sentence() -> str:
@@ -68,7 +76,7 @@ class RopeScaling:
 
 @dataclass(frozen=True)
 class ModelSpec:
-    family: str  # "llama" | "mistral" | "qwen2" | "qwen3" | "phi3"
+    family: str  # "llama" | "mistral" | "qwen2" | "qwen3" | "phi3" | "gemma2" | "gemma3"
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -87,6 +95,15 @@ class ModelSpec:
     eos_token_ids: tuple[int, ...] = ()
     qk_norm: bool = False  # per-head RMSNorm of q and k before RoPE (Qwen3): q_norm/k_norm weights [head_dim]
     rotary_dim: int = 0  # leading dims of each head that RoPE rotates (Phi-4's partial rotary); 0: all
+    # Gemma 2 / 3 (every default is off):
+    sandwich_norms: bool = False  # post_attention, pre_feedforward and post_feedforward norms around attention/MLP
+    hidden_act: str = "silu"  # the MLP's gate activation: "silu" (SwiGLU) | "gelu_tanh" (GeGLU)
+    embedding_scale: float = 1.0  # embeddings are multiplied by it (Gemma: sqrt(hidden), rounded to float32)
+    query_pre_attn_scalar: float = 0.0  # attention scale = its power -1/2; 0: head_dim's
+    attn_logit_softcap: float = 0.0  # attention scores -> cap * tanh(scores / cap) before the mask; 0: off
+    final_logit_softcap: float = 0.0  # logits -> cap * tanh(logits / cap); 0: off
+    layer_types: tuple[str, ...] = ()  # per layer SLIDING | FULL; (): every layer slides iff sliding_window
+    rope_local_theta: float = 0.0  # RoPE base of the sliding layers, unscaled (Gemma 3); 0: as the others
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -96,6 +113,14 @@ class ModelSpec:
         if not (0 <= self.rotary_dim <= self.head_dim and self.rotary_dim % 2 == 0):
             raise ValueError(f"rotary_dim {self.rotary_dim} is not an even number of dims within head_dim "
                              f"{self.head_dim}")
+        if self.hidden_act not in ("silu", "gelu_tanh"):
+            raise ValueError(f"hidden_act {self.hidden_act!r} is neither 'silu' (SwiGLU) nor 'gelu_tanh' (GeGLU)")
+        if self.layer_types and (len(self.layer_types) != self.num_layers
+                                 or not set(self.layer_types) <= {SLIDING, FULL}):
+            raise ValueError(f"layer_types must name {self.num_layers} layers, each {SLIDING!r} or {FULL!r}; got "
+                             f"{list(self.layer_types)}")
+        if min(self.attn_logit_softcap, self.final_logit_softcap, self.query_pre_attn_scalar) < 0:
+            raise ValueError("soft-caps and query_pre_attn_scalar must be >= 0 (0 = off)")
         scaling = self.rope_scaling
         if scaling is not None and scaling.rope_type == "longrope":
             pairs = self.rotated_dims // 2
@@ -108,6 +133,22 @@ class ModelSpec:
     def rotated_dims(self) -> int:
         """How many leading dims of each head RoPE rotates."""
         return self.rotary_dim or self.head_dim
+
+    def layer_window(self, layer: int) -> int:
+        """The sliding window of one layer (0: it attends to the whole context)."""
+        if self.layer_types and self.layer_types[layer] == FULL:
+            return 0
+        return self.sliding_window
+
+    def uses_local_rope(self, layer: int) -> bool:
+        """The layer rotates with rope_local_theta, unscaled (Gemma 3's sliding layers)."""
+        return bool(self.rope_local_theta) and self.layer_window(layer) > 0
+
+    @property
+    def kv_window(self) -> int:
+        """The window every layer respects: K/V older than it are read by no layer (0: some layer reads them all)."""
+        windows = [self.layer_window(i) for i in range(self.num_layers)]
+        return 0 if 0 in windows else max(windows)
 
     def for_context(self, max_seq_len: int) -> ModelSpec:
         """This spec as an engine of context max_seq_len computes it: LongRoPE's factor set chosen, dynamic
@@ -151,17 +192,19 @@ class ModelSpec:
         if family is None:
             named = ", ".join(archs) if archs else f"model_type {config.get('model_type')!r}"
             raise ValueError(f"unsupported architecture {named}: {supported_architectures_sentence()}")
-        _check_supported_features(config)
+        _check_supported_features(config, family)
         num_heads = config["num_attention_heads"]
         hidden = config["hidden_size"]
         eos = config.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
         scaling = config.get("rope_scaling") or None
         rope_theta = config.get("rope_theta")
-        # transformers >= 5 nests rope settings under "rope_parameters".
+        # transformers >= 5 nests rope settings under "rope_parameters" (Gemma 3: one set per layer type).
         params = config.get("rope_parameters") or {}
+        if FULL in params:
+            params = params[FULL] or {}
         if rope_theta is None:
-            rope_theta = params.get("rope_theta", 10000.0)
+            rope_theta = params.get("rope_theta", 1e6 if family == "gemma3" else 10000.0)
         if scaling is None and params.get("rope_type", "default") != "default":
             scaling = params
         head_dim = config.get("head_dim") or hidden // num_heads
@@ -182,14 +225,15 @@ class ModelSpec:
             rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
             rope_theta=float(rope_theta),
             max_position_embeddings=config.get("max_position_embeddings", 2048),
-            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+            tie_word_embeddings=bool(config.get("tie_word_embeddings", family in GEMMA_FAMILIES)),
             attention_bias=bool(config.get("attention_bias", family == "qwen2")),
             rope_scaling=parse_rope_scaling(scaling, config),
             sliding_window=_sliding_window(config, family),
             bos_token_id=config.get("bos_token_id"),
             eos_token_ids=eos_ids,
-            qk_norm=family == "qwen3",
+            qk_norm=family in ("qwen3", "gemma3"),
             rotary_dim=rotary_dim,
+            **(_gemma_fields(config, family) if family in GEMMA_FAMILIES else {}),
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -204,6 +248,7 @@ class ModelSpec:
                 scaling[name] = tuple(scaling.get(name, ()))
             data["rope_scaling"] = RopeScaling(**scaling)
         data["eos_token_ids"] = tuple(data.get("eos_token_ids", ()))
+        data["layer_types"] = tuple(data.get("layer_types", ()))
         return cls(**data)
 
 
@@ -282,13 +327,55 @@ def _parse_longrope(scaling: dict[str, Any], config: dict[str, Any]) -> RopeScal
     )
 
 
-def _check_supported_features(config: dict[str, Any]) -> None:
+def _check_supported_features(config: dict[str, Any], family: str) -> None:
     """Reject config features the reference model does not implement, with one sentence each."""
-    act = config.get("hidden_act", "silu")
-    if act not in ("silu", "swish"):
-        raise ValueError(f"unsupported hidden_act {act!r}: kiln supports SwiGLU MLPs (silu)")
+    if family in GEMMA_FAMILIES:
+        act = _gemma_activation(config)
+        if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
+            raise ValueError(f"unsupported hidden_activation {act!r} for {family}: kiln supports GeGLU with "
+                             "gelu_pytorch_tanh")
+        if config.get("use_bidirectional_attention"):
+            raise ValueError(f"unsupported use_bidirectional_attention=true for {family}: kiln compiles causal "
+                             "decoders")
+    else:
+        act = config.get("hidden_act", "silu")
+        if act not in ("silu", "swish"):
+            raise ValueError(f"unsupported hidden_act {act!r}: kiln supports SwiGLU MLPs (silu)")
     if config.get("mlp_bias"):
         raise ValueError("unsupported mlp_bias=true: kiln supports bias-free MLPs")
+
+
+def _gemma_activation(config: dict[str, Any]) -> str:
+    # transformers' Gemma classes read hidden_activation; older configs carry hidden_act as well
+    return str(config.get("hidden_activation") or config.get("hidden_act") or "gelu_pytorch_tanh")
+
+
+def _gemma_fields(config: dict[str, Any], family: str) -> dict[str, Any]:
+    """The Gemma 2 / 3 pieces of a config, as transformers' Gemma2/Gemma3 classes read them: every other layer
+    sliding (Gemma 2) or five of six (Gemma 3, sliding_window_pattern), the attention logit soft-cap on Gemma 2
+    only (Gemma 3's attention ignores attn_logit_softcapping), the embedding scaled by sqrt(hidden) in float32."""
+    layers = config["num_hidden_layers"]
+    pattern = 2 if family == "gemma2" else int(config.get("sliding_window_pattern") or 6)
+    types = config.get("layer_types") or [SLIDING if (i + 1) % pattern else FULL for i in range(layers)]
+    local = 0.0
+    if family == "gemma3":
+        params = config.get("rope_parameters") or {}
+        local_params = params.get(SLIDING) or {}
+        if local_params.get("rope_type", "default") != "default":
+            raise ValueError(f"unsupported rope_type {local_params['rope_type']!r} on gemma3's sliding layers: kiln "
+                             "rotates them with the plain local base")
+        local = float(local_params.get("rope_theta") or config.get("rope_local_base_freq") or 10000.0)
+    softcap = config.get("attn_logit_softcapping") if family == "gemma2" else None
+    return dict(
+        sandwich_norms=True,
+        hidden_act="gelu_tanh",
+        embedding_scale=float(np.float32(config["hidden_size"] ** 0.5)),
+        query_pre_attn_scalar=float(config.get("query_pre_attn_scalar") or 256),
+        attn_logit_softcap=float(softcap or 0.0),
+        final_logit_softcap=float(config.get("final_logit_softcapping") or 0.0),
+        layer_types=tuple(types),
+        rope_local_theta=local,
+    )
 
 
 def _sliding_window(config: dict[str, Any], family: str) -> int:

@@ -72,3 +72,29 @@ def look_through_repeat_kv(value: ir.Value) -> ir.Value:
 def add_opset(model: ir.Model, domain: str, version: int) -> None:
     model.opset_imports.setdefault(domain, version)
     model.graph.opset_imports.setdefault(domain, version)
+
+
+def soft_cap_input(value: ir.Value) -> ir.Value | None:
+    """x if value == Mul(Tanh(Div(x, c)), c) with one constant c (a Gemma soft-cap, as the export writes it)."""
+    mul = producer_op(value, "Mul")
+    tanh = producer_op(mul.inputs[0], "Tanh") if mul else None
+    div = producer_op(tanh.inputs[0], "Div") if tanh else None
+    if mul is None or div is None:
+        return None
+    cap = const_float(div.inputs[1])
+    return div.inputs[0] if cap and cap == const_float(mul.inputs[1]) else None
+
+
+def soft_cap_output(value: ir.Value) -> ir.Value | None:
+    """The soft-cap's output when value's only reader starts one (soft_cap_input read forwards), else None."""
+    uses = list(value.uses())
+    if len(uses) != 1 or uses[0].node.op_type != "Div":
+        return None
+    tanh_uses = list(uses[0].node.outputs[0].uses())
+    if len(tanh_uses) != 1 or tanh_uses[0].node.op_type != "Tanh":
+        return None
+    mul_uses = list(tanh_uses[0].node.outputs[0].uses())
+    if len(mul_uses) != 1:
+        return None
+    out = mul_uses[0].node.outputs[0]
+    return out if soft_cap_input(out) is value else None

@@ -105,7 +105,8 @@ def build_engine(
         with _stage(say, "export onnx"):
             model = export_model(dataclasses.replace(checkpoint, spec=spec), say)
         with _stage(say, "optimize"):
-            attention = AttentionConfig(options.kv_dtype, options.block_size, spec.sliding_window, kv_scales,
+            windows = tuple(spec.layer_window(i) for i in range(spec.num_layers))
+            attention = AttentionConfig(options.kv_dtype, options.block_size, windows, kv_scales,
                                         rotary_positions=options.max_seq_len)
             counts = optimize_model(model, attention)
             counts.update(_lower(model, backend))

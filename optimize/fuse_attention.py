@@ -2,13 +2,16 @@
 
 Matches scaled dot-product attention as exporters write it,
 
-    Softmax((Q * sq) @ (K^T * sk) * s + mask) @ V      (each scale and the mask optional)
+    Softmax(cap((Q * sq) @ (K^T * sk) * s) + mask) @ V      (each scale, the cap and the mask optional)
 
 with K^T as Transpose(K, [0,1,3,2]), Reshape-Transpose-Reshape (torch's SDPA decomposition),
 or Transpose(K_bshd, [0,2,3,1]), an optional Where(IsNaN(p), 0, p) after the Softmax, and K/V
 possibly expanded by repeat_kv (looked through to the un-repeated [1, Hkv, T, D] tensors).
+cap(x) is Gemma 2's logit soft-cap Mul(Tanh(Div(x, c)), c), which becomes the op's softcap attribute.
 The mask (causal, from position_ids) is dropped: the op masks by absolute position itself,
-so the mask computation becomes dead code and is removed by the cleanup.
+so the mask computation becomes dead code and is removed by the cleanup. Its window comes from
+AttentionConfig.sliding_window: one for every layer, or one per fused layer (Gemma's sliding and global
+layers), since the op carries its window, scale and soft-cap per node.
 
 The replacement feeds the op Q/K/V as [T, H*D] / [T, Hkv*D], reshapes its [T, H*D] output
 back to [1, H, T, D], and adds the graph inputs kv_cache.{i} (+ the shared query_start_loc,
@@ -19,8 +22,9 @@ V quantization steps of layer i, from AttentionConfig.kv_scales) as its 8th inpu
 With AttentionConfig.rotary_positions > 0 (kiln's build: max_seq_len), RoPE moves into the op: when
 both Q and K are RoPE(x) (kiln/optimize/rotary.py) with the same frequencies, the op gets the
 pre-RoPE projections plus the initializers rotary.cos / rotary.sin [rotary_positions, D/2] (shared by
-all layers) as its 9th and 10th inputs, and the rotary subgraph dies with the mask (cleanup removes
-it). A float pool's 8th input is then the empty initializer kiln.paged_attention.NO_KV_SCALE.
+all layers with those frequencies; a second set, as Gemma 3's sliding layers rotate at their own base, gets
+rotary.cos.1 / rotary.sin.1, and so on) as its 9th and 10th inputs, and the rotary subgraph dies with the
+mask (cleanup removes it). A float pool's 8th input is then the empty initializer kiln.paged_attention.NO_KV_SCALE.
 """
 
 from __future__ import annotations
@@ -48,13 +52,25 @@ def kv_scale_name(layer: int) -> str:
 class AttentionConfig:
     kv_dtype: str = "float32"
     block_size: int = 16
-    sliding_window: int = 0
+    sliding_window: int | tuple[int, ...] = 0  # every layer's, or one per fused layer in graph order
     # int8 KV only: float32 [num_layers, 2, Hkv], the K (row 0) and V (row 1) steps of each layer
     kv_scales: np.ndarray | None = None
     # rows of the op's cos/sin caches (positions the engine may reach); 0 keeps RoPE as graph ops
     rotary_positions: int = 2048
 
+    def window(self, layer: int) -> int:
+        """The sliding window of fused layer `layer` (0: full attention)."""
+        if isinstance(self.sliding_window, int):
+            return self.sliding_window
+        if layer >= len(self.sliding_window):
+            raise ValueError(f"sliding_window names {len(self.sliding_window)} layers; attention layer {layer} "
+                             "has none")
+        return self.sliding_window[layer]
+
     def __post_init__(self) -> None:
+        windows = (self.sliding_window,) if isinstance(self.sliding_window, int) else self.sliding_window
+        require(all(isinstance(w, int) and w >= 0 for w in windows), "sliding_window",
+                "an int >= 0 or a tuple of them (0 = full attention)", self.sliding_window)
         require(isinstance(self.rotary_positions, int) and self.rotary_positions >= 0, "rotary_positions",
                 "an int >= 0 (0 = RoPE outside the op)", self.rotary_positions)
         scales = self.kv_scales
@@ -79,7 +95,8 @@ class _Match:
     kv_heads: int
     head_dim: int
     scale: float
-    rotary: tuple[ir.Value, ir.Value] | None  # pre-RoPE query and key when RoPE moves into the op
+    softcap: float  # 0: none
+    rotary: tuple[ir.Value, ir.Value, str] | None  # pre-RoPE query and key, and the tables' suffix, when RoPE moves in
 
 
 class PagedAttentionFusion(pattern.RewriteRuleClassBase):
@@ -88,10 +105,10 @@ class PagedAttentionFusion(pattern.RewriteRuleClassBase):
         self._config = config
         self._shared = shared  # graph inputs, and the constants every layer reads (registered after the rewrite)
         self._layers = layers
-        self._inv_freq: np.ndarray | None = None  # the RoPE frequencies behind the shared cos/sin caches
+        self._tables: dict[bytes, str] = {}  # RoPE frequencies -> the suffix of their cos/sin initializers
 
     # onnxscript binds one parameter per pattern input by name: the signature is the pattern's inputs.
-    def pattern(self, op, query, key, value, mask, query_scale, key_scale, qk_scale):  # noqa: PLR0913
+    def pattern(self, op, query, key, value, mask, query_scale, key_scale, qk_scale, cap_in, cap_out):  # noqa: PLR0913
         key_t = pattern.OrValue(
             [
                 op.Transpose(key, perm=[0, 1, 3, 2]),
@@ -114,6 +131,8 @@ class PagedAttentionFusion(pattern.RewriteRuleClassBase):
             [op.Mul(scores, qk_scale), op.Div(scores, qk_scale), scores],
             tag_var="qk_scaling", tag_values=["Mul", "Div", "None"],
         )
+        scores = pattern.OrValue([op.Mul(op.Tanh(op.Div(scores, cap_in)), cap_out), scores],
+                                 tag_var="capped", tag_values=[True, False])
         scores = pattern.OrValue([op.Add(scores, mask), scores])
         probs = op.Softmax(scores, axis=-1)
         probs = pattern.OrValue([op.Where(op.IsNaN(probs), 0.0, probs), probs])
@@ -161,24 +180,32 @@ class PagedAttentionFusion(pattern.RewriteRuleClassBase):
             if number is None:
                 return result.fail(f"{name} is not a constant scalar", bindings.get(name))
             scale *= number if kind == "Mul" else 1.0 / number
-        self._match = _Match(heads, kv_heads, head_dim, scale, self._rotary(query, k, head_dim))
+        softcap = 0.0
+        if bindings.get("capped"):
+            cap = const_float(bindings.get("cap_in"))
+            if cap is None or cap <= 0 or cap != const_float(bindings.get("cap_out")):
+                return result.fail("Mul(Tanh(Div(s, c)), c) with c not one positive constant", bindings.get("cap_in"))
+            softcap = cap
+        self._match = _Match(heads, kv_heads, head_dim, scale, softcap, self._rotary(query, k, head_dim))
         return result
 
-    def _rotary(self, query: ir.Value, key: ir.Value | None, head_dim: int) -> tuple[ir.Value, ir.Value] | None:
-        """Pre-RoPE (query, key) if both are RoPE'd with the frequencies the shared caches hold, else None."""
+    def _rotary(self, query: ir.Value, key: ir.Value | None, head_dim: int
+                ) -> tuple[ir.Value, ir.Value, str] | None:
+        """Pre-RoPE (query, key) and the suffix of the cos/sin caches of their frequencies (made on first use),
+        if both are RoPE'd with the same frequencies, else None."""
         if self._config.rotary_positions == 0 or key is None:
             return None
         q, k = match_rotary(query), match_rotary(key)
         if q is None or k is None or 2 * len(q.inv_freq) != head_dim or not np.array_equal(q.inv_freq, k.inv_freq):
             return None
-        if self._inv_freq is None:
-            self._inv_freq = q.inv_freq
+        freqs = np.ascontiguousarray(q.inv_freq, np.float32).tobytes()
+        if freqs not in self._tables:
+            suffix = f".{len(self._tables)}" if self._tables else ""
+            self._tables[freqs] = suffix
             cos, sin = rotary_tables(q.inv_freq, self._config.rotary_positions)
-            self._shared[ROTARY_COS] = float_initializer(ROTARY_COS, cos)
-            self._shared[ROTARY_SIN] = float_initializer(ROTARY_SIN, sin)
-        elif not np.array_equal(self._inv_freq, q.inv_freq):
-            return None  # another layer's frequencies: this one keeps RoPE as graph ops
-        return q.source, k.source
+            self._shared[ROTARY_COS + suffix] = float_initializer(ROTARY_COS + suffix, cos)
+            self._shared[ROTARY_SIN + suffix] = float_initializer(ROTARY_SIN + suffix, sin)
+        return q.source, k.source, self._tables[freqs]
 
     def rewrite(self, op, query, key, value, key_format, **_):
         match: _Match = self._match
@@ -206,13 +233,18 @@ class PagedAttentionFusion(pattern.RewriteRuleClassBase):
         if match.rotary is not None:
             if not extra:
                 shared.setdefault(NO_KV_SCALE, float_initializer(NO_KV_SCALE, np.zeros(0, np.float32)))
-            extra = [extra[0] if extra else shared[NO_KV_SCALE], shared[ROTARY_COS], shared[ROTARY_SIN]]
+            suffix = match.rotary[2]
+            extra = [extra[0] if extra else shared[NO_KV_SCALE], shared[ROTARY_COS + suffix],
+                     shared[ROTARY_SIN + suffix]]
+        optional: dict[str, float | int] = {"softcap": match.softcap} if match.softcap else {}
+        if match.rotary is not None:
+            optional["rotary_interleaved"] = 0
         out, kv_cache_out = op.PagedAttention(
             query, key, value, kv_cache,
             shared[contract.BLOCK_TABLES], shared[contract.SEQ_LENS], shared[contract.QUERY_START_LOC],
             *extra,
-            num_heads=heads, num_kv_heads=kv_heads, scale=float(scale), sliding_window=int(cfg.sliding_window),
-            **({"rotary_interleaved": 0} if match.rotary is not None else {}),
+            num_heads=heads, num_kv_heads=kv_heads, scale=float(scale), sliding_window=cfg.window(layer),
+            **optional,
             _domain=contract.OP_DOMAIN, _version=contract.OP_VERSION, _outputs=2,
         )
         kv_cache_out.name = contract.kv_cache_output(layer)
@@ -244,9 +276,9 @@ def fuse_attention(model: ir.Model, config: AttentionConfig = AttentionConfig())
     if count:
         add_opset(model, contract.OP_DOMAIN, contract.OP_VERSION)
         graph.inputs.extend(shared[name] for name in shapes)  # query_start_loc, seq_lens, block_tables
-        for name in (NO_KV_SCALE, ROTARY_COS, ROTARY_SIN):
-            if name in shared:
-                graph.register_initializer(shared[name])
+        for name, value in shared.items():
+            if name == NO_KV_SCALE or name.startswith((ROTARY_COS, ROTARY_SIN)):
+                graph.register_initializer(value)
         graph.inputs.extend(layer.kv_cache for layer in layers)
         graph.outputs.extend(layer.kv_cache_out for layer in layers)
         for layer in layers:

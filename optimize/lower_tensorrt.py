@@ -84,6 +84,9 @@ def _split_paged_attention(graph: ir.Graph, node: ir.Node) -> None:
     attrs = node.attributes
     num_heads, num_kv_heads = attrs.get_int("num_heads"), attrs.get_int("num_kv_heads")
     head_dim = _static_width(query) // num_heads if _static_width(query) else None
+    if attrs.get_float("softcap", 0.0):
+        raise TensorRTLoweringError(f"{node.name}: the attention logit soft-cap (Gemma 2) is not implemented by the "
+                                    "TensorRT plugin; build this model for the onnxruntime backend")
     scale = attrs.get_float("scale", 0.0)
     if not scale:
         if head_dim is None:

@@ -34,6 +34,7 @@ from kiln.contract import LOGITS, OP_DOMAIN
 from kiln.quant_scheme import RESCORED_HEAD_MAX_ROWS
 from kiln.rescore_logits import OP_TYPE as RESCORE_OP
 
+from ._common import soft_cap_input
 from .quant.graph import Linear, ensure_opset, find_linears, initializer, is_lm_head
 from .quant.nbits import make_matmul_nbits
 from .quant.rtn import per_channel_as_groups, quantize_groupwise
@@ -79,7 +80,7 @@ def _head_node(model: ir.Model) -> ir.Node:
     output = next((v for v in model.graph.outputs if v.name == LOGITS), None)
     if output is None:
         raise ValueError(f"the graph has no {LOGITS!r} output to rescore")
-    node = output.producer()
+    node = (soft_cap_input(output) or output).producer()  # a final soft-cap keeps the order of the logits
     while node is not None and node.op_type in _SHAPE_ONLY:
         node = node.inputs[0].producer() if node.inputs[0] is not None else None
     if node is None or not _is_int4_matmul(node):

@@ -4,8 +4,9 @@ Adds the graph input ``logits_indices int64 [num_logits]`` and a Gather of those
 hidden states [1, T, D], squeezed to [num_logits, D], before the final norm: before the per-row
 computation that reads one activation and ends at the LM head's input (an RMSNorm as the export
 writes it, x * 1/sqrt(mean(x^2, last axis) + eps) * weight, or one fused norm op), else just before
-the LM head; the output becomes ``logits [num_logits, V]``. Backend-neutral: it runs before the
-backends' norm fusions (optimize/lower_onnxruntime.py), which then fuse the final norm on [L, D].
+the LM head; the output becomes ``logits [num_logits, V]`` (a final logit soft-cap after the head, Gemma's, stays
+after it). Backend-neutral: it runs before the backends' norm fusions (optimize/lower_onnxruntime.py), which
+then fuse the final norm on [L, D].
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import numpy as np
 import onnx_ir as ir
 
 from kiln import contract
-from kiln.optimize._common import const_ints
+from kiln.optimize._common import const_ints, soft_cap_input
 
 # Ops that compute each row from that row alone (with constant operands of rank <= 1, which broadcast
 # the same over [1, T, D] and [L, D]); a ReduceMean only over the last axis.
@@ -26,10 +27,10 @@ _MAX_REGION = 16  # nodes: a norm is about eight; a bound keeps the search from 
 
 
 def select_logits(model: ir.Model) -> int:
-    """Returns 1 once applied, 0 when the graph's first output is not a MatMul (LM head)."""
+    """Returns 1 once applied, 0 when the graph's first output is not a MatMul (LM head), soft-capped or not."""
     graph = model.graph
     logits = graph.outputs[0]
-    head = logits.producer()
+    head = (soft_cap_input(logits) or logits).producer()
     if head is None or head.op_type not in ("MatMul", "Gemm"):
         return 0
     hidden, readers = per_row_input(head.inputs[0])
@@ -56,6 +57,9 @@ def select_logits(model: ir.Model) -> int:
     _restate_rows(head.inputs[0], squeeze.outputs[0])
     logits.name = contract.LOGITS
     logits.shape = ir.Shape(["num_logits", vocab])
+    if head.outputs[0] is not logits:  # the soft-cap's values are [L, V] too
+        head.outputs[0].shape = ir.Shape(["num_logits", vocab])
+        _restate_rows(logits, head.outputs[0])
     return 1
 
 

@@ -79,6 +79,8 @@ def interpreted() -> bool:
 
 def check_inputs(inputs: DeviceInputs, attrs: PagedAttentionAttrs) -> None:
     """Every input the kernels would misread, named in one sentence (reads the metadata on the host)."""
+    if attrs.softcap:
+        raise ValueError("the Triton kernels do not implement the attention logit soft-cap (softcap > 0)")
     num_blocks, two, num_kv_heads, block_size, head_dim = inputs.kv_cache.shape
     if two != 2 or num_kv_heads != attrs.num_kv_heads:
         raise ValueError(f"kv_cache {tuple(inputs.kv_cache.shape)} is not [num_blocks, 2, {attrs.num_kv_heads}, "

@@ -109,11 +109,8 @@ def _open_engine(engine_dir: Path, config: RuntimeConfig, manifest: Manifest, to
 
 def kv_release_window(spec: ModelSpec) -> int:
     """The window behind which a sequence's KV blocks can be released: the one every layer slides with; 0 when
-    some layer attends to the whole context (a block can go only when every layer allows it). Per-layer kinds
-    come from the spec's `layer_types` where it has them (Gemma 2/3: sliding layers between global ones)."""
-    if "full_attention" in getattr(spec, "layer_types", ()):
-        return 0
-    return spec.sliding_window
+    some layer attends to the whole context (Gemma 2/3: sliding layers between global ones keep every block)."""
+    return spec.kv_window
 
 
 CPU_STEP_TOKENS_PER_THREAD = 128

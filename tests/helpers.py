@@ -84,6 +84,27 @@ _FAMILY_CONFIGS = {
         original_max_position_embeddings=32, sliding_window=262144, partial_rotary_factor=0.75,
         rope_scaling={"type": "longrope", **_longrope_factors(6)},
     )),
+    # Gemma-2-2B: head_dim 256, attention and final soft-caps, every other layer sliding (window 4096 -> 8).
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", dict(
+        num_hidden_layers=4, head_dim=256, query_pre_attn_scalar=256, hidden_activation="gelu_pytorch_tanh",
+        attn_logit_softcapping=50.0, final_logit_softcapping=30.0, sliding_window=8, rope_theta=10000.0,
+        rms_norm_eps=1e-6, attention_bias=False, attention_dropout=0.0,
+    )),
+    # Gemma-3-1B (text): MQA, q/k norms, five sliding layers (window 512 -> 8) to one global, local RoPE base.
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(
+        num_hidden_layers=6, num_key_value_heads=1, head_dim=256, query_pre_attn_scalar=256,
+        hidden_activation="gelu_pytorch_tanh", sliding_window=8, sliding_window_pattern=6, rope_theta=1000000.0,
+        rope_local_base_freq=10000.0, rope_scaling=None, attn_logit_softcapping=None, final_logit_softcapping=None,
+        rms_norm_eps=1e-6, attention_bias=False, attention_dropout=0.0,
+    )),
+    # Gemma-3-4B's text part: linear RoPE scaling 8 on the global layers; head_dim shrunk 256 -> 128 while
+    # query_pre_attn_scalar stays 256, so the scale is not head_dim's (as Gemma 2/3 27B).
+    "gemma3-4b": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(
+        num_hidden_layers=6, head_dim=128, query_pre_attn_scalar=256, hidden_activation="gelu_pytorch_tanh",
+        sliding_window=8, sliding_window_pattern=6, rope_theta=1000000.0, rope_local_base_freq=10000.0,
+        rope_scaling={"factor": 8.0, "rope_type": "linear"}, attn_logit_softcapping=None,
+        final_logit_softcapping=None, rms_norm_eps=1e-6, attention_bias=False, attention_dropout=0.0,
+    )),
 }
 _FAMILIES = tuple(_FAMILY_CONFIGS)
 
@@ -121,10 +142,11 @@ def make_tiny_hf_model(tmp_path, family: str = "llama", **overrides) -> Path:
 
 def _randomize(model: torch.nn.Module, seed: int) -> None:
     gen = torch.Generator().manual_seed(seed)
+    norm_offset = 0.0 if model.config.model_type.startswith("gemma") else 1.0  # Gemma's norms scale by 1 + w
     with torch.no_grad():
         for name, param in model.named_parameters():
             if name.endswith("norm.weight") or "layernorm" in name:
-                param.copy_(1.0 + 0.1 * torch.randn(param.shape, generator=gen))
+                param.copy_(norm_offset + 0.1 * torch.randn(param.shape, generator=gen))
             elif name.endswith("bias"):
                 param.copy_(0.1 * torch.randn(param.shape, generator=gen))
             elif "embed_tokens" in name:

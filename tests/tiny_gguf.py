@@ -10,6 +10,11 @@ does, per architecture:
 - phi3 (Phi-3 and Phi-4-mini): the fused qkv_proj / gate_up_proj as attn_qkv / ffn_up, rope.dimension_count
   for partial rotary, LongRoPE as rope_factors_long / rope_factors_short with original_context_length and the
   attention factor sqrt(1 + ln(max / original) / ln(original)), and attention.sliding_window.
+- gemma2 / gemma3: every ``*norm.weight`` stored with Gemma's 1 added; the block norms as attn_norm,
+  post_attention_norm, ffn_norm (pre-feedforward) and post_ffw_norm; head_dim as key/value length, the soft-caps
+  (gemma2 both, gemma3 the final one when set) and attention.sliding_window; gemma2 without rope.freq_base (llama.cpp
+  takes 10000), gemma3 with the global layers' base and linear rope scaling as metadata. (The converter also trims
+  token_embd to the tokenizer's vocabulary; the tiny tokenizer is padded to the model's, so nothing is trimmed.)
 """
 
 from __future__ import annotations
@@ -21,7 +26,8 @@ from pathlib import Path
 from helpers import TINY_BOS_ID, TINY_CHAT_TEMPLATE, TINY_EOS_ID, TINY_MERGES, TINY_SPECIAL_TOKENS, make_tiny_hf_model
 
 # HF family -> the GGUF architecture llama.cpp's converter writes it as.
-GGUF_ARCHITECTURE = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3", "phi4": "phi3"}
+GGUF_ARCHITECTURE = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3", "phi4": "phi3",
+                     "gemma2": "gemma2", "gemma3": "gemma3", "gemma3-4b": "gemma3"}
 
 _BLOCK_NAMES = {
     "input_layernorm": "attn_norm",
@@ -33,10 +39,13 @@ _BLOCK_NAMES = {
     "self_attn.q_norm": "attn_q_norm",
     "self_attn.k_norm": "attn_k_norm",
     "post_attention_layernorm": "ffn_norm",
+    "pre_feedforward_layernorm": "ffn_norm",
+    "post_feedforward_layernorm": "post_ffw_norm",
     "mlp.gate_proj": "ffn_gate",
     "mlp.up_proj": "ffn_up",
     "mlp.gate_up_proj": "ffn_up",
     "mlp.down_proj": "ffn_down",
+    "post_attention_norm": "post_attention_norm",
 }
 _GLOBAL_NAMES = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
                  "lm_head.weight": "output.weight"}
@@ -65,16 +74,23 @@ def make_tiny_gguf(tmp_path, family: str = "llama", architecture: str | None = N
     writer.add_name(f"tiny {family}")
     _add_hparams(writer, arch, config)
     _add_tiny_gguf_tokenizer(writer, hf_dir, config["vocab_size"])
-    if arch in ("llama", "qwen2", "qwen3"):
+    if arch in ("llama", "qwen2", "qwen3", "gemma3"):
         _add_gguf_rope_scaling(writer, config)
     if arch == "phi3":
         _add_longrope(writer, config)
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
     for name, tensor in weights.items():
         array = tensor.float().numpy()
+        gemma = arch.startswith("gemma")
+        if gemma and name.endswith("norm.weight"):
+            array = array + 1  # llama.cpp stores Gemma's (1 + w) norm weights with the 1 added
+        if gemma and name == "lm_head.weight":
+            continue  # the converter skips it (Gemma ties the head)
         if name.startswith("model.layers."):
             _, _, layer, rest = name.split(".", 3)
             module, kind = rest.rsplit(".", 1)
+            if gemma and module == "post_attention_layernorm":  # Gemma's norms after attention, not before the MLP
+                module = "post_attention_norm"
             if arch == "llama" and module in ("self_attn.q_proj", "self_attn.k_proj"):
                 array = llama_cpp_permute(array, heads if module == "self_attn.q_proj" else kv_heads)
             gguf_name = f"blk.{layer}.{_BLOCK_NAMES[module]}.{kind}"
@@ -97,11 +113,22 @@ def _add_hparams(writer, arch: str, config: dict) -> None:
     writer.add_feed_forward_length(config["intermediate_size"])
     writer.add_head_count(heads)
     writer.add_head_count_kv(config["num_key_value_heads"])
-    writer.add_rope_freq_base(rope.get("rope_theta", config.get("rope_theta", 10000.0)))
+    if arch != "gemma2":  # its converter writes no base: llama.cpp's default 10000 is Gemma 2's
+        full = rope.get("full_attention", rope)  # Gemma 3 (transformers >= 5): one set per layer type
+        writer.add_rope_freq_base(full.get("rope_theta", config.get("rope_theta", 10000.0)))
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
     if arch == "llama":
         writer.add_rope_dimension_count(config["head_dim"])
         writer.add_vocab_size(config["vocab_size"])
+    elif arch.startswith("gemma"):
+        writer.add_key_length(config["head_dim"])
+        writer.add_value_length(config["head_dim"])
+        if arch == "gemma2":
+            writer.add_attn_logit_softcapping(config["attn_logit_softcapping"])
+            writer.add_final_logit_softcapping(config["final_logit_softcapping"])
+        elif config.get("final_logit_softcapping"):
+            writer.add_final_logit_softcapping(config["final_logit_softcapping"])
+        writer.add_sliding_window(config["sliding_window"])
     elif arch in ("qwen2", "qwen3"):
         if config.get("head_dim") is not None:
             writer.add_key_length(config["head_dim"])
@@ -152,6 +179,7 @@ def _add_gguf_rope_scaling(writer, config: dict) -> None:
     import numpy as np
 
     rope = config.get("rope_parameters") or {}
+    rope = rope.get("full_attention", rope)  # Gemma 3: the global layers' (the local ones are never scaled)
     if rope.get("rope_type") == "linear":
         writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         writer.add_rope_scaling_factor(rope["factor"])

@@ -16,6 +16,7 @@ import onnx_ir as ir
 from onnx_ir.passes.common import RemoveUnusedNodesPass
 
 from kiln.export.lazy_initializers import MatrixRows
+from kiln.optimize._common import soft_cap_output
 
 
 @dataclass(frozen=True)
@@ -123,12 +124,16 @@ _PASS_THROUGH = ("Squeeze", "Unsqueeze", "Reshape", "Identity", "Flatten", "Spli
 
 
 def is_lm_head(lin: Linear) -> bool:
-    """True when the linear's output reaches a graph output through shape-only ops (the LM head); through a
-    Split, its first part is followed."""
+    """True when the linear's output reaches a graph output through shape-only ops and a final logit soft-cap
+    (the LM head); through a Split, its first part is followed."""
     value = lin.output
     while True:
         if value.is_graph_output():
             return True
+        capped = soft_cap_output(value)
+        if capped is not None:
+            value = capped
+            continue
         uses = list(value.uses())
         if len(uses) != 1 or uses[0].node.op_type not in _PASS_THROUGH:
             return False

@@ -21,7 +21,7 @@ def test_missing_model_is_one_line(tmp_path):
 
 @pytest.mark.parametrize("source", ["hf", "gguf"])
 def test_unsupported_architecture_names_it_and_what_kiln_supports(tmp_path, source):
-    """A Gemma 2 checkpoint (or a GGUF of an architecture kiln does not read) fails in one line that names
+    """An OLMo 2 checkpoint (or a GGUF of an architecture kiln does not read) fails in one line that names
     the architecture and lists the Hugging Face and GGUF architectures kiln compiles."""
     import json
 
@@ -31,19 +31,19 @@ def test_unsupported_architecture_names_it_and_what_kiln_supports(tmp_path, sour
     if source == "hf":
         model = make_tiny_hf_model(tmp_path, "llama")
         config = json.loads((model / "config.json").read_text())
-        config.update(architectures=["Gemma2ForCausalLM"], model_type="gemma2")
+        config.update(architectures=["Olmo2ForCausalLM"], model_type="olmo2")
         (model / "config.json").write_text(json.dumps(config))
-        named = "Gemma2ForCausalLM"
+        named = "Olmo2ForCausalLM"
     else:
-        model, _ = make_tiny_gguf(tmp_path, "llama", architecture="gemma2")
-        named = "'gemma2'"
+        model, _ = make_tiny_gguf(tmp_path, "llama", architecture="olmo2")
+        named = "'olmo2'"
     result = _run("build", str(model), "-o", str(tmp_path / "engine"))
     assert result.exit_code == 1 and "Traceback" not in result.output
     message = result.output.strip().splitlines()[-1]  # after the build's progress lines
     kind = "" if source == "hf" else "GGUF "
     assert message.startswith("Error: ") and f"unsupported {kind}architecture {named}" in message
     for name in ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Phi3ForCausalLM",
-                 "llama, qwen2, qwen3, phi3"):
+                 "Gemma2ForCausalLM", "Gemma3ForCausalLM", "llama, qwen2, qwen3, phi3, gemma2, gemma3"):
         assert name in message
 
 

@@ -117,10 +117,11 @@ def test_cli_int8_without_calibration_is_one_sentence(tiny_model_dir, tmp_path):
     assert result.exit_code != 0 and "needs the per-head K/V scales" in result.output
 
 
-@pytest.mark.parametrize("abi, loads", [(1, True), (2, True), (3, True), (4, True), (5, True), (0, False), (6, False)])
+@pytest.mark.parametrize("abi, loads", [(1, True), (2, True), (3, True), (4, True), (5, True), (6, True), (0, False),
+                                        (7, False)])
 def test_engines_of_older_compatible_abis_still_load(tiny_engine, tmp_path, abi, loads):
-    """ABIs 2 to 5 only added optional inputs (kv_scale; cos/sin caches), an attribute, int8 pools and new ops:
-    ABI-1 to ABI-4 engines still run; an ABI newer than the library does not."""
+    """ABIs 2 to 6 only added optional inputs (kv_scale; cos/sin caches), attributes (rotary_interleaved,
+    softcap), int8 pools and new ops: ABI-1 to ABI-5 engines still run; an ABI newer than the library does not."""
     import json
     import shutil
 

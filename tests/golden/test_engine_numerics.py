@@ -134,8 +134,12 @@ YARN = {"max_position_embeddings": 32,
     ("qwen2", YARN, None, LONG_PROMPTS),  # YaRN frequencies and attention factor, past the original context
     ("qwen3", YARN, None, LONG_PROMPTS),
     ("llama", {"rope_scaling": {"type": "linear", "factor": 4.0}}, None, LONG_PROMPTS),
+    # Gemma: sliding windows of 8, shorter than most prompts; chunked prefill and decode run past them
+    ("gemma2", {}, None, SHORT_PROMPTS),  # soft-caps, alternating sliding / global layers, head_dim 256
+    ("gemma3", {}, None, SHORT_PROMPTS),  # 1B: MQA, q/k norms, 5 local : 1 global, local RoPE base
+    ("gemma3-4b", {}, None, SHORT_PROMPTS),  # linear RoPE scaling on the global layers, scalar != head_dim
 ], ids=["llama-mqa", "qwen2", "mistral-window8", "qwen3", "qwen3-untied", "phi3-long", "phi4-short", "phi4-long",
-        "qwen2-yarn", "qwen3-yarn", "llama-linear"])
+        "qwen2-yarn", "qwen3-yarn", "llama-linear", "gemma2", "gemma3-1b", "gemma3-4b"])
 def test_tiny_families_match_transformers(tmp_path, family, overrides, max_seq_len, lengths):
     from helpers import make_tiny_hf_model
 

@@ -30,6 +30,9 @@ TINY_CASES = {
     "phi3-fused-longrope": ("phi3", {}),
     "phi3-no-rope-scaling": ("phi3", dict(rope_scaling=None, max_position_embeddings=32)),
     "phi4-partial-rotary-longrope": ("phi4", {}),
+    "gemma2-softcaps-alternating-window": ("gemma2", {}),
+    "gemma3-1b-local-rope-qk-norm": ("gemma3", {}),
+    "gemma3-4b-linear-rope-scalar": ("gemma3-4b", {}),
 }
 
 
@@ -170,6 +173,10 @@ GGUF_CASES = {
     "phi4-partial-rotary": ("phi4", {}),
     "qwen2-yarn": ("qwen2", dict(max_position_embeddings=32, rope_scaling={
         "type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32})),
+    "gemma2-norm-plus-one": ("gemma2", {}),
+    "gemma3-norm-plus-one": ("gemma3", {}),
+    # GGUF does not store query_pre_attn_scalar: llama.cpp (and kiln) take head_dim but for the 27B models
+    "gemma3-4b-linear-rope": ("gemma3-4b", dict(query_pre_attn_scalar=128)),
 }
 
 

@@ -34,6 +34,8 @@ def random_ids(n, vocab=320, seed=0):
     ("qwen2", {"num_key_value_heads": 4}),           # q/k/v biases
     ("qwen3", {}),                                   # q/k norms after the smoothed projections
     ("phi3", {}),                                    # fused checkpoint weights, MHA, LongRoPE
+    ("gemma2", {}),                                  # the MLP reads pre_feedforward_layernorm (sandwich norms)
+    ("gemma3", {}),                                  # and q/k norms, MQA
 ])
 def test_folding_any_scales_is_exact(tmp_path, family, overrides):
     ck = load_checkpoint(make_tiny_hf_model(tmp_path, family, **overrides))
@@ -110,7 +112,8 @@ def test_smoothquant_artifact_roundtrip_and_exact_apply(outlier_checkpoint, tmp_
     assert norm.max() / norm.median() < 10
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3", "phi4"])  # plain; K after k_norm; partial rotary + factor
+# plain; K after k_norm; partial rotary + factor; layer 0 of Gemma 3 rotates at the local base
+@pytest.mark.parametrize("family", ["llama", "qwen3", "phi4", "gemma3"])
 def test_kv_bounds_hold_after_rope(tmp_path, family):
     """The calibrated K bound covers the K the cache holds (post k_norm, post RoPE, LongRoPE's attention factor
     on the rotated dims) and is not far above it."""
@@ -130,7 +133,7 @@ def test_kv_bounds_hold_after_rope(tmp_path, family):
         model(ids[None], torch.arange(128)[None])
     hook.remove()
     k = seen[0].reshape(1, 128, ck.spec.num_kv_heads, ck.spec.head_dim).transpose(1, 2)
-    cos, sin = model.rope_cos_sin(torch.arange(128)[None])
+    cos, sin = model.rope_cos_sin(torch.arange(128)[None], local=ck.spec.uses_local_rope(0))
     cached = apply_rope(k, cos, sin)[0].abs().amax((1, 2))  # [Hkv]
     bound = artifact.scales["kv.k_absmax"][0]
     assert torch.all(cached <= bound * (1 + 1e-5))

@@ -100,6 +100,6 @@ def test_blocks_are_released_only_when_every_layer_slides():
     spec = ModelSpec("mistral", 320, 64, 128, 2, 4, 2, 16, 1e-5, 1e4, 2048, True, sliding_window=16)
     assert kv_release_window(spec) == 16
     assert kv_release_window(dataclasses.replace(spec, sliding_window=0)) == 0
-    if "layer_types" in {f.name for f in dataclasses.fields(ModelSpec)}:  # per-layer windows (Gemma 2/3)
-        mixed = dataclasses.replace(spec, layer_types=("sliding_attention", "full_attention"))
-        assert kv_release_window(mixed) == 0
+    mixed = dataclasses.replace(spec, layer_types=("sliding_attention", "full_attention"))  # Gemma 2/3
+    assert kv_release_window(mixed) == 0
+    assert kv_release_window(dataclasses.replace(mixed, layer_types=("sliding_attention",) * 2)) == 16

@@ -92,3 +92,10 @@ def test_quantized_matmuls_are_refused_by_name():
     model = ir.from_proto(helper.make_model(graph, opset_imports=[helper.make_opsetid("com.microsoft", 1)]))
     with pytest.raises(TensorRTLoweringError, match="com.microsoft::MatMulNBits, which the TensorRT backend"):
         lower_for_tensorrt(model)
+
+
+def test_soft_capped_attention_is_refused_by_name():
+    """Gemma 2's attention logit soft-cap is not in the TensorRT plugin: the lowering says so instead of dropping it."""
+    attrs = PagedAttentionAttrs(num_heads=4, num_kv_heads=2, softcap=50.0)
+    with pytest.raises(TensorRTLoweringError, match="soft-cap .* not implemented by the TensorRT plugin"):
+        lowered(make_single_op_model(attrs, 64, 16))

@@ -10,6 +10,7 @@ tests/gpu/test_triton_kernels_gpu.py.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import numpy as np
@@ -127,6 +128,9 @@ def test_bad_inputs_are_named_before_a_launch():
             check_inputs(bad, Case(q_lens=(2,), context_lens=(20,)).attrs)
     with pytest.raises(ValueError, match="kv_scale"):
         DeviceInputs.from_reference(inputs, "cpu", torch.int8)
+    capped = dataclasses.replace(Case(q_lens=(2,), context_lens=(20,)).attrs, softcap=50.0)
+    with pytest.raises(ValueError, match="do not implement the attention logit soft-cap"):
+        check_inputs(DeviceInputs.from_reference(inputs, "cpu"), capped)
 
 
 def test_plan_splits_only_small_decode_batches():
