@@ -1,0 +1,285 @@
+// kiln.MoE (domain "kiln", version 1): the ONNX Runtime CPU kernel.
+//
+// The contract is written once, with its numpy reference implementation, in kiln/moe.py: per token,
+// softmax routing over E experts, the top_k chosen (renormalised when norm_topk_prob), and the weighted sum
+// of the chosen experts' SwiGLU MLPs.
+//
+// The step runs in four phases, each one parallel_for over independent work items:
+//   1. router: logits [T, E] = x @ router^T, then per token the top_k experts and their weights;
+//   2. the tokens are grouped by expert (a counting sort: expert e's tokens at rows [start_e, start_e + n_e) of
+//      the grouped buffers);
+//   3. gate/up + SwiGLU: an item is (expert, chunk of F), which reads its gate and up rows once and applies them to
+//      all of the expert's tokens, writing act [T * top_k, F];
+//   4. down: an item is (expert, chunk of D rows of down), out [T * top_k, D];
+//   5. combine: y[t] = sum over t's slots of weight * out[row of (t, slot)], slots in routing order.
+// So each selected expert's weights are read once per step whatever the number of its tokens, experts no token
+// chose are never touched, and no two items write the same memory (each (token, slot) has its own row).
+//
+// Built with -O3 -mavx2 -mfma -mf16c (AVX2 only).
+#define ORT_API_MANUAL_INIT
+#include "onnxruntime_lite_custom_op.h"
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "moe.h"
+#include "parallel_for.h"
+#include "shape_text.h"
+#include "simd.h"
+
+namespace kiln {
+namespace {
+
+// Weight rows per work item: 16 gate + 16 up rows (or 32 down rows) of D = 2048 floats are 256 KiB, ~10 us of
+// DRAM bandwidth on two cores, well above an item's dispatch cost.
+constexpr int64_t kGateRowsPerItem = 16;
+constexpr int64_t kDownRowsPerItem = 32;
+constexpr int64_t kRouterTokensPerItem = 16;
+
+inline float dot(const float* a, const float* b, int64_t n) {
+  __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc0);
+    acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), acc1);
+  }
+  for (; i + 8 <= n; i += 8) acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc0);
+  float s = hsum(_mm256_add_ps(acc0, acc1));
+  for (; i < n; ++i) s += a[i] * b[i];
+  return s;
+}
+
+// out[t * ldo + (r - r0)] = xs[t] . W[r] for t < n, r in [r0, r1); W rows of length K. Four weight rows at a time
+// against each token, so a weight row is loaded once per token group and a decode step (n = 1-2) streams W once.
+void rows_dot_tokens(const float* W, int64_t r0, int64_t r1, int64_t K, const float* const* xs, int64_t n,
+                     float* out, int64_t ldo) {
+  const int64_t K8 = K & ~int64_t(7);
+  int64_t r = r0;
+  for (; r + 4 <= r1; r += 4) {
+    const float* w = W + r * K;
+    for (int64_t t = 0; t < n; ++t) {
+      const float* x = xs[t];
+      __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
+      for (int64_t k = 0; k < K8; k += 8) {
+        const __m256 xv = _mm256_loadu_ps(x + k);
+        a0 = _mm256_fmadd_ps(xv, _mm256_loadu_ps(w + k), a0);
+        a1 = _mm256_fmadd_ps(xv, _mm256_loadu_ps(w + K + k), a1);
+        a2 = _mm256_fmadd_ps(xv, _mm256_loadu_ps(w + 2 * K + k), a2);
+        a3 = _mm256_fmadd_ps(xv, _mm256_loadu_ps(w + 3 * K + k), a3);
+      }
+      float sums[4];
+      _mm_storeu_ps(sums, hsum4(a0, a1, a2, a3));
+      for (int i = 0; i < 4; ++i) {
+        float s = sums[i];
+        for (int64_t k = K8; k < K; ++k) s += x[k] * w[i * K + k];
+        out[t * ldo + (r - r0) + i] = s;
+      }
+    }
+  }
+  for (; r < r1; ++r)
+    for (int64_t t = 0; t < n; ++t) out[t * ldo + (r - r0)] = dot(xs[t], W + r * K, K);
+}
+
+inline float silu_times(float gate, float up) {
+  // sigmoid from exp(-|gate|) <= 1: no overflow for any finite gate
+  const float e = std::exp(-std::fabs(gate));
+  const float sigmoid = gate >= 0.f ? 1.f / (1.f + e) : e / (1.f + e);
+  return gate * sigmoid * up;
+}
+
+struct Routing {
+  std::vector<int32_t> expert;  // [T * top_k]: token t's slot j chose expert[t * top_k + j], best first
+  std::vector<float> weight;    // [T * top_k]
+};
+
+// Token t's top_k experts by logit (= by softmax probability; equal logits: the lower index first) and weights.
+// Every slot gets a valid expert even for NaN logits (a NaN never displaces a chosen expert, but fills an empty
+// slot), so a bad row gives NaN output and never an out-of-range read.
+void route_token(const float* logits, int64_t E, int64_t top_k, bool normalize, int32_t* expert, float* weight) {
+  for (int64_t j = 0; j < top_k; ++j) expert[j] = -1;
+  for (int64_t e = 0; e < E; ++e) {
+    const float l = logits[e];
+    int64_t j = top_k;  // the slot e takes: after every chosen expert with a logit >= l
+    while (j > 0 && (expert[j - 1] < 0 || logits[expert[j - 1]] < l)) --j;
+    if (j == top_k) continue;
+    for (int64_t m = top_k - 1; m > j; --m) expert[m] = expert[m - 1];
+    expert[j] = static_cast<int32_t>(e);
+  }
+  const float mx = logits[expert[0]];
+  double total = 0.0;
+  for (int64_t e = 0; e < E; ++e) total += std::exp(static_cast<double>(logits[e] - mx));
+  double chosen = 0.0;
+  for (int64_t j = 0; j < top_k; ++j) chosen += std::exp(static_cast<double>(logits[expert[j]] - mx));
+  const double denom = normalize ? chosen : total;
+  for (int64_t j = 0; j < top_k; ++j)
+    weight[j] = static_cast<float>(std::exp(static_cast<double>(logits[expert[j]] - mx)) / denom);
+}
+
+struct Groups {
+  std::vector<int64_t> start;   // [E + 1]: expert e's rows of the grouped buffers are [start[e], start[e + 1])
+  std::vector<int64_t> token;   // [T * top_k]: the token of each grouped row
+  std::vector<int64_t> row_of;  // [T * top_k]: the grouped row of (token t, slot j) at t * top_k + j
+};
+
+Groups group_by_expert(const Routing& routing, int64_t E, int64_t top_k) {
+  const int64_t rows = static_cast<int64_t>(routing.expert.size());
+  Groups g{std::vector<int64_t>(E + 1, 0), std::vector<int64_t>(rows), std::vector<int64_t>(rows)};
+  for (int32_t e : routing.expert) ++g.start[e + 1];
+  for (int64_t e = 0; e < E; ++e) g.start[e + 1] += g.start[e];
+  std::vector<int64_t> next(g.start.begin(), g.start.end() - 1);
+  for (int64_t i = 0; i < rows; ++i) {  // in token order within each expert
+    const int64_t row = next[routing.expert[i]]++;
+    g.token[row] = i / top_k;
+    g.row_of[i] = row;
+  }
+  return g;
+}
+
+// A work item: expert e's weight rows [r0, r1) (of F for gate/up, of D for down).
+struct Item {
+  int64_t expert, r0, r1;
+};
+
+std::vector<Item> items_over(const Groups& g, int64_t E, int64_t rows, int64_t per_item) {
+  std::vector<Item> items;
+  for (int64_t e = 0; e < E; ++e)
+    if (g.start[e + 1] > g.start[e])
+      for (int64_t r = 0; r < rows; r += per_item) items.push_back({e, r, std::min(rows, r + per_item)});
+  return items;
+}
+
+struct Dims {
+  int64_t T, D, E, F, top_k;
+};
+
+Dims check_shapes(const std::vector<int64_t>& xs, const std::vector<int64_t>& rs, const std::vector<int64_t>& gus,
+                  const std::vector<int64_t>& ds, int64_t top_k) {
+  auto fail = [](const std::string& what) { throw Ort::Exception("kiln.MoE: " + what, ORT_INVALID_ARGUMENT); };
+  if (xs.empty()) fail("x must be [..., D], got a scalar");
+  Dims d{1, xs.back(), 0, 0, top_k};
+  for (size_t i = 0; i + 1 < xs.size(); ++i) d.T *= xs[i];
+  if (rs.size() != 2 || rs[1] != d.D)
+    fail("router must be [E, D=" + std::to_string(d.D) + "], got " + shape_text(rs));
+  d.E = rs[0];
+  if (gus.size() != 3 || gus[0] != d.E || gus[2] != d.D || gus[1] % 2 != 0)
+    fail("gate_up must be [E=" + std::to_string(d.E) + ", 2F, D=" + std::to_string(d.D) + "], got " + shape_text(gus));
+  d.F = gus[1] / 2;
+  if (ds != std::vector<int64_t>{d.E, d.D, d.F})
+    fail("down must be [E, D, F] = " + shape_text({d.E, d.D, d.F}) + ", got " + shape_text(ds));
+  if (top_k < 1 || top_k > d.E) fail("top_k must be in [1, E=" + std::to_string(d.E) + "], got " + std::to_string(top_k));
+  return d;
+}
+
+struct MoE {
+  MoE(const OrtApi*, const OrtKernelInfo* info) {
+    Ort::ConstKernelInfo ki(info);
+    top_k_ = ki.GetAttribute<int64_t>("top_k");
+    norm_topk_prob_ = ki.GetAttribute<int64_t>("norm_topk_prob") != 0;
+  }
+
+  Ort::Status Compute(OrtKernelContext* ctx, const Ort::Custom::Tensor<float>& x, const Ort::Custom::Tensor<float>& router,
+                      const Ort::Custom::Tensor<float>& gate_up, const Ort::Custom::Tensor<float>& down,
+                      Ort::Custom::Tensor<float>& y) {
+    try {
+      run(ctx, x, router, gate_up, down, y);
+    } catch (const Ort::Exception& e) {
+      return Ort::Status(e.what(), e.GetOrtErrorCode());
+    } catch (const std::exception& e) {
+      return Ort::Status((std::string("kiln.MoE: ") + e.what()).c_str(), ORT_FAIL);
+    }
+    return Ort::Status{nullptr};
+  }
+
+ private:
+  void run(OrtKernelContext* ctx, const Ort::Custom::Tensor<float>& x, const Ort::Custom::Tensor<float>& router,
+           const Ort::Custom::Tensor<float>& gate_up, const Ort::Custom::Tensor<float>& down,
+           Ort::Custom::Tensor<float>& y) const {
+    const Dims d = check_shapes(x.Shape(), router.Shape(), gate_up.Shape(), down.Shape(), top_k_);
+    float* out = y.Allocate(x.Shape());
+    if (d.T == 0 || d.D == 0) return;
+    const float* in = x.Data();
+    const Routing routing = route(ctx, d, in, router.Data());
+    const Groups g = group_by_expert(routing, d.E, d.top_k);
+    const int64_t rows = d.T * d.top_k;
+    std::vector<const float*> token_rows(rows);
+    for (int64_t i = 0; i < rows; ++i) token_rows[i] = in + g.token[i] * d.D;
+
+    std::vector<float> act(rows * d.F);
+    const float* gu = gate_up.Data();
+    std::vector<Item> items = items_over(g, d.E, d.F, kGateRowsPerItem);
+    auto gate_up_item = [&](size_t i) {
+      const Item& it = items[i];
+      const int64_t first = g.start[it.expert], n = g.start[it.expert + 1] - first, w = it.r1 - it.r0;
+      std::vector<float> gate(n * w), up(n * w);
+      const float* W = gu + it.expert * 2 * d.F * d.D;
+      rows_dot_tokens(W, it.r0, it.r1, d.D, token_rows.data() + first, n, gate.data(), w);
+      rows_dot_tokens(W, d.F + it.r0, d.F + it.r1, d.D, token_rows.data() + first, n, up.data(), w);
+      for (int64_t t = 0; t < n; ++t)
+        for (int64_t j = 0; j < w; ++j) act[(first + t) * d.F + it.r0 + j] = silu_times(gate[t * w + j], up[t * w + j]);
+    };
+    parallel_for(ctx, items.size(), gate_up_item);
+
+    std::vector<float> expert_out(rows * d.D);
+    std::vector<const float*> act_rows(rows);
+    for (int64_t i = 0; i < rows; ++i) act_rows[i] = act.data() + i * d.F;
+    const float* dn = down.Data();
+    items = items_over(g, d.E, d.D, kDownRowsPerItem);
+    auto down_item = [&](size_t i) {
+      const Item& it = items[i];
+      const int64_t first = g.start[it.expert], n = g.start[it.expert + 1] - first;
+      rows_dot_tokens(dn + it.expert * d.D * d.F, it.r0, it.r1, d.F, act_rows.data() + first, n,
+                      expert_out.data() + first * d.D + it.r0, d.D);
+    };
+    parallel_for(ctx, items.size(), down_item);
+
+    auto combine = [&](size_t t) {
+      float* dst = out + t * d.D;
+      std::fill(dst, dst + d.D, 0.f);
+      for (int64_t j = 0; j < d.top_k; ++j) {
+        const int64_t slot = static_cast<int64_t>(t) * d.top_k + j;
+        const float* src = expert_out.data() + g.row_of[slot] * d.D;
+        const __m256 wv = _mm256_set1_ps(routing.weight[slot]);
+        int64_t k = 0;
+        for (; k + 8 <= d.D; k += 8)
+          _mm256_storeu_ps(dst + k, _mm256_fmadd_ps(wv, _mm256_loadu_ps(src + k), _mm256_loadu_ps(dst + k)));
+        for (; k < d.D; ++k) dst[k] += routing.weight[slot] * src[k];
+      }
+    };
+    parallel_for(ctx, static_cast<size_t>(d.T), combine);
+  }
+
+  Routing route(OrtKernelContext* ctx, const Dims& d, const float* x, const float* router) const {
+    Routing r{std::vector<int32_t>(d.T * d.top_k), std::vector<float>(d.T * d.top_k)};
+    const size_t chunks = static_cast<size_t>((d.T + kRouterTokensPerItem - 1) / kRouterTokensPerItem);
+    auto chunk = [&](size_t c) {
+      const int64_t t0 = static_cast<int64_t>(c) * kRouterTokensPerItem;
+      const int64_t n = std::min(d.T, t0 + kRouterTokensPerItem) - t0;
+      std::vector<const float*> xs(n);
+      for (int64_t t = 0; t < n; ++t) xs[t] = x + (t0 + t) * d.D;
+      std::vector<float> logits(n * d.E);
+      rows_dot_tokens(router, 0, d.E, d.D, xs.data(), n, logits.data(), d.E);
+      for (int64_t t = 0; t < n; ++t) {
+        const int64_t slot = (t0 + t) * d.top_k;
+        route_token(logits.data() + t * d.E, d.E, d.top_k, norm_topk_prob_, r.expert.data() + slot, r.weight.data() + slot);
+      }
+    };
+    parallel_for(ctx, chunks, chunk);
+    return r;
+  }
+
+  int64_t top_k_ = 1;
+  bool norm_topk_prob_ = false;
+};
+
+}  // namespace
+
+void add_moe(Ort::CustomOpDomain& domain) {
+  domain.Add(Ort::Custom::CreateLiteCustomOp<MoE>("MoE", "CPUExecutionProvider"));
+}
+
+}  // namespace kiln
