@@ -17,6 +17,7 @@ from kiln.spec import ModelSpec
 from .checkpoint_types import Checkpoint, LazyWeights, TokenizerFiles, select_weights
 from .fused_weights import split_fused_projections
 from .gguf_loader import load_gguf
+from .moe_weights import stack_experts
 from .tensor_files import SafetensorsTensor, safetensors_index
 
 DEFAULT_MODEL = "default"
@@ -75,6 +76,7 @@ def _load_hf_dir(folder: Path) -> Checkpoint:
     except ValueError as exc:
         raise ValueError(f"{config_path}: {exc}") from None
     weights = split_fused_projections(spec, _read_safetensors(folder), str(folder))
+    weights = stack_experts(spec, weights, str(folder))
     weights = select_weights(spec, weights, str(folder))
     return Checkpoint(spec=spec, weights=weights, tokenizer=_read_hf_tokenizer(folder), source=str(folder))
 

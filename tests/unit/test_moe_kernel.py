@@ -22,7 +22,9 @@ def weights(rng, experts: int, d: int, f: int):
     return router, gate_up, down
 
 
-def run(x, router, gate_up, down, top_k: int, norm: bool, threads: int = 1) -> np.ndarray:
+def run(x, experts: tuple[np.ndarray, ...], top_k: int, norm: bool, threads: int = 1) -> np.ndarray:
+    """The kernel's y for x and experts = (router, gate_up, down)."""
+    router, gate_up, down = experts
     so = ort.SessionOptions()
     so.register_custom_ops_library(LIBRARY)
     so.intra_op_num_threads = threads
@@ -77,7 +79,7 @@ def test_kernel_matches_reference(tokens, experts, top_k, d, f, norm):
     rng = np.random.default_rng(tokens * 100 + experts)
     router, gate_up, down = weights(rng, experts, d, f)
     x = rng.standard_normal((tokens, d)).astype(np.float32)
-    y = run(x, router, gate_up, down, top_k, norm)
+    y = run(x, (router, gate_up, down), top_k, norm)
     assert y.shape == x.shape and y.dtype == np.float32
     np.testing.assert_allclose(y, moe_ref(x, router, gate_up, down, top_k=top_k, norm_topk_prob=norm),
                                rtol=1e-4, atol=1e-5)
@@ -91,7 +93,7 @@ def test_all_tokens_to_one_expert_pair_and_none_to_the_others():
     x = np.ones((11, 24), np.float32) + 0.01 * rng.standard_normal((11, 24)).astype(np.float32)
     experts, _ = route_ref(x, router, 2, True)
     assert (experts == [3, 1]).all()
-    np.testing.assert_allclose(run(x, router, gate_up, down, 2, True),
+    np.testing.assert_allclose(run(x, (router, gate_up, down), 2, True),
                                moe_ref(x, router, gate_up, down, top_k=2, norm_topk_prob=True), rtol=1e-4, atol=1e-5)
 
 
@@ -101,7 +103,7 @@ def test_perturbed_routing_changes_the_output():
     rng = np.random.default_rng(4)
     router, gate_up, down = weights(rng, 8, 32, 16)
     x = rng.standard_normal((6, 32)).astype(np.float32)
-    y = run(x, router, gate_up, down, 2, True)
+    y = run(x, (router, gate_up, down), 2, True)
     for other in (moe_ref(x, router, gate_up, down, top_k=3, norm_topk_prob=True),
                   moe_ref(x, router, gate_up, down, top_k=2, norm_topk_prob=False),
                   moe_ref(x, router, gate_up[::-1].copy(), down, top_k=2, norm_topk_prob=True)):
@@ -114,13 +116,13 @@ def test_threads_and_rank_three():
     router, gate_up, down = weights(rng, 8, 96, 200)
     x = rng.standard_normal((2, 40, 96)).astype(np.float32)
     want = moe_ref(x, router, gate_up, down, top_k=4, norm_topk_prob=True)
-    np.testing.assert_allclose(run(x, router, gate_up, down, 4, True, threads=2), want, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(run(x, (router, gate_up, down), 4, True, 2), want, rtol=1e-4, atol=1e-5)
 
 
 def test_empty_batch():
     rng = np.random.default_rng(6)
     router, gate_up, down = weights(rng, 4, 8, 4)
-    assert run(np.zeros((0, 8), np.float32), router, gate_up, down, 2, True).shape == (0, 8)
+    assert run(np.zeros((0, 8), np.float32), (router, gate_up, down), 2, True).shape == (0, 8)
 
 
 @pytest.mark.parametrize("change, message", [
@@ -133,7 +135,7 @@ def test_bad_shapes_are_named(change, message):
     router, gate_up, down = weights(rng, 4, 8, 4)
     inputs = {"router": router, "gate_up": gate_up, "down": down, **change}
     with pytest.raises(Exception, match=message):
-        run(np.zeros((3, 8), np.float32), inputs["router"], inputs["gate_up"], inputs["down"], 2, True)
+        run(np.zeros((3, 8), np.float32), (inputs["router"], inputs["gate_up"], inputs["down"]), 2, True)
     with pytest.raises(ValueError, match=message):
         moe_ref(np.zeros((3, 8), np.float32), inputs["router"], inputs["gate_up"], inputs["down"], top_k=2,
                 norm_topk_prob=True)
@@ -143,4 +145,4 @@ def test_top_k_beyond_the_experts_is_refused():
     rng = np.random.default_rng(8)
     router, gate_up, down = weights(rng, 4, 8, 4)
     with pytest.raises(Exception, match="top_k must be in"):
-        run(np.zeros((3, 8), np.float32), router, gate_up, down, 5, True)
+        run(np.zeros((3, 8), np.float32), (router, gate_up, down), 5, True)
