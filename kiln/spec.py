@@ -26,7 +26,7 @@ SUPPORTED_ARCHITECTURES = {
 # The mixture-of-experts families (their MLP is kiln.MoE: kiln/moe.py).
 MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
 # The same families as GGUF files name them in general.architecture (export/gguf_architectures.py reads them).
-SUPPORTED_GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3")
+SUPPORTED_GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3", "qwen2moe", "qwen3moe", "olmoe")
 
 
 def supported_architectures_sentence() -> str:

@@ -80,3 +80,16 @@ def test_moe_spec_rejects_partly_dense_configs(tmp_path):
         ModelSpec.from_hf_config(config)
     spec = ModelSpec.from_hf_config({**config, "mlp_only_layers": []})
     assert (spec.num_experts, spec.experts_per_token, spec.intermediate_size) == (4, 2, 4)
+
+
+def test_mixtral_gguf_engine_matches_transformers(tmp_path):
+    """llama.cpp's layout of Mixtral (general.architecture llama, stacked ffn_*_exps, permuted q/k rows) builds
+    into the engine the Hugging Face checkpoint gives."""
+    from tiny_gguf import make_tiny_gguf
+
+    from kiln.manifest import BuildOptions
+    from kiln.optimize.build import build_engine
+
+    gguf_path, hf_dir = make_tiny_gguf(tmp_path, "mixtral")
+    build_engine(gguf_path, tmp_path / "engine", BuildOptions(kv_dtype="float32"), progress=lambda _msg: None)
+    check_against_transformers(tmp_path / "engine", hf_dir, SHORT_PROMPTS, steps=4, atol=1e-4)

@@ -168,6 +168,10 @@ GGUF_CASES = {
     "qwen3-untied": ("qwen3", dict(tie_word_embeddings=False)),
     "phi3-longrope": ("phi3", {}),
     "phi4-partial-rotary": ("phi4", {}),
+    "mixtral-experts": ("mixtral", {}),
+    "qwen2moe-shared-expert": ("qwen2_moe", {}),
+    "qwen3moe": ("qwen3_moe", {}),
+    "olmoe": ("olmoe", {}),
 }
 
 
