@@ -14,6 +14,14 @@ Attributes
 Output
   y        float32 [..., D]
 
+Q4_1 experts (the same op, its expert inputs typed uint8, two more inputs):
+  gate_up     uint8   [E, 2F, D/2]         llama.cpp's Q4_1 numbers per block of 32 inputs: w = m + q * d; a block's
+  down        uint8   [E, D, F/2]          16 bytes hold element j in byte j's low nibble, element j + 16 in its high
+  gate_up_dm  float16 [E, 2F, D/32, 2]     one (like a GGUF block_q4_1's qs); dm the blocks' (d, m)
+  down_dm     float16 [E, D, F/32, 2]
+D and F multiples of 32. The output is the float op's on the dequantized weights (`unpack_q4_1_experts`), the
+activations kept in float32: each expert's dot is sum_b d * (x_b . q_b) + m * sum(x_b).
+
 Per row: p = softmax(x @ router^T) over all E experts; the top_k largest p are chosen (equal p: the lower expert
 index first); w = the chosen p, renormalised to sum 1 when norm_topk_prob; y = sum_j w_j * expert_{e_j}(x) with
 expert_e(x) = down_e @ (silu(gate_e @ x) * (up_e @ x)).
@@ -87,18 +95,47 @@ def moe_ref(x: np.ndarray, router: np.ndarray, gate_up: np.ndarray, down: np.nda
     return out
 
 
-def make_single_op_model(top_k: int, norm_topk_prob: bool, rank: int = 2) -> ModelProto:
-    """A one-node ONNX model y = kiln.MoE(x, router, gate_up, down), every input a graph input with symbolic
-    dims; for tests and benchmarks."""
+Q4_BLOCK = 32
+
+
+def pack_q4_1_experts(q: np.ndarray, d: np.ndarray, m: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(nibbles uint8 [E, rows, K/2], dm float16 [E, rows, K/32, 2]) from q uint8 [E, rows, K] in [0, 15] and the
+    blocks' d, m float16 [E, rows, K/32]."""
+    e, rows, k = q.shape
+    if k % Q4_BLOCK or q.dtype != np.uint8 or q.max(initial=0) > 15:
+        raise ValueError(f"q must be uint8 [E, rows, K] with K a multiple of {Q4_BLOCK} and values < 16, "
+                         f"got {q.dtype} {list(q.shape)}")
+    blocks = q.reshape(e, rows, k // Q4_BLOCK, Q4_BLOCK)
+    nibbles = blocks[..., :16] | (blocks[..., 16:] << 4)
+    dm = np.stack([d.astype(np.float16), m.astype(np.float16)], axis=-1)
+    return nibbles.reshape(e, rows, k // 2), dm
+
+
+def unpack_q4_1_experts(nibbles: np.ndarray, dm: np.ndarray) -> np.ndarray:
+    """The float32 weights [E, rows, K] Q4_1 experts hold: m + q * d in float32, as llama.cpp dequantizes."""
+    e, rows, half = nibbles.shape
+    blocks = nibbles.reshape(e, rows, -1, 16)
+    q = np.concatenate([blocks & 0x0F, blocks >> 4], axis=-1).astype(np.float32)
+    d, m = dm[..., 0].astype(np.float32), dm[..., 1].astype(np.float32)
+    out: np.ndarray = (m[..., None] + q * d[..., None]).reshape(e, rows, 2 * half)
+    return out
+
+
+def make_single_op_model(top_k: int, norm_topk_prob: bool, rank: int = 2, q4_1: bool = False) -> ModelProto:
+    """A one-node ONNX model y = kiln.MoE(x, router, gate_up, down[, gate_up_dm, down_dm]), every input a graph
+    input with symbolic dims (Q4_1 experts with q4_1); for tests and benchmarks."""
     from onnx import TensorProto, helper  # compile-time dependency only
 
     lead = [f"t{i}" for i in range(rank - 1)]
-    node = helper.make_node(OP_TYPE, ["x", "router", "gate_up", "down"], ["y"], domain=OP_DOMAIN,
-                            top_k=top_k, norm_topk_prob=int(norm_topk_prob))
+    names = ["x", "router", "gate_up", "down"] + (["gate_up_dm", "down_dm"] if q4_1 else [])
+    node = helper.make_node(OP_TYPE, names, ["y"], domain=OP_DOMAIN, top_k=top_k, norm_topk_prob=int(norm_topk_prob))
+    expert_type = TensorProto.UINT8 if q4_1 else TensorProto.FLOAT
     inputs = [helper.make_tensor_value_info("x", TensorProto.FLOAT, [*lead, "D"]),
               helper.make_tensor_value_info("router", TensorProto.FLOAT, ["E", "D"]),
-              helper.make_tensor_value_info("gate_up", TensorProto.FLOAT, ["E", "F2", "D"]),
-              helper.make_tensor_value_info("down", TensorProto.FLOAT, ["E", "D", "F"])]
+              helper.make_tensor_value_info("gate_up", expert_type, ["E", "F2", "Dq"]),
+              helper.make_tensor_value_info("down", expert_type, ["E", "D", "Fq"])]
+    if q4_1:
+        inputs += [helper.make_tensor_value_info(name, TensorProto.FLOAT16, None) for name in names[4:]]
     graph = helper.make_graph([node], "moe", inputs,
                               [helper.make_tensor_value_info("y", TensorProto.FLOAT, [*lead, "D"])])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18),

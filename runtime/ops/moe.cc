@@ -24,7 +24,9 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <optional>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "moe.h"
@@ -83,6 +85,59 @@ void rows_dot_tokens(const float* W, int64_t r0, int64_t r1, int64_t K, const fl
   }
   for (; r < r1; ++r)
     for (int64_t t = 0; t < n; ++t) out[t * ldo + (r - r0)] = dot(xs[t], W + r * K, K);
+}
+
+// Expert weights in Q4_1's numbers (kiln/moe.py): per block of 32 inputs, w = m + q * d, q a nibble. A row's 16 bytes a
+// block hold element j in byte j's low nibble and element j + 16 in its high one (a GGUF block_q4_1's qs);
+// dm holds the blocks' (d, m) float16 pairs. x . w = sum_b d * (x_b . q_b) + m * sum(x_b), with each token's block
+// sums computed once per phase (xsum), so a block costs one unpack and four FMAs per token.
+struct Q4Rows {
+  const uint8_t* q;        // [rows, K / 2]
+  const uint16_t* dm;      // [rows, K / 32, 2] float16 bits
+  int64_t K;
+};
+
+inline __m256 nibbles_to_ps(__m128i bytes8) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes8)); }
+
+inline float dot_q4(const Q4Rows& w, int64_t r, const float* x, const float* xsum) {
+  const int64_t nb = w.K / 32;
+  const uint8_t* q = w.q + r * (w.K / 2);
+  const uint16_t* dm = w.dm + r * nb * 2;
+  const __m128i low = _mm_set1_epi8(0x0F);
+  __m256 acc = _mm256_setzero_ps();
+  float mins = 0.f;
+  for (int64_t b = 0; b < nb; ++b) {
+    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + b * 16));
+    const __m128i lo = _mm_and_si128(bytes, low), hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), low);
+    const float* xb = x + b * 32;
+    __m256 block = _mm256_mul_ps(_mm256_loadu_ps(xb), nibbles_to_ps(lo));
+    block = _mm256_fmadd_ps(_mm256_loadu_ps(xb + 8), nibbles_to_ps(_mm_srli_si128(lo, 8)), block);
+    block = _mm256_fmadd_ps(_mm256_loadu_ps(xb + 16), nibbles_to_ps(hi), block);
+    block = _mm256_fmadd_ps(_mm256_loadu_ps(xb + 24), nibbles_to_ps(_mm_srli_si128(hi, 8)), block);
+    acc = _mm256_fmadd_ps(_mm256_set1_ps(_cvtsh_ss(dm[2 * b])), block, acc);
+    mins += _cvtsh_ss(dm[2 * b + 1]) * xsum[b];
+  }
+  return hsum(acc) + mins;
+}
+
+// out[t * ldo + (r - r0)] = xs[t] . W[r] for Q4_1 rows, xsums[t] the token's block sums.
+void q4_rows_dot_tokens(const Q4Rows& w, int64_t r0, int64_t r1, const float* const* xs, const float* const* xsums,
+                        int64_t n, float* out, int64_t ldo) {
+  for (int64_t r = r0; r < r1; ++r)
+    for (int64_t t = 0; t < n; ++t) out[t * ldo + (r - r0)] = dot_q4(w, r, xs[t], xsums[t]);
+}
+
+// Block sums [rows, K / 32] of rows xs[i] (length K).
+std::vector<float> block_sums(const std::vector<const float*>& xs, int64_t K) {
+  const int64_t nb = K / 32;
+  std::vector<float> sums(xs.size() * nb);
+  for (size_t i = 0; i < xs.size(); ++i)
+    for (int64_t b = 0; b < nb; ++b) {
+      __m256 s = _mm256_add_ps(_mm256_add_ps(_mm256_loadu_ps(xs[i] + b * 32), _mm256_loadu_ps(xs[i] + b * 32 + 8)),
+                               _mm256_add_ps(_mm256_loadu_ps(xs[i] + b * 32 + 16), _mm256_loadu_ps(xs[i] + b * 32 + 24)));
+      sums[i * nb + b] = hsum(s);
+    }
+  return sums;
 }
 
 inline float silu_times(float gate, float up) {
@@ -157,25 +212,129 @@ struct Dims {
   int64_t T, D, E, F, top_k;
 };
 
+[[noreturn]] void fail_moe(const std::string& what) { throw Ort::Exception("kiln.MoE: " + what, ORT_INVALID_ARGUMENT); }
+
+// Shapes of x, router and the experts' stacks; `packed` divides the experts' last dim by 2 (Q4_1 nibbles).
 Dims check_shapes(const std::vector<int64_t>& xs, const std::vector<int64_t>& rs, const std::vector<int64_t>& gus,
-                  const std::vector<int64_t>& ds, int64_t top_k) {
-  auto fail = [](const std::string& what) { throw Ort::Exception("kiln.MoE: " + what, ORT_INVALID_ARGUMENT); };
-  if (xs.empty()) fail("x must be [..., D], got a scalar");
+                  const std::vector<int64_t>& ds, int64_t top_k, bool packed) {
+  if (xs.empty()) fail_moe("x must be [..., D], got a scalar");
   Dims d{1, xs.back(), 0, 0, top_k};
   for (size_t i = 0; i + 1 < xs.size(); ++i) d.T *= xs[i];
-  if (rs.size() != 2 || rs[1] != d.D)
-    fail("router must be [E, D=" + std::to_string(d.D) + "], got " + shape_text(rs));
+  if (rs.size() != 2 || rs[1] != d.D) fail_moe("router must be [E, D=" + std::to_string(d.D) + "], got " + shape_text(rs));
   d.E = rs[0];
-  if (gus.size() != 3 || gus[0] != d.E || gus[2] != d.D || gus[1] % 2 != 0)
-    fail("gate_up must be [E=" + std::to_string(d.E) + ", 2F, D=" + std::to_string(d.D) + "], got " + shape_text(gus));
+  const int64_t div = packed ? 2 : 1;
+  const std::string last = packed ? "/2" : "";
+  if (gus.size() != 3 || gus[0] != d.E || gus[2] * div != d.D || gus[1] % 2 != 0)
+    fail_moe("gate_up must be [E=" + std::to_string(d.E) + ", 2F, D" + last + "=" + std::to_string(d.D / div) +
+             "], got " + shape_text(gus));
   d.F = gus[1] / 2;
-  if (ds != std::vector<int64_t>{d.E, d.D, d.F})
-    fail("down must be [E, D, F] = " + shape_text({d.E, d.D, d.F}) + ", got " + shape_text(ds));
-  if (top_k < 1 || top_k > d.E) fail("top_k must be in [1, E=" + std::to_string(d.E) + "], got " + std::to_string(top_k));
+  if (ds.size() != 3 || ds[0] != d.E || ds[1] != d.D || ds[2] * div != d.F)
+    fail_moe("down must be [E, D, F" + last + "] = " + shape_text({d.E, d.D, d.F / div}) + ", got " + shape_text(ds));
+  if (top_k < 1 || top_k > d.E) fail_moe("top_k must be in [1, E=" + std::to_string(d.E) + "], got " + std::to_string(top_k));
+  if (packed && (d.D % 32 != 0 || d.F % 32 != 0))
+    fail_moe("Q4_1 experts need D and F multiples of 32, got D=" + std::to_string(d.D) + ", F=" + std::to_string(d.F));
   return d;
 }
 
+// One projection's expert stack [E, rows, K]: float32 rows, or Q4_1 nibbles + (d, m) pairs.
+struct ExpertStack {
+  const float* f = nullptr;
+  const uint8_t* q = nullptr;
+  const uint16_t* dm = nullptr;
+  int64_t rows = 0, K = 0;
+
+  void dot(int64_t e, int64_t r0, int64_t r1, const float* const* xs, const float* const* xsums, int64_t n,
+           float* out, int64_t ldo) const {
+    if (f != nullptr) return rows_dot_tokens(f + e * rows * K, r0, r1, K, xs, n, out, ldo);
+    const Q4Rows w{q + e * rows * (K / 2), dm + e * rows * (K / 32) * 2, K};
+    q4_rows_dot_tokens(w, r0, r1, xs, xsums, n, out, ldo);
+  }
+};
+
+// The step (see the file comment) for float or Q4_1 experts.
+void moe_step(OrtKernelContext* ctx, const Dims& d, const float* in, const Routing& routing, const ExpertStack& gate_up,
+              const ExpertStack& down, float* out) {
+  const bool q4 = gate_up.f == nullptr;
+  const Groups g = group_by_expert(routing, d.E, d.top_k);
+  const int64_t rows = d.T * d.top_k;
+  std::vector<const float*> token_rows(rows);
+  for (int64_t i = 0; i < rows; ++i) token_rows[i] = in + g.token[i] * d.D;
+  // Q4_1: each grouped row's block sums (a token's once per slot: cheap next to the expert's rows)
+  const std::vector<float> x_sums = q4 ? block_sums(token_rows, d.D) : std::vector<float>();
+  std::vector<const float*> x_sum_rows(rows, nullptr);
+  if (q4) for (int64_t i = 0; i < rows; ++i) x_sum_rows[i] = x_sums.data() + i * (d.D / 32);
+
+  std::vector<float> act(rows * d.F);
+  std::vector<Item> items = items_over(g, d.E, d.F, kGateRowsPerItem);
+  auto gate_up_item = [&](size_t i) {
+    const Item& it = items[i];
+    const int64_t first = g.start[it.expert], n = g.start[it.expert + 1] - first, w = it.r1 - it.r0;
+    std::vector<float> gate(n * w), up(n * w);
+    gate_up.dot(it.expert, it.r0, it.r1, token_rows.data() + first, x_sum_rows.data() + first, n, gate.data(), w);
+    gate_up.dot(it.expert, d.F + it.r0, d.F + it.r1, token_rows.data() + first, x_sum_rows.data() + first, n,
+                up.data(), w);
+    for (int64_t t = 0; t < n; ++t)
+      for (int64_t j = 0; j < w; ++j) act[(first + t) * d.F + it.r0 + j] = silu_times(gate[t * w + j], up[t * w + j]);
+  };
+  parallel_for(ctx, items.size(), gate_up_item);
+
+  std::vector<const float*> act_rows(rows);
+  for (int64_t i = 0; i < rows; ++i) act_rows[i] = act.data() + i * d.F;
+  const std::vector<float> act_sums = q4 ? block_sums(act_rows, d.F) : std::vector<float>();
+  std::vector<const float*> act_sum_rows(rows, nullptr);
+  if (q4) for (int64_t i = 0; i < rows; ++i) act_sum_rows[i] = act_sums.data() + i * (d.F / 32);
+  std::vector<float> expert_out(rows * d.D);
+  items = items_over(g, d.E, d.D, kDownRowsPerItem);
+  auto down_item = [&](size_t i) {
+    const Item& it = items[i];
+    const int64_t first = g.start[it.expert], n = g.start[it.expert + 1] - first;
+    down.dot(it.expert, it.r0, it.r1, act_rows.data() + first, act_sum_rows.data() + first, n,
+             expert_out.data() + first * d.D + it.r0, d.D);
+  };
+  parallel_for(ctx, items.size(), down_item);
+
+  auto combine = [&](size_t t) {
+    float* dst = out + t * d.D;
+    std::fill(dst, dst + d.D, 0.f);
+    for (int64_t j = 0; j < d.top_k; ++j) {
+      const int64_t slot = static_cast<int64_t>(t) * d.top_k + j;
+      const float* src = expert_out.data() + g.row_of[slot] * d.D;
+      const __m256 wv = _mm256_set1_ps(routing.weight[slot]);
+      int64_t k = 0;
+      for (; k + 8 <= d.D; k += 8)
+        _mm256_storeu_ps(dst + k, _mm256_fmadd_ps(wv, _mm256_loadu_ps(src + k), _mm256_loadu_ps(dst + k)));
+      for (; k < d.D; ++k) dst[k] += routing.weight[slot] * src[k];
+    }
+  };
+  parallel_for(ctx, static_cast<size_t>(d.T), combine);
+}
+
+Routing route(OrtKernelContext* ctx, const Dims& d, const float* x, const float* router, bool normalize) {
+  Routing r{std::vector<int32_t>(d.T * d.top_k), std::vector<float>(d.T * d.top_k)};
+  const size_t chunks = static_cast<size_t>((d.T + kRouterTokensPerItem - 1) / kRouterTokensPerItem);
+  auto chunk = [&](size_t c) {
+    const int64_t t0 = static_cast<int64_t>(c) * kRouterTokensPerItem;
+    const int64_t n = std::min(d.T, t0 + kRouterTokensPerItem) - t0;
+    std::vector<const float*> xs(n);
+    for (int64_t t = 0; t < n; ++t) xs[t] = x + (t0 + t) * d.D;
+    std::vector<float> logits(n * d.E);
+    rows_dot_tokens(router, 0, d.E, d.D, xs.data(), n, logits.data(), d.E);
+    for (int64_t t = 0; t < n; ++t) {
+      const int64_t slot = (t0 + t) * d.top_k;
+      route_token(logits.data() + t * d.E, d.E, d.top_k, normalize, r.expert.data() + slot, r.weight.data() + slot);
+    }
+  };
+  parallel_for(ctx, chunks, chunk);
+  return r;
+}
+
+using DmInput = std::optional<const Ort::Custom::Tensor<Ort::Float16_t>*>;
+
+// W = float: float32 experts (no dm inputs); W = uint8_t: Q4_1 experts with their dm inputs.
+template <typename W>
 struct MoE {
+  static constexpr bool kQ4 = std::is_same<W, uint8_t>::value;
+
   MoE(const OrtApi*, const OrtKernelInfo* info) {
     Ort::ConstKernelInfo ki(info);
     top_k_ = ki.GetAttribute<int64_t>("top_k");
@@ -183,10 +342,16 @@ struct MoE {
   }
 
   Ort::Status Compute(OrtKernelContext* ctx, const Ort::Custom::Tensor<float>& x, const Ort::Custom::Tensor<float>& router,
-                      const Ort::Custom::Tensor<float>& gate_up, const Ort::Custom::Tensor<float>& down,
-                      Ort::Custom::Tensor<float>& y) {
+                      const Ort::Custom::Tensor<W>& gate_up, const Ort::Custom::Tensor<W>& down, DmInput gate_up_dm,
+                      DmInput down_dm, Ort::Custom::Tensor<float>& y) {
     try {
-      run(ctx, x, router, gate_up, down, y);
+      const Dims d = check_shapes(x.Shape(), router.Shape(), gate_up.Shape(), down.Shape(), top_k_, kQ4);
+      const ExpertStack gu = stack(gate_up, gate_up_dm, 2 * d.F, d.D, "gate_up");
+      const ExpertStack dn = stack(down, down_dm, d.D, d.F, "down");
+      float* out = y.Allocate(x.Shape());
+      if (d.T == 0 || d.D == 0) return Ort::Status{nullptr};
+      const Routing routing = route(ctx, d, x.Data(), router.Data(), norm_topk_prob_);
+      moe_step(ctx, d, x.Data(), routing, gu, dn, out);
     } catch (const Ort::Exception& e) {
       return Ort::Status(e.what(), e.GetOrtErrorCode());
     } catch (const std::exception& e) {
@@ -196,80 +361,22 @@ struct MoE {
   }
 
  private:
-  void run(OrtKernelContext* ctx, const Ort::Custom::Tensor<float>& x, const Ort::Custom::Tensor<float>& router,
-           const Ort::Custom::Tensor<float>& gate_up, const Ort::Custom::Tensor<float>& down,
-           Ort::Custom::Tensor<float>& y) const {
-    const Dims d = check_shapes(x.Shape(), router.Shape(), gate_up.Shape(), down.Shape(), top_k_);
-    float* out = y.Allocate(x.Shape());
-    if (d.T == 0 || d.D == 0) return;
-    const float* in = x.Data();
-    const Routing routing = route(ctx, d, in, router.Data());
-    const Groups g = group_by_expert(routing, d.E, d.top_k);
-    const int64_t rows = d.T * d.top_k;
-    std::vector<const float*> token_rows(rows);
-    for (int64_t i = 0; i < rows; ++i) token_rows[i] = in + g.token[i] * d.D;
-
-    std::vector<float> act(rows * d.F);
-    const float* gu = gate_up.Data();
-    std::vector<Item> items = items_over(g, d.E, d.F, kGateRowsPerItem);
-    auto gate_up_item = [&](size_t i) {
-      const Item& it = items[i];
-      const int64_t first = g.start[it.expert], n = g.start[it.expert + 1] - first, w = it.r1 - it.r0;
-      std::vector<float> gate(n * w), up(n * w);
-      const float* W = gu + it.expert * 2 * d.F * d.D;
-      rows_dot_tokens(W, it.r0, it.r1, d.D, token_rows.data() + first, n, gate.data(), w);
-      rows_dot_tokens(W, d.F + it.r0, d.F + it.r1, d.D, token_rows.data() + first, n, up.data(), w);
-      for (int64_t t = 0; t < n; ++t)
-        for (int64_t j = 0; j < w; ++j) act[(first + t) * d.F + it.r0 + j] = silu_times(gate[t * w + j], up[t * w + j]);
-    };
-    parallel_for(ctx, items.size(), gate_up_item);
-
-    std::vector<float> expert_out(rows * d.D);
-    std::vector<const float*> act_rows(rows);
-    for (int64_t i = 0; i < rows; ++i) act_rows[i] = act.data() + i * d.F;
-    const float* dn = down.Data();
-    items = items_over(g, d.E, d.D, kDownRowsPerItem);
-    auto down_item = [&](size_t i) {
-      const Item& it = items[i];
-      const int64_t first = g.start[it.expert], n = g.start[it.expert + 1] - first;
-      rows_dot_tokens(dn + it.expert * d.D * d.F, it.r0, it.r1, d.F, act_rows.data() + first, n,
-                      expert_out.data() + first * d.D + it.r0, d.D);
-    };
-    parallel_for(ctx, items.size(), down_item);
-
-    auto combine = [&](size_t t) {
-      float* dst = out + t * d.D;
-      std::fill(dst, dst + d.D, 0.f);
-      for (int64_t j = 0; j < d.top_k; ++j) {
-        const int64_t slot = static_cast<int64_t>(t) * d.top_k + j;
-        const float* src = expert_out.data() + g.row_of[slot] * d.D;
-        const __m256 wv = _mm256_set1_ps(routing.weight[slot]);
-        int64_t k = 0;
-        for (; k + 8 <= d.D; k += 8)
-          _mm256_storeu_ps(dst + k, _mm256_fmadd_ps(wv, _mm256_loadu_ps(src + k), _mm256_loadu_ps(dst + k)));
-        for (; k < d.D; ++k) dst[k] += routing.weight[slot] * src[k];
-      }
-    };
-    parallel_for(ctx, static_cast<size_t>(d.T), combine);
-  }
-
-  Routing route(OrtKernelContext* ctx, const Dims& d, const float* x, const float* router) const {
-    Routing r{std::vector<int32_t>(d.T * d.top_k), std::vector<float>(d.T * d.top_k)};
-    const size_t chunks = static_cast<size_t>((d.T + kRouterTokensPerItem - 1) / kRouterTokensPerItem);
-    auto chunk = [&](size_t c) {
-      const int64_t t0 = static_cast<int64_t>(c) * kRouterTokensPerItem;
-      const int64_t n = std::min(d.T, t0 + kRouterTokensPerItem) - t0;
-      std::vector<const float*> xs(n);
-      for (int64_t t = 0; t < n; ++t) xs[t] = x + (t0 + t) * d.D;
-      std::vector<float> logits(n * d.E);
-      rows_dot_tokens(router, 0, d.E, d.D, xs.data(), n, logits.data(), d.E);
-      for (int64_t t = 0; t < n; ++t) {
-        const int64_t slot = (t0 + t) * d.top_k;
-        route_token(logits.data() + t * d.E, d.E, d.top_k, norm_topk_prob_, r.expert.data() + slot, r.weight.data() + slot);
-      }
-    };
-    parallel_for(ctx, chunks, chunk);
-    return r;
+  static ExpertStack stack(const Ort::Custom::Tensor<W>& w, DmInput dm, int64_t rows, int64_t K, const std::string& name) {
+    ExpertStack s;
+    s.rows = rows;
+    s.K = K;
+    if constexpr (kQ4) {
+      if (!dm.has_value()) fail_moe("Q4_1 " + name + " needs its " + name + "_dm input");
+      const std::vector<int64_t> want{w.Shape()[0], rows, K / 32, 2};
+      if ((*dm)->Shape() != want)
+        fail_moe(name + "_dm must be " + shape_text(want) + ", got " + shape_text((*dm)->Shape()));
+      s.q = w.Data();
+      s.dm = reinterpret_cast<const uint16_t*>((*dm)->Data());
+    } else {
+      if (dm.has_value()) fail_moe("float32 " + name + " takes no " + name + "_dm input");
+      s.f = w.Data();
+    }
+    return s;
   }
 
   int64_t top_k_ = 1;
@@ -279,7 +386,8 @@ struct MoE {
 }  // namespace
 
 void add_moe(Ort::CustomOpDomain& domain) {
-  domain.Add(Ort::Custom::CreateLiteCustomOp<MoE>("MoE", "CPUExecutionProvider"));
+  domain.Add(Ort::Custom::CreateLiteCustomOp<MoE<float>>("MoE", "CPUExecutionProvider"));
+  domain.Add(Ort::Custom::CreateLiteCustomOp<MoE<uint8_t>>("MoE", "CPUExecutionProvider"));
 }
 
 }  // namespace kiln

@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kiln.moe import make_single_op_model, moe_ref, route_ref
+from kiln.moe import make_single_op_model, moe_ref, pack_q4_1_experts, route_ref, unpack_q4_1_experts
 
 ort = pytest.importorskip("onnxruntime")
 from op_library import op_library_or_skip  # noqa: E402
@@ -146,3 +146,55 @@ def test_top_k_beyond_the_experts_is_refused():
     router, gate_up, down = weights(rng, 4, 8, 4)
     with pytest.raises(Exception, match="top_k must be in"):
         run(np.zeros((3, 8), np.float32), (router, gate_up, down), 5, True)
+
+
+def q4_1_experts(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """w [E, rows, K] in Q4_1 (llama.cpp's rounding: optimize/quant/rtn.py), as the op's (nibbles, dm)."""
+    from kiln.optimize.quant.rtn import quantize_q4_1
+
+    e, rows, k = w.shape
+    q = quantize_q4_1(w.reshape(e * rows, k))
+    return pack_q4_1_experts(q.q.reshape(e, rows, k), q.d.reshape(e, rows, -1), q.m.reshape(e, rows, -1))
+
+
+def run_q4_1(x, router, gate_up, down, top_k: int, norm: bool) -> np.ndarray:  # noqa: PLR0913 (the op's inputs)
+    so = ort.SessionOptions()
+    so.register_custom_ops_library(LIBRARY)
+    so.intra_op_num_threads = 2
+    session = ort.InferenceSession(make_single_op_model(top_k, norm, q4_1=True).SerializeToString(), so,
+                                   providers=["CPUExecutionProvider"])
+    (gu, gu_dm), (dn, dn_dm) = gate_up, down
+    return session.run(None, {"x": x, "router": router, "gate_up": gu, "down": dn, "gate_up_dm": gu_dm,
+                              "down_dm": dn_dm})[0]
+
+
+def test_q4_1_packing_round_trips_llama_cpp_numbers():
+    from kiln.optimize.quant.rtn import quantize_q4_1
+
+    w = np.random.default_rng(9).standard_normal((3, 5, 64)).astype(np.float32)
+    nibbles, dm = q4_1_experts(w)
+    assert nibbles.shape == (3, 5, 32) and dm.shape == (3, 5, 2, 2) and dm.dtype == np.float16
+    want = quantize_q4_1(w.reshape(15, 64)).dequantize().reshape(3, 5, 64)
+    np.testing.assert_array_equal(unpack_q4_1_experts(nibbles, dm), want)
+    assert np.abs(want - w).max() < 0.5  # and they are w's 4-bit rounding
+
+
+@pytest.mark.parametrize("tokens, experts, top_k, d, f", [(1, 8, 2, 64, 96), (21, 16, 8, 96, 64), (40, 4, 4, 32, 32)])
+def test_q4_1_kernel_matches_reference_on_dequantized_weights(tokens, experts, top_k, d, f):
+    rng = np.random.default_rng(tokens + experts)
+    router, gate_up, down = weights(rng, experts, d, f)
+    x = rng.standard_normal((tokens, d)).astype(np.float32)
+    gu, dn = q4_1_experts(gate_up), q4_1_experts(down)
+    y = run_q4_1(x, router, gu, dn, top_k, True)
+    want = moe_ref(x, router, unpack_q4_1_experts(*gu), unpack_q4_1_experts(*dn), top_k=top_k, norm_topk_prob=True)
+    np.testing.assert_allclose(y, want, rtol=1e-4, atol=1e-5)
+    # the unquantized op is close, not equal: the test sees the 4-bit weights
+    assert np.abs(y - moe_ref(x, router, gate_up, down, top_k=top_k, norm_topk_prob=True)).max() > 1e-4
+
+
+def test_q4_1_experts_need_their_steps_and_whole_blocks():
+    rng = np.random.default_rng(10)
+    router, gate_up, down = weights(rng, 4, 32, 32)
+    gu, dn = q4_1_experts(gate_up), q4_1_experts(down)
+    with pytest.raises(Exception, match="gate_up_dm must be"):
+        run_q4_1(np.zeros((2, 32), np.float32), router, (gu[0], dn[1]), dn, 2, True)
