@@ -99,32 +99,49 @@ struct Q4Rows {
 
 inline __m256 nibbles_to_ps(__m128i bytes8) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes8)); }
 
-inline float dot_q4(const Q4Rows& w, int64_t r, const float* x, const float* xsum) {
+// Row r of w against NT tokens: each block's nibbles are unpacked to floats once and used for all NT tokens.
+template <int NT>
+inline void dot_q4_tile(const Q4Rows& w, int64_t r, const float* const* xs, const float* const* xsums, float* out,
+                        int64_t ldo) {
   const int64_t nb = w.K / 32;
   const uint8_t* q = w.q + r * (w.K / 2);
   const uint16_t* dm = w.dm + r * nb * 2;
   const __m128i low = _mm_set1_epi8(0x0F);
-  __m256 acc = _mm256_setzero_ps();
-  float mins = 0.f;
+  __m256 acc[NT];
+  float mins[NT];
+  for (int j = 0; j < NT; ++j) {
+    acc[j] = _mm256_setzero_ps();
+    mins[j] = 0.f;
+  }
   for (int64_t b = 0; b < nb; ++b) {
     const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + b * 16));
     const __m128i lo = _mm_and_si128(bytes, low), hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), low);
-    const float* xb = x + b * 32;
-    __m256 block = _mm256_mul_ps(_mm256_loadu_ps(xb), nibbles_to_ps(lo));
-    block = _mm256_fmadd_ps(_mm256_loadu_ps(xb + 8), nibbles_to_ps(_mm_srli_si128(lo, 8)), block);
-    block = _mm256_fmadd_ps(_mm256_loadu_ps(xb + 16), nibbles_to_ps(hi), block);
-    block = _mm256_fmadd_ps(_mm256_loadu_ps(xb + 24), nibbles_to_ps(_mm_srli_si128(hi, 8)), block);
-    acc = _mm256_fmadd_ps(_mm256_set1_ps(_cvtsh_ss(dm[2 * b])), block, acc);
-    mins += _cvtsh_ss(dm[2 * b + 1]) * xsum[b];
+    const __m256 q0 = nibbles_to_ps(lo), q1 = nibbles_to_ps(_mm_srli_si128(lo, 8));
+    const __m256 q2 = nibbles_to_ps(hi), q3 = nibbles_to_ps(_mm_srli_si128(hi, 8));
+    const __m256 step = _mm256_set1_ps(_cvtsh_ss(dm[2 * b]));
+    const float minimum = _cvtsh_ss(dm[2 * b + 1]);
+    for (int j = 0; j < NT; ++j) {
+      const float* xb = xs[j] + b * 32;
+      __m256 block = _mm256_mul_ps(_mm256_loadu_ps(xb), q0);
+      block = _mm256_fmadd_ps(_mm256_loadu_ps(xb + 8), q1, block);
+      block = _mm256_fmadd_ps(_mm256_loadu_ps(xb + 16), q2, block);
+      block = _mm256_fmadd_ps(_mm256_loadu_ps(xb + 24), q3, block);
+      acc[j] = _mm256_fmadd_ps(step, block, acc[j]);
+      mins[j] = std::fma(minimum, xsums[j][b], mins[j]);  // explicit: the same rounding in every tile size
+    }
   }
-  return hsum(acc) + mins;
+  for (int j = 0; j < NT; ++j) out[j * ldo] = hsum(acc[j]) + mins[j];
 }
 
-// out[t * ldo + (r - r0)] = xs[t] . W[r] for Q4_1 rows, xsums[t] the token's block sums.
+// out[t * ldo + (r - r0)] = xs[t] . W[r] for Q4_1 rows, xsums[t] the token's block sums; four tokens a tile. A
+// token's result is the same arithmetic in every tile size, so it does not depend on the batch.
 void q4_rows_dot_tokens(const Q4Rows& w, int64_t r0, int64_t r1, const float* const* xs, const float* const* xsums,
                         int64_t n, float* out, int64_t ldo) {
-  for (int64_t r = r0; r < r1; ++r)
-    for (int64_t t = 0; t < n; ++t) out[t * ldo + (r - r0)] = dot_q4(w, r, xs[t], xsums[t]);
+  for (int64_t r = r0; r < r1; ++r) {
+    int64_t t = 0;
+    for (; t + 4 <= n; t += 4) dot_q4_tile<4>(w, r, xs + t, xsums + t, out + t * ldo + (r - r0), ldo);
+    for (; t < n; ++t) dot_q4_tile<1>(w, r, xs + t, xsums + t, out + t * ldo + (r - r0), ldo);
+  }
 }
 
 // Block sums [rows, K / 32] of rows xs[i] (length K).

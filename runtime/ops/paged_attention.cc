@@ -39,7 +39,7 @@
 
 namespace kiln {
 
-constexpr int kAbiVersion = 5;  // kiln.contract.OP_LIBRARY_ABI
+constexpr int kAbiVersion = 6;  // kiln.contract.OP_LIBRARY_ABI
 constexpr int kTargetRowsPerItem = 64;  // query rows (tokens x heads of one group) per work item
 constexpr int kMinPartition = 128;      // smallest context partition worth a separate item
 // Attention work (query rows x keys x head_dim) below which the calling thread runs every item:
