@@ -155,6 +155,9 @@ def calibrate_windows(checkpoint, token_windows: list[list[int]], config: Calibr
     from kiln.export.reference import ReferenceModel
 
     say = progress or (lambda _m: None)
+    if checkpoint.spec.is_moe:  # smoothing, AWQ and GPTQ are written for a dense MLP's gate/up/down linears
+        raise CalibrationError(f"calibration does not support mixture-of-experts models ({checkpoint.spec.family}); "
+                               "build them with int4-q4_1 or int4-rtn, which need none")
     use_gptq = config.method == "awq" and config.rounding == "gptq"
     if use_gptq:
         check_gptq_memory(checkpoint.spec, physical_memory())

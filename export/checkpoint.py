@@ -18,6 +18,7 @@ from .checkpoint_types import Checkpoint, LazyWeights, TokenizerFiles, select_we
 from .fused_weights import split_fused_projections
 from .gemma_weights import fold_norm_offsets, is_multimodal_gemma3, text_config, text_part
 from .gguf_loader import load_gguf
+from .moe_weights import stack_experts
 from .tensor_files import SafetensorsTensor, safetensors_index
 
 DEFAULT_MODEL = "default"
@@ -83,6 +84,7 @@ def _load_hf_dir(folder: Path) -> Checkpoint:
         raise ValueError(f"{config_path}: {exc}") from None
     files = _read_safetensors(folder)
     weights = split_fused_projections(spec, text_part(files) if multimodal else files, str(folder))
+    weights = stack_experts(spec, weights, str(folder))
     weights = select_weights(spec, fold_norm_offsets(spec, weights), str(folder))
     return Checkpoint(spec=spec, weights=weights, tokenizer=_read_hf_tokenizer(folder), source=str(folder))
 

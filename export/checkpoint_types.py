@@ -113,7 +113,17 @@ def expected_weight_names(spec: ModelSpec) -> list[str]:
             names += [p + f"self_attn.{n}_proj.bias" for n in ("q", "k", "v")]
         if spec.qk_norm:
             names += [p + "self_attn.q_norm.weight", p + "self_attn.k_norm.weight"]
-        names += [p + f"mlp.{n}_proj.weight" for n in ("gate", "up", "down")]
+        names += _mlp_weight_names(spec, p)
+    return names
+
+
+def _mlp_weight_names(spec: ModelSpec, prefix: str) -> list[str]:
+    if not spec.is_moe:
+        return [prefix + f"mlp.{n}_proj.weight" for n in ("gate", "up", "down")]
+    names = [prefix + "mlp.gate.weight", prefix + "mlp.experts.gate_up_proj", prefix + "mlp.experts.down_proj"]
+    if spec.shared_expert_intermediate_size:
+        names += [prefix + f"mlp.shared_expert.{n}_proj.weight" for n in ("gate", "up", "down")]
+        names.append(prefix + "mlp.shared_expert_gate.weight")
     return names
 
 
@@ -131,11 +141,18 @@ def expected_weight_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
         "self_attn.q_proj.bias": (spec.q_size,),
         "self_attn.k_proj.bias": (spec.kv_size,),
         "self_attn.v_proj.bias": (spec.kv_size,),
-        "self_attn.q_norm.weight": (spec.head_dim,),
-        "self_attn.k_norm.weight": (spec.head_dim,),
+        "self_attn.q_norm.weight": (spec.head_dim,) if spec.qk_norm_span == "head" else (spec.q_size,),
+        "self_attn.k_norm.weight": (spec.head_dim,) if spec.qk_norm_span == "head" else (spec.kv_size,),
         "mlp.gate_proj.weight": (inter, h),
         "mlp.up_proj.weight": (inter, h),
         "mlp.down_proj.weight": (h, inter),
+        "mlp.gate.weight": (spec.num_experts, h),
+        "mlp.experts.gate_up_proj": (spec.num_experts, 2 * inter, h),
+        "mlp.experts.down_proj": (spec.num_experts, h, inter),
+        "mlp.shared_expert.gate_proj.weight": (spec.shared_expert_intermediate_size, h),
+        "mlp.shared_expert.up_proj.weight": (spec.shared_expert_intermediate_size, h),
+        "mlp.shared_expert.down_proj.weight": (h, spec.shared_expert_intermediate_size),
+        "mlp.shared_expert_gate.weight": (1, h),
     }
     shapes = {
         "model.embed_tokens.weight": (spec.vocab_size, h),

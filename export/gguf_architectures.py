@@ -19,6 +19,11 @@ GGUF tensor names to Hugging Face names, and what the converter did to the weigh
   ``attention.sliding_window_pattern`` when a file has it) and gemma3's local RoPE base 10000 (or
   ``rope.freq_base_swa``). The attention scale is not stored: llama.cpp derives it from the model size
   (1/sqrt(hidden / heads) for the 27B models, 1/sqrt(head_dim) otherwise) and so does kiln.
+- mixture of experts (``llama`` with ``expert_count`` is Mixtral; ``qwen2moe``, ``qwen3moe``, ``olmoe``): the router
+  ``ffn_gate_inp``, the experts' projections stacked ``ffn_gate_exps`` / ``ffn_up_exps`` / ``ffn_down_exps``
+  [E, rows, cols], Qwen2-MoE's shared expert ``ffn_*_shexp`` and its gate ``ffn_gate_inp_shexp``; whether the chosen
+  experts' weights are renormalised is fixed per architecture in llama.cpp (Mixtral and Qwen3-MoE yes, Qwen2-MoE
+  and OLMoE no) unless ``expert_weights_norm`` says otherwise.
 
 The result is the same Checkpoint the Hugging Face directory of that model loads to.
 """
@@ -62,6 +67,20 @@ _LLAMA_BLOCKS = {
     "ffn_down": "mlp.down_proj",
 }
 _QWEN3_BLOCKS = {**_LLAMA_BLOCKS, "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
+# Mixture-of-experts blocks: the router, each projection stacked over the experts [E, rows, cols] (joined into
+# kiln.MoE's gate_up by export/moe_weights.py), and Qwen2-MoE's shared expert with its sigmoid gate.
+_MOE_BLOCKS = {
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_exps": "mlp.experts.gate_proj",
+    "ffn_up_exps": "mlp.experts.up_proj",
+    "ffn_down_exps": "mlp.experts.down_proj",
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
+}
+# Routing that llama.cpp fixes per architecture (build_moe_ffn's norm_w) unless expert_weights_norm says otherwise.
+_RENORMALISES = {"llama": True, "qwen3moe": True, "qwen2moe": False, "olmoe": False}
 _PHI3_BLOCKS = {
     "attn_norm": "input_layernorm",
     "attn_qkv": "self_attn.qkv_proj",
@@ -125,7 +144,12 @@ GGUF_ARCHITECTURES = {
     "phi3": GgufArchitecture("phi3", "phi3", _PHI3_BLOCKS),
     "gemma2": GgufArchitecture("gemma2", "gemma2", _GEMMA_BLOCKS),
     "gemma3": GgufArchitecture("gemma3", "gemma3", _GEMMA_BLOCKS),
+    "qwen2moe": GgufArchitecture("qwen2moe", "qwen2_moe", {**_LLAMA_BLOCKS, **_MOE_BLOCKS}),
+    "qwen3moe": GgufArchitecture("qwen3moe", "qwen3_moe", {**_QWEN3_BLOCKS, **_MOE_BLOCKS}),
+    "olmoe": GgufArchitecture("olmoe", "olmoe", {**_QWEN3_BLOCKS, **_MOE_BLOCKS}),
 }
+GGUF_ARCHITECTURES["llama"] = dataclasses.replace(GGUF_ARCHITECTURES["llama"],
+                                                  block_names={**_LLAMA_BLOCKS, **_MOE_BLOCKS})
 # block_count of the 27B models, whose attention scale llama.cpp takes from hidden / heads (not head_dim)
 _GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
 assert tuple(GGUF_ARCHITECTURES) == SUPPORTED_GGUF_ARCHITECTURES
@@ -176,13 +200,14 @@ def _spec_from_metadata(
         dict.fromkeys(int(md[k]) for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id") if k in md)
     )
     context = int(md.get(f"{prefix}.context_length", 2048))
+    moe = _moe_fields(arch, md, shapes)
     rotary = _longrope(md, rope, context, path) if arch.name == "phi3" else _rope_scaling(md, prefix, path)
     try:
         return ModelSpec(
-            family=arch.family,
+            family="mixtral" if arch.name == "llama" and moe else arch.family,
             vocab_size=int(vocab),
             hidden_size=hidden,
-            intermediate_size=int(get("feed_forward_length")),
+            intermediate_size=int(md.get(f"{prefix}.expert_feed_forward_length") or get("feed_forward_length")),
             num_layers=int(get("block_count")),
             num_heads=num_heads,
             num_kv_heads=int(md.get(f"{prefix}.attention.head_count_kv") or num_heads),
@@ -198,6 +223,7 @@ def _spec_from_metadata(
             eos_token_ids=eos_ids,
             qk_norm="blk.0.attn_q_norm.weight" in shapes,
             rotary_dim=rope_dim if rope_dim != head_dim else 0,
+            **moe,
         )
     except (TypeError, ValueError) as exc:
         raise ValueError(f"{path}: bad GGUF metadata ({_first_line(exc)})") from None
@@ -224,6 +250,23 @@ def _gemma_fields(prefix: str, md: dict, spec: ModelSpec) -> dict:
         layer_types=types,
         rope_local_theta=local,
     )
+
+
+def _moe_fields(arch: GgufArchitecture, md: dict, shapes: dict[str, tuple[int, ...]]) -> dict:
+    """ModelSpec's mixture-of-experts fields from {arch}.expert_* metadata (none for a dense model)."""
+    prefix = arch.name
+    experts = int(md.get(f"{prefix}.expert_count") or 0)
+    if not experts:
+        return {}
+    norm = md.get(f"{prefix}.expert_weights_norm")
+    return {
+        "num_experts": experts,
+        "experts_per_token": int(md.get(f"{prefix}.expert_used_count") or 0),
+        "norm_topk_prob": bool(norm) if norm is not None else _RENORMALISES.get(prefix, False),
+        "shared_expert_intermediate_size": int(md.get(f"{prefix}.expert_shared_feed_forward_length") or 0)
+        if "blk.0.ffn_gate_shexp.weight" in shapes else 0,
+        "qk_norm_span": "projection" if prefix == "olmoe" else "head",
+    }
 
 
 def _rope_scaling(md: dict, prefix: str, path: Path) -> RopeScaling | None:

@@ -15,6 +15,7 @@ from kiln.spec import ModelSpec
 from .checkpoint_types import Checkpoint, LazyWeights, TokenizerFiles, select_weights
 from .fused_weights import split_fused_projections
 from .gguf_architectures import ROPE_TENSORS, GgufArchitecture, gguf_architecture
+from .moe_weights import stack_experts
 from .tensor_files import GgufTensor
 
 # Large arrays the tokenizer converter reads itself; the metadata dict leaves them out.
@@ -35,6 +36,7 @@ def load_gguf(path: Path) -> Checkpoint:
     hf_sources = {architecture.hf_name(name, path): _with_rotary(architecture, name, source, spec)
                   for name, source in sources.items()}
     weights = split_fused_projections(spec, LazyWeights(hf_sources), str(path))
+    weights = stack_experts(spec, weights, str(path))
     weights = select_weights(spec, weights, str(path))
     return Checkpoint(spec=spec, weights=weights, tokenizer=_tokenizer(path, metadata), source=str(path))
 

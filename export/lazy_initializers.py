@@ -8,7 +8,8 @@ initializer still backed by a placeholder's memory (the parameter itself, or a t
 becomes an ``ir.LazyTensor`` that reads the checkpoint's tensor, transposed as the view was, when a pass
 or the engine writer asks for it. The graph, its names and its initializer order are the exporter's own,
 so the engine is the one a fully materialised export gives, bit for bit. Vectors (norm gains, biases) are
-read for real: they are small, and the exporter's rewrite rules may look at their values.
+read for real: they are small, and the exporter's rewrite rules may look at their values. Stacked [E, ...] expert
+weights (kiln.MoE's inputs) are placeholders too, never transposed.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ def placeholder_weights(weights: Mapping[str, torch.Tensor]) -> tuple[dict[str, 
     placeholders = []
     for name in weights:
         shape = weight_shape(weights, name)
-        if len(shape) >= 2:
+        if len(shape) >= 2 and min(shape) > 1:  # a [1, D] row (Qwen2-MoE's shared expert gate) is a vector
             tensor = torch.empty(shape, dtype=torch.float32)
             placeholders.append(_Placeholder(name, tensor))
             state[name] = tensor
@@ -74,7 +75,7 @@ def attach_lazy_weights(model: ir.Model, weights: Mapping[str, torch.Tensor],
     for value in model.graph.initializers.values():
         tensor = value.const_value
         array = _backing_array(tensor)
-        if array is None or array.ndim != 2:
+        if array is None or array.ndim not in (2, 3):  # matrices, and the [E, ...] stacks of MoE experts
             continue
         address = array.__array_interface__["data"][0]
         placeholder = by_address.get(address)
@@ -83,7 +84,7 @@ def attach_lazy_weights(model: ir.Model, weights: Mapping[str, torch.Tensor],
         shape = tuple(placeholder.tensor.shape)
         if array.shape == shape and array.flags.c_contiguous:
             transpose = False
-        elif array.shape == shape[::-1] and array.T.flags.c_contiguous:
+        elif array.ndim == 2 and array.shape == shape[::-1] and array.T.flags.c_contiguous:
             transpose = True
         else:
             raise LazyInitializerError(f"initializer {value.name} views weight {placeholder.name} "

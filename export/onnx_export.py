@@ -25,6 +25,7 @@ from tqdm import tqdm
 from kiln import contract
 from kiln.export.checkpoint_types import Checkpoint
 from kiln.export.lazy_initializers import as_if_loaded, attach_lazy_weights, placeholder_weights
+from kiln.export.moe import MOE_TRANSLATION
 from kiln.export.progress import progress_bar
 from kiln.export.reference import ReferenceModel
 
@@ -70,6 +71,7 @@ def export_model(checkpoint: Checkpoint, progress: Progress | None = None) -> ir
                     output_names=["logits"],
                     dynamic_shapes={"input_ids": {1: tokens}, "position_ids": {1: tokens}},
                     dynamo=True,
+                    custom_translation_table=MOE_TRANSLATION,  # kiln::moe -> kiln.MoE (export/moe.py)
                     optimize=True,
                     verbose=True,  # its phase lines go to _ExporterPhases, which shows them as the bar's steps
                 )

@@ -13,12 +13,15 @@ recognisable graph rather than for speed:
   separating packed sequences is kiln.PagedAttention's job once the optimizer swaps it in;
 - no data-dependent Python control flow; batch and sequence lengths stay dynamic.
 
+A mixture-of-experts family's MLP is export/moe.py's SparseMoE, which traces to the single node kiln.MoE.
+
 Family pieces, each a plain op sequence the optimizer leaves in the graph around the fused attention:
 Qwen3's per-head q/k RMSNorm (``q_norm``/``k_norm`` over head_dim, before RoPE, as standard ops
-feeding kiln.PagedAttention), partial rotary (Phi-4: RoPE on the first ``rotary_dim`` dims, the rest
-passed through), and LongRoPE's and YaRN's attention factor (transformers scales cos and sin by it; with full rotary
-q.k then scales by its square, which kiln folds into the attention scale so that RoPE keeps the form the op
-absorbs; with partial rotary only the rotated dims scale, so cos and sin carry it as in transformers).
+feeding kiln.PagedAttention; OLMoE's over the whole projection, before the reshape into heads), partial
+rotary (Phi-4: RoPE on the first ``rotary_dim`` dims, the rest passed through), and LongRoPE's and YaRN's
+attention factor (transformers scales cos and sin by it; with full rotary q.k then scales by its square, which
+kiln folds into the attention scale so that RoPE keeps the form the op absorbs; with partial rotary only the
+rotated dims scale, so cos and sin carry it as in transformers).
 
 Gemma 2 / 3 (ModelSpec.sandwich_norms and the fields after it): the embedding times sqrt(hidden); four norms
 per block, each a plain RMSNorm because the loaders fold Gemma's ``1 + w`` into the weight; GeGLU (gelu-tanh
@@ -36,6 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kiln.export.moe import SparseMoE
 from kiln.spec import ModelSpec
 
 # Added to the scores of masked keys; exp() of it underflows to exactly 0 in float32.
@@ -175,17 +179,23 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(spec.hidden_size, spec.kv_size, bias=bias)
         self.v_proj = nn.Linear(spec.hidden_size, spec.kv_size, bias=bias)
         self.o_proj = nn.Linear(spec.q_size, spec.hidden_size, bias=False)
-        if spec.qk_norm:  # Qwen3: RMSNorm over each head's head_dim values, before RoPE
-            self.q_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps)
-            self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps)
+        # Qwen3: RMSNorm over each head's head_dim values; OLMoE: over the whole q / k projection. Both before RoPE.
         self.qk_norm = spec.qk_norm
+        self.qk_norm_per_head = spec.qk_norm_span == "head"
+        if spec.qk_norm:
+            per_head = self.qk_norm_per_head
+            self.q_norm = RMSNorm(spec.head_dim if per_head else spec.q_size, spec.rms_norm_eps)
+            self.k_norm = RMSNorm(spec.head_dim if per_head else spec.kv_size, spec.rms_norm_eps)
         self.softcap = spec.attn_logit_softcap
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         batch = x.shape[0]
-        q = self.q_proj(x).reshape(batch, -1, self.num_heads, self.head_dim)
-        k = self.k_proj(x).reshape(batch, -1, self.num_kv_heads, self.head_dim)
-        if self.qk_norm:
+        q, k = self.q_proj(x), self.k_proj(x)
+        if self.qk_norm and not self.qk_norm_per_head:  # static: fixed by the spec
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = q.reshape(batch, -1, self.num_heads, self.head_dim)
+        k = k.reshape(batch, -1, self.num_kv_heads, self.head_dim)
+        if self.qk_norm and self.qk_norm_per_head:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = q.transpose(1, 2), k.transpose(1, 2)
         v = self.v_proj(x).reshape(batch, -1, self.num_kv_heads, self.head_dim).transpose(1, 2)
@@ -233,7 +243,7 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.self_attn = Attention(spec)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
-        self.mlp = MLP(spec)
+        self.mlp: nn.Module = SparseMoE(spec) if spec.is_moe else MLP(spec)
         self.sandwich = spec.sandwich_norms
         if spec.sandwich_norms:
             self.pre_feedforward_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)

@@ -22,9 +22,15 @@ SUPPORTED_ARCHITECTURES = {
     "Phi3ForCausalLM": "phi3",
     "Gemma2ForCausalLM": "gemma2",
     "Gemma3ForCausalLM": "gemma3",
+    "MixtralForCausalLM": "mixtral",
+    "Qwen2MoeForCausalLM": "qwen2_moe",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+    "OlmoeForCausalLM": "olmoe",
 }
+# The mixture-of-experts families (their MLP is kiln.MoE: kiln/moe.py).
+MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
 # The same families as GGUF files name them in general.architecture (export/gguf_architectures.py reads them).
-SUPPORTED_GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3", "gemma2", "gemma3")
+SUPPORTED_GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "qwen2moe", "qwen3moe", "olmoe")
 # The families whose blocks are Gemma's: (1 + w) RMSNorms (kiln folds the 1 into the weight when it loads a
 # Hugging Face checkpoint; llama.cpp's GGUF converter already stored w + 1), four norms per block, GeGLU.
 GEMMA_FAMILIES = ("gemma2", "gemma3")
@@ -76,10 +82,10 @@ class RopeScaling:
 
 @dataclass(frozen=True)
 class ModelSpec:
-    family: str  # "llama" | "mistral" | "qwen2" | "qwen3" | "phi3" | "gemma2" | "gemma3"
+    family: str  # a value of SUPPORTED_ARCHITECTURES
     vocab_size: int
     hidden_size: int
-    intermediate_size: int
+    intermediate_size: int  # the MLP's width; each expert's in a mixture-of-experts model
     num_layers: int
     num_heads: int
     num_kv_heads: int
@@ -104,6 +110,11 @@ class ModelSpec:
     final_logit_softcap: float = 0.0  # logits -> cap * tanh(logits / cap); 0: off
     layer_types: tuple[str, ...] = ()  # per layer SLIDING | FULL; (): every layer slides iff sliding_window
     rope_local_theta: float = 0.0  # RoPE base of the sliding layers, unscaled (Gemma 3); 0: as the others
+    qk_norm_span: str = "head"  # "head": q_norm/k_norm over each head (Qwen3); "projection": over all of q / k (OLMoE)
+    num_experts: int = 0  # routed experts per layer (kiln.MoE); 0: a dense MLP
+    experts_per_token: int = 0  # top_k of the routing
+    norm_topk_prob: bool = False  # the chosen experts' probabilities renormalised to sum 1
+    shared_expert_intermediate_size: int = 0  # Qwen2-MoE: a sigmoid-gated dense expert beside the routed ones
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -121,6 +132,11 @@ class ModelSpec:
                              f"{list(self.layer_types)}")
         if min(self.attn_logit_softcap, self.final_logit_softcap, self.query_pre_attn_scalar) < 0:
             raise ValueError("soft-caps and query_pre_attn_scalar must be >= 0 (0 = off)")
+        if self.qk_norm_span not in ("head", "projection"):
+            raise ValueError(f"qk_norm_span must be 'head' or 'projection', got {self.qk_norm_span!r}")
+        if self.num_experts and not 1 <= self.experts_per_token <= self.num_experts:
+            raise ValueError(f"experts_per_token ({self.experts_per_token}) must be in [1, num_experts="
+                             f"{self.num_experts}]")
         scaling = self.rope_scaling
         if scaling is not None and scaling.rope_type == "longrope":
             pairs = self.rotated_dims // 2
@@ -175,6 +191,10 @@ class ModelSpec:
         return max(self.max_position_embeddings, int(base * scaling.factor))
 
     @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+    @property
     def q_size(self) -> int:
         return self.num_heads * self.head_dim
 
@@ -217,7 +237,8 @@ class ModelSpec:
             family=family,
             vocab_size=config["vocab_size"],
             hidden_size=hidden,
-            intermediate_size=config["intermediate_size"],
+            intermediate_size=config.get("moe_intermediate_size") or config["intermediate_size"]
+            if family in MOE_FAMILIES else config["intermediate_size"],
             num_layers=config["num_hidden_layers"],
             num_heads=num_heads,
             num_kv_heads=config.get("num_key_value_heads") or num_heads,
@@ -226,14 +247,15 @@ class ModelSpec:
             rope_theta=float(rope_theta),
             max_position_embeddings=config.get("max_position_embeddings", 2048),
             tie_word_embeddings=bool(config.get("tie_word_embeddings", family in GEMMA_FAMILIES)),
-            attention_bias=bool(config.get("attention_bias", family == "qwen2")),
+            attention_bias=bool(config.get("attention_bias", config.get("qkv_bias", family in ("qwen2", "qwen2_moe")))),
             rope_scaling=parse_rope_scaling(scaling, config),
             sliding_window=_sliding_window(config, family),
             bos_token_id=config.get("bos_token_id"),
             eos_token_ids=eos_ids,
-            qk_norm=family in ("qwen3", "gemma3"),
+            qk_norm=family in ("qwen3", "gemma3", "qwen3_moe", "olmoe"),
             rotary_dim=rotary_dim,
             **(_gemma_fields(config, family) if family in GEMMA_FAMILIES else {}),
+            **_moe_fields(config, family),
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -327,6 +349,30 @@ def _parse_longrope(scaling: dict[str, Any], config: dict[str, Any]) -> RopeScal
     )
 
 
+def _moe_fields(config: dict[str, Any], family: str) -> dict[str, Any]:
+    """The mixture-of-experts fields of a family's config (none for a dense family); configs whose layers are
+    not all sparse, or that clip q/k/v (OLMoE's clip_qkv), fail with one sentence."""
+    if family not in MOE_FAMILIES:
+        return {}
+    if config.get("mlp_only_layers") or config.get("decoder_sparse_step", 1) != 1:
+        raise ValueError(f"unsupported {family} config: dense MLP layers among the sparse ones (mlp_only_layers / "
+                         "decoder_sparse_step); kiln compiles models whose every layer is sparse")
+    if config.get("clip_qkv") is not None:
+        raise ValueError(f"unsupported {family} config: clip_qkv={config['clip_qkv']}")
+    # Mixtral names it num_local_experts, the others num_experts (Qwen3-MoE's transformers >= 5 configs: either)
+    experts = config.get("num_local_experts") or config.get("num_experts")
+    if not experts:
+        raise ValueError(f"{family} config names no experts (num_local_experts / num_experts)")
+    return {
+        "num_experts": int(experts),
+        "experts_per_token": int(config["num_experts_per_tok"]),
+        "norm_topk_prob": True if family == "mixtral" else bool(config.get("norm_topk_prob", False)),
+        "shared_expert_intermediate_size": int(config.get("shared_expert_intermediate_size") or 0)
+        if family == "qwen2_moe" else 0,
+        "qk_norm_span": "projection" if family == "olmoe" else "head",
+    }
+
+
 def _check_supported_features(config: dict[str, Any], family: str) -> None:
     """Reject config features the reference model does not implement, with one sentence each."""
     if family in GEMMA_FAMILIES:
@@ -380,7 +426,7 @@ def _gemma_fields(config: dict[str, Any], family: str) -> dict[str, Any]:
 
 def _sliding_window(config: dict[str, Any], family: str) -> int:
     window = config.get("sliding_window")
-    if family in ("qwen2", "qwen3"):
+    if family in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe"):
         if not config.get("use_sliding_window", False):
             return 0
         # Qwen slides only from layer max_window_layers on; kiln has one window for all layers.

@@ -10,6 +10,8 @@
 The int4 schemes give the tied LM head int8 per channel unless asked for int4, int4-rescored
 (rescore_lm_head.py) or w8a8 (LmHead).
 Every scheme but none also stores the embedding table as 8-bit blocks (quantize_embedding.py).
+Under every int4 scheme a mixture-of-experts model's kiln.MoE experts become Q4_1 (quantize_moe.py; AWQ's scales
+reach the attention projections only); the other schemes keep them float32.
 The build calls ``prepare_checkpoint`` before export (the gpt-fast-style conversion step:
 check the artifact's fingerprint, fold its scales into the weights) and ``quantize_model``
 on the optimized graph.
@@ -29,6 +31,7 @@ from .quant.graph import is_lm_head
 from .quantize_embedding import quantize_embedding
 from .quantize_int4 import quantize_int4
 from .quantize_int8 import quantize_int8_weight_only
+from .quantize_moe import quantize_moe_experts
 from .quantize_q4_1 import quantize_q4_1_pass
 from .quantize_w8a8 import quantize_w8a8
 from .rescore_lm_head import RESCORE_TOP_K, head_rows, rescore_lm_head
@@ -134,6 +137,10 @@ def quantize_model(model: ir.Model, scheme: QuantScheme, lm_head: LmHead = LmHea
             name, count = "quantize_w8a8", quantize_w8a8(model)
     if progress:
         progress(f"  {name}: converted {count} MatMuls")
+    if scheme.method in (QuantMethod.INT4_RTN, QuantMethod.INT4_AWQ, QuantMethod.INT4_Q4_1):
+        layers = quantize_moe_experts(model)  # kiln.MoE's experts: Q4_1 under every int4 scheme
+        if progress and layers:
+            progress(f"  quantize_moe_experts: {layers} layers' experts to Q4_1")
     if count == 0:
         raise QuantizationError(f"quantization {scheme} found no linear layer to convert in the graph")
     embeddings = quantize_embedding(model)

@@ -105,6 +105,28 @@ _FAMILY_CONFIGS = {
         rope_scaling={"factor": 8.0, "rope_type": "linear"}, attn_logit_softcapping=None,
         final_logit_softcapping=None, rms_norm_eps=1e-6, attention_bias=False, attention_dropout=0.0,
     )),
+    # Mixture-of-experts families. Mixtral-8x7B: 8 experts, top-2 renormalised, untied. Qwen3-30B-A3B: top-8 with
+    # norm_topk_prob, per-head q/k norm (128 experts, shrunk to 16). OLMoE-1B-7B: top-8 without renormalisation, q/k
+    # norm over the whole projection (64 experts, shrunk to 16). Qwen1.5-MoE-A2.7B: top-4 of 60 (shrunk to 12), a
+    # sigmoid-gated shared expert 4x an expert's width, q/k/v biases.
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(
+        num_local_experts=8, num_experts_per_tok=2, tie_word_embeddings=False, rope_theta=1000000.0,
+        sliding_window=None, router_jitter_noise=0.0,
+    )),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(
+        num_experts=16, num_experts_per_tok=8, moe_intermediate_size=32, norm_topk_prob=True, head_dim=32,
+        decoder_sparse_step=1, mlp_only_layers=[], tie_word_embeddings=False, rope_theta=1000000.0,
+        use_sliding_window=False, sliding_window=None, rms_norm_eps=1e-6,
+    )),
+    "olmoe": ("OlmoeConfig", "OlmoeForCausalLM", dict(
+        num_experts=16, num_experts_per_tok=8, intermediate_size=32, norm_topk_prob=False, clip_qkv=None,
+        tie_word_embeddings=False, rope_theta=10000.0, pad_token_id=1,
+    )),
+    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM", dict(
+        num_experts=12, num_experts_per_tok=4, moe_intermediate_size=32, shared_expert_intermediate_size=128,
+        norm_topk_prob=False, decoder_sparse_step=1, mlp_only_layers=[], tie_word_embeddings=False,
+        use_sliding_window=False, rms_norm_eps=1e-6,
+    )),
 }
 _FAMILIES = tuple(_FAMILY_CONFIGS)
 
@@ -151,8 +173,8 @@ def _randomize(model: torch.nn.Module, seed: int) -> None:
                 param.copy_(0.1 * torch.randn(param.shape, generator=gen))
             elif "embed_tokens" in name:
                 param.copy_(0.5 * torch.randn(param.shape, generator=gen))
-            else:  # linear weight [out, in]
-                param.copy_(torch.randn(param.shape, generator=gen) / math.sqrt(param.shape[1]))
+            else:  # linear weight [out, in], or a stack of them [experts, out, in]
+                param.copy_(torch.randn(param.shape, generator=gen) / math.sqrt(param.shape[-1]))
 
 
 def write_tiny_tokenizer(out: Path) -> None:

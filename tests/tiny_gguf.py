@@ -15,6 +15,9 @@ does, per architecture:
   (gemma2 both, gemma3 the final one when set) and attention.sliding_window; gemma2 without rope.freq_base (llama.cpp
   takes 10000), gemma3 with the global layers' base and linear rope scaling as metadata. (The converter also trims
   token_embd to the tokenizer's vocabulary; the tiny tokenizer is padded to the model's, so nothing is trimmed.)
+- mixtral (as llama) / qwen2_moe / qwen3_moe / olmoe: the router as ffn_gate_inp, each projection's experts stacked
+  into ffn_gate_exps / ffn_up_exps / ffn_down_exps [E, rows, cols], the shared expert as ffn_*_shexp, and
+  expert_count / expert_used_count / expert_feed_forward_length / expert_shared_feed_forward_length.
 """
 
 from __future__ import annotations
@@ -23,11 +26,13 @@ import json
 import math
 from pathlib import Path
 
+import numpy as np
 from helpers import TINY_BOS_ID, TINY_CHAT_TEMPLATE, TINY_EOS_ID, TINY_MERGES, TINY_SPECIAL_TOKENS, make_tiny_hf_model
 
 # HF family -> the GGUF architecture llama.cpp's converter writes it as.
 GGUF_ARCHITECTURE = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3", "phi4": "phi3",
-                     "gemma2": "gemma2", "gemma3": "gemma3", "gemma3-4b": "gemma3"}
+                     "gemma2": "gemma2", "gemma3": "gemma3", "gemma3-4b": "gemma3",
+                     "mixtral": "llama", "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe", "olmoe": "olmoe"}
 
 _BLOCK_NAMES = {
     "input_layernorm": "attn_norm",
@@ -46,7 +51,16 @@ _BLOCK_NAMES = {
     "mlp.gate_up_proj": "ffn_up",
     "mlp.down_proj": "ffn_down",
     "post_attention_norm": "post_attention_norm",
+    "mlp.gate": "ffn_gate_inp",
+    "block_sparse_moe.gate": "ffn_gate_inp",
+    "mlp.shared_expert.gate_proj": "ffn_gate_shexp",
+    "mlp.shared_expert.up_proj": "ffn_up_shexp",
+    "mlp.shared_expert.down_proj": "ffn_down_shexp",
+    "mlp.shared_expert_gate": "ffn_gate_inp_shexp",
 }
+# Per-expert projections, stacked over the experts into one tensor each (as the converter's experts merge does).
+_EXPERT_NAMES = {"gate_proj": "ffn_gate_exps", "w1": "ffn_gate_exps", "up_proj": "ffn_up_exps", "w3": "ffn_up_exps",
+                 "down_proj": "ffn_down_exps", "w2": "ffn_down_exps"}
 _GLOBAL_NAMES = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
                  "lm_head.weight": "output.weight"}
 
@@ -79,6 +93,7 @@ def make_tiny_gguf(tmp_path, family: str = "llama", architecture: str | None = N
     if arch == "phi3":
         _add_longrope(writer, config)
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+    experts: dict[str, dict[int, object]] = {}
     for name, tensor in weights.items():
         array = tensor.float().numpy()
         gemma = arch.startswith("gemma")
@@ -86,6 +101,10 @@ def make_tiny_gguf(tmp_path, family: str = "llama", architecture: str | None = N
             array = array + 1  # llama.cpp stores Gemma's (1 + w) norm weights with the 1 added
         if gemma and name == "lm_head.weight":
             continue  # the converter skips it (Gemma ties the head)
+        if ".experts." in name:  # model.layers.{i}.(mlp|block_sparse_moe).experts.{j}.{proj}.weight
+            _, _, layer, _, _, index, proj, _ = name.split(".")
+            experts.setdefault(f"blk.{layer}.{_EXPERT_NAMES[proj]}.weight", {})[int(index)] = array
+            continue
         if name.startswith("model.layers."):
             _, _, layer, rest = name.split(".", 3)
             module, kind = rest.rsplit(".", 1)
@@ -97,6 +116,8 @@ def make_tiny_gguf(tmp_path, family: str = "llama", architecture: str | None = N
         else:
             gguf_name = _GLOBAL_NAMES[name]
         writer.add_tensor(gguf_name, array.copy())
+    for gguf_name, by_index in experts.items():
+        writer.add_tensor(gguf_name, np.stack([by_index[j] for j in range(len(by_index))]))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -117,8 +138,16 @@ def _add_hparams(writer, arch: str, config: dict) -> None:
         full = rope.get("full_attention", rope)  # Gemma 3 (transformers >= 5): one set per layer type
         writer.add_rope_freq_base(full.get("rope_theta", config.get("rope_theta", 10000.0)))
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    experts = config.get("num_local_experts") or config.get("num_experts")
+    if experts:
+        writer.add_expert_count(experts)
+        writer.add_expert_used_count(config["num_experts_per_tok"])
+        if config.get("moe_intermediate_size"):
+            writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
+        if config.get("shared_expert_intermediate_size"):
+            writer.add_expert_shared_feed_forward_length(config["shared_expert_intermediate_size"])
     if arch == "llama":
-        writer.add_rope_dimension_count(config["head_dim"])
+        writer.add_rope_dimension_count(config["head_dim"] or config["hidden_size"] // heads)
         writer.add_vocab_size(config["vocab_size"])
     elif arch.startswith("gemma"):
         writer.add_key_length(config["head_dim"])
@@ -129,7 +158,7 @@ def _add_hparams(writer, arch: str, config: dict) -> None:
         elif config.get("final_logit_softcapping"):
             writer.add_final_logit_softcapping(config["final_logit_softcapping"])
         writer.add_sliding_window(config["sliding_window"])
-    elif arch in ("qwen2", "qwen3"):
+    elif arch in ("qwen2", "qwen3", "qwen2moe", "qwen3moe", "olmoe"):
         if config.get("head_dim") is not None:
             writer.add_key_length(config["head_dim"])
             writer.add_value_length(config["head_dim"])

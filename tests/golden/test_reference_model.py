@@ -177,6 +177,10 @@ GGUF_CASES = {
     "gemma3-norm-plus-one": ("gemma3", {}),
     # GGUF does not store query_pre_attn_scalar: llama.cpp (and kiln) take head_dim but for the 27B models
     "gemma3-4b-linear-rope": ("gemma3-4b", dict(query_pre_attn_scalar=128)),
+    "mixtral-experts": ("mixtral", {}),
+    "qwen2moe-shared-expert": ("qwen2_moe", {}),
+    "qwen3moe": ("qwen3_moe", {}),
+    "olmoe": ("olmoe", {}),
 }
 
 

@@ -1,0 +1,144 @@
+"""kiln.MoE (domain "kiln", version 1): a sparse mixture-of-experts SwiGLU MLP, the contract and its executable spec.
+
+The ONNX Runtime CPU kernel (runtime/ops/moe.cc) is tested against `moe_ref`; the exporter's torch op
+(export/moe.py) computes the same thing for calibration and tracing.
+
+Inputs
+  x        float32 [..., D]      the tokens of the packed batch (any leading shape; each row routes alone)
+  router   float32 [E, D]        router logits = x @ router^T
+  gate_up  float32 [E, 2F, D]    expert e's gate rows [0, F) then its up rows [F, 2F), as a Linear stores them
+  down     float32 [E, D, F]     expert e's down projection
+Attributes
+  top_k           int in [1, E]   experts per token
+  norm_topk_prob  int 0 | 1       1: the chosen experts' probabilities are divided by their sum
+Output
+  y        float32 [..., D]
+
+Q4_1 experts (the same op, its expert inputs typed uint8, two more inputs):
+  gate_up     uint8   [E, 2F, D/2]         llama.cpp's Q4_1 numbers per block of 32 inputs: w = m + q * d; a block's
+  down        uint8   [E, D, F/2]          16 bytes hold element j in byte j's low nibble, element j + 16 in its high
+  gate_up_dm  float16 [E, 2F, D/32, 2]     one (like a GGUF block_q4_1's qs); dm the blocks' (d, m)
+  down_dm     float16 [E, D, F/32, 2]
+D and F multiples of 32. The output is the float op's on the dequantized weights (`unpack_q4_1_experts`), the
+activations kept in float32: each expert's dot is sum_b d * (x_b . q_b) + m * sum(x_b).
+
+Per row: p = softmax(x @ router^T) over all E experts; the top_k largest p are chosen (equal p: the lower expert
+index first); w = the chosen p, renormalised to sum 1 when norm_topk_prob; y = sum_j w_j * expert_{e_j}(x) with
+expert_e(x) = down_e @ (silu(gate_e @ x) * (up_e @ x)).
+
+One routing rule covers the families: Mixtral's softmax over the top-k logits equals softmax over all then
+renormalise (norm_topk_prob=1); Qwen2/3-MoE take norm_topk_prob from the config; OLMoE does not renormalise.
+A shared expert (Qwen2-MoE) is a dense MLP beside the op, left to the graph's ordinary ops and passes.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from kiln.contract import OP_DOMAIN
+
+if TYPE_CHECKING:
+    from onnx import ModelProto
+
+OP_TYPE = "MoE"
+OP_VERSION = 1
+
+
+def check_moe_shapes(x: np.ndarray, router: np.ndarray, gate_up: np.ndarray, down: np.ndarray, top_k: int) -> None:
+    """Every shape against the others; a mismatch raises ValueError naming the input."""
+    if x.ndim < 1:
+        raise ValueError("x must be [..., D], got a scalar")
+    d = x.shape[-1]
+    if router.ndim != 2 or router.shape[1] != d:
+        raise ValueError(f"router must be [E, D={d}], got {list(router.shape)}")
+    e = router.shape[0]
+    if gate_up.ndim != 3 or gate_up.shape[0] != e or gate_up.shape[2] != d or gate_up.shape[1] % 2:
+        raise ValueError(f"gate_up must be [E={e}, 2F, D={d}], got {list(gate_up.shape)}")
+    f = gate_up.shape[1] // 2
+    if down.shape != (e, d, f):
+        raise ValueError(f"down must be [E={e}, D={d}, F={f}], got {list(down.shape)}")
+    if not 1 <= top_k <= e:
+        raise ValueError(f"top_k must be in [1, E={e}], got {top_k}")
+
+
+def route_ref(x: np.ndarray, router: np.ndarray, top_k: int, norm_topk_prob: bool) -> tuple[np.ndarray, np.ndarray]:
+    """The routing of x [T, D]: (experts int64 [T, top_k], weights float64 [T, top_k]), best expert first."""
+    logits = np.asarray(x, np.float64) @ np.asarray(router, np.float64).T
+    logits -= logits.max(axis=-1, keepdims=True)
+    probs = np.exp(logits)
+    probs /= probs.sum(axis=-1, keepdims=True)
+    experts = np.argsort(-probs, axis=-1, kind="stable")[:, :top_k]  # stable: equal p keep the lower index first
+    weights = np.take_along_axis(probs, experts, axis=-1)
+    if norm_topk_prob:
+        weights = weights / weights.sum(axis=-1, keepdims=True)
+    return experts, weights
+
+
+def moe_ref(x: np.ndarray, router: np.ndarray, gate_up: np.ndarray, down: np.ndarray, *, top_k: int,
+            norm_topk_prob: bool) -> np.ndarray:
+    """The op's output, computed in float64; float32 [..., D]."""
+    x = np.asarray(x, np.float32)
+    check_moe_shapes(x, router, gate_up, down, top_k)
+    rows = x.reshape(-1, x.shape[-1]).astype(np.float64)
+    experts, weights = route_ref(rows, router, top_k, norm_topk_prob)
+    f = gate_up.shape[1] // 2
+    y = np.zeros_like(rows)
+    for expert in np.unique(experts):
+        tokens, slots = np.nonzero(experts == expert)
+        hidden = rows[tokens] @ gate_up[expert].astype(np.float64).T
+        gate, up = hidden[:, :f], hidden[:, f:]
+        act = gate / (1.0 + np.exp(-np.clip(gate, -700, 700))) * up
+        y[tokens] += weights[tokens, slots, None] * (act @ down[expert].astype(np.float64).T)
+    out: np.ndarray = y.astype(np.float32).reshape(x.shape)
+    return out
+
+
+Q4_BLOCK = 32
+
+
+def pack_q4_1_experts(q: np.ndarray, d: np.ndarray, m: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(nibbles uint8 [E, rows, K/2], dm float16 [E, rows, K/32, 2]) from q uint8 [E, rows, K] in [0, 15] and the
+    blocks' d, m float16 [E, rows, K/32]."""
+    e, rows, k = q.shape
+    if k % Q4_BLOCK or q.dtype != np.uint8 or q.max(initial=0) > 15:
+        raise ValueError(f"q must be uint8 [E, rows, K] with K a multiple of {Q4_BLOCK} and values < 16, "
+                         f"got {q.dtype} {list(q.shape)}")
+    blocks = q.reshape(e, rows, k // Q4_BLOCK, Q4_BLOCK)
+    nibbles = blocks[..., :16] | (blocks[..., 16:] << 4)
+    dm = np.stack([d.astype(np.float16), m.astype(np.float16)], axis=-1)
+    return nibbles.reshape(e, rows, k // 2), dm
+
+
+def unpack_q4_1_experts(nibbles: np.ndarray, dm: np.ndarray) -> np.ndarray:
+    """The float32 weights [E, rows, K] Q4_1 experts hold: m + q * d in float32, as llama.cpp dequantizes."""
+    e, rows, half = nibbles.shape
+    blocks = nibbles.reshape(e, rows, -1, 16)
+    q = np.concatenate([blocks & 0x0F, blocks >> 4], axis=-1).astype(np.float32)
+    d, m = dm[..., 0].astype(np.float32), dm[..., 1].astype(np.float32)
+    out: np.ndarray = (m[..., None] + q * d[..., None]).reshape(e, rows, 2 * half)
+    return out
+
+
+def make_single_op_model(top_k: int, norm_topk_prob: bool, rank: int = 2, q4_1: bool = False) -> ModelProto:
+    """A one-node ONNX model y = kiln.MoE(x, router, gate_up, down[, gate_up_dm, down_dm]), every input a graph
+    input with symbolic dims (Q4_1 experts with q4_1); for tests and benchmarks."""
+    from onnx import TensorProto, helper  # compile-time dependency only
+
+    lead = [f"t{i}" for i in range(rank - 1)]
+    names = ["x", "router", "gate_up", "down"] + (["gate_up_dm", "down_dm"] if q4_1 else [])
+    node = helper.make_node(OP_TYPE, names, ["y"], domain=OP_DOMAIN, top_k=top_k, norm_topk_prob=int(norm_topk_prob))
+    expert_type = TensorProto.UINT8 if q4_1 else TensorProto.FLOAT
+    inputs = [helper.make_tensor_value_info("x", TensorProto.FLOAT, [*lead, "D"]),
+              helper.make_tensor_value_info("router", TensorProto.FLOAT, ["E", "D"]),
+              helper.make_tensor_value_info("gate_up", expert_type, ["E", "F2", "Dq"]),
+              helper.make_tensor_value_info("down", expert_type, ["E", "D", "Fq"])]
+    if q4_1:
+        inputs += [helper.make_tensor_value_info(name, TensorProto.FLOAT16, None) for name in names[4:]]
+    graph = helper.make_graph([node], "moe", inputs,
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [*lead, "D"])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18),
+                                                    helper.make_opsetid(OP_DOMAIN, OP_VERSION)])
+    model.ir_version = 8
+    return model

@@ -1,0 +1,63 @@
+"""Pass: kiln.MoE's float32 expert stacks -> Q4_1 experts (kiln/moe.py), llama.cpp's numbers per block of 32.
+
+The experts are most of a mixture-of-experts model's bytes (OLMoE-1B-7B: 6.4 of its 6.9 B parameters), and a decode
+step reads every chosen expert's rows once, so their width sets its speed. Each layer's gate_up [E, 2F, D] and down
+[E, D, F] are quantized with optimize/quant/rtn.py's quantize_q4_1 (the rounding llama.cpp's quantizer uses: on a
+Q4_1 GGUF this reproduces the file's numbers exactly) and packed as the op's uint8 nibbles + float16 (d, m) inputs.
+One layer's stacks are read at a time (the build's initializers are lazy). A stack whose width is not a multiple of
+32 stays float32, and the pass says how many it converted.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx_ir as ir
+
+from kiln.contract import OP_DOMAIN
+from kiln.export.progress import track
+from kiln.moe import OP_TYPE, Q4_BLOCK, pack_q4_1_experts
+
+from .quant.graph import initializer, prune
+from .quant.rtn import quantize_q4_1
+
+
+def moe_nodes(model: ir.Model) -> list[ir.Node]:
+    return [node for node in model.graph if node.domain == OP_DOMAIN and node.op_type == OP_TYPE]
+
+
+def quantize_moe_experts(model: ir.Model) -> int:
+    """Rewrite every float kiln.MoE's experts to Q4_1 in place; returns how many nodes were converted."""
+    nodes = [node for node in moe_nodes(model) if _convertible(node)]
+    for node in track(nodes, "quantize experts", "layer"):
+        packed = []
+        for value in node.inputs[2:4]:
+            assert value is not None and value.const_value is not None  # _convertible
+            nibbles, dm = _q4_1(value.const_value.numpy())
+            name = value.name or "experts"
+            packed.append((initializer(model, f"{name}.q4_1", nibbles), initializer(model, f"{name}.q4_1.dm", dm)))
+        (gu, gu_dm), (dn, dn_dm) = packed
+        node.replace_input_with(2, gu)
+        node.replace_input_with(3, dn)
+        node.resize_inputs(6)
+        node.replace_input_with(4, gu_dm)
+        node.replace_input_with(5, dn_dm)
+    if nodes:
+        prune(model)
+    return len(nodes)
+
+
+def _convertible(node: ir.Node) -> bool:
+    """Both expert stacks constant float32 and whole Q4_1 blocks wide (the dtype and shape only: nothing read)."""
+    if len(node.inputs) != 4:
+        return False
+    for value in node.inputs[2:4]:
+        tensor = value.const_value if value is not None else None
+        if tensor is None or tensor.dtype != ir.DataType.FLOAT or tensor.shape[-1] % Q4_BLOCK:
+            return False
+    return True
+
+
+def _q4_1(stack: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    e, rows, k = stack.shape
+    q = quantize_q4_1(np.ascontiguousarray(stack.reshape(e * rows, k), dtype=np.float32))
+    return pack_q4_1_experts(q.q.reshape(e, rows, k), q.d.reshape(e, rows, -1), q.m.reshape(e, rows, -1))

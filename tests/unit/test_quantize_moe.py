@@ -1,0 +1,57 @@
+"""optimize/quantize_moe.py: a kiln.MoE graph's float experts become Q4_1 inputs, and the quantized graph computes the
+op's spec on the dequantized weights (the pass's packing is the kernel's layout)."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx_ir as ir
+import pytest
+from onnx import numpy_helper
+
+from kiln.moe import make_single_op_model, moe_ref, unpack_q4_1_experts
+from kiln.optimize.quantize_moe import moe_nodes, quantize_moe_experts
+
+ort = pytest.importorskip("onnxruntime")
+from op_library import op_library_or_skip  # noqa: E402
+
+LIBRARY = op_library_or_skip()
+
+
+def graph_with_constant_experts(rng, experts: int, d: int, f: int):
+    model = make_single_op_model(top_k=2, norm_topk_prob=True)
+    arrays = {"router": rng.standard_normal((experts, d)).astype(np.float32),
+              "gate_up": (rng.standard_normal((experts, 2 * f, d)) / np.sqrt(d)).astype(np.float32),
+              "down": (rng.standard_normal((experts, d, f)) / np.sqrt(f)).astype(np.float32)}
+    keep = [value for value in model.graph.input if value.name == "x"]
+    del model.graph.input[:]
+    model.graph.input.extend(keep)
+    model.graph.initializer.extend(numpy_helper.from_array(a, name) for name, a in arrays.items())
+    return ir.serde.deserialize_model(model), arrays
+
+
+def run(model: ir.Model, x: np.ndarray) -> np.ndarray:
+    so = ort.SessionOptions()
+    so.register_custom_ops_library(LIBRARY)
+    proto = ir.serde.serialize_model(model).SerializeToString()
+    return ort.InferenceSession(proto, so, providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+
+
+def test_experts_become_q4_1_and_the_graph_computes_the_spec():
+    rng = np.random.default_rng(0)
+    model, arrays = graph_with_constant_experts(rng, experts=6, d=64, f=32)
+    x = rng.standard_normal((9, 64)).astype(np.float32)
+    assert quantize_moe_experts(model) == 1
+    (node,) = moe_nodes(model)
+    assert [v.const_value.dtype for v in node.inputs[2:]] == [ir.DataType.UINT8] * 2 + [ir.DataType.FLOAT16] * 2
+    assert "gate_up" not in model.graph.initializers  # the float stacks are gone
+    gate_up = unpack_q4_1_experts(*(node.inputs[i].const_value.numpy() for i in (2, 4)))
+    down = unpack_q4_1_experts(*(node.inputs[i].const_value.numpy() for i in (3, 5)))
+    assert np.abs(gate_up - arrays["gate_up"]).max() < 0.2  # 4-bit rounding of the weights, not other numbers
+    want = moe_ref(x, arrays["router"], gate_up, down, top_k=2, norm_topk_prob=True)
+    np.testing.assert_allclose(run(model, x), want, rtol=1e-4, atol=1e-5)
+    assert quantize_moe_experts(model) == 0  # already converted
+
+
+def test_experts_not_whole_blocks_wide_stay_float():
+    model, _ = graph_with_constant_experts(np.random.default_rng(1), experts=4, d=48, f=32)
+    assert quantize_moe_experts(model) == 0
