@@ -171,3 +171,26 @@ def _add_gguf_rope_scaling(writer, config: dict) -> None:
                 smooth = (old_len / wavelen - low) / (high - low)
                 factors.append(1 / ((1 - smooth) / factor + smooth))
         writer.add_tensor("rope_freqs.weight", np.array(factors, dtype=np.float32))
+
+
+def random_blocks(rng, kind, rows: int, cols: int, std: float = 0.05):
+    """uint8 [rows, row bytes]: random valid blocks of ggml type `kind` (kiln.gguf_blocks.GgmlType) whose weights have
+    about this std: random bytes, then the f16 step(s) (d, and dmin for Q4_K / Q5_K) set so the weights have that
+    size, each block's steps varied by up to 2x so a misplaced step shows."""
+    import numpy as np
+
+    from kiln.gguf_blocks import FORMATS, GgmlType, dequantize
+
+    fmt = FORMATS[kind]
+    nb = cols // fmt.weights
+    blocks = rng.integers(0, 256, (rows, nb, fmt.nbytes), dtype=np.uint8)
+    steps = [208] if kind == GgmlType.Q6_K else [0, 2] if kind in (GgmlType.Q4_K, GgmlType.Q5_K) else [0]
+
+    def set_steps(values):
+        for offset in steps:
+            blocks[:, :, offset:offset + 2] = values.astype(np.float16).view(np.uint8).reshape(rows, nb, 2)
+
+    set_steps(np.ones((rows, nb), np.float32))
+    unit = float(dequantize(blocks.reshape(rows, -1), kind).std())
+    set_steps((std / unit) * rng.uniform(0.5, 1.0, (rows, nb)).astype(np.float32))
+    return blocks.reshape(rows, -1)
