@@ -17,6 +17,8 @@ import torch
 
 from kiln.spec import ModelSpec
 
+from .tensor_files import FileBlocks, file_blocks
+
 
 class TensorSource(Protocol):
     """A tensor in a file, read on demand (export/tensor_files.py)."""
@@ -49,6 +51,10 @@ class LazyWeights(Mapping[str, torch.Tensor]):
 
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self._sources[name].shape)
+
+    def file_blocks(self, name: str) -> FileBlocks | None:
+        """The weight's rows as its file's quantized blocks (a GGUF matrix), or None (export/tensor_files.py)."""
+        return file_blocks(self._sources[name])
 
     def sources(self) -> dict[str, TensorSource]:
         """Where each weight is read from (for views that read parts of a tensor, e.g. fused projections)."""

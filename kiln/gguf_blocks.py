@@ -139,17 +139,42 @@ def _q5_k(b: np.ndarray) -> np.ndarray:
     return _k_affine(b, _nibbles_k(b[:, 48:176]) | (high.reshape(-1, 256) << 4))
 
 
-def _q6_k(b: np.ndarray) -> np.ndarray:
+def q6_k_integers(b: np.ndarray) -> np.ndarray:
+    """Q6_K blocks [B, 210] -> their 6-bit q (0..63, before the - 32) as uint8 [B, 256], in weight order."""
     ql, qh = b[:, 0:128].reshape(-1, 2, 1, 2, 32), b[:, 128:192].reshape(-1, 2, 1, 32)
-    scales = np.ascontiguousarray(b[:, 192:208]).view(np.int8).astype(np.float32)
-    d = _f16(b[:, 208:210])
     # half h (128 weights) = groups t = 0..3 of 32: low nibbles of ql[64h + 32 (t % 2) + l] shifted by 4 (t // 2),
     # high bits 2t..2t+1 of qh[32h + l]
     low = np.concatenate([ql & 15, ql >> 4], axis=2).reshape(-1, 2, 4, 32)
     high = (qh >> (2 * np.arange(4, dtype=np.uint8))[None, None, :, None]) & 3
-    q = (low | (high << 4)).astype(np.int8) - np.int8(32)
+    q: np.ndarray = (low | (high << 4)).reshape(-1, 256)
+    return q
+
+
+def _q6_k(b: np.ndarray) -> np.ndarray:
+    scales = np.ascontiguousarray(b[:, 192:208]).view(np.int8).astype(np.float32)
+    d = _f16(b[:, 208:210])
+    q = q6_k_integers(b).astype(np.int8) - np.int8(32)
     w: np.ndarray = (d * scales)[..., None] * q.reshape(-1, 16, 16).astype(np.float32)
     return w.reshape(-1, 256)
+
+
+def random_blocks(rng: np.random.Generator, kind: GgmlType, rows: int, cols: int, std: float = 0.05) -> np.ndarray:
+    """uint8 [rows, row bytes] of random valid blocks whose weights have about this std (for tests and benchmarks):
+    random bytes, then the float16 steps (d, and dmin for Q4_K / Q5_K) set to give that size, each block's varied
+    by up to 2x so that a misplaced step shows."""
+    fmt = FORMATS[kind]
+    nb = row_bytes(kind, cols) // fmt.nbytes
+    blocks = rng.integers(0, 256, (rows, nb, fmt.nbytes), dtype=np.uint8)
+    offsets = [208] if kind == GgmlType.Q6_K else [0, 2] if kind in (GgmlType.Q4_K, GgmlType.Q5_K) else [0]
+
+    def set_steps(values: np.ndarray) -> None:
+        for offset in offsets:
+            blocks[:, :, offset:offset + 2] = values.astype(np.float16).view(np.uint8).reshape(rows, nb, 2)
+
+    set_steps(np.ones((rows, nb), np.float32))
+    unit = float(dequantize(blocks.reshape(rows, -1), kind).std())
+    set_steps((std / unit) * rng.uniform(0.5, 1.0, (rows, nb)).astype(np.float32))
+    return blocks.reshape(rows, -1)
 
 
 _DECODERS = {

@@ -49,10 +49,12 @@ def llama_cpp_permute(weights, num_heads: int):
     return w.swapaxes(1, 2).reshape(weights.shape)
 
 
-def make_tiny_gguf(tmp_path, family: str = "llama", architecture: str | None = None,
+def make_tiny_gguf(tmp_path, family: str = "llama", architecture: str | None = None, quantize=None,
                    **overrides) -> tuple[Path, Path]:
     """Convert make_tiny_hf_model(tmp_path, family, **overrides) to an F32 GGUF as llama.cpp does.
-    Returns (gguf_path, hf_dir). ``architecture`` overrides only the metadata's name (for error tests)."""
+    Returns (gguf_path, hf_dir). ``architecture`` overrides only the metadata's name (for error tests).
+    ``quantize(gguf_name, array)`` -> None (keep F32) or (ggml type, uint8 [rows, row bytes]) stores a matrix as
+    quantized blocks instead (after the q/k permutation, as llama.cpp quantizes the converted file)."""
     import gguf
     from safetensors.torch import load_file
 
@@ -80,7 +82,12 @@ def make_tiny_gguf(tmp_path, family: str = "llama", architecture: str | None = N
             gguf_name = f"blk.{layer}.{_BLOCK_NAMES[module]}.{kind}"
         else:
             gguf_name = _GLOBAL_NAMES[name]
-        writer.add_tensor(gguf_name, array.copy())
+        blocks = quantize(gguf_name, array) if quantize is not None and array.ndim == 2 else None
+        if blocks is None:
+            writer.add_tensor(gguf_name, array.copy())
+        else:
+            kind, data = blocks
+            writer.add_tensor(gguf_name, data, raw_dtype=gguf.GGMLQuantizationType(int(kind)))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -172,25 +179,3 @@ def _add_gguf_rope_scaling(writer, config: dict) -> None:
                 factors.append(1 / ((1 - smooth) / factor + smooth))
         writer.add_tensor("rope_freqs.weight", np.array(factors, dtype=np.float32))
 
-
-def random_blocks(rng, kind, rows: int, cols: int, std: float = 0.05):
-    """uint8 [rows, row bytes]: random valid blocks of ggml type `kind` (kiln.gguf_blocks.GgmlType) whose weights have
-    about this std: random bytes, then the f16 step(s) (d, and dmin for Q4_K / Q5_K) set so the weights have that
-    size, each block's steps varied by up to 2x so a misplaced step shows."""
-    import numpy as np
-
-    from kiln.gguf_blocks import FORMATS, GgmlType, dequantize
-
-    fmt = FORMATS[kind]
-    nb = cols // fmt.weights
-    blocks = rng.integers(0, 256, (rows, nb, fmt.nbytes), dtype=np.uint8)
-    steps = [208] if kind == GgmlType.Q6_K else [0, 2] if kind in (GgmlType.Q4_K, GgmlType.Q5_K) else [0]
-
-    def set_steps(values):
-        for offset in steps:
-            blocks[:, :, offset:offset + 2] = values.astype(np.float16).view(np.uint8).reshape(rows, nb, 2)
-
-    set_steps(np.ones((rows, nb), np.float32))
-    unit = float(dequantize(blocks.reshape(rows, -1), kind).std())
-    set_steps((std / unit) * rng.uniform(0.5, 1.0, (rows, nb)).astype(np.float32))
-    return blocks.reshape(rows, -1)

@@ -7,12 +7,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kiln.gguf_blocks import FORMATS, GgmlType, dequantize, row_bytes
+from kiln.gguf_blocks import FORMATS, GgmlType, dequantize, random_blocks, row_bytes
 from kiln.matmul_gguf import make_single_op_model, matmul_gguf_ref
 
 ort = pytest.importorskip("onnxruntime")
 from op_library import op_library_or_skip  # noqa: E402
-from tiny_gguf import random_blocks  # noqa: E402
 
 LIBRARY = op_library_or_skip()
 TYPES = list(GgmlType)
