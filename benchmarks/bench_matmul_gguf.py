@@ -4,13 +4,15 @@ Ways, one linear y = x @ W^T each:
   q4_1            kiln.MatMulQ4_1 (kiln's repacked Q4_1, int8 activations): what a Q4_K_M file is re-rounded to today
   q4_k q5_k q6_k q8_0 q4_0   kiln.MatMulGGUF on random valid blocks of that type (float32 activations)
 Shapes (Llama-3.2-1B): fused qkv 2048 -> 3072, o 2048 -> 2048, fused gate/up 2048 -> 16384, down 8192 -> 2048.
-Each way cycles through --copies sessions, each with its own copy of the weights, so that a decode call streams its
-weights from DRAM (the copies of the largest linear exceed the last-level cache), as a real 1B decode step does. The
+Each way cycles through sessions each with its own copy of the weights, enough copies (at least --copies) for
+--cold-mib of weights, so that a call streams its weights from DRAM (more than the last-level cache holds), as a
+real 1B decode step does. The
 ways' batches are interleaved round by round (a shared machine's drift hits them alike); 2-thread wall time (or
 --threads 1 --cpu-time), median of --repeats. GB/s is the weight bytes a call reads (the op's own input bytes) over
 its time.
 
     python benchmarks/bench_matmul_gguf.py [--repeats 7] [--tokens 1 16] [--linears gate/up down] [--copies 4]
+        [--cold-mib 96] [--threads 2] [--cpu-time] [--ways q4_1 q4_k q6_k q8_0]
 """
 
 from __future__ import annotations
@@ -40,13 +42,13 @@ def session(model: bytes, threads: int) -> ort.InferenceSession:
     return ort.InferenceSession(model, so, providers=["CPUExecutionProvider"])
 
 
-def ways(k: int, n: int, names: list[str], copies: int, threads: int) -> dict[str, tuple[list, int]]:
-    """name -> (sessions, weight bytes a call reads)."""
+def ways(k: int, n: int, names: list[str], cold_bytes: int, threads: int) -> dict[str, tuple[list, int]]:
+    """name -> (sessions, weight bytes a call reads), each way's copies at least cold_bytes in all."""
     rng = np.random.default_rng(0)
     out = {}
     for name in names:
         sessions, nbytes = [], 0
-        for _ in range(copies):
+        while not sessions or len(sessions) * nbytes < cold_bytes:
             if name == "q4_1":  # Q4_1 of a Q4_K's decoded weights: the re-rounding path
                 w = quantize_q4_1(dequantize(random_blocks(rng, GgmlType.Q4_K, n, k), GgmlType.Q4_K))
                 qs, dm = w.pack()
@@ -89,16 +91,19 @@ def main() -> None:
     parser.add_argument("--linears", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     parser.add_argument("--ways", nargs="+", default=["q4_1", "q4_k", "q6_k", "q8_0"], choices=["q4_1", *TYPES])
     parser.add_argument("--copies", type=int, default=4, help="weight copies a way cycles through (cold weights)")
+    parser.add_argument("--cold-mib", type=float, default=96, help="weights a way cycles through, at least")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--cpu-time", action="store_true",
                         help="time with the process's CPU time (with --threads 1: what other load barely moves)")
     args = parser.parse_args()
     clock = "CPU" if args.cpu_time else "wall"
-    print(f"threads {args.threads}, copies {args.copies}, {clock} time; us a call (GB/s of weights read), "
-          "ratio to q4_1's time")
+    print(f"threads {args.threads}, >= {args.cold_mib:.0f} MiB of weights a way, {clock} time; "
+          "us a call (GB/s of weights read), ratio to q4_1's time")
     for linear in args.linears:
         k, n = SHAPES[linear]
-        built = ways(k, n, args.ways, args.copies, args.threads)
+        q4_k_bytes = n * k // 256 * 144
+        cold_bytes = max(args.copies, -(-int(args.cold_mib * 2**20) // q4_k_bytes)) * q4_k_bytes
+        built = ways(k, n, args.ways, cold_bytes, args.threads)
         for t in args.tokens:
             x = np.random.default_rng(1).standard_normal((t, k)).astype(np.float32)
             times = time_us(built, x, args.repeats, time.process_time if args.cpu_time else time.perf_counter)

@@ -94,20 +94,19 @@ struct Q8_0 {
   }
 };
 
-// Q4_K / Q5_K's 6-bit scales and minimums (llama.cpp's get_scale_min_k4) times d and dmin, in float32 as the spec.
+// Q4_K / Q5_K's 6-bit scales and minimums (llama.cpp's get_scale_min_k4, unpacked with its 32-bit masks: the 12
+// bytes as three words become the 8 scales and the 8 minimums, a byte each) times d and dmin, in float32 as the spec.
 inline void k_scales(const uint8_t* b, float* scale, __m256* mins) {
-  const uint8_t* s = b + 4;
-  alignas(32) int32_t sc[8], mn[8];
-  for (int j = 0; j < 4; ++j) {
-    sc[j] = s[j] & 63;
-    mn[j] = s[j + 4] & 63;
-    sc[j + 4] = (s[j + 8] & 15) | ((s[j] >> 6) << 4);
-    mn[j + 4] = (s[j + 8] >> 4) | ((s[j + 4] >> 6) << 4);
-  }
-  const __m256i scv = _mm256_load_si256(reinterpret_cast<const __m256i*>(sc));
-  const __m256i mnv = _mm256_load_si256(reinterpret_cast<const __m256i*>(mn));
-  _mm256_storeu_ps(scale, _mm256_mul_ps(_mm256_set1_ps(f16(b)), to_float(scv)));
-  *mins = _mm256_mul_ps(_mm256_set1_ps(f16(b + 2)), to_float(mnv));
+  constexpr uint32_t kLow6 = 0x3f3f3f3f, kLow4 = 0x0f0f0f0f, kLow2 = 0x03030303;
+  uint32_t w[3], out[4];
+  std::memcpy(w, b + 4, 12);
+  out[0] = w[0] & kLow6;                                         // scales 0-3
+  out[1] = (w[2] & kLow4) | (((w[0] >> 6) & kLow2) << 4);        // scales 4-7
+  out[2] = w[1] & kLow6;                                         // minimums 0-3
+  out[3] = ((w[2] >> 4) & kLow4) | (((w[1] >> 6) & kLow2) << 4); // minimums 4-7
+  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(out));
+  _mm256_store_ps(scale, _mm256_mul_ps(_mm256_set1_ps(f16(b)), to_float(_mm256_cvtepu8_epi32(bytes))));
+  *mins = _mm256_mul_ps(_mm256_set1_ps(f16(b + 2)), to_float(_mm256_cvtepu8_epi32(_mm_srli_si128(bytes, 8))));
 }
 
 // The 8 sub-blocks of a Q4_K / Q5_K block: sub-block j's 32 nibbles are the low (j even) or high (j odd) halves of
@@ -119,19 +118,24 @@ inline void k_sub_blocks(const uint8_t* b, const uint8_t* qs, const float* const
   __m256 mins;
   k_scales(b, scale, &mins);
   for (int r = 0; r < NT; ++r) macc[r] = _mm256_fmadd_ps(mins, _mm256_loadu_ps(sums[r]), macc[r]);
-#pragma GCC unroll 8
-  for (int j = 0; j < 8; ++j) {
-    const __m128i shift = _mm_cvtsi32_si128(4 * (j % 2)), bit = _mm_cvtsi32_si128(j);
-    __m256 q[4];
-    for (int i = 0; i < 4; ++i) {
-      __m256i v = low4(_mm256_srl_epi32(bytes8(qs + 32 * (j / 2) + 8 * i), shift));
-      if constexpr (kFifthBit) {
-        const __m256i high = _mm256_and_si256(_mm256_srl_epi32(bytes8(b + 16 + 8 * i), bit), _mm256_set1_epi32(1));
-        v = _mm256_or_si256(v, _mm256_slli_epi32(high, 4));
+#pragma GCC unroll 4
+  for (int c = 0; c < 4; ++c) {  // 32 bytes: sub-block 2c in the low nibbles, 2c + 1 in the high ones
+    for (int half = 0; half < 2; ++half) {
+      const int j = 2 * c + half;
+      __m256 q[4];
+      for (int i = 0; i < 4; ++i) {
+        const __m256i raw = bytes8(qs + 32 * c + 8 * i);
+        __m256i v = half ? _mm256_srli_epi32(raw, 4) : low4(raw);  // bytes widened: >> 4 is the high nibble
+        if constexpr (kFifthBit) {  // bit j of the byte moved to bit 4
+          const __m256i hb = bytes8(b + 16 + 8 * i);
+          const __m256i moved = j <= 4 ? _mm256_sll_epi32(hb, _mm_cvtsi32_si128(4 - j))
+                                       : _mm256_srl_epi32(hb, _mm_cvtsi32_si128(j - 4));
+          v = _mm256_or_si256(v, _mm256_and_si256(moved, _mm256_set1_epi32(16)));
+        }
+        q[i] = to_float(v);
       }
-      q[i] = to_float(v);
+      dot_add<NT>(q, 4, x, 32 * j, _mm256_set1_ps(scale[j]), acc);
     }
-    dot_add<NT>(q, 4, x, 32 * j, _mm256_set1_ps(scale[j]), acc);
   }
 }
 
@@ -154,7 +158,8 @@ struct Q5_K {
 };
 
 // Q6_K: half h (128 weights) holds groups t = 0..3 of 32: low nibbles of ql[64h + 32 (t % 2) + l] >> 4 (t / 2),
-// high two bits of qh[32h + l] >> 2t; q - 32; one int8 scale per 16 weights, times d.
+// high two bits of qh[32h + l] >> 2t; q - 32; one int8 scale per 16 weights, times d. Eight bytes of a column l of
+// ql's two rows and qh give that column's weights in all four groups, so each byte is loaded once.
 struct Q6_K {
   static constexpr int64_t kWeights = 256, kBytes = 210;
   static constexpr bool kMins = false;
@@ -162,21 +167,30 @@ struct Q6_K {
   static void block(const uint8_t* b, const float* const* x, const float* const*, __m256* acc, __m256*) {
     const float d = f16(b + 208);
     const int8_t* scales = reinterpret_cast<const int8_t*>(b + 192);
-    const __m256i centre = _mm256_set1_epi32(32), three = _mm256_set1_epi32(3);
-#pragma GCC unroll 8
-    for (int g = 0; g < 8; ++g) {
-      const int h = g / 4, t = g % 4;
-      const uint8_t* ql = b + 64 * h + 32 * (t % 2);
-      const uint8_t* qh = b + 128 + 32 * h;
-      const __m128i low_shift = _mm_cvtsi32_si128(4 * (t / 2)), high_shift = _mm_cvtsi32_si128(2 * t);
-      __m256 q[4];
-      for (int i = 0; i < 4; ++i) {
-        const __m256i low = low4(_mm256_srl_epi32(bytes8(ql + 8 * i), low_shift));
-        const __m256i high = _mm256_and_si256(_mm256_srl_epi32(bytes8(qh + 8 * i), high_shift), three);
-        q[i] = to_float(_mm256_sub_epi32(_mm256_or_si256(low, _mm256_slli_epi32(high, 4)), centre));
+    const __m256i centre = _mm256_set1_epi32(32), m3 = _mm256_set1_epi32(3), m48 = _mm256_set1_epi32(48);
+#pragma GCC unroll 2
+    for (int h = 0; h < 2; ++h) {
+#pragma GCC unroll 2
+      for (int s = 0; s < 2; ++s) {  // columns 0-15 (each group's first scale), then 16-31 (its second)
+        __m256 q[4][2];
+        for (int i = 0; i < 2; ++i) {
+          const int64_t col = 16 * s + 8 * i;
+          const __m256i l0 = bytes8(b + 64 * h + col), l1 = bytes8(b + 64 * h + 32 + col);
+          const __m256i hb = bytes8(b + 128 + 32 * h + col);
+          const __m256i v0 = _mm256_or_si256(low4(l0), _mm256_slli_epi32(_mm256_and_si256(hb, m3), 4));
+          const __m256i v1 = _mm256_or_si256(low4(l1), _mm256_and_si256(_mm256_slli_epi32(hb, 2), m48));
+          const __m256i v2 = _mm256_or_si256(_mm256_srli_epi32(l0, 4), _mm256_and_si256(hb, m48));
+          const __m256i v3 = _mm256_or_si256(_mm256_srli_epi32(l1, 4), _mm256_and_si256(_mm256_srli_epi32(hb, 2), m48));
+          q[0][i] = to_float(_mm256_sub_epi32(v0, centre));
+          q[1][i] = to_float(_mm256_sub_epi32(v1, centre));
+          q[2][i] = to_float(_mm256_sub_epi32(v2, centre));
+          q[3][i] = to_float(_mm256_sub_epi32(v3, centre));
+        }
+        for (int t = 0; t < 4; ++t) {
+          const int g = 4 * h + t;
+          dot_add<NT>(q[t], 2, x, 32 * g + 16 * s, _mm256_set1_ps(d * static_cast<float>(scales[2 * g + s])), acc);
+        }
       }
-      dot_add<NT>(q, 2, x, 32 * g, _mm256_set1_ps(d * static_cast<float>(scales[2 * g])), acc);
-      dot_add<NT>(q + 2, 2, x, 32 * g + 16, _mm256_set1_ps(d * static_cast<float>(scales[2 * g + 1])), acc);
     }
   }
 };
