@@ -137,11 +137,13 @@ def quantize_model(model: ir.Model, scheme: QuantScheme, lm_head: LmHead = LmHea
             name, count = "quantize_w8a8", quantize_w8a8(model)
         case QuantMethod.GGUF:
             counts = quantize_gguf(model)
-            if counts.kept == 0:
+            if counts.kept + counts.q4_1 == 0:
                 raise QuantizationError("quantization gguf keeps a GGUF file's quantized blocks, and no linear of "
-                                        "this model has blocks of a type kiln.MatMulGGUF executes (Q4_0, Q8_0, Q4_K, "
+                                        "this model has blocks of a type kiln executes (Q4_0, Q4_1, Q8_0, Q4_K, "
                                         "Q5_K, Q6_K); choose another --quantization")
-            name, count = f"quantize_gguf ({counts.fallback} without file blocks: int8)", counts.total
+            name = (f"quantize_gguf ({counts.kept} on the file's blocks, {counts.q4_1} Q4_1, {counts.fallback} "
+                    "without usable blocks: int8)")
+            count = counts.total
     if progress:
         progress(f"  {name}: converted {count} MatMuls")
     if count == 0:

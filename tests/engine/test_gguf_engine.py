@@ -1,8 +1,8 @@
 """`kiln build FILE.gguf --quantization gguf`: a tiny llama GGUF of k-quant blocks mixed as Q4_K_M mixes them (Q4_K,
-with Q6_K / Q5_K attn_v, Q6_K / Q8_0 ffn_down, a Q6_K head) keeps every linear in its file's blocks (kiln.MatMulGGUF,
-the engine's bytes the file's, q/k rows unpermuted whole) and gives the logits of the file's dequantized weights
-(the same file built with --quantization none) within 1e-3, a float32 KV cache in both (float16's rounding steps
-would turn float32 differences of 1e-7 into 1e-3 at an unlucky value)."""
+with Q6_K / Q5_K attn_v, Q6_K / Q8_0 ffn_down, a Q6_K head: its own or the tied table's) keeps every linear in its
+file's blocks (kiln.MatMulGGUF, the engine's bytes the file's, q/k rows unpermuted whole) and gives the logits of
+the file's dequantized weights (the same file built with --quantization none) within 1e-3, a float32 KV cache in
+both (float16's rounding steps would turn float32 differences of 1e-7 into 1e-3 at an unlucky value)."""
 
 from __future__ import annotations
 
@@ -30,20 +30,23 @@ MIX = {"blk.0.attn_v": GgmlType.Q6_K, "blk.1.attn_v": GgmlType.Q5_K, "blk.0.ffn_
        "blk.1.ffn_up": GgmlType.Q4_0}
 
 
-def _quantize(name: str, array: np.ndarray):
+def _quantize(name: str, array: np.ndarray, tied: bool):
     rng = np.random.default_rng(zlib.crc32(name.encode()))
     base = name.rsplit(".", 1)[0]
-    kind = MIX.get(base, GgmlType.Q4_K)
+    kind = GgmlType.Q6_K if tied and base == "token_embd" else MIX.get(base, GgmlType.Q4_K)  # llama.cpp's choice
     std = 0.5 if base == "token_embd" else 1 / np.sqrt(array.shape[1])
     return kind, random_blocks(rng, kind, array.shape[0], array.shape[1], std)
 
 
-@pytest.fixture(scope="module")
-def gguf_engines(tmp_path_factory):
+@pytest.fixture(scope="module", params=[False, True], ids=["untied", "tied"])
+def gguf_engines(request, tmp_path_factory):
+    """Untied: a Q6_K head and a Q8_0 table; tied: the head reads the Q6_K table's blocks."""
     from kiln.optimize.build import build_engine
 
+    tied = request.param
     folder = tmp_path_factory.mktemp("gguf-k")
-    path, _ = make_tiny_gguf(folder, "llama", quantize=_quantize, tie_word_embeddings=False, **SHAPE)
+    path, _ = make_tiny_gguf(folder, "llama", quantize=lambda name, array: _quantize(name, array, tied),
+                             tie_word_embeddings=tied, **SHAPE)
     engines = {}
     for scheme in ("gguf", "none"):  # a float32 KV cache: float16's rounding would amplify float32 differences
         engines[scheme] = folder / scheme

@@ -44,3 +44,16 @@ def test_file_tables_gather_their_own_numbers(kind):
         assert 0 < np.abs(got - table[ids]).max() < np.abs(table).max() / 255
     else:
         np.testing.assert_array_equal(got, table[ids])
+
+
+def test_q4_1_file_rows_decode_to_the_codes_gguf_py_dequantizes():
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize as gguf_dequantize
+    from gguf.quants import quantize as gguf_quantize
+
+    from kiln.optimize.quantize_gguf import q4_1_weights
+
+    w = np.random.default_rng(4).standard_normal((6, 96)).astype(np.float32)
+    data = gguf_quantize(w, GGMLQuantizationType.Q4_1)
+    expected = gguf_dequantize(data, GGMLQuantizationType.Q4_1).reshape(6, 96)
+    np.testing.assert_array_equal(q4_1_weights(data).dequantize(), expected)
