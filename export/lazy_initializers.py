@@ -109,7 +109,7 @@ def attach_lazy_weights(model: ir.Model, weights: Mapping[str, torch.Tensor],
                                        f"{list(shape)} as {list(array.shape)} with strides {array.strides}")
         read = _reader(weights, placeholder.name)
         found = weights.file_blocks(placeholder.name) if isinstance(weights, LazyWeights) else None
-        blocks = (found,) if found is not None else ()
+        blocks = (found,) if isinstance(found, FileBlocks) else ()
         value.const_value = (MatrixRows(read, *shape, name=tensor.name, blocks=blocks) if transpose else
                              BlockRows(read, shape, name=tensor.name, blocks=blocks))
         swapped += 1
