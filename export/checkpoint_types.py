@@ -50,6 +50,12 @@ class LazyWeights(Mapping[str, torch.Tensor]):
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self._sources[name].shape)
 
+    def file_blocks(self, name: str) -> object | None:
+        """The weight's rows as its file's quantized blocks (a GGUF matrix: tensor_files.FileBlocks), or None. Read
+        through the source's own method, so this module needs no import of tensor_files (which imports it)."""
+        method = getattr(self._sources[name], "file_blocks", None)
+        return method() if callable(method) else None
+
     def sources(self) -> dict[str, TensorSource]:
         """Where each weight is read from (for views that read parts of a tensor, e.g. fused projections)."""
         return dict(self._sources)

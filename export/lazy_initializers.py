@@ -10,6 +10,9 @@ or the engine writer asks for it. The graph, its names and its initializer order
 so the engine is the one a fully materialised export gives, bit for bit. Vectors (norm gains, biases) are
 read for real: they are small, and the exporter's rewrite rules may look at their values. Stacked [E, ...] expert
 weights (kiln.MoE's inputs) are placeholders too, never transposed.
+
+A matrix read from a GGUF also carries its file's blocks (``blocks``: the rows as the file's quantized bytes), so
+`--quantization gguf` can hand them to kiln.MatMulGGUF as they are instead of re-rounding the float rows.
 """
 
 from __future__ import annotations
@@ -21,7 +24,8 @@ import numpy as np
 import onnx_ir as ir
 import torch
 
-from .checkpoint_types import weight_shape
+from .checkpoint_types import LazyWeights, weight_shape
+from .tensor_files import FileBlocks
 
 
 @dataclass(frozen=True)
@@ -48,12 +52,15 @@ def placeholder_weights(weights: Mapping[str, torch.Tensor]) -> tuple[dict[str, 
 class MatrixRows(ir.LazyTensor):
     """A lazy ``W^T [K, N]`` initializer (a linear's weight as a MatMul reads it) whose ``W [N, K]`` can also be
     read directly: the quantizers want W, and a transposed copy of a large matrix is memory a build need not
-    hold. rows() returns W as float32, C-contiguous."""
+    hold. rows() returns W as float32, C-contiguous. blocks: W's rows as file blocks, parts stacked in row order
+    (one part, or a fused projection's), empty when any part has none."""
 
-    __slots__ = ("_rows",)
+    __slots__ = ("_rows", "blocks")
 
-    def __init__(self, rows: Callable[[], np.ndarray], n: int, k: int, name: str | None = None) -> None:
+    def __init__(self, rows: Callable[[], np.ndarray], n: int, k: int, name: str | None = None,
+                 blocks: tuple[FileBlocks, ...] = ()) -> None:
         self._rows = rows
+        self.blocks = blocks
         super().__init__(self._transposed, ir.DataType.FLOAT, ir.Shape([k, n]), name=name)
 
     def rows(self) -> np.ndarray:
@@ -61,6 +68,18 @@ class MatrixRows(ir.LazyTensor):
 
     def _transposed(self) -> ir.Tensor:
         return ir.tensor(np.ascontiguousarray(self._rows().T))
+
+
+class BlockRows(ir.LazyTensor):
+    """A lazy ``W [N, K]`` initializer kept as it is (an embedding table, which a tied LM head reads through a
+    Transpose), with W's rows as file blocks like MatrixRows.blocks."""
+
+    __slots__ = ("blocks",)
+
+    def __init__(self, read: Callable[[], np.ndarray], shape: tuple[int, ...], name: str | None = None,
+                 blocks: tuple[FileBlocks, ...] = ()) -> None:
+        self.blocks = blocks
+        super().__init__(lambda: ir.tensor(read()), ir.DataType.FLOAT, ir.Shape(shape), name=name)
 
 
 class LazyInitializerError(RuntimeError):
@@ -90,9 +109,10 @@ def attach_lazy_weights(model: ir.Model, weights: Mapping[str, torch.Tensor],
             raise LazyInitializerError(f"initializer {value.name} views weight {placeholder.name} "
                                        f"{list(shape)} as {list(array.shape)} with strides {array.strides}")
         read = _reader(weights, placeholder.name)
-        value.const_value = (MatrixRows(read, *shape, name=tensor.name) if transpose else
-                             ir.LazyTensor(lambda read=read: ir.tensor(read()), ir.DataType.FLOAT, ir.Shape(shape),
-                                           name=tensor.name))
+        found = weights.file_blocks(placeholder.name) if isinstance(weights, LazyWeights) else None
+        blocks = (found,) if isinstance(found, FileBlocks) else ()
+        value.const_value = (MatrixRows(read, *shape, name=tensor.name, blocks=blocks) if transpose else
+                             BlockRows(read, shape, name=tensor.name, blocks=blocks))
         swapped += 1
     _check_no_placeholder_left(model, placeholders)
     return swapped

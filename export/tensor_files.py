@@ -7,7 +7,8 @@ though each tensor is used once); a read lands in the page cache, which the kern
 
     safetensors: 8-byte header length, a JSON header {name: {dtype, shape, data_offsets}}, the data
     GGUF: the tensor infos gguf-py's reader parses; each tensor's blocks dequantized by gguf-py,
-          a slab of rows at a time so the dequantizer's temporaries stay small
+          a slab of rows at a time so the dequantizer's temporaries stay small; or, for
+          `--quantization gguf`, its blocks themselves (file_blocks: the raw rows, nothing decoded)
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -110,6 +112,16 @@ def _safetensors_entry(path: Path, name: str, info: object, base: int, size: int
 
 
 @dataclass(frozen=True)
+class FileBlocks:
+    """Rows of a matrix as its file's quantized blocks, read when asked: ggml type id, row count, and read() ->
+    uint8 [rows, row bytes] (each row its blocks in order, a GGUF's bytes as they are)."""
+
+    ggml_type: int
+    rows: int
+    read: Callable[[], np.ndarray]
+
+
+@dataclass(frozen=True)
 class GgufTensor:
     """One tensor of a GGUF file: its blocks' place and type; read() dequantizes to float32 (gguf-py's
     numbers bit for bit) in row-major [rows, cols] order, llama.cpp's q/k row permutation undone when
@@ -140,6 +152,21 @@ class GgufTensor:
             tensor = unpermute_rotary_rows(tensor, self.rotary_heads)
         return tensor
 
+    def file_blocks(self) -> FileBlocks | None:
+        """The matrix's rows as the file's blocks (None for vectors and float types). llama.cpp's q/k permutation
+        moves whole rows, and a row is whole blocks, so undoing it on the rows of bytes is exact."""
+        from gguf import GGMLQuantizationType
+
+        if len(self.shape) != 2 or self.qtype in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
+            return None
+        return FileBlocks(self.qtype, self.shape[0], self._read_blocks)
+
+    def _read_blocks(self) -> np.ndarray:
+        data = np.frombuffer(read_bytes(self.path, self.offset, self.nbytes), dtype=np.uint8).reshape(self.shape[0], -1)
+        if self.rotary_heads:
+            data = unpermute_rotary_rows(torch.from_numpy(data), self.rotary_heads).numpy()
+        return np.ascontiguousarray(data)
+
 
 @dataclass(frozen=True)
 class RowSlice:
@@ -155,6 +182,20 @@ class RowSlice:
 
     def read(self) -> torch.Tensor:
         return self.source.read()[self.start:self.start + self.rows].clone()
+
+    def file_blocks(self) -> FileBlocks | None:
+        """Its rows of the source's blocks (rows are whole blocks: exact), when the source has blocks."""
+        blocks = file_blocks(self.source)
+        if blocks is None:
+            return None
+        return FileBlocks(blocks.ggml_type, self.rows,
+                          lambda: np.ascontiguousarray(blocks.read()[self.start:self.start + self.rows]))
+
+
+def file_blocks(source: object) -> FileBlocks | None:
+    """A tensor source's blocks (GgufTensor, RowSlice of one), or None for sources without them."""
+    method = getattr(source, "file_blocks", None)
+    return method() if callable(method) else None
 
 
 def unpermute_rotary_rows(w: torch.Tensor, num_heads: int) -> torch.Tensor:

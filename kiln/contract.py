@@ -44,8 +44,8 @@ OP_VERSION = 1
 # 4: the kiln.SwiGLU op (kiln/swiglu.py), which every engine's MLPs use.
 # 5: the kiln.RescoreLogits op (kiln/rescore_logits.py), which int4-rescored LM heads use.
 # 6: kiln.PagedAttention's softcap attribute (Gemma 2's attention logit soft-cap: an older library would
-#    ignore it and compute uncapped attention, so engines that carry it need this one) and the kiln.MoE op
-#    (kiln/moe.py), which mixture-of-experts models' MLPs use.
+#    ignore it and compute uncapped attention, so engines that carry it need this one), the kiln.MoE op
+#    (kiln/moe.py), which mixture-of-experts models' MLPs use, and kiln.MatMulGGUF (a GGUF's own blocks).
 OP_LIBRARY_ABI = 6
 # The oldest engine ABI this library still runs: ABIs 2 to 6 only added optional inputs, attributes,
 # a pool dtype and new ops, so ABI-1 to ABI-5 graphs (RoPE as graph ops, no SwiGLU) are unchanged and need no rebuild.

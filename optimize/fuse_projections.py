@@ -137,7 +137,9 @@ def _concatenated(model: ir.Model, name: str, weights: list[ir.TensorProtocol]) 
             for w, start, end in zip(weights, bounds[:-1], bounds[1:], strict=True):
                 out[start:end] = w.rows()  # type: ignore[attr-defined]
             return out
-        value.const_value = MatrixRows(stacked_rows, int(bounds[-1]), k, name=value.name)
+        parts = [w.blocks for w in weights]  # type: ignore[attr-defined]
+        blocks = tuple(b for part in parts for b in part) if all(parts) else ()
+        value.const_value = MatrixRows(stacked_rows, int(bounds[-1]), k, name=value.name, blocks=blocks)
     else:
         def side_by_side() -> ir.TensorProtocol:
             out = np.empty((k, int(bounds[-1])), np.float32)

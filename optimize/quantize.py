@@ -5,11 +5,13 @@
     int4-rtn-g{32,64,128}  quantize_int4.py
     int4-awq-g{32,64,128}  AWQ scales folded in (prepare_checkpoint), then quantize_int4.py
     int4-q4_1              quantize_q4_1.py
+    gguf                   quantize_gguf.py (a GGUF's blocks kept; the head too, as every linear)
     w8a8-smoothquant       SmoothQuant scales folded in (prepare_checkpoint), then quantize_w8a8.py
 
 The int4 schemes give the tied LM head int8 per channel unless asked for int4, int4-rescored
 (rescore_lm_head.py) or w8a8 (LmHead).
-Every scheme but none also stores the embedding table as 8-bit blocks (quantize_embedding.py).
+Every scheme but none also stores the embedding table as 8-bit blocks (quantize_embedding.py); gguf keeps a Q8_0 or
+Q6_K table's own numbers there.
 Under every int4 scheme a mixture-of-experts model's kiln.MoE experts become Q4_1 (quantize_moe.py; AWQ's scales
 reach the attention projections only); the other schemes keep them float32.
 The build calls ``prepare_checkpoint`` before export (the gpt-fast-style conversion step:
@@ -29,6 +31,7 @@ from kiln.quant_scheme import LmHead, QuantMethod, QuantScheme
 
 from .quant.graph import is_lm_head
 from .quantize_embedding import quantize_embedding
+from .quantize_gguf import quantize_gguf
 from .quantize_int4 import quantize_int4
 from .quantize_int8 import quantize_int8_weight_only
 from .quantize_moe import quantize_moe_experts
@@ -135,6 +138,15 @@ def quantize_model(model: ir.Model, scheme: QuantScheme, lm_head: LmHead = LmHea
             name, count = "quantize_q4_1", quantize_q4_1_pass(model, int4_head)
         case QuantMethod.W8A8_SMOOTHQUANT:
             name, count = "quantize_w8a8", quantize_w8a8(model)
+        case QuantMethod.GGUF:
+            counts = quantize_gguf(model)
+            if counts.kept + counts.q4_1 == 0:
+                raise QuantizationError("quantization gguf keeps a GGUF file's quantized blocks, and no linear of "
+                                        "this model has blocks of a type kiln executes (Q4_0, Q4_1, Q8_0, Q4_K, "
+                                        "Q5_K, Q6_K); choose another --quantization")
+            name = (f"quantize_gguf ({counts.kept} on the file's blocks, {counts.q4_1} Q4_1, {counts.fallback} "
+                    "without usable blocks: int8)")
+            count = counts.total
     if progress:
         progress(f"  {name}: converted {count} MatMuls")
     if scheme.method in (QuantMethod.INT4_RTN, QuantMethod.INT4_AWQ, QuantMethod.INT4_Q4_1):
@@ -143,7 +155,7 @@ def quantize_model(model: ir.Model, scheme: QuantScheme, lm_head: LmHead = LmHea
             progress(f"  quantize_moe_experts: {layers} layers' experts to Q4_1")
     if count == 0:
         raise QuantizationError(f"quantization {scheme} found no linear layer to convert in the graph")
-    embeddings = quantize_embedding(model)
+    embeddings = quantize_embedding(model, file_blocks=scheme.method is QuantMethod.GGUF)
     if progress:
         progress(f"  quantize_embedding: converted {embeddings} Gathers")
     if rescored is not None:

@@ -72,10 +72,12 @@ def llama_cpp_permute(weights, num_heads: int):
     return w.swapaxes(1, 2).reshape(weights.shape)
 
 
-def make_tiny_gguf(tmp_path, family: str = "llama", architecture: str | None = None,
+def make_tiny_gguf(tmp_path, family: str = "llama", architecture: str | None = None, quantize=None,
                    **overrides) -> tuple[Path, Path]:
     """Convert make_tiny_hf_model(tmp_path, family, **overrides) to an F32 GGUF as llama.cpp does.
-    Returns (gguf_path, hf_dir). ``architecture`` overrides only the metadata's name (for error tests)."""
+    Returns (gguf_path, hf_dir). ``architecture`` overrides only the metadata's name (for error tests).
+    ``quantize(gguf_name, array)`` -> None (keep F32) or (ggml type, uint8 [rows, row bytes]) stores a matrix as
+    quantized blocks instead (after the q/k permutation, as llama.cpp quantizes the converted file)."""
     import gguf
     from safetensors.torch import load_file
 
@@ -115,7 +117,12 @@ def make_tiny_gguf(tmp_path, family: str = "llama", architecture: str | None = N
             gguf_name = f"blk.{layer}.{_BLOCK_NAMES[module]}.{kind}"
         else:
             gguf_name = _GLOBAL_NAMES[name]
-        writer.add_tensor(gguf_name, array.copy())
+        blocks = quantize(gguf_name, array) if quantize is not None and array.ndim == 2 else None
+        if blocks is None:
+            writer.add_tensor(gguf_name, array.copy())
+        else:
+            kind, data = blocks
+            writer.add_tensor(gguf_name, data, raw_dtype=gguf.GGMLQuantizationType(int(kind)))
     for gguf_name, by_index in experts.items():
         writer.add_tensor(gguf_name, np.stack([by_index[j] for j in range(len(by_index))]))
     writer.write_header_to_file()
@@ -232,3 +239,4 @@ def _add_gguf_rope_scaling(writer, config: dict) -> None:
                 smooth = (old_len / wavelen - low) / (high - low)
                 factors.append(1 / ((1 - smooth) / factor + smooth))
         writer.add_tensor("rope_freqs.weight", np.array(factors, dtype=np.float32))
+

@@ -17,6 +17,7 @@ from onnx_ir.passes.common import RemoveUnusedNodesPass
 
 from kiln.export.lazy_initializers import MatrixRows
 from kiln.optimize._common import soft_cap_output
+from kiln.export.tensor_files import FileBlocks
 
 
 @dataclass(frozen=True)
@@ -44,6 +45,12 @@ class Linear:
         assert self.source.const_value is not None
         rows, cols = (int(d) for d in self.source.const_value.shape)
         return (cols, rows) if self.transposed else (rows, cols)
+
+    @property
+    def file_blocks(self) -> tuple[FileBlocks, ...]:
+        """W's rows as its file's quantized blocks, parts in row order (a GGUF's matrices; lazy_initializers.py),
+        or () when the weight has none. Nothing is read."""
+        return tuple(getattr(self.source.const_value, "blocks", ()))
 
     @property
     def weight(self) -> np.ndarray:

@@ -29,6 +29,7 @@
 #include <thread>
 #include <vector>
 
+#include "matmul_gguf.h"
 #include "matmul_q4_1.h"
 #include "moe.h"
 #include "parallel_for.h"
@@ -540,6 +541,7 @@ __attribute__((visibility("default"))) OrtStatus* ORT_API_CALL RegisterCustomOps
       domain->Add(Ort::Custom::CreateLiteCustomOp<kiln::PagedAttention<Ort::Float16_t>>("PagedAttention", "CPUExecutionProvider"));
       domain->Add(Ort::Custom::CreateLiteCustomOp<kiln::PagedAttention<int8_t>>("PagedAttention", "CPUExecutionProvider"));
       kiln::add_matmul_q4_1(*domain);
+      kiln::add_matmul_gguf(*domain);
       kiln::add_swiglu(*domain);
       kiln::add_moe(*domain);
       kiln::add_rescore_logits(*domain);

@@ -1,0 +1,155 @@
+"""Pass: a GGUF file's quantized linears kept in their own blocks -> kiln.MatMulGGUF (no re-rounding).
+
+Each linear whose weight came from a GGUF matrix of a type kiln.MatMulGGUF executes (kiln/gguf_blocks.py: Q4_0,
+Q8_0, Q4_K, Q5_K, Q6_K) becomes one kiln.MatMulGGUF node over the file's bytes, which the engine stores as they are:
+the engine computes with exactly the file's weights. The rows arrive as the file holds them but for llama.cpp's q/k
+permutation, which the reader undoes on whole rows of blocks (exact). A fused projection (q/k/v, gate/up) whose parts
+have one type is one node over the stacked rows; parts of different types (a Q4_K_M file's Q6_K v beside Q4_K q
+and k) are one node per run of a type, their outputs concatenated. The LM head is a linear like the others (a tied
+head reads the embedding table's blocks). Q4_1 blocks (SmolLM2's file) go to kiln.MatMulQ4_1, decoded from the
+bytes: the file's weights exactly, with that kernel's int8 activations. A linear without usable blocks (float
+matrices, other ggml types) falls back to int8 per output channel (MatMulNBits), and the pass reports how many did.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from itertools import groupby
+
+import numpy as np
+import onnx_ir as ir
+
+from kiln.contract import OP_DOMAIN
+from kiln.export.progress import track
+from kiln.export.tensor_files import FileBlocks
+from kiln.gguf_blocks import FORMATS, GgmlType, row_bytes
+from kiln.matmul_gguf import OP_TYPE, TYPE_ATTRIBUTE
+from kiln.matmul_q4_1 import BLOCK as Q4_1_BLOCK
+from kiln.matmul_q4_1 import OP_TYPE as Q4_1_OP_TYPE
+from kiln.matmul_q4_1 import Q4_1Weights
+
+from .quant.graph import Linear, ensure_opset, find_linears, initializer, prune, replace_linear
+from .quant.nbits import MS_DOMAIN, make_matmul_nbits
+from .quant.rtn import per_channel_as_groups
+
+_EXECUTABLE = {int(kind) for kind in GgmlType}
+GGML_Q4_1 = 3  # gguf.GGMLQuantizationType.Q4_1: 32 weights, 20 bytes (d f16, m f16, 16 bytes of nibbles)
+_Q4_1_BYTES = 20
+
+
+@dataclass(frozen=True)
+class GgufCounts:
+    kept: int  # linears computed on the file's blocks (kiln.MatMulGGUF)
+    q4_1: int  # linears of Q4_1 blocks: kiln.MatMulQ4_1 on the decoded codes
+    fallback: int  # linears without usable blocks: int8 per channel
+
+    @property
+    def total(self) -> int:
+        return self.kept + self.q4_1 + self.fallback
+
+
+def executable_blocks(lin: Linear) -> tuple[FileBlocks, ...]:
+    """The linear's file blocks when every part is of an executable type whose rows hold whole blocks of its K,
+    else ()."""
+    blocks = lin.file_blocks
+    n, k = lin.shape
+    if not blocks or sum(b.rows for b in blocks) != n:
+        return ()
+    for b in blocks:
+        if b.ggml_type not in _EXECUTABLE or k % FORMATS[GgmlType(b.ggml_type)].weights:
+            return ()
+    return blocks
+
+
+def quantize_gguf(model: ir.Model) -> GgufCounts:
+    """Rewrite every linear MatMul in place."""
+    linears = find_linears(model)
+    kept = q4_1 = 0
+    for lin in track(linears, "quantize gguf", "linear"):
+        blocks = executable_blocks(lin)
+        q4_1_blocks = _q4_1_blocks(lin)
+        if blocks:
+            nodes, output = _block_nodes(model, lin, blocks)
+            ensure_opset(model, OP_DOMAIN)
+            kept += 1
+        elif q4_1_blocks is not None:
+            node = _q4_1_node(model, lin, q4_1_blocks)
+            ensure_opset(model, OP_DOMAIN)
+            nodes, output, q4_1 = [node], node.outputs[0], q4_1 + 1
+        else:
+            node = make_matmul_nbits(model, lin.activation, per_channel_as_groups(lin.weight, 128),
+                                     f"{lin.weight_name}.int8", lin.bias)
+            ensure_opset(model, MS_DOMAIN)
+            nodes, output = [node], node.outputs[0]
+        replace_linear(model, lin, nodes, output)
+    if linears:
+        prune(model)
+    return GgufCounts(kept, q4_1, len(linears) - kept - q4_1)
+
+
+def _block_nodes(model: ir.Model, lin: Linear, blocks: tuple[FileBlocks, ...]) -> tuple[list[ir.Node], ir.Value]:
+    """One kiln.MatMulGGUF per run of parts of one type (their rows stacked), concatenated when more than one."""
+    k = lin.shape[1]
+    bias = None
+    if lin.bias is not None and lin.bias.const_value is not None:
+        bias = lin.bias.const_value.numpy().astype(np.float32)
+    nodes: list[ir.Node] = []
+    start = 0
+    for kind, run in groupby(blocks, key=lambda b: b.ggml_type):
+        parts = list(run)
+        rows = sum(b.rows for b in parts)
+        data = np.concatenate([_read(b, k) for b in parts]) if len(parts) > 1 else _read(parts[0], k)
+        suffix = f".{GgmlType(kind).name.lower()}" + (f".rows{start}" if len(blocks) > 1 else "")
+        inputs = [lin.activation, initializer(model, f"{lin.weight_name}{suffix}", data)]
+        if bias is not None:
+            inputs.append(initializer(model, f"{lin.weight_name}{suffix}.bias", bias[start:start + rows]))
+        nodes.append(ir.node(OP_TYPE, inputs, attributes={TYPE_ATTRIBUTE: int(kind)}, domain=OP_DOMAIN,
+                             name=f"{lin.weight_name}{suffix}.MatMulGGUF"))
+        start += rows
+    if len(nodes) == 1:
+        return nodes, nodes[0].outputs[0]
+    concat = ir.node("Concat", [node.outputs[0] for node in nodes], attributes={"axis": -1},
+                     name=f"{lin.weight_name}.gguf.Concat")
+    return [*nodes, concat], concat.outputs[0]
+
+
+def _read(blocks: FileBlocks, k: int) -> np.ndarray:
+    data = blocks.read()
+    expected = (blocks.rows, row_bytes(GgmlType(blocks.ggml_type), k))
+    if data.shape != expected or data.dtype != np.uint8:
+        raise ValueError(f"file blocks of {GgmlType(blocks.ggml_type).name} are {data.dtype} {list(data.shape)}, "
+                         f"the weight implies uint8 {list(expected)}")
+    return data
+
+
+def _q4_1_blocks(lin: Linear) -> np.ndarray | None:
+    """The linear's Q4_1 rows when every part is Q4_1 (read here), else None."""
+    blocks = lin.file_blocks
+    n, k = lin.shape
+    if not blocks or any(b.ggml_type != GGML_Q4_1 for b in blocks) or k % Q4_1_BLOCK:
+        return None
+    data = np.concatenate([b.read() for b in blocks])
+    if data.shape != (n, k // Q4_1_BLOCK * _Q4_1_BYTES):
+        raise ValueError(f"Q4_1 file blocks are {list(data.shape)} bytes, the weight implies "
+                         f"[{n}, {k // Q4_1_BLOCK * _Q4_1_BYTES}]")
+    return data
+
+
+def q4_1_weights(data: np.ndarray) -> Q4_1Weights:
+    """Q4_1 rows uint8 [N, K / 32 * 20] as their codes (d, m float16; byte i: weight i low, weight 16 + i high)."""
+    n = data.shape[0]
+    b = data.reshape(n, -1, _Q4_1_BYTES)
+    d = np.ascontiguousarray(b[..., 0:2]).view(np.float16)[..., 0]
+    m = np.ascontiguousarray(b[..., 2:4]).view(np.float16)[..., 0]
+    qs = b[..., 4:]
+    q = np.concatenate([qs & 15, qs >> 4], axis=-1).reshape(n, -1)
+    return Q4_1Weights(np.ascontiguousarray(q), np.ascontiguousarray(d), np.ascontiguousarray(m))
+
+
+def _q4_1_node(model: ir.Model, lin: Linear, data: np.ndarray) -> ir.Node:
+    """kiln.MatMulQ4_1 on the codes of Q4_1 rows."""
+    packed, dm = q4_1_weights(data).pack()
+    inputs = [lin.activation, initializer(model, f"{lin.weight_name}.q4_1.qs", packed),
+              initializer(model, f"{lin.weight_name}.q4_1.dm", dm)]
+    return ir.node(Q4_1_OP_TYPE, inputs + ([lin.bias] if lin.bias is not None else []), domain=OP_DOMAIN,
+                   name=f"{lin.weight_name}.MatMulQ4_1")
