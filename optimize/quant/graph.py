@@ -16,8 +16,8 @@ import onnx_ir as ir
 from onnx_ir.passes.common import RemoveUnusedNodesPass
 
 from kiln.export.lazy_initializers import MatrixRows
-from kiln.optimize._common import soft_cap_output
 from kiln.export.tensor_files import FileBlocks
+from kiln.optimize._common import soft_cap_output
 
 
 @dataclass(frozen=True)
