@@ -20,6 +20,7 @@ from kiln import __version__
 from kiln.contract import KV_DTYPES, OP_LIBRARY_ABI, OP_LIBRARY_MIN_ABI
 from kiln.errors import InvalidParamError, KilnError, require
 from kiln.medusa import MedusaSpec
+from kiln.pipeline_stages import PipelineStage, check_stages
 from kiln.quant_scheme import LmHead, QuantScheme
 from kiln.spec import ModelSpec
 
@@ -49,12 +50,13 @@ class BuildOptions:
     calibration: Path | None = None  # artifact of `kiln calibrate`: scales folded in (SmoothQuant / AWQ), int8 KV steps
     lm_head: LmHead = LmHead.INT8  # the LM head's weights under an int4 scheme
     medusa: Path | None = None  # artifact of `kiln train-medusa`: heads compiled into the graph (kiln/medusa.py)
+    pipeline_stages: int = 1  # graphs of contiguous layer ranges (kiln/pipeline_stages.py); 1: one graph
 
     def __post_init__(self) -> None:
         require(isinstance(self.quantization, QuantScheme), "quantization", "a QuantScheme (QuantScheme.parse(name))",
                 self.quantization)
         require(self.kv_dtype in KV_DTYPES, "kv_dtype", f"one of {list(KV_DTYPES)}", self.kv_dtype)
-        for name in ("block_size", "max_seq_len", "max_num_tokens"):
+        for name in ("block_size", "max_seq_len", "max_num_tokens", "pipeline_stages"):
             value = getattr(self, name)
             require(isinstance(value, int) and value > 0 or name == "max_seq_len" and value is None, name,
                     "a positive integer", value)
@@ -68,13 +70,14 @@ class BuildOptions:
         return {"quantization": self.quantization.name, "kv_dtype": self.kv_dtype, "block_size": self.block_size,
                 "max_seq_len": self.max_seq_len, "max_num_tokens": self.max_num_tokens,
                 "calibration": None if self.calibration is None else str(self.calibration),
-                "lm_head": self.lm_head.value, "medusa": None if self.medusa is None else str(self.medusa)}
+                "lm_head": self.lm_head.value, "medusa": None if self.medusa is None else str(self.medusa),
+                "pipeline_stages": self.pipeline_stages}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> BuildOptions:
         """Read to_dict's object, and that of older manifests: they also carry "dtype" (always float32,
         the only one builds accepted) and "" for no calibration artifact, and lack "lm_head" (int8 then)
-        and "medusa" (no heads)."""
+        "medusa" (no heads) and "pipeline_stages" (one graph)."""
         fields = {key: value for key, value in data.items() if key != "dtype"}
         calibration = fields.pop("calibration", None)
         medusa = fields.pop("medusa", None)
@@ -108,10 +111,28 @@ class Manifest:
     op_library_abi: int = OP_LIBRARY_ABI
     medusa: MedusaSpec | None = None  # the Medusa heads in the graph; None (older engines too): none
     tensorrt: TensorRTPlan | None = None  # backend "tensorrt" with its model.plan built; None: no plan (yet)
+    # kiln build --pipeline-stages N (N > 1): one graph per layer range instead of model.onnx; () (and every
+    # engine without the field): the one graph model.onnx (see `graph_files`)
+    stages: tuple[PipelineStage, ...] = ()
 
     def __post_init__(self) -> None:
         require(self.build.max_seq_len is not None, "build.max_seq_len",
                 "set in a manifest (the build resolves the model's default)", None)
+        try:
+            check_stages(self.stages, self.spec.num_layers)
+        except ValueError as exc:
+            raise EngineLoadError(f"{MANIFEST_NAME} field stages is inconsistent: {exc}") from None
+        if self.stages and len(self.stages) != self.build.pipeline_stages:
+            raise EngineLoadError(f"{MANIFEST_NAME} lists {len(self.stages)} stages, but build.pipeline_stages is "
+                                  f"{self.build.pipeline_stages}")
+        if len(self.stages) == 1:
+            raise EngineLoadError(f"{MANIFEST_NAME} field stages lists one stage; a one-stage engine has model.onnx "
+                                  "and no stages")
+
+    @property
+    def graph_files(self) -> tuple[str, ...]:
+        """The engine's graphs: its stages' in order, or model.onnx."""
+        return tuple(stage.graph for stage in self.stages) or ("model.onnx",)
 
     @property
     def max_seq_len(self) -> int:
@@ -132,6 +153,8 @@ class Manifest:
             "medusa": None if self.medusa is None else self.medusa.to_dict(),
             "tensorrt": None if self.tensorrt is None else self.tensorrt.to_dict(),
         }
+        if self.stages:  # only staged engines carry the field: a one-graph manifest reads as before
+            data["stages"] = [stage.to_dict() for stage in self.stages]
         return json.dumps(data, indent=2, sort_keys=True)
 
     @classmethod
@@ -171,6 +194,7 @@ class Manifest:
             op_library_abi=data["op_library_abi"],
             medusa=MedusaSpec.from_dict(data["medusa"]) if data.get("medusa") else None,
             tensorrt=TensorRTPlan(**data["tensorrt"]) if data.get("tensorrt") else None,
+            stages=tuple(PipelineStage(**stage) for stage in data.get("stages", ())),
         )
 
 
@@ -180,12 +204,13 @@ class Manifest:
 _BUILD_SCHEMA: dict[str, Any] = {
     "quantization": str, "kv_dtype": str, "block_size": int, "max_seq_len": int, "max_num_tokens": int,
     "calibration?": str | None, "lm_head?": str, "dtype?": str, "medusa?": str | None,
+    "pipeline_stages?": int,
 }
 _SCHEMA: dict[str, Any] = {
     "format_version": int, "kiln_version": str, "backend": str, "op_library_abi": int,
     "model_spec": ModelSpec, "build": _BUILD_SCHEMA,
     "graph": {"inputs": list[str], "outputs": list[str]}, "files": dict[str, str],
-    "medusa?": MedusaSpec | None, "tensorrt?": TensorRTPlan | None,
+    "medusa?": MedusaSpec | None, "tensorrt?": TensorRTPlan | None, "stages?": list[PipelineStage],
 }
 _RULES = {bool: "true or false", int: "an integer", float: "a number", str: "a string", type(None): "null"}
 
@@ -300,6 +325,9 @@ def read_manifest(engine_dir: Path, verify_checksums: bool = True) -> Manifest:
     for name in manifest.files:
         if Path(name).is_absolute() or ".." in Path(name).parts:
             raise EngineLoadError(f"{MANIFEST_NAME} lists {name!r}, which is not a path inside the engine directory")
+    for graph in manifest.graph_files:
+        if manifest.files and graph not in manifest.files:
+            raise EngineLoadError(f"{MANIFEST_NAME} lists no checksum for the engine graph {graph}; rebuild the engine")
     if verify_checksums:
         for name, expected in manifest.files.items():
             file = engine_dir / name

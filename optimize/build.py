@@ -46,6 +46,8 @@ from kiln.optimize.medusa_draft import build_draft_graph, save_draft_graph
 from kiln.optimize.pipeline import optimize_model
 from kiln.optimize.quantize import QuantizationError, check_lm_head, int8_fallback, prepare_checkpoint, quantize_model
 from kiln.optimize.quantize import check_options as check_quantization
+from kiln.optimize.split_stages import StageSplitError, split_into_stages
+from kiln.pipeline_stages import stage_layer_ranges
 from kiln.quant_scheme import LmHead, QuantMethod
 
 Progress = Callable[[str], None]
@@ -131,6 +133,10 @@ def build_engine(
                     raise BuildError(str(exc)) from exc
         with _stage(say, "write engine"):
             _save_graph(model, staging)
+            try:
+                stages = split_into_stages(staging, spec, options.pipeline_stages, say)
+            except StageSplitError as exc:
+                raise BuildError(str(exc)) from exc
             _write_tokenizer(checkpoint, staging)
             if draft is not None:
                 say(f"  {save_draft_graph(draft, staging).name}: the hydra heads' chain")
@@ -140,7 +146,7 @@ def build_engine(
         _release_memory()  # the graph's quantized weights go before onnxruntime loads the engine
         manifest = Manifest(
             spec=spec, build=options, backend=backend, graph_inputs=graph_inputs,
-            graph_outputs=graph_outputs, medusa=None if heads is None else heads.spec(),
+            graph_outputs=graph_outputs, medusa=None if heads is None else heads.spec(), stages=stages,
         )
         with _stage(say, "manifest"):
             manifest = write_manifest(staging, manifest)
@@ -148,7 +154,7 @@ def build_engine(
             manifest = _finish_tensorrt(staging, say)
         else:
             with _stage(say, "verify (load in onnxruntime)"):
-                verify_engine(staging)
+                verify_engine(staging, manifest.graph_files)
         _move_into_place(staging, out_dir)
     except OSError as exc:  # a full disk reads as numpy's "problem writing element N to file"
         raise BuildError(_write_failure(exc, out_dir)) from exc
@@ -180,17 +186,20 @@ def _release_memory() -> None:
         pass
 
 
-def verify_engine(engine_dir: str | Path) -> None:
-    """Create an ONNX Runtime session on the engine graph with the kiln op library registered."""
+def verify_engine(engine_dir: str | Path, graphs: tuple[str, ...] = (MODEL_FILE,)) -> None:
+    """Create an ONNX Runtime session on each engine graph with the kiln op library registered."""
     import onnxruntime as ort
 
     from kiln.runtime.ops import library_path
 
     session_options = ort.SessionOptions()
     session_options.register_custom_ops_library(library_path())
-    session = ort.InferenceSession(str(Path(engine_dir) / MODEL_FILE), session_options,
-                                   providers=["CPUExecutionProvider"])
-    names = {i.name for i in session.get_inputs()}
+    names: set[str] = set()
+    for graph in graphs:  # one at a time: a stage's session goes before the next one loads
+        session = ort.InferenceSession(str(Path(engine_dir) / graph), session_options,
+                                       providers=["CPUExecutionProvider"])
+        names.update(i.name for i in session.get_inputs())
+        del session
     missing = {contract.INPUT_IDS, contract.POSITION_IDS, contract.LOGITS_INDICES} - names
     if missing:
         raise BuildError(f"the built graph lacks the inputs {sorted(missing)}")
@@ -202,6 +211,8 @@ def _check_backend(options: BuildOptions, backend: str) -> None:
     if backend == BACKEND_TENSORRT and options.quantization.method is not QuantMethod.NONE:
         raise BuildError(f"--backend tensorrt serves float weights; --quantization {options.quantization} makes "
                          "ONNX Runtime CPU kernels (build it without --quantization)")
+    if backend == BACKEND_TENSORRT and options.pipeline_stages > 1:
+        raise BuildError("--pipeline-stages is supported with the onnxruntime-cpu backend only")
     if backend == BACKEND_TENSORRT and options.medusa is not None:
         raise BuildError("--medusa is not supported with --backend tensorrt yet (its runner reads the logits only)")
 
@@ -345,6 +356,10 @@ def _check_model(checkpoint, options: BuildOptions) -> BuildOptions:
     if checkpoint.tokenizer is None:
         raise BuildError(f"{checkpoint.source} carries no tokenizer (tokenizer.json); an engine needs one")
     spec = checkpoint.spec
+    try:
+        stage_layer_ranges(spec.num_layers, options.pipeline_stages)
+    except KilnError as exc:
+        raise BuildError(str(exc)) from exc
     limit = spec.context_length
     if options.max_seq_len is None:
         return dataclasses.replace(options, max_seq_len=limit)

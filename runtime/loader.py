@@ -26,6 +26,7 @@ NUM_THREADS_ENV = "KILN_NUM_THREADS"
 
 if TYPE_CHECKING:  # onnxruntime is imported once an engine is opened, not with the runtime package
     from kiln.runtime.ort_runner import OrtModelRunner
+    from kiln.runtime.pipeline.runner import PipelineRunner
     from kiln.runtime.trt_runner import TrtModelRunner
 
 log = logging.getLogger("kiln.runtime")
@@ -43,7 +44,7 @@ def load_engine(engine_dir: str | Path, config: RuntimeConfig | None = None) -> 
             ops.check_abi()
         except ops.OpLibraryError as exc:
             raise EngineLoadError(str(exc)) from exc
-    for name in ("model.onnx", "tokenizer.json"):
+    for name in (*manifest.graph_files, "tokenizer.json"):
         if not (engine_dir / name).is_file():
             raise EngineLoadError(f"engine file {name} is missing from {engine_dir}")
     tokenizer = Tokenizer(engine_dir, config.chat_template)
@@ -80,7 +81,7 @@ def _open_engine(engine_dir: Path, config: RuntimeConfig, manifest: Manifest, to
     held = min(max_model_len, window_tokens(window, step_tokens, build.block_size)) if window else max_model_len
     budget = KvBudget(pools.bytes_per_block, build.block_size, min_tokens=held,
                       max_useful_tokens=config.max_num_seqs * held)
-    runner: OrtModelRunner | TrtModelRunner
+    runner: OrtModelRunner | TrtModelRunner | PipelineRunner
     size_pool = choose_num_blocks if config.max_model_len is not None else fit_num_blocks
     if manifest.backend == BACKEND_TENSORRT:
         from kiln.runtime.trt_runner import TrtModelRunner, device_free_bytes
@@ -221,8 +222,13 @@ def engine_kv_pools(manifest: Manifest) -> KvPoolSpec:
 
 def open_engine_runner(
     engine_dir: Path, manifest: Manifest, num_blocks: int, num_threads: int | None,
-) -> OrtModelRunner:
-    """The engine's graph in an OrtModelRunner with num_blocks blocks per layer, pools as its manifest says."""
+) -> OrtModelRunner | PipelineRunner:
+    """The engine's graph in an OrtModelRunner with num_blocks blocks per layer, pools as its manifest says; a
+    staged engine's graphs in a PipelineRunner (num_threads per stage, one after another in this process)."""
+    if manifest.stages:
+        from kiln.runtime.pipeline.runner import open_pipeline_runner
+
+        return open_pipeline_runner(engine_dir, manifest, num_blocks, num_threads)
     from kiln.runtime.ort_runner import OrtModelRunner, open_session
 
     session = open_session(engine_dir / "model.onnx", num_threads)
