@@ -79,8 +79,12 @@ def main() -> None:
 @click.option("--backend", type=click.Choice(["onnxruntime-cpu", "tensorrt"]), default="onnxruntime-cpu",
               show_default=True, help="tensorrt: the graph lowered for TensorRT's ONNX parser with kiln's plugins, "
               "and model.plan where tensorrt is importable (else built later by python -m kiln.plugins_trt.trt_build)")
+@click.option("--pipeline-stages", type=click.IntRange(min=1), default=1, show_default=True,
+              help="write one graph per contiguous layer range (the first with the embedding, the last with the "
+                   "final norm and LM head), each with its own layers' KV pools, to serve as a pipeline "
+                   "(kiln serve --pipeline-parallel N)")
 def build(model: str, output: Path, kv_dtype: str, block_size: int, max_seq_len: int | None, quantization: str,
-          calibration: Path | None, lm_head: str, medusa: Path | None, backend: str) -> None:
+          calibration: Path | None, lm_head: str, medusa: Path | None, backend: str, pipeline_stages: int) -> None:
     """Compile MODEL (an HF checkpoint dir, a .gguf file, or `default` for SmolLM2) into an engine dir."""
     from kiln.manifest import BuildOptions
     from kiln.optimize.build import build_engine
@@ -88,7 +92,7 @@ def build(model: str, output: Path, kv_dtype: str, block_size: int, max_seq_len:
 
     options = BuildOptions(quantization=QuantScheme.parse(quantization), kv_dtype=kv_dtype, block_size=block_size,
                            max_seq_len=max_seq_len, calibration=calibration, lm_head=LmHead.parse(lm_head),
-                           medusa=medusa)
+                           medusa=medusa, pipeline_stages=pipeline_stages)
     build_engine(model, output, options, backend=backend)
 
 

@@ -134,12 +134,16 @@ def _stage_graph(graph: onnx.GraphProto, start: _Cut | None, end: _Cut | None, l
                    *outputs]
     else:
         outputs = [o for o in graph.output if not o.name.startswith("kv_cache_out.")] + outputs
-    return _prune(graph, nodes, inputs + kv_inputs, outputs)
+    # the first stage declares the tokens' inputs as the one graph does, read or not (RoPE inside the attention
+    # op reads no position_ids); other stages declare only what they read
+    keep = {contract.INPUT_IDS, contract.POSITION_IDS} if start is None else set()
+    return _prune(graph, nodes, inputs + kv_inputs, outputs, keep)
 
 
-def _prune(graph: onnx.GraphProto, nodes: list[onnx.NodeProto], inputs: list, outputs: list) -> onnx.GraphProto:
-    """The graph of `nodes` that the outputs read, with only the inputs and initializers those nodes use."""
-    needed = {o.name for o in outputs}
+def _prune(graph: onnx.GraphProto, nodes: list[onnx.NodeProto], inputs: list, outputs: list,
+           keep: set[str]) -> onnx.GraphProto:
+    """The graph of `nodes` that the outputs read, with only the inputs (and `keep`) and initializers they use."""
+    needed = {o.name for o in outputs} | keep
     kept = []
     for node in reversed(nodes):
         if any(out in needed for out in node.output):
