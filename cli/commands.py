@@ -190,6 +190,10 @@ def _speculative(method: str | None, num_tokens: int, draft: str | None,
 @click.option("--routing", type=click.Choice(["prefix", "least-loaded", "round-robin"]), default="prefix",
               show_default=True, help="with replicas: to the replica caching the longest prompt prefix (else the "
               "less loaded of two), the less loaded of two, or in turn")
+@click.option("--pipeline-parallel", type=click.IntRange(min=1), default=1, show_default=True,
+              help="serve an engine of N pipeline stages (kiln build --pipeline-stages N) with each stage in its own "
+                   "Ray actor (--num-threads each; a local Ray, or the cluster RAY_ADDRESS names); 1: a staged "
+                   "engine's stages run in this process")
 @click.option("--ray-address", default=None, help="with replicas: an existing Ray cluster (e.g. ray://head:10001 or "
               "auto) instead of a local Ray on this machine")
 @click.option("--log-level", type=click.Choice(["critical", "error", "warning", "info", "debug"]), default="info",
@@ -202,7 +206,7 @@ def serve(engine_dir: Path, host: str, port: int, api_key: str | None, served_mo
           reasoning_parser: str, speculative: str | None, num_speculative_tokens: int,
           draft: str | None, min_guess_probability: float | None, replicas: int | None,
           prefill_replicas: int | None, decode_replicas: int | None,
-          routing: str, ray_address: str | None, log_level: str) -> None:
+          routing: str, pipeline_parallel: int, ray_address: str | None, log_level: str) -> None:
     """Serve ENGINE_DIR over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions), with a
     chat page at /; on several replicas with --replicas N (or --prefill-replicas P --decode-replicas D)."""
     from kiln.runtime.params import RuntimeConfig
@@ -213,7 +217,8 @@ def serve(engine_dir: Path, host: str, port: int, api_key: str | None, served_mo
                            num_threads=num_threads, max_model_len=max_model_len,
                            enable_prefix_caching=not disable_prefix_caching,
                            chat_template=chat_template.read_text() if chat_template else None,
-                           speculative=_speculative(speculative, num_speculative_tokens, draft, min_guess_probability))
+                           speculative=_speculative(speculative, num_speculative_tokens, draft, min_guess_probability),
+                           pipeline_parallel=pipeline_parallel)
     options = ServeOptions(host=host, port=port, served_model_name=served_model_name, max_queue=max_queue,
                            shutdown_timeout=shutdown_timeout, log_level=log_level, api_key=api_key or None,
                            web_ui=not no_web_ui, max_request_bytes=max_request_bytes, read_timeout=read_timeout,
@@ -221,6 +226,9 @@ def serve(engine_dir: Path, host: str, port: int, api_key: str | None, served_mo
                            allowed_origins=tuple(o.strip() for value in allowed_origins for o in value.split(",")
                                                  if o.strip()), reasoning_parser=reasoning_parser)
     cluster = _cluster_options(replicas, prefill_replicas, decode_replicas, routing, ray_address)
+    if cluster is not None and pipeline_parallel > 1:
+        raise InvalidParamError("--pipeline-parallel serves one engine; it does not combine with replicas",
+                                "pipeline_parallel")
     if cluster is None:
         run_server(engine_dir, config, options)
     else:

@@ -84,13 +84,20 @@ def _open_engine(engine_dir: Path, config: RuntimeConfig, manifest: Manifest, to
     runner: OrtModelRunner | TrtModelRunner | PipelineRunner
     size_pool = choose_num_blocks if config.max_model_len is not None else fit_num_blocks
     if manifest.backend == BACKEND_TENSORRT:
+        if config.pipeline_parallel > 1:
+            raise EngineLoadError("pipeline_parallel is served by the onnxruntime-cpu backend only")
         from kiln.runtime.trt_runner import TrtModelRunner, device_free_bytes
 
         num_blocks = size_pool(budget, config.kv_cache_bytes, config.kv_cache_fraction, device_free_bytes())
         runner = TrtModelRunner(engine_dir, manifest, pools, num_blocks)
     else:
         num_blocks = size_pool(budget, config.kv_cache_bytes, config.kv_cache_fraction)
-        runner = open_engine_runner(engine_dir, manifest, num_blocks, num_threads)
+        if config.pipeline_parallel > 1:
+            from kiln.runtime.pipeline.ray_stages import open_ray_pipeline_runner
+
+            runner = open_ray_pipeline_runner(engine_dir, manifest, num_blocks, num_threads, config.pipeline_parallel)
+        else:
+            runner = open_engine_runner(engine_dir, manifest, num_blocks, num_threads)
     warning = short_context_warning(budget, num_blocks)
     if warning is not None:  # only with the default max_model_len: choose_num_blocks refuses a pool too small
         log.warning(warning)

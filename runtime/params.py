@@ -145,8 +145,12 @@ class RuntimeConfig:
     max_model_len: int | None = None  # longest sequence served; default (and at most): the engine's max_seq_len
     chat_template: str | None = None  # a Jinja chat template replacing the engine's tokenizer_config.json one
     speculative: SpeculativeConfig | None = None
+    # a staged engine's stages (kiln build --pipeline-stages N) in N Ray actors, num_threads each; 1: whatever
+    # stages the engine has run in this process, one after another
+    pipeline_parallel: int = 1
 
     def __post_init__(self) -> None:
+        _require(self.pipeline_parallel >= 1, "pipeline_parallel", ">= 1", self.pipeline_parallel)
         _require(self.kv_cache_bytes is None or self.kv_cache_bytes > 0, "kv_cache_bytes", "> 0", self.kv_cache_bytes)
         _require(
             self.kv_cache_fraction is None or 0 < self.kv_cache_fraction <= 0.95,

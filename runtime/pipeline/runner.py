@@ -2,20 +2,19 @@
 
 Each step runs the stages in order on the same BatchInput, the hidden states of one stage feeding the next;
 each stage writes its own layers' K/V into its own pools at the block ids the one BlockManager chose, so the
-scheduler, prefix caching and preemption see one runner. `chain` is where the stages live: StageRunners in this
-process (open_pipeline_runner), or Ray actors (ray_stages.py).
+scheduler, prefix caching, preemption and speculative verification see one runner. A StageChain is where the
+stages live: StageRunners in this process (LocalChain, here), or Ray actors (ray_stages.RayChain).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import abc
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
 from kiln.contract import KvPoolSpec
-from kiln.errors import KilnError
 from kiln.manifest import EngineLoadError, Manifest
 from kiln.pipeline_stages import PipelineStage
 from kiln.runtime.kv_transfer import KvLayout
@@ -23,18 +22,64 @@ from kiln.runtime.model_runner import BatchInput, ModelRunner, RunnerOutput
 from kiln.runtime.pipeline.shape import PipelineShape
 from kiln.runtime.pipeline.stage import StageResult, StageRunner
 
-StageChain = Callable[[BatchInput], StageResult]  # one step through every stage; the last stage's result
+
+class StageChain(abc.ABC):
+    """The stages of one pipeline, wherever they run: one step through all of them, their KV blocks, close."""
+
+    @abc.abstractmethod
+    def run(self, batch: BatchInput) -> StageResult:
+        """The batch through every stage in order: the last stage's result."""
+
+    @abc.abstractmethod
+    def read_kv_blocks(self, block_ids: list[int]) -> list[np.ndarray]:
+        """Each stage's blocks, [its layers, len(block_ids), *block_shape], in stage order."""
+
+    @abc.abstractmethod
+    def write_kv_blocks(self, block_ids: list[int], per_stage: list[np.ndarray]) -> None:
+        """Overwrite each stage's blocks with read_kv_blocks' layout."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Release the stages (their sessions, pools, processes)."""
+
+
+class LocalChain(StageChain):
+    """The stages as sessions in this process, run one after another."""
+
+    def __init__(self, stages: list[StageRunner]) -> None:
+        self.stages = stages
+
+    def run(self, batch: BatchInput) -> StageResult:
+        result = None
+        for stage in self.stages:
+            result = stage.run(batch, result)
+        assert result is not None  # a pipeline has at least two stages
+        return result
+
+    def read_kv_blocks(self, block_ids: list[int]) -> list[np.ndarray]:
+        return [stage.read_kv_blocks(block_ids) for stage in self.stages]
+
+    def write_kv_blocks(self, block_ids: list[int], per_stage: list[np.ndarray]) -> None:
+        for stage, blocks in zip(self.stages, per_stage, strict=True):
+            stage.write_kv_blocks(block_ids, blocks)
+
+    def close(self) -> None:
+        for stage in self.stages:
+            stage.close()
 
 
 @dataclass
 class PipelineStats:
     """What the stages did since the runner opened: per-stage seconds, hidden-state bytes handed on, tokens."""
 
-    stage_seconds: list[float]
+    stage_layers: list[tuple[int, int]]  # [first, end) of each stage
+    stage_seconds: list[float] = field(default_factory=list)
     bytes_moved: int = 0
     tokens: int = 0
     steps: int = 0
-    stage_layers: list[tuple[int, int]] = field(default_factory=list)  # [first, end) of each stage
+
+    def __post_init__(self) -> None:
+        self.stage_seconds = [0.0] * len(self.stage_layers)
 
     def add(self, result: StageResult, tokens: int) -> None:
         for index, seconds in enumerate(result.seconds):
@@ -52,8 +97,7 @@ class PipelineRunner(ModelRunner):
         self.chain, self.stages, self.pool_spec = chain, stages, pools
         self.num_blocks, self.block_size, self.vocab_size = shape.num_blocks, pools.block_size, shape.vocab_size
         self.num_medusa_heads, self.medusa_output = shape.num_medusa_heads, shape.medusa_output
-        self.stats = PipelineStats([0.0] * len(stages), stage_layers=[(s.first_layer, s.end_layer) for s in stages])
-        self.local_stages: list[StageRunner] = []  # set by open_pipeline_runner: in-process stages (KV transfer)
+        self.stats = PipelineStats([(s.first_layer, s.end_layer) for s in stages])
 
     @property
     def kv_pool_bytes(self) -> int:
@@ -63,41 +107,40 @@ class PipelineRunner(ModelRunner):
         return self.execute_all(batch).logits
 
     def execute_all(self, batch: BatchInput) -> RunnerOutput:
-        if not self.num_medusa_heads and batch.medusa_indices is not None and len(batch.medusa_indices):
+        if not self.num_medusa_heads and self.medusa_output is None and batch.medusa_indices is not None \
+                and len(batch.medusa_indices):
             raise ValueError("this engine has no Medusa heads (it was built without --medusa); "
                              "leave medusa_indices unset")
-        result = self.chain(batch)
+        result = self.chain.run(batch)
         assert result.output is not None  # the last stage returns the step's output
         self.stats.add(result, batch.num_tokens)
         return result.output
 
     def kv_layout(self) -> KvLayout:
-        pools = self._local("export or import KV blocks")
-        return KvLayout(self.pool_spec.num_layers, pools[0].pools[0].shape[1:], pools[0].pools[0].dtype)
+        pools = self.pool_spec
+        return KvLayout(pools.num_layers, pools.pool_shape(1)[1:], pools.dtype)
 
     def read_kv_blocks(self, block_ids: list[int]) -> np.ndarray:
-        return np.concatenate([stage.read_kv_blocks(block_ids) for stage in self._local("export KV blocks")])
+        return np.concatenate(self.chain.read_kv_blocks(block_ids))
 
     def write_kv_blocks(self, block_ids: list[int], blocks: np.ndarray) -> None:
-        for stage in self._local("import KV blocks"):
-            stage.write_kv_blocks(block_ids, blocks[stage.stage.first_layer:stage.stage.end_layer])
-
-    def _local(self, what: str) -> list[StageRunner]:
-        if not self.local_stages:
-            raise KilnError(f"a pipeline whose stages run in other processes cannot {what}")
-        return self.local_stages
+        self.chain.write_kv_blocks(block_ids, [blocks[s.first_layer:s.end_layer] for s in self.stages])
 
     def close(self) -> None:
-        for stage in self.local_stages:
-            stage.close()
+        self.chain.close()
 
 
 def open_stage(engine_dir: Path, stage: PipelineStage, pools: KvPoolSpec, num_blocks: int,
                num_threads: int | None) -> StageRunner:
-    """One stage's session (num_threads each) with its layers' pools."""
+    """One stage's session (num_threads) with its layers' pools."""
     from kiln.runtime.ort_runner import open_session
 
     return StageRunner(open_session(engine_dir / stage.graph, num_threads), stage, pools, num_blocks)
+
+
+def check_last_stage(is_last: list[bool], engine_dir: Path) -> None:
+    if not is_last[-1] or any(is_last[:-1]):
+        raise EngineLoadError(f"the last pipeline stage of {engine_dir} must be the only one with logits")
 
 
 def open_pipeline_runner(engine_dir: Path, manifest: Manifest, num_blocks: int,
@@ -107,16 +150,5 @@ def open_pipeline_runner(engine_dir: Path, manifest: Manifest, num_blocks: int,
 
     pools = engine_kv_pools(manifest)
     stages = [open_stage(engine_dir, stage, pools, num_blocks, num_threads) for stage in manifest.stages]
-    if not stages[-1].is_last or any(stage.is_last for stage in stages[:-1]):
-        raise EngineLoadError(f"the last pipeline stage of {engine_dir} must be the only one with logits")
-
-    def chain(batch: BatchInput) -> StageResult:
-        result = None
-        for stage in stages:
-            result = stage.run(batch, result)
-        assert result is not None
-        return result
-
-    runner = PipelineRunner(chain, manifest.stages, pools, stages[-1].shape(num_blocks))
-    runner.local_stages = stages
-    return runner
+    check_last_stage([stage.is_last for stage in stages], engine_dir)
+    return PipelineRunner(LocalChain(stages), manifest.stages, pools, stages[-1].shape(num_blocks))

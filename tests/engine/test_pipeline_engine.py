@@ -3,6 +3,7 @@ range, and a staged engine generates what the one graph does (logits within 1e-4
 under continuous batching with preemption, prefix caching and n-gram speculation; bad stage counts and
 missing stage graphs fail with one sentence."""
 
+import dataclasses
 import json
 import shutil
 
@@ -112,3 +113,20 @@ def test_a_missing_stage_graph_is_a_clear_load_error(engines, tmp_path):
     (copy / "manifest.json").write_text(json.dumps(manifest))
     with pytest.raises(EngineLoadError, match="lists no checksum for the engine graph stage1.onnx"):
         load_engine(copy)
+
+
+def test_stages_in_ray_actors_generate_what_the_one_graph_does(engines):
+    """--pipeline-parallel 2: each stage in a Ray actor, hidden states handed on by chained actor calls."""
+    pytest.importorskip("ray")
+    config = RuntimeConfig(num_threads=1, kv_cache_bytes=12 * 16384, max_model_len=96)
+    want, _ = staggered_greedy(engines[1], STAGGERED[:4], config)
+    got, stats = staggered_greedy(engines[2], STAGGERED[:4], dataclasses.replace(config, pipeline_parallel=2))
+    assert got == want and stats.prefix_cache_hits > 0
+
+
+def test_pipeline_parallel_needs_an_engine_of_as_many_stages(engines):
+    from kiln.runtime.loader import load_engine
+
+    with pytest.raises(EngineLoadError, match="--pipeline-parallel 3 needs an engine of 3 stages, and .* has 2 "
+                                              "pipeline stages; build it with kiln build --pipeline-stages 3"):
+        load_engine(engines[2], RuntimeConfig(num_threads=1, pipeline_parallel=3))
