@@ -355,11 +355,13 @@ def chat(engine_dir: str, system: str | None, max_tokens: int, temperature: floa
               help="write PNG charts of the sweep here: output tok/s, TTFT and ITL against concurrency "
               "(needs kiln[plot])")
 @speculative_options
+@click.option("--pipeline-parallel", type=click.IntRange(min=1), default=1, show_default=True,
+              help="an engine of N pipeline stages with each stage in its own Ray actor (as kiln serve)")
 def bench(engine_dir: str, num_requests: int, input_len: int, output_len: int, concurrency: tuple[int, ...],
           request_rate: float | None, kv_cache_bytes: int | None, max_num_seqs: int, max_num_tokens: int | None,
           num_threads: int | None, json_path: str | None, server_url: str | None, api_key: str | None, sweep: bool,
           plot_dir: Path | None, speculative: str | None, num_speculative_tokens: int, draft: str | None,
-          min_guess_probability: float | None) -> None:
+          min_guess_probability: float | None, pipeline_parallel: int) -> None:
     """Offline throughput/latency of ENGINE_DIR on a synthetic workload, vs the memory-bandwidth floor."""
     from kiln.cli.charts import check_plottable, concurrency_sweep, write_bench_charts
     from kiln.runtime.bench.offline import BenchConfig, say
@@ -379,10 +381,14 @@ def bench(engine_dir: str, num_requests: int, input_len: int, output_len: int, c
         if spec is not None:
             raise InvalidParamError("--speculative is the server's setting (kiln serve --speculative), not the "
                                     "client's, with --server", "speculative")
+        if pipeline_parallel > 1:
+            raise InvalidParamError("--pipeline-parallel is the server's setting (kiln serve --pipeline-parallel), "
+                                    "not the client's, with --server", "pipeline_parallel")
         report = bench_server(server_url, engine_dir, cfg, levels, json_path, api_key or None)
     else:
         config = RuntimeConfig(kv_cache_bytes=kv_cache_bytes, max_num_seqs=max_num_seqs, max_num_tokens=max_num_tokens,
-                               num_threads=num_threads, enable_prefix_caching=False, speculative=spec)
+                               num_threads=num_threads, enable_prefix_caching=False, speculative=spec,
+                               pipeline_parallel=pipeline_parallel)
         report = run(engine_dir, cfg, levels, config, json_path)
     if plot_dir is not None:
         for path in write_bench_charts(report, plot_dir):

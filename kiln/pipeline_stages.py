@@ -61,7 +61,8 @@ def stage_layer_ranges(num_layers: int, num_stages: int) -> list[range]:
 
 
 def check_stages(stages: tuple[PipelineStage, ...], num_layers: int) -> None:
-    """Stages must cover [0, num_layers) in order, without gaps or overlap (ValueError naming the first that does not)."""
+    """Stages must cover [0, num_layers) in order, without gaps or overlap (ValueError naming the first that does
+    not)."""
     expected = 0
     for stage in stages:
         if stage.first_layer != expected:

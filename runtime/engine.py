@@ -357,4 +357,5 @@ class Engine:
             num_spec_verifications=spec.verifications,
             num_spec_proposed_tokens=spec.proposed,
             num_spec_accepted_tokens=spec.accepted,
+            pipeline=self.runner.stage_totals(),
         )

@@ -16,6 +16,7 @@ import numpy as np
 from kiln import contract
 from kiln.errors import InvalidParamError, KilnError
 from kiln.runtime.kv_transfer import KvLayout
+from kiln.runtime.outputs import StageTotals
 from kiln.runtime.scheduler import SchedulerOutput
 from kiln.runtime.sequence import Sequence
 
@@ -147,6 +148,10 @@ class ModelRunner(abc.ABC):
         if batch.medusa_indices is not None and len(batch.medusa_indices):
             raise ValueError(f"{type(self).__name__} has no Medusa heads; leave medusa_indices unset")
         return RunnerOutput(self.execute(batch))
+
+    def stage_totals(self) -> StageTotals:
+        """A pipeline's per-stage time and bytes handed between stages; empty for one graph."""
+        return StageTotals()
 
     def kv_layout(self) -> KvLayout:
         """The shape and dtype of one block of the pools (what read/write_kv_blocks move)."""

@@ -79,6 +79,16 @@ def merge_completions(parts: list[CompletionOutput]) -> CompletionOutput:
     )
 
 
+@dataclass(frozen=True)
+class StageTotals:
+    """What a pipeline's stages did since its runner opened (kiln build --pipeline-stages): each stage's own
+    seconds, the hidden-state bytes handed from stage to stage, and the tokens they carried."""
+
+    stage_seconds: tuple[float, ...] = ()
+    bytes_moved: int = 0
+    tokens: int = 0
+
+
 @dataclass
 class EngineStats:
     num_running: int = 0
@@ -93,6 +103,7 @@ class EngineStats:
     num_spec_verifications: int = 0  # sequence-steps that checked speculative tokens
     num_spec_proposed_tokens: int = 0
     num_spec_accepted_tokens: int = 0
+    pipeline: StageTotals = StageTotals()  # empty for a one-graph engine
 
     @property
     def spec_acceptance_rate(self) -> float | None:

@@ -22,12 +22,14 @@ from typing import Any
 import numpy as np
 
 from kiln.errors import require
+from kiln.manifest import read_manifest
 from kiln.runtime.engine import Engine
 from kiln.runtime.loader import load_engine
 from kiln.runtime.ops import library_variant
 from kiln.runtime.ort_runner import OrtModelRunner
 from kiln.runtime.outputs import EngineStats
 from kiln.runtime.params import RuntimeConfig, SamplingParams
+from kiln.runtime.pipeline.runner import PipelineRunner
 
 
 @dataclass(frozen=True)
@@ -80,7 +82,9 @@ def memory_bandwidth_gbps(size_mb: int = 256, repeats: int = 5) -> dict[str, flo
 
 
 def weight_bytes(engine_dir: Path) -> int:
-    return sum(p.stat().st_size for p in Path(engine_dir).glob("model.onnx*"))
+    """The bytes of the engine's graphs and their weights (model.onnx*, or every stage's)."""
+    graphs = read_manifest(engine_dir, verify_checksums=False).graph_files
+    return sum(p.stat().st_size for graph in graphs for p in Path(engine_dir).glob(f"{graph}*"))
 
 
 def synthetic_prompts(cfg: BenchConfig, vocab: int) -> list[list[int]]:
@@ -151,7 +155,23 @@ def run_workload(
         "kv_peak_fraction": round(peak_blocks / engine.block_manager.num_blocks, 4),
         "num_preemptions": engine.stats().num_preemptions - preempt0,
         "speculative": speculation_summary(engine, stats0),
+        "pipeline": pipeline_summary(engine, stats0),
     }
+
+
+def pipeline_summary(engine: Engine, before: EngineStats) -> dict[str, Any] | None:
+    """Each stage's share of the time its stages computed since `before`, and the hidden-state bytes handed
+    between stages per token (None for a one-graph engine)."""
+    now, then = engine.stats().pipeline, before.pipeline
+    if not now.stage_seconds:
+        return None
+    seconds = [a - b for a, b in zip(now.stage_seconds, then.stage_seconds or [0.0] * len(now.stage_seconds),
+                                     strict=True)]
+    tokens = now.tokens - then.tokens
+    return {"stage_seconds": [round(s, 4) for s in seconds],
+            "stage_share": [round(s / sum(seconds), 4) for s in seconds] if sum(seconds) else None,
+            "bytes_moved": now.bytes_moved - then.bytes_moved, "tokens": tokens,
+            "bytes_per_token": round((now.bytes_moved - then.bytes_moved) / tokens, 1) if tokens else None}
 
 
 def single_stream(engine: Engine, input_len: int = 16, output_len: int = 64) -> dict[str, float]:
@@ -200,7 +220,7 @@ def bench(engine_dir: str, cfg: BenchConfig, concurrencies: tuple[int | None, ..
           config: RuntimeConfig | None = None, json_path: str | None = None) -> dict[str, Any]:
     engine = load_engine(engine_dir, config or RuntimeConfig(enable_prefix_caching=False))
     # which copy of the CPU kernels ran (AVX2 or AVX-512 VNNI): figures of the two are not comparable
-    kernels = library_variant() if isinstance(engine.runner, OrtModelRunner) else None
+    kernels = library_variant() if isinstance(engine.runner, OrtModelRunner | PipelineRunner) else None
     say(f"engine {engine.model_name}: {engine.block_manager.num_blocks} KV blocks of "
         f"{engine.runner.block_size} tokens, max_num_tokens {engine.scheduler.max_num_tokens}"
         + (f", kernels {kernels}" if kernels else ""))
@@ -222,6 +242,9 @@ def bench(engine_dir: str, cfg: BenchConfig, concurrencies: tuple[int | None, ..
         say(f"  {result['requests_per_s']} req/s, {result['output_tok_per_s']} output tok/s, "
             f"TTFT p50 {result['ttft_ms']['p50']} ms, ITL p50 {result['itl_ms']['p50']} ms, "
             f"KV peak {result['kv_blocks_peak']}/{result['kv_blocks_total']} blocks")
+        if (stages := result["pipeline"]) is not None:
+            say(f"  pipeline: stage seconds {stages['stage_seconds']}, {stages['bytes_per_token']} bytes per token "
+                "handed between stages")
         if (spec := result["speculative"]) is not None:
             say(f"  speculative: acceptance rate {spec['acceptance_rate']}, {spec['tokens_per_verification']} "
                 f"tokens per verification ({spec['verifications']} verifications)")

@@ -60,7 +60,7 @@ class RayChain(StageChain):
     def run(self, batch: BatchInput) -> StageResult:
         import ray
 
-        ref = None
+        ref: Any = None
         for actor in self.actors:
             ref = actor.run.remote(batch, ref)
         try:
@@ -121,9 +121,9 @@ def open_ray_pipeline_runner(engine_dir: Path, manifest: Manifest, num_blocks: i
     # one bundle per stage, spread over nodes where the cluster has several (packed on one machine otherwise)
     group = placement_group([{"CPU": threads}] * num_actors, strategy="SPREAD")
     ray.get(group.ready())
-    remote = ray.remote(StageActor)
+    remote: Any = ray.remote(StageActor)
     pools = engine_kv_pools(manifest)
-    actors = [remote.options(num_cpus=threads, scheduling_strategy=PlacementGroupSchedulingStrategy(
+    actors: list[Any] = [remote.options(num_cpus=threads, scheduling_strategy=PlacementGroupSchedulingStrategy(
         placement_group=group, placement_group_bundle_index=index)).remote(
         str(engine_dir.resolve()), stage, pools, num_blocks, threads) for index, stage in enumerate(manifest.stages)]
     try:

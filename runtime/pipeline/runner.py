@@ -19,6 +19,7 @@ from kiln.manifest import EngineLoadError, Manifest
 from kiln.pipeline_stages import PipelineStage
 from kiln.runtime.kv_transfer import KvLayout
 from kiln.runtime.model_runner import BatchInput, ModelRunner, RunnerOutput
+from kiln.runtime.outputs import StageTotals
 from kiln.runtime.pipeline.shape import PipelineShape
 from kiln.runtime.pipeline.stage import StageResult, StageRunner
 
@@ -107,14 +108,17 @@ class PipelineRunner(ModelRunner):
         return self.execute_all(batch).logits
 
     def execute_all(self, batch: BatchInput) -> RunnerOutput:
-        if not self.num_medusa_heads and self.medusa_output is None and batch.medusa_indices is not None \
-                and len(batch.medusa_indices):
+        if self.medusa_output is None and batch.medusa_indices is not None and len(batch.medusa_indices):
             raise ValueError("this engine has no Medusa heads (it was built without --medusa); "
                              "leave medusa_indices unset")
         result = self.chain.run(batch)
         assert result.output is not None  # the last stage returns the step's output
         self.stats.add(result, batch.num_tokens)
         return result.output
+
+    def stage_totals(self) -> StageTotals:
+        stats = self.stats
+        return StageTotals(tuple(stats.stage_seconds), stats.bytes_moved, stats.tokens)
 
     def kv_layout(self) -> KvLayout:
         pools = self.pool_spec

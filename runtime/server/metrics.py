@@ -63,6 +63,22 @@ class _EngineCollector:
         }
         for name, (doc, value) in counters.items():
             yield CounterMetricFamily(name, doc, value=value)
+        yield from _pipeline_metrics(s)
+
+
+def _pipeline_metrics(s: EngineStats) -> Iterator[Metric]:
+    """A pipeline's per-stage seconds and the hidden-state bytes handed between stages (nothing for one graph)."""
+    if not s.pipeline.stage_seconds:
+        return
+    seconds = CounterMetricFamily("kiln_pipeline_stage_seconds", "Seconds each pipeline stage has computed.",
+                                  labels=["stage"])
+    for index, value in enumerate(s.pipeline.stage_seconds):
+        seconds.add_metric([str(index)], value)
+    yield seconds
+    yield CounterMetricFamily("kiln_pipeline_bytes_moved", "Hidden-state bytes handed from stage to stage.",
+                              value=s.pipeline.bytes_moved)
+    yield CounterMetricFamily("kiln_pipeline_tokens", "Tokens the pipeline's stages have carried.",
+                              value=s.pipeline.tokens)
 
 
 class ServerMetrics:
