@@ -94,8 +94,10 @@ def _open_engine(engine_dir: Path, config: RuntimeConfig, manifest: Manifest, to
         num_blocks = size_pool(budget, config.kv_cache_bytes, config.kv_cache_fraction)
         if config.pipeline_parallel > 1:
             from kiln.runtime.pipeline.ray_stages import open_ray_pipeline_runner
+            from kiln.runtime.pipeline.shape import StageSizing
 
-            runner = open_ray_pipeline_runner(engine_dir, manifest, num_blocks, num_threads, config.pipeline_parallel)
+            sizing = StageSizing(engine_kv_pools(manifest), num_blocks, num_threads)
+            runner = open_ray_pipeline_runner(engine_dir, manifest.stages, sizing, config.pipeline_parallel)
         else:
             runner = open_engine_runner(engine_dir, manifest, num_blocks, num_threads)
     warning = short_context_warning(budget, num_blocks)
@@ -234,8 +236,10 @@ def open_engine_runner(
     staged engine's graphs in a PipelineRunner (num_threads per stage, one after another in this process)."""
     if manifest.stages:
         from kiln.runtime.pipeline.runner import open_pipeline_runner
+        from kiln.runtime.pipeline.shape import StageSizing
 
-        return open_pipeline_runner(engine_dir, manifest, num_blocks, num_threads)
+        return open_pipeline_runner(engine_dir, manifest.stages, StageSizing(engine_kv_pools(manifest), num_blocks,
+                                                                             num_threads))
     from kiln.runtime.ort_runner import OrtModelRunner, open_session
 
     session = open_session(engine_dir / "model.onnx", num_threads)

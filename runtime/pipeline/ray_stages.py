@@ -16,12 +16,11 @@ from typing import Any
 
 import numpy as np
 
-from kiln.contract import KvPoolSpec
-from kiln.manifest import EngineLoadError, Manifest
+from kiln.manifest import EngineLoadError
 from kiln.pipeline_stages import PipelineStage
 from kiln.runtime.model_runner import BatchInput
 from kiln.runtime.pipeline.runner import PipelineRunner, StageChain, check_last_stage
-from kiln.runtime.pipeline.shape import PipelineShape
+from kiln.runtime.pipeline.shape import PipelineShape, StageSizing
 from kiln.runtime.pipeline.stage import StageResult
 
 log = logging.getLogger("kiln.pipeline")
@@ -30,11 +29,10 @@ log = logging.getLogger("kiln.pipeline")
 class StageActor:
     """One stage in a Ray actor: the methods the driver's RayChain calls (ray.remote wraps this class)."""
 
-    def __init__(self, engine_dir: str, stage: PipelineStage, pools: KvPoolSpec, num_blocks: int,
-                 num_threads: int | None) -> None:
+    def __init__(self, engine_dir: str, stage: PipelineStage, sizing: StageSizing) -> None:
         from kiln.runtime.pipeline.runner import open_stage
 
-        self.runner = open_stage(Path(engine_dir), stage, pools, num_blocks, num_threads)
+        self.runner = open_stage(Path(engine_dir), stage, sizing)
 
     def describe(self, num_blocks: int) -> tuple[bool, PipelineShape, int]:
         """Whether it is the last stage, the pipeline's shape as its graph gives it, its pid."""
@@ -103,29 +101,28 @@ def connect_ray(num_cpus: int) -> None:
                  object_store_memory=256 * 2**20, logging_level=logging.WARNING)
 
 
-def open_ray_pipeline_runner(engine_dir: Path, manifest: Manifest, num_blocks: int, num_threads: int | None,
+def open_ray_pipeline_runner(engine_dir: Path, stages: tuple[PipelineStage, ...], sizing: StageSizing,
                              num_actors: int) -> PipelineRunner:
-    """The engine's stages in num_actors Ray actors (which must be its stage count), num_threads CPUs each."""
-    if num_actors != len(manifest.stages):
-        have = f"{len(manifest.stages)} pipeline stages" if manifest.stages else "one graph (no pipeline stages)"
+    """The engine's stages in num_actors Ray actors (which must be its stage count), sizing.num_threads CPUs each."""
+    if num_actors != len(stages):
+        have = f"{len(stages)} pipeline stages" if stages else "one graph (no pipeline stages)"
         raise EngineLoadError(f"--pipeline-parallel {num_actors} needs an engine of {num_actors} stages, and "
                               f"{engine_dir} has {have}; build it with kiln build --pipeline-stages {num_actors}")
     import ray
     from ray.util.placement_group import placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-    from kiln.runtime.loader import engine_kv_pools
-
-    threads = num_threads or 1
+    threads = sizing.num_threads or 1
+    num_blocks = sizing.num_blocks
     connect_ray(num_actors * threads)
     # one bundle per stage, spread over nodes where the cluster has several (packed on one machine otherwise)
     group = placement_group([{"CPU": threads}] * num_actors, strategy="SPREAD")
     ray.get(group.ready())
     remote: Any = ray.remote(StageActor)
-    pools = engine_kv_pools(manifest)
+    sizing = StageSizing(sizing.pools, num_blocks, threads)
     actors: list[Any] = [remote.options(num_cpus=threads, scheduling_strategy=PlacementGroupSchedulingStrategy(
         placement_group=group, placement_group_bundle_index=index)).remote(
-        str(engine_dir.resolve()), stage, pools, num_blocks, threads) for index, stage in enumerate(manifest.stages)]
+        str(engine_dir.resolve()), stage, sizing) for index, stage in enumerate(stages)]
     try:
         described = ray.get([actor.describe.remote(num_blocks) for actor in actors])
     except ray.exceptions.RayError as exc:
@@ -135,4 +132,4 @@ def open_ray_pipeline_runner(engine_dir: Path, manifest: Manifest, num_blocks: i
     check_last_stage([is_last for is_last, _, _ in described], engine_dir)
     log.info("pipeline of %d stages in Ray actors (pids %s), %d thread(s) each", num_actors,
              [pid for _, _, pid in described], threads)
-    return PipelineRunner(RayChain(actors, group), manifest.stages, pools, described[-1][1])
+    return PipelineRunner(RayChain(actors, group), stages, sizing.pools, described[-1][1])

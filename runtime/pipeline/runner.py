@@ -15,12 +15,12 @@ from pathlib import Path
 import numpy as np
 
 from kiln.contract import KvPoolSpec
-from kiln.manifest import EngineLoadError, Manifest
+from kiln.manifest import EngineLoadError
 from kiln.pipeline_stages import PipelineStage
 from kiln.runtime.kv_transfer import KvLayout
 from kiln.runtime.model_runner import BatchInput, ModelRunner, RunnerOutput
 from kiln.runtime.outputs import StageTotals
-from kiln.runtime.pipeline.shape import PipelineShape
+from kiln.runtime.pipeline.shape import PipelineShape, StageSizing
 from kiln.runtime.pipeline.stage import StageResult, StageRunner
 
 
@@ -134,12 +134,12 @@ class PipelineRunner(ModelRunner):
         self.chain.close()
 
 
-def open_stage(engine_dir: Path, stage: PipelineStage, pools: KvPoolSpec, num_blocks: int,
-               num_threads: int | None) -> StageRunner:
-    """One stage's session (num_threads) with its layers' pools."""
+def open_stage(engine_dir: Path, stage: PipelineStage, sizing: StageSizing) -> StageRunner:
+    """One stage's session with its layers' pools."""
     from kiln.runtime.ort_runner import open_session
 
-    return StageRunner(open_session(engine_dir / stage.graph, num_threads), stage, pools, num_blocks)
+    session = open_session(engine_dir / stage.graph, sizing.num_threads)
+    return StageRunner(session, stage, sizing.pools, sizing.num_blocks)
 
 
 def check_last_stage(is_last: list[bool], engine_dir: Path) -> None:
@@ -147,12 +147,8 @@ def check_last_stage(is_last: list[bool], engine_dir: Path) -> None:
         raise EngineLoadError(f"the last pipeline stage of {engine_dir} must be the only one with logits")
 
 
-def open_pipeline_runner(engine_dir: Path, manifest: Manifest, num_blocks: int,
-                         num_threads: int | None) -> PipelineRunner:
-    """A staged engine's stages as sessions in this process (num_threads each), run one after another."""
-    from kiln.runtime.loader import engine_kv_pools
-
-    pools = engine_kv_pools(manifest)
-    stages = [open_stage(engine_dir, stage, pools, num_blocks, num_threads) for stage in manifest.stages]
-    check_last_stage([stage.is_last for stage in stages], engine_dir)
-    return PipelineRunner(LocalChain(stages), manifest.stages, pools, stages[-1].shape(num_blocks))
+def open_pipeline_runner(engine_dir: Path, stages: tuple[PipelineStage, ...], sizing: StageSizing) -> PipelineRunner:
+    """A staged engine's stages as sessions in this process, run one after another."""
+    runners = [open_stage(engine_dir, stage, sizing) for stage in stages]
+    check_last_stage([runner.is_last for runner in runners], engine_dir)
+    return PipelineRunner(LocalChain(runners), stages, sizing.pools, runners[-1].shape(sizing.num_blocks))

@@ -1,8 +1,10 @@
-"""PipelineShape: what the Engine reads off a pipeline's runner, as its last stage's graph gives it."""
+"""PipelineShape (what the Engine reads off a pipeline's runner) and StageSizing (how its stages open)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from kiln.contract import KvPoolSpec
 
 
 @dataclass(frozen=True)
@@ -11,3 +13,12 @@ class PipelineShape:
     vocab_size: int
     num_medusa_heads: int = 0
     medusa_output: str | None = None  # contract.MEDUSA_LOGITS or MEDUSA_HIDDEN where the engine has heads
+
+
+@dataclass(frozen=True)
+class StageSizing:
+    """How every stage of one pipeline is opened: the engine's pool layout, blocks per layer pool, threads."""
+
+    pools: KvPoolSpec
+    num_blocks: int
+    num_threads: int | None  # per stage; None: onnxruntime's default
