@@ -21,7 +21,8 @@ def test_the_serving_commands_use_the_engine_make_builds():
     lines = _code_lines()
     used = {m.group(1) for line in lines if (m := re.match(r"kiln (?:generate|chat|serve|bench) (\S+)", line))}
     used |= {m.group(1) for line in lines if (m := re.match(r'llm = LLM\("([^"]+)"\)', line))}
-    assert used == {engine}
+    built = {m.group(1) for line in lines if (m := re.match(r"kiln build \S+ .*-o (\S+)$", line))}
+    assert engine in used and used <= built  # any other engine served is one the README builds first
     assert f"kiln build default -o {engine}" in lines  # the README's own build of it, by hand
 
 
