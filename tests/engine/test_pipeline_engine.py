@@ -130,3 +130,17 @@ def test_pipeline_parallel_needs_an_engine_of_as_many_stages(engines):
     with pytest.raises(EngineLoadError, match="--pipeline-parallel 3 needs an engine of 3 stages, and .* has 2 "
                                               "pipeline stages; build it with kiln build --pipeline-stages 3"):
         load_engine(engines[2], RuntimeConfig(num_threads=1, pipeline_parallel=3))
+
+
+def test_kv_blocks_read_and_write_across_the_stages(engines):
+    """KV export (disaggregation's hand-off) reads every stage's layers in order: what the one graph's pools hold."""
+    from kiln.runtime.loader import open_engine_runner
+
+    runners = [open_engine_runner(engines[n], read_manifest(engines[n]), 4, 1) for n in (1, 3)]
+    for runner in runners:
+        runner.execute(pack_chunks([Chunk(0, PROMPTS[2], [2, 3])], False))
+    one, staged = runners
+    assert staged.kv_layout() == one.kv_layout()
+    np.testing.assert_array_equal(staged.read_kv_blocks([2, 3]), one.read_kv_blocks([2, 3]))
+    staged.write_kv_blocks([0], one.read_kv_blocks([3]))
+    np.testing.assert_array_equal(staged.read_kv_blocks([0]), one.read_kv_blocks([3]))
