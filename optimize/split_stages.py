@@ -105,8 +105,8 @@ def _stage_graph(graph: onnx.GraphProto, start: _Cut | None, end: _Cut | None, l
     nodes: list[onnx.NodeProto] = []
     inputs = [i for i in graph.input if not _KV_INPUT.match(i.name)]
     kv_inputs = [i for i in graph.input if (m := _KV_INPUT.match(i.name)) and int(m.group(1)) in layers]
-    outputs = [o for o in graph.output if o.name == contract.kv_cache_output(layers.start) or
-               any(o.name == contract.kv_cache_output(i) for i in layers)]
+    kv_outputs = {contract.kv_cache_output(i) for i in layers}
+    outputs = [o for o in graph.output if o.name in kv_outputs]
     if start is not None:
         hidden_3d, zeros, axes = f"{HIDDEN_STATES}.3d", f"{HIDDEN_STATES}.zeros", f"{HIDDEN_STATES}.axes"
         nodes += [helper.make_node("Constant", [], [axes], value=helper.make_tensor(axes, TensorProto.INT64, [1], [0])),
@@ -124,12 +124,11 @@ def _stage_graph(graph: onnx.GraphProto, start: _Cut | None, end: _Cut | None, l
             node = fused
         nodes.append(node)
     if end is not None:
-        summed = f"{HIDDEN_STATES_OUT}.3d"
+        summed, out_axes = f"{HIDDEN_STATES_OUT}.3d", f"{HIDDEN_STATES_OUT}.axes"
         nodes += [helper.make_node("Add", list(end.node.input[:2]), [summed]),
-                  helper.make_node("Squeeze", [summed, f"{HIDDEN_STATES_OUT}.axes"], [HIDDEN_STATES_OUT]),
-                  helper.make_node("Constant", [], [f"{HIDDEN_STATES_OUT}.axes"],
-                                   value=helper.make_tensor("axes", TensorProto.INT64, [1], [0]))]
-        nodes.insert(len(nodes) - 2, nodes.pop())  # the axes constant before the Squeeze that reads it
+                  helper.make_node("Constant", [], [out_axes],
+                                   value=helper.make_tensor(out_axes, TensorProto.INT64, [1], [0])),
+                  helper.make_node("Squeeze", [summed, out_axes], [HIDDEN_STATES_OUT])]
         outputs = [helper.make_tensor_value_info(HIDDEN_STATES_OUT, TensorProto.FLOAT, ["num_tokens", hidden_size]),
                    *outputs]
     else:
