@@ -85,10 +85,11 @@ def test_bad_build_option_is_one_sentence_naming_it(field, value):
 def test_build_options_dict_round_trip():
     options = BuildOptions(quantization=QuantScheme.parse("int4-awq-g64"), kv_dtype="int8", block_size=8,
                            max_seq_len=256, max_num_tokens=64, calibration=Path("calib/awq"), lm_head=LmHead.INT4,
-                           medusa=Path("heads/smollm2"))
+                           medusa=Path("heads/smollm2"), pipeline_stages=2)
     data = options.to_dict()
     assert data == {"quantization": "int4-awq-g64", "kv_dtype": "int8", "block_size": 8, "max_seq_len": 256,
-                    "max_num_tokens": 64, "calibration": "calib/awq", "lm_head": "int4", "medusa": "heads/smollm2"}
+                    "max_num_tokens": 64, "calibration": "calib/awq", "lm_head": "int4", "medusa": "heads/smollm2",
+                    "pipeline_stages": 2}
     assert BuildOptions.from_dict(data) == options
     assert BuildOptions().to_dict()["calibration"] is None and BuildOptions().to_dict()["medusa"] is None
     assert BuildOptions().kv_dtype == "float16"  # the default: fp32's perplexity, half the KV bytes
