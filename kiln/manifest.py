@@ -22,6 +22,7 @@ from kiln.errors import InvalidParamError, KilnError, require
 from kiln.medusa import MedusaSpec
 from kiln.quant_scheme import LmHead, QuantScheme
 from kiln.spec import ModelSpec
+from kiln.vision import VisionSpec
 
 FORMAT_VERSION = 1
 MANIFEST_NAME = "manifest.json"
@@ -108,6 +109,7 @@ class Manifest:
     op_library_abi: int = OP_LIBRARY_ABI
     medusa: MedusaSpec | None = None  # the Medusa heads in the graph; None (older engines too): none
     tensorrt: TensorRTPlan | None = None  # backend "tensorrt" with its model.plan built; None: no plan (yet)
+    vision: VisionSpec | None = None  # a vision-language engine's image side (kiln/vision.py); None: text only
 
     def __post_init__(self) -> None:
         require(self.build.max_seq_len is not None, "build.max_seq_len",
@@ -120,7 +122,7 @@ class Manifest:
         return self.build.max_seq_len
 
     def to_json(self) -> str:
-        data = {
+        data: dict[str, Any] = {
             "format_version": self.format_version,
             "kiln_version": self.kiln_version,
             "backend": self.backend,
@@ -132,6 +134,8 @@ class Manifest:
             "medusa": None if self.medusa is None else self.medusa.to_dict(),
             "tensorrt": None if self.tensorrt is None else self.tensorrt.to_dict(),
         }
+        if self.vision is not None:  # a text engine's manifest stays as kiln before vision wrote it
+            data["vision"] = self.vision.to_dict()
         return json.dumps(data, indent=2, sort_keys=True)
 
     @classmethod
@@ -171,7 +175,15 @@ class Manifest:
             op_library_abi=data["op_library_abi"],
             medusa=MedusaSpec.from_dict(data["medusa"]) if data.get("medusa") else None,
             tensorrt=TensorRTPlan(**data["tensorrt"]) if data.get("tensorrt") else None,
+            vision=_vision(data.get("vision")),
         )
+
+
+def _vision(data: dict[str, Any] | None) -> VisionSpec | None:
+    try:
+        return None if data is None else VisionSpec.from_dict(data)
+    except ValueError as exc:
+        raise EngineLoadError(f"{MANIFEST_NAME} field vision is inconsistent: {exc}") from None
 
 
 # manifest.json's schema: each field's type as Python annotates it, a nested dict for a JSON object
@@ -185,7 +197,7 @@ _SCHEMA: dict[str, Any] = {
     "format_version": int, "kiln_version": str, "backend": str, "op_library_abi": int,
     "model_spec": ModelSpec, "build": _BUILD_SCHEMA,
     "graph": {"inputs": list[str], "outputs": list[str]}, "files": dict[str, str],
-    "medusa?": MedusaSpec | None, "tensorrt?": TensorRTPlan | None,
+    "medusa?": MedusaSpec | None, "tensorrt?": TensorRTPlan | None, "vision?": VisionSpec | None,
 }
 _RULES = {bool: "true or false", int: "an integer", float: "a number", str: "a string", type(None): "null"}
 

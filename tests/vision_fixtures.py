@@ -13,12 +13,10 @@ image 56 / patch 14 -> 16 image tokens; the Llama body is tests/helpers.py's tin
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import numpy as np
-
-from tests.helpers import _randomize, tiny_hf_config, write_tiny_tokenizer
+from helpers import _randomize, tiny_hf_config, write_tiny_tokenizer
 
 IMAGE_TOKEN = "<image>"
 IMAGE_SIZE = 56
@@ -90,21 +88,6 @@ def _add_image_token(out: Path, token_id: int) -> None:
     tokenizer.add_special_tokens([AddedToken(IMAGE_TOKEN, special=True, normalized=False)])
     assert tokenizer.token_to_id(IMAGE_TOKEN) == token_id, tokenizer.token_to_id(IMAGE_TOKEN)
     tokenizer.save(str(out / "tokenizer.json"))
-    config = json.loads((out / "tokenizer_config.json").read_text())
-    config["chat_template"] = _CHAT_TEMPLATE
-    (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
-
-
-# The ChatML template of the tiny tokenizer, with LLaVA's processor convention for content parts: an image
-# part renders as <image> (the processor then repeats it once per image token), a text part as its text.
-_CHAT_TEMPLATE = (
-    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' }}"
-    "{% if message['content'] is string %}{{ message['content'] }}"
-    "{% else %}{% for part in message['content'] %}"
-    "{% if part['type'] == 'image' %}{{ '<image>\n' }}{% else %}{{ part['text'] }}{% endif %}"
-    "{% endfor %}{% endif %}{{ '<|im_end|>\n' }}{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
-)
 
 
 def sample_images() -> dict[str, object]:

@@ -69,7 +69,7 @@ class ClipImageConfig:
             shortest_edge=size["shortest_edge"], crop_height=crop.get("height", size["shortest_edge"]),
             crop_width=crop.get("width", size["shortest_edge"]), resample=int(data.get("resample", 3)),
             rescale_factor=float(data.get("rescale_factor", 1 / 255)),
-            image_mean=tuple(data["image_mean"]), image_std=tuple(data["image_std"]),  # type: ignore[arg-type]
+            image_mean=tuple(data["image_mean"]), image_std=tuple(data["image_std"]),
             do_convert_rgb=bool(data.get("do_convert_rgb", True)), do_resize=bool(data.get("do_resize", True)),
             do_center_crop=bool(data.get("do_center_crop", True)), do_rescale=bool(data.get("do_rescale", True)),
             do_normalize=bool(data.get("do_normalize", True)),

@@ -8,9 +8,9 @@ import json
 
 import numpy as np
 import pytest
+from vision_fixtures import CLIP_MEAN, CLIP_STD, IMAGE_SIZE, sample_images
 
 from kiln.runtime.vision.preprocess import ClipImageConfig, preprocess
-from tests.vision_fixtures import CLIP_MEAN, CLIP_STD, IMAGE_SIZE, sample_images
 
 pytest.importorskip("transformers")
 
