@@ -391,4 +391,6 @@ class Engine:
             num_spec_verifications=spec.verifications,
             num_spec_proposed_tokens=spec.proposed,
             num_spec_accepted_tokens=spec.accepted,
+            num_images_encoded=0 if self.image_encoder is None else self.image_encoder.images_encoded,
+            num_image_cache_hits=0 if self.image_encoder is None else self.image_encoder.cache_hits,
         )

@@ -93,6 +93,8 @@ class EngineStats:
     num_spec_verifications: int = 0  # sequence-steps that checked speculative tokens
     num_spec_proposed_tokens: int = 0
     num_spec_accepted_tokens: int = 0
+    num_images_encoded: int = 0  # encoder runs per image (a vision-language engine's; its cache saves the rest)
+    num_image_cache_hits: int = 0  # images whose embeddings came from the encoder's cache
 
     @property
     def spec_acceptance_rate(self) -> float | None:

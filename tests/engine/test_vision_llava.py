@@ -11,7 +11,7 @@ import json
 import numpy as np
 import pytest
 from engine_driver import PagedDriver
-from vision_fixtures import IMAGE_TOKEN, NUM_IMAGE_TOKENS, make_tiny_llava, sample_images
+from vision_fixtures import IMAGE_TOKEN, NUM_IMAGE_TOKENS, sample_images
 
 from kiln.manifest import EngineLoadError, read_manifest
 from kiln.runtime import LLM, RuntimeConfig, SamplingParams
@@ -26,18 +26,13 @@ PREFIX, SUFFIX = [1, 40, 50, 60], [70, 80, 90, 100, 110]
 
 
 @pytest.fixture(scope="module")
-def llava_dir(tmp_path_factory):
-    return make_tiny_llava(tmp_path_factory.mktemp("llava"))
+def llava_dir(tiny_llava_dir):
+    return tiny_llava_dir
 
 
 @pytest.fixture(scope="module")
-def llava_engine(tmp_path_factory, llava_dir):
-    from kiln.manifest import BuildOptions
-    from kiln.optimize.build import build_engine
-
-    out = tmp_path_factory.mktemp("llava-engine") / "engine"
-    build_engine(llava_dir, out, BuildOptions(kv_dtype="float32"), progress=lambda _msg: None)
-    return out
+def llava_engine(tiny_llava_engine):
+    return tiny_llava_engine
 
 
 @pytest.fixture(scope="module")
@@ -207,3 +202,22 @@ def test_bad_image_requests_name_the_problem(llava_engine):
         messages = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}}]}]
         with pytest.raises(InvalidParamError, match=problem):
             llm.chat(messages)
+
+
+def test_kiln_generate_takes_an_image_file(llava_engine, tmp_path):
+    from click.testing import CliRunner
+
+    from kiln.cli import main
+
+    image = sample_images()["rgba"]
+    image.save(tmp_path / "cat.png")
+    args = ["generate", str(llava_engine), "--chat", "the", "--image", str(tmp_path / "cat.png"), "--max-tokens", "5"]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0, result.output
+    llm = LLM(llava_engine, RuntimeConfig(kv_cache_bytes=4 << 20))
+    messages = [{"role": "user", "content": [{"type": "image", "image": image}, {"type": "text", "text": "the"}]}]
+    expected = llm.chat(messages, SamplingParams(temperature=0, max_tokens=5))[0].outputs[0].text
+    assert result.output == expected + "\n"
+    (tmp_path / "not-an-image.png").write_bytes(b"hello")
+    bad = CliRunner().invoke(main, [*args[:5], str(tmp_path / "not-an-image.png")])
+    assert bad.exit_code != 0 and "not a readable image" in bad.output
