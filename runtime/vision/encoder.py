@@ -1,7 +1,8 @@
 """The vision encoder graph at run time: images -> preprocessed pixel values -> image embeddings.
 
 One ONNX Runtime session of the engine's vision.onnx (kiln/vision.py). Embeddings are cached by the image's
-content hash (sha256 of its decoded pixels and mode), least recently used out first, so an image sent again
+content hash (sha256 of its decoded pixels and mode), least recently used out first once they pass
+``cache_bytes`` (256 MiB: 27 images of LLaVA-1.5-7B's 576 x 4096 float32 embeddings), so an image sent again
 (the same picture in a follow-up turn, or in several requests) is not encoded again; ``images_encoded`` counts
 encoder runs per image, which /metrics exports.
 """
@@ -34,7 +35,7 @@ class ImageEncoder:
     """encode(images) -> one [tokens_per_image, hidden] float32 array per image."""
 
     def __init__(self, engine_dir: Path, spec: VisionSpec, num_threads: int | None = None,
-                 cache_images: int = 64) -> None:
+                 cache_bytes: int = 256 << 20) -> None:
         self.spec = spec
         try:
             processor = json.loads((engine_dir / spec.preprocessor).read_text(encoding="utf-8"))
@@ -51,7 +52,8 @@ class ImageEncoder:
                                                 providers=["CPUExecutionProvider"])
         except Exception as exc:  # noqa: BLE001 - ORT raises several unrelated types
             raise EngineLoadError(f"onnxruntime cannot load the vision encoder {spec.encoder} ({exc})") from exc
-        self.cache_images = cache_images
+        self.cache_bytes = cache_bytes
+        self._cached_bytes = 0
         self._cache: OrderedDict[str, Embeddings] = OrderedDict()
         self._lock = threading.Lock()  # the server encodes on worker threads
         self.images_encoded = 0
@@ -81,7 +83,9 @@ class ImageEncoder:
                 self.images_encoded += len(todo)
                 for h, embedding in zip(todo, embeddings, strict=True):
                     found[h] = embedding
-                    self._cache[h] = embedding
-                while len(self._cache) > self.cache_images:
-                    self._cache.popitem(last=False)
+                    if h not in self._cache:
+                        self._cache[h] = embedding
+                        self._cached_bytes += embedding.nbytes
+                while self._cached_bytes > self.cache_bytes and self._cache:
+                    self._cached_bytes -= self._cache.popitem(last=False)[1].nbytes
         return [found[h] for h in hashes]

@@ -221,3 +221,13 @@ def test_kiln_generate_takes_an_image_file(llava_engine, tmp_path):
     (tmp_path / "not-an-image.png").write_bytes(b"hello")
     bad = CliRunner().invoke(main, [*args[:5], str(tmp_path / "not-an-image.png")])
     assert bad.exit_code != 0 and "not a readable image" in bad.output
+
+
+def test_the_encoder_cache_holds_its_byte_budget(llava_engine):
+    one_image = NUM_IMAGE_TOKENS * 64 * 4
+    encoder = ImageEncoder(llava_engine, read_manifest(llava_engine).vision, cache_bytes=one_image)
+    first, second = sample_images()["gray"], sample_images()["cmyk"]
+    for image in (first, first, second, first):  # the second evicts the first
+        encoder.encode([image])
+    assert (encoder.images_encoded, encoder.cache_hits) == (3, 1)
+    np.testing.assert_array_equal(encoder.encode([second])[0], encoder.run(encoder.pixel_values([second]))[0])

@@ -115,3 +115,17 @@ def test_truncated_too_large_and_too_many_images_are_refused(monkeypatch):
     parts = [{"type": "image_url", "image_url": {"url": png_url()}}] * (image_limits.MAX_IMAGES_PER_REQUEST + 1)
     with pytest.raises(InvalidParamError, match="at most"):
         split_images([{"role": "user", "content": parts}], "<image>")
+
+
+def test_the_server_takes_image_parts_out_of_messages():
+    pytest.importorskip("pydantic")
+    from kiln.runtime.server.images import take_images
+    from kiln.runtime.server.protocol import ChatMessage
+
+    message = ChatMessage.model_validate({"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": png_url()}}, {"type": "text", "text": "what is it?"}]})
+    flat, images = take_images([message], "<image>")
+    assert flat[0].as_dict() == {"role": "user", "content": "<image>\nwhat is it?"} and len(images) == 1
+    with pytest.raises(InvalidParamError, match="not a vision-language engine") as err:
+        take_images([message], None)
+    assert err.value.param == "messages.0.content.0"
