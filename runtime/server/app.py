@@ -277,16 +277,17 @@ def _tool_mode(chat: ChatCompletionRequest) -> ToolMode | None:
         raise APIError(400, str(e), e.param) from None
 
 
-def _render(llm: Any, messages: Sequence[Any], add_generation_prompt: bool,
-            tools: ToolMode | None = None) -> tuple[str, list[Any]]:
-    """The conversation through the chat template (a worker thread), and its images (decoded; each an image
-    placeholder in the text): the tools and earlier calls handed to a template that takes them, else written in
-    Hermes-style; refused untouched when its messages alone are longer than max_model_len tokens can hold."""
+def _render_with_images(llm: Any, messages: Sequence[Any], add_generation_prompt: bool,
+                        tools: ToolMode | None = None) -> tuple[str, list[Any]]:
+    """_render, and the conversation's images (decoded; each an image placeholder in the text)."""
     messages, images = take_images(messages, getattr(llm, "image_token", None))
-    return _render_text(llm, messages, add_generation_prompt, tools), images
+    return _render(llm, messages, add_generation_prompt, tools), images
 
 
-def _render_text(llm: Any, messages: Sequence[Any], add_generation_prompt: bool, tools: ToolMode | None) -> str:
+def _render(llm: Any, messages: Sequence[Any], add_generation_prompt: bool, tools: ToolMode | None = None) -> str:
+    """The conversation through the chat template (a worker thread): the tools and earlier calls handed to a
+    template that takes them, else written in Hermes-style; refused untouched when its messages alone are longer
+    than max_model_len tokens can hold."""
     family = llm.tool_family
     native = family is not None
     conversation = native_messages(list(messages), family) if native else render_messages(list(messages), tools)
@@ -305,8 +306,9 @@ async def _render_chat(request: Request, messages: Sequence[Any], add_generation
     bounds the conversation's) is small, else on the worker pool."""
     state = request.app.state
     try:
-        text, images = await state.offload.run_sized(len(await request.body()), INLINE_TEMPLATE_BYTES, _render,
-                                                     state.llm, messages, add_generation_prompt, tools)
+        text, images = await state.offload.run_sized(len(await request.body()), INLINE_TEMPLATE_BYTES,
+                                                     _render_with_images, state.llm, messages,
+                                                     add_generation_prompt, tools)
         return str(text), images
     except InvalidParamError as e:
         raise APIError(400, str(e), e.param) from None
