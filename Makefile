@@ -33,7 +33,7 @@ $(VENV)/.installed-build: pyproject.toml setup.py | $(VENV)/.torch
 	touch $@
 
 $(VENV)/.installed: pyproject.toml setup.py $(VENV)/.installed-build
-	$(INSTALL_KILN) '.[compile,server,cluster,plot,dev,gpu]'
+	$(INSTALL_KILN) '.[compile,server,cluster,plot,dev,gpu,vision]'
 	touch $@
 
 # Calibration / evaluation text (corpus/__init__.py): prose, technical, code from Debian packages

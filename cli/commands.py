@@ -282,24 +282,28 @@ def sampling_options(func: CommandFunction) -> CommandFunction:
 @click.argument("engine_dir", type=click.Path(exists=True, file_okay=False))
 @click.argument("prompt", required=False)
 @click.option("--chat", "chat", default=None, help="a user message, wrapped in the engine's chat template")
+@click.option("--image", "images", multiple=True, type=click.Path(dir_okay=False),
+              help="an image for a vision-language engine (repeat for several): before the --chat message, or one "
+                   "per image token of PROMPT")
 @sampling_options
 @click.option("--json-schema", "json_schema", type=click.Path(exists=True, dir_okay=False), default=None,
               help="a JSON schema file the output must validate against")
 @click.option("--regex", default=None, help="a regex the whole output must match")
 @click.option("--choice", multiple=True, help="the output is exactly one of these (repeat the option)")
 @speculative_options
-def generate(engine_dir: str, prompt: str | None, chat: str | None, max_tokens: int, temperature: float,
-             top_p: float, top_k: int, seed: int | None, json_schema: str | None, regex: str | None,
+def generate(engine_dir: str, prompt: str | None, chat: str | None, images: tuple[str, ...], max_tokens: int,
+             temperature: float, top_p: float, top_k: int, seed: int | None, json_schema: str | None, regex: str | None,
              choice: tuple[str, ...], speculative: str | None, num_speculative_tokens: int, draft: str | None,
              min_guess_probability: float | None) -> None:
     """Generate from ENGINE_DIR for PROMPT (or --chat TEXT), streaming the text to stdout."""
+    from kiln.cli.generation import PromptInput
     from kiln.cli.generation import generate as run
     from kiln.runtime.params import RuntimeConfig
 
     config = RuntimeConfig(speculative=_speculative(speculative, num_speculative_tokens, draft, min_guess_probability))
     params = dataclasses.replace(_sampling(max_tokens, temperature, top_p, top_k, seed),
                                  structured=_structured(json_schema, regex, choice))
-    run(engine_dir, prompt, chat, params, config)
+    run(engine_dir, PromptInput(prompt, chat, images), params, config)
 
 
 def _structured(json_schema: str | None, regex: str | None, choice: tuple[str, ...]) -> StructuredOutput | None:

@@ -8,6 +8,7 @@ EXTRA_MODULES: dict[str, frozenset[str]] = {
     "compile": frozenset({"torch", "onnx", "onnx_ir", "onnxscript", "safetensors", "gguf", "transformers", "tqdm"}),
     "server": frozenset({"fastapi", "starlette", "pydantic", "anyio", "uvicorn", "prometheus_client", "httpx"}),
     "cluster": frozenset({"ray"}),
+    "vision": frozenset({"PIL"}),
 }
 
 

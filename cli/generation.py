@@ -4,13 +4,18 @@ from __future__ import annotations
 
 import dataclasses
 import sys
-from typing import TextIO
+from pathlib import Path
+from typing import TYPE_CHECKING, TextIO
 
 from kiln.errors import InvalidParamError, RequestFailedError
 from kiln.runtime.detokenizer import ChatMessage
 from kiln.runtime.engine import Engine
 from kiln.runtime.loader import load_engine
 from kiln.runtime.params import RuntimeConfig, SamplingParams
+from kiln.runtime.vision.images import decode_image_bytes
+
+if TYPE_CHECKING:
+    from PIL.Image import Image
 
 # `kiln chat`'s commands and what /help says of each.
 CHAT_COMMANDS = {
@@ -26,10 +31,20 @@ class Streamed:
     finish_reason: str | None  # "stop" | "length" | "abort" (Ctrl-C)
 
 
-def stream_text(engine: Engine, prompt: str | list[int], params: SamplingParams, out: TextIO) -> Streamed:
+@dataclasses.dataclass(frozen=True)
+class PromptInput:
+    """What `kiln generate` was asked: a raw PROMPT or a --chat message, and --image files."""
+
+    prompt: str | None = None
+    chat: str | None = None
+    images: tuple[str, ...] = ()
+
+
+def stream_text(engine: Engine, prompt: str | list[int], params: SamplingParams, out: TextIO,
+                images: list[Image] | None = None) -> Streamed:
     """Run one request, writing its text to `out` as it becomes stable; Ctrl-C aborts it."""
     request_id = f"cli-{id(prompt)}-{len(engine.requests)}"
-    engine.add_request(request_id, prompt, params)
+    engine.add(engine.prepare(request_id, prompt, params, images))
     shown: list[str] = []
     finish_reason = None
     try:
@@ -48,19 +63,33 @@ def stream_text(engine: Engine, prompt: str | list[int], params: SamplingParams,
     return Streamed("".join(shown), finish_reason)
 
 
-def generate(engine_dir: str, prompt: str | None, chat: str | None, params: SamplingParams,
-             config: RuntimeConfig | None = None, out: TextIO | None = None) -> str:
-    """`kiln generate`: a raw PROMPT, or --chat TEXT wrapped in the engine's chat template."""
+def generate(engine_dir: str, given: PromptInput, params: SamplingParams, config: RuntimeConfig | None = None,
+             out: TextIO | None = None) -> str:
+    """`kiln generate`: a raw PROMPT, or --chat TEXT wrapped in the engine's chat template; --image files go
+    before the chat message (LLaVA's layout), or in place of the raw prompt's image tokens, one per image."""
     out = out or sys.stdout
+    prompt, chat = given.prompt, given.chat
     if (prompt is None) == (chat is None):
         raise InvalidParamError("give exactly one of PROMPT or --chat TEXT", "prompt")
+    images = [_read_image(Path(path)) for path in given.images]
     engine = load_engine(engine_dir, config)
+    if images and engine.image_token is None:
+        raise InvalidParamError(f"{engine_dir} is not a vision-language engine: it takes no --image", "image")
     if chat is not None:
-        prompt = engine.tokenizer.apply_chat_template([{"role": "user", "content": chat}])
+        content = "".join(f"{engine.image_token}\n" for _ in images) + chat
+        prompt = engine.tokenizer.apply_chat_template([{"role": "user", "content": content}])
     assert prompt is not None  # exactly one of the two, checked above
-    text = stream_text(engine, prompt, params, out).text
+    text = stream_text(engine, prompt, params, out, images).text
     out.write("\n")
     return text
+
+
+def _read_image(path: Path) -> Image:
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        raise InvalidParamError(f"--image {path}: cannot be read ({exc.strerror})", "image") from None
+    return decode_image_bytes(data, f"--image {path}")
 
 
 def chat_repl(engine_dir: str, params: SamplingParams, system: str | None = None,

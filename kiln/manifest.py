@@ -23,6 +23,7 @@ from kiln.medusa import MedusaSpec
 from kiln.pipeline_stages import PipelineStage, check_stages
 from kiln.quant_scheme import LmHead, QuantScheme
 from kiln.spec import ModelSpec
+from kiln.vision import VisionSpec
 
 FORMAT_VERSION = 1
 MANIFEST_NAME = "manifest.json"
@@ -114,6 +115,7 @@ class Manifest:
     # kiln build --pipeline-stages N (N > 1): one graph per layer range instead of model.onnx; () (and every
     # engine without the field): the one graph model.onnx (see `graph_files`)
     stages: tuple[PipelineStage, ...] = ()
+    vision: VisionSpec | None = None  # a vision-language engine's image side (kiln/vision.py); None: text only
 
     def __post_init__(self) -> None:
         require(self.build.max_seq_len is not None, "build.max_seq_len",
@@ -141,7 +143,7 @@ class Manifest:
         return self.build.max_seq_len
 
     def to_json(self) -> str:
-        data = {
+        data: dict[str, Any] = {
             "format_version": self.format_version,
             "kiln_version": self.kiln_version,
             "backend": self.backend,
@@ -155,6 +157,8 @@ class Manifest:
         }
         if self.stages:  # only staged engines carry the field: a one-graph manifest reads as before
             data["stages"] = [stage.to_dict() for stage in self.stages]
+        if self.vision is not None:  # a text engine's manifest stays as kiln before vision wrote it
+            data["vision"] = self.vision.to_dict()
         return json.dumps(data, indent=2, sort_keys=True)
 
     @classmethod
@@ -195,7 +199,15 @@ class Manifest:
             medusa=MedusaSpec.from_dict(data["medusa"]) if data.get("medusa") else None,
             tensorrt=TensorRTPlan(**data["tensorrt"]) if data.get("tensorrt") else None,
             stages=tuple(PipelineStage(**stage) for stage in data.get("stages", ())),
+            vision=_vision(data.get("vision")),
         )
+
+
+def _vision(data: dict[str, Any] | None) -> VisionSpec | None:
+    try:
+        return None if data is None else VisionSpec.from_dict(data)
+    except ValueError as exc:
+        raise EngineLoadError(f"{MANIFEST_NAME} field vision is inconsistent: {exc}") from None
 
 
 # manifest.json's schema: each field's type as Python annotates it, a nested dict for a JSON object
@@ -211,6 +223,7 @@ _SCHEMA: dict[str, Any] = {
     "model_spec": ModelSpec, "build": _BUILD_SCHEMA,
     "graph": {"inputs": list[str], "outputs": list[str]}, "files": dict[str, str],
     "medusa?": MedusaSpec | None, "tensorrt?": TensorRTPlan | None, "stages?": list[PipelineStage],
+    "vision?": VisionSpec | None,
 }
 _RULES = {bool: "true or false", int: "an integer", float: "a number", str: "a string", type(None): "null"}
 

@@ -39,6 +39,7 @@ from kiln.manifest import (
     Manifest,
     write_manifest,
 )
+from kiln.optimize.attach_image_inputs import attach_image_inputs
 from kiln.optimize.attach_medusa import MedusaGraphError, attach_hidden, attach_medusa
 from kiln.optimize.fuse_attention import AttentionConfig
 from kiln.optimize.lower_onnxruntime import lower_for_onnxruntime
@@ -86,6 +87,7 @@ def build_engine(
     with _stage(say, "load checkpoint"):
         checkpoint = _load_checkpoint(model_path)
         options = _check_model(checkpoint, options)
+        vision = _load_vision(model_path, backend)
         try:
             heads = _medusa_heads(checkpoint, options.medusa, say) if options.medusa is not None else None
             if heads is not None and heads.kind != "hydra" and options.lm_head is LmHead.INT4_RESCORED:
@@ -115,6 +117,8 @@ def build_engine(
             for name, count in counts.items():
                 say(f"  {name}: fired {count}x")
             _check_counts(counts, spec.num_layers)
+            if vision is not None:
+                say(f"  attach_image_inputs: fired {attach_image_inputs(model, spec.hidden_size)}x")
             if heads is not None:
                 try:
                     if heads.kind == "hydra":
@@ -140,6 +144,9 @@ def build_engine(
             _write_tokenizer(checkpoint, staging)
             if draft is not None:
                 say(f"  {save_draft_graph(draft, staging).name}: the hydra heads' chain")
+        if vision is not None:
+            with _stage(say, "export vision encoder"):
+                say(f"  {', '.join(_write_vision(vision, staging))}")
         graph_inputs = tuple(v.name for v in model.graph.inputs)
         graph_outputs = tuple(v.name for v in model.graph.outputs)
         del model
@@ -147,6 +154,7 @@ def build_engine(
         manifest = Manifest(
             spec=spec, build=options, backend=backend, graph_inputs=graph_inputs,
             graph_outputs=graph_outputs, medusa=None if heads is None else heads.spec(), stages=stages,
+            vision=None if vision is None else vision.spec,
         )
         with _stage(say, "manifest"):
             manifest = write_manifest(staging, manifest)
@@ -263,6 +271,25 @@ def _load_checkpoint(model_path: str | Path):
         return load_checkpoint(model_path)
     except (FileNotFoundError, ValueError) as exc:  # the exporter names an unusable model source in one sentence
         raise BuildError(str(exc)) from exc
+
+
+def _load_vision(model_path: str | Path, backend: str):
+    """A vision-language checkpoint's image side (export/vision/), or None for a text-only model."""
+    from kiln.export.vision.export_encoder import load_vision_of
+
+    try:
+        vision = load_vision_of(model_path)
+    except (FileNotFoundError, ValueError) as exc:
+        raise BuildError(str(exc)) from exc
+    if vision is not None and backend != BACKEND_ORT_CPU:
+        raise BuildError(f"vision-language engines build for {BACKEND_ORT_CPU} only, not {backend}")
+    return vision
+
+
+def _write_vision(vision, staging: Path) -> list[str]:
+    from kiln.export.vision.export_encoder import write_vision
+
+    return write_vision(vision, staging)
 
 
 def _scheme_artifact(options: BuildOptions) -> Path | None:

@@ -15,7 +15,7 @@ import threading
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kiln.errors import InvalidParamError, RequestFailedError
 from kiln.runtime.detokenizer import ChatMessage, TextTokenizer, max_prompt_chars, with_token_text
@@ -24,6 +24,9 @@ from kiln.runtime.kv_transfer import KvHandoff
 from kiln.runtime.llm import as_engine
 from kiln.runtime.outputs import EngineStats, RequestOutput
 from kiln.runtime.params import RuntimeConfig, SamplingParams
+
+if TYPE_CHECKING:
+    from PIL.Image import Image
 
 
 @dataclass
@@ -175,10 +178,17 @@ class AsyncLLM:
         kv: the prompt's KV and first token from a prefill engine (AsyncLLM.prefill): decoding starts on them."""
         return self.add_prepared(self.prepare_request(prompt, params, request_id), kv)
 
-    def prepare_request(self, prompt: str | list[int], params: SamplingParams, request_id: str) -> EngineRequest:
+    def prepare_request(self, prompt: str | list[int], params: SamplingParams, request_id: str,
+                        images: list[Image] | None = None) -> EngineRequest:
         """add_request's first half, for any thread (tokenizing a long prompt is slow: the HTTP server does
-        it off its event loop): tokenize and check; InvalidParamError naming the problem."""
-        return self.engine.prepare(request_id, prompt, params)
+        it off its event loop): tokenize and check, and encode the images of a vision-language engine's
+        request; InvalidParamError naming the problem."""
+        return self.engine.prepare(request_id, prompt, params, images)
+
+    @property
+    def image_token(self) -> str | None:
+        """The image placeholder's text (a vision-language engine's; None for a text engine)."""
+        return self.engine.image_token
 
     def add_prepared(self, request: EngineRequest, kv: KvHandoff | None = None) -> RequestStream:
         """add_request's second half, on the event loop: queue a prepared request (num_waiting counts it)."""

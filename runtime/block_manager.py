@@ -50,7 +50,11 @@ class Block:
 _ROOT = 0x6B696C6E
 
 
-def chain_hash(prev: int | None, token_ids: tuple[int, ...]) -> int:
+def chain_hash(prev: int | None, token_ids: tuple[int, ...], images: tuple[tuple[int, int], ...] = ()) -> int:
+    """images: (content key, offset) of each image in the block (Sequence.block_key), so that the same
+    placeholder tokens with another image hash apart; a text block hashes as it always has."""
+    if images:
+        return hash((_ROOT if prev is None else prev, token_ids, images))
     return hash((_ROOT if prev is None else prev, token_ids))
 
 
@@ -119,7 +123,7 @@ class BlockManager:
         prev = None
         for i in range(max_blocks):
             tokens = tuple(seq.token_ids[i * bs:(i + 1) * bs])
-            h = chain_hash(prev, tokens)
+            h = chain_hash(prev, tokens, seq.block_key(i, bs))
             block_id = self.hash_to_block.get(h)
             if block_id is None or self.blocks[block_id].token_ids != tokens:
                 break
@@ -204,7 +208,7 @@ class BlockManager:
         bs = self.block_size
         for i in range(len(seq.block_hashes), seq.num_computed_tokens // bs):
             tokens = tuple(seq.token_ids[i * bs:(i + 1) * bs])
-            h = chain_hash(seq.block_hashes[-1] if seq.block_hashes else None, tokens)
+            h = chain_hash(seq.block_hashes[-1] if seq.block_hashes else None, tokens, seq.block_key(i, bs))
             seq.block_hashes.append(h)
             if seq.block_table[i] == RELEASED:  # its K/V never reached this pool (a handoff): nothing to offer
                 continue

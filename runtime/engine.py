@@ -14,6 +14,7 @@ import dataclasses
 import logging
 import threading
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -35,6 +36,12 @@ from kiln.runtime.speculative.speculator import Speculator
 from kiln.runtime.speculative.verify import SpecStats
 from kiln.runtime.structured import StructuredOutput
 from kiln.runtime.structured.grammar import CompiledGrammar, GrammarCompiler, GrammarError
+from kiln.runtime.vision.prompt import ImageSpan, check_placeholders, expand_image_tokens, image_hash
+
+if TYPE_CHECKING:
+    from PIL.Image import Image
+
+    from kiln.runtime.vision.encoder import ImageEncoder
 
 log = logging.getLogger("kiln.runtime")
 
@@ -87,6 +94,7 @@ class Engine:
         # opened; else it is made on the first structured request
         self.grammars: GrammarCompiler | None = None
         self._grammars_lock = threading.Lock()  # prepare runs on the server's worker threads
+        self.image_encoder: ImageEncoder | None = None  # a vision-language engine's, set by the loader
 
     @property
     def proposer(self) -> Proposer | None:
@@ -104,14 +112,40 @@ class Engine:
 
     # -- requests ---------------------------------------------------------------------------
 
-    def prepare(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> EngineRequest:
+    def prepare(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+                images: list[Image] | None = None) -> EngineRequest:
         """Tokenize and check a request; ValueError naming the problem. Reads only what never
-        changes after loading, so any thread may call it."""
-        request = prepare_request(request_id, prompt, params, self.tokenizer, self.runner.vocab_size,
-                                  self.max_seq_len)
+        changes after loading, so any thread may call it. images: decoded images, one per image placeholder
+        of the prompt, encoded here (a vision-language engine's, runtime/vision/)."""
+        if images:
+            ids, spans = self._expand_images(prompt, images)
+            request = prepare_request(request_id, ids, params, self.tokenizer, self.runner.vocab_size,
+                                      self.max_seq_len)
+            request = dataclasses.replace(request, prompt=prompt if isinstance(prompt, str) else None, images=spans)
+        else:
+            request = prepare_request(request_id, prompt, params, self.tokenizer, self.runner.vocab_size,
+                                      self.max_seq_len)
+            if self.image_encoder is not None:
+                check_placeholders(request.prompt_token_ids, self.image_encoder.spec.image_token_id, 0)
         if params.structured is None:
             return request
         return dataclasses.replace(request, grammar=self._compile(params.structured))
+
+    @property
+    def image_token(self) -> str | None:
+        """The text of the image placeholder token (a vision-language engine's; None for a text engine)."""
+        if self.image_encoder is None:
+            return None
+        return self.tokenizer.id_to_token(self.image_encoder.spec.image_token_id)
+
+    def _expand_images(self, prompt: str | list[int], images: list[Image]) -> tuple[list[int], tuple[ImageSpan, ...]]:
+        encoder = self.image_encoder
+        if encoder is None:
+            raise InvalidParamError("this engine takes no images: it is not a vision-language engine", "images")
+        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
+        check_placeholders(ids, encoder.spec.image_token_id, len(images))  # before any encoder run
+        hashes = [image_hash(image) for image in images]
+        return expand_image_tokens(ids, encoder.spec.image_token_id, encoder.encode(images, hashes), hashes)
 
     def _compile(self, spec: StructuredOutput) -> CompiledGrammar:
         """spec compiled for this engine's tokenizer: by the loader's compiler, else by one made here on the first
@@ -358,4 +392,6 @@ class Engine:
             num_spec_proposed_tokens=spec.proposed,
             num_spec_accepted_tokens=spec.accepted,
             pipeline=self.runner.stage_totals(),
+            num_images_encoded=0 if self.image_encoder is None else self.image_encoder.images_encoded,
+            num_image_cache_hits=0 if self.image_encoder is None else self.image_encoder.cache_hits,
         )

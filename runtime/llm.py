@@ -4,13 +4,17 @@ from __future__ import annotations
 
 import itertools
 from pathlib import Path
-from typing import cast
+from typing import TYPE_CHECKING, cast
 
 from kiln.runtime.detokenizer import ChatMessage, TextTokenizer, with_token_text
 from kiln.runtime.engine import Engine
 from kiln.runtime.loader import load_engine
 from kiln.runtime.outputs import EngineStats, RequestOutput, merge_outputs
 from kiln.runtime.params import RuntimeConfig, SamplingParams
+from kiln.runtime.vision.chat import split_images
+
+if TYPE_CHECKING:
+    from PIL.Image import Image
 
 Prompt = str | list[int]
 Prompts = Prompt | list[str] | list[list[int]]  # one prompt (text or token ids) or a list of them
@@ -63,14 +67,19 @@ class LLM:
 
     def generate(
         self, prompts: Prompts, params: SamplingParams | list[SamplingParams] | None = None,
+        images: list[list[Image]] | None = None,
     ) -> list[RequestOutput]:
-        """Generate for every prompt (all batched together); whole results, in prompt order."""
+        """Generate for every prompt (all batched together); whole results, in prompt order. images: a
+        vision-language engine's images, a list per prompt (one per image placeholder in it)."""
         prompt_list = _normalize_prompts(prompts)
         param_list = _normalize_params(params, len(prompt_list))
+        image_lists = images if images is not None else [[] for _ in prompt_list]
+        if len(image_lists) != len(prompt_list):
+            raise ValueError(f"images has {len(image_lists)} lists but there are {len(prompt_list)} prompts")
         # Prepare every request before anything runs, so bad input is rejected with nothing queued.
         requests = [
-            self.engine.prepare(f"llm-{next(self._ids)}", prompt, p)
-            for prompt, p in zip(prompt_list, param_list, strict=True)
+            self.engine.prepare(f"llm-{next(self._ids)}", prompt, p, pictures)
+            for prompt, p, pictures in zip(prompt_list, param_list, image_lists, strict=True)
         ]
         deltas: dict[str, list[RequestOutput]] = {r.request_id: [] for r in requests}
         results: dict[str, RequestOutput] = {}
@@ -91,10 +100,15 @@ class LLM:
         self, messages: list[ChatMessage] | list[list[ChatMessage]],
         params: SamplingParams | list[SamplingParams] | None = None,
     ) -> list[RequestOutput]:
-        """Apply the engine's chat template to one conversation or a list of them, then generate."""
+        """Apply the engine's chat template to one conversation or a list of them, then generate. A message's
+        content may be a list of OpenAI content parts: text, and on a vision-language engine images
+        (``{"type": "image_url", "image_url": {"url": "data:image/png;base64,..."}}`` or ``{"type": "image",
+        "image": <PIL image>}``)."""
         if messages and isinstance(messages[0], dict):  # one conversation
             conversations = [messages]
         else:
             conversations = list(cast(list[list[ChatMessage]], messages))
-        prompts = [self.tokenizer.apply_chat_template(c) for c in conversations]
-        return self.generate(prompts, params)
+        token = self.engine.image_token
+        split = [split_images(c, token) for c in conversations]
+        prompts = [self.tokenizer.apply_chat_template(c) for c, _ in split]
+        return self.generate(prompts, params, [images for _, images in split])

@@ -65,6 +65,10 @@ def load_engine(engine_dir: str | Path, config: RuntimeConfig | None = None) -> 
         log.warning("structured output is unavailable with this tokenizer: %s", exc)
     if engine.runner.vocab_size == grammars.vocab_size:  # else the engine makes one for the logits' width
         engine.grammars = grammars
+    if manifest.vision is not None:
+        from kiln.runtime.vision.encoder import ImageEncoder
+
+        engine.image_encoder = ImageEncoder(engine_dir, manifest.vision, config.num_threads or threads_from_env())
     return engine
 
 

@@ -19,6 +19,7 @@ from kiln.runtime.kv_transfer import KvLayout
 from kiln.runtime.outputs import StageTotals
 from kiln.runtime.scheduler import SchedulerOutput
 from kiln.runtime.sequence import Sequence
+from kiln.runtime.vision.prompt import image_rows
 
 
 @dataclass(frozen=True)
@@ -32,6 +33,10 @@ class BatchInput:
     num_logits: int  # rows of the result that are real (logits_indices may carry one dummy row)
     # int64 [M]: rows that need the Medusa heads' logits too (engines with heads; None: no row)
     medusa_indices: np.ndarray | None = None
+    # A vision-language engine's image rows (kiln/vision.py): float32 [N, hidden] embeddings for the int64 [N]
+    # rows of the packed batch they replace (None: no image row in this step)
+    image_embeds: np.ndarray | None = None
+    image_rows: np.ndarray | None = None
 
     FEEDS = (contract.INPUT_IDS, contract.POSITION_IDS, contract.QUERY_START_LOC, contract.SEQ_LENS,
              contract.BLOCK_TABLES, contract.LOGITS_INDICES)
@@ -93,7 +98,7 @@ def build_batch(out: SchedulerOutput) -> BatchInput:
     """Pack the new tokens of each scheduled sequence (from its num_computed_tokens on) and its
     speculative tokens; logits, and the Medusa heads' rows, where out.logits_rows places them."""
     rows = out.logits_rows
-    if out.is_decode_only:
+    if out.is_decode_only and not any(seq.images_pending for seq, _ in out.scheduled):
         batch = _pack_decodes([seq for seq, _ in out.scheduled], rows.token_indices)
     else:
         batch = _pack_scheduled(out)
@@ -113,7 +118,13 @@ def _pack_scheduled(out: SchedulerOutput) -> BatchInput:
     rows = out.logits_rows.token_indices
     # A step of prefill chunks only still asks for one (ignored) row: some backends dislike empty gathers.
     logits_indices = rows if rows.size else np.array([int(qsl[-1]) - 1], dtype=np.int64)
-    return BatchInput(input_ids, position_ids, qsl, seq_lens, tables, logits_indices, int(rows.size))
+    batch = BatchInput(input_ids, position_ids, qsl, seq_lens, tables, logits_indices, int(rows.size))
+    parts = [part for r, ((seq, n), c) in enumerate(zip(scheduled, starts, strict=True)) if seq.images_pending
+             for part in image_rows(seq.images, c, n, int(qsl[r]))]
+    if not parts:
+        return batch
+    return dataclasses.replace(batch, image_rows=np.concatenate([part[0] for part in parts]),
+                               image_embeds=np.concatenate([part[1] for part in parts]))
 
 
 @dataclass(frozen=True)

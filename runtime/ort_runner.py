@@ -17,6 +17,7 @@ import numpy as np
 import onnxruntime as ort
 
 from kiln import contract
+from kiln import vision as vision_contract
 from kiln.contract import KvPoolSpec
 from kiln.manifest import EngineLoadError
 from kiln.runtime.kv_transfer import KvLayout
@@ -80,6 +81,10 @@ class OrtModelRunner(ModelRunner):
         fed = set(BatchInput.FEEDS) | {contract.kv_cache_input(i) for i in range(pools.num_layers)}
         if heads_output is not None:
             fed.add(contract.MEDUSA_INDICES)
+        inputs = {i.name: i for i in session.get_inputs()}
+        image_input = inputs.get(vision_contract.IMAGE_EMBEDS)
+        if image_input is not None:
+            fed |= {vision_contract.IMAGE_EMBEDS, vision_contract.IMAGE_ROWS}
         unknown = [i.name for i in session.get_inputs() if i.name not in fed]
         if unknown:
             raise EngineLoadError(f"engine graph inputs {unknown} are not fed by this runtime; rebuild the engine")
@@ -94,6 +99,9 @@ class OrtModelRunner(ModelRunner):
         self.vocab_size = vocab
         self.num_medusa_heads = int(medusa.shape[1]) if medusa is not None else 0
         self.medusa_output = heads_output
+        # a vision-language graph's image inputs: zero rows in a step without images
+        self._no_images = None if image_input is None else (
+            np.zeros((0, int(image_input.shape[1])), dtype=np.float32), np.zeros(0, dtype=np.int64))
         self.pools = [np.zeros(pools.pool_shape(num_blocks), dtype=pools.dtype) for _ in range(pools.num_layers)]
         self._pool_values = [ort.OrtValue.ortvalue_from_numpy(p) for p in self.pools]
         self.binding = session.io_binding()
@@ -122,6 +130,7 @@ class OrtModelRunner(ModelRunner):
         elif batch.medusa_indices is not None and len(batch.medusa_indices):
             raise ValueError("this engine has no Medusa heads (it was built without --medusa); "
                              "leave medusa_indices unset")
+        self._bind_images(batch)
         self.binding.bind_output(contract.LOGITS, "cpu")
         self.session.run_with_iobinding(self.binding)
         # In binding order (rebinding a name keeps its place). The C-level vector: IOBinding.get_outputs wraps
@@ -131,6 +140,19 @@ class OrtModelRunner(ModelRunner):
         if self.medusa_output == contract.MEDUSA_HIDDEN:
             return RunnerOutput(outputs[0].numpy(), medusa_hidden=heads)
         return RunnerOutput(outputs[0].numpy(), heads)
+
+    def _bind_images(self, batch: BatchInput) -> None:
+        if self._no_images is None:
+            if batch.image_rows is not None and len(batch.image_rows):
+                raise ValueError("this engine's text graph takes no image embeddings (it is not a vision-language "
+                                 "engine)")
+            return
+        if batch.image_embeds is None or batch.image_rows is None:
+            embeds, rows = self._no_images
+        else:
+            embeds, rows = batch.image_embeds, batch.image_rows
+        self.binding.bind_cpu_input(vision_contract.IMAGE_EMBEDS, embeds)
+        self.binding.bind_cpu_input(vision_contract.IMAGE_ROWS, rows)
 
     def kv_layout(self) -> KvLayout:
         return KvLayout(len(self.pools), self.pools[0].shape[1:], self.pools[0].dtype)

@@ -104,6 +104,8 @@ class EngineStats:
     num_spec_proposed_tokens: int = 0
     num_spec_accepted_tokens: int = 0
     pipeline: StageTotals = StageTotals()  # empty for a one-graph engine
+    num_images_encoded: int = 0  # encoder runs per image (a vision-language engine's; its cache saves the rest)
+    num_image_cache_hits: int = 0  # images whose embeddings came from the encoder's cache
 
     @property
     def spec_acceptance_rate(self) -> float | None:

@@ -13,6 +13,7 @@ from kiln.runtime.outputs import CompletionOutput, Logprob, RequestOutput
 from kiln.runtime.params import SamplingParams
 from kiln.runtime.sequence import Sequence
 from kiln.runtime.structured.grammar import CompiledGrammar
+from kiln.runtime.vision.prompt import ImageSpan
 
 
 @dataclass(frozen=True)
@@ -28,6 +29,7 @@ class EngineRequest:
     prompt_token_ids: list[int]
     params: SamplingParams
     grammar: CompiledGrammar | None = None  # params.structured compiled for the engine's tokenizer
+    images: tuple[ImageSpan, ...] = ()  # the prompt's images (their token runs are in prompt_token_ids)
 
     def __post_init__(self) -> None:
         if not isinstance(self.params, SamplingParams):
@@ -94,7 +96,7 @@ class Request:
         self.handoff: KvHandoff | None = None
         params, ids = prepared.params, prepared.prompt_token_ids
         arrival = time.monotonic()
-        self.seqs = [Sequence(ids, params, index=i, arrival=arrival) for i in range(params.n)]
+        self.seqs = [Sequence(ids, params, index=i, arrival=arrival, images=prepared.images) for i in range(params.n)]
         for seq in self.seqs:
             seq.grammar = None if prepared.grammar is None else prepared.grammar.start()
         self.pending = [

@@ -10,6 +10,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kiln.runtime.params import SamplingParams
+from kiln.runtime.vision.prompt import ImageSpan, block_image_keys
 
 if TYPE_CHECKING:
     from kiln.runtime.structured.grammar import GrammarState
@@ -89,6 +90,7 @@ class Sequence:
         index: int = 0,
         arrival: float = 0.0,
         rng: np.random.Generator | None = None,
+        images: tuple[ImageSpan, ...] = (),
     ) -> None:
         self.seq_id = next(_ids)
         self.index = index  # sample index within its request (n > 1)
@@ -108,6 +110,7 @@ class Sequence:
         self.rng = rng
         self.token_counts = TokenCounts(prompt_token_ids) if _penalized(params) else None
         self.grammar: GrammarState | None = None  # the matcher of a structured request (params.structured)
+        self.images = images  # the prompt's image runs and their embeddings (vision-language engines)
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -133,6 +136,15 @@ class Sequence:
     @property
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
+
+    def block_key(self, index: int, block_size: int) -> tuple[tuple[int, int], ...]:
+        """What block `index` hashes besides its token ids: the images it holds (empty for text)."""
+        return block_image_keys(self.images, index * block_size, block_size) if self.images else ()
+
+    @property
+    def images_pending(self) -> bool:
+        """Whether image positions remain to be computed (a step then packs their embeddings)."""
+        return bool(self.images) and self.num_computed_tokens < self.images[-1].end
 
     def append(self, token_id: int) -> None:
         token_id = int(token_id)

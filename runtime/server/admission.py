@@ -59,13 +59,18 @@ def token_prompts_fit(max_seq_len: int) -> Callable[[Any], None]:
     return check
 
 
-def _prepare(llm: Any, prompts: Sequence[Prompt], params: SamplingParams, ids: Sequence[str]) -> list[Any]:
-    """Tokenize and check every prompt (a worker thread); InvalidParamError for the first bad one."""
+def _prepare(llm: Any, prompts: Sequence[Prompt], params: SamplingParams, ids: Sequence[str],
+             images: list[Any]) -> list[Any]:
+    """Tokenize and check every prompt, encoding a chat's images (a worker thread); InvalidParamError for the
+    first bad one."""
     prepared = []
     for prompt, request_id in zip(prompts, ids, strict=True):
         if isinstance(prompt, str):
             check_length(llm, len(prompt), "prompt")
-        prepared.append(llm.prepare_request(prompt, params, request_id))
+        if images:  # a chat's (one prompt)
+            prepared.append(llm.prepare_request(prompt, params, request_id, images))
+        else:
+            prepared.append(llm.prepare_request(prompt, params, request_id))
     return prepared
 
 
@@ -82,15 +87,17 @@ def _queue(state: Any, prepared: list[Any]) -> list[OutputStream]:
     return streams
 
 
-async def admit(state: Any, prompts: Sequence[Prompt], params: SamplingParams,
-                ids: Sequence[str]) -> list[OutputStream]:
-    """The prompts' engine requests, queued; APIError or InvalidParamError when refused."""
+async def admit(state: Any, prompts: Sequence[Prompt], params: SamplingParams, ids: Sequence[str],
+                images: list[Any] | None = None) -> list[OutputStream]:
+    """The prompts' engine requests, queued; APIError or InvalidParamError when refused. images: a chat's decoded
+    images, encoded on the worker pool with its prompt."""
     check_queue(state, len(prompts))
     for prompt in prompts:
         if isinstance(prompt, str):
             check_length(state.llm, len(prompt), "prompt")
-    prepared = await state.offload.run_sized(_tokenize_cost(prompts, params), INLINE_TOKENIZE_CHARS, _prepare,
-                                             state.llm, prompts, params, ids)
+    cost = sys.maxsize if images else _tokenize_cost(prompts, params)  # an encoder run is never short
+    prepared = await state.offload.run_sized(cost, INLINE_TOKENIZE_CHARS, _prepare, state.llm, prompts, params, ids,
+                                             images or [])
     return _queue(state, prepared)
 
 

@@ -36,6 +36,7 @@ from kiln.runtime.server.admission import admit, check_length, token_prompts_fit
 from kiln.runtime.server.auth import ApiKeyAuth
 from kiln.runtime.server.bodies import body_schemas, openapi_body, parse_body
 from kiln.runtime.server.errors import APIError
+from kiln.runtime.server.images import take_images
 from kiln.runtime.server.limits import BodyLimit, RequestLimits, default_max_request_bytes
 from kiln.runtime.server.metrics import CONTENT_TYPE, ServerMetrics
 from kiln.runtime.server.offload import INLINE_TEMPLATE_BYTES, INLINE_TOKEN_IDS, INLINE_TOKENIZE_CHARS, Offload
@@ -74,7 +75,7 @@ def _check_model(state: Any, model: str | None) -> None:
 
 
 async def _run(request: Request, body: CompletionRequest | ChatCompletionRequest,
-               prompts: list[str | list[int]], chat: bool) -> Response:
+               prompts: list[str | list[int]], chat: bool, images: list[Any] | None = None) -> Response:
     state = request.app.state
     _check_model(state, body.model)
     if state.drain.expired.is_set():
@@ -86,7 +87,7 @@ async def _run(request: Request, body: CompletionRequest | ChatCompletionRequest
         mode = body.tool_mode() if isinstance(body, ChatCompletionRequest) else None
         if mode is not None and mode.choice == "auto" and state.llm.tool_family == "mistral":
             params = dataclasses.replace(params, skip_special_tokens=False)  # [TOOL_CALLS] is a special token
-        streams = await admit(state, prompts, params, ids)
+        streams = await admit(state, prompts, params, ids, images or [])
     except InvalidParamError as e:
         raise APIError(400, str(e), e.param) from None
     except APIError:
@@ -246,8 +247,8 @@ def _add_generation_routes(app: FastAPI) -> None:
               openapi_extra=openapi_body(ChatCompletionRequest))
     async def chat_completions(request: Request) -> Response:
         body = await parse_body(request, ChatCompletionRequest)
-        prompt = await _render_chat(request, body.messages, tools=_tool_mode(body))
-        return await _run(request, body, [prompt], chat=True)
+        prompt, images = await _render_chat(request, body.messages, tools=_tool_mode(body))
+        return await _run(request, body, [prompt], chat=True, images=images)
 
 
 def _add_responses_route(app: FastAPI) -> None:
@@ -259,8 +260,8 @@ def _add_responses_route(app: FastAPI) -> None:
             chat = body.chat_request()
         except InvalidParamError as e:
             raise APIError(400, str(e), e.param) from None
-        prompt = await _render_chat(request, chat.messages, tools=_tool_mode(chat))
-        answer = await _run(request, chat, [prompt], chat=True)
+        prompt, images = await _render_chat(request, chat.messages, tools=_tool_mode(chat))
+        answer = await _run(request, chat, [prompt], chat=True, images=images)
         if isinstance(answer, StreamingResponse):
             return StreamingResponse(stream_events(answer.body_iterator, body), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
@@ -274,6 +275,13 @@ def _tool_mode(chat: ChatCompletionRequest) -> ToolMode | None:
         return chat.tool_mode()
     except InvalidParamError as e:
         raise APIError(400, str(e), e.param) from None
+
+
+def _render_with_images(llm: Any, messages: Sequence[Any], add_generation_prompt: bool,
+                        tools: ToolMode | None = None) -> tuple[str, list[Any]]:
+    """_render, and the conversation's images (decoded; each an image placeholder in the text)."""
+    messages, images = take_images(messages, getattr(llm, "image_token", None))
+    return _render(llm, messages, add_generation_prompt, tools), images
 
 
 def _render(llm: Any, messages: Sequence[Any], add_generation_prompt: bool, tools: ToolMode | None = None) -> str:
@@ -293,13 +301,15 @@ def _render(llm: Any, messages: Sequence[Any], add_generation_prompt: bool, tool
 
 
 async def _render_chat(request: Request, messages: Sequence[Any], add_generation_prompt: bool = True,
-                       tools: ToolMode | None = None) -> str:
+                       tools: ToolMode | None = None) -> tuple[str, list[Any]]:
     """The conversation rendered: on the event loop when the request's body (read and kept by then: its size
     bounds the conversation's) is small, else on the worker pool."""
     state = request.app.state
     try:
-        return str(await state.offload.run_sized(len(await request.body()), INLINE_TEMPLATE_BYTES, _render, state.llm,
-                                                 messages, add_generation_prompt, tools))
+        text, images = await state.offload.run_sized(len(await request.body()), INLINE_TEMPLATE_BYTES,
+                                                     _render_with_images, state.llm, messages,
+                                                     add_generation_prompt, tools)
+        return str(text), images
     except InvalidParamError as e:
         raise APIError(400, str(e), e.param) from None
 
@@ -328,7 +338,10 @@ def _add_info_routes(app: FastAPI) -> None:
         state = request.app.state
         _check_model(state, body.model)
         if body.messages is not None:
-            text = await _render_chat(request, body.messages, body.add_generation_prompt)
+            text, images = await _render_chat(request, body.messages, body.add_generation_prompt)
+            if images:
+                raise APIError(400, "messages: /tokenize takes no images (an image's token run is the engine's to "
+                                    "expand); send the text parts alone", "messages")
             special = bool(body.add_special_tokens)
         else:
             text, special = body.prompt or "", body.add_special_tokens is not False

@@ -60,6 +60,8 @@ class _EngineCollector:
             "kiln_spec_verifications": ("Sequence-steps that checked speculative tokens.", s.num_spec_verifications),
             "kiln_spec_proposed_tokens": ("Speculative tokens proposed and checked.", s.num_spec_proposed_tokens),
             "kiln_spec_accepted_tokens": ("Speculative tokens kept.", s.num_spec_accepted_tokens),
+            "kiln_images_encoded": ("Images run through the vision encoder.", s.num_images_encoded),
+            "kiln_image_cache_hits": ("Images whose embeddings the encoder's cache held.", s.num_image_cache_hits),
         }
         for name, (doc, value) in counters.items():
             yield CounterMetricFamily(name, doc, value=value)

@@ -166,18 +166,35 @@ class TextPart(BaseModel):
     text: Text
 
 
+class ImageUrl(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+    url: str  # a data:image/...;base64 URL (runtime/vision/images.py refuses the rest by name)
+    detail: str | None = None  # OpenAI's detail level: LLaVA-1.5 sees one fixed-size crop whatever it says
+
+
+class ImageUrlPart(BaseModel):
+    """An image content part; runtime/server/images.py takes it out of the message before the template."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+    type: Literal["image_url"]
+    image_url: ImageUrl
+
+
+ContentPart = Annotated[TextPart | ImageUrlPart, Field(discriminator="type")]
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: Text | list[TextPart] | None = None
+    content: Text | list[ContentPart] | None = None
     name: str | None = None
     tool_calls: list[ToolCallIn] | None = None  # an assistant's calls
     tool_call_id: str | None = None  # a tool message's answer to
 
     def as_dict(self) -> dict[str, str]:
         content = self.content
-        if isinstance(content, list):
-            content = "".join(part.text for part in content)
+        if isinstance(content, list):  # image parts are text by now (runtime/server/images.py)
+            content = "".join(part.text for part in content if isinstance(part, TextPart))
         return {"role": "system" if self.role == "developer" else self.role, "content": content or ""}
 
 

@@ -17,7 +17,7 @@ PYPROJECT = tomllib.loads((REPO / "pyproject.toml").read_text())
 # kiln.runtime is the deployed half: it may import only the base install, the server extra, the cluster extra
 # (runtime/cluster/, `kiln serve --replicas`) and the tensorrt extra (runtime/trt_runner.py, imported only when a
 # TensorRT engine is opened).
-RUNTIME_PACKAGE, RUNTIME_EXTRAS = "kiln.runtime", ("server", "cluster", "tensorrt")
+RUNTIME_PACKAGE, RUNTIME_EXTRAS = "kiln.runtime", ("server", "cluster", "tensorrt", "vision")
 # Import names of the tensorrt extra's distributions, which cannot be installed here (no NVIDIA index, no GPU),
 # so the installed metadata cannot map them.
 NOT_INSTALLABLE_HERE = {"tensorrt": ["tensorrt"], "cuda": ["cuda-python"]}

@@ -1,0 +1,63 @@
+"""The image side of a vision-language engine: what the manifest's "vision" object says, and the encoder
+graph's contract.
+
+A vision-language engine directory holds, besides the text graph:
+
+  vision.onnx (+ .data)       the vision encoder + projector:
+                                pixel_values    float32 [num_images, 3, image_size, image_size]
+                                -> image_embeds float32 [num_images, tokens_per_image, embedding_size]
+  preprocessor_config.json    the checkpoint's image processor (kiln.runtime.vision.preprocess reads it)
+
+and its text graph takes two more inputs, which put image embeddings in place of the token embeddings of
+the image-placeholder rows (the rest of the graph, kiln.PagedAttention included, is the text model's own):
+
+  image_embeds   float32 [num_image_rows, embedding_size]
+  image_rows     int64   [num_image_rows]    rows of the packed batch that take them (zero rows: a text step)
+
+A prompt holds ``tokens_per_image`` copies of ``image_token_id`` per image; the runtime expands one image
+placeholder into that run.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+ENCODER_GRAPH = "vision.onnx"
+PREPROCESSOR_CONFIG = "preprocessor_config.json"
+PIXEL_VALUES = "pixel_values"
+ENCODER_OUTPUT = "image_embeds"
+IMAGE_EMBEDS = "image_embeds"
+IMAGE_ROWS = "image_rows"
+FAMILIES = ("llava",)
+
+
+@dataclass(frozen=True)
+class VisionSpec:
+    """The manifest's "vision" object: which family's image layout, and the files and sizes the runtime needs."""
+
+    family: str
+    image_token_id: int
+    tokens_per_image: int
+    embedding_size: int
+    image_size: int
+    encoder: str = ENCODER_GRAPH
+    preprocessor: str = PREPROCESSOR_CONFIG
+
+    def __post_init__(self) -> None:
+        if self.family not in FAMILIES:
+            raise ValueError(f"vision family {self.family!r} is not one of {list(FAMILIES)}")
+        for name in ("image_token_id", "tokens_per_image", "embedding_size", "image_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < (0 if name == "image_token_id" else 1):
+                raise ValueError(f"vision {name} must be a {'non-negative' if name == 'image_token_id' else 'positive'}"
+                                 f" integer, got {value!r}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"family": self.family, "image_token_id": self.image_token_id,
+                "tokens_per_image": self.tokens_per_image, "embedding_size": self.embedding_size,
+                "image_size": self.image_size, "encoder": self.encoder, "preprocessor": self.preprocessor}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> VisionSpec:
+        return cls(**data)

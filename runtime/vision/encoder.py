@@ -1,0 +1,91 @@
+"""The vision encoder graph at run time: images -> preprocessed pixel values -> image embeddings.
+
+One ONNX Runtime session of the engine's vision.onnx (kiln/vision.py). Embeddings are cached by the image's
+content hash (sha256 of its decoded pixels and mode), least recently used out first once they pass
+``cache_bytes`` (256 MiB: 27 images of LLaVA-1.5-7B's 576 x 4096 float32 embeddings), so an image sent again
+(the same picture in a follow-up turn, or in several requests) is not encoded again; ``images_encoded`` counts
+encoder runs per image, which /metrics exports.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections import OrderedDict
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+import numpy.typing as npt
+import onnxruntime as ort
+
+from kiln import vision as contract
+from kiln.manifest import EngineLoadError
+from kiln.runtime.vision.preprocess import ClipImageConfig, preprocess
+from kiln.runtime.vision.prompt import image_hash
+from kiln.vision import VisionSpec
+
+if TYPE_CHECKING:
+    from PIL.Image import Image
+
+Embeddings = npt.NDArray[np.float32]  # [tokens_per_image, hidden]
+
+
+class ImageEncoder:
+    """encode(images) -> one [tokens_per_image, hidden] float32 array per image."""
+
+    def __init__(self, engine_dir: Path, spec: VisionSpec, num_threads: int | None = None,
+                 cache_bytes: int = 256 << 20) -> None:
+        self.spec = spec
+        try:
+            processor = json.loads((engine_dir / spec.preprocessor).read_text(encoding="utf-8"))
+            self.preprocess_config = ClipImageConfig.from_hf(processor)
+        except (OSError, ValueError) as exc:
+            raise EngineLoadError(f"the engine's image processor config {spec.preprocessor} is unusable "
+                                  f"({exc})") from exc
+        options = ort.SessionOptions()
+        if num_threads:
+            options.intra_op_num_threads = num_threads
+        options.log_severity_level = 3
+        try:
+            self.session = ort.InferenceSession(str(engine_dir / spec.encoder), sess_options=options,
+                                                providers=["CPUExecutionProvider"])
+        except Exception as exc:  # noqa: BLE001 - ORT raises several unrelated types
+            raise EngineLoadError(f"onnxruntime cannot load the vision encoder {spec.encoder} ({exc})") from exc
+        self.cache_bytes = cache_bytes
+        self._cached_bytes = 0
+        self._cache: OrderedDict[str, Embeddings] = OrderedDict()
+        self._lock = threading.Lock()  # the server encodes on worker threads
+        self.images_encoded = 0
+        self.cache_hits = 0
+
+    def pixel_values(self, images: list[Image]) -> npt.NDArray[np.float32]:
+        """[N, 3, S, S] float32, as the encoder graph takes them."""
+        return np.stack([preprocess(image, self.preprocess_config) for image in images])
+
+    def run(self, pixel_values: npt.NDArray[np.float32]) -> npt.NDArray[np.float32]:
+        """The encoder graph on pixel values: [N, tokens_per_image, hidden]."""
+        result = self.session.run([contract.ENCODER_OUTPUT], {contract.PIXEL_VALUES: pixel_values})[0]
+        return np.asarray(result, dtype=np.float32)
+
+    def encode(self, images: list[Image], hashes: list[str] | None = None) -> list[Embeddings]:
+        """The embeddings of each image, from the cache where it holds them; the rest encoded in one run."""
+        hashes = hashes or [image_hash(image) for image in images]
+        with self._lock:
+            found = {h: self._cache[h] for h in hashes if h in self._cache}
+            for h in found:
+                self._cache.move_to_end(h)
+            self.cache_hits += sum(1 for h in hashes if h in found)
+        todo = {h: image for h, image in zip(hashes, images, strict=True) if h not in found}
+        if todo:
+            embeddings = self.run(self.pixel_values(list(todo.values())))
+            with self._lock:
+                self.images_encoded += len(todo)
+                for h, embedding in zip(todo, embeddings, strict=True):
+                    found[h] = embedding
+                    if h not in self._cache:
+                        self._cache[h] = embedding
+                        self._cached_bytes += embedding.nbytes
+                while self._cached_bytes > self.cache_bytes and self._cache:
+                    self._cached_bytes -= self._cache.popitem(last=False)[1].nbytes
+        return [found[h] for h in hashes]

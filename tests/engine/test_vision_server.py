@@ -1,0 +1,75 @@
+"""`kiln serve` on the tiny LLaVA engine: an image sent through the official openai client as a data URL
+content part; the same image twice encoded once (/metrics); bad images refused with a 400 naming the problem."""
+
+from __future__ import annotations
+
+import base64
+import io
+
+import pytest
+from vision_fixtures import sample_images
+
+openai = pytest.importorskip("openai")
+pytest.importorskip("uvicorn")
+
+from server_process import Server  # noqa: E402
+
+
+def data_url(image, fmt: str = "PNG") -> str:
+    buffer = io.BytesIO()
+    image.save(buffer, format=fmt)
+    return f"data:image/{fmt.lower()};base64," + base64.b64encode(buffer.getvalue()).decode()
+
+
+def image_message(url: str, text: str = "what is this?") -> list[dict]:
+    return [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
+                                         {"type": "text", "text": text}]}]
+
+
+@pytest.fixture(scope="module")
+def server(tiny_llava_engine, tmp_path_factory):
+    srv = Server(tiny_llava_engine, tmp_path_factory.mktemp("serve-llava") / "server.log", "--num-threads", "1",
+                 "--served-model-name", "llava")
+    yield srv
+    assert srv.stop() == 0
+
+
+def test_an_image_through_the_openai_client_encoded_once(server):
+    client = server.client()
+    url = data_url(sample_images()["rgb-portrait"])
+    answers = []
+    for _ in range(2):
+        done = client.chat.completions.create(model="llava", messages=image_message(url), max_tokens=6,
+                                              temperature=0, extra_body={"ignore_eos": True})
+        answers.append(done.choices[0].message.content)
+        assert done.usage.completion_tokens == 6 and done.usage.prompt_tokens > 16  # the image's 16 tokens
+    assert answers[0] == answers[1]
+    assert server.metric("kiln_images_encoded_total") == 1
+    assert server.metric("kiln_image_cache_hits_total") == 1
+    other = client.chat.completions.create(model="llava", messages=image_message(data_url(
+        sample_images()["gray"], "JPEG")), max_tokens=6, temperature=0, extra_body={"ignore_eos": True})
+    assert other.choices[0].finish_reason == "length"
+    assert server.metric("kiln_images_encoded_total") == 2
+
+
+@pytest.mark.parametrize(("url", "problem"), [
+    ("https://example.com/cat.png", "data:image/...;base64 URLs only"),
+    ("/home/user/cat.png", "a local path"),
+    ("data:image/png;base64,%%%", "corrupt base64"),
+    ("data:image/png;base64,aGVsbG8gd29ybGQ=", "not a readable image"),
+])
+def test_bad_images_get_a_400_naming_the_problem(server, url, problem):
+    with pytest.raises(openai.BadRequestError, match=problem) as err:
+        server.client().chat.completions.create(model="llava", messages=image_message(url), max_tokens=2)
+    assert err.value.body["param"] == "messages.0.content.0.image_url.url"
+
+
+def test_too_many_images_and_unpaired_placeholders_are_refused(server):
+    url = data_url(sample_images()["rgb-tiny"])
+    content = [{"type": "image_url", "image_url": {"url": url}}] * 9
+    with pytest.raises(openai.BadRequestError, match="at most 8"):
+        server.client().chat.completions.create(model="llava", messages=[{"role": "user", "content": content}],
+                                                max_tokens=2)
+    with pytest.raises(openai.BadRequestError, match="1 image placeholder"):
+        server.client().chat.completions.create(model="llava", max_tokens=2,
+                                                messages=[{"role": "user", "content": "look: <image>"}])

@@ -1,0 +1,131 @@
+"""The image side's pure pieces: the manifest's vision object, placeholder expansion and the block keys it gives
+prefix caching, and image decoding's refusals (each names its problem)."""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+import io
+
+import numpy as np
+import pytest
+
+from kiln.errors import InvalidParamError
+from kiln.manifest import BuildOptions, EngineLoadError, Manifest, read_manifest, write_manifest
+from kiln.runtime.vision import images as image_limits
+from kiln.runtime.vision.chat import split_images
+from kiln.runtime.vision.images import decode_image_url
+from kiln.runtime.vision.prompt import block_image_keys, expand_image_tokens, image_rows
+from kiln.vision import VisionSpec
+
+SPEC = VisionSpec(family="llava", image_token_id=9, tokens_per_image=4, embedding_size=3, image_size=56)
+
+
+def png_url(size=(5, 4), mode="RGB") -> str:
+    from PIL import Image
+
+    buffer = io.BytesIO()
+    Image.new(mode, size).save(buffer, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+
+
+def make_manifest() -> Manifest:
+    from test_manifest import SPEC as MODEL_SPEC
+
+    return Manifest(spec=MODEL_SPEC, build=BuildOptions(max_seq_len=512), backend="onnxruntime-cpu",
+                    graph_inputs=("input_ids",), graph_outputs=("logits",))
+
+
+def test_vision_spec_round_trips_through_the_manifest(tmp_path):
+    manifest = dataclasses.replace(make_manifest(), vision=SPEC)
+    write_manifest(tmp_path, manifest)
+    assert read_manifest(tmp_path).vision == SPEC
+    text_only = write_manifest(tmp_path, make_manifest())
+    assert "vision" not in text_only.to_json()  # a text engine's manifest is as before
+
+
+def test_a_bad_vision_object_is_named():
+    with pytest.raises(ValueError, match="tokens_per_image"):
+        dataclasses.replace(SPEC, tokens_per_image=0)
+    with pytest.raises(ValueError, match="family"):
+        dataclasses.replace(SPEC, family="idefics3")
+
+    text = dataclasses.replace(make_manifest(), vision=SPEC).to_json().replace('"tokens_per_image": 4',
+                                                                               '"tokens_per_image": -4')
+    with pytest.raises(EngineLoadError, match="field vision is inconsistent"):
+        Manifest.from_json(text)
+
+
+def test_placeholders_expand_to_each_images_run():
+    embeds = [np.ones((4, 3), np.float32), 2 * np.ones((4, 3), np.float32)]
+    ids, spans = expand_image_tokens([1, 9, 2, 9, 3], 9, embeds, ["a" * 64, "b" * 64])
+    assert ids == [1, 9, 9, 9, 9, 2, 9, 9, 9, 9, 3]
+    assert [(s.start, s.end) for s in spans] == [(1, 5), (6, 10)]
+    with pytest.raises(InvalidParamError, match="2 image placeholder.*1 image"):
+        expand_image_tokens([1, 9, 2, 9], 9, embeds[:1], ["a" * 64])
+    # a chunk of positions [3, 8) from packed row 10: the first image's last 2 rows, the second's first 2
+    parts = image_rows(spans, 3, 5, 10)
+    assert [p[0].tolist() for p in parts] == [[10, 11], [13, 14]]
+    assert [p[1][:, 0].tolist() for p in parts] == [[1, 1], [2, 2]]
+
+
+def test_block_keys_name_the_images_a_block_holds():
+    _, first = expand_image_tokens([1, 9], 9, [np.zeros((4, 3), np.float32)], ["a" * 64])
+    _, other = expand_image_tokens([1, 9], 9, [np.zeros((4, 3), np.float32)], ["b" * 64])
+    assert block_image_keys(first, 0, 4) != block_image_keys(other, 0, 4)
+    assert block_image_keys(first, 8, 4) == ()  # past the image: plain text hashing
+
+
+def test_images_come_out_of_chat_content_parts():
+    messages = [{"role": "user", "content": [{"type": "text", "text": "look: "},
+                                             {"type": "image_url", "image_url": {"url": png_url()}}]}]
+    flat, images = split_images(messages, "<image>")
+    assert flat == [{"role": "user", "content": "look: <image>\n"}] and images[0].size == (5, 4)
+    with pytest.raises(InvalidParamError, match="not a vision-language engine"):
+        split_images(messages, None)
+    with pytest.raises(InvalidParamError, match="type 'audio'"):
+        split_images([{"role": "user", "content": [{"type": "audio"}]}], "<image>")
+
+
+@pytest.mark.parametrize(("url", "problem"), [
+    ("https://example.com/cat.png", "'https' URLs"),
+    ("/etc/passwd", "a local path"),
+    ("file:///etc/passwd", "'file' URLs"),
+    ("data:text/plain;base64,aGVsbG8=", "data:image/<type>;base64"),
+    ("data:image/png;base64,@@@", "corrupt base64"),
+    ("data:image/png;base64,aGVsbG8=", "not a readable image"),
+])
+def test_bad_image_urls_are_refused_by_name(url, problem):
+    with pytest.raises(InvalidParamError, match=problem):
+        decode_image_url(url, "messages[0].content[0].image_url.url")
+
+
+def test_truncated_too_large_and_too_many_images_are_refused(monkeypatch):
+    url = png_url((40, 40))
+    raw = base64.b64decode(url.split(",", 1)[1])
+    truncated = "data:image/png;base64," + base64.b64encode(raw[: len(raw) // 2]).decode()
+    with pytest.raises(InvalidParamError, match="not a readable image"):
+        decode_image_url(truncated, "x")
+    monkeypatch.setattr(image_limits, "MAX_IMAGE_PIXELS", 100)
+    with pytest.raises(InvalidParamError, match="40x40"):
+        decode_image_url(url, "x")
+    monkeypatch.setattr(image_limits, "MAX_IMAGE_BYTES", 10)
+    with pytest.raises(InvalidParamError, match="larger than"):
+        decode_image_url(url, "x")
+    parts = [{"type": "image_url", "image_url": {"url": png_url()}}] * (image_limits.MAX_IMAGES_PER_REQUEST + 1)
+    with pytest.raises(InvalidParamError, match="at most"):
+        split_images([{"role": "user", "content": parts}], "<image>")
+
+
+def test_the_server_takes_image_parts_out_of_messages():
+    pytest.importorskip("pydantic")
+    from kiln.runtime.server.images import take_images
+    from kiln.runtime.server.protocol import ChatMessage
+
+    message = ChatMessage.model_validate({"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": png_url()}}, {"type": "text", "text": "what is it?"}]})
+    flat, images = take_images([message], "<image>")
+    assert flat[0].as_dict() == {"role": "user", "content": "<image>\nwhat is it?"} and len(images) == 1
+    with pytest.raises(InvalidParamError, match="not a vision-language engine") as err:
+        take_images([message], None)
+    assert err.value.param == "messages.0.content.0"
