@@ -34,6 +34,7 @@ SUPPORTED_GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3", "gemma2", "ge
 # The families whose blocks are Gemma's: (1 + w) RMSNorms (kiln folds the 1 into the weight when it loads a
 # Hugging Face checkpoint; llama.cpp's GGUF converter already stored w + 1), four norms per block, GeGLU.
 GEMMA_FAMILIES = ("gemma2", "gemma3")
+QWEN_FAMILIES = ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe")  # use_sliding_window gates the window
 SLIDING, FULL = "sliding_attention", "full_attention"  # the layer types of config.json "layer_types"
 
 
@@ -249,7 +250,7 @@ class ModelSpec:
             tie_word_embeddings=bool(config.get("tie_word_embeddings", family in GEMMA_FAMILIES)),
             attention_bias=bool(config.get("attention_bias", config.get("qkv_bias", family in ("qwen2", "qwen2_moe")))),
             rope_scaling=parse_rope_scaling(scaling, config),
-            sliding_window=_sliding_window(config, family),
+            **_window_fields(config, family),
             bos_token_id=config.get("bos_token_id"),
             eos_token_ids=eos_ids,
             qk_norm=family in ("qwen3", "gemma3", "qwen3_moe", "olmoe"),
@@ -424,18 +425,28 @@ def _gemma_fields(config: dict[str, Any], family: str) -> dict[str, Any]:
     )
 
 
-def _sliding_window(config: dict[str, Any], family: str) -> int:
-    window = config.get("sliding_window")
-    if family in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe"):
-        if not config.get("use_sliding_window", False):
-            return 0
-        # Qwen slides only from layer max_window_layers on; kiln has one window for all layers.
-        layer_types = config.get("layer_types") or [
-            "sliding_attention" if i >= config.get("max_window_layers", 0) else "full_attention"
-            for i in range(config["num_hidden_layers"])
-        ]
-        if len(set(layer_types)) > 1:
-            raise ValueError(f"unsupported {family} config: sliding window on some layers only")
-        if set(layer_types) == {"full_attention"}:
-            return 0
-    return int(window) if window else 0
+def _window_fields(config: dict[str, Any], family: str) -> dict[str, Any]:
+    """sliding_window, and for Qwen families the per-layer layer_types, as transformers' classes read them.
+    Qwen2/Qwen3: use_sliding_window turns the window on for the layers config.json's layer_types names sliding
+    (without it: layers max_window_layers, ... on). Qwen2-MoE: its default layer_types are the even layers below
+    max_window_layers. Qwen3-MoE: every layer. Other families: the window, if any, on every layer (Gemma's
+    layer_types come from _gemma_fields)."""
+    window = int(config.get("sliding_window") or 0)
+    if family not in QWEN_FAMILIES:
+        return {"sliding_window": window}
+    if not (config.get("use_sliding_window", False) and window):
+        return {"sliding_window": 0}
+    if family == "qwen3_moe":
+        return {"sliding_window": window}
+    max_window_layers = config.get("max_window_layers", 28)  # transformers' default
+    layers = range(config["num_hidden_layers"])
+    if family == "qwen2_moe":
+        default = [SLIDING if i % 2 == 0 and i < max_window_layers else FULL for i in layers]
+    else:
+        default = [SLIDING if i >= max_window_layers else FULL for i in layers]
+    layer_types = tuple(config.get("layer_types") or default)
+    if SLIDING not in layer_types:
+        return {"sliding_window": 0}
+    if FULL not in layer_types:
+        return {"sliding_window": window}
+    return {"sliding_window": window, "layer_types": layer_types}

@@ -83,32 +83,6 @@ inline void store_row(int8_t* dst, const float* src, int64_t n, float scale) {
   for (; i < n; ++i) dst[i] = static_cast<int8_t>(std::min(127.f, std::max(-127.f, std::nearbyint(src[i] / scale))));
 }
 
-// A float view of n pool elements: the pool itself for fp32, `buf` converted for fp16 and int8
-// (int8 values as they are: the per-head scales are applied by the caller, outside the loops).
-inline const float* as_float(const float* src, float*, int64_t) { return src; }
-
-inline const float* as_float(const Ort::Float16_t* src, float* buf, int64_t n) {
-  const uint16_t* s = reinterpret_cast<const uint16_t*>(src);
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8)
-    _mm256_storeu_ps(buf + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s + i))));
-  for (; i < n; ++i) buf[i] = _cvtsh_ss(s[i]);
-  return buf;
-}
-
-inline const float* as_float(const int8_t* src, float* buf, int64_t n) {
-  int64_t i = 0;
-  for (; i + 16 <= n; i += 16) {
-    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i));
-    _mm256_storeu_ps(buf + i, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b)));
-    _mm256_storeu_ps(buf + i + 8, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(b, 8))));
-  }
-  for (; i + 8 <= n; i += 8)
-    _mm256_storeu_ps(buf + i, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(src + i)))));
-  for (; i < n; ++i) buf[i] = static_cast<float>(src[i]);
-  return buf;
-}
-
 // ---- attention rows
 
 // Prefetch into L1 of `bytes` from p, one instruction per 64-byte line. Inline asm: GCC 12 -O3
@@ -130,135 +104,11 @@ struct Prefetch {
   }
 };
 
-inline void scaled_copy(float* dst, const float* src, float scale, int64_t D) {
-  for (int64_t d = 0; d < D; ++d) dst[d] = src[d] * scale;
-}
-
 inline void scale_row(float* x, float s, int64_t D) {
   int64_t d = 0;
   const __m256 vs = _mm256_set1_ps(s);
   for (; d + 8 <= D; d += 8) _mm256_storeu_ps(x + d, _mm256_mul_ps(_mm256_loadu_ps(x + d), vs));
   for (; d < D; ++d) x[d] *= s;
-}
-
-inline float dot_tail(const float* q, const float* k, int64_t from, int64_t D) {
-  float s = 0.f;
-  for (int64_t d = from; d < D; ++d) s += q[d] * k[d];
-  return s;
-}
-
-// S[r][j] = q[r] . K[j] for r < NR, j < n (K rows of length D, contiguous), NS keys at a
-// time: the NR x NS accumulators share every q and K load (NR=3, NS=4: 7 loads per 12 FMAs).
-template <int NR, int NS = 4>
-inline void dot_rows(const float* const* q, const float* K, int n, int64_t D, float* const* S, const Prefetch& pf) {
-  static_assert(NS == 2 || NS == 4, "NS is 2 or 4");
-  const int64_t D8 = D & ~int64_t(7);
-  const int64_t pf_chunk = pf.chunk(n / NS);
-  int j = 0;
-  for (; j + NS <= n; j += NS) {
-    pf.step(j / NS, pf_chunk);
-    const float* k0 = K + j * D;
-    __m256 a[NR][NS];
-    for (int r = 0; r < NR; ++r)
-      for (int i = 0; i < NS; ++i) a[r][i] = _mm256_setzero_ps();
-    for (int64_t d = 0; d < D8; d += 8) {
-      __m256 kv[NS];
-      for (int i = 0; i < NS; ++i) kv[i] = _mm256_loadu_ps(k0 + i * D + d);
-      for (int r = 0; r < NR; ++r) {
-        const __m256 qv = _mm256_loadu_ps(q[r] + d);
-        for (int i = 0; i < NS; ++i) a[r][i] = _mm256_fmadd_ps(qv, kv[i], a[r][i]);
-      }
-    }
-    for (int r = 0; r < NR; ++r) {
-      if (NS == 4) {
-        _mm_storeu_ps(S[r] + j, hsum4(a[r][0], a[r][1], a[r][2], a[r][NS - 1]));
-      } else {
-        S[r][j] = hsum(a[r][0]);
-        S[r][j + 1] = hsum(a[r][NS - 1]);
-      }
-      if (D8 < D)
-        for (int i = 0; i < NS; ++i) S[r][j + i] += dot_tail(q[r], k0 + i * D, D8, D);
-    }
-  }
-  for (; j < n; ++j) {
-    const float* k = K + j * D;
-    for (int r = 0; r < NR; ++r) {
-      __m256 a = _mm256_setzero_ps();
-      for (int64_t d = 0; d < D8; d += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(q[r] + d), _mm256_loadu_ps(k + d), a);
-      S[r][j] = hsum(a) + dot_tail(q[r], k, D8, D);
-    }
-  }
-}
-
-inline float max_of(const float* s, int n) {
-  int j = 0;
-  float mx = s[0];
-  if (n >= 8) {
-    __m256 m = _mm256_loadu_ps(s);
-    for (j = 8; j + 8 <= n; j += 8) m = _mm256_max_ps(m, _mm256_loadu_ps(s + j));
-    mx = hmax(m);
-  }
-  for (; j < n; ++j) mx = std::max(mx, s[j]);
-  return mx;
-}
-
-// s[j] = exp(s[j] - m) in place; returns the sum.
-inline float exp_shift_sum(float* s, int n, float m) {
-  const __m256 vm = _mm256_set1_ps(m);
-  __m256 acc = _mm256_setzero_ps();
-  int j = 0;
-  for (; j + 8 <= n; j += 8) {
-    const __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(s + j), vm));
-    _mm256_storeu_ps(s + j, e);
-    acc = _mm256_add_ps(acc, e);
-  }
-  float sum = hsum(acc);
-  if (j < n) {
-    alignas(32) float tmp[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-    for (int i = j; i < n; ++i) tmp[i - j] = s[i] - m;
-    alignas(32) float e[8];
-    _mm256_store_ps(e, exp256(_mm256_load_ps(tmp)));
-    for (int i = j; i < n; ++i) {
-      s[i] = e[i - j];
-      sum += e[i - j];
-    }
-  }
-  return sum;
-}
-
-// acc[r] += sum_j p[r][j] * V[j] for r < NR: each V load feeds NR rows.
-template <int NR>
-inline void accumulate_rows(float* const* acc, const float* const* p, const float* V, int n, int64_t D, const Prefetch& pf) {
-  const int64_t pf_chunk = pf.chunk(D / 16);
-  int64_t d = 0;
-  for (; d + 16 <= D; d += 16) {
-    pf.step(d / 16, pf_chunk);
-    __m256 a[NR][2];
-    for (int r = 0; r < NR; ++r) a[r][0] = _mm256_loadu_ps(acc[r] + d), a[r][1] = _mm256_loadu_ps(acc[r] + d + 8);
-    for (int j = 0; j < n; ++j) {
-      const __m256 v0 = _mm256_loadu_ps(V + j * D + d), v1 = _mm256_loadu_ps(V + j * D + d + 8);
-      for (int r = 0; r < NR; ++r) {
-        const __m256 pj = _mm256_broadcast_ss(p[r] + j);
-        a[r][0] = _mm256_fmadd_ps(pj, v0, a[r][0]);
-        a[r][1] = _mm256_fmadd_ps(pj, v1, a[r][1]);
-      }
-    }
-    for (int r = 0; r < NR; ++r) _mm256_storeu_ps(acc[r] + d, a[r][0]), _mm256_storeu_ps(acc[r] + d + 8, a[r][1]);
-  }
-  for (; d + 8 <= D; d += 8) {
-    for (int r = 0; r < NR; ++r) {
-      __m256 a = _mm256_loadu_ps(acc[r] + d);
-      for (int j = 0; j < n; ++j) a = _mm256_fmadd_ps(_mm256_broadcast_ss(p[r] + j), _mm256_loadu_ps(V + j * D + d), a);
-      _mm256_storeu_ps(acc[r] + d, a);
-    }
-  }
-  for (; d < D; ++d) {
-    for (int r = 0; r < NR; ++r) {
-      float a = acc[r][d];
-      for (int j = 0; j < n; ++j) a += p[r][j] * V[j * D + d];
-      acc[r][d] = a;
-    }
-  }
 }
 
 // ---- rotary embedding

@@ -121,11 +121,15 @@ LONG_PROMPTS = [33, 40, 47, 60]
 YARN = {"max_position_embeddings": 32,
         "rope_scaling": {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}}
 
+# Qwen2.5 with use_sliding_window: only layers max_window_layers, ... slide (transformers' Qwen2 semantics)
+QWEN_UPPER_WINDOW = {"num_hidden_layers": 4, "use_sliding_window": True, "sliding_window": 8, "max_window_layers": 2}
+
 
 @pytest.mark.parametrize("family, overrides, max_seq_len, lengths", [
     ("llama", {"num_key_value_heads": 1}, None, SHORT_PROMPTS),  # MQA
     ("qwen2", {}, None, SHORT_PROMPTS),  # q/k/v biases
     ("mistral", {"sliding_window": 8}, None, SHORT_PROMPTS),  # shorter than most prompts: the window masks
+    ("qwen2", QWEN_UPPER_WINDOW, None, SHORT_PROMPTS),  # layers 0-1 global, 2-3 sliding (max_window_layers)
     ("qwen3", {}, None, SHORT_PROMPTS),  # q/k norm, head_dim 32 != hidden / heads, tied
     ("qwen3", {"tie_word_embeddings": False}, None, SHORT_PROMPTS),
     ("phi3", {}, None, LONG_PROMPTS),  # fused qkv / gate_up, LongRoPE long factors + attention factor
@@ -138,8 +142,8 @@ YARN = {"max_position_embeddings": 32,
     ("gemma2", {}, None, SHORT_PROMPTS),  # soft-caps, alternating sliding / global layers, head_dim 256
     ("gemma3", {}, None, SHORT_PROMPTS),  # 1B: MQA, q/k norms, 5 local : 1 global, local RoPE base
     ("gemma3-4b", {}, None, SHORT_PROMPTS),  # linear RoPE scaling on the global layers, scalar != head_dim
-], ids=["llama-mqa", "qwen2", "mistral-window8", "qwen3", "qwen3-untied", "phi3-long", "phi4-short", "phi4-long",
-        "qwen2-yarn", "qwen3-yarn", "llama-linear", "gemma2", "gemma3-1b", "gemma3-4b"])
+], ids=["llama-mqa", "qwen2", "mistral-window8", "qwen2-window8-upper-layers", "qwen3", "qwen3-untied", "phi3-long",
+        "phi4-short", "phi4-long", "qwen2-yarn", "qwen3-yarn", "llama-linear", "gemma2", "gemma3-1b", "gemma3-4b"])
 def test_tiny_families_match_transformers(tmp_path, family, overrides, max_seq_len, lengths):
     from helpers import make_tiny_hf_model
 

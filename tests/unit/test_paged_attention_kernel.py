@@ -278,6 +278,37 @@ def test_kernel_head_dims(head_dim, kv_dtype):
     check(out, pool, *reference(feeds, op))
 
 
+@pytest.mark.parametrize("head_dim", [20, 64])
+@pytest.mark.parametrize("kv_dtype", ["float32", "float16", "int8"])
+def test_kernel_group_of_four(head_dim, kv_dtype):
+    """4 query heads per KV head (Llama 3's 32/8): the 4-row block of the inner loops that converts each fp16/int8
+    K and V vector once for all four, with head_dim tails and slices of odd length (decode past a block edge,
+    chunks starting mid-block); a long decode split across partitions."""
+    rng = np.random.default_rng(head_dim + 4)
+    op = op_case(8, 2, head_dim, 16, kv_dtype)
+    feeds = make_case(rng, [(0, 21), (40, 1), (17, 5), (2500, 1), (33, 0)], op, spare_blocks=20)
+    out, pool = session(op).run(None, feeds)
+    check(out, pool, *reference(feeds, op))
+
+
+@pytest.mark.parametrize("kv_dtype", ["float32", "float16"])
+def test_long_decode_is_the_same_on_any_thread_count(kv_dtype):
+    """A long decode is split across context partitions planned from the machine, not the session's threads: one
+    and two intra-op threads give bitwise the same output (and the reference's)."""
+    op = op_case(32, 8, 64, 16, kv_dtype)
+    feeds = make_case(np.random.default_rng(5), [(8191, 1)], op)
+    model = make_single_op_model(op.attrs, op.head_dim, op.block_size, np.dtype(op.kv_dtype))
+    outs = []
+    for threads in (1, 2):
+        so = ort.SessionOptions()
+        so.register_custom_ops_library(LIBRARY)
+        so.intra_op_num_threads = threads
+        sess = ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+        outs.append(sess.run(None, feeds))
+    assert np.array_equal(outs[0][0], outs[1][0]) and np.array_equal(outs[0][1], outs[1][1])
+    check(*outs[0], *reference(feeds, op))
+
+
 @pytest.mark.parametrize("seqs", [[], [(5, 0), (0, 0)]], ids=["no-sequences", "no-new-tokens"])
 def test_kernel_empty_batch(seqs):
     op = op_case(4, 2, 16, 16)
