@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from pathlib import Path
-from typing import cast
+from typing import Any, cast
 
+from kiln.errors import InvalidParamError
 from kiln.runtime.detokenizer import ChatMessage, TextTokenizer, with_token_text
 from kiln.runtime.engine import Engine
 from kiln.runtime.loader import load_engine
-from kiln.runtime.outputs import EngineStats, RequestOutput, merge_outputs
+from kiln.runtime.outputs import CompletionOutput, EngineStats, RequestOutput, merge_outputs
 from kiln.runtime.params import RuntimeConfig, SamplingParams
+from kiln.runtime.tool_calls import check_tools, forced_call, hermes_messages, loads_arguments, parse_output, tool_name
 
 Prompt = str | list[int]
 Prompts = Prompt | list[str] | list[list[int]]  # one prompt (text or token ids) or a list of them
@@ -90,11 +93,74 @@ class LLM:
     def chat(
         self, messages: list[ChatMessage] | list[list[ChatMessage]],
         params: SamplingParams | list[SamplingParams] | None = None,
+        tools: list[dict[str, Any]] | None = None, tool_choice: str | dict[str, Any] = "auto",
     ) -> list[RequestOutput]:
-        """Apply the engine's chat template to one conversation or a list of them, then generate."""
+        """Apply the engine's chat template to one conversation or a list of them, then generate.
+
+        tools: OpenAI's function tools ({"type": "function", "function": {"name", "parameters", ...}}), offered to
+        every conversation (runtime/tool_calls.py): a template that takes tools gets them, any other the Hermes
+        prompt. tool_choice: "auto" (the model's own calls are parsed), "required" (the output is forced to a
+        JSON array of calls), {"type": "function", "function": {"name": ...}} (forced to that function's
+        arguments) or "none". Each sample's calls come back as CompletionOutput.tool_calls, its text unchanged.
+        The history may hold assistant messages with "tool_calls" and "tool" messages with the results."""
         if messages and isinstance(messages[0], dict):  # one conversation
             conversations = [messages]
         else:
             conversations = list(cast(list[list[ChatMessage]], messages))
-        prompts = [self.tokenizer.apply_chat_template(c) for c in conversations]
-        return self.generate(prompts, params)
+        choice, name = _tool_choice(tools, tool_choice)
+        if choice is None:
+            prompts = [self.tokenizer.apply_chat_template(self._conversation(c, None)) for c in conversations]
+            return self.generate(prompts, params)
+        assert tools is not None
+        prompts = [self._render_with_tools(c, tools) for c in conversations]
+        forced = forced_call(tools, choice, name)
+        param_list = _normalize_params(params, len(prompts))
+        if forced is not None:
+            if any(p.structured is not None for p in param_list):
+                raise InvalidParamError("a forced tool call (tool_choice required or a function) cannot also have "
+                                        "an output constraint", "tool_choice")
+            param_list = [dataclasses.replace(p, structured=forced) for p in param_list]
+        results = self.generate(prompts, param_list)
+        return [dataclasses.replace(r, outputs=[_with_calls(o, tools, choice, name) for o in r.outputs])
+                for r in results]
+
+    def _conversation(self, conversation: list[ChatMessage], tools: list[dict[str, Any]] | None) -> list[ChatMessage]:
+        """The conversation as this template reads it: as given to one that takes tools, else Hermes-style."""
+        if self.tokenizer.tool_family is not None:
+            return conversation
+        has_calls = any(m.get("tool_calls") or m.get("role") == "tool" for m in conversation)
+        return list(hermes_messages(conversation, tools)) if tools or has_calls else conversation
+
+    def _render_with_tools(self, conversation: list[ChatMessage], tools: list[dict[str, Any]]) -> str:
+        if self.tokenizer.tool_family is not None:  # Hugging Face's templates write the arguments with tojson
+            native = [{**m, "tool_calls": [{**c, "function": {**c["function"], "arguments": loads_arguments(
+                c["function"]["arguments"])}} for c in m["tool_calls"]]} if m.get("tool_calls") else m
+                for m in conversation]
+            return self.tokenizer.apply_chat_template(native, tools=tools)
+        return self.tokenizer.apply_chat_template(self._conversation(conversation, tools))
+
+
+def _tool_choice(tools: list[dict[str, Any]] | None, choice: str | dict[str, Any]) -> tuple[str | None, str | None]:
+    """(one of tool_calls.CHOICES or None for no tools, the named function). InvalidParamError names the field."""
+    if not tools:
+        if choice not in ("auto", "none"):
+            raise InvalidParamError("tool_choice needs tools", "tool_choice")
+        return None, None
+    check_tools(tools)
+    if choice == "none":
+        return None, None
+    if choice in ("auto", "required"):
+        return str(choice), None
+    function = choice.get("function") if isinstance(choice, dict) else None
+    name = function.get("name") if isinstance(function, dict) else None
+    if name not in {tool_name(t) for t in tools}:
+        raise InvalidParamError(f"tool_choice must be 'auto', 'required', 'none' or {{'type': 'function', "
+                                f"'function': {{'name': ...}}}} naming one of the tools, got {choice!r}",
+                                "tool_choice")
+    return "named", str(name)
+
+
+def _with_calls(out: CompletionOutput, tools: list[dict[str, Any]], choice: str,
+                name: str | None) -> CompletionOutput:
+    _, calls = parse_output(out.text, tools, choice, name)
+    return dataclasses.replace(out, tool_calls=calls or None)

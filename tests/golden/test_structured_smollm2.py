@@ -69,3 +69,42 @@ def test_required_tool_call_arguments_validate(server, stream):
 def test_responses_api_answers(server):
     answer = server.client().responses.create(model="smol", input="Say hello.", max_output_tokens=16, temperature=0)
     assert answer.output_text.strip() and answer.usage.output_tokens <= 16
+
+
+@pytest.fixture(scope="module")
+def llm(smollm2_engine):
+    from kiln.runtime.llm import LLM
+
+    return LLM(smollm2_engine)
+
+
+def test_python_chat_returns_parsed_calls_and_a_round_trip_answers(llm):
+    from kiln.runtime.params import SamplingParams
+
+    greedy = SamplingParams(temperature=0, max_tokens=80)
+    for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
+        [out] = llm.chat(ASK, greedy, tools=[WEATHER], tool_choice=choice)
+        [call] = out.outputs[0].tool_calls
+        assert call["function"]["name"] == "get_weather" and call["id"].startswith("call_")
+        jsonschema.validate(json.loads(call["function"]["arguments"]), WEATHER["function"]["parameters"])
+    history = [*ASK, {"role": "assistant", "content": None, "tool_calls": [call]},
+               {"role": "tool", "tool_call_id": call["id"], "content": '{"temperature_c": 18, "sky": "clear"}'}]
+    [answer] = llm.chat(history, SamplingParams(temperature=0, max_tokens=40), tools=[WEATHER])
+    assert answer.outputs[0].text.strip() and answer.outputs[0].tool_calls is None
+    [plain] = llm.chat(ASK, SamplingParams(temperature=0, max_tokens=8))
+    assert plain.outputs[0].tool_calls is None
+
+
+@pytest.mark.parametrize(("tools", "choice", "param"), [
+    ([{"type": "function", "function": {"name": "f"}}], "auto", "tools.0.function.parameters"),
+    ([{"type": "function", "function": {"name": "f", "parameters": {"type": "strin"}}}], "auto",
+     "tools.0.function.parameters"),
+    ([WEATHER], {"type": "function", "function": {"name": "nope"}}, "tool_choice"),
+    (None, "required", "tool_choice"),
+])
+def test_python_chat_refuses_bad_tools_naming_the_field(llm, tools, choice, param):
+    from kiln.errors import InvalidParamError
+
+    with pytest.raises(InvalidParamError) as info:
+        llm.chat(ASK, tools=tools, tool_choice=choice)
+    assert info.value.param == param
