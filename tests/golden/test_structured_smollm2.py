@@ -1,10 +1,13 @@
 """Structured output and tool calling with SmolLM2 through `kiln serve` and the official openai client: a Pydantic
-model parsed from a greedy and a sampled answer, a forced tool call whose arguments validate (streamed and not),
-and the Responses API's text answer."""
+model parsed from a greedy and a sampled answer, 50 drawn JSON schemas each answered greedy and sampled, a regex
+and a grammar, a forced tool call whose arguments validate (streamed and not), and the Responses API's text answer;
+through the Python API, tool calls parsed by LLM.chat and the outputs that stop validating without the mask."""
 
 from __future__ import annotations
 
 import json
+import re
+from concurrent.futures import ThreadPoolExecutor
 from typing import Literal
 
 import jsonschema
@@ -14,6 +17,8 @@ openai = pytest.importorskip("openai")
 pydantic = pytest.importorskip("pydantic")
 pytest.importorskip("uvicorn")
 
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from schemas import bounded_schemas  # noqa: E402
 from server_process import Server  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -48,6 +53,37 @@ def test_parse_gives_the_pydantic_object(server):
             response_format=Person, temperature=temperature, seed=2, max_tokens=80)
         person = done.choices[0].message.parsed
         assert isinstance(person, Person), done.choices[0].message.content
+
+
+@settings(max_examples=50, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(schema=bounded_schemas)
+def test_drawn_schemas_validate_greedy_and_sampled(server, schema):
+    client = server.client()
+    response_format = {"type": "json_schema", "json_schema": {"name": "drawn", "schema": schema, "strict": True}}
+
+    def answer(temperature: float) -> str:
+        done = client.chat.completions.create(
+            model="smol", messages=[{"role": "user", "content": "Answer in JSON."}], response_format=response_format,
+            temperature=temperature, seed=11, max_tokens=200)
+        assert done.choices[0].finish_reason == "stop", done.choices[0].message.content
+        return str(done.choices[0].message.content)
+
+    with ThreadPoolExecutor(2) as pool:  # greedy and sampled batched together, as clients would send them
+        for text in pool.map(answer, (0.0, 1.0)):
+            jsonschema.validate(json.loads(text), schema)
+
+
+def test_regex_and_grammar_requests_match(server):
+    client = server.client()
+    pattern = r"[A-Z][a-z]{2,8} [0-9]{1,3}"
+    done = client.completions.create(model="smol", prompt="A city and a number:", max_tokens=20, temperature=0.8,
+                                     seed=3, extra_body={"guided_regex": pattern})
+    assert re.fullmatch(pattern, done.choices[0].text), done.choices[0].text
+    lark = 'start: "(" num (" + " num)* ")"\nnum: /[0-9]{1,2}/'
+    done = client.chat.completions.create(model="smol", messages=[{"role": "user", "content": "Add some numbers."}],
+                                          max_tokens=40, temperature=0, extra_body={"guided_grammar": lark})
+    assert re.fullmatch(r"\([0-9]{1,2}( \+ [0-9]{1,2})*\)", done.choices[0].message.content)
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -108,3 +144,18 @@ def test_python_chat_refuses_bad_tools_naming_the_field(llm, tools, choice, para
     with pytest.raises(InvalidParamError) as info:
         llm.chat(ASK, tools=tools, tool_choice=choice)
     assert info.value.param == param
+
+
+def test_smollm2_output_stops_validating_without_the_mask(llm, monkeypatch):
+    from kiln.runtime.params import SamplingParams
+    from kiln.runtime.structured import StructuredOutput
+    from kiln.runtime.structured.grammar import MaskStep
+
+    schema = Person.model_json_schema()
+    params = SamplingParams(temperature=0, max_tokens=60, structured=StructuredOutput.json_schema(schema))
+    ask = [{"role": "user", "content": "Invent a person who lives in Paris."}]
+    [masked] = llm.chat(ask, params)
+    Person.model_validate_json(masked.outputs[0].text)
+    monkeypatch.setattr(MaskStep, "apply", lambda self, logits, states: None)
+    [unmasked] = llm.chat(ask, params)
+    assert unmasked.error is not None and "left the grammar" in unmasked.error  # SmolLM2 answers in prose

@@ -17,6 +17,7 @@ from fake_runner import FakeModelRunner
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from llguidance.numpy import apply_token_bitmask_inplace
+from schemas import bounded_schemas
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
 from kiln.errors import InvalidParamError
@@ -244,30 +245,10 @@ def test_speculated_rows_are_masked_after_each_proposal_and_the_matcher_rolled_b
     assert state.matcher.validate_tokens([a, b, five]) == 3  # still at the start: nothing consumed
 
 
-# -- hypothesis: drawn schemas, each with its whole output bounded so every generation can complete -----------
-
-_leaf = st.one_of(
-    st.just({"type": "boolean"}),
-    st.integers(0, 50).map(lambda lo: {"type": "integer", "minimum": lo, "maximum": lo + 500}),
-    st.integers(0, 4).map(lambda n: {"type": "string", "maxLength": n}),
-    st.lists(st.text("abcxyz", min_size=1, max_size=3), min_size=1, max_size=3, unique=True).map(
-        lambda options: {"enum": options}),
-    st.just({"type": "null"}),
-)
-
-
-def _object(children):
-    return st.dictionaries(st.text("abcdefgh", min_size=1, max_size=4), children, min_size=1, max_size=3).map(
-        lambda props: {"type": "object", "properties": props, "required": sorted(props),
-                       "additionalProperties": False})
-
-
-_schemas = st.recursive(_leaf, lambda children: st.one_of(
-    _object(children), children.map(lambda item: {"type": "array", "items": item, "maxItems": 2})), max_leaves=6)
-
+# -- hypothesis: drawn schemas (tests/schemas.py), each with its whole output bounded ----------------------------
 
 @settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(schema=_schemas, temperature=st.sampled_from([0.0, 1.0]), seed=st.integers(0, 2**16))
+@given(schema=bounded_schemas, temperature=st.sampled_from([0.0, 1.0]), seed=st.integers(0, 2**16))
 def test_drawn_schemas_every_output_validates(tokenizer_dir, schema, temperature, seed):
     llm = _shared_llm(tokenizer_dir)
     params = SamplingParams(temperature=temperature, seed=seed, max_tokens=200,
