@@ -36,6 +36,7 @@ from kiln.runtime.server.admission import admit, check_length, token_prompts_fit
 from kiln.runtime.server.auth import ApiKeyAuth
 from kiln.runtime.server.bodies import body_schemas, openapi_body, parse_body
 from kiln.runtime.server.errors import APIError
+from kiln.runtime.server.formatting import ResponseFormatter
 from kiln.runtime.server.limits import BodyLimit, RequestLimits, default_max_request_bytes
 from kiln.runtime.server.metrics import CONTENT_TYPE, ServerMetrics
 from kiln.runtime.server.offload import INLINE_TEMPLATE_BYTES, INLINE_TOKEN_IDS, INLINE_TOKENIZE_CHARS, Offload
@@ -45,7 +46,6 @@ from kiln.runtime.server.protocol import (
     DetokenizeRequest,
     DetokenizeResponse,
     ErrorResponse,
-    ResponseFormatter,
     TokenizeRequest,
     TokenizeResponse,
     error_body,
