@@ -79,6 +79,7 @@ def texts(llm: LLM, prompts: list[str], params: SamplingParams) -> list[tuple[st
     (lambda: StructuredOutput.regex("a[", "guided_regex"), "unclosed character class"),
     (lambda: StructuredOutput.grammar("start: foo", "guided_grammar"), "unknown name"),
     (lambda: StructuredOutput.json_schema({"type": "strin"}, "guided_json"), "strin"),
+    (lambda: StructuredOutput.json_schema({"not": {"type": "string"}}, "guided_json"), "Unimplemented keys"),
     (lambda: StructuredOutput.json_schema("{not json", "guided_json"), "not valid JSON"),
     (lambda: StructuredOutput.choice([], "guided_choice"), "non-empty list"),
 ])
