@@ -102,6 +102,18 @@ def test_required_tool_call_arguments_validate(server, stream):
     jsonschema.validate(json.loads(call.function.arguments), WEATHER["function"]["parameters"])
 
 
+def test_a_call_round_trip_answers(server):
+    client = server.client()
+    called = client.chat.completions.create(model="smol", messages=ASK, tools=[WEATHER], tool_choice="required",
+                                            temperature=0, max_tokens=80).choices[0].message
+    history = [*ASK, called.model_dump(exclude_none=True),
+               {"role": "tool", "tool_call_id": called.tool_calls[0].id,
+                "content": '{"temperature_c": 18, "sky": "clear"}'}]
+    answer = client.chat.completions.create(model="smol", messages=history, tools=[WEATHER], temperature=0,
+                                            max_tokens=40).choices[0]
+    assert answer.message.content and answer.message.tool_calls is None, answer
+
+
 def test_responses_api_answers(server):
     answer = server.client().responses.create(model="smol", input="Say hello.", max_output_tokens=16, temperature=0)
     assert answer.output_text.strip() and answer.usage.output_tokens <= 16
