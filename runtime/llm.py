@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from pathlib import Path
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, Any, cast
 
+from kiln.errors import InvalidParamError
 from kiln.runtime.detokenizer import ChatMessage, TextTokenizer, with_token_text
 from kiln.runtime.engine import Engine
 from kiln.runtime.loader import load_engine
-from kiln.runtime.outputs import EngineStats, RequestOutput, merge_outputs
+from kiln.runtime.outputs import CompletionOutput, EngineStats, RequestOutput, merge_outputs
 from kiln.runtime.params import RuntimeConfig, SamplingParams
+from kiln.runtime.tool_calls import check_tools, forced_call, hermes_messages, loads_arguments, parse_output, tool_name
 from kiln.runtime.vision.chat import split_images
 
 if TYPE_CHECKING:
@@ -99,16 +102,79 @@ class LLM:
     def chat(
         self, messages: list[ChatMessage] | list[list[ChatMessage]],
         params: SamplingParams | list[SamplingParams] | None = None,
+        tools: list[dict[str, Any]] | None = None, tool_choice: str | dict[str, Any] = "auto",
     ) -> list[RequestOutput]:
         """Apply the engine's chat template to one conversation or a list of them, then generate. A message's
         content may be a list of OpenAI content parts: text, and on a vision-language engine images
         (``{"type": "image_url", "image_url": {"url": "data:image/png;base64,..."}}`` or ``{"type": "image",
-        "image": <PIL image>}``)."""
+        "image": <PIL image>}``).
+
+        tools: OpenAI's function tools ({"type": "function", "function": {"name", "parameters", ...}}), offered to
+        every conversation (runtime/tool_calls.py): a template that takes tools gets them, any other the Hermes
+        prompt. tool_choice: "auto" (the model's own calls are parsed), "required" (the output is forced to a
+        JSON array of calls), {"type": "function", "function": {"name": ...}} (forced to that function's
+        arguments) or "none". Each sample's calls come back as CompletionOutput.tool_calls, its text unchanged.
+        The history may hold assistant messages with "tool_calls" and "tool" messages with the results."""
         if messages and isinstance(messages[0], dict):  # one conversation
             conversations = [messages]
         else:
             conversations = list(cast(list[list[ChatMessage]], messages))
-        token = self.engine.image_token
-        split = [split_images(c, token) for c in conversations]
-        prompts = [self.tokenizer.apply_chat_template(c) for c, _ in split]
-        return self.generate(prompts, params, [images for _, images in split])
+        split = [split_images(c, self.engine.image_token) for c in conversations]
+        images = [found for _, found in split]
+        choice, name = _tool_choice(tools, tool_choice)
+        if choice is None:
+            prompts = [self.tokenizer.apply_chat_template(self._conversation(c, None)) for c, _ in split]
+            return self.generate(prompts, params, images)
+        assert tools is not None
+        prompts = [self._render_with_tools(c, tools) for c, _ in split]
+        forced = forced_call(tools, choice, name)
+        param_list = _normalize_params(params, len(prompts))
+        if forced is not None:
+            if any(p.structured is not None for p in param_list):
+                raise InvalidParamError("a forced tool call (tool_choice required or a function) cannot also have "
+                                        "an output constraint", "tool_choice")
+            param_list = [dataclasses.replace(p, structured=forced) for p in param_list]
+        results = self.generate(prompts, param_list, images)
+        return [dataclasses.replace(r, outputs=[_with_calls(o, tools, choice, name) for o in r.outputs])
+                for r in results]
+
+    def _conversation(self, conversation: list[ChatMessage], tools: list[dict[str, Any]] | None) -> list[ChatMessage]:
+        """The conversation as this template reads it: as given to one that takes tools, else Hermes-style."""
+        if self.tokenizer.tool_family is not None:
+            return conversation
+        has_calls = any(m.get("tool_calls") or m.get("role") == "tool" for m in conversation)
+        return list(hermes_messages(conversation, tools)) if tools or has_calls else conversation
+
+    def _render_with_tools(self, conversation: list[ChatMessage], tools: list[dict[str, Any]]) -> str:
+        if self.tokenizer.tool_family is not None:  # Hugging Face's templates write the arguments with tojson
+            native = [{**m, "tool_calls": [{**c, "function": {**c["function"], "arguments": loads_arguments(
+                c["function"]["arguments"])}} for c in m["tool_calls"]]} if m.get("tool_calls") else m
+                for m in conversation]
+            return self.tokenizer.apply_chat_template(native, tools=tools)
+        return self.tokenizer.apply_chat_template(self._conversation(conversation, tools))
+
+
+def _tool_choice(tools: list[dict[str, Any]] | None, choice: str | dict[str, Any]) -> tuple[str | None, str | None]:
+    """(one of tool_calls.CHOICES or None for no tools, the named function). InvalidParamError names the field."""
+    if not tools:
+        if choice not in ("auto", "none"):
+            raise InvalidParamError("tool_choice needs tools", "tool_choice")
+        return None, None
+    check_tools(tools)
+    if choice == "none":
+        return None, None
+    if choice in ("auto", "required"):
+        return str(choice), None
+    function = choice.get("function") if isinstance(choice, dict) else None
+    name = function.get("name") if isinstance(function, dict) else None
+    if name not in {tool_name(t) for t in tools}:
+        raise InvalidParamError(f"tool_choice must be 'auto', 'required', 'none' or {{'type': 'function', "
+                                f"'function': {{'name': ...}}}} naming one of the tools, got {choice!r}",
+                                "tool_choice")
+    return "named", str(name)
+
+
+def _with_calls(out: CompletionOutput, tools: list[dict[str, Any]], choice: str,
+                name: str | None) -> CompletionOutput:
+    _, calls = parse_output(out.text, tools, choice, name)
+    return dataclasses.replace(out, tool_calls=calls or None)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from kiln.runtime.kv_transfer import KvHandoff
@@ -35,6 +35,9 @@ class CompletionOutput:
     logprobs: list[dict[int, Logprob]] | None  # one {token id: Logprob} per token in token_ids
     finish_reason: str | None  # "stop" | "length" | "abort" | None (still running)
     stop_reason: str | int | None = None  # the stop string or stop token id that ended it
+    # LLM.chat with tools: the calls parsed out of `text`, OpenAI's {"id", "type", "function": {"name",
+    # "arguments"}} (None: no tools asked for, or the model answered in text)
+    tool_calls: list[dict[str, Any]] | None = None
 
     @property
     def finished(self) -> bool:

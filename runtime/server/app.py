@@ -37,6 +37,7 @@ from kiln.runtime.server.auth import ApiKeyAuth
 from kiln.runtime.server.bodies import body_schemas, openapi_body, parse_body
 from kiln.runtime.server.errors import APIError
 from kiln.runtime.server.images import take_images
+from kiln.runtime.server.formatting import ResponseFormatter
 from kiln.runtime.server.limits import BodyLimit, RequestLimits, default_max_request_bytes
 from kiln.runtime.server.metrics import CONTENT_TYPE, ServerMetrics
 from kiln.runtime.server.offload import INLINE_TEMPLATE_BYTES, INLINE_TOKEN_IDS, INLINE_TOKENIZE_CHARS, Offload
@@ -46,12 +47,18 @@ from kiln.runtime.server.protocol import (
     DetokenizeRequest,
     DetokenizeResponse,
     ErrorResponse,
-    ResponseFormatter,
     TokenizeRequest,
     TokenizeResponse,
     error_body,
 )
-from kiln.runtime.server.reasoning import REASONING_PARSERS, ReasoningSplitter, opens_thinking, reasoning_enabled
+from kiln.runtime.server.reasoning import (
+    REASONING_PARSERS,
+    ReasoningSplitter,
+    constrain_after_thinking,
+    opens_thinking,
+    reasoning_enabled,
+    think_tags_are_tokens,
+)
 from kiln.runtime.server.responses_api import ResponsesRequest, response_body, stream_events
 from kiln.runtime.server.streams import (
     ClientDisconnected,
@@ -87,6 +94,9 @@ async def _run(request: Request, body: CompletionRequest | ChatCompletionRequest
         mode = body.tool_mode() if isinstance(body, ChatCompletionRequest) else None
         if mode is not None and mode.choice == "auto" and state.llm.tool_family == "mistral":
             params = dataclasses.replace(params, skip_special_tokens=False)  # [TOOL_CALLS] is a special token
+        thinks = chat and state.reasoning
+        if thinks:
+            params = constrain_after_thinking(params, opens_thinking(str(prompts[0])), state.think_tags_are_tokens)
         streams = await admit(state, prompts, params, ids, images or [])
     except InvalidParamError as e:
         raise APIError(400, str(e), e.param) from None
@@ -97,7 +107,7 @@ async def _run(request: Request, body: CompletionRequest | ChatCompletionRequest
         raise APIError(500, f"Internal error: {type(e).__name__}: {e}") from None
     fmt = ResponseFormatter(chat, request_id, state.model_names[0], params)
     fmt.tools = None if mode is None else ToolResponses(mode)
-    if chat and state.reasoning and params.structured is None:  # a grammar writes the whole output
+    if thinks:
         fmt.reasoning = ReasoningSplitter(opens_thinking(str(prompts[0])), state.llm.detokenize)
     stream = engine_stream(request, streams, ids, params, request_id)
     try:
@@ -166,6 +176,7 @@ def build_app(load_llm: Callable[[], Any], served_model_name: str | None = None,
         app.state.model_names = [served_model_name or llm.model_name, llm.model_name]
         app.state.max_request_bytes = limits.max_request_bytes or default_max_request_bytes(llm.max_seq_len)
         app.state.reasoning = reasoning_enabled(reasoning_parser, llm)
+        app.state.think_tags_are_tokens = app.state.reasoning and think_tags_are_tokens(llm)
         if app.state.reasoning:
             log.info("reasoning parser on: <think>...</think> goes to reasoning_content")
         app.state.offload = Offload()

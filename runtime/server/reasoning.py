@@ -10,15 +10,21 @@ is unaffected.
 
 The server turns it on per model: `kiln serve --reasoning-parser auto` (the default) when the tokenizer has both
 tags as tokens of their own (they were added for thinking; a vocabulary without them spells "<think>" in several
-pieces), `qwen3` always, `none` never. A request with an output constraint (a JSON schema, a forced tool call)
-is not split: its grammar writes the whole output, from the first token.
+pieces), `qwen3` always, `none` never. A request with an output constraint (a JSON schema, a regex, a forced tool
+call) on a reasoning model keeps its thinking: the grammar lets the <think> block through as free text and
+constrains what follows </think> (constrain_after_thinking). That needs the tags as tokens of their own; a model
+served with `qwen3` whose vocabulary spells them in pieces gets a 400 for a constraint instead.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
+
+from kiln.errors import InvalidParamError
+from kiln.runtime.params import SamplingParams
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 REASONING_PARSERS = ("auto", "qwen3", "none")
@@ -30,7 +36,25 @@ def reasoning_enabled(choice: str, llm: Any) -> bool:
         raise ValueError(f"reasoning_parser must be one of {list(REASONING_PARSERS)}, got {choice!r}")
     if choice != "auto":
         return choice == "qwen3"
+    return think_tags_are_tokens(llm)
+
+
+def think_tags_are_tokens(llm: Any) -> bool:
+    """<think> and </think> are one token each (a reasoning model's vocabulary)."""
     return all(len(llm.tokenize(tag, False)) == 1 for tag in (THINK_OPEN, THINK_CLOSE))
+
+
+def constrain_after_thinking(params: SamplingParams, opened: bool, tags_are_tokens: bool) -> SamplingParams:
+    """A reasoning model's request with its output constraint moved past the <think> block (`opened`: the prompt
+    opened it). InvalidParamError naming the constraint's field when the tags are no tokens to find the end by."""
+    spec = params.structured
+    if spec is None:
+        return params
+    if not tags_are_tokens:
+        raise InvalidParamError(f"{spec.param}: this model's reasoning cannot be followed by an output constraint: "
+                                "its tokenizer spells <think> and </think> in pieces (serve it with "
+                                "--reasoning-parser none to constrain the whole output)", spec.param)
+    return dataclasses.replace(params, structured=spec.after_thinking(opened))
 
 
 def opens_thinking(prompt: str) -> bool:

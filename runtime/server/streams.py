@@ -22,8 +22,9 @@ from starlette.requests import Request
 from kiln.errors import InvalidParamError
 from kiln.runtime.outputs import RequestOutput
 from kiln.runtime.params import SamplingParams
+from kiln.runtime.server.formatting import ResponseFormatter, Usage
 from kiln.runtime.server.metrics import RequestTimer
-from kiln.runtime.server.protocol import ResponseFormatter, Usage, error_body
+from kiln.runtime.server.protocol import error_body
 
 log = logging.getLogger("kiln.server")
 

@@ -16,7 +16,8 @@ import hashlib
 import re
 from typing import Any
 
-from kiln.runtime.server.tools import ToolMode, loads_arguments
+from kiln.runtime.server.tools import ToolMode
+from kiln.runtime.tool_calls import loads_arguments
 
 FAMILIES = ("hermes", "llama3", "mistral")
 _MISTRAL_ID = re.compile(r"^[A-Za-z0-9]{9}$")

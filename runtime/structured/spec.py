@@ -7,6 +7,7 @@ writes them), so equal specs hash equal and share one compiled grammar per engin
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -20,6 +21,13 @@ if TYPE_CHECKING:
 from kiln.errors import InvalidParamError
 
 KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
+THINKING = ("", "optional", "opened")
+# A reasoning model's <think> block ahead of the constrained answer: the tags as the tokens they are in a reasoning
+# model's vocabulary (llguidance's <token> syntax: the tag's text spelled in pieces does not match it), the thought
+# free text, then the blank lines models write after </think>. @answer is the answer's own grammar.
+_THOUGHT = "THOUGHT: /(.|\\n)*/\nGAP: /[ \\n]*/"
+_THINKING_START = {"optional": "start: (<think> THOUGHT </think> GAP)? @answer",
+                   "opened": "start: THOUGHT </think> GAP @answer"}
 
 # JSON the way json.dumps writes it, with no free whitespace: a model cannot pad the output with newlines until
 # max_tokens (small models do), and the separators are the ones models have seen most.
@@ -30,17 +38,23 @@ JSON_OPTIONS: JsonCompileOptions = {"whitespace_flexible": False, "item_separato
 class StructuredOutput:
     """kind: one of KINDS; text: the JSON schema (JSON text), the regex, the choices (a JSON list of strings) or
     the grammar (Lark or GBNF); empty for json_object. Make one with the class methods. param: the request field
-    an error names (a server passes e.g. "response_format"); not part of equality."""
+    an error names (a server passes e.g. "response_format"); not part of equality. thinking: where the constraint
+    starts for a reasoning model (see after_thinking): "" at the first token, "optional" after a <think> block
+    the output may open, "opened" after the </think> that closes the block the prompt opened."""
 
     kind: str
     text: str = ""
     param: str = field(default="structured", compare=False)
+    thinking: str = ""
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
             raise InvalidParamError(f"{self.param} kind must be one of {list(KINDS)}, got {self.kind!r}", self.param)
         if not isinstance(self.text, str):
             raise InvalidParamError(f"{self.param} {self.kind} must be given as text, got {type(self.text).__name__}",
+                                    self.param)
+        if self.thinking not in THINKING:
+            raise InvalidParamError(f"{self.param} thinking must be one of {list(THINKING)}, got {self.thinking!r}",
                                     self.param)
         error = llguidance.LLMatcher.validate_grammar(self.llguidance_grammar())
         if error:
@@ -99,8 +113,25 @@ class StructuredOutput:
             return value
         return {"type": "object"} if self.kind == "json_object" else None
 
+    def after_thinking(self, opened: bool) -> StructuredOutput:
+        """The same constraint applied after a reasoning model's <think>...</think> block: the block is free text
+        (`opened`: the prompt already opened it, so the output starts inside it; else the output may open one or
+        answer at once). The model's vocabulary must hold <think> and </think> as tokens."""
+        return dataclasses.replace(self, thinking="opened" if opened else "optional")
+
     def llguidance_grammar(self) -> str:
         """The spec as an llguidance grammar (not yet checked: validate_grammar or a matcher does that)."""
+        answer = self._answer_grammar()
+        if not self.thinking:
+            return answer
+        # a JSON schema's and a regex's come as llguidance's JSON grammar list; a choice's and a grammar's as Lark
+        grammars = json.loads(answer)["grammars"] if self.kind in ("json_schema", "json_object", "regex") else [
+            {"lark_grammar": answer}]
+        grammars[0]["name"] = "answer"  # the start grammar
+        thinking = {"name": "thinking", "lark_grammar": f"{_THINKING_START[self.thinking]}\n{_THOUGHT}"}
+        return json.dumps({"grammars": [thinking, *grammars]})
+
+    def _answer_grammar(self) -> str:
         if self.kind in ("json_schema", "json_object"):
             schema = self.text if self.kind == "json_schema" else '{"type": "object"}'
             return str(llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=JSON_OPTIONS))

@@ -115,6 +115,8 @@ def test_a_call_round_trip_answers_in_text(server):
 @pytest.mark.parametrize(("body", "param", "words"), [
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "strin"}}}},
      "response_format.json_schema.schema", "strin"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"not": {"type": "null"}}}}},
+     "response_format.json_schema.schema", "Unimplemented keys"),
     ({"extra_body": {"guided_regex": "a["}}, "guided_regex", "unclosed character class"),
     ({"extra_body": {"guided_grammar": "start: foo"}}, "guided_grammar", "unknown name"),
     ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools.0.function.parameters", "Field required"),

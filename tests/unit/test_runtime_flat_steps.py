@@ -6,7 +6,7 @@ from fake_runner import CharTokenizer, make_fake_engine
 from kiln.runtime.detokenizer import IncrementalDetokenizer
 from kiln.runtime.outputs import CompletionOutput, RequestOutput
 from kiln.runtime.params import SamplingParams
-from kiln.runtime.server import protocol
+from kiln.runtime.server import formatting
 
 SPECIAL = 0  # CharTokenizer-like id that decodes to nothing when special tokens are skipped
 
@@ -37,26 +37,26 @@ def test_detokenizer_window_stays_small_through_long_outputs_and_runs_of_skipped
 def test_stream_formatter_merges_held_deltas_once():
     """Deltas without text (their logprobs wait for the next text) are merged when text comes, once."""
     merged_tokens = []
-    merge = protocol.merge_completions
+    merge = formatting.merge_completions
 
     def counting(parts: list[CompletionOutput]) -> CompletionOutput:
         merged_tokens.append(sum(len(p.token_ids) for p in parts))
         return merge(parts)
 
-    fmt = protocol.ResponseFormatter(False, "cmpl-1", "fake", SamplingParams())
+    fmt = formatting.ResponseFormatter(False, "cmpl-1", "fake", SamplingParams())
 
     def delta(text: str, token: int, finish: str | None = None) -> RequestOutput:
         sample = CompletionOutput(0, text, [token], None, None, finish)
         return RequestOutput("r", None, [1], [sample], finish is not None)
 
     try:
-        protocol.merge_completions = counting
+        formatting.merge_completions = counting
         assert fmt.chunks(0, delta("a", 1), False)[0]["choices"][0]["text"] == "a"
         n = 2000
         assert all(fmt.chunks(0, delta("", 2), False) == [] for _ in range(n))
         last = fmt.chunks(0, delta("b", 3, "length"), False)
     finally:
-        protocol.merge_completions = merge
+        formatting.merge_completions = merge
     assert last[0]["choices"][0]["text"] == "b" and last[0]["choices"][0]["finish_reason"] == "length"
     assert merged_tokens == [n + 1]
 

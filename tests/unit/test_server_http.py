@@ -333,7 +333,7 @@ def test_stream_logprobs_of_tokens_without_text_yet_go_with_the_next_chunk():
     its chunk is skipped, and its logprobs ride with the next chunk that has text."""
     from kiln.runtime.outputs import CompletionOutput, Logprob, RequestOutput
     from kiln.runtime.params import SamplingParams
-    from kiln.runtime.server.protocol import ResponseFormatter
+    from kiln.runtime.server.formatting import ResponseFormatter
 
     fmt = ResponseFormatter(False, "cmpl-1", "m", SamplingParams(logprobs=0))
 

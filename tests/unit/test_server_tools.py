@@ -10,7 +10,8 @@ import pytest
 
 from kiln.errors import InvalidParamError
 from kiln.runtime.server.protocol import ChatCompletionRequest, ChatMessage
-from kiln.runtime.server.tools import ToolResponses, parse_calls, render_messages
+from kiln.runtime.server.tools import ToolResponses, render_messages
+from kiln.runtime.tool_calls import parse_calls
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}},

@@ -17,6 +17,7 @@ from fake_runner import FakeModelRunner
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from llguidance.numpy import apply_token_bitmask_inplace
+from schemas import bounded_schemas
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
 from kiln.errors import InvalidParamError
@@ -78,6 +79,7 @@ def texts(llm: LLM, prompts: list[str], params: SamplingParams) -> list[tuple[st
     (lambda: StructuredOutput.regex("a[", "guided_regex"), "unclosed character class"),
     (lambda: StructuredOutput.grammar("start: foo", "guided_grammar"), "unknown name"),
     (lambda: StructuredOutput.json_schema({"type": "strin"}, "guided_json"), "strin"),
+    (lambda: StructuredOutput.json_schema({"not": {"type": "string"}}, "guided_json"), "Unimplemented keys"),
     (lambda: StructuredOutput.json_schema("{not json", "guided_json"), "not valid JSON"),
     (lambda: StructuredOutput.choice([], "guided_choice"), "non-empty list"),
 ])
@@ -244,30 +246,10 @@ def test_speculated_rows_are_masked_after_each_proposal_and_the_matcher_rolled_b
     assert state.matcher.validate_tokens([a, b, five]) == 3  # still at the start: nothing consumed
 
 
-# -- hypothesis: drawn schemas, each with its whole output bounded so every generation can complete -----------
-
-_leaf = st.one_of(
-    st.just({"type": "boolean"}),
-    st.integers(0, 50).map(lambda lo: {"type": "integer", "minimum": lo, "maximum": lo + 500}),
-    st.integers(0, 4).map(lambda n: {"type": "string", "maxLength": n}),
-    st.lists(st.text("abcxyz", min_size=1, max_size=3), min_size=1, max_size=3, unique=True).map(
-        lambda options: {"enum": options}),
-    st.just({"type": "null"}),
-)
-
-
-def _object(children):
-    return st.dictionaries(st.text("abcdefgh", min_size=1, max_size=4), children, min_size=1, max_size=3).map(
-        lambda props: {"type": "object", "properties": props, "required": sorted(props),
-                       "additionalProperties": False})
-
-
-_schemas = st.recursive(_leaf, lambda children: st.one_of(
-    _object(children), children.map(lambda item: {"type": "array", "items": item, "maxItems": 2})), max_leaves=6)
-
+# -- hypothesis: drawn schemas (tests/schemas.py), each with its whole output bounded ----------------------------
 
 @settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(schema=_schemas, temperature=st.sampled_from([0.0, 1.0]), seed=st.integers(0, 2**16))
+@given(schema=bounded_schemas, temperature=st.sampled_from([0.0, 1.0]), seed=st.integers(0, 2**16))
 def test_drawn_schemas_every_output_validates(tokenizer_dir, schema, temperature, seed):
     llm = _shared_llm(tokenizer_dir)
     params = SamplingParams(temperature=temperature, seed=seed, max_tokens=200,
@@ -286,3 +268,62 @@ def _shared_llm(tokenizer_dir: Path) -> LLM:
         _llms[tokenizer_dir] = make_llm(tokenizer_dir)
     return _llms[tokenizer_dir]
 
+
+
+# -- a reasoning model: the constraint applies after its <think> block --------------------------------------------
+
+THINK_TAGS = ("<think>", "</think>")
+
+
+@pytest.fixture(scope="module")
+def thinking_tokenizer_dir(tokenizer_dir, tmp_path_factory) -> Path:
+    """The byte-level tokenizer plus <think> and </think> as added (non-special) tokens, as Qwen3 has them."""
+    out = tmp_path_factory.mktemp("thinking-tokenizer")
+    tokenizer = Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json"))
+    tokenizer.add_tokens([AddedToken(t, special=False, normalized=False) for t in THINK_TAGS])
+    tokenizer.save(str(out / "tokenizer.json"))
+    return out
+
+
+class ThinkingRunner(FakeModelRunner):
+    """The fake model, closing its thought (</think>) every few positions: the grammar decides where that counts."""
+
+    def __init__(self, close_id: int, num_blocks: int) -> None:
+        super().__init__(num_blocks, 4, VOCAB)
+        self.close_id = close_id
+
+    def logits_for(self, tokens: np.ndarray) -> np.ndarray:
+        logits = super().logits_for(tokens)
+        if len(tokens) % 5 == 0:
+            logits[self.close_id] = logits.max() + 10
+        return logits
+
+
+@pytest.mark.parametrize("opened", [True, False])
+def test_the_schema_constrains_what_follows_the_thought(thinking_tokenizer_dir, opened):
+    tokenizer = EngineTokenizer(thinking_tokenizer_dir)
+    open_id, close_id = (tokenizer.encode(t, add_special_tokens=False)[0] for t in THINK_TAGS)
+    limits = EngineLimits(max_seq_len=256, max_num_tokens=64, eos_token_ids=(EOS,))
+    llm = LLM(Engine(ThinkingRunner(close_id, 256), tokenizer, RuntimeConfig(), limits, model_name="fake"))
+    spec = StructuredOutput.json_schema(SCHEMA).after_thinking(opened)
+    assert spec != StructuredOutput.json_schema(SCHEMA) and spec.after_thinking(opened) == spec
+    prompt = "question <think>\n" if opened else "question"
+    for temperature in (0.0, 1.0):
+        params = SamplingParams(temperature=temperature, seed=1, max_tokens=150, n=2, structured=spec)
+        for text, reason in texts(llm, [prompt], params):
+            assert reason == "stop", text
+            if not opened and not text.startswith("<think>"):
+                thought, answer = "", text  # it may answer at once
+            else:
+                thought, answer = text.removeprefix("<think>").split("</think>", 1)
+            assert "<think>" not in thought
+            jsonschema.validate(json.loads(answer), SCHEMA)
+    # where the block's tags are allowed: "{" inside an opened block is thought; </think> never closes an unopened one
+    state = GrammarCompiler(tokenizer.to_json(), VOCAB, [EOS]).compile(spec).start()
+    brace = tokenizer.encode("{", add_special_tokens=False)[0]
+    if opened:
+        assert state.matcher.validate_tokens([brace, close_id, brace]) == 3
+        assert state.matcher.validate_tokens([open_id]) == 0
+    else:
+        assert state.matcher.validate_tokens([open_id, brace, close_id, brace]) == 4
+        assert state.matcher.validate_tokens([close_id]) == 0
