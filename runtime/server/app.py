@@ -36,8 +36,8 @@ from kiln.runtime.server.admission import admit, check_length, token_prompts_fit
 from kiln.runtime.server.auth import ApiKeyAuth
 from kiln.runtime.server.bodies import body_schemas, openapi_body, parse_body
 from kiln.runtime.server.errors import APIError
-from kiln.runtime.server.images import take_images
 from kiln.runtime.server.formatting import ResponseFormatter
+from kiln.runtime.server.images import take_images
 from kiln.runtime.server.limits import BodyLimit, RequestLimits, default_max_request_bytes
 from kiln.runtime.server.metrics import CONTENT_TYPE, ServerMetrics
 from kiln.runtime.server.offload import INLINE_TEMPLATE_BYTES, INLINE_TOKEN_IDS, INLINE_TOKENIZE_CHARS, Offload
