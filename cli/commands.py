@@ -61,7 +61,8 @@ def main() -> None:
                    "rope scaling stretches it to; the server serves what its KV pool holds)")
 @click.option("--quantization", default="none", show_default=True,
               help="none | int8-weight-only | int4-rtn-g{32,64,128} | int4-awq-g{32,64,128} | int4-q4_1 | "
-                   "w8a8-smoothquant | gguf (a GGUF's Q4_0/Q8_0/Q4_K/Q5_K/Q6_K blocks executed as they are)")
+                   "w8a8-smoothquant | gguf (a GGUF's Q4_0/Q8_0/Q4_K/Q5_K/Q6_K blocks executed as they are, int8 "
+                   "activations as llama.cpp) | gguf-exact (the same blocks with float32 activations: slower)")
 @click.option("--calibration", type=click.Path(exists=True, file_okay=False, path_type=Path), default=None,
               help="artifact of `kiln calibrate` (needed by int4-awq-*, w8a8-smoothquant and --kv-dtype int8); "
                    "folding its scales reads every weight into memory (fp32), where other builds stream them")

@@ -5,28 +5,33 @@ Activations: each row of x is quantized in blocks of the weight type's granulari
 
     step = max|x_block| / 127 (0 for an all-zero block),  xq = rint(x * (1 / step)) (half to even), in float32
 
-and, for the k-quants, the integer sums S of each 16 consecutive xq (Q8_K's bsums).
+and the sums their terms need: for Q6_K the integer sums of each 16 consecutive xq (Q8_K's bsums); for Q4_K and
+Q5_K per sub-block of 32 the float sum S of x and what int8 loses of it, E = S - step * sum(xq).
 
 Each (row, output channel, block) is then one exact integer dot and at most two float32 scale products:
 
     Q4_0, Q8_0   isum = sum_i w_i xq_i                     (w = q - 8, or the int8 q)
                  term = (step * d) * isum
     Q4_K, Q5_K   isum = sum_j sc_j (q_j . xq_j)            (8 sub-blocks of 32, q the 4- or 5-bit code)
-                 imin = sum_j m_j (S_2j + S_2j+1)
-                 term = (step * d) * isum - (step * dmin) * imin
+                 term = (step * d) * isum + sum_j (c * (d * sc_j)) * E_j - sum_j (dmin * m_j) * S_j
     Q6_K         isum = sum_g sc_g ((q_g - 32) . xq_g)     (16 groups of 16, sc_g the int8 scale)
                  term = (step * d) * isum
 
     y = sum over blocks of term (+ bias)
 
-(step * d) and (step * dmin) are float32 products, the kernel's numbers; the integers are exact in the kernel too
-(int16 pair sums of at most 2 * 63 * 127, int32 block sums). The kernel sums the terms in float32 (8 lanes, then
-the lanes), this spec in float64: the two agree within float32 summation-order bounds, not bit for bit, and
-`block_terms` gives the terms a test bounds that by.
+with c the codes' mean (Q4_K 7.5, Q5_K 15.5). Since x = step * xq + (rounding), q_j . x_j = step (q_j . xq_j) +
+c E_j + ((q_j - c) . rounding): the minimums meet the exact float sums and the codes' mean meets what int8 lost of
+them, so int8 rounding reaches only the centred codes q - c (llama.cpp's q8_K takes the minimums from the integer
+sums and multiplies the raw codes: on a tiny random Q4_K_M-like model that moved the logits by 0.65 of their
+standard deviation at worst, this by far less; kiln.MatMulQ4_1 does the same for Q4_1). Q4_0, Q6_K and Q8_0
+codes are centred already (q - 8, q - 32, signed), and Q6_K's offset is exact in integers.
 
-The minimum's and Q6_K's offset use the integer sums (as llama.cpp does), so int8 rounding reaches them too; the
-float32-activation path (int8_activations = 0, kiln/matmul_gguf.py) keeps x exact for a reference within float32
-rounding of the file's dequantized weights.
+(step * d), (step * dmin), (d * sc_j), (dmin * m_j) and c * (d * sc_j) are float32 products, the kernel's numbers;
+the integers are exact in the kernel too (int16 pair sums of at most 2 * 63 * 127, int32 block sums). The kernel
+sums in float32 (S of 32 values, the terms in 8 lanes, then the lanes), this spec in float64: the two agree within
+float32 summation-order bounds, not bit for bit, and `block_terms` gives each term's magnitude a test bounds that
+by. The float32-activation path (int8_activations = 0, kiln/matmul_gguf.py) keeps x exact, a reference within
+float32 rounding of the file's dequantized weights.
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ from kiln.gguf_blocks import FORMATS, GgmlType, block_integers, ggml_type, row_w
 
 INT8_MAX = 127
 SUM_GROUP = 16  # activations per integer sum (Q8_K's bsums)
+CENTRES = {GgmlType.Q4_K: 7.5, GgmlType.Q5_K: 15.5}  # the codes' mean, taken from the exact sums
 
 
 def activation_block(kind: GgmlType) -> int:
@@ -85,12 +91,17 @@ def block_terms(x: np.ndarray, w: np.ndarray, kind: int) -> tuple[np.ndarray, np
     terms, magnitudes = scale * isum, np.abs(scale) * iabs
     if ints.mins is not None:
         assert ints.dmin is not None
-        sub_sums = acts.sums.reshape(t, nb, 8, 2).sum(-1)  # per sub-block of 32
-        imin = np.einsum("tbj,nbj->tnb", sub_sums, ints.mins.astype(np.int64))
-        imin_abs = np.einsum("tbj,nbj->tnb", np.abs(acts.q.astype(np.int64)).reshape(t, nb, 8, 32).sum(-1),
-                             ints.mins.astype(np.int64))
-        minimum = (step * ints.dmin[None]).astype(np.float32).astype(np.float64)
-        terms, magnitudes = terms - minimum * imin, magnitudes + np.abs(minimum) * imin_abs
+        x64 = np.asarray(x, np.float64).reshape(t, nb, 8, 32)
+        sums, abs_sums = x64.sum(-1), np.abs(x64).sum(-1)  # S_j, and what bounds its float32 rounding
+        int8_part = acts.step.astype(np.float64)[..., None] * xq.reshape(t, nb, 8, 32).sum(-1)
+        errors = sums - int8_part  # E_j
+        centre = CENTRES[kind]
+        scale_j = (ints.d[..., None] * ints.scales).astype(np.float32)  # d * sc_j, [N, nb, 8]
+        centred = (scale_j * np.float32(centre)).astype(np.float64)
+        minimum = (ints.dmin[..., None] * ints.mins).astype(np.float32).astype(np.float64)
+        terms = terms + np.einsum("nbj,tbj->tnb", centred, errors) - np.einsum("nbj,tbj->tnb", minimum, sums)
+        magnitudes = (magnitudes + np.einsum("nbj,tbj->tnb", np.abs(centred), abs_sums + np.abs(int8_part))
+                      + np.einsum("nbj,tbj->tnb", np.abs(minimum), abs_sums))
     return terms, magnitudes
 
 

@@ -3,13 +3,15 @@
 // The arithmetic is written once, as exact integers, in kiln/gguf_int8.py; this file implements it.
 //
 //   1. each activation row is quantized to int8 in blocks of the weight type's granularity (Q4_0, Q8_0: 32 values;
-//      the k-quants: 256, llama.cpp's Q8_K), step max|x| / 127, with int sums per 16 values for the k-quants'
-//      minimums (Q4_K, Q5_K) and Q6_K's offset of 32;
+//      the k-quants: 256, llama.cpp's Q8_K), step max|x| / 127, with int sums per 16 values for Q6_K's offset of
+//      32, and for Q4_K / Q5_K per sub-block of 32 the float sum S and what int8 loses of it, E = S - step sum(xq);
 //   2. a tile is one output channel x up to kTileRows rows; for each block, the block's integers are unpacked to
 //      bytes once (32 a vector) and multiplied into each row's int8 with maddubs (unsigned weight byte x signed
 //      activation, pairs summed in int16: at most 63 x 127 x 2, no saturation) and madd (the pairs times the
 //      sub-block's integer scale, summed in int32). The integer block sum is exact; it meets float once per block:
-//          acc += (xd * d) * isum  [- (xd * dmin) * imin]
+//          acc += (step * d) * isum  [+ sum_j (c (d sc_j)) E_j - sum_j (dmin m_j) S_j   for Q4_K / Q5_K]
+//      (the minimums from the exact float sums, and the codes' mean c (7.5, 15.5) from E: int8 rounding then
+//      reaches only the centred codes, as in kiln.MatMulQ4_1);
 //   3. work items (16 channels x 32 rows) run on ONNX Runtime's intra-op thread pool.
 //
 // The weights are the file's blocks as they are (no repacking). Each row's arithmetic is the same in every tile
@@ -52,18 +54,23 @@ struct Int8Rows {
   int64_t K = 0, block = 0;
   std::vector<int8_t> q;         // [T, K]
   std::vector<float> step;       // [T, K / block]
-  std::vector<int16_t> sums;     // [T, K / 16]: k-quants only
+  std::vector<int16_t> sums;     // [T, K / 16]: Q6_K only
+  std::vector<float> sub_sum, sub_error;  // [T, K / 32]: Q4_K / Q5_K only
 
-  void reset(int64_t T, int64_t K_, int64_t block_, bool with_sums) {
+  void reset(int64_t T, int64_t K_, int64_t block_, bool with_sums, bool with_sub_sums) {
     K = K_, block = block_;
     q.resize(T * K);
     step.resize(T * (K / block));
     sums.resize(with_sums ? T * (K / kSumGroup) : 0);
+    sub_sum.resize(with_sub_sums ? T * (K / 32) : 0);
+    sub_error.resize(with_sub_sums ? T * (K / 32) : 0);
   }
 };
 
 // One row: per block, step = max|x| / 127 and q = rint(x * (1 / step)) (half to even), the spec's float32 numbers.
-void quantize_row(const float* x, int64_t K, int64_t block, int8_t* q, float* steps, int16_t* sums) {
+// sums (16-sums) and sub_sum / sub_error (per 32) are written where not nullptr.
+void quantize_row(const float* x, int64_t K, int64_t block, int8_t* q, float* steps, int16_t* sums, float* sub_sum,
+                  float* sub_error) {
   const __m256 sign = _mm256_set1_ps(-0.f);
   const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);  // undoes packs' lane interleave
   constexpr int kRound = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
@@ -84,6 +91,17 @@ void quantize_row(const float* x, int64_t K, int64_t block, int8_t* q, float* st
           s4 = _mm_hadd_epi32(s4, s4);
           *sums++ = static_cast<int16_t>(_mm_cvtsi128_si32(_mm_hadd_epi32(s4, s4)));
         }
+      if (sub_sum != nullptr) {  // the float sum of the 32 values and its int8 part, summed in this order
+        const __m256 v01 = _mm256_add_ps(_mm256_loadu_ps(x + i), _mm256_loadu_ps(x + i + 8));
+        const __m256 v23 = _mm256_add_ps(_mm256_loadu_ps(x + i + 16), _mm256_loadu_ps(x + i + 24));
+        const float S = hsum(_mm256_add_ps(v01, v23));
+        const __m256i i4 = _mm256_add_epi32(_mm256_add_epi32(v[0], v[1]), _mm256_add_epi32(v[2], v[3]));
+        __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(i4), _mm256_extracti128_si256(i4, 1));
+        s4 = _mm_hadd_epi32(s4, s4);
+        const int isum = _mm_cvtsi128_si32(_mm_hadd_epi32(s4, s4));
+        *sub_sum++ = S;
+        *sub_error++ = S - step * static_cast<float>(isum);
+      }
       const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(v[0], v[1]), _mm256_packs_epi32(v[2], v[3]));
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + i), _mm256_permutevar8x32_epi32(bytes, order));
     }
@@ -97,7 +115,9 @@ template <int NT>
 struct RowPtrs {
   const int8_t* q[NT];
   const float* step[NT];
-  const int16_t* sums[NT];
+  const int16_t* sums[NT];      // Q6_K
+  const float* sub_sum[NT];     // Q4_K / Q5_K
+  const float* sub_error[NT];
 };
 
 // Q4_0 and Q8_0: signed weights w, so |w| (unsigned) times x with w's sign; |w| <= 128, the pairs fit int16.
@@ -143,7 +163,7 @@ inline void k_scales(const uint8_t* b, uint8_t* sc, uint8_t* mins) {
 }
 
 // Sub-block j's 32 weights: chunk c = j / 2 of the nibbles, low (j even) or high (j odd); Q5_K's fifth bit is bit j
-// of qh[l]. isum = sum_j sc_j (q_j . x_j), imin = sum_j m_j (S_2j + S_2j+1) from the 16-sums.
+// of qh[l]. isum = sum_j sc_j (q_j . xq_j); the minimums and the codes' mean c from the float sums (see the top).
 template <bool kFifthBit, int NT>
 inline void k_block(const uint8_t* b, const uint8_t* qs, const RowPtrs<NT>& rows, __m256* acc) {
   alignas(16) uint8_t sc[8], mins[8];
@@ -167,15 +187,18 @@ inline void k_block(const uint8_t* b, const uint8_t* qs, const RowPtrs<NT>& rows
       isum[r] = _mm256_add_epi32(isum[r], _mm256_add_epi32(a, dot_bytes(hi, load32(rows.q[r] + 64 * c + 32), s_hi)));
     }
   }
-  // the minimums, each twice (sub-block j covers 16-sums 2j and 2j + 1)
-  const __m128i m8 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(mins));
-  const __m256i mins16 = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(m8, m8));
+  // the 8 sub-blocks' d sc_j and dmin m_j as float32 vectors (the spec's products), then c (d sc_j)
+  constexpr float kCentre = kFifthBit ? 15.5f : 7.5f;
   const float d = f16(b), dmin = f16(b + 2);
+  const __m256 scale = _mm256_mul_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(
+                                                            _mm_loadl_epi64(reinterpret_cast<const __m128i*>(sc)))));
+  const __m256 minimum = _mm256_mul_ps(_mm256_set1_ps(dmin), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(
+                                                                 _mm_loadl_epi64(reinterpret_cast<const __m128i*>(mins)))));
+  const __m256 centred = _mm256_mul_ps(scale, _mm256_set1_ps(kCentre));
   for (int r = 0; r < NT; ++r) {
-    const __m256i imin = _mm256_madd_epi16(load32(rows.sums[r]), mins16);
-    const float step = rows.step[r][0];
-    acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(step * d), _mm256_cvtepi32_ps(isum[r]), acc[r]);
-    acc[r] = _mm256_fnmadd_ps(_mm256_set1_ps(step * dmin), _mm256_cvtepi32_ps(imin), acc[r]);
+    acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(rows.step[r][0] * d), _mm256_cvtepi32_ps(isum[r]), acc[r]);
+    acc[r] = _mm256_fmadd_ps(centred, _mm256_loadu_ps(rows.sub_error[r]), acc[r]);
+    acc[r] = _mm256_fnmadd_ps(minimum, _mm256_loadu_ps(rows.sub_sum[r]), acc[r]);
   }
 }
 
@@ -250,6 +273,8 @@ __attribute__((noinline)) void tile(const Problem& p, int64_t n, int64_t t0) {
     rows.q[r] = a.q.data() + (t0 + r) * m.K;
     rows.step[r] = a.step.data() + (t0 + r) * act_blocks;
     rows.sums[r] = a.sums.empty() ? nullptr : a.sums.data() + (t0 + r) * (m.K / kSumGroup);
+    rows.sub_sum[r] = a.sub_sum.empty() ? nullptr : a.sub_sum.data() + (t0 + r) * (m.K / 32);
+    rows.sub_error[r] = a.sub_error.empty() ? nullptr : a.sub_error.data() + (t0 + r) * (m.K / 32);
     acc[r] = _mm256_setzero_ps();
   }
   for (int64_t blk = 0; blk < nb; ++blk, w += Type::kBytes) {
@@ -258,6 +283,7 @@ __attribute__((noinline)) void tile(const Problem& p, int64_t n, int64_t t0) {
       rows.q[r] += Type::kWeights;
       rows.step[r] += 1;  // one activation block a weight block (kActBlock == kWeights)
       if (rows.sums[r] != nullptr) rows.sums[r] += Type::kWeights / kSumGroup;
+      if (rows.sub_sum[r] != nullptr) rows.sub_sum[r] += Type::kWeights / 32, rows.sub_error[r] += Type::kWeights / 32;
     }
   }
   const float bias = m.bias ? m.bias[n] : 0.f;
@@ -284,17 +310,17 @@ using ItemFn = void (*)(const Problem&, int64_t, int64_t, int64_t, int64_t);
 
 struct Kernel {
   int64_t act_block;
-  bool sums;
+  bool sums, sub_sums;  // 16-sums of q (Q6_K); float sums and errors per 32 (Q4_K, Q5_K)
   ItemFn item;
 };
 
 Kernel kernel_of(int64_t ggml_type) {
   switch (ggml_type) {
-    case 2: return {Q4_0::kActBlock, false, &run_item<Q4_0>};
-    case 8: return {Q8_0::kActBlock, false, &run_item<Q8_0>};
-    case 12: return {Q4_K::kActBlock, true, &run_item<Q4_K>};
-    case 13: return {Q5_K::kActBlock, true, &run_item<Q5_K>};
-    default: return {Q6_K::kActBlock, true, &run_item<Q6_K>};  // 14: the caller validated the type
+    case 2: return {Q4_0::kActBlock, false, false, &run_item<Q4_0>};
+    case 8: return {Q8_0::kActBlock, false, false, &run_item<Q8_0>};
+    case 12: return {Q4_K::kActBlock, false, true, &run_item<Q4_K>};
+    case 13: return {Q5_K::kActBlock, false, true, &run_item<Q5_K>};
+    default: return {Q6_K::kActBlock, true, false, &run_item<Q6_K>};  // 14: the caller validated the type
   }
 }
 
@@ -306,11 +332,13 @@ void matmul_gguf_int8(OrtKernelContext* ctx, int64_t ggml_type, const GgufMatmul
   thread_local Int8Rows scratch;
   Int8Rows local;
   Int8Rows& rows = m.T <= kRowsPerItem ? scratch : local;
-  rows.reset(m.T, m.K, kernel.act_block, kernel.sums);
+  rows.reset(m.T, m.K, kernel.act_block, kernel.sums, kernel.sub_sums);
   const int64_t act_blocks = m.K / kernel.act_block;
   auto quantize = [&](size_t t) {
     quantize_row(m.x + t * m.K, m.K, kernel.act_block, rows.q.data() + t * m.K, rows.step.data() + t * act_blocks,
-                 kernel.sums ? rows.sums.data() + t * (m.K / kSumGroup) : nullptr);
+                 kernel.sums ? rows.sums.data() + t * (m.K / kSumGroup) : nullptr,
+                 kernel.sub_sums ? rows.sub_sum.data() + t * (m.K / 32) : nullptr,
+                 kernel.sub_sums ? rows.sub_error.data() + t * (m.K / 32) : nullptr);
   };
   if (m.T * m.K >= kParallelQuantize) parallel_for(ctx, static_cast<size_t>(m.T), quantize);
   else for (int64_t t = 0; t < m.T; ++t) quantize(static_cast<size_t>(t));

@@ -1,8 +1,9 @@
-"""`kiln build FILE.gguf --quantization gguf`: a tiny llama GGUF of k-quant blocks mixed as Q4_K_M mixes them (Q4_K,
-with Q6_K / Q5_K attn_v, Q6_K / Q8_0 ffn_down, a Q6_K head: its own or the tied table's) keeps every linear in its
-file's blocks (kiln.MatMulGGUF, the engine's bytes the file's, q/k rows unpermuted whole) and gives the logits of
-the file's dequantized weights (the same file built with --quantization none) within 1e-3, a float32 KV cache in
-both (float16's rounding steps would turn float32 differences of 1e-7 into 1e-3 at an unlucky value)."""
+"""`kiln build FILE.gguf --quantization gguf | gguf-exact`: a tiny llama GGUF of k-quant blocks mixed as Q4_K_M mixes
+them (Q4_K, with Q6_K / Q5_K attn_v, Q6_K / Q8_0 ffn_down, a Q6_K head: its own or the tied table's) keeps every
+linear in its file's blocks (kiln.MatMulGGUF, the engine's bytes the file's, q/k rows unpermuted whole). gguf-exact
+gives the logits of the file's dequantized weights (the same file built with --quantization none) within 1e-3, a
+float32 KV cache in all (float16's rounding steps would turn float32 differences of 1e-7 into 1e-3 at an unlucky
+value); gguf (int8 activations) within int8's rounding of them."""
 
 from __future__ import annotations
 
@@ -48,7 +49,8 @@ def gguf_engines(request, tmp_path_factory):
     path, _ = make_tiny_gguf(folder, "llama", quantize=lambda name, array: _quantize(name, array, tied),
                              tie_word_embeddings=tied, **SHAPE)
     engines = {}
-    for scheme in ("gguf", "none"):  # a float32 KV cache: float16's rounding would amplify float32 differences
+    # a float32 KV cache: float16's rounding would amplify float32 differences
+    for scheme in ("gguf", "gguf-exact", "none"):
         engines[scheme] = folder / scheme
         build_engine(path, engines[scheme], BuildOptions(quantization=QuantScheme.parse(scheme), kv_dtype="float32"),
                      progress=lambda _msg: None)
@@ -62,11 +64,21 @@ def _logits(engine) -> np.ndarray:
     return np.concatenate(rows)
 
 
-def test_gguf_engine_gives_the_files_dequantized_logits(gguf_engines):
+def test_gguf_exact_engine_gives_the_files_dequantized_logits(gguf_engines):
     _, engines = gguf_engines
-    exact, kept = _logits(engines["none"]), _logits(engines["gguf"])
+    exact, kept = _logits(engines["none"]), _logits(engines["gguf-exact"])
     assert np.abs(exact).max() > 1  # logits of some size: the tolerance below means something
     assert np.abs(kept - exact).max() < 1e-3
+
+
+def test_gguf_engine_with_int8_activations_stays_near_them(gguf_engines):
+    """int8 activation blocks (256 values a step for the k-quants) move the logits by a few % of their spread, not
+    more: the same next-token choice on every row here, and the error far below a misplaced block's."""
+    _, engines = gguf_engines
+    exact, int8 = _logits(engines["none"]), _logits(engines["gguf"])
+    err = np.abs(int8 - exact).max() / exact.std()
+    assert 0 < err < 0.1, err
+    assert (int8.argmax(-1) == exact.argmax(-1)).mean() >= 0.9
 
 
 def test_every_linear_is_the_files_blocks(gguf_engines):
@@ -78,6 +90,9 @@ def test_every_linear_is_the_files_blocks(gguf_engines):
     model = onnx.load(engines["gguf"] / "model.onnx")
     nodes = [n for n in model.graph.node if n.op_type == "MatMulGGUF"]
     types = sorted(GgmlType(n.attribute[0].i).name for n in nodes)
+    assert all(n.attribute[1].name == "int8_activations" and n.attribute[1].i == 1 for n in nodes)
+    exact = [n for n in onnx.load(engines["gguf-exact"] / "model.onnx").graph.node if n.op_type == "MatMulGGUF"]
+    assert len(exact) == len(nodes) and all(n.attribute[1].i == 0 for n in exact)
     # per layer: fused q/k (Q4_K) + v (Q6_K / Q5_K) as two nodes, o, gate/up (Q4_K, or Q4_K + Q4_0), down; the head
     assert types.count("Q6_K") == 3 and types.count("Q5_K") == 1 and types.count("Q8_0") == 1
     assert types.count("Q4_0") == 1 and types.count("Q4_K") == 6
