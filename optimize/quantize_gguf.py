@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from itertools import groupby
+from pathlib import Path
 
 import numpy as np
 import onnx_ir as ir
@@ -48,6 +49,20 @@ class GgufCounts:
     @property
     def total(self) -> int:
         return self.kept + self.q4_1 + self.fallback
+
+
+def default_quantization(model: str) -> str:
+    """What `kiln build MODEL` quantizes with when not told: "gguf" for a .gguf file whose matrices (the embedding
+    table aside) are all of types kiln.MatMulGGUF executes (a Q4_K_M file runs as it is, as in llama.cpp), else
+    "none"."""
+    path = Path(model)
+    if path.suffix != ".gguf" or not path.is_file():
+        return "none"
+    from gguf import GGUFReader  # compile-time dependency only
+
+    types = [int(t.tensor_type) for t in GGUFReader(str(path)).tensors
+             if len(t.shape) == 2 and not t.name.startswith("token_embd")]
+    return "gguf" if types and all(t in _EXECUTABLE for t in types) else "none"
 
 
 def executable_blocks(lin: Linear) -> tuple[FileBlocks, ...]:
