@@ -117,4 +117,5 @@ def matmul_gguf_int8_ref(x: np.ndarray, w: np.ndarray, kind: int, bias: np.ndarr
     y = block_terms(x.reshape(-1, k), w, kind)[0].sum(-1)
     if bias is not None:
         y = y + bias.astype(np.float64)
-    return y.astype(np.float32).reshape(*x.shape[:-1], w.shape[0])
+    out: np.ndarray = y.astype(np.float32).reshape(*x.shape[:-1], w.shape[0])
+    return out
