@@ -2,8 +2,10 @@
 
 Ways, one linear y = x @ W^T each:
   q4_1            kiln.MatMulQ4_1 (kiln's repacked Q4_1, int8 activations): what a Q4_K_M file is re-rounded to today
-  q4_k q5_k q6_k q8_0 q4_0   kiln.MatMulGGUF on random valid blocks of that type (float32 activations)
-Shapes (Llama-3.2-1B): fused qkv 2048 -> 3072, o 2048 -> 2048, fused gate/up 2048 -> 16384, down 8192 -> 2048.
+  q4_k q5_k q6_k q8_0 q4_0   kiln.MatMulGGUF on random valid blocks of that type, float32 activations
+  q4_k-i8 q5_k-i8 ...        the same blocks with int8 activations (int8_activations = 1: integer block dots)
+Shapes (Llama-3.2-1B): fused qkv 2048 -> 3072, o 2048 -> 2048, up 2048 -> 8192, fused gate/up 2048 -> 16384,
+down 8192 -> 2048.
 Each way cycles through sessions each with its own copy of the weights, enough copies (at least --copies) for
 --cold-mib of weights, so that a call streams its weights from DRAM (more than the last-level cache holds), as a
 real 1B decode step does. The
@@ -12,7 +14,7 @@ ways' batches are interleaved round by round (a shared machine's drift hits them
 its time.
 
     python benchmarks/bench_matmul_gguf.py [--repeats 7] [--tokens 1 16] [--linears gate/up down] [--copies 4]
-        [--cold-mib 96] [--threads 2] [--cpu-time] [--ways q4_1 q4_k q6_k q8_0]
+        [--cold-mib 96] [--threads 2] [--cpu-time] [--ways q4_1 q4_k q4_k-i8 q6_k-i8 q8_0-i8]
 """
 
 from __future__ import annotations
@@ -30,9 +32,11 @@ from kiln.matmul_q4_1 import make_single_op_model as q4_1_model
 from kiln.optimize.quant.rtn import quantize_q4_1
 from kiln.runtime.ops import library_path
 
-SHAPES = {"qkv": (2048, 3072), "o": (2048, 2048), "gate/up": (2048, 16384), "down": (8192, 2048)}
+SHAPES = {"qkv": (2048, 3072), "o": (2048, 2048), "up": (2048, 8192), "gate/up": (2048, 16384), "down": (8192, 2048)}
 TYPES = {"q4_k": GgmlType.Q4_K, "q5_k": GgmlType.Q5_K, "q6_k": GgmlType.Q6_K, "q8_0": GgmlType.Q8_0,
          "q4_0": GgmlType.Q4_0}
+INT8_SUFFIX = "-i8"
+WAYS = ["q4_1", *TYPES, *(name + INT8_SUFFIX for name in TYPES)]
 
 
 def session(model: bytes, threads: int) -> ort.InferenceSession:
@@ -55,9 +59,11 @@ def ways(k: int, n: int, names: list[str], cold_bytes: int, threads: int) -> dic
                 nbytes = qs.nbytes + dm.nbytes
                 sessions.append(session(q4_1_model(w).SerializeToString(), threads))
             else:
-                blocks = random_blocks(rng, TYPES[name], n, k)
+                kind = TYPES[name.removesuffix(INT8_SUFFIX)]
+                blocks = random_blocks(rng, kind, n, k)
                 nbytes = blocks.nbytes
-                sessions.append(session(gguf_model(blocks, TYPES[name]).SerializeToString(), threads))
+                model = gguf_model(blocks, kind, int8_activations=name.endswith(INT8_SUFFIX))
+                sessions.append(session(model.SerializeToString(), threads))
         out[name] = (sessions, nbytes)
     return out
 
@@ -89,7 +95,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--tokens", type=int, nargs="+", default=[1, 16])
     parser.add_argument("--linears", nargs="+", default=list(SHAPES), choices=list(SHAPES))
-    parser.add_argument("--ways", nargs="+", default=["q4_1", "q4_k", "q6_k", "q8_0"], choices=["q4_1", *TYPES])
+    parser.add_argument("--ways", nargs="+", default=["q4_1", "q4_k", "q4_k-i8", "q6_k-i8", "q8_0-i8"], choices=WAYS)
     parser.add_argument("--copies", type=int, default=4, help="weight copies a way cycles through (cold weights)")
     parser.add_argument("--cold-mib", type=float, default=96, help="weights a way cycles through, at least")
     parser.add_argument("--threads", type=int, default=2)

@@ -59,9 +59,11 @@ def main() -> None:
 @click.option("--max-seq-len", type=int, default=None,
               help="context length in tokens (default: the model's own, max_position_embeddings or the length its "
                    "rope scaling stretches it to; the server serves what its KV pool holds)")
-@click.option("--quantization", default="none", show_default=True,
+@click.option("--quantization", default=None,
               help="none | int8-weight-only | int4-rtn-g{32,64,128} | int4-awq-g{32,64,128} | int4-q4_1 | "
-                   "w8a8-smoothquant | gguf (a GGUF's Q4_0/Q8_0/Q4_K/Q5_K/Q6_K blocks executed as they are)")
+                   "w8a8-smoothquant | gguf (a GGUF's Q4_0/Q8_0/Q4_K/Q5_K/Q6_K blocks executed as they are, int8 "
+                   "activations as llama.cpp) | gguf-exact (the same blocks with float32 activations: slower). Default:"
+                   " gguf for a .gguf file whose matrices are all of those types, else none")
 @click.option("--calibration", type=click.Path(exists=True, file_okay=False, path_type=Path), default=None,
               help="artifact of `kiln calibrate` (needed by int4-awq-*, w8a8-smoothquant and --kv-dtype int8); "
                    "folding its scales reads every weight into memory (fp32), where other builds stream them")
@@ -83,13 +85,17 @@ def main() -> None:
               help="write one graph per contiguous layer range (the first with the embedding, the last with the "
                    "final norm and LM head), each with its own layers' KV pools, to serve as a pipeline "
                    "(kiln serve --pipeline-parallel N)")
-def build(model: str, output: Path, kv_dtype: str, block_size: int, max_seq_len: int | None, quantization: str,
-          calibration: Path | None, lm_head: str, medusa: Path | None, backend: str, pipeline_stages: int) -> None:
+def build(model: str, output: Path, kv_dtype: str, block_size: int, max_seq_len: int | None,
+          quantization: str | None, calibration: Path | None, lm_head: str, medusa: Path | None, backend: str,
+          pipeline_stages: int) -> None:
     """Compile MODEL (an HF checkpoint dir, a .gguf file, or `default` for SmolLM2) into an engine dir."""
     from kiln.manifest import BuildOptions
     from kiln.optimize.build import build_engine
     from kiln.quant_scheme import LmHead, QuantScheme
 
+    if quantization is None:
+        from kiln.optimize.quantize_gguf import default_quantization
+        quantization = default_quantization(model)
     options = BuildOptions(quantization=QuantScheme.parse(quantization), kv_dtype=kv_dtype, block_size=block_size,
                            max_seq_len=max_seq_len, calibration=calibration, lm_head=LmHead.parse(lm_head),
                            medusa=medusa, pipeline_stages=pipeline_stages)

@@ -133,10 +133,16 @@ def _q4_k(b: np.ndarray) -> np.ndarray:
     return _k_affine(b, _nibbles_k(b[:, 16:144]))
 
 
-def _q5_k(b: np.ndarray) -> np.ndarray:
+def _q5_k_codes(b: np.ndarray) -> np.ndarray:
+    """Q5_K blocks [B, 176] -> their 5-bit q as uint8 [B, 256]."""
     qh = b[:, 16:48]
     high = (qh[:, None, :] >> np.arange(8, dtype=np.uint8)[None, :, None]) & 1  # [B, sub-block j, weight l]
-    return _k_affine(b, _nibbles_k(b[:, 48:176]) | (high.reshape(-1, 256) << 4))
+    codes: np.ndarray = _nibbles_k(b[:, 48:176]) | (high.reshape(-1, 256) << 4)
+    return codes
+
+
+def _q5_k(b: np.ndarray) -> np.ndarray:
+    return _k_affine(b, _q5_k_codes(b))
 
 
 def q6_k_integers(b: np.ndarray) -> np.ndarray:
@@ -156,6 +162,44 @@ def _q6_k(b: np.ndarray) -> np.ndarray:
     q = q6_k_integers(b).astype(np.int8) - np.int8(32)
     w: np.ndarray = (d * scales)[..., None] * q.reshape(-1, 16, 16).astype(np.float32)
     return w.reshape(-1, 256)
+
+
+@dataclass(frozen=True)
+class BlockIntegers:
+    """A matrix's blocks as integers and float32 steps: w = d * scale_s * q (- dmin * min_j) per sub-block s of each
+    block (the int8-activation path's terms, kiln/gguf_int8.py)."""
+
+    q: np.ndarray  # int16 [N, nb, S, L]: the codes, offsets applied (Q4_0: q - 8, Q6_K: q - 32); S sub-blocks of L
+    scales: np.ndarray  # int16 [N, nb, S]: each sub-block's integer scale (1 for Q4_0, Q8_0)
+    mins: np.ndarray | None  # int16 [N, nb, 8]: Q4_K / Q5_K's minimums of the 8 sub-blocks, else None
+    d: np.ndarray  # float32 [N, nb]
+    dmin: np.ndarray | None  # float32 [N, nb]: Q4_K / Q5_K only
+
+
+def block_integers(blocks: np.ndarray, kind: GgmlType) -> BlockIntegers:
+    """uint8 [N, row bytes] -> the blocks' integers (layouts as `dequantize` reads them)."""
+    blocks = np.ascontiguousarray(blocks, dtype=np.uint8)
+    n = blocks.shape[0]
+    fmt = FORMATS[kind]
+    b = blocks.reshape(-1, fmt.nbytes)
+    nb = b.shape[0] // max(n, 1)
+    mins = dmin = None
+    if kind in (GgmlType.Q4_0, GgmlType.Q8_0):
+        qs = b[:, 2:]
+        q = (np.concatenate([qs & 15, qs >> 4], axis=1).astype(np.int16) - 8 if kind == GgmlType.Q4_0
+             else np.ascontiguousarray(qs).view(np.int8).astype(np.int16))
+        q, scales, d = q.reshape(-1, 1, 32), np.ones((b.shape[0], 1), np.int16), _f16(b[:, :2])
+    elif kind == GgmlType.Q6_K:
+        q = (q6_k_integers(b).astype(np.int16) - 32).reshape(-1, 16, 16)
+        scales = np.ascontiguousarray(b[:, 192:208]).view(np.int8).astype(np.int16)
+        d = _f16(b[:, 208:210])
+    else:
+        codes = _nibbles_k(b[:, 16:144]) if kind == GgmlType.Q4_K else _q5_k_codes(b)
+        q, d, dmin = codes.astype(np.int16).reshape(-1, 8, 32), _f16(b[:, 0:2]), _f16(b[:, 2:4])
+        sc, mn = k_scales_mins(b[:, 4:16])
+        scales, mins = sc.astype(np.int16), mn.astype(np.int16).reshape(n, nb, 8)
+        dmin = dmin.reshape(n, nb)
+    return BlockIntegers(q.reshape(n, nb, *q.shape[1:]), scales.reshape(n, nb, -1), mins, d.reshape(n, nb), dmin)
 
 
 def random_blocks(rng: np.random.Generator, kind: GgmlType, rows: int, cols: int, std: float = 0.05) -> np.ndarray:

@@ -2,8 +2,12 @@
 
 The ONNX Runtime CPU kernel (runtime/ops/matmul_gguf.cc) is tested against `matmul_gguf_ref`.
 
-Attribute
-  ggml_type  int: the blocks' GGUF type id, one of kiln/gguf_blocks.py's GgmlType (Q4_0, Q8_0, Q4_K, Q5_K, Q6_K)
+Attributes
+  ggml_type         int: the blocks' GGUF type id, one of kiln/gguf_blocks.py's GgmlType (Q4_0, Q8_0, Q4_K, Q5_K,
+                    Q6_K)
+  int8_activations  int, optional (absent: 0): 1 quantizes x per row to int8 blocks and multiplies integers
+                    (kiln/gguf_int8.py, the spec of that path: llama.cpp's arithmetic, what `--quantization gguf`
+                    builds); 0 keeps x float32 (this module's spec: `--quantization gguf-exact`)
 Inputs
   x          float32 [..., K]
   w          uint8   [N, K / QK * block bytes]   row n: output channel n's blocks, the bytes as the file holds them
@@ -11,11 +15,12 @@ Inputs
 Output
   y          float32 [..., N]
 
-Semantics: ``y = x @ dequantize(w)^T (+ bias)``, dequantize being llama.cpp's (kiln/gguf_blocks.py, equal to
-gguf-py's bit for bit). The activations stay float32: the kernel decodes each block to float32 in registers and
-multiplies it into float32 accumulators, so the only difference from the spec (float64 sums here) is float32
-rounding: a sub-block's products are summed in a different order, and its scale is applied once per sub-block
-(``d * sc * (q . x) - dmin * m * sum(x)``) rather than per weight. Bound used by the tests: 1e-5 * (|x| @ |W|^T).
+Semantics with int8_activations = 0: ``y = x @ dequantize(w)^T (+ bias)``, dequantize being llama.cpp's
+(kiln/gguf_blocks.py, equal to gguf-py's bit for bit). The activations stay float32: the kernel decodes each block
+to float32 in registers and multiplies it into float32 accumulators, so the only difference from the spec (float64
+sums here) is float32 rounding: a sub-block's products are summed in a different order, and its scale is applied
+once per sub-block (``d * sc * (q . x) - dmin * m * sum(x)``) rather than per weight. Bound used by the tests: 1e-5
+* (|x| @ |W|^T).
 
 One op with the type as an attribute, not one op per type: the contract (shapes, checks, threading, the build
 pass) is the same for every type, and the type is a constant of the node, so the kernel picks its block decoder
@@ -36,6 +41,7 @@ if TYPE_CHECKING:
 
 OP_TYPE = "MatMulGGUF"
 TYPE_ATTRIBUTE = "ggml_type"
+INT8_ATTRIBUTE = "int8_activations"
 
 
 def matmul_gguf_ref(x: np.ndarray, w: np.ndarray, kind: int, bias: np.ndarray | None = None) -> np.ndarray:
@@ -53,7 +59,8 @@ def matmul_gguf_ref(x: np.ndarray, w: np.ndarray, kind: int, bias: np.ndarray | 
     return y.astype(np.float32).reshape(*x.shape[:-1], w.shape[0])
 
 
-def make_single_op_model(w: np.ndarray, kind: int, bias: np.ndarray | None = None, rank: int = 2) -> ModelProto:
+def make_single_op_model(w: np.ndarray, kind: int, bias: np.ndarray | None = None, rank: int = 2,
+                         int8_activations: bool = False) -> ModelProto:
     """A one-node ONNX model y = kiln.MatMulGGUF(x, w[, bias]) with constant weights, for tests and benchmarks.
     x is [T, K] (rank 2) or [B, T, K] (rank 3), the leading dims symbolic."""
     from onnx import TensorProto, helper, numpy_helper  # compile-time dependency only
@@ -67,6 +74,8 @@ def make_single_op_model(w: np.ndarray, kind: int, bias: np.ndarray | None = Non
     names = ["x", "w"] + (["bias"] if bias is not None else [])
     node = helper.make_node(OP_TYPE, names, ["y"], domain=OP_DOMAIN)
     node.attribute.append(helper.make_attribute(TYPE_ATTRIBUTE, int(kind)))
+    if int8_activations:
+        node.attribute.append(helper.make_attribute(INT8_ATTRIBUTE, 1))
     graph = helper.make_graph([node], "matmul_gguf",
                               [helper.make_tensor_value_info("x", TensorProto.FLOAT, [*lead, k])],
                               [helper.make_tensor_value_info("y", TensorProto.FLOAT, [*lead, n])], inits)

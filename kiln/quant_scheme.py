@@ -6,7 +6,10 @@
     int4-awq-g{32,64,128}  AWQ scales folded in, then int4 as rtn; needs an awq artifact
     int4-q4_1              llama.cpp's Q4_1 (groups of 32, exact minimum): lossless on Q4_1 GGUFs
     gguf                   a GGUF file's own blocks (Q4_0, Q8_0, Q4_K, Q5_K, Q6_K) executed as they are
-                           (kiln.MatMulGGUF): the file's weights exactly; other linears int8 per channel
+                           (kiln.MatMulGGUF): the file's weights exactly, activations int8 per row block and
+                           integer block dots as llama.cpp computes them; other linears int8 per channel
+    gguf-exact             gguf with float32 activations: x @ the file's dequantized weights within float32
+                           rounding (a reference; slower)
     w8a8-smoothquant       SmoothQuant scales folded in, then int8 weights and per-token int8
                            activations; needs a smoothquant artifact
 
@@ -31,6 +34,12 @@ class QuantMethod(Enum):
     INT4_Q4_1 = "int4-q4_1"
     W8A8_SMOOTHQUANT = "w8a8-smoothquant"
     GGUF = "gguf"
+    GGUF_EXACT = "gguf-exact"
+
+    @property
+    def keeps_file_blocks(self) -> bool:
+        """The GGUF methods: the file's blocks executed as they are."""
+        return self in (QuantMethod.GGUF, QuantMethod.GGUF_EXACT)
 
 
 # Behind a 4-bit MatMulNBits head (int4-rtn, int4-awq), steps of up to this many logits rows (a few streams, or one

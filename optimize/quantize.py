@@ -5,7 +5,8 @@
     int4-rtn-g{32,64,128}  quantize_int4.py
     int4-awq-g{32,64,128}  AWQ scales folded in (prepare_checkpoint), then quantize_int4.py
     int4-q4_1              quantize_q4_1.py
-    gguf                   quantize_gguf.py (a GGUF's blocks kept; the head too, as every linear)
+    gguf, gguf-exact       quantize_gguf.py (a GGUF's blocks kept; the head too, as every linear; int8 or float32
+                           activations)
     w8a8-smoothquant       SmoothQuant scales folded in (prepare_checkpoint), then quantize_w8a8.py
 
 The int4 schemes give the tied LM head int8 per channel unless asked for int4, int4-rescored
@@ -138,11 +139,11 @@ def quantize_model(model: ir.Model, scheme: QuantScheme, lm_head: LmHead = LmHea
             name, count = "quantize_q4_1", quantize_q4_1_pass(model, int4_head)
         case QuantMethod.W8A8_SMOOTHQUANT:
             name, count = "quantize_w8a8", quantize_w8a8(model)
-        case QuantMethod.GGUF:
-            counts = quantize_gguf(model)
+        case QuantMethod.GGUF | QuantMethod.GGUF_EXACT:
+            counts = quantize_gguf(model, int8_activations=scheme.method is QuantMethod.GGUF)
             if counts.kept + counts.q4_1 == 0:
-                raise QuantizationError("quantization gguf keeps a GGUF file's quantized blocks, and no linear of "
-                                        "this model has blocks of a type kiln executes (Q4_0, Q4_1, Q8_0, Q4_K, "
+                raise QuantizationError(f"quantization {scheme} keeps a GGUF file's quantized blocks, and no linear "
+                                        "of this model has blocks of a type kiln executes (Q4_0, Q4_1, Q8_0, Q4_K, "
                                         "Q5_K, Q6_K); choose another --quantization")
             name = (f"quantize_gguf ({counts.kept} on the file's blocks, {counts.q4_1} Q4_1, {counts.fallback} "
                     "without usable blocks: int8)")
@@ -155,7 +156,7 @@ def quantize_model(model: ir.Model, scheme: QuantScheme, lm_head: LmHead = LmHea
             progress(f"  quantize_moe_experts: {layers} layers' experts to Q4_1")
     if count == 0:
         raise QuantizationError(f"quantization {scheme} found no linear layer to convert in the graph")
-    embeddings = quantize_embedding(model, file_blocks=scheme.method is QuantMethod.GGUF)
+    embeddings = quantize_embedding(model, file_blocks=scheme.method.keeps_file_blocks)
     if progress:
         progress(f"  quantize_embedding: converted {embeddings} Gathers")
     if rescored is not None:

@@ -2,19 +2,22 @@
 
 Each linear whose weight came from a GGUF matrix of a type kiln.MatMulGGUF executes (kiln/gguf_blocks.py: Q4_0,
 Q8_0, Q4_K, Q5_K, Q6_K) becomes one kiln.MatMulGGUF node over the file's bytes, which the engine stores as they are:
-the engine computes with exactly the file's weights. The rows arrive as the file holds them but for llama.cpp's q/k
-permutation, which the reader undoes on whole rows of blocks (exact). A fused projection (q/k/v, gate/up) whose parts
-have one type is one node over the stacked rows; parts of different types (a Q4_K_M file's Q6_K v beside Q4_K q
-and k) are one node per run of a type, their outputs concatenated. The LM head is a linear like the others (a tied
-head reads the embedding table's blocks). Q4_1 blocks (SmolLM2's file) go to kiln.MatMulQ4_1, decoded from the
-bytes: the file's weights exactly, with that kernel's int8 activations. A linear without usable blocks (float
-matrices, other ggml types) falls back to int8 per output channel (MatMulNBits), and the pass reports how many did.
+the engine computes with exactly the file's weights, and with int8 activations (int8_activations = 1, the `gguf`
+scheme: integer block dots as llama.cpp's) or float32 ones (`gguf-exact`). The rows arrive as the file holds them
+but for llama.cpp's q/k permutation, which the reader undoes on whole rows of blocks (exact). A fused projection
+(q/k/v, gate/up) whose parts have one type is one node over the stacked rows; parts of different types (a Q4_K_M
+file's Q6_K v beside Q4_K q and k) are one node per run of a type, their outputs concatenated. The LM head is a
+linear like the others (a tied head reads the embedding table's blocks). Q4_1 blocks (SmolLM2's file) go to
+kiln.MatMulQ4_1, decoded from the bytes: the file's weights exactly, with that kernel's int8 activations. A linear
+without usable blocks (float matrices, other ggml types) falls back to int8 per output channel (MatMulNBits), and
+the pass reports how many did.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from itertools import groupby
+from pathlib import Path
 
 import numpy as np
 import onnx_ir as ir
@@ -23,7 +26,7 @@ from kiln.contract import OP_DOMAIN
 from kiln.export.progress import track
 from kiln.export.tensor_files import FileBlocks
 from kiln.gguf_blocks import FORMATS, GgmlType, row_bytes
-from kiln.matmul_gguf import OP_TYPE, TYPE_ATTRIBUTE
+from kiln.matmul_gguf import INT8_ATTRIBUTE, OP_TYPE, TYPE_ATTRIBUTE
 from kiln.matmul_q4_1 import BLOCK as Q4_1_BLOCK
 from kiln.matmul_q4_1 import OP_TYPE as Q4_1_OP_TYPE
 from kiln.matmul_q4_1 import Q4_1Weights
@@ -48,6 +51,20 @@ class GgufCounts:
         return self.kept + self.q4_1 + self.fallback
 
 
+def default_quantization(model: str) -> str:
+    """What `kiln build MODEL` quantizes with when not told: "gguf" for a .gguf file whose matrices (the embedding
+    table aside) are all of types kiln.MatMulGGUF executes (a Q4_K_M file runs as it is, as in llama.cpp), else
+    "none"."""
+    path = Path(model)
+    if path.suffix != ".gguf" or not path.is_file():
+        return "none"
+    from gguf import GGUFReader  # compile-time dependency only
+
+    types = [int(t.tensor_type) for t in GGUFReader(str(path)).tensors
+             if len(t.shape) == 2 and not t.name.startswith("token_embd")]
+    return "gguf" if types and all(t in _EXECUTABLE for t in types) else "none"
+
+
 def executable_blocks(lin: Linear) -> tuple[FileBlocks, ...]:
     """The linear's file blocks when every part is of an executable type whose rows hold whole blocks of its K,
     else ()."""
@@ -61,15 +78,15 @@ def executable_blocks(lin: Linear) -> tuple[FileBlocks, ...]:
     return blocks
 
 
-def quantize_gguf(model: ir.Model) -> GgufCounts:
-    """Rewrite every linear MatMul in place."""
+def quantize_gguf(model: ir.Model, int8_activations: bool = True) -> GgufCounts:
+    """Rewrite every linear MatMul in place; kiln.MatMulGGUF nodes with int8 or float32 activations."""
     linears = find_linears(model)
     kept = q4_1 = 0
     for lin in track(linears, "quantize gguf", "linear"):
         blocks = executable_blocks(lin)
         q4_1_blocks = _q4_1_blocks(lin)
         if blocks:
-            nodes, output = _block_nodes(model, lin, blocks)
+            nodes, output = _block_nodes(model, lin, blocks, int8_activations)
             ensure_opset(model, OP_DOMAIN)
             kept += 1
         elif q4_1_blocks is not None:
@@ -87,7 +104,8 @@ def quantize_gguf(model: ir.Model) -> GgufCounts:
     return GgufCounts(kept, q4_1, len(linears) - kept - q4_1)
 
 
-def _block_nodes(model: ir.Model, lin: Linear, blocks: tuple[FileBlocks, ...]) -> tuple[list[ir.Node], ir.Value]:
+def _block_nodes(model: ir.Model, lin: Linear, blocks: tuple[FileBlocks, ...],
+                 int8_activations: bool) -> tuple[list[ir.Node], ir.Value]:
     """One kiln.MatMulGGUF per run of parts of one type (their rows stacked), concatenated when more than one."""
     k = lin.shape[1]
     bias = None
@@ -103,7 +121,8 @@ def _block_nodes(model: ir.Model, lin: Linear, blocks: tuple[FileBlocks, ...]) -
         inputs = [lin.activation, initializer(model, f"{lin.weight_name}{suffix}", data)]
         if bias is not None:
             inputs.append(initializer(model, f"{lin.weight_name}{suffix}.bias", bias[start:start + rows]))
-        nodes.append(ir.node(OP_TYPE, inputs, attributes={TYPE_ATTRIBUTE: int(kind)}, domain=OP_DOMAIN,
+        attributes = {TYPE_ATTRIBUTE: int(kind), INT8_ATTRIBUTE: int(int8_activations)}
+        nodes.append(ir.node(OP_TYPE, inputs, attributes=attributes, domain=OP_DOMAIN,
                              name=f"{lin.weight_name}{suffix}.MatMulGGUF"))
         start += rows
     if len(nodes) == 1:

@@ -28,6 +28,7 @@
 #include <vector>
 
 #include "matmul_gguf.h"
+#include "matmul_gguf_int8.h"
 #include "parallel_for.h"
 #include "shape_text.h"
 #include "simd.h"
@@ -288,6 +289,11 @@ struct MatMulGGUF {
   MatMulGGUF(const OrtApi*, const OrtKernelInfo* info) {
     Ort::ConstKernelInfo kernel_info{info};
     ggml_type_ = kernel_info.GetAttribute<int64_t>("ggml_type");
+    try {  // optional: absent in engines built before the int8 path, which keep float32 activations
+      int8_activations_ = kernel_info.GetAttribute<int64_t>("int8_activations");
+    } catch (const Ort::Exception&) {
+      int8_activations_ = 0;
+    }
   }
 
   Ort::Status Compute(OrtKernelContext* ctx, const Ort::Custom::Tensor<float>& x, const Ort::Custom::Tensor<uint8_t>& w,
@@ -308,6 +314,9 @@ struct MatMulGGUF {
     if (!type)
       fail_gguf("ggml_type " + std::to_string(ggml_type_) +
                 " has no kernel; supported: Q4_0 (2), Q8_0 (8), Q4_K (12), Q5_K (13), Q6_K (14)");
+    if (int8_activations_ != 0 && int8_activations_ != 1)
+      fail_gguf("int8_activations must be 0 (float32 activations) or 1 (int8), got " +
+                std::to_string(int8_activations_));
     const std::vector<int64_t>& ws = w.Shape();
     std::vector<int64_t> xs = x.Shape();
     if (ws.size() != 2 || ws[0] <= 0 || ws[1] <= 0 || ws[1] % type->bytes)
@@ -325,6 +334,9 @@ struct MatMulGGUF {
     if (T == 0) return;
 
     const float* xd = x.Data();
+    if (int8_activations_ == 1)
+      return matmul_gguf_int8(ctx, ggml_type_, GgufMatmul{w.Data(), xd, bias ? bias->Data() : nullptr, out, T, N, K,
+                                                          row_bytes});
     std::vector<float> sums;
     if (type->mins) {
       sums.resize(T * (K / kSub));
@@ -344,6 +356,7 @@ struct MatMulGGUF {
   }
 
   int64_t ggml_type_ = -1;
+  int64_t int8_activations_ = 0;
 };
 
 }  // namespace

@@ -1,8 +1,9 @@
-"""`kiln build FILE.gguf --quantization gguf`: a tiny llama GGUF of k-quant blocks mixed as Q4_K_M mixes them (Q4_K,
-with Q6_K / Q5_K attn_v, Q6_K / Q8_0 ffn_down, a Q6_K head: its own or the tied table's) keeps every linear in its
-file's blocks (kiln.MatMulGGUF, the engine's bytes the file's, q/k rows unpermuted whole) and gives the logits of
-the file's dequantized weights (the same file built with --quantization none) within 1e-3, a float32 KV cache in
-both (float16's rounding steps would turn float32 differences of 1e-7 into 1e-3 at an unlucky value)."""
+"""`kiln build FILE.gguf --quantization gguf | gguf-exact`: a tiny llama GGUF of k-quant blocks mixed as Q4_K_M mixes
+them (Q4_K, with Q6_K / Q5_K attn_v, Q6_K / Q8_0 ffn_down, a Q6_K head: its own or the tied table's) keeps every
+linear in its file's blocks (kiln.MatMulGGUF, the engine's bytes the file's, q/k rows unpermuted whole). gguf-exact
+gives the logits of the file's dequantized weights (the same file built with --quantization none) within 1e-3, a
+float32 KV cache in all (float16's rounding steps would turn float32 differences of 1e-7 into 1e-3 at an unlucky
+value); gguf (int8 activations) closer to them than the file re-rounded to Q4_1 (int4-q4_1) gets."""
 
 from __future__ import annotations
 
@@ -48,7 +49,8 @@ def gguf_engines(request, tmp_path_factory):
     path, _ = make_tiny_gguf(folder, "llama", quantize=lambda name, array: _quantize(name, array, tied),
                              tie_word_embeddings=tied, **SHAPE)
     engines = {}
-    for scheme in ("gguf", "none"):  # a float32 KV cache: float16's rounding would amplify float32 differences
+    # a float32 KV cache: float16's rounding would amplify float32 differences
+    for scheme in ("gguf", "gguf-exact", "int4-q4_1", "none"):
         engines[scheme] = folder / scheme
         build_engine(path, engines[scheme], BuildOptions(quantization=QuantScheme.parse(scheme), kv_dtype="float32"),
                      progress=lambda _msg: None)
@@ -62,11 +64,22 @@ def _logits(engine) -> np.ndarray:
     return np.concatenate(rows)
 
 
-def test_gguf_engine_gives_the_files_dequantized_logits(gguf_engines):
+def test_gguf_exact_engine_gives_the_files_dequantized_logits(gguf_engines):
     _, engines = gguf_engines
-    exact, kept = _logits(engines["none"]), _logits(engines["gguf"])
+    exact, kept = _logits(engines["none"]), _logits(engines["gguf-exact"])
     assert np.abs(exact).max() > 1  # logits of some size: the tolerance below means something
     assert np.abs(kept - exact).max() < 1e-3
+
+
+def test_gguf_engine_with_int8_activations_is_closer_to_the_file_than_re_rounding(gguf_engines):
+    """int8 activations on the file's own weights against the file re-rounded to Q4_1 (which has int8 activations
+    too): on random k-quant blocks (uncentred sub-blocks, the hard case) gguf's logits stay nearer the dequantized
+    file's, mean and worst row alike; a misplaced scale or minimum would be far past the re-rounding's error."""
+    _, engines = gguf_engines
+    exact = _logits(engines["none"])
+    int8, q4_1 = (np.abs(_logits(engines[scheme]) - exact) for scheme in ("gguf", "int4-q4_1"))
+    assert 0 < int8.mean() < 0.8 * q4_1.mean(), (int8.mean(), q4_1.mean())
+    assert int8.max(-1).mean() < q4_1.max(-1).mean()
 
 
 def test_every_linear_is_the_files_blocks(gguf_engines):
@@ -78,6 +91,9 @@ def test_every_linear_is_the_files_blocks(gguf_engines):
     model = onnx.load(engines["gguf"] / "model.onnx")
     nodes = [n for n in model.graph.node if n.op_type == "MatMulGGUF"]
     types = sorted(GgmlType(n.attribute[0].i).name for n in nodes)
+    assert all(n.attribute[1].name == "int8_activations" and n.attribute[1].i == 1 for n in nodes)
+    exact = [n for n in onnx.load(engines["gguf-exact"] / "model.onnx").graph.node if n.op_type == "MatMulGGUF"]
+    assert len(exact) == len(nodes) and all(n.attribute[1].i == 0 for n in exact)
     # per layer: fused q/k (Q4_K) + v (Q6_K / Q5_K) as two nodes, o, gate/up (Q4_K, or Q4_K + Q4_0), down; the head
     assert types.count("Q6_K") == 3 and types.count("Q5_K") == 1 and types.count("Q8_0") == 1
     assert types.count("Q4_0") == 1 and types.count("Q4_K") == 6
@@ -90,3 +106,16 @@ def test_every_linear_is_the_files_blocks(gguf_engines):
     engine_rows = numpy_helper.to_array(inits[fused.input[1]], base_dir=str(engines["gguf"]))[:256]
     expected = unpermute_rotary_rows(torch.from_numpy(file_rows.copy()), 4).numpy()
     np.testing.assert_array_equal(engine_rows, expected)
+
+
+def test_kiln_build_defaults_to_gguf_for_a_file_of_executable_blocks(tmp_path):
+    """A llama.cpp user's Q4_K_M file runs as it is unless told otherwise; F32 matrices (and SmolLM2's Q4_1 file,
+    `default`) keep `none`."""
+    from kiln.optimize.quantize_gguf import default_quantization
+
+    quantized, _ = make_tiny_gguf(tmp_path / "k", "llama", quantize=lambda name, array: _quantize(name, array, False),
+                                  **SHAPE)
+    plain, _ = make_tiny_gguf(tmp_path / "f32", "llama", **SHAPE)
+    assert default_quantization(str(quantized)) == "gguf"
+    assert default_quantization(str(plain)) == "none"
+    assert default_quantization("default") == "none"

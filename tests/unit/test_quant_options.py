@@ -15,7 +15,8 @@ from kiln.optimize.quantize import QuantizationError, check_lm_head, check_optio
 from kiln.quant_scheme import SCHEMES, LmHead, QuantMethod, QuantScheme
 
 README_NAMES = {"none", "int8-weight-only", "int4-rtn-g32", "int4-rtn-g64", "int4-rtn-g128", "int4-awq-g32",
-                "int4-awq-g64", "int4-awq-g128", "int4-q4_1", "w8a8-smoothquant", "gguf"}
+                "int4-awq-g64", "int4-awq-g128", "int4-q4_1", "w8a8-smoothquant", "gguf",
+                "gguf-exact"}
 
 
 def assert_one_sentence(err: pytest.ExceptionInfo, param: str, *words: str) -> None:
@@ -115,7 +116,7 @@ def test_int4_lm_head_only_with_int4_schemes():
         check_lm_head(QuantScheme.parse(name), LmHead.INT4)
     for name in SCHEMES:
         check_lm_head(QuantScheme.parse(name), LmHead.INT8)
-    for name in ("none", "int8-weight-only", "w8a8-smoothquant", "gguf"):
+    for name in ("none", "int8-weight-only", "w8a8-smoothquant", "gguf", "gguf-exact"):
         with pytest.raises(QuantizationError, match=f"not quantization {name}; drop --lm-head int4"):
             check_lm_head(QuantScheme.parse(name), LmHead.INT4)
 

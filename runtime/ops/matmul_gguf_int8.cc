@@ -1,0 +1,357 @@
+// kiln.MatMulGGUF, int8 activations (the attribute int8_activations = 1): the ONNX Runtime CPU kernel.
+//
+// The arithmetic is written once, as exact integers, in kiln/gguf_int8.py; this file implements it.
+//
+//   1. each activation row is quantized to int8 in blocks of the weight type's granularity (Q4_0, Q8_0: 32 values;
+//      the k-quants: 256, llama.cpp's Q8_K), step max|x| / 127, with int sums per 16 values for Q6_K's offset of
+//      32, and for Q4_K / Q5_K per sub-block of 32 the float sum S and what int8 loses of it, E = S - step sum(xq);
+//   2. a tile is one output channel x up to kTileRows rows; for each block, the block's integers are unpacked to
+//      bytes once (32 a vector) and multiplied into each row's int8 with maddubs (unsigned weight byte x signed
+//      activation, pairs summed in int16: at most 63 x 127 x 2, no saturation) and madd (the pairs times the
+//      sub-block's integer scale, summed in int32). The integer block sum is exact; it meets float once per block:
+//          acc += (step * d) * isum  [+ sum_j (c (d sc_j)) E_j - sum_j (dmin m_j) S_j   for Q4_K / Q5_K]
+//      (the minimums from the exact float sums, and the codes' mean c (7.5, 15.5) from E: int8 rounding then
+//      reaches only the centred codes, as in kiln.MatMulQ4_1);
+//   3. work items (16 channels x 32 rows) run on ONNX Runtime's intra-op thread pool.
+//
+// The weights are the file's blocks as they are (no repacking). Each row's arithmetic is the same in every tile
+// size, so a row's outputs are bitwise the same for every T and every thread count; only the float32 sums over
+// blocks (8 lanes, then the lanes) differ in order from the spec's float64 sum. The AVX-512 VNNI library compiles
+// the same code.
+#define ORT_API_MANUAL_INIT
+#include "matmul_gguf_int8.h"
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstring>
+#include <vector>
+
+#include "parallel_for.h"
+#include "simd.h"
+
+namespace kiln {
+namespace {
+
+constexpr int kTileRows = 4;
+constexpr int64_t kChannelsPerItem = 16;
+constexpr int64_t kRowsPerItem = 32;
+constexpr int64_t kSumGroup = 16;               // activations per int sum (Q8_K's bsums)
+constexpr int64_t kParallelQuantize = 1 << 15;  // activation elements from which quantizing is parallel
+
+inline float f16(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return _cvtsh_ss(h);
+}
+inline __m256i load32(const void* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+// unsigned bytes u x signed bytes s, pairs summed (int16), times the int16 multipliers m and pairs summed (int32)
+inline __m256i dot_bytes(__m256i u, __m256i s, __m256i m) { return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), m); }
+
+// ---- activations
+
+struct Int8Rows {
+  int64_t K = 0, block = 0;
+  std::vector<int8_t> q;         // [T, K]
+  std::vector<float> step;       // [T, K / block]
+  std::vector<int16_t> sums;     // [T, K / 16]: Q6_K only
+  std::vector<float> sub_sum, sub_error;  // [T, K / 32]: Q4_K / Q5_K only
+
+  void reset(int64_t T, int64_t K_, int64_t block_, bool with_sums, bool with_sub_sums) {
+    K = K_, block = block_;
+    q.resize(T * K);
+    step.resize(T * (K / block));
+    sums.resize(with_sums ? T * (K / kSumGroup) : 0);
+    sub_sum.resize(with_sub_sums ? T * (K / 32) : 0);
+    sub_error.resize(with_sub_sums ? T * (K / 32) : 0);
+  }
+};
+
+// One row: per block, step = max|x| / 127 and q = rint(x * (1 / step)) (half to even), the spec's float32 numbers.
+// sums (16-sums) and sub_sum / sub_error (per 32) are written where not nullptr.
+void quantize_row(const float* x, int64_t K, int64_t block, int8_t* q, float* steps, int16_t* sums, float* sub_sum,
+                  float* sub_error) {
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);  // undoes packs' lane interleave
+  constexpr int kRound = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+  for (int64_t b = 0; b < K / block; ++b, x += block, q += block) {
+    __m256 amax = _mm256_setzero_ps();
+    for (int64_t i = 0; i < block; i += 8) amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, _mm256_loadu_ps(x + i)));
+    const float step = hmax(amax) / 127.f;
+    const __m256 inv = _mm256_set1_ps(step > 0.f ? 1.f / step : 0.f);
+    steps[b] = step;
+    for (int64_t i = 0; i < block; i += 32) {
+      __m256i v[4];
+      for (int j = 0; j < 4; ++j)
+        v[j] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(_mm256_loadu_ps(x + i + 8 * j), inv), kRound));
+      if (sums != nullptr)  // 16 values: two vectors' lanes
+        for (int h = 0; h < 2; ++h) {
+          const __m256i s = _mm256_add_epi32(v[2 * h], v[2 * h + 1]);
+          __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
+          s4 = _mm_hadd_epi32(s4, s4);
+          *sums++ = static_cast<int16_t>(_mm_cvtsi128_si32(_mm_hadd_epi32(s4, s4)));
+        }
+      if (sub_sum != nullptr) {  // the float sum of the 32 values and its int8 part, summed in this order
+        const __m256 v01 = _mm256_add_ps(_mm256_loadu_ps(x + i), _mm256_loadu_ps(x + i + 8));
+        const __m256 v23 = _mm256_add_ps(_mm256_loadu_ps(x + i + 16), _mm256_loadu_ps(x + i + 24));
+        const float S = hsum(_mm256_add_ps(v01, v23));
+        const __m256i i4 = _mm256_add_epi32(_mm256_add_epi32(v[0], v[1]), _mm256_add_epi32(v[2], v[3]));
+        __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(i4), _mm256_extracti128_si256(i4, 1));
+        s4 = _mm_hadd_epi32(s4, s4);
+        const int isum = _mm_cvtsi128_si32(_mm_hadd_epi32(s4, s4));
+        *sub_sum++ = S;
+        *sub_error++ = S - step * static_cast<float>(isum);
+      }
+      const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(v[0], v[1]), _mm256_packs_epi32(v[2], v[3]));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + i), _mm256_permutevar8x32_epi32(bytes, order));
+    }
+  }
+}
+
+// ---- the block types (layouts: kiln/gguf_blocks.py). block<NT>(b, rows, acc): rows.q[r] points at the block's
+// first int8 activation of row r, rows.step[r] at its step, rows.sums[r] at its first 16-sum.
+
+template <int NT>
+struct RowPtrs {
+  const int8_t* q[NT];
+  const float* step[NT];
+  const int16_t* sums[NT];      // Q6_K
+  const float* sub_sum[NT];     // Q4_K / Q5_K
+  const float* sub_error[NT];
+};
+
+// Q4_0 and Q8_0: signed weights w, so |w| (unsigned) times x with w's sign; |w| <= 128, the pairs fit int16.
+template <int NT>
+inline void signed_block(__m256i w, float d, const RowPtrs<NT>& rows, __m256* acc) {
+  const __m256i ones = _mm256_set1_epi16(1), abs_w = _mm256_sign_epi8(w, w);
+  for (int r = 0; r < NT; ++r) {
+    const __m256i dot = dot_bytes(abs_w, _mm256_sign_epi8(load32(rows.q[r]), w), ones);
+    acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(rows.step[r][0] * d), _mm256_cvtepi32_ps(dot), acc[r]);
+  }
+}
+
+struct Q4_0 {
+  static constexpr int64_t kWeights = 32, kBytes = 18, kActBlock = 32;
+  template <int NT>
+  static void block(const uint8_t* b, const RowPtrs<NT>& rows, __m256* acc) {
+    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 2));
+    const __m256i nibbles = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), _mm256_set1_epi8(15));
+    signed_block<NT>(_mm256_sub_epi8(nibbles, _mm256_set1_epi8(8)), f16(b), rows, acc);
+  }
+};
+
+struct Q8_0 {
+  static constexpr int64_t kWeights = 32, kBytes = 34, kActBlock = 32;
+  template <int NT>
+  static void block(const uint8_t* b, const RowPtrs<NT>& rows, __m256* acc) {
+    signed_block<NT>(load32(b + 2), f16(b), rows, acc);
+  }
+};
+
+// Q4_K / Q5_K's 6-bit scales and minimums as bytes (llama.cpp's get_scale_min_k4 with 32-bit masks): sc[0..8),
+// mins[0..8).
+inline void k_scales(const uint8_t* b, uint8_t* sc, uint8_t* mins) {
+  constexpr uint32_t kLow6 = 0x3f3f3f3f, kLow4 = 0x0f0f0f0f, kLow2 = 0x03030303;
+  uint32_t w[3], out[4];
+  std::memcpy(w, b + 4, 12);
+  out[0] = w[0] & kLow6;
+  out[1] = (w[2] & kLow4) | (((w[0] >> 6) & kLow2) << 4);
+  out[2] = w[1] & kLow6;
+  out[3] = ((w[2] >> 4) & kLow4) | (((w[1] >> 6) & kLow2) << 4);
+  std::memcpy(sc, out, 8);
+  std::memcpy(mins, out + 2, 8);
+}
+
+// Sub-block j's 32 weights: chunk c = j / 2 of the nibbles, low (j even) or high (j odd); Q5_K's fifth bit is bit j
+// of qh[l]. isum = sum_j sc_j (q_j . xq_j); the minimums and the codes' mean c from the float sums (see the top).
+template <bool kFifthBit, int NT>
+inline void k_block(const uint8_t* b, const uint8_t* qs, const RowPtrs<NT>& rows, __m256* acc) {
+  alignas(16) uint8_t sc[8], mins[8];
+  k_scales(b, sc, mins);
+  const __m256i m4 = _mm256_set1_epi8(15), bit4 = _mm256_set1_epi8(16);
+  __m256i isum[NT];
+  for (int r = 0; r < NT; ++r) isum[r] = _mm256_setzero_si256();
+  const __m256i qh = kFifthBit ? load32(b + 16) : _mm256_setzero_si256();
+#pragma GCC unroll 4
+  for (int c = 0; c < 4; ++c) {
+    const __m256i raw = load32(qs + 32 * c);
+    __m256i lo = _mm256_and_si256(raw, m4), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4);
+    if constexpr (kFifthBit) {  // bits 2c and 2c + 1 of each byte moved to bit 4 (16-bit shifts, then a byte mask)
+      const __m256i h = _mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * c));
+      lo = _mm256_or_si256(lo, _mm256_and_si256(_mm256_slli_epi16(h, 4), bit4));
+      hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_slli_epi16(h, 3), bit4));
+    }
+    const __m256i s_lo = _mm256_set1_epi16(sc[2 * c]), s_hi = _mm256_set1_epi16(sc[2 * c + 1]);
+    for (int r = 0; r < NT; ++r) {
+      const __m256i a = dot_bytes(lo, load32(rows.q[r] + 64 * c), s_lo);
+      isum[r] = _mm256_add_epi32(isum[r], _mm256_add_epi32(a, dot_bytes(hi, load32(rows.q[r] + 64 * c + 32), s_hi)));
+    }
+  }
+  // the 8 sub-blocks' d sc_j and dmin m_j as float32 vectors (the spec's products), then c (d sc_j)
+  constexpr float kCentre = kFifthBit ? 15.5f : 7.5f;
+  const float d = f16(b), dmin = f16(b + 2);
+  const __m256 scale = _mm256_mul_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(
+                                                            _mm_loadl_epi64(reinterpret_cast<const __m128i*>(sc)))));
+  const __m256 minimum = _mm256_mul_ps(_mm256_set1_ps(dmin), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(
+                                                                 _mm_loadl_epi64(reinterpret_cast<const __m128i*>(mins)))));
+  const __m256 centred = _mm256_mul_ps(scale, _mm256_set1_ps(kCentre));
+  for (int r = 0; r < NT; ++r) {
+    acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(rows.step[r][0] * d), _mm256_cvtepi32_ps(isum[r]), acc[r]);
+    acc[r] = _mm256_fmadd_ps(centred, _mm256_loadu_ps(rows.sub_error[r]), acc[r]);
+    acc[r] = _mm256_fnmadd_ps(minimum, _mm256_loadu_ps(rows.sub_sum[r]), acc[r]);
+  }
+}
+
+struct Q4_K {
+  static constexpr int64_t kWeights = 256, kBytes = 144, kActBlock = 256;
+  template <int NT>
+  static void block(const uint8_t* b, const RowPtrs<NT>& rows, __m256* acc) {
+    k_block<false, NT>(b, b + 16, rows, acc);
+  }
+};
+
+struct Q5_K {
+  static constexpr int64_t kWeights = 256, kBytes = 176, kActBlock = 256;
+  template <int NT>
+  static void block(const uint8_t* b, const RowPtrs<NT>& rows, __m256* acc) {
+    k_block<true, NT>(b, b + 48, rows, acc);
+  }
+};
+
+// Q6_K: half h (128 weights) holds groups t = 0..3 of 32: low nibbles of ql[64h + 32 (t % 2) + l] >> 4 (t / 2), high
+// two bits of qh[32h + l] >> 2t; one int8 scale per 16 weights. q in 0..63 multiplies x unsigned, and the offset of
+// 32 comes from the 16-sums: isum = sum_g sc_g (q_g . x_g) - 32 sum_g sc_g S_g.
+struct Q6_K {
+  static constexpr int64_t kWeights = 256, kBytes = 210, kActBlock = 256;
+  template <int NT>
+  static void block(const uint8_t* b, const RowPtrs<NT>& rows, __m256* acc) {
+    const int8_t* scales = reinterpret_cast<const int8_t*>(b + 192);
+    const __m256i m4 = _mm256_set1_epi8(15), m48 = _mm256_set1_epi8(48);
+    __m256i isum[NT];
+    for (int r = 0; r < NT; ++r) isum[r] = _mm256_setzero_si256();
+#pragma GCC unroll 2
+    for (int h = 0; h < 2; ++h) {
+      const __m256i l0 = load32(b + 64 * h), l1 = load32(b + 64 * h + 32), hb = load32(b + 128 + 32 * h);
+      const __m256i q[4] = {
+          _mm256_or_si256(_mm256_and_si256(l0, m4), _mm256_and_si256(_mm256_slli_epi16(hb, 4), m48)),
+          _mm256_or_si256(_mm256_and_si256(l1, m4), _mm256_and_si256(_mm256_slli_epi16(hb, 2), m48)),
+          _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), m4), _mm256_and_si256(hb, m48)),
+          _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4),
+                          _mm256_and_si256(_mm256_srli_epi16(hb, 2), m48))};
+      for (int t = 0; t < 4; ++t) {
+        const int g = 4 * h + t;  // weights 32g..32g + 31: scales 2g (first 16) and 2g + 1
+        const __m256i s = _mm256_set_m128i(_mm_set1_epi16(scales[2 * g + 1]), _mm_set1_epi16(scales[2 * g]));
+        for (int r = 0; r < NT; ++r) isum[r] = _mm256_add_epi32(isum[r], dot_bytes(q[t], load32(rows.q[r] + 32 * g), s));
+      }
+    }
+    const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(scales)));
+    const float d = f16(b + 208);
+    for (int r = 0; r < NT; ++r) {
+      const __m256i offset = _mm256_slli_epi32(_mm256_madd_epi16(load32(rows.sums[r]), sc16), 5);
+      acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(rows.step[r][0] * d),
+                               _mm256_cvtepi32_ps(_mm256_sub_epi32(isum[r], offset)), acc[r]);
+    }
+  }
+};
+
+// ---- tiles and work items
+
+struct Problem {
+  const GgufMatmul* m;
+  const Int8Rows* rows;
+};
+
+template <class Type, int NT>
+__attribute__((noinline)) void tile(const Problem& p, int64_t n, int64_t t0) {
+  const GgufMatmul& m = *p.m;
+  const Int8Rows& a = *p.rows;
+  const uint8_t* w = m.w + n * m.row_bytes;
+  const int64_t nb = m.K / Type::kWeights, act_blocks = m.K / Type::kActBlock;
+  RowPtrs<NT> rows;
+  __m256 acc[NT];
+  for (int r = 0; r < NT; ++r) {
+    rows.q[r] = a.q.data() + (t0 + r) * m.K;
+    rows.step[r] = a.step.data() + (t0 + r) * act_blocks;
+    rows.sums[r] = a.sums.empty() ? nullptr : a.sums.data() + (t0 + r) * (m.K / kSumGroup);
+    rows.sub_sum[r] = a.sub_sum.empty() ? nullptr : a.sub_sum.data() + (t0 + r) * (m.K / 32);
+    rows.sub_error[r] = a.sub_error.empty() ? nullptr : a.sub_error.data() + (t0 + r) * (m.K / 32);
+    acc[r] = _mm256_setzero_ps();
+  }
+  for (int64_t blk = 0; blk < nb; ++blk, w += Type::kBytes) {
+    Type::template block<NT>(w, rows, acc);
+    for (int r = 0; r < NT; ++r) {
+      rows.q[r] += Type::kWeights;
+      rows.step[r] += 1;  // one activation block a weight block (kActBlock == kWeights)
+      if (rows.sums[r] != nullptr) rows.sums[r] += Type::kWeights / kSumGroup;
+      if (rows.sub_sum[r] != nullptr) rows.sub_sum[r] += Type::kWeights / 32, rows.sub_error[r] += Type::kWeights / 32;
+    }
+  }
+  const float bias = m.bias ? m.bias[n] : 0.f;
+  for (int r = 0; r < NT; ++r) m.y[(t0 + r) * m.N + n] = hsum(acc[r]) + bias;
+}
+
+template <class Type, int NT>
+void pass_rows(const Problem& p, int64_t n, int64_t t0, int64_t rows) {
+  if constexpr (NT > 1)
+    if (rows < NT) return pass_rows<Type, NT - 1>(p, n, t0, rows);
+  tile<Type, NT>(p, n, t0);
+}
+
+template <class Type>
+void run_item(const Problem& p, int64_t n_begin, int64_t n_end, int64_t t_begin, int64_t t_end) {
+  static_assert(Type::kActBlock == Type::kWeights, "an activation block per weight block");
+  for (int64_t t = t_begin; t < t_end; t += kTileRows) {
+    const int64_t rows = std::min<int64_t>(kTileRows, t_end - t);
+    for (int64_t n = n_begin; n < n_end; ++n) pass_rows<Type, kTileRows>(p, n, t, rows);
+  }
+}
+
+using ItemFn = void (*)(const Problem&, int64_t, int64_t, int64_t, int64_t);
+
+struct Kernel {
+  int64_t act_block;
+  bool sums, sub_sums;  // 16-sums of q (Q6_K); float sums and errors per 32 (Q4_K, Q5_K)
+  ItemFn item;
+};
+
+Kernel kernel_of(int64_t ggml_type) {
+  switch (ggml_type) {
+    case 2: return {Q4_0::kActBlock, false, false, &run_item<Q4_0>};
+    case 8: return {Q8_0::kActBlock, false, false, &run_item<Q8_0>};
+    case 12: return {Q4_K::kActBlock, false, true, &run_item<Q4_K>};
+    case 13: return {Q5_K::kActBlock, false, true, &run_item<Q5_K>};
+    default: return {Q6_K::kActBlock, true, false, &run_item<Q6_K>};  // 14: the caller validated the type
+  }
+}
+
+}  // namespace
+
+void matmul_gguf_int8(OrtKernelContext* ctx, int64_t ggml_type, const GgufMatmul& m) {
+  const Kernel kernel = kernel_of(ggml_type);
+  // Decode-sized rows reuse a scratch of the calling thread; larger batches allocate their own.
+  thread_local Int8Rows scratch;
+  Int8Rows local;
+  Int8Rows& rows = m.T <= kRowsPerItem ? scratch : local;
+  rows.reset(m.T, m.K, kernel.act_block, kernel.sums, kernel.sub_sums);
+  const int64_t act_blocks = m.K / kernel.act_block;
+  auto quantize = [&](size_t t) {
+    quantize_row(m.x + t * m.K, m.K, kernel.act_block, rows.q.data() + t * m.K, rows.step.data() + t * act_blocks,
+                 kernel.sums ? rows.sums.data() + t * (m.K / kSumGroup) : nullptr,
+                 kernel.sub_sums ? rows.sub_sum.data() + t * (m.K / 32) : nullptr,
+                 kernel.sub_sums ? rows.sub_error.data() + t * (m.K / 32) : nullptr);
+  };
+  if (m.T * m.K >= kParallelQuantize) parallel_for(ctx, static_cast<size_t>(m.T), quantize);
+  else for (int64_t t = 0; t < m.T; ++t) quantize(static_cast<size_t>(t));
+
+  const Problem p{&m, &rows};
+  const int64_t channel_chunks = (m.N + kChannelsPerItem - 1) / kChannelsPerItem;
+  const int64_t row_chunks = (m.T + kRowsPerItem - 1) / kRowsPerItem;
+  auto item = [&](size_t i) {
+    const int64_t c = static_cast<int64_t>(i) % channel_chunks, r = static_cast<int64_t>(i) / channel_chunks;
+    kernel.item(p, c * kChannelsPerItem, std::min(m.N, (c + 1) * kChannelsPerItem), r * kRowsPerItem,
+                std::min(m.T, (r + 1) * kRowsPerItem));
+  };
+  parallel_for(ctx, static_cast<size_t>(channel_chunks * row_chunks), item);
+}
+
+}  // namespace kiln
