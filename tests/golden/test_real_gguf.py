@@ -1,0 +1,148 @@
+"""Golden: GGUF files as llama.cpp's own tools write them (tests/data/gguf, made by make_fixtures.py with
+convert_hf_to_gguf.py and llama-quantize; fixtures.json names the llama.cpp commit), read by kiln and built into
+fp32 engines whose logits equal an independent reference on packed ragged steps (chunked prefill and decodes):
+
+- transformers' own GGUF loading (``from_pretrained(dir, gguf_file=...)``, dequantized by gguf-py) for the
+  architectures it reads, so the file's numbers (f16, Q8_0, Q4_K_M's mix) are the reference's numbers too;
+- the Hugging Face model the fixture was converted from, regenerated from its family, overrides and seed
+  (tests/helpers.py), for f32 files: the converter's round trip is exact, so the logits must be too.
+
+The engine's tokenizer (prompts are encoded with it) and chat template are the file's. Quantized fixtures are also
+built with ``--quantization gguf`` (the file's own blocks, kiln.MatMulGGUF) and held to the dequantized engine.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from test_engine_numerics import generate_chunked
+
+pytest.importorskip("gguf")
+
+DATA = Path(__file__).resolve().parent.parent / "data" / "gguf"
+INDEX = json.loads((DATA / "fixtures.json").read_text())
+FIXTURES = INDEX["fixtures"]
+# Families whose GGUF files transformers' GGUF loader reads into the same model (given _config_as_the_file). It does
+# not read OLMoE or Mixtral's llama-with-experts, drops Phi-3's LongRoPE factors and partial rotary, and sizes
+# Qwen-MoE experts by the dense feed_forward_length: those fixtures are f32, held to their source model.
+TRANSFORMERS_READS = {"llama", "mistral", "qwen2", "qwen3", "gemma3"}
+STEPS = 4
+
+
+def lengths(name: str) -> list[int]:
+    """Prompt lengths; LongRoPE models' sequences all run past the original context (32), where transformers uses
+    the long factors on every position (the engine's context is the model's 128: long factors throughout)."""
+    return [33, 40, 47, 60] if FIXTURES[name]["family"].startswith("phi") else [3, 7, 20, 33]
+
+
+def references(name: str) -> list[str]:
+    fixture = FIXTURES[name]
+    refs = ["transformers-gguf"] if fixture["family"] in TRANSFORMERS_READS else []
+    if fixture["outtype"] == "f32" and fixture["quantized"] is None:
+        refs.append("hf-source")
+    return refs
+
+
+CASES = [(name, ref) for name in FIXTURES for ref in references(name)]
+
+
+def test_every_fixture_has_a_reference_and_its_recorded_bytes():
+    import hashlib
+
+    assert INDEX["llama_cpp"] and INDEX["made_by"] == "tests/data/gguf/make_fixtures.py"
+    for name, fixture in FIXTURES.items():
+        assert references(name), f"{name} has no reference"
+        data = (DATA / f"{name}.gguf").read_bytes()
+        assert hashlib.sha256(data).hexdigest() == fixture["sha256"], f"{name}.gguf is not the file fixtures.json lists"
+
+
+@pytest.fixture(scope="module")
+def engines(tmp_path_factory):
+    """name -> engine dir (fp32 weights, float32 KV), built once per fixture on first use."""
+    from kiln.manifest import BuildOptions
+    from kiln.optimize.build import build_engine
+
+    root = tmp_path_factory.mktemp("real-gguf")
+    built: dict[str, Path] = {}
+
+    def get(name: str) -> Path:
+        if name not in built:
+            built[name] = root / name
+            build_engine(DATA / f"{name}.gguf", built[name], BuildOptions(kv_dtype="float32"),
+                         progress=lambda _msg: None)
+        return built[name]
+
+    return get
+
+
+def _config_as_the_file(config, path: Path) -> None:
+    """What transformers' GGUF config mapping leaves out, taken from the file: head_dim from key_length (Qwen3's
+    is not hidden / heads), the vocabulary from token_embd's rows (the converter trims it to the tokenizer's), no
+    pad id (Phi-3's default 32000 lies outside a tiny vocabulary), and Gemma's attention scale as llama.cpp takes
+    it, 1/sqrt(head_dim) (transformers keeps its config default query_pre_attn_scalar 256)."""
+    from gguf import GGUFReader
+
+    reader = GGUFReader(str(path))
+    arch = reader.fields["general.architecture"].contents()
+    key_length = reader.fields.get(f"{arch}.attention.key_length")
+    if key_length is not None:
+        config.head_dim = int(key_length.contents())
+    embd = next(t for t in reader.tensors if t.name == "token_embd.weight")
+    config.vocab_size = int(embd.shape[1])
+    config.pad_token_id = None
+    if arch.startswith("gemma"):
+        config.query_pre_attn_scalar = config.head_dim
+
+
+def reference_model(name: str, kind: str, tmp_path: Path):
+    from transformers import AutoModelForCausalLM
+
+    if kind == "transformers-gguf":  # from_pretrained(gguf_file=) without accelerate: its config, mapping, tensors
+        from transformers import AutoConfig
+        from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+        path = DATA / f"{name}.gguf"
+        config = AutoConfig.from_pretrained(DATA, gguf_file=path.name)
+        _config_as_the_file(config, path)
+        model = AutoModelForCausalLM.from_config(config, attn_implementation="eager", dtype=torch.float32).eval()
+        tensors = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=model)["tensors"]
+        result = model.load_state_dict(tensors, strict=False)
+        assert set(result.missing_keys) <= {"lm_head.weight"} and not result.unexpected_keys, result
+        model.tie_weights()
+        return model
+    from helpers import make_tiny_hf_model
+
+    fixture = FIXTURES[name]
+    source = make_tiny_hf_model(tmp_path, fixture["family"], seed=fixture["seed"], **fixture["overrides"])
+    return AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32, attn_implementation="eager").eval()
+
+
+def max_error(engine: Path, model, prompt_lengths: list[int]) -> tuple[float, float]:
+    """(max |engine - reference| over every step's rows, max |reference|); greedy tokens checked equal."""
+    seqs, rows = generate_chunked(engine, prompt_lengths, STEPS)
+    worst = size = 0.0
+    for s, (seq, prompt_len) in enumerate(zip(seqs, prompt_lengths, strict=True)):
+        tokens = seq[: prompt_len + STEPS]
+        with torch.no_grad():
+            ref = model(input_ids=torch.tensor([tokens]), position_ids=torch.arange(len(tokens))[None]).logits[0]
+        positions = [pos for pos, _ in rows[s]]
+        got = np.stack([row for _, row in rows[s]])
+        vocab = got.shape[-1]  # the converter trims token_embd to the tokenizer's vocabulary (gemma3)
+        want = ref.numpy()[positions]
+        assert np.abs(want[:, vocab:]).max(initial=0.0) == 0.0 or model.config.vocab_size > vocab
+        worst = max(worst, float(np.abs(got - want[:, :vocab]).max()))
+        size = max(size, float(np.abs(want).max()))
+        decoded = [i for i, pos in enumerate(positions) if pos >= prompt_len - 1]
+        assert [seq[positions[i] + 1] for i in decoded] == want[decoded, :vocab].argmax(-1).tolist(), f"greedy {s}"
+    return worst, size
+
+
+@pytest.mark.parametrize("name, kind", CASES, ids=[f"{n}-{k}" for n, k in CASES])
+def test_real_gguf_engine_matches_reference(engines, tmp_path, name, kind):
+    err, size = max_error(engines(name), reference_model(name, kind, tmp_path), lengths(name))
+    assert size > 1  # logits of some size: the bound means something
+    assert err <= 1e-4 * max(1.0, size), f"{name}: max |logits - {kind}| = {err:.2e}"
