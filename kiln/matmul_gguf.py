@@ -3,7 +3,8 @@
 The ONNX Runtime CPU kernel (runtime/ops/matmul_gguf.cc) is tested against `matmul_gguf_ref`.
 
 Attribute
-  ggml_type  int: the blocks' GGUF type id, one of kiln/gguf_blocks.py's GgmlType (Q4_0, Q8_0, Q4_K, Q5_K, Q6_K)
+  ggml_type  int: the blocks' GGUF type id, one of kiln/gguf_blocks.py's GgmlType (Q4_0, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K,
+             Q6_K)
 Inputs
   x          float32 [..., K]
   w          uint8   [N, K / QK * block bytes]   row n: output channel n's blocks, the bytes as the file holds them

@@ -1,7 +1,7 @@
 """Pass: a GGUF file's quantized linears kept in their own blocks -> kiln.MatMulGGUF (no re-rounding).
 
 Each linear whose weight came from a GGUF matrix of a type kiln.MatMulGGUF executes (kiln/gguf_blocks.py: Q4_0,
-Q8_0, Q4_K, Q5_K, Q6_K) becomes one kiln.MatMulGGUF node over the file's bytes, which the engine stores as they are:
+Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K) becomes one kiln.MatMulGGUF node over the file's bytes, which the engine stores as they are:
 the engine computes with exactly the file's weights. The rows arrive as the file holds them but for llama.cpp's q/k
 permutation, which the reader undoes on whole rows of blocks (exact). A fused projection (q/k/v, gate/up) whose parts
 have one type is one node over the stacked rows; parts of different types (a Q4_K_M file's Q6_K v beside Q4_K q
