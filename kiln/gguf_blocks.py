@@ -112,7 +112,8 @@ def _five_bits(qh: np.ndarray, qs: np.ndarray) -> np.ndarray:
     qs[i]'s low nibble, weight 16 + i its high one, each with bit i (16 + i) of the little-endian word qh."""
     word = np.ascontiguousarray(qh).view("<u4")  # [B, 1]
     high = ((word >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8)
-    return np.concatenate([qs & 15, qs >> 4], axis=1) | (high << 4)
+    q: np.ndarray = np.concatenate([qs & 15, qs >> 4], axis=1) | (high << 4)
+    return q
 
 
 def _q5_0(b: np.ndarray) -> np.ndarray:
@@ -122,7 +123,8 @@ def _q5_0(b: np.ndarray) -> np.ndarray:
 
 def _q5_1(b: np.ndarray) -> np.ndarray:
     q = _five_bits(b[:, 4:8], b[:, 8:24])
-    return _f16(b[:, :2]) * q.astype(np.float32) + _f16(b[:, 2:4])
+    w: np.ndarray = _f16(b[:, :2]) * q.astype(np.float32) + _f16(b[:, 2:4])
+    return w
 
 
 def _q8_0(b: np.ndarray) -> np.ndarray:

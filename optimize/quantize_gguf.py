@@ -1,14 +1,15 @@
 """Pass: a GGUF file's quantized linears kept in their own blocks -> kiln.MatMulGGUF (no re-rounding).
 
 Each linear whose weight came from a GGUF matrix of a type kiln.MatMulGGUF executes (kiln/gguf_blocks.py: Q4_0,
-Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K) becomes one kiln.MatMulGGUF node over the file's bytes, which the engine stores as they are:
-the engine computes with exactly the file's weights. The rows arrive as the file holds them but for llama.cpp's q/k
-permutation, which the reader undoes on whole rows of blocks (exact). A fused projection (q/k/v, gate/up) whose parts
-have one type is one node over the stacked rows; parts of different types (a Q4_K_M file's Q6_K v beside Q4_K q
-and k) are one node per run of a type, their outputs concatenated. The LM head is a linear like the others (a tied
-head reads the embedding table's blocks). Q4_1 blocks (SmolLM2's file) go to kiln.MatMulQ4_1, decoded from the
-bytes: the file's weights exactly, with that kernel's int8 activations. A linear without usable blocks (float
-matrices, other ggml types) falls back to int8 per output channel (MatMulNBits), and the pass reports how many did.
+Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K) becomes one kiln.MatMulGGUF node over the file's bytes, which the engine stores
+as they are: the engine computes with exactly the file's weights. The rows arrive as the file holds them but for
+llama.cpp's q/k permutation, which the reader undoes on whole rows of blocks (exact). A fused projection (q/k/v,
+gate/up) whose parts have one type is one node over the stacked rows; parts of different types (a Q4_K_M file's Q6_K
+v beside Q4_K q and k) are one node per run of a type, their outputs concatenated. The LM head is a linear like the
+others (a tied head reads the embedding table's blocks). Q4_1 blocks (SmolLM2's file) go to kiln.MatMulQ4_1, decoded
+from the bytes: the file's weights exactly, with that kernel's int8 activations. A linear without usable blocks
+(float matrices, Q2_K / Q3_K, the i-quants) falls back to int8 per output channel (MatMulNBits), and the pass
+reports how many did.
 """
 
 from __future__ import annotations

@@ -146,3 +146,81 @@ def test_real_gguf_engine_matches_reference(engines, tmp_path, name, kind):
     err, size = max_error(engines(name), reference_model(name, kind, tmp_path), lengths(name))
     assert size > 1  # logits of some size: the bound means something
     assert err <= 1e-4 * max(1.0, size), f"{name}: max |logits - {kind}| = {err:.2e}"
+
+
+QUANTIZED = [name for name, fixture in FIXTURES.items() if fixture["quantized"]]
+
+
+def file_types(name: str) -> dict[str, str]:
+    """GGUF tensor name -> its ggml type name, as llama-quantize chose it."""
+    from gguf import GGUFReader
+
+    return {t.name: t.tensor_type.name for t in GGUFReader(str(DATA / f"{name}.gguf")).tensors}
+
+
+@pytest.mark.parametrize("name", QUANTIZED)
+def test_quantization_gguf_executes_the_files_own_blocks(engines, tmp_path, name):
+    """--quantization gguf: every linear on kiln.MatMulGGUF in the types llama-quantize chose (Q4_K_M's Q4_K / Q6_K,
+    its Q5_0 / Q8_0 fallbacks where K is no multiple of 256, Q4_0), logits within 1e-3 of the dequantized engine's
+    where the embedding table is kept exactly too (Q8_0, Q6_K)."""
+    import onnx
+
+    from kiln.gguf_blocks import GgmlType
+    from kiln.manifest import BuildOptions
+    from kiln.optimize.build import build_engine
+    from kiln.quant_scheme import QuantScheme
+
+    engine = tmp_path / "gguf"
+    options = BuildOptions(quantization=QuantScheme.parse("gguf"), kv_dtype="float32")
+    build_engine(DATA / f"{name}.gguf", engine, options, progress=lambda _msg: None)
+    graph = onnx.load(str(engine / "model.onnx"), load_external_data=False)
+    assert not [n for n in graph.graph.node if n.op_type in ("MatMul", "MatMulNBits", "MatMulQ4_1")]
+    kept = {GgmlType(n.attribute[0].i).name for n in graph.graph.node if n.op_type == "MatMulGGUF"}
+    matrices = {kind for tensor, kind in file_types(name).items() if kind != "F32" and tensor != "token_embd.weight"}
+    tied = "output.weight" not in file_types(name)
+    assert kept == matrices | ({file_types(name)["token_embd.weight"]} if tied else set())
+    exact, kept_logits = fixed_rows(engines(name)), fixed_rows(engine)
+    assert np.abs(exact).max() > 1
+    if file_types(name)["token_embd.weight"] in ("Q8_0", "Q6_K"):  # tables kept as the file's numbers
+        assert np.abs(kept_logits - exact).max() < 1e-3
+    else:  # a Q4_K table (untied Q4_K_M files) takes 8-bit blocks of 32: its float minimums have no integer zero point
+        assert np.abs(kept_logits - exact).max() < 2e-2 * np.abs(exact).max()
+
+
+def fixed_rows(engine: Path) -> np.ndarray:
+    """Logits of every row of a fixed schedule (a prompt in two chunks, then three decodes of fixed tokens): two
+    engines compared on the same tokens, whatever each would pick."""
+    from engine_driver import PagedDriver
+    from test_engine_numerics import prompts
+
+    prompt = prompts(engine, [40])[0]
+    driver = PagedDriver(engine / "model.onnx", threads=2, num_blocks=16)
+    rows = [driver.step([(0, prompt[:25])], all_rows=True), driver.step([(0, prompt[25:])], all_rows=True)]
+    rows += [driver.step([(0, [token])]) for token in prompt[:3]]
+    return np.concatenate(rows)
+
+
+def test_kiln_build_of_a_quantize_output_carries_its_tokenizer_and_generates(tmp_path):
+    """`kiln build X.gguf` (the defaults: fp32 weights as the file dequantizes, float16 KV) of llama-quantize's output:
+    the engine's tokenizer and chat template are the file's, chat renders and generates, and its logits stay within
+    float16 KV rounding of the dequantized reference."""
+    from click.testing import CliRunner
+    from gguf import GGUFReader
+
+    from kiln.cli import main
+    from kiln.runtime import LLM, SamplingParams
+
+    name = "llama256-q4_k_m"
+    engine = tmp_path / "engine"
+    result = CliRunner().invoke(main, ["build", str(DATA / f"{name}.gguf"), "-o", str(engine)])
+    assert result.exit_code == 0, result.output
+    fields = GGUFReader(str(DATA / f"{name}.gguf")).fields
+    config = json.loads((engine / "tokenizer_config.json").read_text())
+    assert config["chat_template"] == fields["tokenizer.chat_template"].contents()
+    llm = LLM(engine)
+    prompt = llm.tokenizer.apply_chat_template([{"role": "user", "content": "the weather"}])
+    assert prompt.startswith("<|im_start|>user\nthe weather<|im_end|>\n<|im_start|>assistant\n")
+    out = llm.chat([{"role": "user", "content": "the weather"}], SamplingParams(temperature=0, max_tokens=8))[0]
+    assert len(out.outputs[0].token_ids) == 8 and out.outputs[0].text
+    err, size = max_error(engine, reference_model(name, "transformers-gguf", tmp_path), [3, 7, 20, 33])
+    assert err <= 2e-2 * size, f"max |logits - transformers-gguf| = {err:.2e} of {size:.1f}"

@@ -14,6 +14,9 @@ The llama.cpp tree: the one benchmarks/peers/setup.py unpacks from the llama-cpp
 identifies a tokenizer by the hash of its token ids on a test string, and the tiny tokenizer's vocabulary is
 in no table, so ``get_vocab_base_pre`` is answered "gpt-2" -- what the tiny tokenizer is (ByteLevel with
 GPT-2's split regex). Everything else (tensor names, order, types, metadata, vocabulary) is the converter's.
+Phi fixtures name GPT2Tokenizer in tokenizer_config.json, as Phi-4-mini does (Phi-3's converter otherwise wants a
+SentencePiece tokenizer.model, and so does Gemma 2's: there is no Gemma 2 fixture). The converter imports
+sentencepiece even for BPE tokenizers: `pip install sentencepiece` into the venv that runs this script.
 """
 
 from __future__ import annotations
