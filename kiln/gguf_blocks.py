@@ -4,6 +4,10 @@ Each type stores a row of K weights as K / QK blocks of a fixed byte size, in th
 
     Q4_0  32 weights, 18 bytes: d f16, 16 bytes of nibbles   w = d * (q - 8)
           (byte i: weight i in its low nibble, weight 16 + i in its high one)
+    Q5_0  32 weights, 22 bytes: d f16, 4 bytes of fifth bits (bit i of the little-endian word: weight i), Q4_0's
+          16 bytes of nibbles                                 w = d * ((q | hb << 4) - 16)
+    Q5_1  32 weights, 24 bytes: d f16, m f16, then Q5_0's fifth bits and nibbles
+                                                             w = d * (q | hb << 4) + m
     Q8_0  32 weights, 34 bytes: d f16, 32 int8               w = d * q
     Q4_K  256 weights, 144 bytes: d f16, dmin f16, 12 bytes of 6-bit scales and mins for 8 sub-blocks of 32,
           128 bytes of nibbles (32 bytes hold sub-blocks 2c (low nibbles) and 2c + 1 (high))
@@ -30,6 +34,8 @@ class GgmlType(IntEnum):
     """The ggml types kiln.MatMulGGUF executes, by their GGUF type ids (gguf.GGMLQuantizationType)."""
 
     Q4_0 = 2
+    Q5_0 = 6
+    Q5_1 = 7
     Q8_0 = 8
     Q4_K = 12
     Q5_K = 13
@@ -44,6 +50,8 @@ class BlockFormat:
 
 FORMATS = {
     GgmlType.Q4_0: BlockFormat(32, 18),
+    GgmlType.Q5_0: BlockFormat(32, 22),
+    GgmlType.Q5_1: BlockFormat(32, 24),
     GgmlType.Q8_0: BlockFormat(32, 34),
     GgmlType.Q4_K: BlockFormat(256, 144),
     GgmlType.Q5_K: BlockFormat(256, 176),
@@ -97,6 +105,26 @@ def _q4_0(b: np.ndarray) -> np.ndarray:
     d, qs = _f16(b[:, :2]), b[:, 2:]
     q = np.concatenate([qs & 15, qs >> 4], axis=1).astype(np.int8) - np.int8(8)
     return d * q.astype(np.float32)
+
+
+def _five_bits(qh: np.ndarray, qs: np.ndarray) -> np.ndarray:
+    """Q5_0 / Q5_1's 4 bytes of fifth bits and 16 of nibbles [B, ...] -> q 0..31 as uint8 [B, 32]: weight i < 16 is
+    qs[i]'s low nibble, weight 16 + i its high one, each with bit i (16 + i) of the little-endian word qh."""
+    word = np.ascontiguousarray(qh).view("<u4")  # [B, 1]
+    high = ((word >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8)
+    q: np.ndarray = np.concatenate([qs & 15, qs >> 4], axis=1) | (high << 4)
+    return q
+
+
+def _q5_0(b: np.ndarray) -> np.ndarray:
+    q = _five_bits(b[:, 2:6], b[:, 6:22]).astype(np.int8) - np.int8(16)
+    return _f16(b[:, :2]) * q.astype(np.float32)
+
+
+def _q5_1(b: np.ndarray) -> np.ndarray:
+    q = _five_bits(b[:, 4:8], b[:, 8:24])
+    w: np.ndarray = _f16(b[:, :2]) * q.astype(np.float32) + _f16(b[:, 2:4])
+    return w
 
 
 def _q8_0(b: np.ndarray) -> np.ndarray:
@@ -209,7 +237,7 @@ def random_blocks(rng: np.random.Generator, kind: GgmlType, rows: int, cols: int
     fmt = FORMATS[kind]
     nb = row_bytes(kind, cols) // fmt.nbytes
     blocks = rng.integers(0, 256, (rows, nb, fmt.nbytes), dtype=np.uint8)
-    offsets = [208] if kind == GgmlType.Q6_K else [0, 2] if kind in (GgmlType.Q4_K, GgmlType.Q5_K) else [0]
+    offsets = [208] if kind == GgmlType.Q6_K else [0, 2] if kind in _WITH_MINIMUMS else [0]
 
     def set_steps(values: np.ndarray) -> None:
         for offset in offsets:
@@ -221,8 +249,11 @@ def random_blocks(rng: np.random.Generator, kind: GgmlType, rows: int, cols: int
     return blocks.reshape(rows, -1)
 
 
+_WITH_MINIMUMS = (GgmlType.Q4_K, GgmlType.Q5_K, GgmlType.Q5_1)  # a second f16 step after d (dmin, or Q5_1's m)
 _DECODERS = {
     GgmlType.Q4_0: _q4_0,
+    GgmlType.Q5_0: _q5_0,
+    GgmlType.Q5_1: _q5_1,
     GgmlType.Q8_0: _q8_0,
     GgmlType.Q4_K: _q4_k,
     GgmlType.Q5_K: _q5_k,

@@ -45,6 +45,8 @@ from kiln.gguf_blocks import FORMATS, GgmlType, block_integers, ggml_type, row_w
 INT8_MAX = 127
 SUM_GROUP = 16  # activations per integer sum (Q8_K's bsums)
 CENTRES = {GgmlType.Q4_K: 7.5, GgmlType.Q5_K: 15.5}  # the codes' mean, taken from the exact sums
+# the weight types this path multiplies (Q5_0 / Q5_1 have no int8 kernel: their nodes keep float32 activations)
+INT8_KINDS = frozenset({GgmlType.Q4_0, GgmlType.Q8_0, GgmlType.Q4_K, GgmlType.Q5_K, GgmlType.Q6_K})
 
 
 def activation_block(kind: GgmlType) -> int:

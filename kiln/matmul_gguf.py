@@ -3,11 +3,12 @@
 The ONNX Runtime CPU kernel (runtime/ops/matmul_gguf.cc) is tested against `matmul_gguf_ref`.
 
 Attributes
-  ggml_type         int: the blocks' GGUF type id, one of kiln/gguf_blocks.py's GgmlType (Q4_0, Q8_0, Q4_K, Q5_K,
-                    Q6_K)
+  ggml_type         int: the blocks' GGUF type id, one of kiln/gguf_blocks.py's GgmlType (Q4_0, Q5_0, Q5_1, Q8_0,
+                    Q4_K, Q5_K, Q6_K)
   int8_activations  int, optional (absent: 0): 1 quantizes x per row to int8 blocks and multiplies integers
                     (kiln/gguf_int8.py, the spec of that path: llama.cpp's arithmetic, what `--quantization gguf`
-                    builds); 0 keeps x float32 (this module's spec: `--quantization gguf-exact`)
+                    builds; Q4_0, Q8_0, Q4_K, Q5_K, Q6_K); 0 keeps x float32 (this module's spec: every type,
+                    `--quantization gguf-exact`)
 Inputs
   x          float32 [..., K]
   w          uint8   [N, K / QK * block bytes]   row n: output channel n's blocks, the bytes as the file holds them

@@ -5,9 +5,10 @@
     int4-rtn-g{32,64,128}  int4 round-to-nearest, group-wise along K, zero points
     int4-awq-g{32,64,128}  AWQ scales folded in, then int4 as rtn; needs an awq artifact
     int4-q4_1              llama.cpp's Q4_1 (groups of 32, exact minimum): lossless on Q4_1 GGUFs
-    gguf                   a GGUF file's own blocks (Q4_0, Q8_0, Q4_K, Q5_K, Q6_K) executed as they are
+    gguf                   a GGUF file's own blocks (Q4_0, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K) executed as they are
                            (kiln.MatMulGGUF): the file's weights exactly, activations int8 per row block and
-                           integer block dots as llama.cpp computes them; other linears int8 per channel
+                           integer block dots as llama.cpp computes them (Q5_0 / Q5_1: float32 activations);
+                           other linears int8 per channel
     gguf-exact             gguf with float32 activations: x @ the file's dequantized weights within float32
                            rounding (a reference; slower)
     w8a8-smoothquant       SmoothQuant scales folded in, then int8 weights and per-token int8

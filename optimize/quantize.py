@@ -143,8 +143,8 @@ def quantize_model(model: ir.Model, scheme: QuantScheme, lm_head: LmHead = LmHea
             counts = quantize_gguf(model, int8_activations=scheme.method is QuantMethod.GGUF)
             if counts.kept + counts.q4_1 == 0:
                 raise QuantizationError(f"quantization {scheme} keeps a GGUF file's quantized blocks, and no linear "
-                                        "of this model has blocks of a type kiln executes (Q4_0, Q4_1, Q8_0, Q4_K, "
-                                        "Q5_K, Q6_K); choose another --quantization")
+                                        "of this model has blocks of a type kiln executes (Q4_0, Q4_1, Q5_0, Q5_1, "
+                                        "Q8_0, Q4_K, Q5_K, Q6_K); choose another --quantization")
             name = (f"quantize_gguf ({counts.kept} on the file's blocks, {counts.q4_1} Q4_1, {counts.fallback} "
                     "without usable blocks: int8)")
             count = counts.total

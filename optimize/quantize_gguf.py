@@ -1,16 +1,16 @@
 """Pass: a GGUF file's quantized linears kept in their own blocks -> kiln.MatMulGGUF (no re-rounding).
 
 Each linear whose weight came from a GGUF matrix of a type kiln.MatMulGGUF executes (kiln/gguf_blocks.py: Q4_0,
-Q8_0, Q4_K, Q5_K, Q6_K) becomes one kiln.MatMulGGUF node over the file's bytes, which the engine stores as they are:
-the engine computes with exactly the file's weights, and with int8 activations (int8_activations = 1, the `gguf`
-scheme: integer block dots as llama.cpp's) or float32 ones (`gguf-exact`). The rows arrive as the file holds them
-but for llama.cpp's q/k permutation, which the reader undoes on whole rows of blocks (exact). A fused projection
-(q/k/v, gate/up) whose parts have one type is one node over the stacked rows; parts of different types (a Q4_K_M
-file's Q6_K v beside Q4_K q and k) are one node per run of a type, their outputs concatenated. The LM head is a
-linear like the others (a tied head reads the embedding table's blocks). Q4_1 blocks (SmolLM2's file) go to
-kiln.MatMulQ4_1, decoded from the bytes: the file's weights exactly, with that kernel's int8 activations. A linear
-without usable blocks (float matrices, other ggml types) falls back to int8 per output channel (MatMulNBits), and
-the pass reports how many did.
+Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K) becomes one kiln.MatMulGGUF node over the file's bytes, which the engine stores
+as they are: the engine computes with exactly the file's weights, and with int8 activations (int8_activations = 1,
+the `gguf` scheme: integer block dots as llama.cpp's; Q5_0 / Q5_1, which have no int8 kernel, keep 0) or float32
+ones (`gguf-exact`). The rows arrive as the file holds them but for llama.cpp's q/k permutation, which the reader
+undoes on whole rows of blocks (exact). A fused projection (q/k/v, gate/up) whose parts have one type is one node
+over the stacked rows; parts of different types (a Q4_K_M file's Q6_K v beside Q4_K q and k) are one node per run
+of a type, their outputs concatenated. The LM head is a linear like the others (a tied head reads the embedding
+table's blocks). Q4_1 blocks (SmolLM2's file) go to kiln.MatMulQ4_1, decoded from the bytes: the file's weights
+exactly, with that kernel's int8 activations. A linear without usable blocks (float matrices, Q2_K / Q3_K, the
+i-quants) falls back to int8 per output channel (MatMulNBits), and the pass reports how many did.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from kiln.contract import OP_DOMAIN
 from kiln.export.progress import track
 from kiln.export.tensor_files import FileBlocks
 from kiln.gguf_blocks import FORMATS, GgmlType, row_bytes
+from kiln.gguf_int8 import INT8_KINDS
 from kiln.matmul_gguf import INT8_ATTRIBUTE, OP_TYPE, TYPE_ATTRIBUTE
 from kiln.matmul_q4_1 import BLOCK as Q4_1_BLOCK
 from kiln.matmul_q4_1 import OP_TYPE as Q4_1_OP_TYPE
@@ -121,7 +122,7 @@ def _block_nodes(model: ir.Model, lin: Linear, blocks: tuple[FileBlocks, ...],
         inputs = [lin.activation, initializer(model, f"{lin.weight_name}{suffix}", data)]
         if bias is not None:
             inputs.append(initializer(model, f"{lin.weight_name}{suffix}.bias", bias[start:start + rows]))
-        attributes = {TYPE_ATTRIBUTE: int(kind), INT8_ATTRIBUTE: int(int8_activations)}
+        attributes = {TYPE_ATTRIBUTE: int(kind), INT8_ATTRIBUTE: int(int8_activations and kind in INT8_KINDS)}
         nodes.append(ir.node(OP_TYPE, inputs, attributes=attributes, domain=OP_DOMAIN,
                              name=f"{lin.weight_name}{suffix}.MatMulGGUF"))
         start += rows

@@ -7,7 +7,7 @@
 // data file). Activations stay float32. A tile is one output channel x up to kTileRows rows; for each block it
 // decodes the block's integers to float32 vectors once (8 weights a vector), then for each row multiplies them into
 // the row's x and adds the product to that row's accumulator, one sub-block scale at a time:
-//     acc += (d * sc_j) * (q_j . x_j)          and, for the types with minimums (Q4_K, Q5_K),
+//     acc += (d * sc_j) * (q_j . x_j)          and, for the types with minimums (Q4_K, Q5_K; Q5_1 below),
 //     macc += (dmin * m_j) * sum(x_j)          8 sub-blocks' minimums in one vector against the row's 32-sums
 // y = sum(acc) - sum(macc). The scale products d * sc_j are the spec's float32 numbers; only the order of the sums
 // differs from x @ dequantize(W)^T (docs/design.md, "kiln.MatMulGGUF"). Each row's arithmetic is the same in every
@@ -39,7 +39,7 @@ namespace {
 constexpr int kTileRows = 4;             // rows a tile: 2 accumulators a row + 4 decoded vectors fit 16 ymm
 constexpr int64_t kChannelsPerItem = 16;
 constexpr int64_t kRowsPerItem = 32;
-constexpr int64_t kSub = 32;             // weights per minimum (Q4_K, Q5_K): the row sums' granularity
+constexpr int64_t kSub = 32;             // weights per minimum (Q4_K, Q5_K, Q5_1): the row sums' granularity
 
 [[noreturn]] void fail_gguf(const std::string& msg) {
   throw Ort::Exception("kiln.MatMulGGUF: " + msg, ORT_INVALID_ARGUMENT);
@@ -80,6 +80,45 @@ struct Q4_0 {
                          to_float(_mm256_sub_epi32(_mm256_srli_epi32(r0, 4), eight)),
                          to_float(_mm256_sub_epi32(_mm256_srli_epi32(r1, 4), eight))};
     dot_add<NT>(q, 4, x, 0, _mm256_set1_ps(f16(b)), acc);
+  }
+};
+
+// Q5_0 / Q5_1: Q4_0's nibbles, each with a fifth bit from the block's 32-bit word (bit i: weight i).
+inline void five_bit_block(const uint8_t* qh, const uint8_t* qs, __m256i centre, __m256* q) {
+  uint32_t word;
+  std::memcpy(&word, qh, 4);
+  const __m256i bits = _mm256_set1_epi32(static_cast<int>(word)), lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  const __m256i r0 = bytes8(qs), r1 = bytes8(qs + 8), sixteen = _mm256_set1_epi32(16);
+  const __m256i nib[4] = {low4(r0), low4(r1), _mm256_srli_epi32(r0, 4), _mm256_srli_epi32(r1, 4)};
+  for (int i = 0; i < 4; ++i) {  // weights 8i .. 8i + 7: bits 8i + lane moved to bit 4
+    const __m256i shift = _mm256_add_epi32(lanes, _mm256_set1_epi32(8 * i));
+    const __m256i high = _mm256_and_si256(_mm256_slli_epi32(_mm256_srlv_epi32(bits, shift), 4), sixteen);
+    q[i] = to_float(_mm256_sub_epi32(_mm256_or_si256(nib[i], high), centre));
+  }
+}
+
+struct Q5_0 {
+  static constexpr int64_t kWeights = 32, kBytes = 22;
+  static constexpr bool kMins = false;
+  template <int NT>
+  static void block(const uint8_t* b, const float* const* x, const float* const*, __m256* acc, __m256*) {
+    __m256 q[4];
+    five_bit_block(b + 2, b + 6, _mm256_set1_epi32(16), q);
+    dot_add<NT>(q, 4, x, 0, _mm256_set1_ps(f16(b)), acc);
+  }
+};
+
+// Q5_1's minimum m is added to each of its 32 weights: -m * sum(x) goes into lane 0 of macc (y = acc - macc).
+struct Q5_1 {
+  static constexpr int64_t kWeights = 32, kBytes = 24;
+  static constexpr bool kMins = true;
+  template <int NT>
+  static void block(const uint8_t* b, const float* const* x, const float* const* sums, __m256* acc, __m256* macc) {
+    __m256 q[4];
+    five_bit_block(b + 4, b + 8, _mm256_setzero_si256(), q);
+    dot_add<NT>(q, 4, x, 0, _mm256_set1_ps(f16(b)), acc);
+    const float m = f16(b + 2);
+    for (int r = 0; r < NT; ++r) macc[r] = _mm256_add_ps(macc[r], _mm256_setr_ps(-m * sums[r][0], 0, 0, 0, 0, 0, 0, 0));
   }
 };
 
@@ -269,6 +308,8 @@ constexpr TypeInfo info_of(const char* name) {
 std::optional<TypeInfo> type_info(int64_t ggml_type) {
   switch (ggml_type) {
     case 2: return info_of<Q4_0>("Q4_0");
+    case 6: return info_of<Q5_0>("Q5_0");
+    case 7: return info_of<Q5_1>("Q5_1");
     case 8: return info_of<Q8_0>("Q8_0");
     case 12: return info_of<Q4_K>("Q4_K");
     case 13: return info_of<Q5_K>("Q5_K");
@@ -313,10 +354,14 @@ struct MatMulGGUF {
     const std::optional<TypeInfo> type = type_info(ggml_type_);
     if (!type)
       fail_gguf("ggml_type " + std::to_string(ggml_type_) +
-                " has no kernel; supported: Q4_0 (2), Q8_0 (8), Q4_K (12), Q5_K (13), Q6_K (14)");
+                " has no kernel; supported: Q4_0 (2), Q5_0 (6), Q5_1 (7), Q8_0 (8), Q4_K (12), Q5_K (13), "
+                "Q6_K (14)");
     if (int8_activations_ != 0 && int8_activations_ != 1)
       fail_gguf("int8_activations must be 0 (float32 activations) or 1 (int8), got " +
                 std::to_string(int8_activations_));
+    if (int8_activations_ == 1 && (ggml_type_ == 6 || ggml_type_ == 7))
+      fail_gguf(std::string("int8_activations = 1 has no kernel for ") + type->name +
+                " (Q4_0, Q8_0, Q4_K, Q5_K, Q6_K only); such a node keeps int8_activations = 0");
     const std::vector<int64_t>& ws = w.Shape();
     std::vector<int64_t> xs = x.Shape();
     if (ws.size() != 2 || ws[0] <= 0 || ws[1] <= 0 || ws[1] % type->bytes)

@@ -62,6 +62,10 @@ def _span(start: int, count: int) -> set[int]:
 LAYOUT = [
     (GgmlType.Q8_0, 2 + 5, 0, {5}),
     (GgmlType.Q4_0, 2 + 3, 0, {3}), (GgmlType.Q4_0, 2 + 3, 4, {16 + 3}),
+    (GgmlType.Q5_0, 6 + 3, 0, {3}), (GgmlType.Q5_0, 6 + 3, 4, {16 + 3}),
+    (GgmlType.Q5_0, 2 + 1, 2, {8 + 2}), (GgmlType.Q5_0, 2 + 3, 1, {24 + 1}),  # fifth bits: bit i of the word
+    (GgmlType.Q5_1, 8 + 0, 4, {16}), (GgmlType.Q5_1, 4 + 2, 5, {16 + 5}),
+    (GgmlType.Q5_1, 2 + 1, 3, _span(0, 32)),         # the minimum m
     (GgmlType.Q4_K, 16 + 32 * 2 + 7, 0, {64 * 2 + 7}), (GgmlType.Q4_K, 16 + 32 * 2 + 7, 4, {64 * 2 + 32 + 7}),
     (GgmlType.Q4_K, 4 + 1, 0, _span(32, 32)),        # scale of sub-block 1
     (GgmlType.Q4_K, 4 + 1, 6, _span(32 * 5, 32)),    # top bits of sub-block 5's scale

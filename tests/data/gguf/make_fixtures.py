@@ -1,0 +1,161 @@
+"""Regenerate the GGUF fixtures in this folder with llama.cpp's own tools (nothing of llama.cpp is copied here).
+
+    .venv/bin/python tests/data/gguf/make_fixtures.py --llama-cpp ~/.cache/kiln/peers/llama.cpp
+
+Each fixture is a tiny random-weight Hugging Face model of a supported family (tests/helpers.py's
+make_tiny_hf_model: the real config's keys, layers and width shrunk, the tiny byte-level BPE tokenizer),
+converted by the tree's ``convert_hf_to_gguf.py`` to the listed outtype and, for a few, quantized by its
+``llama-quantize`` from an f32 conversion. fixtures.json records, per file, the family, overrides and seed the
+model came from, how it was made, the sha256, and the llama.cpp commit and package versions that made it;
+tests/golden/test_real_gguf.py reads it.
+
+The llama.cpp tree: the one benchmarks/peers/setup.py unpacks from the llama-cpp-python sdist and builds
+(``llama-quantize`` under build/bin). One thing is set around the converter: its BPE pre-tokenizer check
+identifies a tokenizer by the hash of its token ids on a test string, and the tiny tokenizer's vocabulary is
+in no table, so ``get_vocab_base_pre`` is answered "gpt-2" -- what the tiny tokenizer is (ByteLevel with
+GPT-2's split regex). Everything else (tensor names, order, types, metadata, vocabulary) is the converter's.
+Phi fixtures name GPT2Tokenizer in tokenizer_config.json, as Phi-4-mini does (Phi-3's converter otherwise wants a
+SentencePiece tokenizer.model, and so does Gemma 2's: there is no Gemma 2 fixture). The converter imports
+sentencepiece even for BPE tokenizers: `pip install sentencepiece` into the venv that runs this script.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+TESTS = HERE.parent.parent
+sys.path.insert(0, str(TESTS))
+
+# name -> (family, overrides of make_tiny_hf_model, outtype of the converter, llama-quantize type or None)
+FIXTURES: dict[str, tuple[str, dict, str, str | None]] = {
+    "llama-f32": ("llama", {}, "f32", None),
+    "llama-q8_0": ("llama", {"num_key_value_heads": 1}, "q8_0", None),
+    "mistral-f16": ("mistral", {}, "f16", None),
+    "qwen2-f16": ("qwen2", {}, "f16", None),
+    "qwen3-f32": ("qwen3", {"tie_word_embeddings": False}, "f32", None),
+    "phi3-f32": ("phi3", {}, "f32", None),
+    "phi4-f32": ("phi4", {}, "f32", None),
+    "gemma3-q8_0": ("gemma3", {"head_dim": 128, "query_pre_attn_scalar": 128}, "q8_0", None),
+    "mixtral-f32": ("mixtral", {"intermediate_size": 32}, "f32", None),
+    "qwen2_moe-f32": ("qwen2_moe", {"num_experts": 8}, "f32", None),
+    "qwen3_moe-f32": ("qwen3_moe", {"num_experts": 8}, "f32", None),
+    "olmoe-f32": ("olmoe", {"num_experts": 8}, "f32", None),
+    # k-quant rows need K % 256 == 0: hidden 256 and intermediate 512, so Q4_K_M's Q4_K / Q6_K mix is what it
+    # is on real models; at hidden 64 llama-quantize falls back per tensor (Q5_0, Q8_0 ...), also as it does.
+    "llama256-q4_k_m": ("llama", {"hidden_size": 256, "intermediate_size": 512}, "f32", "Q4_K_M"),
+    "llama256-q4_0": ("llama", {"hidden_size": 256, "intermediate_size": 512}, "f32", "Q4_0"),
+    "qwen2-256-q4_k_m": ("qwen2", {"hidden_size": 256, "intermediate_size": 512, "tie_word_embeddings": False},
+                         "f32", "Q4_K_M"),
+    "llama-q4_k_m": ("llama", {}, "f32", "Q4_K_M"),
+}
+SEED = 0
+
+
+def _converter_runner(tree: Path) -> str:
+    """Python that runs the tree's convert_hf_to_gguf.py as __main__ once per job (argv lists as JSON on stdin),
+    in one process (its imports once), with the pre-tokenizer named."""
+    return (
+        "import json, runpy, sys\n"
+        f"sys.path.insert(0, {str(tree)!r})\n"
+        "import conversion.base as base\n"
+        "base.TextModel.get_vocab_base_pre = lambda self, tokenizer: 'gpt-2'\n"
+        "for argv in json.load(sys.stdin):\n"
+        f"    sys.argv = [{str(tree / 'convert_hf_to_gguf.py')!r}, *argv]\n"
+        "    runpy.run_path(sys.argv[0], run_name='__main__')\n"
+    )
+
+
+def convert_all(tree: Path, jobs: list[tuple[Path, Path, str]]) -> None:
+    """(HF dir, out file, outtype) each, by the tree's converter."""
+    argvs = [[str(hf_dir), "--outfile", str(out), "--outtype", outtype] for hf_dir, out, outtype in jobs]
+    _run([sys.executable, "-c", _converter_runner(tree)], stdin=json.dumps(argvs))
+
+
+def _as_phi4_tokenizer(hf_dir: Path) -> None:
+    """The converter reads Phi-3's SentencePiece tokenizer.model unless tokenizer_config names GPT2Tokenizer, as
+    Phi-4-mini's does: the tiny byte-level BPE tokenizer is that kind."""
+    config_path = hf_dir / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    config["tokenizer_class"] = "GPT2Tokenizer"
+    config_path.write_text(json.dumps(config, indent=2))
+
+
+def quantize(tool: Path, source: Path, out: Path, kind: str) -> None:
+    _run([str(tool), str(source), str(out), kind, "1"])
+
+
+def _run(cmd: list[str], stdin: str | None = None) -> None:
+    done = subprocess.run(cmd, capture_output=True, text=True, input=stdin)
+    if done.returncode:
+        tail = "\n".join((done.stdout + done.stderr).splitlines()[-20:])
+        raise SystemExit(f"{cmd[0]} failed:\n{tail}")
+
+
+def llama_cpp_commit(tree: Path) -> str:
+    done = subprocess.run(["git", "-C", str(tree), "log", "-1", "--format=%H %cs"], capture_output=True, text=True)
+    if done.returncode or not done.stdout.strip():
+        raise SystemExit(f"{tree} is not a git checkout of llama.cpp (its commit goes into fixtures.json)")
+    return done.stdout.strip()
+
+
+def versions() -> dict[str, str]:
+    import gguf  # noqa: F401  (the converter uses the tree's own gguf-py; recorded for the reader)
+    import tokenizers
+    import torch
+    import transformers
+
+    return {"torch": torch.__version__, "transformers": transformers.__version__, "tokenizers": tokenizers.__version__}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--llama-cpp", type=Path, default=Path.home() / ".cache" / "kiln" / "peers" / "llama.cpp",
+                        help="llama.cpp source tree with build/bin/llama-quantize (benchmarks/peers/setup.py)")
+    parser.add_argument("--only", nargs="*", help="fixture names to remake (default: all)")
+    args = parser.parse_args()
+    from helpers import make_tiny_hf_model
+
+    tree = args.llama_cpp.expanduser().resolve()
+    tool = tree / "build" / "bin" / "llama-quantize"
+    wanted = [name for name in FIXTURES if not args.only or name in args.only]
+    if not (tree / "convert_hf_to_gguf.py").is_file():
+        raise SystemExit(f"{tree} lacks convert_hf_to_gguf.py; run benchmarks/peers/setup.py (or pass --llama-cpp)")
+    if any(FIXTURES[name][3] for name in wanted) and not tool.is_file():
+        raise SystemExit(f"{tool} is not built; run benchmarks/peers/setup.py (or pass --llama-cpp)")
+    index_path = HERE / "fixtures.json"
+    index = json.loads(index_path.read_text()) if index_path.is_file() else {"fixtures": {}}
+    index.update(llama_cpp=llama_cpp_commit(tree), versions=versions(),
+                 made_by="tests/data/gguf/make_fixtures.py")
+    with tempfile.TemporaryDirectory() as scratch:
+        jobs, outs = [], {}
+        for name in wanted:
+            family, overrides, outtype, kind = FIXTURES[name]
+            hf_dir = make_tiny_hf_model(Path(scratch) / name, family, seed=SEED, **overrides)
+            if family.startswith("phi"):
+                _as_phi4_tokenizer(hf_dir)
+            outs[name] = HERE / f"{name}.gguf"
+            jobs.append((hf_dir, outs[name] if kind is None else Path(scratch) / f"{name}.{outtype}.gguf", outtype))
+        convert_all(tree, jobs)
+        for (_, converted, _), name in zip(jobs, wanted, strict=True):
+            family, overrides, outtype, kind = FIXTURES[name]
+            if kind is not None:
+                quantize(tool, converted, outs[name], kind)
+            out = outs[name]
+            index["fixtures"][name] = {"family": family, "overrides": overrides, "seed": SEED, "outtype": outtype,
+                                       "quantized": kind, "bytes": out.stat().st_size,
+                                       "sha256": hashlib.sha256(out.read_bytes()).hexdigest()}
+            print(f"{name}: {out.stat().st_size / 1024:.0f} KiB", flush=True)
+    index["fixtures"] = dict(sorted(index["fixtures"].items()))
+    index_path.write_text(json.dumps(index, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
