@@ -88,6 +88,8 @@ def build_engine(
         checkpoint = _load_checkpoint(model_path)
         options = _check_model(checkpoint, options)
         vision = _load_vision(model_path, backend)
+        if vision is not None and options.pipeline_stages > 1:  # the stage runners bind no image inputs
+            raise BuildError("--pipeline-stages is not supported for vision-language models yet")
         try:
             heads = _medusa_heads(checkpoint, options.medusa, say) if options.medusa is not None else None
             if heads is not None and heads.kind != "hydra" and options.lm_head is LmHead.INT4_RESCORED:

@@ -158,14 +158,23 @@ class OrtModelRunner(ModelRunner):
         return KvLayout(len(self.pools), self.pools[0].shape[1:], self.pools[0].dtype)
 
     def read_kv_blocks(self, block_ids: list[int]) -> np.ndarray:
-        ids = np.asarray(block_ids, dtype=np.int64)
-        return np.stack([pool[ids] for pool in self.pools])
+        return read_pool_blocks(self.pools, block_ids)
 
     def write_kv_blocks(self, block_ids: list[int], blocks: np.ndarray) -> None:
-        ids = np.asarray(block_ids, dtype=np.int64)
-        for pool, layer in zip(self.pools, blocks, strict=True):
-            pool[ids] = layer  # in place: the session's OrtValues wrap these arrays
+        write_pool_blocks(self.pools, block_ids, blocks)
 
     def close(self) -> None:
         self.binding.clear_binding_inputs()
         self.binding.clear_binding_outputs()
+
+
+def read_pool_blocks(pools: list[np.ndarray], block_ids: list[int]) -> np.ndarray:
+    """[layers, blocks, ...]: the given blocks of every layer's pool, copied."""
+    ids = np.asarray(block_ids, dtype=np.int64)
+    return np.stack([pool[ids] for pool in pools])
+
+
+def write_pool_blocks(pools: list[np.ndarray], block_ids: list[int], blocks: np.ndarray) -> None:
+    ids = np.asarray(block_ids, dtype=np.int64)
+    for pool, layer in zip(pools, blocks, strict=True):
+        pool[ids] = layer  # in place: the sessions' OrtValues wrap these arrays

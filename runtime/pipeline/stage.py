@@ -19,6 +19,7 @@ from kiln.contract import KvPoolSpec
 from kiln.manifest import EngineLoadError
 from kiln.pipeline_stages import HIDDEN_STATES, HIDDEN_STATES_OUT, PipelineStage
 from kiln.runtime.model_runner import BatchInput, RunnerOutput
+from kiln.runtime.ort_runner import read_pool_blocks, write_pool_blocks
 from kiln.runtime.pipeline.shape import PipelineShape
 
 _NO_ROWS = np.zeros(0, dtype=np.int64)
@@ -110,13 +111,10 @@ class StageRunner:
         return StageResult(None, output, (*seconds, time.perf_counter() - start), moved)
 
     def read_kv_blocks(self, block_ids: list[int]) -> np.ndarray:
-        ids = np.asarray(block_ids, dtype=np.int64)
-        return np.stack([pool[ids] for pool in self.pools])
+        return read_pool_blocks(self.pools, block_ids)
 
     def write_kv_blocks(self, block_ids: list[int], blocks: np.ndarray) -> None:
-        ids = np.asarray(block_ids, dtype=np.int64)
-        for pool, layer in zip(self.pools, blocks, strict=True):
-            pool[ids] = layer  # in place: the session's OrtValues wrap these arrays
+        write_pool_blocks(self.pools, block_ids, blocks)
 
     def close(self) -> None:
         self.binding.clear_binding_inputs()
