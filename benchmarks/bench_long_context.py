@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import platform
 import statistics
 import subprocess
 import sys
@@ -42,15 +41,9 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks" / "scale"))
 from checkpoints import SHAPES, write_checkpoint, write_smollm2_tokenizer  # noqa: E402
+from run import cpu_model  # noqa: E402
 
 KILN = Path(sys.executable).with_name("kiln")
-
-
-def cpu_model() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor()
 
 
 def build(work: Path, layers: int) -> tuple[Path, float]:
