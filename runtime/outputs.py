@@ -91,6 +91,12 @@ class StageTotals:
     bytes_moved: int = 0
     tokens: int = 0
 
+    def __add__(self, other: StageTotals) -> StageTotals:
+        """Two runners' totals (replicas summed for /metrics): stage seconds add stage by stage."""
+        longer, shorter = sorted((self.stage_seconds, other.stage_seconds), key=len, reverse=True)
+        seconds = tuple(a + (shorter[i] if i < len(shorter) else 0.0) for i, a in enumerate(longer))
+        return StageTotals(seconds, self.bytes_moved + other.bytes_moved, self.tokens + other.tokens)
+
 
 @dataclass
 class EngineStats:

@@ -32,6 +32,8 @@ def ray_session():
     import ray
     from ray import serve
 
+    if ray.is_initialized():
+        ray.shutdown()  # a Ray left by another test of this worker may have too few logical CPUs for two apps
     connect_ray(ClusterOptions(replicas=4), ROUTING_CONFIG)  # logical CPUs for two 2-replica apps at once
     yield
     serve.shutdown()

@@ -86,3 +86,12 @@ def test_metrics_export_each_stage_time_and_the_bytes_handed_on():
     assert 'kiln_pipeline_stage_seconds_total{stage="1"} 2.25' in text
     assert "kiln_pipeline_bytes_moved_total 4608.0" in text and "kiln_pipeline_tokens_total 2.0" in text
     assert "kiln_pipeline" not in scrape(EngineStats())
+
+
+def test_replicas_stage_totals_sum_stage_by_stage():
+    """A cluster's /metrics sums its replicas' EngineStats field by field, the pipeline totals included."""
+    from kiln.runtime.outputs import StageTotals
+
+    total = StageTotals() + StageTotals((1.0, 2.0), 100, 3) + StageTotals((0.5, 0.25), 50, 1)
+    assert total == StageTotals((1.5, 2.25), 150, 4)
+    assert StageTotals() + StageTotals() == StageTotals()
