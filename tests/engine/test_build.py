@@ -113,7 +113,7 @@ def test_an_interrupted_build_leaves_no_half_engine(tmp_path, monkeypatch, tiny_
     if previous_engine:
         shutil.copytree(tiny_engine, out)
 
-    def interrupted(_engine_dir):
+    def interrupted(_engine_dir, _graph_files):
         assert (Path(_engine_dir) / "model.onnx").is_file() and (Path(_engine_dir) / "manifest.json").is_file()
         raise KeyboardInterrupt
 

@@ -9,14 +9,14 @@ import numpy as np
 import pytest
 
 from kiln.gguf_blocks import FORMATS, GgmlType, block_integers, dequantize, random_blocks
-from kiln.gguf_int8 import block_terms, matmul_gguf_int8_ref, quantize_rows
+from kiln.gguf_int8 import INT8_KINDS, block_terms, matmul_gguf_int8_ref, quantize_rows
 from kiln.matmul_gguf import make_single_op_model, matmul_gguf_ref
 
 ort = pytest.importorskip("onnxruntime")
 from op_library import op_library_or_skip  # noqa: E402
 
 LIBRARY = op_library_or_skip()
-TYPES = list(GgmlType)
+TYPES = sorted(INT8_KINDS)  # the int8-activation kernels (Q5_0 / Q5_1 keep float32 activations)
 
 
 def session(model, threads: int = 2):
@@ -124,3 +124,10 @@ def test_kernel_refuses_an_unknown_activation_mode():
     model.graph.node[0].attribute[1].CopyFrom(helper.make_attribute("int8_activations", 2))
     with pytest.raises(Exception, match="int8_activations must be 0 .* or 1"):
         session(model).run(None, {"x": np.zeros((1, 256), np.float32)})
+
+
+@pytest.mark.parametrize("kind", sorted(set(GgmlType) - INT8_KINDS), ids=lambda t: t.name)
+def test_kernel_refuses_int8_activations_for_a_kind_without_an_int8_kernel(kind):
+    model = make_single_op_model(blocks_for(kind, 4, 1), kind, int8_activations=True)
+    with pytest.raises(Exception, match=f"int8_activations = 1 has no kernel for {kind.name}"):
+        session(model).run(None, {"x": np.zeros((1, FORMATS[kind].weights), np.float32)})
