@@ -141,3 +141,39 @@ def test_chat_with_an_image_part(llm, hf_model, processor):
     inputs = hf_inputs(processor, image, "<|im_start|>" + TEXT)  # what SmolVLM's own chat template renders
     assert out.prompt_token_ids == inputs["input_ids"][0].tolist()
     assert list(out.outputs[0].token_ids) == hf_greedy(hf_model, inputs, 6)
+
+
+def test_an_idefics3_checkpoint_exports_the_same_encoder(tmp_path):
+    """Idefics3ForConditionalGeneration (SmolVLM's parent: the same tower, connector and weight names) read by
+    load_vision; its encoder graph equals transformers' get_image_features."""
+    import json
+
+    import onnx_ir as ir
+    import onnxruntime as ort
+    from smolvlm_fixtures import PROCESSOR, tiny_smolvlm_config
+    from transformers import Idefics3Config, Idefics3ForConditionalGeneration
+
+    from kiln.export.vision.export_encoder import export_encoder, load_vision_of
+
+    small = tiny_smolvlm_config().to_dict()
+    config = Idefics3Config(text_config=small["text_config"], scale_factor=small["scale_factor"],
+                            image_token_id=IMAGE_TOKEN_ID,
+                            vision_config={**small["vision_config"], "model_type": "idefics3_vision"})
+    config.architectures = ["Idefics3ForConditionalGeneration"]
+    torch.manual_seed(3)
+    model = Idefics3ForConditionalGeneration(config).eval()
+    model.save_pretrained(tmp_path)
+    (tmp_path / "preprocessor_config.json").write_text(json.dumps({**PROCESSOR,
+                                                                   "image_processor_type": "Idefics3ImageProcessor"}))
+    source = load_vision_of(tmp_path)
+    assert source is not None and source.spec.family == "idefics3" and source.spec.tokens_per_image == TOKENS_PER_TILE
+    ir.save(export_encoder(source), tmp_path / "vision.onnx")
+    pixels = torch.randn(3, 3, 64, 64)
+    ours = ort.InferenceSession(str(tmp_path / "vision.onnx")).run(None, {"pixel_values": pixels.numpy()})[0]
+    with torch.no_grad():
+        theirs = model.model.get_image_features(pixels[None]).pooler_output[0].numpy()
+    np.testing.assert_allclose(ours.reshape(theirs.shape), theirs, rtol=0, atol=1e-4)
+    mismatched = {**PROCESSOR, "max_image_size": {"longest_edge": 32}}
+    (tmp_path / "preprocessor_config.json").write_text(json.dumps(mismatched))
+    with pytest.raises(ValueError, match="max_image_size 32 is not the vision tower's image_size 64"):
+        load_vision_of(tmp_path)
