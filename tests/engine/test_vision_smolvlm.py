@@ -1,7 +1,7 @@
 """A tiny random SmolVLM (tests/smolvlm_fixtures.py: SmolVLM-256M-Instruct's config shrunk, the SmolLM2 tokenizer)
-built into an engine and held to transformers' SmolVLMForConditionalGeneration: the encoder graph's tile
-embeddings, the text graph's logits over an image + text prompt laid out as Idefics3Processor lays it out (one
-step and chunked prefill across the tile runs), greedy tokens, and a chat message with an image part."""
+built into an engine and held to transformers: the prompt layout against Idefics3Processor's token ids, the encoder
+graph's tile embeddings, the text graph's logits over an image + text prompt (one step and chunked prefill across
+the tile runs), greedy tokens, and a chat message with an image part."""
 
 from __future__ import annotations
 
@@ -10,12 +10,14 @@ import dataclasses
 import numpy as np
 import pytest
 from engine_driver import PagedDriver
-from smolvlm_fixtures import IMAGE_TOKEN_ID, TEXT_HIDDEN, TOKENS_PER_TILE, hf_processor
+from smolvlm_fixtures import IMAGE_TOKEN_ID, PROCESSOR, TEXT_HIDDEN, TOKENS_PER_TILE, hf_processor
 from vision_fixtures import sample_images
 
 from kiln.manifest import read_manifest
 from kiln.runtime import LLM, RuntimeConfig, SamplingParams
+from kiln.runtime.vision import idefics3
 from kiln.runtime.vision.encoder import ImageEncoder
+from kiln.runtime.vision.idefics3 import Idefics3ImageConfig
 from kiln.runtime.vision.prompt import expand_image_tokens, image_hash, image_rows
 
 torch = pytest.importorskip("torch")
@@ -49,6 +51,56 @@ def test_manifest_names_the_family(tiny_smolvlm_engine):
     vision = read_manifest(tiny_smolvlm_engine).vision
     assert vision is not None and vision.family == "idefics3"
     assert (vision.image_token_id, vision.tokens_per_image, vision.image_size) == (IMAGE_TOKEN_ID, 4, 64)
+
+
+LAYOUT_CONFIG = Idefics3ImageConfig.from_hf(PROCESSOR)
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(tiny_smolvlm_dir):
+    return tiny_smolvlm_dir
+
+
+@pytest.fixture(scope="module")
+def prompt(tokenizer_dir):
+    from kiln.runtime.tokenizer import Tokenizer
+
+    return idefics3.Idefics3Prompt(Tokenizer(tokenizer_dir), IMAGE_TOKEN_ID, TOKENS_PER_TILE)
+
+
+@pytest.mark.parametrize("names", [("rgb-landscape",), ("rgb-portrait", "gray"), ("rgb-tiny",)])
+def test_placeholders_expand_as_the_processor_writes_them(tokenizer_dir, prompt, names):
+    from kiln.runtime.tokenizer import Tokenizer
+
+    images = [sample_images()[n] for n in names]
+    text = "User:" + "".join(f"<image>look {i}\n" for i in range(len(images))) + "<end_of_utterance>\nAssistant:"
+    theirs = hf_processor(tokenizer_dir)(text=[text], images=[images], return_tensors="np")["input_ids"][0]
+    ids = Tokenizer(tokenizer_dir).encode(text)
+    layouts = [prompt.layout(*idefics3.grid(im.height, im.width, LAYOUT_CONFIG)) for im in images]
+    tiles = [idefics3.pixel_values(im, LAYOUT_CONFIG)[0] for im in images]
+    embeddings = [np.zeros((len(t) * TOKENS_PER_TILE, 8), np.float32) for t in tiles]
+    expanded, spans = expand_image_tokens(ids, IMAGE_TOKEN_ID, embeddings, [str(i) * 64 for i in range(len(images))],
+                                          layouts)
+    assert expanded == theirs.tolist()
+    image_positions = [i for i, t in enumerate(expanded) if t == IMAGE_TOKEN_ID]
+    assert [p for s in spans for p in range(s.start, s.end)] == image_positions
+    assert len(spans) == sum(len(t) for t in tiles)  # one run per tile
+
+
+def test_a_single_tile_layout_matches(tokenizer_dir, prompt):
+    from kiln.runtime.tokenizer import Tokenizer
+
+    image, text = sample_images()["gray"], "User:<image>hi"
+    hf = hf_processor(tokenizer_dir)
+    hf.image_processor.do_image_splitting = False
+    theirs = hf(text=[text], images=[[image]], return_tensors="np")["input_ids"][0].tolist()
+    layout = prompt.layout(*idefics3.grid(image.height, image.width,
+                                          dataclasses.replace(LAYOUT_CONFIG, do_image_splitting=False)))
+    assert len(layout.runs) == 1 and layout.token_ids[:2] == (prompt.fake, prompt.global_image)
+    embeddings = [np.zeros((TOKENS_PER_TILE, 8), np.float32)]
+    expanded, _ = expand_image_tokens(Tokenizer(tokenizer_dir).encode(text), IMAGE_TOKEN_ID, embeddings, ["0" * 64],
+                                      [layout])
+    assert expanded == theirs
 
 
 def test_encoder_embeddings_equal_transformers(tiny_smolvlm_engine, hf_model, processor):

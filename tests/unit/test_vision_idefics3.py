@@ -1,18 +1,15 @@
-"""Idefics3 / SmolVLM images held to transformers' processors: kiln's tiles (runtime/vision/idefics3.py) against
-SmolVLMImageProcessorPil's pixel values, and kiln's expansion of an image placeholder against the token ids
-Idefics3Processor writes for the same prompt (the SmolLM2 tokenizer with SmolVLM's added tokens)."""
+"""Idefics3 / SmolVLM images held to transformers' image processor: kiln's tiles (runtime/vision/idefics3.py)
+against SmolVLMImageProcessorPil's pixel values. (The prompt layout against Idefics3Processor's token ids needs the
+SmolLM2 tokenizer: tests/engine/test_vision_smolvlm.py.)"""
 
 from __future__ import annotations
 
-import dataclasses
-
 import numpy as np
 import pytest
-from smolvlm_fixtures import IMAGE_TOKEN_ID, PROCESSOR, TOKENS_PER_TILE, hf_processor, write_smolvlm_tokenizer
+from smolvlm_fixtures import IMAGE_TOKEN_ID, PROCESSOR, TOKENS_PER_TILE
 from vision_fixtures import sample_images
 
 from kiln.runtime.vision import idefics3
-from kiln.runtime.vision.prompt import expand_image_tokens
 
 pytest.importorskip("transformers")
 pytest.importorskip("PIL")
@@ -63,55 +60,6 @@ def test_a_tile_out_of_place_is_caught():
     ours, _, _ = idefics3.pixel_values(image, CONFIG)
     theirs, _, _ = hf_pixels(image)
     assert np.abs(np.roll(ours, 1, axis=0) - theirs).max() > 0.1
-
-
-@pytest.fixture(scope="module")
-def tokenizer_dir(tmp_path_factory):
-    out = tmp_path_factory.mktemp("smolvlm-tokenizer")
-    write_smolvlm_tokenizer(out)
-    return out
-
-
-@pytest.fixture(scope="module")
-def prompt(tokenizer_dir):
-    from kiln.runtime.tokenizer import Tokenizer
-
-    return idefics3.Idefics3Prompt(Tokenizer(tokenizer_dir), IMAGE_TOKEN_ID, TOKENS_PER_TILE)
-
-
-@pytest.mark.parametrize("names", [("rgb-landscape",), ("rgb-portrait", "gray"), ("rgb-tiny",)])
-def test_placeholders_expand_as_the_processor_writes_them(tokenizer_dir, prompt, names):
-    from kiln.runtime.tokenizer import Tokenizer
-
-    images = [sample_images()[n] for n in names]
-    text = "User:" + "".join(f"<image>look {i}\n" for i in range(len(images))) + "<end_of_utterance>\nAssistant:"
-    theirs = hf_processor(tokenizer_dir)(text=[text], images=[images], return_tensors="np")["input_ids"][0]
-    ids = Tokenizer(tokenizer_dir).encode(text)
-    layouts = [prompt.layout(*idefics3.grid(im.height, im.width, CONFIG)) for im in images]
-    tiles = [idefics3.pixel_values(im, CONFIG)[0] for im in images]
-    embeddings = [np.zeros((len(t) * TOKENS_PER_TILE, 8), np.float32) for t in tiles]
-    expanded, spans = expand_image_tokens(ids, IMAGE_TOKEN_ID, embeddings, [str(i) * 64 for i in range(len(images))],
-                                          layouts)
-    assert expanded == theirs.tolist()
-    image_positions = [i for i, t in enumerate(expanded) if t == IMAGE_TOKEN_ID]
-    assert [p for s in spans for p in range(s.start, s.end)] == image_positions
-    assert len(spans) == sum(len(t) for t in tiles)  # one run per tile
-
-
-def test_a_single_tile_layout_matches(tokenizer_dir, prompt):
-    from kiln.runtime.tokenizer import Tokenizer
-
-    image, text = sample_images()["gray"], "User:<image>hi"
-    hf = hf_processor(tokenizer_dir)
-    hf.image_processor.do_image_splitting = False
-    theirs = hf(text=[text], images=[[image]], return_tensors="np")["input_ids"][0].tolist()
-    layout = prompt.layout(*idefics3.grid(image.height, image.width,
-                                          dataclasses.replace(CONFIG, do_image_splitting=False)))
-    assert len(layout.runs) == 1 and layout.token_ids[:2] == (prompt.fake, prompt.global_image)
-    embeddings = [np.zeros((TOKENS_PER_TILE, 8), np.float32)]
-    expanded, _ = expand_image_tokens(Tokenizer(tokenizer_dir).encode(text), IMAGE_TOKEN_ID, embeddings, ["0" * 64],
-                                      [layout])
-    assert expanded == theirs
 
 
 def test_a_tokenizer_without_the_tile_tokens_is_refused():
