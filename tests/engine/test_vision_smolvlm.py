@@ -229,3 +229,21 @@ def test_an_idefics3_checkpoint_exports_the_same_encoder(tmp_path):
     (tmp_path / "preprocessor_config.json").write_text(json.dumps(mismatched))
     with pytest.raises(ValueError, match="max_image_size 32 is not the vision tower's image_size 64"):
         load_vision_of(tmp_path)
+
+
+def test_kiln_generate_puts_the_image_inline(tiny_smolvlm_engine, llm, tmp_path):
+    """`kiln generate --chat --image` writes SmolVLM's placeholder (no newline after it) and answers as LLM.chat."""
+    from click.testing import CliRunner
+
+    from kiln.cli import main
+
+    image = sample_images()["palette"]
+    image.save(tmp_path / "cat.png")
+    result = CliRunner().invoke(main, ["generate", str(tiny_smolvlm_engine), "--chat", "the", "--image",
+                                       str(tmp_path / "cat.png"), "--max-tokens", "5"])
+    assert result.exit_code == 0, result.output
+    messages = [{"role": "user", "content": [{"type": "image", "image": image}, {"type": "text", "text": "the"}]}]
+    expected = llm.chat(messages, SamplingParams(temperature=0, max_tokens=5))[0]
+    start = llm.tokenizer.decode(expected.prompt_token_ids[:4], skip_special_tokens=False)
+    assert start == "<|im_start|>User:<fake_token_around_image>"
+    assert result.output == expected.outputs[0].text + "\n"
