@@ -76,7 +76,7 @@ def generate(engine_dir: str, given: PromptInput, params: SamplingParams, config
     if images and engine.image_token is None:
         raise InvalidParamError(f"{engine_dir} is not a vision-language engine: it takes no --image", "image")
     if chat is not None:
-        content = "".join(f"{engine.image_token}\n" for _ in images) + chat
+        content = "".join(engine.image_placeholder or "" for _ in images) + chat
         prompt = engine.tokenizer.apply_chat_template([{"role": "user", "content": content}])
     assert prompt is not None  # exactly one of the two, checked above
     text = stream_text(engine, prompt, params, out, images).text

@@ -20,6 +20,7 @@ from .gemma_weights import fold_norm_offsets, is_multimodal_gemma3, text_config,
 from .gguf_loader import load_gguf
 from .moe_weights import stack_experts
 from .tensor_files import SafetensorsTensor, safetensors_index
+from .vision import idefics3_config
 from .vision.llava_config import is_llava, llava_text_config
 
 DEFAULT_MODEL = "default"
@@ -71,10 +72,14 @@ def _has_gguf_magic(path: Path) -> bool:
 def _load_hf_dir(folder: Path) -> Checkpoint:
     config_path = folder / "config.json"
     config = _read_json(config_path, required=True)
-    multimodal = is_multimodal_gemma3(config) or is_llava(config)
-    if multimodal:  # the text decoder only (a LLaVA's image side: export/vision/export_encoder.load_vision)
+    idefics3 = idefics3_config.is_idefics3(config)
+    multimodal = is_multimodal_gemma3(config) or is_llava(config) or idefics3
+    if multimodal:  # the text decoder only (a VLM's image side: export/vision/export_encoder.load_vision)
         try:
-            config = llava_text_config(config) if is_llava(config) else text_config(config)
+            if idefics3:
+                config = idefics3_config.idefics3_text_config(config)
+            else:
+                config = llava_text_config(config) if is_llava(config) else text_config(config)
         except ValueError as exc:
             raise ValueError(f"{config_path}: {exc}") from None
     try:
@@ -84,7 +89,9 @@ def _load_hf_dir(folder: Path) -> Checkpoint:
     except ValueError as exc:
         raise ValueError(f"{config_path}: {exc}") from None
     files = read_safetensors(folder)
-    weights = split_fused_projections(spec, text_part(files) if multimodal else files, str(folder))
+    if multimodal:
+        files = idefics3_config.text_part(files) if idefics3 else text_part(files)
+    weights = split_fused_projections(spec, files, str(folder))
     weights = stack_experts(spec, weights, str(folder))
     weights = select_weights(spec, fold_norm_offsets(spec, weights), str(folder))
     return Checkpoint(spec=spec, weights=weights, tokenizer=_read_hf_tokenizer(folder), source=str(folder))

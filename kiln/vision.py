@@ -6,6 +6,7 @@ A vision-language engine directory holds, besides the text graph:
   vision.onnx (+ .data)       the vision encoder + projector:
                                 pixel_values    float32 [num_images, 3, image_size, image_size]
                                 -> image_embeds float32 [num_images, tokens_per_image, embedding_size]
+                              (an "image" here is one encoder input: an Idefics3 picture is several tiles)
   preprocessor_config.json    the checkpoint's image processor (kiln.runtime.vision.preprocess reads it)
 
 and its text graph takes two more inputs, which put image embeddings in place of the token embeddings of
@@ -14,8 +15,9 @@ the image-placeholder rows (the rest of the graph, kiln.PagedAttention included,
   image_embeds   float32 [num_image_rows, embedding_size]
   image_rows     int64   [num_image_rows]    rows of the packed batch that take them (zero rows: a text step)
 
-A prompt holds ``tokens_per_image`` copies of ``image_token_id`` per image; the runtime expands one image
-placeholder into that run.
+A prompt holds one ``image_token_id`` per picture; the runtime expands it the family's way: "llava" into
+``tokens_per_image`` image tokens; "idefics3" (Idefics3 and SmolVLM) into one run of ``tokens_per_image`` image
+tokens per tile among tile-marker tokens (kiln.runtime.vision.idefics3).
 """
 
 from __future__ import annotations
@@ -29,7 +31,10 @@ PIXEL_VALUES = "pixel_values"
 ENCODER_OUTPUT = "image_embeds"
 IMAGE_EMBEDS = "image_embeds"
 IMAGE_ROWS = "image_rows"
-FAMILIES = ("llava",)
+FAMILIES = ("llava", "idefics3")
+# what a chat message's image part becomes in the text the chat template renders: the image token, then this
+# (LLaVA-1.5's prompts put the image on its own line; SmolVLM's chat template writes "<image>" inline)
+PLACEHOLDER_SUFFIX = {"llava": "\n", "idefics3": ""}
 
 
 @dataclass(frozen=True)
@@ -52,6 +57,10 @@ class VisionSpec:
             if not isinstance(value, int) or isinstance(value, bool) or value < (0 if name == "image_token_id" else 1):
                 raise ValueError(f"vision {name} must be a {'non-negative' if name == 'image_token_id' else 'positive'}"
                                  f" integer, got {value!r}")
+
+    def placeholder(self, image_token: str) -> str:
+        """The text one image part of a chat message becomes."""
+        return image_token + PLACEHOLDER_SUFFIX[self.family]
 
     def to_dict(self) -> dict[str, Any]:
         return {"family": self.family, "image_token_id": self.image_token_id,

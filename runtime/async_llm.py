@@ -190,6 +190,11 @@ class AsyncLLM:
         """The image placeholder's text (a vision-language engine's; None for a text engine)."""
         return self.engine.image_token
 
+    @property
+    def image_placeholder(self) -> str | None:
+        """The text a chat message's image part becomes (a vision-language engine's; None for a text engine)."""
+        return self.engine.image_placeholder
+
     def add_prepared(self, request: EngineRequest, kv: KvHandoff | None = None) -> RequestStream:
         """add_request's second half, on the event loop: queue a prepared request (num_waiting counts it)."""
         return self._queue(request, kv, export_kv=False)

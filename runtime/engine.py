@@ -138,6 +138,13 @@ class Engine:
             return None
         return self.tokenizer.id_to_token(self.image_encoder.spec.image_token_id)
 
+    @property
+    def image_placeholder(self) -> str | None:
+        """The text a chat message's image part becomes: the image token, in the family's layout (None for a
+        text engine)."""
+        token = self.image_token
+        return None if token is None or self.image_encoder is None else self.image_encoder.spec.placeholder(token)
+
     def _expand_images(self, prompt: str | list[int], images: list[Image]) -> tuple[list[int], tuple[ImageSpan, ...]]:
         encoder = self.image_encoder
         if encoder is None:
@@ -145,7 +152,11 @@ class Engine:
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
         check_placeholders(ids, encoder.spec.image_token_id, len(images))  # before any encoder run
         hashes = [image_hash(image) for image in images]
-        return expand_image_tokens(ids, encoder.spec.image_token_id, encoder.encode(images, hashes), hashes)
+        try:
+            layouts = encoder.layouts(images, self.tokenizer)
+        except ValueError as exc:
+            raise InvalidParamError(str(exc), "images") from exc
+        return expand_image_tokens(ids, encoder.spec.image_token_id, encoder.encode(images, hashes), hashes, layouts)
 
     def _compile(self, spec: StructuredOutput) -> CompiledGrammar:
         """spec compiled for this engine's tokenizer: by the loader's compiler, else by one made here on the first

@@ -119,7 +119,7 @@ class LLM:
             conversations = [messages]
         else:
             conversations = list(cast(list[list[ChatMessage]], messages))
-        split = [split_images(c, self.engine.image_token) for c in conversations]
+        split = [split_images(c, self.engine.image_placeholder) for c in conversations]
         images = [found for _, found in split]
         choice, name = _tool_choice(tools, tool_choice)
         if choice is None:

@@ -107,6 +107,25 @@ def tiny_llava_engine(tmp_path_factory, tiny_llava_dir) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_smolvlm_dir(tmp_path_factory) -> Path:
+    """A tiny random SmolVLM (Idefics3 family) checkpoint with the SmolLM2 tokenizer (tests/smolvlm_fixtures.py)."""
+    from smolvlm_fixtures import make_tiny_smolvlm
+
+    return make_tiny_smolvlm(tmp_path_factory.mktemp("tiny-smolvlm"))
+
+
+@pytest.fixture(scope="session")
+def tiny_smolvlm_engine(tmp_path_factory, tiny_smolvlm_dir) -> Path:
+    """The tiny SmolVLM built into a vision-language engine dir (fp32 weights and KV cache, block size 16)."""
+    from kiln.manifest import BuildOptions
+    from kiln.optimize.build import build_engine
+
+    out = tmp_path_factory.mktemp("tiny-smolvlm-engine") / "engine"
+    build_engine(tiny_smolvlm_dir, out, BuildOptions(kv_dtype="float32"), progress=lambda _msg: None)
+    return out
+
+
+@pytest.fixture(scope="session")
 def smollm2_engine() -> Path:
     """SmolLM2-135M-Instruct fp32 (weights and KV cache: the golden tests hold its logits to HF's at 1e-3),
     built once into .cache/engines/smollm2-fp32 and reused while the kiln build sources are unchanged (a file

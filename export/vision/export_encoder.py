@@ -1,9 +1,10 @@
 """The vision encoder graph of a vision-language checkpoint: vision.onnx (+ .data) and preprocessor_config.json.
 
-``load_vision(folder)`` reads a LlavaForConditionalGeneration checkpoint's image side (None for a text-only
-source); ``write_vision(source, engine_dir)`` traces export/vision/clip_encoder.py's module with a dynamic image
-count and writes the graph (kiln/vision.py fixes its inputs and outputs) and the image processor's config
-beside the text graph.
+``load_vision(folder)`` reads the image side of a LlavaForConditionalGeneration checkpoint (CLIP tower,
+export/vision/clip_encoder.py) or an Idefics3 / SmolVLM one (SigLIP tower + pixel-shuffle connector,
+export/vision/siglip_encoder.py); None for a text-only source. ``write_vision(source, engine_dir)`` traces the
+family's module with a dynamic image (tile) count and writes the graph (kiln/vision.py fixes its inputs and
+outputs) and the image processor's config beside the text graph.
 """
 
 from __future__ import annotations
@@ -24,18 +25,22 @@ from kiln import vision as contract
 from kiln.vision import VisionSpec
 
 from ..checkpoint_types import LazyWeights
+from . import idefics3_config, llava_config, siglip_encoder
 from .clip_encoder import ClipVisionEncoder, encoder_weights
-from .llava_config import ClipTowerSpec, clip_tower_spec, is_llava, vision_part, vision_spec
+from .idefics3_config import SiglipTowerSpec
+from .llava_config import ClipTowerSpec
 
 _PROCESSOR_KEYS = ("image_processor_type", "size", "crop_size", "resample", "rescale_factor", "image_mean",
-                   "image_std", "do_convert_rgb", "do_resize", "do_center_crop", "do_rescale", "do_normalize")
+                   "image_std", "do_convert_rgb", "do_resize", "do_center_crop", "do_rescale", "do_normalize",
+                   "max_image_size", "do_image_splitting")
+_PROCESSORS = {"llava": ("CLIPImageProcessor",), "idefics3": ("Idefics3ImageProcessor", "SmolVLMImageProcessor")}
 
 
 @dataclass(frozen=True, eq=False)
 class VisionSource:
     """A checkpoint's image side: the tower as compiled, its weights, the image processor and the manifest's spec."""
 
-    tower: ClipTowerSpec
+    tower: ClipTowerSpec | SiglipTowerSpec
     weights: LazyWeights
     processor: dict[str, Any]
     spec: VisionSpec
@@ -51,29 +56,52 @@ def load_vision_of(model_path: str | Path) -> VisionSource | None:
     if not folder.is_dir() or not (folder / "config.json").is_file():
         return None
     config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
-    return load_vision(folder, config, read_safetensors(folder)) if is_llava(config) else None
+    return load_vision(folder, config, read_safetensors(folder)) if _family(config) else None
+
+
+def _family(config: dict[str, Any]) -> str | None:
+    if llava_config.is_llava(config):
+        return "llava"
+    return "idefics3" if idefics3_config.is_idefics3(config) else None
 
 
 def load_vision(folder: Path, config: dict[str, Any], weights: LazyWeights) -> VisionSource | None:
     """The image side of a Hugging Face checkpoint directory (config.json read as `config`), or None when the
     checkpoint is text-only."""
-    if not is_llava(config):
+    family = _family(config)
+    if family is None:
         return None
     processor_path = folder / contract.PREPROCESSOR_CONFIG
     if not processor_path.is_file():
-        raise FileNotFoundError(f"{processor_path}: missing (a LLaVA checkpoint needs its image processor's config)")
+        raise FileNotFoundError(f"{processor_path}: missing (a {family} checkpoint needs its image processor's "
+                                "config)")
     processor = json.loads(processor_path.read_text(encoding="utf-8"))
-    kind = processor.get("image_processor_type", "CLIPImageProcessor")
-    if kind.removesuffix("Fast").removesuffix("Pil") != "CLIPImageProcessor":
-        raise ValueError(f"{processor_path}: image processor {kind!r}; kiln preprocesses CLIPImageProcessor's way")
-    tower = clip_tower_spec(config)
-    return VisionSource(tower=tower, weights=vision_part(weights), processor=processor,
-                        spec=vision_spec(config, tower))
+    accepted = _PROCESSORS[family]
+    kind = processor.get("image_processor_type", accepted[0])
+    if kind.removesuffix("Fast").removesuffix("Pil") not in accepted:
+        raise ValueError(f"{processor_path}: image processor {kind!r}; kiln preprocesses a {family} checkpoint's "
+                         f"images the way of {' / '.join(accepted)}")
+    if family == "llava":
+        clip = llava_config.clip_tower_spec(config)
+        return VisionSource(tower=clip, weights=llava_config.vision_part(weights), processor=processor,
+                            spec=llava_config.vision_spec(config, clip))
+    try:
+        siglip = idefics3_config.siglip_tower_spec(config, processor)
+    except ValueError as exc:
+        raise ValueError(f"{folder}: {exc}") from None
+    return VisionSource(tower=siglip, weights=idefics3_config.vision_part(weights), processor=processor,
+                        spec=idefics3_config.vision_spec(config, siglip))
+
+
+def _encoder_module(source: VisionSource) -> torch.nn.Module:
+    if isinstance(source.tower, SiglipTowerSpec):
+        return siglip_encoder.SiglipVisionEncoder(source.tower, siglip_encoder.encoder_weights(source.weights))
+    return ClipVisionEncoder(source.tower, encoder_weights(source.tower, source.weights))
 
 
 def export_encoder(source: VisionSource) -> ir.Model:
     """The encoder graph in memory: pixel_values [N, 3, S, S] -> image_embeds [N, tokens, hidden]."""
-    model = ClipVisionEncoder(source.tower, encoder_weights(source.tower, source.weights))
+    model = _encoder_module(source)
     size = source.tower.image_size
     example = torch.zeros((2, source.tower.num_channels, size, size), dtype=torch.float32)
     logging.getLogger("torch.onnx").setLevel(logging.ERROR)

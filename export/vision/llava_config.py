@@ -19,11 +19,13 @@ from ..checkpoint_types import LazyWeights, TensorSource
 
 ARCHITECTURE = "LlavaForConditionalGeneration"
 
-# transformers' LlamaConfig / CLIPVisionConfig defaults, for the keys a sparse nested config leaves out.
-_LLAMA_DEFAULTS: dict[str, Any] = {
+# transformers' LlamaConfig / CLIPVisionConfig defaults, for the keys a sparse nested config leaves out. No
+# rope_theta: a transformers >= 5 save nests it in rope_parameters, which a default here would override
+# (ModelSpec.from_hf_config reads either, and defaults it to LlamaConfig's 10000).
+LLAMA_DEFAULTS: dict[str, Any] = {
     "vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32,
     "num_attention_heads": 32, "hidden_act": "silu", "max_position_embeddings": 2048, "rms_norm_eps": 1e-6,
-    "rope_theta": 10000.0, "tie_word_embeddings": False, "attention_bias": False, "model_type": "llama",
+    "tie_word_embeddings": False, "attention_bias": False, "model_type": "llama",
 }
 _CLIP_VISION_DEFAULTS: dict[str, Any] = {
     "hidden_size": 768, "intermediate_size": 3072, "num_hidden_layers": 12, "num_attention_heads": 12,
@@ -40,7 +42,7 @@ def is_llava(config: dict[str, Any]) -> bool:
 
 def llava_text_config(config: dict[str, Any]) -> dict[str, Any]:
     """The text_config as a LlamaForCausalLM config.json would hold it."""
-    text = {**_LLAMA_DEFAULTS, **(config.get("text_config") or {})}
+    text = {**LLAMA_DEFAULTS, **(config.get("text_config") or {})}
     if text.get("model_type") != "llama":
         raise ValueError(f"a LLaVA text model of type {text.get('model_type')!r}; kiln compiles LLaVA's llama body")
     text.setdefault("num_key_value_heads", text["num_attention_heads"])

@@ -291,7 +291,7 @@ def _tool_mode(chat: ChatCompletionRequest) -> ToolMode | None:
 def _render_with_images(llm: Any, messages: Sequence[Any], add_generation_prompt: bool,
                         tools: ToolMode | None = None) -> tuple[str, list[Any]]:
     """_render, and the conversation's images (decoded; each an image placeholder in the text)."""
-    messages, images = take_images(messages, getattr(llm, "image_token", None))
+    messages, images = take_images(messages, getattr(llm, "image_placeholder", None))
     return _render(llm, messages, add_generation_prompt, tools), images
 
 

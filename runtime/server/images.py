@@ -1,8 +1,9 @@
 """Image content parts of chat messages, taken out before the chat template renders the conversation.
 
 Each ``image_url`` part is decoded (runtime/vision/images.py: data URLs only, size and count limits, every refusal
-a 400 naming the part) and replaced by a text part holding the engine's image placeholder and a newline, LLaVA's
-layout; the engine expands each placeholder to the image's run of tokens. A text-only engine refuses image parts.
+a 400 naming the part) and replaced by a text part holding the engine's image placeholder in its family's layout
+(LLaVA's: the image token and a newline; SmolVLM's: the token alone); the engine expands each placeholder to the
+image's tokens. A text-only engine refuses image parts.
 """
 
 from __future__ import annotations
@@ -18,14 +19,14 @@ if TYPE_CHECKING:
     from PIL.Image import Image
 
 
-def take_images(messages: Sequence[Any], image_token: str | None) -> tuple[list[Any], list[Image]]:
+def take_images(messages: Sequence[Any], placeholder: str | None) -> tuple[list[Any], list[Image]]:
     """(the messages with each image part replaced by the placeholder, the decoded images in order)."""
     parts = [(m, p) for m, message in enumerate(messages) if isinstance(message, ChatMessage)
              and isinstance(message.content, list)
              for p, part in enumerate(message.content) if isinstance(part, ImageUrlPart)]
     if not parts:
         return list(messages), []
-    if image_token is None:
+    if placeholder is None:
         m, p = parts[0]
         raise InvalidParamError(f"messages[{m}].content[{p}]: this model takes no images (it is not a "
                                 "vision-language engine)", f"messages.{m}.content.{p}")
@@ -36,7 +37,7 @@ def take_images(messages: Sequence[Any], image_token: str | None) -> tuple[list[
         part = messages[m].content[p]
         images.append(decode_image_url(part.image_url.url, f"messages.{m}.content.{p}.image_url.url"))
     for m in sorted({m for m, _ in parts}):
-        content = [TextPart(type="text", text=image_token + "\n") if isinstance(part, ImageUrlPart) else part
+        content = [TextPart(type="text", text=placeholder) if isinstance(part, ImageUrlPart) else part
                    for part in messages[m].content]
         out[m] = messages[m].model_copy(update={"content": content})
     return out, images

@@ -1,6 +1,6 @@
 """Chat messages with image content parts: the images taken out, each replaced in the text by the engine's image
-placeholder token (LLaVA's layout: the placeholder, a newline, then the text), so any chat template renders the
-conversation from plain string contents."""
+placeholder (the image token in the family's layout: LLaVA's puts a newline after it), so any chat template
+renders the conversation from plain string contents."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ if TYPE_CHECKING:
     from PIL.Image import Image
 
 
-def split_images(messages: list[Any], image_token: str | None) -> tuple[list[Any], list[Image]]:
-    """(messages with string contents, the images in order of appearance). image_token None: a text engine,
+def split_images(messages: list[Any], placeholder: str | None) -> tuple[list[Any], list[Image]]:
+    """(messages with string contents, the images in order of appearance). placeholder None: a text engine,
     which refuses image parts."""
     check_image_count(sum(1 for message in messages for part in _parts(message)
                           if isinstance(part, dict) and part.get("type") in ("image_url", "image")), "messages")
@@ -34,11 +34,11 @@ def split_images(messages: list[Any], image_token: str | None) -> tuple[list[Any
             if kind not in ("image_url", "image"):
                 raise InvalidParamError(f"{param}: a content part of type {kind!r}; kiln takes 'text', 'image_url' "
                                         "and 'image' parts", param)
-            if image_token is None:
+            if placeholder is None:
                 raise InvalidParamError(f"{param}: this engine takes no images (it is not a vision-language engine)",
                                         param)
             images.append(_part_image(part, param))
-            text.append(image_token + "\n")
+            text.append(placeholder)
         out.append({**message, "content": "".join(text)})
     return out, images
 

@@ -1,5 +1,9 @@
 """The vision encoder graph at run time: images -> preprocessed pixel values -> image embeddings.
 
+The family (kiln/vision.py) decides how an image becomes encoder inputs and prompt tokens: LLaVA one CLIP crop
+(runtime/vision/preprocess.py) and one run of image tokens; Idefics3 / SmolVLM several tiles
+(runtime/vision/idefics3.py), their embeddings concatenated tile after tile, laid out among tile markers.
+
 One ONNX Runtime session of the engine's vision.onnx (kiln/vision.py). Embeddings are cached by the image's
 content hash (sha256 of its decoded pixels and mode), least recently used out first once they pass
 ``cache_bytes`` (256 MiB: 27 images of LLaVA-1.5-7B's 576 x 4096 float32 embeddings), so an image sent again
@@ -21,14 +25,15 @@ import onnxruntime as ort
 
 from kiln import vision as contract
 from kiln.manifest import EngineLoadError
+from kiln.runtime.vision import idefics3
 from kiln.runtime.vision.preprocess import ClipImageConfig, preprocess
-from kiln.runtime.vision.prompt import image_hash
+from kiln.runtime.vision.prompt import ImageLayout, image_hash
 from kiln.vision import VisionSpec
 
 if TYPE_CHECKING:
     from PIL.Image import Image
 
-Embeddings = npt.NDArray[np.float32]  # [tokens_per_image, hidden]
+Embeddings = npt.NDArray[np.float32]  # [tiles * tokens_per_image, hidden]
 
 
 class ImageEncoder:
@@ -39,7 +44,9 @@ class ImageEncoder:
         self.spec = spec
         try:
             processor = json.loads((engine_dir / spec.preprocessor).read_text(encoding="utf-8"))
-            self.preprocess_config = ClipImageConfig.from_hf(processor)
+            self.preprocess_config: ClipImageConfig | idefics3.Idefics3ImageConfig = (
+                idefics3.Idefics3ImageConfig.from_hf(processor) if spec.family == "idefics3"
+                else ClipImageConfig.from_hf(processor))
         except (OSError, ValueError) as exc:
             raise EngineLoadError(f"the engine's image processor config {spec.preprocessor} is unusable "
                                   f"({exc})") from exc
@@ -58,10 +65,28 @@ class ImageEncoder:
         self._lock = threading.Lock()  # the server encodes on worker threads
         self.images_encoded = 0
         self.cache_hits = 0
+        self._prompt: idefics3.Idefics3Prompt | None = None
+
+    def tiles(self, image: Image) -> tuple[npt.NDArray[np.float32], int, int]:
+        """(one image's encoder inputs [tiles, 3, S, S], rows, cols of its tile grid: 0, 0 when not split)."""
+        config = self.preprocess_config
+        if isinstance(config, idefics3.Idefics3ImageConfig):
+            return idefics3.pixel_values(image, config)
+        return preprocess(image, config)[None], 0, 0
 
     def pixel_values(self, images: list[Image]) -> npt.NDArray[np.float32]:
-        """[N, 3, S, S] float32, as the encoder graph takes them."""
-        return np.stack([preprocess(image, self.preprocess_config) for image in images])
+        """[tiles of all images, 3, S, S] float32, as the encoder graph takes them."""
+        return np.concatenate([self.tiles(image)[0] for image in images])
+
+    def layouts(self, images: list[Image], tokenizer: idefics3._Tokenizer) -> list[ImageLayout] | None:
+        """The prompt tokens each image's placeholder expands to (None: the family's one run of image tokens)."""
+        config = self.preprocess_config
+        if not isinstance(config, idefics3.Idefics3ImageConfig):
+            return None
+        if self._prompt is None:
+            self._prompt = idefics3.Idefics3Prompt(tokenizer, self.spec.image_token_id, self.spec.tokens_per_image)
+        grids = [idefics3.grid(image.height, image.width, config) for image in images]
+        return [self._prompt.layout(rows, cols) for rows, cols in grids]
 
     def run(self, pixel_values: npt.NDArray[np.float32]) -> npt.NDArray[np.float32]:
         """The encoder graph on pixel values: [N, tokens_per_image, hidden]."""
@@ -78,7 +103,10 @@ class ImageEncoder:
             self.cache_hits += sum(1 for h in hashes if h in found)
         todo = {h: image for h, image in zip(hashes, images, strict=True) if h not in found}
         if todo:
-            embeddings = self.run(self.pixel_values(list(todo.values())))
+            inputs = [self.tiles(image)[0] for image in todo.values()]
+            tiles = self.run(np.concatenate(inputs))
+            ends = np.cumsum([len(x) for x in inputs])
+            embeddings = [t.reshape(-1, t.shape[-1]) for t in np.split(tiles, ends[:-1])]
             with self._lock:
                 self.images_encoded += len(todo)
                 for h, embedding in zip(todo, embeddings, strict=True):

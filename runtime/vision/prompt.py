@@ -1,12 +1,12 @@
 """Images in a prompt: each image's placeholder token expanded to its run of image positions, and the
 embeddings those positions take.
 
-LLaVA-1.5's processor writes ``<image>`` once per image in the text and repeats it
-``(image_size / patch_size)^2`` times (576 for the 336-pixel tower) before the model sees it; kiln does the same
-on token ids, so a prompt holds exactly ``tokens_per_image`` copies of the image token per image, in order. An
-``ImageSpan`` records where each image's run starts, its embeddings, and a key (from the image's content hash)
-that the block manager folds into the hashes of the blocks the run touches: the same text with another image
-never matches the prefix cache, the same image again does.
+A prompt holds one image token per image; kiln expands each, on token ids, the way the family's processor
+expands it in text (an ``ImageLayout``): LLaVA-1.5 repeats ``<image>`` ``(image_size / patch_size)^2`` times
+(576 for the 336-pixel tower); Idefics3 / SmolVLM write one run of image tokens per tile, among tile-marker
+tokens (runtime/vision/idefics3.py). An ``ImageSpan`` records where one run starts, its embeddings, and a key
+(from the image's content hash) that the block manager folds into the hashes of the blocks the run touches: the
+same text with another image never matches the prefix cache, the same image again does.
 """
 
 from __future__ import annotations
@@ -35,6 +35,20 @@ class ImageSpan:
         return self.start + len(self.embeddings)
 
 
+@dataclass(frozen=True)
+class ImageLayout:
+    """The tokens one image placeholder expands to, and the runs in them that take the image's embeddings:
+    (offset in token_ids, rows), in the order of the encoder's rows."""
+
+    token_ids: tuple[int, ...]
+    runs: tuple[tuple[int, int], ...]
+
+    @classmethod
+    def one_run(cls, image_token_id: int, rows: int) -> ImageLayout:
+        """LLaVA's: the image token repeated once per embedding row."""
+        return cls((image_token_id,) * rows, ((0, rows),))
+
+
 def image_hash(image: Image) -> str:
     """The content hash of a decoded image: its mode, size and pixels (not its file's bytes, so the same
     picture re-encoded as PNG or with other metadata hashes the same)."""
@@ -57,18 +71,27 @@ def check_placeholders(token_ids: list[int], image_token_id: int, num_images: in
 
 
 def expand_image_tokens(token_ids: list[int], image_token_id: int, embeddings: list[npt.NDArray[np.float32]],
-                        hashes: list[str]) -> tuple[list[int], tuple[ImageSpan, ...]]:
-    """Each image placeholder in token_ids replaced by len(embeddings[i]) image tokens; the spans they cover.
-    InvalidParamError when the placeholders and the images do not pair up."""
+                        hashes: list[str], layouts: list[ImageLayout] | None = None,
+                        ) -> tuple[list[int], tuple[ImageSpan, ...]]:
+    """Each image placeholder in token_ids replaced by its layout's tokens (default: len(embeddings[i]) image
+    tokens); the spans of the runs that take embeddings. InvalidParamError when the placeholders and the images
+    do not pair up."""
     check_placeholders(token_ids, image_token_id, len(embeddings))
+    if layouts is None:
+        layouts = [ImageLayout.one_run(image_token_id, len(embedding)) for embedding in embeddings]
     places = [i for i, token in enumerate(token_ids) if token == image_token_id]
     expanded: list[int] = []
     spans: list[ImageSpan] = []
     previous = 0
-    for place, embedding, content in zip(places, embeddings, hashes, strict=True):
+    for place, embedding, content, layout in zip(places, embeddings, hashes, layouts, strict=True):
         expanded.extend(token_ids[previous:place])
-        spans.append(ImageSpan(len(expanded), embedding, content_key(content)))
-        expanded.extend([image_token_id] * len(embedding))
+        if sum(rows for _, rows in layout.runs) != len(embedding):
+            raise ValueError(f"an image layout of {layout.runs} runs for {len(embedding)} embedding rows")
+        row = 0
+        for offset, rows in layout.runs:
+            spans.append(ImageSpan(len(expanded) + offset, embedding[row:row + rows], content_key(content)))
+            row += rows
+        expanded.extend(layout.token_ids)
         previous = place + 1
     expanded.extend(token_ids[previous:])
     return expanded, tuple(spans)

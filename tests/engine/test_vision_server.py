@@ -73,3 +73,27 @@ def test_too_many_images_and_unpaired_placeholders_are_refused(server):
     with pytest.raises(openai.BadRequestError, match="1 image placeholder"):
         server.client().chat.completions.create(model="llava", max_tokens=2,
                                                 messages=[{"role": "user", "content": "look: <image>"}])
+
+
+@pytest.fixture(scope="module")
+def smolvlm_server(tiny_smolvlm_engine, tmp_path_factory):
+    srv = Server(tiny_smolvlm_engine, tmp_path_factory.mktemp("serve-smolvlm") / "server.log", "--num-threads", "1",
+                 "--served-model-name", "smolvlm")
+    yield srv
+    assert srv.stop() == 0
+
+
+def test_smolvlm_takes_an_image_url_and_answers_as_the_offline_engine(smolvlm_server, tiny_smolvlm_engine):
+    """A split image (1 x 4 tiles + the global one) through /v1/chat/completions: the prompt is the tiles' layout
+    (5 runs of 4 image tokens among tile markers) and the answer is the offline engine's for the same message."""
+    from kiln.runtime import LLM, RuntimeConfig, SamplingParams
+
+    image = sample_images()["rgb-landscape"]
+    messages = image_message(data_url(image), "What is in this picture?")
+    done = smolvlm_server.client().chat.completions.create(
+        model="smolvlm", messages=messages, max_tokens=6, temperature=0, extra_body={"ignore_eos": True})
+    offline = LLM(tiny_smolvlm_engine, RuntimeConfig(kv_cache_bytes=4 << 20)).chat(
+        messages, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))[0]
+    assert done.usage.prompt_tokens == len(offline.prompt_token_ids) > 5 * 6
+    assert done.choices[0].message.content == offline.outputs[0].text
+    assert smolvlm_server.metric("kiln_images_encoded_total") == 1

@@ -48,7 +48,7 @@ def test_a_bad_vision_object_is_named():
     with pytest.raises(ValueError, match="tokens_per_image"):
         dataclasses.replace(SPEC, tokens_per_image=0)
     with pytest.raises(ValueError, match="family"):
-        dataclasses.replace(SPEC, family="idefics3")
+        dataclasses.replace(SPEC, family="qwen2_vl")
 
     text = dataclasses.replace(make_manifest(), vision=SPEC).to_json().replace('"tokens_per_image": 4',
                                                                                '"tokens_per_image": -4')
@@ -79,8 +79,9 @@ def test_block_keys_name_the_images_a_block_holds():
 def test_images_come_out_of_chat_content_parts():
     messages = [{"role": "user", "content": [{"type": "text", "text": "look: "},
                                              {"type": "image_url", "image_url": {"url": png_url()}}]}]
-    flat, images = split_images(messages, "<image>")
+    flat, images = split_images(messages, "<image>\n")
     assert flat == [{"role": "user", "content": "look: <image>\n"}] and images[0].size == (5, 4)
+    assert split_images(messages, "<image>")[0] == [{"role": "user", "content": "look: <image>"}]  # SmolVLM's
     with pytest.raises(InvalidParamError, match="not a vision-language engine"):
         split_images(messages, None)
     with pytest.raises(InvalidParamError, match="type 'audio'"):
@@ -124,7 +125,7 @@ def test_the_server_takes_image_parts_out_of_messages():
 
     message = ChatMessage.model_validate({"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": png_url()}}, {"type": "text", "text": "what is it?"}]})
-    flat, images = take_images([message], "<image>")
+    flat, images = take_images([message], "<image>\n")
     assert flat[0].as_dict() == {"role": "user", "content": "<image>\nwhat is it?"} and len(images) == 1
     with pytest.raises(InvalidParamError, match="not a vision-language engine") as err:
         take_images([message], None)
