@@ -157,6 +157,12 @@ class RayChain(StageChain):
         remove_placement_group(self.launcher.placement)
 
 
+def last_line(exc: Exception) -> str:
+    """The error a Ray exception carries without the remote traceback Ray puts before it."""
+    lines = [line for line in str(exc).splitlines() if line.strip()]
+    return lines[-1].strip() if lines else type(exc).__name__
+
+
 def connect_ray(num_cpus: int) -> None:
     """ray.init: the cluster RAY_ADDRESS names, else a local Ray with CPUs for every stage (no dashboard, actor
     logs not forwarded). Nothing when Ray is already up (e.g. inside a replica of kiln serve --replicas)."""
@@ -195,7 +201,9 @@ def open_ray_pipeline_runner(engine_dir: Path, stages: tuple[PipelineStage, ...]
     except ray.exceptions.RayError as exc:
         for actor in actors:
             ray.kill(actor)
-        raise EngineLoadError(f"a pipeline stage actor failed to open its stage: {exc}") from exc
+        cap = sizing.memory_budget_bytes
+        hint = f" (is --stage-memory-bytes {cap} too small for its graph?)" if cap and "alloc" in str(exc) else ""
+        raise EngineLoadError(f"a pipeline stage actor failed to open its stage: {last_line(exc)}{hint}") from exc
     check_last_stage([d.is_last for d in described], engine_dir)
     log.info("pipeline of %d stages in Ray actors (pids %s), %d thread(s) each; their graphs added %s MiB resident",
              num_actors, [d.pid for d in described], threads, [d.load_resident_bytes >> 20 for d in described])

@@ -1,13 +1,16 @@
-"""kiln serve --pipeline-parallel 2 on a tiny 4-layer llama, as a subprocess (its own local Ray, gone with it):
-a stage actor SIGKILLed while streams run. The streams end with an error event and [DONE], their blocks are
-freed, the runner starts the stage again, and a prompt served before the kill is served identically after it
-(the prefix cache forgot the blocks whose K/V died with the stage)."""
+"""kiln serve --pipeline-parallel 2 on a small 4-layer llama (hidden 512: its weights, 49 MiB, outweigh the
+runtime's own allocations), as a subprocess (its own local Ray, gone with it), each stage under a memory cap
+the one graph does not fit: a stage actor SIGKILLed while streams run. The streams end with an error event and
+[DONE], their blocks are freed, the runner starts the stage again (under the cap), and a prompt served before
+the kill is served identically after it (the prefix cache forgot the blocks whose K/V died with the stage)."""
 
 from __future__ import annotations
 
 import json
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -22,20 +25,41 @@ from server_process import Server  # noqa: E402
 
 from kiln.manifest import BuildOptions  # noqa: E402
 from kiln.optimize.build import build_engine  # noqa: E402
+from kiln.optimize.split_stages import split_engine  # noqa: E402
 
 STREAMS = 4
+BUDGET = 44 << 20  # each stage's cap: a stage's load adds ~27 MiB of private memory, the one graph's ~52 MiB
 SHARED = [(11 * j) % 250 + 9 for j in range(40)]  # two full blocks and more: cached after the first request
 
 
 @pytest.fixture(scope="module")
-def staged_engine(tmp_path_factory):
+def engines(tmp_path_factory):
+    """The one-graph engine and its 2-stage split."""
     from helpers import make_tiny_hf_model
 
     root = tmp_path_factory.mktemp("pipeline-faults")
-    model = make_tiny_hf_model(root, family="llama", num_hidden_layers=4)
-    build_engine(model, root / "engine", BuildOptions(kv_dtype="float32", pipeline_stages=2),
-                 progress=lambda _m: None)
-    return root / "engine"
+    model = make_tiny_hf_model(root, family="llama", num_hidden_layers=4, hidden_size=512, intermediate_size=1536,
+                               num_attention_heads=8, num_key_value_heads=4)
+    build_engine(model, root / "one", BuildOptions(kv_dtype="float32"), progress=lambda _m: None)
+    split_engine(root / "one", root / "two", 2)
+    return root / "one", root / "two"
+
+
+def probe(graph: Path) -> dict:
+    done = subprocess.run([sys.executable, "-m", "kiln.runtime.pipeline.memory", str(graph), "--budget-bytes",
+                           str(BUDGET)], capture_output=True, text=True, timeout=120)
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert done.returncode == (0 if result["loaded"] else 1)
+    return result
+
+
+def test_each_stage_loads_under_a_cap_the_one_graph_does_not(engines):
+    one, two = engines
+    whole = probe(one / "model.onnx")
+    assert not whole["loaded"] and "bad_alloc" in whole["error"], whole
+    for stage in ("stage0.onnx", "stage1.onnx"):
+        result = probe(two / stage)
+        assert result["loaded"] and result["data_bytes"] < BUDGET, result
 
 
 def stage_actor_pids(root_pid: int) -> set[int]:
@@ -73,7 +97,7 @@ class Stream(threading.Thread):
         self.status = 0
 
     def run(self) -> None:
-        body = {"model": "m", "prompt": self.prompt, "max_tokens": 1500, "temperature": 0, "stream": True,
+        body = {"model": "m", "prompt": self.prompt, "max_tokens": 900, "temperature": 0, "stream": True,
                 "ignore_eos": True}
         with httpx.stream("POST", self.url + "/v1/completions", json=body, timeout=60,
                           headers={"Authorization": "Bearer none"}) as response:
@@ -96,9 +120,11 @@ def complete(server: Server, prompt: list[int]) -> dict:
     return response.json()
 
 
-def test_a_stage_killed_mid_stream_fails_its_streams_and_is_restarted(staged_engine, tmp_path):
-    server = Server(staged_engine, tmp_path / "server.log", "--pipeline-parallel", "2", "--num-threads", "1",
-                    "--served-model-name", "m", "--max-model-len", "2048", "--kv-cache-bytes", str(8 << 20))
+def test_a_stage_killed_mid_stream_fails_its_streams_and_is_restarted(engines, tmp_path):
+    one, two = engines
+    server = Server(two, tmp_path / "server.log", "--pipeline-parallel", "2", "--num-threads", "1",
+                    "--served-model-name", "m", "--max-model-len", "1024", "--kv-cache-bytes", str(8 << 20),
+                    "--stage-memory-bytes", str(BUDGET))
     try:
         before = complete(server, SHARED)
         pids = stage_actor_pids(server.proc.pid)
@@ -116,7 +142,7 @@ def test_a_stage_killed_mid_stream_fails_its_streams_and_is_restarted(staged_eng
             assert not stream.is_alive(), "a stream hung after its stage died"
         for stream in streams:
             assert stream.status == 200 and stream.done, (stream.status, stream.events[-1:])
-            assert 1 <= stream.tokens < 1500, stream.tokens  # cut mid-stream, after its first tokens
+            assert 1 <= stream.tokens < 900, stream.tokens  # cut mid-stream, after its first tokens
             error = stream.events[-1]["error"]["message"]
             assert "pipeline stage" in error and "restarted" in error, error
         after = complete(server, SHARED)  # served again, by the restarted stage
@@ -126,6 +152,22 @@ def test_a_stage_killed_mid_stream_fails_its_streams_and_is_restarted(staged_eng
         assert len(restarted) == 2 and victim not in restarted, (victim, restarted)
         assert server.metric("kiln_kv_cache_blocks_used") == 0
         assert server.metric("kiln_pipeline_stage_restarts_total") == 1
+        whole = (one / "model.onnx.data").stat().st_size
+        for stage in range(2):  # about its share of the weights, well under the whole
+            resident = server.metric(f'kiln_pipeline_stage_resident_bytes{{stage="{stage}"}}')
+            assert 0.4 * whole < resident < 0.85 * whole, (stage, resident, whole)
         assert "started again as pid" in server.log_path.read_text()
     finally:
         assert server.stop() == 0, server.log_path.read_text()[-3000:]
+
+
+def test_a_stage_over_its_cap_fails_to_load_with_the_reason(engines):
+    """The cap holds inside the Ray actors: under half a stage's weights, serve stops before binding its port."""
+    _, two = engines
+    done = subprocess.run([sys.executable, "-m", "kiln.cli", "serve", str(two), "--pipeline-parallel", "2",
+                           "--num-threads", "1", "--max-model-len", "256", "--kv-cache-bytes", str(4 << 20),
+                           "--stage-memory-bytes", str(12 << 20)], capture_output=True, text=True, timeout=180)
+    assert done.returncode != 0
+    assert "a pipeline stage actor failed to open its stage: kiln.manifest.EngineLoadError: onnxruntime cannot load" \
+        in done.stderr and f"bad_alloc) (is --stage-memory-bytes {12 << 20} too small" in done.stderr, \
+        done.stderr[-3000:]
