@@ -5,7 +5,9 @@ kiln.runtime.pipeline.memory), each in a fresh process: the one graph's load, un
 capped (it fails), and each stage's load, capped. Then the 2-stage deployment, `--pipeline-parallel 2
 --stage-memory-bytes BUDGET` (each stage in a Ray actor under the cap), generates greedy tokens, compared with
 the one graph's in this process, uncapped; each stage's resident memory its load added is read from the
-engine's stats (kiln_pipeline_stage_resident_bytes).
+engine's stats (kiln_pipeline_stage_resident_bytes). Last, the last stage's process is SIGKILLed under a running
+request: the seconds until that request has failed (the runner started the stage again, reloading its graph
+under the cap) and a new request's tokens, which must again be the one graph's.
 
     python benchmarks/bench_pipeline_memory.py ENGINE_DIR --budget-mib 450     (ENGINE_DIR: a one-graph engine)
 """
@@ -14,13 +16,17 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import signal
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
 from kiln.optimize.split_stages import split_engine
+from kiln.runtime.engine import Engine
 from kiln.runtime.loader import load_engine
 from kiln.runtime.params import RuntimeConfig, SamplingParams
 
@@ -41,16 +47,48 @@ def probe(graph: Path, budget_bytes: int | None) -> dict[str, Any]:
     return result
 
 
-def greedy(engine_dir: Path, config: RuntimeConfig) -> tuple[list[int], tuple[int, ...]]:
-    """NEW_TOKENS greedy tokens of PROMPT, and each stage's resident memory its load added (empty: one graph)."""
+def generate(engine: Engine, request_id: str) -> tuple[list[int], str | None]:
+    """NEW_TOKENS greedy tokens of PROMPT, and the request's error (None: it finished)."""
+    engine.add_request(request_id, PROMPT, SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True))
+    tokens: list[int] = []
+    error = None
+    while engine.has_unfinished():
+        for out in engine.step():
+            tokens.extend(out.outputs[0].token_ids)
+            error = error or out.error
+    return tokens, error
+
+
+def kill_and_recover(engine: Engine) -> dict[str, Any]:
+    """SIGKILL the last stage's actor after a request's first token; seconds until that request has failed,
+    and the tokens of a request sent after it."""
+    chain: Any = engine.runner.chain  # type: ignore[attr-defined]
+    engine.add_request("cut", PROMPT, SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True))
+    generated = engine.stats().num_generated_tokens
+    while engine.stats().num_generated_tokens == generated:
+        engine.step()
+    victim = chain.pids[-1]
+    os.kill(victim, signal.SIGKILL)
+    start, error = time.perf_counter(), None
+    while engine.has_unfinished():
+        for out in engine.step():
+            error = error or out.error
+    failed_after = time.perf_counter() - start
+    tokens, after_error = generate(engine, "after")
+    return {"killed_pid": victim, "restarted_pid": chain.pids[-1], "cut_request_error": error,
+            "seconds_to_fail_and_restart": round(failed_after, 2), "after": tokens, "after_error": after_error}
+
+
+def greedy(engine_dir: Path, config: RuntimeConfig, kill: bool = False) -> dict[str, Any]:
+    """NEW_TOKENS greedy tokens of PROMPT and each stage's resident memory its load added (empty: one graph);
+    with kill, kill_and_recover's figures."""
     engine = load_engine(engine_dir, config)
     try:
-        engine.add_request("0", PROMPT, SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True))
-        tokens: list[int] = []
-        while engine.has_unfinished():
-            for out in engine.step():
-                tokens.extend(out.outputs[0].token_ids)
-        return tokens, engine.stats().pipeline.stage_resident_bytes
+        tokens, _ = generate(engine, "0")
+        result = {"tokens": tokens, "stage_resident": engine.stats().pipeline.stage_resident_bytes}
+        if kill:
+            result.update(kill_and_recover(engine))
+        return result
     finally:
         engine.runner.close()
 
@@ -69,23 +107,29 @@ def main() -> None:
                   probe(staged / "stage0.onnx", budget), probe(staged / "stage1.onnx", budget)]
         for result in probes:
             print(json.dumps(result), flush=True)
-        want, _ = greedy(args.engine, RuntimeConfig(**base))  # type: ignore[arg-type]
+        want = greedy(args.engine, RuntimeConfig(**base))["tokens"]  # type: ignore[arg-type]
         import ray
 
         try:
-            got, resident = greedy(staged, RuntimeConfig(**base, pipeline_parallel=2,  # type: ignore[arg-type]
-                                                         stage_memory_bytes=budget))
+            got = greedy(staged, RuntimeConfig(**base, pipeline_parallel=2,  # type: ignore[arg-type]
+                                               stage_memory_bytes=budget), kill=True)
         finally:
             ray.shutdown()
         stage_weights = [(staged / f"stage{k}.onnx.data").stat().st_size for k in range(2)]
     deployment = {"deployment": "2 Ray actors, --stage-memory-bytes", "budget_mib": args.budget_mib,
-                  "generated": len(got), "tokens_match_one_graph": got == want,
-                  "stage_resident_mib": [round(r / 2**20, 1) for r in resident],
+                  "generated": len(got["tokens"]), "tokens_match_one_graph": got["tokens"] == want,
+                  "stage_resident_mib": [round(r / 2**20, 1) for r in got["stage_resident"]],
                   "stage_weights_mib": [round(size / 2**20, 1) for size in stage_weights],
                   "one_graph_weights_mib": round((args.engine / "model.onnx.data").stat().st_size / 2**20, 1)}
     print(json.dumps(deployment), flush=True)
+    recovery = {"killed_pid": got["killed_pid"], "restarted_pid": got["restarted_pid"],
+                "cut_request_error": got["cut_request_error"],
+                "seconds_to_fail_and_restart": got["seconds_to_fail_and_restart"],
+                "after_restart_tokens_match_one_graph": got["after"] == want and got["after_error"] is None}
+    print(json.dumps(recovery), flush=True)
     whole_uncapped, whole_capped, *stages = probes
-    ok = not whole_capped["loaded"] and all(s["loaded"] for s in stages) and got == want
+    ok = not whole_capped["loaded"] and all(s["loaded"] for s in stages) and deployment["tokens_match_one_graph"] \
+        and recovery["after_restart_tokens_match_one_graph"] and recovery["cut_request_error"] is not None
     sys.exit(0 if ok else 1)
 
 
