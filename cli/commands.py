@@ -200,6 +200,9 @@ def _speculative(method: str | None, num_tokens: int, draft: str | None,
               help="serve an engine of N pipeline stages (kiln build --pipeline-stages N) with each stage in its own "
                    "Ray actor (--num-threads each; a local Ray, or the cluster RAY_ADDRESS names); 1: a staged "
                    "engine's stages run in this process")
+@click.option("--stage-memory-bytes", type=click.IntRange(min=1), default=None,
+              help="with --pipeline-parallel: the memory each stage actor may take beyond its Ray worker's own, "
+                   "enforced (RLIMIT_DATA); a stage that does not fit fails to load")
 @click.option("--ray-address", default=None, help="with replicas: an existing Ray cluster (e.g. ray://head:10001 or "
               "auto) instead of a local Ray on this machine")
 @click.option("--log-level", type=click.Choice(["critical", "error", "warning", "info", "debug"]), default="info",
@@ -212,7 +215,8 @@ def serve(engine_dir: Path, host: str, port: int, api_key: str | None, served_mo
           reasoning_parser: str, speculative: str | None, num_speculative_tokens: int,
           draft: str | None, min_guess_probability: float | None, replicas: int | None,
           prefill_replicas: int | None, decode_replicas: int | None,
-          routing: str, pipeline_parallel: int, ray_address: str | None, log_level: str) -> None:
+          routing: str, pipeline_parallel: int, stage_memory_bytes: int | None, ray_address: str | None,
+          log_level: str) -> None:
     """Serve ENGINE_DIR over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions), with a
     chat page at /; on several replicas with --replicas N (or --prefill-replicas P --decode-replicas D)."""
     from kiln.runtime.params import RuntimeConfig
@@ -224,7 +228,7 @@ def serve(engine_dir: Path, host: str, port: int, api_key: str | None, served_mo
                            enable_prefix_caching=not disable_prefix_caching,
                            chat_template=chat_template.read_text() if chat_template else None,
                            speculative=_speculative(speculative, num_speculative_tokens, draft, min_guess_probability),
-                           pipeline_parallel=pipeline_parallel)
+                           pipeline_parallel=pipeline_parallel, stage_memory_bytes=stage_memory_bytes)
     options = ServeOptions(host=host, port=port, served_model_name=served_model_name, max_queue=max_queue,
                            shutdown_timeout=shutdown_timeout, log_level=log_level, api_key=api_key or None,
                            web_ui=not no_web_ui, max_request_bytes=max_request_bytes, read_timeout=read_timeout,

@@ -235,6 +235,14 @@ class BlockManager:
             table[i] = RELEASED
         return end - start
 
+    def forget_cached_blocks(self) -> None:
+        """The pools lost their contents: no free block's K/V may be found by a prefix any more. Every sequence
+        that held blocks must have been freed first (their K/V is gone with the rest)."""
+        assert not self.owners, f"{len(self.owners)} sequences still hold blocks"
+        self.hash_to_block.clear()
+        for block in self.blocks:
+            block.hash, block.token_ids = NO_HASH, ()
+
     def _release(self, block_id: int) -> None:
         block = self.blocks[block_id]
         block.ref_count -= 1

@@ -23,7 +23,7 @@ from kiln.runtime.block_manager import BlockManager, window_tokens
 from kiln.runtime.detokenizer import IncrementalDetokenizer, TextTokenizer
 from kiln.runtime.handoff import HandoffQueue, export_handoff
 from kiln.runtime.kv_transfer import KvHandoff
-from kiln.runtime.model_runner import ModelRunner, RunnerOutput, build_batch
+from kiln.runtime.model_runner import KvLostError, ModelRunner, RunnerOutput, build_batch
 from kiln.runtime.outputs import EngineStats, Logprob, RequestOutput
 from kiln.runtime.params import RuntimeConfig, SamplingParams, SpeculativeConfig
 from kiln.runtime.request import EngineRequest, Request, prepare_request
@@ -225,7 +225,23 @@ class Engine:
         if self.speculator is not None:
             out = self.speculator.plan(out)
         self._prefetch_masks(out)
-        return self._postprocess(out, self.runner.execute_all(build_batch(out)), changed)
+        try:
+            result = self.runner.execute_all(build_batch(out))
+        except KvLostError as exc:
+            return self._lose_kv(exc, changed)
+        return self._postprocess(out, result, changed)
+
+    def _lose_kv(self, exc: KvLostError, changed: dict[str, Request]) -> list[RequestOutput]:
+        """The runner's pools lost their contents (a pipeline stage restarted): fail every request holding
+        blocks, as vLLM fails its requests when a worker dies, rather than recompute them, since a request that
+        brought the stage down would bring it down again, forever; forget the prefix cache. Requests still
+        waiting hold no K/V (preemption recomputes) and run once their turn comes."""
+        for request in list(self.requests.values()):
+            if any(seq.block_table for seq in request.seqs):
+                self._fail(request, exc)
+                changed[request.request_id] = request
+        self.block_manager.forget_cached_blocks()
+        return self._take_outputs(changed)
 
     def _prefetch_masks(self, out: SchedulerOutput) -> None:
         """Start the grammar masks of the step's plain (not speculated) rows, filled while the model runs: their

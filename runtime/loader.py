@@ -100,7 +100,7 @@ def _open_engine(engine_dir: Path, config: RuntimeConfig, manifest: Manifest, to
             from kiln.runtime.pipeline.ray_stages import open_ray_pipeline_runner
             from kiln.runtime.pipeline.shape import StageSizing
 
-            sizing = StageSizing(engine_kv_pools(manifest), num_blocks, num_threads)
+            sizing = StageSizing(engine_kv_pools(manifest), num_blocks, num_threads, config.stage_memory_bytes)
             runner = open_ray_pipeline_runner(engine_dir, manifest.stages, sizing, config.pipeline_parallel)
         else:
             runner = open_engine_runner(engine_dir, manifest, num_blocks, num_threads)

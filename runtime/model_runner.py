@@ -141,6 +141,12 @@ class RunnerOutput:
         return {name: value for name, value in found if value is not None}
 
 
+class KvLostError(RuntimeError):
+    """The runner's pools lost their contents (a pipeline stage's process died and was started again): no block
+    the BlockManager holds has its K/V any more. The engine fails the requests holding blocks and forgets the
+    prefix cache."""
+
+
 class ModelRunner(abc.ABC):
     """Runs one packed batch through the model, writing K/V into its paged pools in place."""
 

@@ -85,17 +85,25 @@ def merge_completions(parts: list[CompletionOutput]) -> CompletionOutput:
 @dataclass(frozen=True)
 class StageTotals:
     """What a pipeline's stages did since its runner opened (kiln build --pipeline-stages): each stage's own
-    seconds, the hidden-state bytes handed from stage to stage, and the tokens they carried."""
+    seconds, the hidden-state bytes handed from stage to stage, the tokens they carried, each stage's resident
+    memory its graph's load added (its weights and the session's own buffers), and how many stage processes died
+    and were started again."""
 
     stage_seconds: tuple[float, ...] = ()
     bytes_moved: int = 0
     tokens: int = 0
+    stage_resident_bytes: tuple[int, ...] = ()
+    restarts: int = 0
 
     def __add__(self, other: StageTotals) -> StageTotals:
         """Two runners' totals (replicas summed for /metrics): stage seconds add stage by stage."""
         longer, shorter = sorted((self.stage_seconds, other.stage_seconds), key=len, reverse=True)
         seconds = tuple(a + (shorter[i] if i < len(shorter) else 0.0) for i, a in enumerate(longer))
-        return StageTotals(seconds, self.bytes_moved + other.bytes_moved, self.tokens + other.tokens)
+        longer_rss, shorter_rss = sorted((self.stage_resident_bytes, other.stage_resident_bytes), key=len,
+                                         reverse=True)
+        resident = tuple(a + (shorter_rss[i] if i < len(shorter_rss) else 0) for i, a in enumerate(longer_rss))
+        return StageTotals(seconds, self.bytes_moved + other.bytes_moved, self.tokens + other.tokens, resident,
+                           self.restarts + other.restarts)
 
 
 @dataclass

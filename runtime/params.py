@@ -148,9 +148,15 @@ class RuntimeConfig:
     # a staged engine's stages (kiln build --pipeline-stages N) in N Ray actors, num_threads each; 1: whatever
     # stages the engine has run in this process, one after another
     pipeline_parallel: int = 1
+    # with pipeline_parallel > 1: the memory each stage actor may take beyond its Ray worker's own, a cap the
+    # kernel enforces (pipeline/memory.py); a stage whose graph does not fit fails to load
+    stage_memory_bytes: int | None = None
 
     def __post_init__(self) -> None:
         _require(self.pipeline_parallel >= 1, "pipeline_parallel", ">= 1", self.pipeline_parallel)
+        _require(self.stage_memory_bytes is None or (self.stage_memory_bytes > 0 and self.pipeline_parallel > 1),
+                 "stage_memory_bytes", "> 0, and only with pipeline_parallel > 1 (stages in their own processes)",
+                 self.stage_memory_bytes)
         _require(self.kv_cache_bytes is None or self.kv_cache_bytes > 0, "kv_cache_bytes", "> 0", self.kv_cache_bytes)
         _require(
             self.kv_cache_fraction is None or 0 < self.kv_cache_fraction <= 0.95,

@@ -27,6 +27,9 @@ from kiln.runtime.pipeline.stage import StageResult, StageRunner
 class StageChain(abc.ABC):
     """The stages of one pipeline, wherever they run: one step through all of them, their KV blocks, close."""
 
+    resident_bytes: list[int]  # per stage, the resident memory its graph's load added
+    restarts: int = 0  # stage processes that died and were started again
+
     @abc.abstractmethod
     def run(self, batch: BatchInput) -> StageResult:
         """The batch through every stage in order: the last stage's result."""
@@ -49,6 +52,7 @@ class LocalChain(StageChain):
 
     def __init__(self, stages: list[StageRunner]) -> None:
         self.stages = stages
+        self.resident_bytes = [stage.load_resident_bytes for stage in stages]
 
     def run(self, batch: BatchInput) -> StageResult:
         result = None
@@ -117,8 +121,9 @@ class PipelineRunner(ModelRunner):
         return result.output
 
     def stage_totals(self) -> StageTotals:
-        stats = self.stats
-        return StageTotals(tuple(stats.stage_seconds), stats.bytes_moved, stats.tokens)
+        stats, chain = self.stats, self.chain
+        return StageTotals(tuple(stats.stage_seconds), stats.bytes_moved, stats.tokens, tuple(chain.resident_bytes),
+                           chain.restarts)
 
     def kv_layout(self) -> KvLayout:
         pools = self.pool_spec
@@ -135,11 +140,16 @@ class PipelineRunner(ModelRunner):
 
 
 def open_stage(engine_dir: Path, stage: PipelineStage, sizing: StageSizing) -> StageRunner:
-    """One stage's session with its layers' pools."""
+    """One stage's session with its layers' pools; its load_resident_bytes what the load added to this process's
+    resident memory (the pools are calloc'd, resident only once written: this is the weights and the session)."""
     from kiln.runtime.ort_runner import open_session
+    from kiln.runtime.pipeline.memory import resident_bytes
 
+    before = resident_bytes()
     session = open_session(engine_dir / stage.graph, sizing.num_threads)
-    return StageRunner(session, stage, sizing.pools, sizing.num_blocks)
+    runner = StageRunner(session, stage, sizing.pools, sizing.num_blocks)
+    runner.load_resident_bytes = resident_bytes() - before
+    return runner
 
 
 def check_last_stage(is_last: list[bool], engine_dir: Path) -> None:

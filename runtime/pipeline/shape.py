@@ -17,8 +17,10 @@ class PipelineShape:
 
 @dataclass(frozen=True)
 class StageSizing:
-    """How every stage of one pipeline is opened: the engine's pool layout, blocks per layer pool, threads."""
+    """How every stage of one pipeline is opened: the engine's pool layout, blocks per layer pool, threads, and
+    (stages in their own processes) the memory each may take beyond its process's own (memory.limit_memory_growth)."""
 
     pools: KvPoolSpec
     num_blocks: int
     num_threads: int | None  # per stage; None: onnxruntime's default
+    memory_budget_bytes: int | None = None  # None: no cap

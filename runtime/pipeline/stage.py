@@ -57,6 +57,7 @@ class StageRunner:
         self.feeds = [name for name in BatchInput.FEEDS if name in inputs]
         self.medusa_output = next((n for n in (contract.MEDUSA_LOGITS, contract.MEDUSA_HIDDEN) if n in outputs), None)
         self.session, self.stage, self.num_blocks = session, stage, num_blocks
+        self.load_resident_bytes = 0  # open_stage measures it
         self.pools = [np.zeros(pools.pool_shape(num_blocks), dtype=pools.dtype) for _ in stage.layers]
         self._pool_values = [ort.OrtValue.ortvalue_from_numpy(p) for p in self.pools]
         self.binding = session.io_binding()

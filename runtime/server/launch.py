@@ -114,6 +114,7 @@ def serve(engine_dir: str | Path, config: RuntimeConfig | None = None, options: 
     configure_logging(options.log_level)
     install_exit_handlers()
     llm = AsyncLLM(engine_dir, config)
+    install_exit_handlers()  # again: ray.init (--pipeline-parallel) installed its own, which exits 15
     serve_llm(llm, f"{engine_dir} (max_num_seqs {llm.engine.config.max_num_seqs})", options)
 
 

@@ -81,6 +81,15 @@ def _pipeline_metrics(s: EngineStats) -> Iterator[Metric]:
                               value=s.pipeline.bytes_moved)
     yield CounterMetricFamily("kiln_pipeline_tokens", "Tokens the pipeline's stages have carried.",
                               value=s.pipeline.tokens)
+    resident = GaugeMetricFamily("kiln_pipeline_stage_resident_bytes",
+                                 "Resident memory each stage's graph added when it loaded (its weights).",
+                                 labels=["stage"])
+    for index, value in enumerate(s.pipeline.stage_resident_bytes):
+        resident.add_metric([str(index)], value)
+    yield resident
+    yield CounterMetricFamily("kiln_pipeline_stage_restarts", "Pipeline stage processes that died and were "
+                              "started again (each one cost the running requests their K/V).",
+                              value=s.pipeline.restarts)
 
 
 class ServerMetrics:

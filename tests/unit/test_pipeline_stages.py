@@ -4,6 +4,8 @@ one graph; inconsistent: one sentence naming why), and the per-stage figures /me
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import pytest
 
@@ -81,7 +83,9 @@ def test_metrics_export_each_stage_time_and_the_bytes_handed_on():
         registry.register(_EngineCollector(lambda: stats))
         return generate_latest(registry).decode()
 
-    text = scrape(EngineStats(pipeline=StageTotals((1.5, 2.25), 4608, 2)))
+    text = scrape(EngineStats(pipeline=StageTotals((1.5, 2.25), 4608, 2, (300 << 20, 200 << 20), 1)))
+    assert 'kiln_pipeline_stage_resident_bytes{stage="1"} 2.097152e+08' in text
+    assert "kiln_pipeline_stage_restarts_total 1.0" in text
     assert 'kiln_pipeline_stage_seconds_total{stage="0"} 1.5' in text
     assert 'kiln_pipeline_stage_seconds_total{stage="1"} 2.25' in text
     assert "kiln_pipeline_bytes_moved_total 4608.0" in text and "kiln_pipeline_tokens_total 2.0" in text
@@ -92,6 +96,25 @@ def test_replicas_stage_totals_sum_stage_by_stage():
     """A cluster's /metrics sums its replicas' EngineStats field by field, the pipeline totals included."""
     from kiln.runtime.outputs import StageTotals
 
-    total = StageTotals() + StageTotals((1.0, 2.0), 100, 3) + StageTotals((0.5, 0.25), 50, 1)
-    assert total == StageTotals((1.5, 2.25), 150, 4)
+    total = StageTotals() + StageTotals((1.0, 2.0), 100, 3, (10, 20), 1) + StageTotals((0.5, 0.25), 50, 1, (5, 6))
+    assert total == StageTotals((1.5, 2.25), 150, 4, (15, 26), 1)
     assert StageTotals() + StageTotals() == StageTotals()
+
+
+def test_a_stage_memory_cap_needs_stages_in_their_own_processes():
+    from kiln.errors import InvalidParamError
+    from kiln.runtime.params import RuntimeConfig
+
+    assert RuntimeConfig(pipeline_parallel=2, stage_memory_bytes=1 << 30).stage_memory_bytes == 1 << 30
+    with pytest.raises(InvalidParamError, match="stage_memory_bytes must be > 0, and only with pipeline_parallel > 1"):
+        RuntimeConfig(stage_memory_bytes=1 << 30)
+
+
+def test_memory_growth_cap_refuses_what_passes_it():
+    """limit_memory_growth in a child process (the cap cannot be lifted): 32 MiB more fits, 96 MiB more does not."""
+    code = ("from kiln.runtime.pipeline.memory import limit_memory_growth\n"
+            "limit_memory_growth(64 << 20)\n"
+            "a = bytearray(32 << 20)\n"
+            "try:\n    b = bytearray(96 << 20)\nexcept MemoryError:\n    print('refused')\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.stdout.strip() == "refused", done.stderr
