@@ -6,8 +6,8 @@
 Reads the engine's files once first, so they are in the page cache (what a restart of a server finds), unless
 --cold. Then starts `kiln serve ENGINE` on a free port, polls /health until it answers (the server binds its port
 only once the engine has loaded: time to ready), reads the server's resident memory from /proc/PID/status
-(VmRSS, split into anonymous and file-backed pages), sends one streamed /v1/completions request and times the
-first streamed token from the process's start. The KV pool's size is the one the server logs at start-up. The
+(VmRSS, split into anonymous and file-backed pages) and its CPU time, sends one streamed /v1/completions request and
+times the first streamed token from the process's start. The KV pool's size is the one the server logs at start-up. The
 bound checked is issue-level: resident memory after load <= engine size + 1 GiB + the KV pool. One JSON line is
 appended to --results.
 """
@@ -61,6 +61,13 @@ def memory_gib(pid: int) -> dict[str, float]:
     return fields
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of pid so far: on a shared host, what the wall time would be were the cores free
+    (for the single-threaded parts of a load; the packing of weights runs on every core)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
+
+
 def wait_ready(server: subprocess.Popen, port: int, log: Path, timeout: float) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -111,7 +118,7 @@ def measure(engine: Path, args: argparse.Namespace) -> dict:
     try:
         wait_ready(server, port, log, args.timeout)
         ready = time.perf_counter()
-        loaded = memory_gib(server.pid)
+        ready_cpu, loaded = cpu_seconds(server.pid), memory_gib(server.pid)
         token_at, done_at, chunks = first_token(port, args.prompt, args.max_tokens)
         after = memory_gib(server.pid)
     finally:
@@ -120,7 +127,8 @@ def measure(engine: Path, args: argparse.Namespace) -> dict:
     pool = KV_POOL_LINE.search(log.read_text())
     return {"time_to_ready_s": round(ready - start, 2), "time_to_first_token_s": round(token_at - start, 2),
             "request_first_token_s": round(token_at - ready, 2), "request_total_s": round(done_at - ready, 2),
-            "streamed_chunks": chunks, "load_rss_gib": loaded.get("VmRSS"), "load_rss_anon_gib": loaded.get("RssAnon"),
+            "cpu_s_to_ready": round(ready_cpu, 2), "streamed_chunks": chunks, "load_rss_gib": loaded.get("VmRSS"),
+            "load_rss_anon_gib": loaded.get("RssAnon"),
             "load_rss_file_gib": loaded.get("RssFile"), "rss_after_request_gib": after.get("VmRSS"),
             "peak_rss_gib": after.get("VmHWM"), "kv_pool_gib": round(float(pool.group(1)) / 1024, 3) if pool else None}
 
