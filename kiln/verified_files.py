@@ -39,7 +39,7 @@ def _identity(stat: os.stat_result) -> list[int]:
     return [stat.st_dev, stat.st_ino, stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns]
 
 
-def _read_records() -> dict[str, list]:
+def _read_records() -> dict[str, list[int | str]]:
     try:
         records = json.loads(cache_path().read_text())
     except (OSError, ValueError):
@@ -47,7 +47,7 @@ def _read_records() -> dict[str, list]:
     return records if isinstance(records, dict) else {}
 
 
-def _write_records(records: dict[str, list]) -> None:
+def _write_records(records: dict[str, list[int | str]]) -> None:
     path = cache_path()
     live = {name: record for name, record in records.items() if os.path.exists(name)}
     try:
@@ -65,7 +65,7 @@ class FileVerifier:
     def __init__(self) -> None:
         self.verify_all = os.environ.get(VERIFY_ALL_ENV, "") not in ("", "0")
         self.records = {} if self.verify_all else _read_records()
-        self.added: dict[str, list] = {}
+        self.added: dict[str, list[int | str]] = {}
 
     def matches(self, path: Path, expected: str) -> bool:
         name = str(Path(path).resolve())
