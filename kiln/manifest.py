@@ -8,7 +8,6 @@ unavailable backend, or an op-library ABI mismatch.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import types
 import typing
@@ -23,6 +22,7 @@ from kiln.medusa import MedusaSpec
 from kiln.pipeline_stages import PipelineStage, check_stages
 from kiln.quant_scheme import LmHead, QuantScheme
 from kiln.spec import ModelSpec
+from kiln.verified_files import FileVerifier, sha256_file
 from kiln.vision import VisionSpec
 
 FORMAT_VERSION = 1
@@ -296,14 +296,6 @@ def _check_schema(value: Any, schema: Any, where: str) -> None:
         _check_schema(value, next(option for option in typing.get_args(schema) if _fits(value, option)), where)
 
 
-def sha256_file(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
 def write_manifest(engine_dir: Path, manifest: Manifest) -> Manifest:
     """Checksum every file already in engine_dir and write manifest.json beside them."""
     engine_dir = Path(engine_dir)
@@ -342,12 +334,14 @@ def read_manifest(engine_dir: Path, verify_checksums: bool = True) -> Manifest:
         if manifest.files and graph not in manifest.files:
             raise EngineLoadError(f"{MANIFEST_NAME} lists no checksum for the engine graph {graph}; rebuild the engine")
     if verify_checksums:
+        verifier = FileVerifier()  # a file unchanged since its sha256 last matched is not hashed again
         for name, expected in manifest.files.items():
             file = engine_dir / name
             if not file.is_file():
                 raise EngineLoadError(f"engine file {name} is missing from {engine_dir}")
-            if sha256_file(file) != expected:
+            if not verifier.matches(file, expected):
                 raise EngineLoadError(f"engine file {name} is corrupted (sha256 does not match the manifest)")
+        verifier.close()
         _refuse_unlisted_files(engine_dir, manifest)
     return manifest
 

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 from kiln import contract
 from kiln.contract import KvPoolSpec
 from kiln.errors import InvalidParamError
-from kiln.manifest import BACKEND_ORT_CPU, BACKEND_TENSORRT, EngineLoadError, Manifest, read_manifest, sha256_file
+from kiln.manifest import BACKEND_ORT_CPU, BACKEND_TENSORRT, EngineLoadError, Manifest, read_manifest
 from kiln.medusa import DRAFT_FILE
 from kiln.runtime.block_manager import window_tokens
 from kiln.runtime.engine import Engine, EngineLimits
@@ -21,6 +21,7 @@ from kiln.runtime.speculative.proposer import Proposer
 from kiln.runtime.structured.grammar import GrammarCompiler
 from kiln.runtime.tokenizer import Tokenizer
 from kiln.spec import ModelSpec
+from kiln.verified_files import sha256_file
 
 NUM_THREADS_ENV = "KILN_NUM_THREADS"
 

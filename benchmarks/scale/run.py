@@ -7,7 +7,8 @@ Per shape and source: write the checkpoint (hf: bf16 safetensors shard by shard;
 blocks tensor by tensor, checkpoints.py; llamacpp: the hf dir converted by llama.cpp's convert_hf_to_gguf.py and
 llama-quantize Q4_K_M, both measured, where benchmarks/peers/setup.py has built them), `kiln build` it in a child
 process (peak RSS: the child's ru_maxrss from wait4), `kiln generate ENGINE --max-tokens 8` to check the engine
-runs, then delete checkpoint and engine before the next (an 8B bf16 checkpoint is 15 GB). One JSON line per build
+runs, then delete checkpoint and engine before the next (an 8B bf16 checkpoint is 15 GB; --keep-engine keeps the
+engine). One JSON line per build
 goes to --results; a markdown table is printed at the end.
 """
 
@@ -75,7 +76,7 @@ def llama_cpp_available() -> bool:
     return (lay.llama_src / "convert_hf_to_gguf.py").is_file() and lay.llama_tool("llama-quantize").is_file()
 
 
-def run_one(name: str, source: str, quantization: str, work: Path) -> dict:
+def run_one(name: str, source: str, quantization: str, work: Path, keep_engine: bool = False) -> dict:
     from kiln.export.checkpoint import default_model_path
 
     shape = SHAPES[name]
@@ -110,7 +111,8 @@ def run_one(name: str, source: str, quantization: str, work: Path) -> dict:
                                      work / f"{name}-{source}-generate.log")
         result.update({"generate_exit": gcode, "generate_wall_s": round(gwall, 1),
                        "generate_peak_rss_gib": round(grss, 2)})
-    shutil.rmtree(engine, ignore_errors=True)
+    if not keep_engine:
+        shutil.rmtree(engine, ignore_errors=True)
     print(f"[scale] {json.dumps(result)}", flush=True)
     return result
 
@@ -137,6 +139,8 @@ def main() -> int:
     parser.add_argument("--quantization", default="int4-q4_1")
     parser.add_argument("--dir", type=Path, default=Path("/tmp/kiln-scale"))
     parser.add_argument("--results", type=Path, default=Path(__file__).with_name("results.jsonl"))
+    parser.add_argument("--keep-engine", action="store_true",
+                        help="leave each built engine in --dir (for serve_first_token.py); checkpoints are deleted")
     args = parser.parse_args()
     results = []
     for name in args.shapes.split(","):
@@ -149,7 +153,7 @@ def main() -> int:
             if source in ("gguf", "llamacpp") and SHAPES[name].family != "llama":
                 print(f"[scale] {name}: no gguf source (kiln reads llama-architecture GGUF files only)")
                 continue
-            result = run_one(name, source, args.quantization, args.dir)
+            result = run_one(name, source, args.quantization, args.dir, args.keep_engine)
             results.append(result)
             with args.results.open("a") as out:
                 out.write(json.dumps(result) + "\n")

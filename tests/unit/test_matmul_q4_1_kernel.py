@@ -169,3 +169,12 @@ def test_partial_block_group_ignores_the_next_channels_numbers(t):
     np.testing.assert_allclose(y[:, [0, 2]], matmul_q4_1_ref(x, qs[[0, 2]], dm[[0, 2]]), rtol=0,
                                atol=2e-6 * scale_of(x, w))
     assert not np.isfinite(y[:, 1]).any()
+
+
+def test_a_matrix_packed_on_several_threads_matches_the_reference():
+    """A load packs a constant matrix of 16 MiB or more of records on one thread per core, into huge pages: 417
+    groups of 16 channels (the last ragged) of 128 blocks are 17 MiB, split between the threads mid-matrix."""
+    rng = np.random.default_rng(9)
+    x, w = random_case(rng, 2, 4096, 16 * 416 + 5)
+    y = session(make_single_op_model(w)).run(None, {"x": x})[0]
+    np.testing.assert_allclose(y, matmul_q4_1_ref(x, *w.pack()), rtol=0, atol=2e-6 * scale_of(x, w))
