@@ -1,7 +1,7 @@
 """kiln.MoE (domain "kiln", version 1): a sparse mixture-of-experts SwiGLU MLP, the contract and its executable spec.
 
-The ONNX Runtime CPU kernel (runtime/ops/moe.cc) is tested against `moe_ref`; the exporter's torch op
-(export/moe.py) computes the same thing for calibration and tracing.
+The ONNX Runtime CPU kernel (runtime/ops/moe.cc) is tested against `moe_ref` (float32 experts) and `moe_q4_1_ref`
+(Q4_1 experts); the exporter's torch op (export/moe.py) computes the same thing for calibration and tracing.
 
 Inputs
   x        float32 [..., D]      the tokens of the packed batch (any leading shape; each row routes alone)
@@ -19,8 +19,13 @@ Q4_1 experts (the same op, its expert inputs typed uint8, two more inputs):
   down        uint8   [E, D, F/2]          16 bytes hold element j in byte j's low nibble, element j + 16 in its high
   gate_up_dm  float16 [E, 2F, D/32, 2]     one (like a GGUF block_q4_1's qs); dm the blocks' (d, m)
   down_dm     float16 [E, D, F/32, 2]
-D and F multiples of 32. The output is the float op's on the dequantized weights (`unpack_q4_1_experts`), the
-activations kept in float32: each expert's dot is sum_b d * (x_b . q_b) + m * sum(x_b).
+D and F multiples of 32. Each expert's two projections are kiln.MatMulQ4_1's arithmetic (kiln/matmul_q4_1.py): the
+projection's input rows (the token for gate/up, silu(gate) * up in float32 for down) quantized per block of 32 to
+int8 with exact float block sums, integer dots against the nibbles: `moe_q4_1_ref`. The kernel sums in float32 where
+the spec sums in float64, so they agree to float32 rounding, as kiln.MatMulQ4_1 and its spec do; one more difference
+is possible: the down projection's int8 inputs are rounded from silu(gate) * up, which the kernel holds in float32
+from float32 sums, so an element within float32 rounding of a half int8 step can land one step away from the
+spec's (that element's step times its down column, ~1/127 of its term; the tests' cases have none).
 
 Per row: p = softmax(x @ router^T) over all E experts; the top_k largest p are chosen (equal p: the lower expert
 index first); w = the chosen p, renormalised to sum 1 when norm_topk_prob; y = sum_j w_j * expert_{e_j}(x) with
@@ -38,6 +43,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from kiln.contract import OP_DOMAIN
+from kiln.matmul_q4_1 import Q4_1Weights, matmul_q4_1_ref
 
 if TYPE_CHECKING:
     from onnx import ModelProto
@@ -119,6 +125,36 @@ def unpack_q4_1_experts(nibbles: np.ndarray, dm: np.ndarray) -> np.ndarray:
     d, m = dm[..., 0].astype(np.float32), dm[..., 1].astype(np.float32)
     out: np.ndarray = (m[..., None] + q * d[..., None]).reshape(e, rows, 2 * half)
     return out
+
+
+def q4_1_expert(nibbles: np.ndarray, dm: np.ndarray, expert: int) -> Q4_1Weights:
+    """Expert `expert` of a Q4_1 stack (nibbles [E, rows, K/2], dm [E, rows, K/32, 2]) as kiln.MatMulQ4_1's weights."""
+    blocks = nibbles[expert].reshape(nibbles.shape[1], -1, 16)
+    q = np.concatenate([blocks & 0x0F, blocks >> 4], axis=-1).reshape(nibbles.shape[1], -1)
+    return Q4_1Weights(np.ascontiguousarray(q), np.ascontiguousarray(dm[expert, ..., 0]),
+                       np.ascontiguousarray(dm[expert, ..., 1]))
+
+
+def moe_q4_1_ref(x: np.ndarray, router: np.ndarray, gate_up: tuple[np.ndarray, np.ndarray],
+                 down: tuple[np.ndarray, np.ndarray], *, top_k: int, norm_topk_prob: bool) -> np.ndarray:
+    """The op's output for Q4_1 experts gate_up = (nibbles, dm), down = (nibbles, dm): each projection
+    kiln.MatMulQ4_1's (`matmul_q4_1_ref`: int8 activations, float64 accumulation); float32 [..., D]."""
+    x = np.asarray(x, np.float32)
+    gate_up_shape, down_shape = (np.broadcast_to(np.uint8(0), (*w.shape[:2], 2 * w.shape[2]))  # no memory
+                                 for w, _ in (gate_up, down))
+    check_moe_shapes(x, router, gate_up_shape, down_shape, top_k)
+    rows = x.reshape(-1, x.shape[-1])
+    experts, weights = route_ref(rows, router, top_k, norm_topk_prob)
+    f = gate_up[0].shape[1] // 2
+    y = np.zeros(rows.shape, np.float64)
+    for expert in np.unique(experts):
+        tokens, slots = np.nonzero(experts == expert)
+        hidden = matmul_q4_1_ref(rows[tokens], *q4_1_expert(*gate_up, int(expert)).pack()).astype(np.float64)
+        act = (hidden[:, :f] / (1.0 + np.exp(-np.clip(hidden[:, :f], -700, 700))) * hidden[:, f:]).astype(np.float32)
+        out = matmul_q4_1_ref(act, *q4_1_expert(*down, int(expert)).pack()).astype(np.float64)
+        y[tokens] += weights[tokens, slots, None] * out
+    result: np.ndarray = y.astype(np.float32).reshape(x.shape)
+    return result
 
 
 def make_single_op_model(top_k: int, norm_topk_prob: bool, rank: int = 2, q4_1: bool = False) -> ModelProto:

@@ -1,7 +1,8 @@
 // kiln.MatMulQ4_1 (domain "kiln", version 1): the ONNX Runtime CPU kernel.
 //
 // The contract (inputs, weight layout, semantics) is written once, with its numpy reference
-// implementation, in kiln/matmul_q4_1.py; this file implements it.
+// implementation, in kiln/matmul_q4_1.py; this file implements it, with the records, the activation quantizer and
+// the tile of q4_1_records.h (which kiln.MoE's Q4_1 experts share).
 //
 //   1. at session load, the constant weights are repacked once for this kernel (pack_weights): output
 //      channels in groups of 16, each block of 32 inputs of a group one 320-byte record (the group's
@@ -26,7 +27,6 @@
 
 #include <immintrin.h>
 #include <sys/mman.h>
-#include <unistd.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -40,45 +40,22 @@
 
 #include "matmul_q4_1.h"
 #include "parallel_for.h"
+#include "q4_1_records.h"
 #include "shape_text.h"
-#include "simd.h"
 
 namespace kiln {
 namespace {
 
-constexpr int64_t kBlock = 32;
-constexpr int64_t kPairBytes = 32;   // the op's qs: the nibbles of two blocks
-constexpr int64_t kGroup = 16;       // output channels of a packed group
-constexpr int64_t kChunkBytes = 64;  // 16 channels x 4 inputs, two inputs a byte
-constexpr int64_t kChunks = 4;       // a block's nibbles: inputs 8j..8j+3 (low) and 8j+4..8j+7 (high) in chunk j
-constexpr int64_t kStepsOffset = kChunks * kChunkBytes;       // 16 float16 d, then 16 float16 m
-constexpr int64_t kRecordBytes = kStepsOffset + 2 * kGroup * 2;  // 320 bytes a (group, block)
-constexpr float kCentre = 7.5f;      // the nibbles' mean (see the spec)
+using namespace q4_1;  // NOLINT: the records, the activations and the tile (q4_1_records.h)
+
+constexpr int64_t kPairBytes = 32;      // the op's qs: the nibbles of two blocks
 constexpr int64_t kGroupsPerItem = 2;   // channel groups per work item (SmolLM2's N = 576 is 36 groups)
 constexpr int64_t kRowsPerItem = 32;    // activation rows per work item
-constexpr int64_t kPrefetchBlocks = 4;  // how far ahead a tile prefetches a group's records
 constexpr int64_t kParallelQuantize = 1 << 15;  // activation elements from which quantizing is parallel
 
 [[noreturn]] void fail_q4(const std::string& msg) {
   throw Ort::Exception("kiln.MatMulQ4_1: " + msg, ORT_INVALID_ARGUMENT);
 }
-
-// std::vector's storage on 64-byte boundaries: a record's chunks are whole cache lines.
-template <typename T>
-struct CacheLineAllocator {
-  using value_type = T;
-  CacheLineAllocator() = default;
-  template <typename U>
-  CacheLineAllocator(const CacheLineAllocator<U>&) {}
-  T* allocate(size_t n) { return static_cast<T*>(::operator new(n * sizeof(T), std::align_val_t(64))); }
-  void deallocate(T* ptr, size_t) { ::operator delete(ptr, std::align_val_t(64)); }
-  bool operator==(const CacheLineAllocator&) const { return true; }
-  bool operator!=(const CacheLineAllocator&) const { return false; }
-};
-template <typename T>
-using AlignedVector = std::vector<T, CacheLineAllocator<T>>;
-
-// ---- the weights, repacked
 
 struct Shape {
   int64_t N = 0, nb = 0;
@@ -179,223 +156,6 @@ PackedWeights pack_weights(const uint8_t* qs, const uint16_t* dm, const Shape& s
   pack_groups(qs, dm, s, out.data(), 0, s.groups() / threads);
   for (std::thread& worker : workers) worker.join();
   return out;
-}
-
-// The pages wholly inside [p, p + bytes) handed back to the OS (MADV_PAGEOUT: a hint, the memory stays readable).
-// ONNX Runtime maps an engine's weights from its data file; once repacked they are never read again, so their clean
-// pages would only double what the weights hold in RAM (SmolLM2: 82 MB resident more without this).
-void release_pages(const void* p, size_t bytes) {
-#ifdef MADV_PAGEOUT
-  const uintptr_t page = static_cast<uintptr_t>(sysconf(_SC_PAGESIZE));
-  const uintptr_t begin = (reinterpret_cast<uintptr_t>(p) + page - 1) / page * page;
-  const uintptr_t end = (reinterpret_cast<uintptr_t>(p) + bytes) / page * page;
-  if (end > begin) madvise(reinterpret_cast<void*>(begin), end - begin, MADV_PAGEOUT);  // refused: nothing lost
-#else
-  (void)p, (void)bytes;
-#endif
-}
-
-// ---- activations
-
-// Rows quantized per block of 32: int8 q in input order, and per block the step xs, the exact float sum S and
-// 7.5 * E (E = S - xs * sum(q): what int8 loses of the sum; the centring term of the spec).
-struct Int8Rows {
-  int64_t K = 0, nb = 0;
-  AlignedVector<int8_t> q;  // [T, K]
-  AlignedVector<float> step, sum, centred_error;  // [T, nb]
-
-  void reset(int64_t T, int64_t K_, int64_t nb_) {
-    K = K_, nb = nb_;
-    q.resize(T * K);
-    step.resize(T * nb);
-    sum.resize(T * nb);
-    centred_error.resize(T * nb);
-  }
-};
-
-void quantize_row(const float* x, int64_t nb, int8_t* q, float* steps, float* sums, float* centred_errors) {
-  const __m256 sign = _mm256_set1_ps(-0.f);
-  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);  // undoes packs' lane interleave
-  for (int64_t b = 0; b < nb; ++b, x += kBlock, q += kBlock) {
-    const __m256 v0 = _mm256_loadu_ps(x), v1 = _mm256_loadu_ps(x + 8);
-    const __m256 v2 = _mm256_loadu_ps(x + 16), v3 = _mm256_loadu_ps(x + 24);
-    const __m256 amax = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v0), _mm256_andnot_ps(sign, v1)),
-                                      _mm256_max_ps(_mm256_andnot_ps(sign, v2), _mm256_andnot_ps(sign, v3)));
-    const float step = hmax(amax) / 127.f;
-    const __m256 inv = _mm256_set1_ps(step > 0.f ? 1.f / step : 0.f);
-    const float sum = hsum(_mm256_add_ps(_mm256_add_ps(v0, v1), _mm256_add_ps(v2, v3)));
-    constexpr int kRound = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;  // half to even, as np.rint
-    const __m256i i0 = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v0, inv), kRound));
-    const __m256i i1 = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v1, inv), kRound));
-    const __m256i i2 = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v2, inv), kRound));
-    const __m256i i3 = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v3, inv), kRound));
-    const __m256i isum = _mm256_add_epi32(_mm256_add_epi32(i0, i1), _mm256_add_epi32(i2, i3));
-    steps[b] = step;
-    sums[b] = sum;
-    centred_errors[b] = kCentre * (sum - step * hsum(_mm256_cvtepi32_ps(isum)));
-    const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(i0, i1), _mm256_packs_epi32(i2, i3));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), _mm256_permutevar8x32_epi32(bytes, order));
-  }
-}
-
-// ---- the dot: one vector of output channels (16 in zmm registers, 8 in ymm) against a row
-
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__) && defined(__AVX512BW__)
-// GCC 12's AVX-512 headers make their "undefined" operands with `__Y = __Y`, which -Wall reports at every
-// inlined use (GCC bug 105593, fixed in 13): not our code's uninitialized values.
-#pragma GCC diagnostic ignored "-Wuninitialized"
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-constexpr int64_t kLanes = 16;
-using VI = __m512i;
-using VF = __m512;
-inline VI load_chunk(const uint8_t* p) { return _mm512_load_si512(p); }
-inline VI low_nibbles(VI raw) { return _mm512_and_si512(raw, _mm512_set1_epi8(0x0F)); }
-inline VI high_nibbles(VI raw) { return _mm512_and_si512(_mm512_srli_epi16(raw, 4), _mm512_set1_epi8(0x0F)); }
-// acc + per lane the dot of its 4 unsigned nibbles with the row's 4 int8 at x
-inline VI dot4(VI acc, VI w, const int8_t* x) {
-  int32_t x4;
-  std::memcpy(&x4, x, 4);
-  return _mm512_dpbusd_epi32(acc, w, _mm512_set1_epi32(x4));
-}
-// A block's dots as int32 per lane (dot4 already sums into int32 here).
-inline VI block_sums(VI dots) { return dots; }
-inline VI zero_i() { return _mm512_setzero_si512(); }
-inline VF zero_f() { return _mm512_setzero_ps(); }
-inline VF to_float(VI v) { return _mm512_cvtepi32_ps(v); }
-inline VF fmadd(VF a, VF b, VF c) { return _mm512_fmadd_ps(a, b, c); }
-inline VF broadcast(const float* p) { return _mm512_set1_ps(*p); }
-inline VF load_f16(const uint8_t* p) { return _mm512_cvtph_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(p))); }
-inline void store_lanes(float* y, VF v, int64_t count) {
-  if (count >= kLanes) _mm512_storeu_ps(y, v);
-  else _mm512_mask_storeu_ps(y, static_cast<__mmask16>((1u << count) - 1), v);
-}
-inline VF load_lanes(const float* p, int64_t count) {
-  if (count >= kLanes) return _mm512_loadu_ps(p);
-  return _mm512_maskz_loadu_ps(static_cast<__mmask16>((1u << count) - 1), p);
-}
-#else
-constexpr int64_t kLanes = 8;
-using VI = __m256i;
-using VF = __m256;
-inline VI load_chunk(const uint8_t* p) { return _mm256_load_si256(reinterpret_cast<const __m256i*>(p)); }
-inline VI low_nibbles(VI raw) { return _mm256_and_si256(raw, _mm256_set1_epi8(0x0F)); }
-inline VI high_nibbles(VI raw) { return _mm256_and_si256(_mm256_srli_epi16(raw, 4), _mm256_set1_epi8(0x0F)); }
-// Without vpdpbusd a block's dot stays in int16 pairs (maddubs) until block_sums folds them: a pair is at most
-// 2 * 15 * 127 = 3810 and a block sums 8 of them per lane, 30480 < 2^15, so nothing saturates or wraps and the
-// int32 sums are vpdpbusd's.
-inline VI dot4(VI acc, VI w, const int8_t* x) {
-  int32_t x4;
-  std::memcpy(&x4, x, 4);
-  return _mm256_add_epi16(acc, _mm256_maddubs_epi16(w, _mm256_set1_epi32(x4)));
-}
-inline VI block_sums(VI dots) { return _mm256_madd_epi16(dots, _mm256_set1_epi16(1)); }
-inline VI zero_i() { return _mm256_setzero_si256(); }
-inline VF zero_f() { return _mm256_setzero_ps(); }
-inline VF to_float(VI v) { return _mm256_cvtepi32_ps(v); }
-inline VF fmadd(VF a, VF b, VF c) { return _mm256_fmadd_ps(a, b, c); }
-inline VF broadcast(const float* p) { return _mm256_broadcast_ss(p); }
-inline VF load_f16(const uint8_t* p) { return _mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(p))); }
-inline void store_lanes(float* y, VF v, int64_t count) {
-  if (count >= kLanes) return _mm256_storeu_ps(y, v);
-  alignas(32) float tmp[kLanes];
-  _mm256_store_ps(tmp, v);
-  std::memcpy(y, tmp, static_cast<size_t>(count) * sizeof(float));
-}
-inline VF load_lanes(const float* p, int64_t count) {
-  if (count >= kLanes) return _mm256_loadu_ps(p);
-  alignas(32) float tmp[kLanes] = {};
-  std::memcpy(tmp, p, static_cast<size_t>(count) * sizeof(float));
-  return _mm256_load_ps(tmp);
-}
-#endif
-constexpr int64_t kVectorsPerGroup = kGroup / kLanes;
-
-struct Problem {
-  const uint8_t* w;    // the records [groups, nb, 320]
-  const float* bias;   // [N] or nullptr
-  const Int8Rows* x;
-  float* y;            // [T, N]
-  int64_t N, nb, group_bytes;
-};
-
-// A weight prefetch that a call reads once (its rows fit one pass) is non-temporal: the weights, ~60 MB a decode
-// step, would otherwise evict from L2 and L3 what the rest of the step reads next (docs/design.md, "kiln.MatMulQ4_1").
-// With more passes the later ones re-read the group from the caches, so those prefetches keep it. Always inlined:
-// GCC takes a function that only prefetches for one without effects and drops its calls.
-__attribute__((always_inline)) inline void prefetch_record(const uint8_t* p, bool once) {
-  for (int64_t line = 0; line < kRecordBytes; line += 64) {
-    if (once) _mm_prefetch(reinterpret_cast<const char*>(p + line), _MM_HINT_NTA);
-    else _mm_prefetch(reinterpret_cast<const char*>(p + line), _MM_HINT_T0);
-  }
-}
-
-// y for one vector of output channels (vector v: kLanes channels from v * kLanes) x NT rows from t0, over every
-// block. Each chunk of the weights is unpacked once for the NT rows; their int32 dots and float sums stay in
-// registers (NT = 12 in zmm: 24 accumulators; rows of a call beyond one pass re-read the group from L1).
-template <int NT>
-__attribute__((noinline)) void tile(const Problem& p, int64_t v, int64_t t0, bool once) {
-  const Int8Rows& x = *p.x;
-  const int64_t lane_bytes = (v % kVectorsPerGroup) * kLanes;  // the vector's lanes within its group's records
-  const uint8_t* records = p.w + (v / kVectorsPerGroup) * p.group_bytes;
-  const int8_t* xq[NT];
-  for (int r = 0; r < NT; ++r) xq[r] = x.q.data() + (t0 + r) * x.K;
-  VF acc[NT];
-  for (int r = 0; r < NT; ++r) acc[r] = zero_f();
-
-  for (int64_t b = 0; b < p.nb; ++b) {
-    const uint8_t* record = records + b * kRecordBytes;
-    prefetch_record(record + kPrefetchBlocks * kRecordBytes, once);
-    VI dots[NT];
-    for (int r = 0; r < NT; ++r) dots[r] = zero_i();
-#pragma GCC unroll 4
-    for (int64_t j = 0; j < kChunks; ++j) {
-      const VI raw = load_chunk(record + j * kChunkBytes + lane_bytes * 4);
-      const VI lo = low_nibbles(raw), hi = high_nibbles(raw);
-#pragma GCC unroll 16
-      for (int r = 0; r < NT; ++r) {
-        const int8_t* xb = xq[r] + b * kBlock + 8 * j;
-        dots[r] = dot4(dot4(dots[r], lo, xb), hi, xb + 4);
-      }
-    }
-    const uint8_t* steps = record + kStepsOffset + lane_bytes * 2;
-    const VF d = load_f16(steps), m = load_f16(steps + kGroup * 2);
-#pragma GCC unroll 16
-    for (int r = 0; r < NT; ++r) {
-      const int64_t i = (t0 + r) * x.nb + b;
-      const VF scaled = fmadd(to_float(block_sums(dots[r])), broadcast(&x.step[i]), broadcast(&x.centred_error[i]));
-      acc[r] = fmadd(m, broadcast(&x.sum[i]), fmadd(d, scaled, acc[r]));
-    }
-  }
-
-  const int64_t n = v * kLanes, count = std::min<int64_t>(kLanes, p.N - n);
-  if (count <= 0) return;  // an AVX2 vector of padding channels
-  const VF bias = p.bias ? load_lanes(p.bias + n, count) : zero_f();
-  for (int r = 0; r < NT; ++r) store_lanes(p.y + (t0 + r) * p.N + n, p.bias ? acc[r] + bias : acc[r], count);
-}
-
-// Rows a pass: as many as the registers hold (32 zmm in the VNNI build, 16 ymm in AVX2's) with the weights' chunk,
-// its two nibble halves and d, m. Decode is a pass of one row: tiles of several vectors for one row (more
-// independent vpdpbusd chains) measured slower on cold weights, 1.2-1.5x a call.
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__) && defined(__AVX512BW__)
-constexpr int kPassRows = 12;
-#else
-constexpr int kPassRows = 6;
-#endif
-
-template <int NT>
-void pass_rows(const Problem& p, int64_t v, int64_t t0, int64_t rows, bool once) {
-  if constexpr (NT > 1)
-    if (rows < NT) return pass_rows<NT - 1>(p, v, t0, rows, once);
-  tile<NT>(p, v, t0, once);
-}
-
-// Channel vectors [v_begin, v_end) x rows [t_begin, t_end), a vector's passes one after the other (its records
-// then come from L1).
-void run_item(const Problem& p, int64_t v_begin, int64_t v_end, int64_t t_begin, int64_t t_end) {
-  const bool once = t_end - t_begin <= kPassRows;
-  for (int64_t v = v_begin; v < v_end; ++v)
-    for (int64_t t = t_begin; t < t_end; t += kPassRows)
-      pass_rows<kPassRows>(p, v, t, std::min<int64_t>(kPassRows, t_end - t), once);
 }
 
 // The op's contract on its weights' shapes (kiln/matmul_q4_1.py), for the constructor and for Compute's errors.

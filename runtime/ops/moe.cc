@@ -4,7 +4,7 @@
 // softmax routing over E experts, the top_k chosen (renormalised when norm_topk_prob), and the weighted sum
 // of the chosen experts' SwiGLU MLPs.
 //
-// The step runs in four phases, each one parallel_for over independent work items:
+// The step runs in phases, each one parallel_for over independent work items:
 //   1. router: logits [T, E] = x @ router^T, then per token the top_k experts and their weights;
 //   2. the tokens are grouped by expert (a counting sort: expert e's tokens at rows [start_e, start_e + n_e) of
 //      the grouped buffers);
@@ -14,6 +14,8 @@
 //   5. combine: y[t] = sum over t's slots of weight * out[row of (t, slot)], slots in routing order.
 // So each selected expert's weights are read once per step whatever the number of its tokens, experts no token
 // chose are never touched, and no two items write the same memory (each (token, slot) has its own row).
+// Float32 experts run phases 3 and 4 here; Q4_1 experts run them with kiln.MatMulQ4_1's int8 arithmetic
+// (moe_q4_1.cc), their constant weights repacked once at session load.
 //
 // Built with -O3 -mavx2 -mfma -mf16c (AVX2 only).
 #define ORT_API_MANUAL_INIT
@@ -30,12 +32,18 @@
 #include <vector>
 
 #include "moe.h"
+#include "moe_experts.h"
 #include "parallel_for.h"
 #include "shape_text.h"
 #include "simd.h"
 
 namespace kiln {
 namespace {
+
+using moe::Groups;
+using moe::Item;
+using moe::items_over;
+using moe::silu_times;
 
 // Weight rows per work item: 16 gate + 16 up rows (or 32 down rows) of D = 2048 floats are 256 KiB, ~10 us of
 // DRAM bandwidth on two cores, well above an item's dispatch cost.
@@ -87,83 +95,6 @@ void rows_dot_tokens(const float* W, int64_t r0, int64_t r1, int64_t K, const fl
     for (int64_t t = 0; t < n; ++t) out[t * ldo + (r - r0)] = dot(xs[t], W + r * K, K);
 }
 
-// Expert weights in Q4_1's numbers (kiln/moe.py): per block of 32 inputs, w = m + q * d, q a nibble. A row's 16 bytes a
-// block hold element j in byte j's low nibble and element j + 16 in its high one (a GGUF block_q4_1's qs);
-// dm holds the blocks' (d, m) float16 pairs. x . w = sum_b d * (x_b . q_b) + m * sum(x_b), with each token's block
-// sums computed once per phase (xsum), so a block costs one unpack and four FMAs per token.
-struct Q4Rows {
-  const uint8_t* q;        // [rows, K / 2]
-  const uint16_t* dm;      // [rows, K / 32, 2] float16 bits
-  int64_t K;
-};
-
-inline __m256 nibbles_to_ps(__m128i bytes8) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes8)); }
-
-// Row r of w against NT tokens: each block's nibbles are unpacked to floats once and used for all NT tokens.
-template <int NT>
-inline void dot_q4_tile(const Q4Rows& w, int64_t r, const float* const* xs, const float* const* xsums, float* out,
-                        int64_t ldo) {
-  const int64_t nb = w.K / 32;
-  const uint8_t* q = w.q + r * (w.K / 2);
-  const uint16_t* dm = w.dm + r * nb * 2;
-  const __m128i low = _mm_set1_epi8(0x0F);
-  __m256 acc[NT];
-  float mins[NT];
-  for (int j = 0; j < NT; ++j) {
-    acc[j] = _mm256_setzero_ps();
-    mins[j] = 0.f;
-  }
-  for (int64_t b = 0; b < nb; ++b) {
-    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + b * 16));
-    const __m128i lo = _mm_and_si128(bytes, low), hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), low);
-    const __m256 q0 = nibbles_to_ps(lo), q1 = nibbles_to_ps(_mm_srli_si128(lo, 8));
-    const __m256 q2 = nibbles_to_ps(hi), q3 = nibbles_to_ps(_mm_srli_si128(hi, 8));
-    const __m256 step = _mm256_set1_ps(_cvtsh_ss(dm[2 * b]));
-    const float minimum = _cvtsh_ss(dm[2 * b + 1]);
-    for (int j = 0; j < NT; ++j) {
-      const float* xb = xs[j] + b * 32;
-      __m256 block = _mm256_mul_ps(_mm256_loadu_ps(xb), q0);
-      block = _mm256_fmadd_ps(_mm256_loadu_ps(xb + 8), q1, block);
-      block = _mm256_fmadd_ps(_mm256_loadu_ps(xb + 16), q2, block);
-      block = _mm256_fmadd_ps(_mm256_loadu_ps(xb + 24), q3, block);
-      acc[j] = _mm256_fmadd_ps(step, block, acc[j]);
-      mins[j] = std::fma(minimum, xsums[j][b], mins[j]);  // explicit: the same rounding in every tile size
-    }
-  }
-  for (int j = 0; j < NT; ++j) out[j * ldo] = hsum(acc[j]) + mins[j];
-}
-
-// out[t * ldo + (r - r0)] = xs[t] . W[r] for Q4_1 rows, xsums[t] the token's block sums; four tokens a tile. A
-// token's result is the same arithmetic in every tile size, so it does not depend on the batch.
-void q4_rows_dot_tokens(const Q4Rows& w, int64_t r0, int64_t r1, const float* const* xs, const float* const* xsums,
-                        int64_t n, float* out, int64_t ldo) {
-  for (int64_t r = r0; r < r1; ++r) {
-    int64_t t = 0;
-    for (; t + 4 <= n; t += 4) dot_q4_tile<4>(w, r, xs + t, xsums + t, out + t * ldo + (r - r0), ldo);
-    for (; t < n; ++t) dot_q4_tile<1>(w, r, xs + t, xsums + t, out + t * ldo + (r - r0), ldo);
-  }
-}
-
-// Block sums [rows, K / 32] of rows xs[i] (length K).
-std::vector<float> block_sums(const std::vector<const float*>& xs, int64_t K) {
-  const int64_t nb = K / 32;
-  std::vector<float> sums(xs.size() * nb);
-  for (size_t i = 0; i < xs.size(); ++i)
-    for (int64_t b = 0; b < nb; ++b) {
-      __m256 s = _mm256_add_ps(_mm256_add_ps(_mm256_loadu_ps(xs[i] + b * 32), _mm256_loadu_ps(xs[i] + b * 32 + 8)),
-                               _mm256_add_ps(_mm256_loadu_ps(xs[i] + b * 32 + 16), _mm256_loadu_ps(xs[i] + b * 32 + 24)));
-      sums[i * nb + b] = hsum(s);
-    }
-  return sums;
-}
-
-inline float silu_times(float gate, float up) {
-  // sigmoid from exp(-|gate|) <= 1: no overflow for any finite gate
-  const float e = std::exp(-std::fabs(gate));
-  const float sigmoid = gate >= 0.f ? 1.f / (1.f + e) : e / (1.f + e);
-  return gate * sigmoid * up;
-}
-
 struct Routing {
   std::vector<int32_t> expert;  // [T * top_k]: token t's slot j chose expert[t * top_k + j], best first
   std::vector<float> weight;    // [T * top_k]
@@ -192,12 +123,6 @@ void route_token(const float* logits, int64_t E, int64_t top_k, bool normalize, 
     weight[j] = static_cast<float>(std::exp(static_cast<double>(logits[expert[j]] - mx)) / denom);
 }
 
-struct Groups {
-  std::vector<int64_t> start;   // [E + 1]: expert e's rows of the grouped buffers are [start[e], start[e + 1])
-  std::vector<int64_t> token;   // [T * top_k]: the token of each grouped row
-  std::vector<int64_t> row_of;  // [T * top_k]: the grouped row of (token t, slot j) at t * top_k + j
-};
-
 Groups group_by_expert(const Routing& routing, int64_t E, int64_t top_k) {
   const int64_t rows = static_cast<int64_t>(routing.expert.size());
   Groups g{std::vector<int64_t>(E + 1, 0), std::vector<int64_t>(rows), std::vector<int64_t>(rows)};
@@ -210,19 +135,6 @@ Groups group_by_expert(const Routing& routing, int64_t E, int64_t top_k) {
     g.row_of[i] = row;
   }
   return g;
-}
-
-// A work item: expert e's weight rows [r0, r1) (of F for gate/up, of D for down).
-struct Item {
-  int64_t expert, r0, r1;
-};
-
-std::vector<Item> items_over(const Groups& g, int64_t E, int64_t rows, int64_t per_item) {
-  std::vector<Item> items;
-  for (int64_t e = 0; e < E; ++e)
-    if (g.start[e + 1] > g.start[e])
-      for (int64_t r = 0; r < rows; r += per_item) items.push_back({e, r, std::min(rows, r + per_item)});
-  return items;
 }
 
 struct Dims {
@@ -253,62 +165,55 @@ Dims check_shapes(const std::vector<int64_t>& xs, const std::vector<int64_t>& rs
   return d;
 }
 
-// One projection's expert stack [E, rows, K]: float32 rows, or Q4_1 nibbles + (d, m) pairs.
-struct ExpertStack {
-  const float* f = nullptr;
-  const uint8_t* q = nullptr;
-  const uint16_t* dm = nullptr;
-  int64_t rows = 0, K = 0;
+// Phases 3 and 4 for float32 experts gate_up [E, 2F, D] and down [E, D, F]: expert_out [rows, D].
+void run_float_experts(OrtKernelContext* ctx, const Dims& d, const Groups& g, const std::vector<const float*>& rows,
+                       const float* gate_up, const float* down, float* expert_out) {
+  std::vector<float> act(rows.size() * d.F);
+  std::vector<Item> items = items_over(g, d.F, kGateRowsPerItem);
+  auto gate_up_item = [&](size_t i) {
+    const Item& it = items[i];
+    const int64_t first = g.start[it.expert], n = g.start[it.expert + 1] - first, w = it.u1 - it.u0;
+    const float* weights = gate_up + it.expert * 2 * d.F * d.D;
+    std::vector<float> gate(n * w), up(n * w);
+    rows_dot_tokens(weights, it.u0, it.u1, d.D, rows.data() + first, n, gate.data(), w);
+    rows_dot_tokens(weights, d.F + it.u0, d.F + it.u1, d.D, rows.data() + first, n, up.data(), w);
+    for (int64_t t = 0; t < n; ++t)
+      for (int64_t j = 0; j < w; ++j) act[(first + t) * d.F + it.u0 + j] = silu_times(gate[t * w + j], up[t * w + j]);
+  };
+  parallel_for(ctx, items.size(), gate_up_item);
 
-  void dot(int64_t e, int64_t r0, int64_t r1, const float* const* xs, const float* const* xsums, int64_t n,
-           float* out, int64_t ldo) const {
-    if (f != nullptr) return rows_dot_tokens(f + e * rows * K, r0, r1, K, xs, n, out, ldo);
-    const Q4Rows w{q + e * rows * (K / 2), dm + e * rows * (K / 32) * 2, K};
-    q4_rows_dot_tokens(w, r0, r1, xs, xsums, n, out, ldo);
-  }
+  std::vector<const float*> act_rows(rows.size());
+  for (size_t i = 0; i < rows.size(); ++i) act_rows[i] = act.data() + i * d.F;
+  items = items_over(g, d.D, kDownRowsPerItem);
+  auto down_item = [&](size_t i) {
+    const Item& it = items[i];
+    const int64_t first = g.start[it.expert], n = g.start[it.expert + 1] - first;
+    rows_dot_tokens(down + it.expert * d.D * d.F, it.u0, it.u1, d.F, act_rows.data() + first, n,
+                    expert_out + first * d.D + it.u0, d.D);
+  };
+  parallel_for(ctx, items.size(), down_item);
+}
+
+// The experts of one call: float32 stacks, or Q4_1 ones as records (the session's, or packed for this call).
+struct Experts {
+  const float* gate_up = nullptr;
+  const float* down = nullptr;
+  const moe::Q4_1Experts* q4_gate_up = nullptr;
+  const moe::Q4_1Experts* q4_down = nullptr;
 };
 
-// The step (see the file comment) for float or Q4_1 experts.
-void moe_step(OrtKernelContext* ctx, const Dims& d, const float* in, const Routing& routing, const ExpertStack& gate_up,
-              const ExpertStack& down, float* out) {
-  const bool q4 = gate_up.f == nullptr;
+// Phases 2-5 (see the file comment).
+void moe_step(OrtKernelContext* ctx, const Dims& d, const float* in, const Routing& routing, const Experts& experts,
+              float* out) {
   const Groups g = group_by_expert(routing, d.E, d.top_k);
   const int64_t rows = d.T * d.top_k;
   std::vector<const float*> token_rows(rows);
   for (int64_t i = 0; i < rows; ++i) token_rows[i] = in + g.token[i] * d.D;
-  // Q4_1: each grouped row's block sums (a token's once per slot: cheap next to the expert's rows)
-  const std::vector<float> x_sums = q4 ? block_sums(token_rows, d.D) : std::vector<float>();
-  std::vector<const float*> x_sum_rows(rows, nullptr);
-  if (q4) for (int64_t i = 0; i < rows; ++i) x_sum_rows[i] = x_sums.data() + i * (d.D / 32);
-
-  std::vector<float> act(rows * d.F);
-  std::vector<Item> items = items_over(g, d.E, d.F, kGateRowsPerItem);
-  auto gate_up_item = [&](size_t i) {
-    const Item& it = items[i];
-    const int64_t first = g.start[it.expert], n = g.start[it.expert + 1] - first, w = it.r1 - it.r0;
-    std::vector<float> gate(n * w), up(n * w);
-    gate_up.dot(it.expert, it.r0, it.r1, token_rows.data() + first, x_sum_rows.data() + first, n, gate.data(), w);
-    gate_up.dot(it.expert, d.F + it.r0, d.F + it.r1, token_rows.data() + first, x_sum_rows.data() + first, n,
-                up.data(), w);
-    for (int64_t t = 0; t < n; ++t)
-      for (int64_t j = 0; j < w; ++j) act[(first + t) * d.F + it.r0 + j] = silu_times(gate[t * w + j], up[t * w + j]);
-  };
-  parallel_for(ctx, items.size(), gate_up_item);
-
-  std::vector<const float*> act_rows(rows);
-  for (int64_t i = 0; i < rows; ++i) act_rows[i] = act.data() + i * d.F;
-  const std::vector<float> act_sums = q4 ? block_sums(act_rows, d.F) : std::vector<float>();
-  std::vector<const float*> act_sum_rows(rows, nullptr);
-  if (q4) for (int64_t i = 0; i < rows; ++i) act_sum_rows[i] = act_sums.data() + i * (d.F / 32);
   std::vector<float> expert_out(rows * d.D);
-  items = items_over(g, d.E, d.D, kDownRowsPerItem);
-  auto down_item = [&](size_t i) {
-    const Item& it = items[i];
-    const int64_t first = g.start[it.expert], n = g.start[it.expert + 1] - first;
-    down.dot(it.expert, it.r0, it.r1, act_rows.data() + first, act_sum_rows.data() + first, n,
-             expert_out.data() + first * d.D + it.r0, d.D);
-  };
-  parallel_for(ctx, items.size(), down_item);
+  if (experts.q4_gate_up != nullptr)
+    moe::run_q4_1_experts(ctx, g, token_rows, *experts.q4_gate_up, *experts.q4_down, expert_out.data());
+  else
+    run_float_experts(ctx, d, g, token_rows, experts.gate_up, experts.down, expert_out.data());
 
   auto combine = [&](size_t t) {
     float* dst = out + t * d.D;
@@ -347,6 +252,42 @@ Routing route(OrtKernelContext* ctx, const Dims& d, const float* x, const float*
 
 using DmInput = std::optional<const Ort::Custom::Tensor<Ort::Float16_t>*>;
 
+// A Q4_1 stack's dm [E, rows, K / 32, 2] checked against its nibbles; its float16 bits.
+const uint16_t* checked_dm(DmInput dm, const std::vector<int64_t>& w, int64_t rows, int64_t K, const std::string& name) {
+  if (!dm.has_value()) fail_moe("Q4_1 " + name + " needs its " + name + "_dm input");
+  const std::vector<int64_t> want{w[0], rows, K / 32, 2};
+  if ((*dm)->Shape() != want) fail_moe(name + "_dm must be " + shape_text(want) + ", got " + shape_text((*dm)->Shape()));
+  return reinterpret_cast<const uint16_t*>((*dm)->Data());
+}
+
+// Constant Q4_1 experts (an engine's: initializers) packed into records once, at session load; empty otherwise or
+// when a shape is off (Compute then packs per call, or names the problem).
+void pack_constant_experts(const Ort::ConstKernelInfo& info, moe::Q4_1Experts& gate_up, moe::Q4_1Experts& down) {
+  if (info.GetInputCount() < 6) return;
+  int constant[4] = {0, 0, 0, 0};
+  std::vector<Ort::ConstValue> v;
+  for (int i = 0; i < 4; ++i) v.push_back(info.GetTensorConstantInput(2 + i, &constant[i]));
+  for (int c : constant)
+    if (!c) return;
+  std::vector<std::vector<int64_t>> s;
+  for (const auto& value : v) s.push_back(value.GetTensorTypeAndShapeInfo().GetShape());
+  if (s[0].size() != 3 || s[1].size() != 3) return;
+  const int64_t E = s[0][0], D = s[0][2] * 2, F = s[1][2] * 2;
+  if (D % 32 || F % 32 || s[0][1] != 2 * F || s[1] != std::vector<int64_t>{E, D, F / 2} ||
+      s[2] != std::vector<int64_t>{E, 2 * F, D / 32, 2} || s[3] != std::vector<int64_t>{E, D, F / 32, 2} ||
+      v[0].GetTensorTypeAndShapeInfo().GetElementType() != ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT8 ||
+      v[1].GetTensorTypeAndShapeInfo().GetElementType() != ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT8 ||
+      v[2].GetTensorTypeAndShapeInfo().GetElementType() != ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16 ||
+      v[3].GetTensorTypeAndShapeInfo().GetElementType() != ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16)
+    return;
+  auto steps = [&](int i) { return reinterpret_cast<const uint16_t*>(v[i].GetTensorData<Ort::Float16_t>()); };
+  gate_up = moe::Q4_1Experts::pack(v[0].GetTensorData<uint8_t>(), steps(2), E, 2 * F, D);
+  down = moe::Q4_1Experts::pack(v[1].GetTensorData<uint8_t>(), steps(3), E, D, F);
+  // once repacked the engine's mapped bytes are never read again (kiln.MatMulQ4_1 does the same)
+  for (int i = 0; i < 2; ++i) q4_1::release_pages(v[i].GetTensorData<uint8_t>(), v[i].GetTensorTypeAndShapeInfo().GetElementCount());
+  for (int i = 2; i < 4; ++i) q4_1::release_pages(steps(i), v[i].GetTensorTypeAndShapeInfo().GetElementCount() * 2);
+}
+
 // W = float: float32 experts (no dm inputs); W = uint8_t: Q4_1 experts with their dm inputs.
 template <typename W>
 struct MoE {
@@ -356,6 +297,7 @@ struct MoE {
     Ort::ConstKernelInfo ki(info);
     top_k_ = ki.GetAttribute<int64_t>("top_k");
     norm_topk_prob_ = ki.GetAttribute<int64_t>("norm_topk_prob") != 0;
+    if constexpr (kQ4) pack_constant_experts(ki, gate_up_, down_);
   }
 
   Ort::Status Compute(OrtKernelContext* ctx, const Ort::Custom::Tensor<float>& x, const Ort::Custom::Tensor<float>& router,
@@ -363,12 +305,26 @@ struct MoE {
                       DmInput down_dm, Ort::Custom::Tensor<float>& y) {
     try {
       const Dims d = check_shapes(x.Shape(), router.Shape(), gate_up.Shape(), down.Shape(), top_k_, kQ4);
-      const ExpertStack gu = stack(gate_up, gate_up_dm, 2 * d.F, d.D, "gate_up");
-      const ExpertStack dn = stack(down, down_dm, d.D, d.F, "down");
+      Experts experts;
+      moe::Q4_1Experts call_gate_up, call_down;  // non-constant Q4_1 experts, packed for this call
+      if constexpr (kQ4) {
+        const uint16_t* gu_dm = checked_dm(gate_up_dm, gate_up.Shape(), 2 * d.F, d.D, "gate_up");
+        const uint16_t* dn_dm = checked_dm(down_dm, down.Shape(), d.D, d.F, "down");
+        if (gate_up_.empty()) {
+          call_gate_up = moe::Q4_1Experts::pack(gate_up.Data(), gu_dm, d.E, 2 * d.F, d.D);
+          call_down = moe::Q4_1Experts::pack(down.Data(), dn_dm, d.E, d.D, d.F);
+        }
+        experts.q4_gate_up = gate_up_.empty() ? &call_gate_up : &gate_up_;
+        experts.q4_down = down_.empty() ? &call_down : &down_;
+      } else {
+        if (gate_up_dm.has_value() || down_dm.has_value()) fail_moe("float32 experts take no gate_up_dm or down_dm input");
+        experts.gate_up = gate_up.Data();
+        experts.down = down.Data();
+      }
       float* out = y.Allocate(x.Shape());
       if (d.T == 0 || d.D == 0) return Ort::Status{nullptr};
       const Routing routing = route(ctx, d, x.Data(), router.Data(), norm_topk_prob_);
-      moe_step(ctx, d, x.Data(), routing, gu, dn, out);
+      moe_step(ctx, d, x.Data(), routing, experts, out);
     } catch (const Ort::Exception& e) {
       return Ort::Status(e.what(), e.GetOrtErrorCode());
     } catch (const std::exception& e) {
@@ -378,26 +334,9 @@ struct MoE {
   }
 
  private:
-  static ExpertStack stack(const Ort::Custom::Tensor<W>& w, DmInput dm, int64_t rows, int64_t K, const std::string& name) {
-    ExpertStack s;
-    s.rows = rows;
-    s.K = K;
-    if constexpr (kQ4) {
-      if (!dm.has_value()) fail_moe("Q4_1 " + name + " needs its " + name + "_dm input");
-      const std::vector<int64_t> want{w.Shape()[0], rows, K / 32, 2};
-      if ((*dm)->Shape() != want)
-        fail_moe(name + "_dm must be " + shape_text(want) + ", got " + shape_text((*dm)->Shape()));
-      s.q = w.Data();
-      s.dm = reinterpret_cast<const uint16_t*>((*dm)->Data());
-    } else {
-      if (dm.has_value()) fail_moe("float32 " + name + " takes no " + name + "_dm input");
-      s.f = w.Data();
-    }
-    return s;
-  }
-
   int64_t top_k_ = 1;
   bool norm_topk_prob_ = false;
+  moe::Q4_1Experts gate_up_, down_;  // constant Q4_1 experts as records; empty: packed per call
 };
 
 }  // namespace

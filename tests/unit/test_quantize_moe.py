@@ -1,5 +1,5 @@
 """optimize/quantize_moe.py: a kiln.MoE graph's float experts become Q4_1 inputs, and the quantized graph computes the
-op's spec on the dequantized weights (the pass's packing is the kernel's layout)."""
+op's Q4_1 spec on them (the pass's packing is the kernel's layout)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import onnx_ir as ir
 import pytest
 from onnx import numpy_helper
 
-from kiln.moe import make_single_op_model, moe_ref, unpack_q4_1_experts
+from kiln.moe import make_single_op_model, moe_q4_1_ref, unpack_q4_1_experts
 from kiln.optimize.quantize_moe import moe_nodes, quantize_moe_experts
 
 ort = pytest.importorskip("onnxruntime")
@@ -44,11 +44,12 @@ def test_experts_become_q4_1_and_the_graph_computes_the_spec():
     (node,) = moe_nodes(model)
     assert [v.const_value.dtype for v in node.inputs[2:]] == [ir.DataType.UINT8] * 2 + [ir.DataType.FLOAT16] * 2
     assert "gate_up" not in model.graph.initializers  # the float stacks are gone
-    gate_up = unpack_q4_1_experts(*(node.inputs[i].const_value.numpy() for i in (2, 4)))
-    down = unpack_q4_1_experts(*(node.inputs[i].const_value.numpy() for i in (3, 5)))
-    assert np.abs(gate_up - arrays["gate_up"]).max() < 0.2  # 4-bit rounding of the weights, not other numbers
-    want = moe_ref(x, arrays["router"], gate_up, down, top_k=2, norm_topk_prob=True)
-    np.testing.assert_allclose(run(model, x), want, rtol=1e-4, atol=1e-5)
+    gate_up = tuple(node.inputs[i].const_value.numpy() for i in (2, 4))
+    down = tuple(node.inputs[i].const_value.numpy() for i in (3, 5))
+    # 4-bit rounding of the weights, not other numbers
+    assert np.abs(unpack_q4_1_experts(*gate_up) - arrays["gate_up"]).max() < 0.2
+    want = moe_q4_1_ref(x, arrays["router"], gate_up, down, top_k=2, norm_topk_prob=True)
+    np.testing.assert_allclose(run(model, x), want, rtol=0, atol=4e-6 * np.abs(want).max())
     assert quantize_moe_experts(model) == 0  # already converted
 
 
