@@ -84,13 +84,21 @@ def load_vision(folder: Path, config: dict[str, Any], weights: LazyWeights) -> V
     if family == "llava":
         clip = llava_config.clip_tower_spec(config)
         return VisionSource(tower=clip, weights=llava_config.vision_part(weights), processor=processor,
-                            spec=llava_config.vision_spec(config, clip))
+                            spec=_vision_spec("llava", config, clip))
     try:
         siglip = idefics3_config.siglip_tower_spec(config, processor)
     except ValueError as exc:
         raise ValueError(f"{folder}: {exc}") from None
     return VisionSource(tower=siglip, weights=idefics3_config.vision_part(weights), processor=processor,
-                        spec=idefics3_config.vision_spec(config, siglip))
+                        spec=_vision_spec("idefics3", config, siglip))
+
+
+def _vision_spec(family: str, config: dict[str, Any], tower: ClipTowerSpec | SiglipTowerSpec) -> VisionSpec:
+    token = config.get("image_token_id", config.get("image_token_index"))
+    if not isinstance(token, int):
+        raise ValueError(f"a {family} config without an integer image_token_id (got {token!r})")
+    return VisionSpec(family=family, image_token_id=token, tokens_per_image=tower.tokens_per_image,
+                      embedding_size=tower.text_hidden_size, image_size=tower.image_size)
 
 
 def _encoder_module(source: VisionSource) -> torch.nn.Module:

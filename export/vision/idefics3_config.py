@@ -16,8 +16,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from kiln.vision import VisionSpec
-
 from ..checkpoint_types import LazyWeights, TensorSource
 from .llava_config import LLAMA_DEFAULTS
 
@@ -107,14 +105,6 @@ def siglip_tower_spec(config: dict[str, Any], processor: dict[str, Any]) -> Sigl
         layer_norm_eps=float(vision["layer_norm_eps"]), hidden_act=vision["hidden_act"], scale_factor=scale,
         text_hidden_size=idefics3_text_config(config)["hidden_size"],
     )
-
-
-def vision_spec(config: dict[str, Any], tower: SiglipTowerSpec) -> VisionSpec:
-    token = config.get("image_token_id", config.get("image_token_index"))
-    if not isinstance(token, int):
-        raise ValueError(f"an Idefics3 config without an integer image_token_id (got {token!r})")
-    return VisionSpec(family="idefics3", image_token_id=token, tokens_per_image=tower.tokens_per_image,
-                      embedding_size=tower.text_hidden_size, image_size=tower.image_size)
 
 
 def vision_part(weights: LazyWeights) -> LazyWeights:

@@ -13,8 +13,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from kiln.vision import VisionSpec
-
 from ..checkpoint_types import LazyWeights, TensorSource
 
 ARCHITECTURE = "LlavaForConditionalGeneration"
@@ -96,14 +94,6 @@ def clip_tower_spec(config: dict[str, Any]) -> ClipTowerSpec:
         projector_bias=bool(config.get("multimodal_projector_bias", True)),
         text_hidden_size=llava_text_config(config)["hidden_size"],
     )
-
-
-def vision_spec(config: dict[str, Any], tower: ClipTowerSpec) -> VisionSpec:
-    token = config.get("image_token_id", config.get("image_token_index"))
-    if not isinstance(token, int):
-        raise ValueError(f"a LLaVA config without an integer image_token_id (got {token!r})")
-    return VisionSpec(family="llava", image_token_id=token, tokens_per_image=tower.tokens_per_image,
-                      embedding_size=tower.text_hidden_size, image_size=tower.image_size)
 
 
 def vision_part(weights: LazyWeights) -> LazyWeights:
