@@ -17,7 +17,10 @@ the image-placeholder rows (the rest of the graph, kiln.PagedAttention included,
 
 A prompt holds one ``image_token_id`` per picture; the runtime expands it the family's way: "llava" into
 ``tokens_per_image`` image tokens; "idefics3" (Idefics3 and SmolVLM) into one run of ``tokens_per_image`` image
-tokens per tile among tile-marker tokens (kiln.runtime.vision.idefics3).
+tokens per tile among tile-marker tokens (kiln.runtime.vision.idefics3); "llava_next" (LLaVA-NeXT) into one run
+whose length depends on the image's size: its tiles' ``tokens_per_image`` rows each, packed and unpadded with a
+newline row per feature row (kiln.runtime.vision.llava_next). A "llava_next" encoder graph has a second output,
+``image_newline`` float32 [embedding_size], the learned row separator that packing appends.
 """
 
 from __future__ import annotations
@@ -31,10 +34,11 @@ PIXEL_VALUES = "pixel_values"
 ENCODER_OUTPUT = "image_embeds"
 IMAGE_EMBEDS = "image_embeds"
 IMAGE_ROWS = "image_rows"
-FAMILIES = ("llava", "idefics3")
+IMAGE_NEWLINE = "image_newline"  # the llava_next encoder graph's second output
+FAMILIES = ("llava", "idefics3", "llava_next")
 # what a chat message's image part becomes in the text the chat template renders: the image token, then this
 # (LLaVA-1.5's prompts put the image on its own line; SmolVLM's chat template writes "<image>" inline)
-PLACEHOLDER_SUFFIX = {"llava": "\n", "idefics3": ""}
+PLACEHOLDER_SUFFIX = {"llava": "\n", "idefics3": "", "llava_next": "\n"}
 
 
 @dataclass(frozen=True)

@@ -107,6 +107,25 @@ def tiny_llava_engine(tmp_path_factory, tiny_llava_dir) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_llava_next_dir(tmp_path_factory) -> Path:
+    """A tiny random LLaVA-NeXT checkpoint (tests/llava_next_fixtures.py)."""
+    from llava_next_fixtures import make_tiny_llava_next
+
+    return make_tiny_llava_next(tmp_path_factory.mktemp("tiny-llava-next"))
+
+
+@pytest.fixture(scope="session")
+def tiny_llava_next_engine(tmp_path_factory, tiny_llava_next_dir) -> Path:
+    """The tiny LLaVA-NeXT built into a vision-language engine dir (fp32 weights and KV cache, block size 16)."""
+    from kiln.manifest import BuildOptions
+    from kiln.optimize.build import build_engine
+
+    out = tmp_path_factory.mktemp("tiny-llava-next-engine") / "engine"
+    build_engine(tiny_llava_next_dir, out, BuildOptions(kv_dtype="float32"), progress=lambda _msg: None)
+    return out
+
+
+@pytest.fixture(scope="session")
 def tiny_smolvlm_dir(tmp_path_factory) -> Path:
     """A tiny random SmolVLM (Idefics3 family) checkpoint with the SmolLM2 tokenizer (tests/smolvlm_fixtures.py)."""
     from smolvlm_fixtures import make_tiny_smolvlm

@@ -1,7 +1,8 @@
 """The vision encoder graph of a vision-language checkpoint: vision.onnx (+ .data) and preprocessor_config.json.
 
 ``load_vision(folder)`` reads the image side of a LlavaForConditionalGeneration checkpoint (CLIP tower,
-export/vision/clip_encoder.py) or an Idefics3 / SmolVLM one (SigLIP tower + pixel-shuffle connector,
+export/vision/clip_encoder.py), a LlavaNextForConditionalGeneration one (the same per tile, and the newline vector:
+export/vision/llava_next_encoder.py) or an Idefics3 / SmolVLM one (SigLIP tower + pixel-shuffle connector,
 export/vision/siglip_encoder.py); None for a text-only source. ``write_vision(source, engine_dir)`` traces the
 family's module with a dynamic image (tile) count and writes the graph (kiln/vision.py fixes its inputs and
 outputs) and the image processor's config beside the text graph.
@@ -25,15 +26,17 @@ from kiln import vision as contract
 from kiln.vision import VisionSpec
 
 from ..checkpoint_types import LazyWeights
-from . import idefics3_config, llava_config, siglip_encoder
+from . import idefics3_config, llava_config, llava_next_config, siglip_encoder
 from .clip_encoder import ClipVisionEncoder, encoder_weights
 from .idefics3_config import SiglipTowerSpec
 from .llava_config import ClipTowerSpec
+from .llava_next_encoder import LlavaNextVisionEncoder
 
 _PROCESSOR_KEYS = ("image_processor_type", "size", "crop_size", "resample", "rescale_factor", "image_mean",
                    "image_std", "do_convert_rgb", "do_resize", "do_center_crop", "do_rescale", "do_normalize",
-                   "max_image_size", "do_image_splitting")
-_PROCESSORS = {"llava": ("CLIPImageProcessor",), "idefics3": ("Idefics3ImageProcessor", "SmolVLMImageProcessor")}
+                   "max_image_size", "do_image_splitting", "image_grid_pinpoints")
+_PROCESSORS = {"llava": ("CLIPImageProcessor",), "idefics3": ("Idefics3ImageProcessor", "SmolVLMImageProcessor"),
+               "llava_next": ("LlavaNextImageProcessor",)}
 
 
 @dataclass(frozen=True, eq=False)
@@ -60,6 +63,8 @@ def load_vision_of(model_path: str | Path) -> VisionSource | None:
 
 
 def _family(config: dict[str, Any]) -> str | None:
+    if llava_next_config.is_llava_next(config):
+        return "llava_next"
     if llava_config.is_llava(config):
         return "llava"
     return "idefics3" if idefics3_config.is_idefics3(config) else None
@@ -85,6 +90,14 @@ def load_vision(folder: Path, config: dict[str, Any], weights: LazyWeights) -> V
         clip = llava_config.clip_tower_spec(config)
         return VisionSource(tower=clip, weights=llava_config.vision_part(weights), processor=processor,
                             spec=_vision_spec("llava", config, clip))
+    if family == "llava_next":
+        clip = llava_config.clip_tower_spec(config)
+        try:
+            llava_next_config.check_any_resolution(config, processor, clip)
+        except ValueError as exc:
+            raise ValueError(f"{folder}: {exc}") from None
+        return VisionSource(tower=clip, weights=llava_next_config.vision_part(weights), processor=processor,
+                            spec=_vision_spec("llava_next", config, clip))
     try:
         siglip = idefics3_config.siglip_tower_spec(config, processor)
     except ValueError as exc:
@@ -104,7 +117,13 @@ def _vision_spec(family: str, config: dict[str, Any], tower: ClipTowerSpec | Sig
 def _encoder_module(source: VisionSource) -> torch.nn.Module:
     if isinstance(source.tower, SiglipTowerSpec):
         return siglip_encoder.SiglipVisionEncoder(source.tower, siglip_encoder.encoder_weights(source.weights))
+    if source.spec.family == "llava_next":
+        return LlavaNextVisionEncoder(source.tower, encoder_weights(source.tower, source.weights))
     return ClipVisionEncoder(source.tower, encoder_weights(source.tower, source.weights))
+
+
+def _output_names(family: str) -> list[str]:
+    return [contract.ENCODER_OUTPUT] + ([contract.IMAGE_NEWLINE] if family == "llava_next" else [])
 
 
 def export_encoder(source: VisionSource) -> ir.Model:
@@ -116,7 +135,7 @@ def export_encoder(source: VisionSource) -> ir.Model:
     with warnings.catch_warnings(), torch.no_grad(), redirect_stdout(StringIO()):
         warnings.simplefilter("ignore")
         program = torch.onnx.export(
-            model, (example,), input_names=[contract.PIXEL_VALUES], output_names=[contract.ENCODER_OUTPUT],
+            model, (example,), input_names=[contract.PIXEL_VALUES], output_names=_output_names(source.spec.family),
             dynamic_shapes={"pixel_values": {0: torch.export.Dim("images", min=1)}}, dynamo=True, optimize=True,
         )
     return program.model

@@ -1,8 +1,9 @@
-"""LlavaForConditionalGeneration checkpoints: the text decoder's config, and the vision tower's as kiln compiles it.
+"""LlavaForConditionalGeneration checkpoints (and LlavaNextForConditionalGeneration's, whose text decoder, tower
+and projector are the same): the text decoder's config, and the vision tower's as kiln compiles it.
 
-A LLaVA-1.5 config.json nests a Llama ``text_config`` and a CLIP ``vision_config``; llava-hf's checkpoints spell
-out only the keys that differ from transformers' defaults (the 7B's vision_config lists sizes but not its
-activation or norm epsilon), so the defaults of LlamaConfig and CLIPVisionConfig fill the rest here.
+A LLaVA config.json nests a Llama or Mistral ``text_config`` and a CLIP ``vision_config``; llava-hf's checkpoints
+spell out only the keys that differ from transformers' defaults (the 7B's vision_config lists sizes but not its
+activation or norm epsilon), so the defaults of LlamaConfig / MistralConfig and CLIPVisionConfig fill the rest here.
 
 The weights sit under ``language_model.model.*`` / ``model.language_model.*`` (the decoder), ``vision_tower.*``
 (``vision_tower.vision_model.*`` in transformers < 5 saves) and ``multi_modal_projector.*``.
@@ -15,7 +16,7 @@ from typing import Any
 
 from ..checkpoint_types import LazyWeights, TensorSource
 
-ARCHITECTURE = "LlavaForConditionalGeneration"
+ARCHITECTURES = ("LlavaForConditionalGeneration", "LlavaNextForConditionalGeneration")
 
 # transformers' LlamaConfig / CLIPVisionConfig defaults, for the keys a sparse nested config leaves out. No
 # rope_theta: a transformers >= 5 save nests it in rope_parameters, which a default here would override
@@ -25,6 +26,11 @@ LLAMA_DEFAULTS: dict[str, Any] = {
     "num_attention_heads": 32, "hidden_act": "silu", "max_position_embeddings": 2048, "rms_norm_eps": 1e-6,
     "tie_word_embeddings": False, "attention_bias": False, "model_type": "llama",
 }
+_MISTRAL_DEFAULTS: dict[str, Any] = {  # MistralConfig's (llava-v1.6-mistral-7b's text_config lists a few sizes only)
+    **LLAMA_DEFAULTS, "intermediate_size": 14336, "num_key_value_heads": 8, "max_position_embeddings": 131072,
+    "sliding_window": 4096, "model_type": "mistral",
+}
+_TEXT_DEFAULTS = {"llama": (LLAMA_DEFAULTS, "LlamaForCausalLM"), "mistral": (_MISTRAL_DEFAULTS, "MistralForCausalLM")}
 _CLIP_VISION_DEFAULTS: dict[str, Any] = {
     "hidden_size": 768, "intermediate_size": 3072, "num_hidden_layers": 12, "num_attention_heads": 12,
     "num_channels": 3, "image_size": 224, "patch_size": 32, "hidden_act": "quick_gelu", "layer_norm_eps": 1e-5,
@@ -35,18 +41,23 @@ _PROJECTOR_PREFIXES = ("multi_modal_projector.", "model.multi_modal_projector.")
 
 
 def is_llava(config: dict[str, Any]) -> bool:
-    return ARCHITECTURE in (config.get("architectures") or [])
+    """LLaVA-1.5 or LLaVA-NeXT: the same text decoder, tower and projector weights."""
+    return any(name in ARCHITECTURES for name in config.get("architectures") or [])
 
 
 def llava_text_config(config: dict[str, Any]) -> dict[str, Any]:
-    """The text_config as a LlamaForCausalLM config.json would hold it."""
-    text = {**LLAMA_DEFAULTS, **(config.get("text_config") or {})}
-    if text.get("model_type") != "llama":
-        raise ValueError(f"a LLaVA text model of type {text.get('model_type')!r}; kiln compiles LLaVA's llama body")
+    """The text_config as a LlamaForCausalLM / MistralForCausalLM config.json would hold it."""
+    text = dict(config.get("text_config") or {})
+    kind = text.get("model_type", "llama")
+    if kind not in _TEXT_DEFAULTS:
+        raise ValueError(f"a LLaVA text model of type {kind!r}; kiln compiles LLaVA's {' or '.join(_TEXT_DEFAULTS)} "
+                         "body")
+    defaults, architecture = _TEXT_DEFAULTS[kind]
+    text = {**defaults, **text}
     text.setdefault("num_key_value_heads", text["num_attention_heads"])
     if "tie_word_embeddings" in config:
         text["tie_word_embeddings"] = config["tie_word_embeddings"]
-    text["architectures"] = ["LlamaForCausalLM"]
+    text["architectures"] = [architecture]
     return text
 
 
