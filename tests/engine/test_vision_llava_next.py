@@ -169,3 +169,24 @@ def test_greedy_tokens_equal_transformers(tiny_llava_next_engine, hf_model, proc
     out = llm.generate(TEXT, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True), images=[[image]])[0]
     assert out.prompt_token_ids == inputs["input_ids"][0].tolist()
     assert list(out.outputs[0].token_ids) == hf_greedy(hf_model, inputs, 10)
+
+
+@pytest.mark.parametrize(("config_change", "processor_change", "problem"), [
+    ({}, {"image_grid_pinpoints": [[28, 56]]}, r"image_grid_pinpoints \[\[28, 56\]\] are not config.json's"),
+    ({"vision_feature_select_strategy": "full"}, {}, "'full': LLaVA-NeXT packs the tiles' patch grids"),
+    ({}, {"crop_size": {"height": 56, "width": 56}}, "is not the vision tower's image_size 28"),
+    ({"image_grid_pinpoints": [[30, 56]]}, {"image_grid_pinpoints": [[30, 56]]},
+     r"\[30, 56\] is not a grid of the tower's 28-pixel tiles"),
+])
+def test_a_checkpoint_kiln_cannot_pack_is_refused_by_name(tiny_llava_next_dir, tmp_path, config_change,
+                                                          processor_change, problem):
+    import json
+
+    from kiln.export.vision.export_encoder import load_vision_of
+
+    for name, change in (("config.json", config_change), ("preprocessor_config.json", processor_change)):
+        data = json.loads((tiny_llava_next_dir / name).read_text())
+        (tmp_path / name).write_text(json.dumps({**data, **change}))
+    (tmp_path / "model.safetensors").symlink_to(tiny_llava_next_dir / "model.safetensors")
+    with pytest.raises(ValueError, match=problem):
+        load_vision_of(tmp_path)

@@ -97,3 +97,28 @@ def test_smolvlm_takes_an_image_url_and_answers_as_the_offline_engine(smolvlm_se
     assert done.usage.prompt_tokens == len(offline.prompt_token_ids) > 5 * 6
     assert done.choices[0].message.content == offline.outputs[0].text
     assert smolvlm_server.metric("kiln_images_encoded_total") == 1
+
+
+@pytest.fixture(scope="module")
+def llava_next_server(tiny_llava_next_engine, tmp_path_factory):
+    srv = Server(tiny_llava_next_engine, tmp_path_factory.mktemp("serve-llava-next") / "server.log", "--num-threads",
+                 "1", "--served-model-name", "llava-next")
+    yield srv
+    assert srv.stop() == 0
+
+
+def test_llava_next_takes_an_image_url_and_answers_as_the_offline_engine(llava_next_server, tiny_llava_next_engine):
+    """An any-resolution image (a 3 x 1 grid and the base tile) through /v1/chat/completions: the prompt holds its
+    packed run (16 base rows, 10 unpadded map rows of 4 plus a newline each) and the answer is the offline
+    engine's for the same message."""
+    from kiln.runtime import LLM, RuntimeConfig, SamplingParams
+
+    messages = image_message(data_url(sample_images()["rgb-portrait"]), "What is shown in this image?")
+    done = llava_next_server.client().chat.completions.create(
+        model="llava-next", messages=messages, max_tokens=6, temperature=0, extra_body={"ignore_eos": True})
+    offline = LLM(tiny_llava_next_engine, RuntimeConfig(kv_cache_bytes=4 << 20)).chat(
+        messages, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))[0]
+    assert offline.prompt_token_ids.count(261) == 16 + 10 * 5
+    assert done.usage.prompt_tokens == len(offline.prompt_token_ids)
+    assert done.choices[0].message.content == offline.outputs[0].text
+    assert llava_next_server.metric("kiln_images_encoded_total") == 1
