@@ -132,6 +132,8 @@ def export_encoder(source: VisionSource) -> ir.Model:
     size = source.tower.image_size
     example = torch.zeros((2, source.tower.num_channels, size, size), dtype=torch.float32)
     logging.getLogger("torch.onnx").setLevel(logging.ERROR)
+    # LLaVA-NeXT's image_newline output is an initializer, which the exporter's deduplication warns it skips
+    logging.getLogger("onnx_ir.passes.common.initializer_deduplication").setLevel(logging.ERROR)
     with warnings.catch_warnings(), torch.no_grad(), redirect_stdout(StringIO()):
         warnings.simplefilter("ignore")
         program = torch.onnx.export(

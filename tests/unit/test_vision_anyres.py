@@ -82,3 +82,44 @@ def test_grid_and_unpadding_equal_transformers(pinpoints):
 def test_bad_processor_configs_are_named(change, problem):
     with pytest.raises(ValueError, match=problem):
         LlavaNextImageConfig.from_hf({**PROCESSOR, **change})
+
+
+# llava-hf/llava-v1.6-mistral-7b-hf's config.json and preprocessor_config.json (sparse: transformers' defaults
+# fill the rest)
+REAL_CONFIG = {
+    "architectures": ["LlavaNextForConditionalGeneration"], "image_grid_pinpoints": REAL_PINPOINTS,
+    "image_token_index": 32000, "model_type": "llava_next", "projector_hidden_act": "gelu",
+    "text_config": {"architectures": ["MistralForCausalLM"], "intermediate_size": 14336,
+                    "max_position_embeddings": 32768, "model_type": "mistral", "num_key_value_heads": 8,
+                    "rms_norm_eps": 1e-05, "rope_theta": 1000000.0, "sliding_window": None, "vocab_size": 32064},
+    "use_image_newline_parameter": True,
+    "vision_config": {"hidden_size": 1024, "image_size": 336, "intermediate_size": 4096,
+                      "model_type": "clip_vision_model", "num_attention_heads": 16, "num_hidden_layers": 24,
+                      "patch_size": 14, "projection_dim": 768, "vocab_size": 32000},
+    "vision_feature_layer": -2, "vision_feature_select_strategy": "default", "vocab_size": 32064,
+}
+REAL_PROCESSOR = {**PROCESSOR, "size": {"shortest_edge": 336}, "crop_size": {"height": 336, "width": 336},
+                  "image_grid_pinpoints": REAL_PINPOINTS}
+
+
+def test_the_real_sparse_config_reads_as_transformers_reads_it():
+    """The text body as MistralForCausalLM with MistralConfig's defaults where the nested config is silent (32
+    layers, 32 heads, hidden 4096), the tower as CLIPVisionConfig's (quick_gelu) up to layer -2: 576 rows a tile."""
+    from transformers import LlavaNextConfig
+
+    from kiln.export.vision import llava_config, llava_next_config
+    from kiln.spec import ModelSpec
+
+    theirs = LlavaNextConfig(**{k: v for k, v in REAL_CONFIG.items() if k not in ("architectures", "model_type")})
+    spec = ModelSpec.from_hf_config(llava_config.llava_text_config(REAL_CONFIG))
+    text = theirs.text_config
+    assert spec.family == "mistral" and spec.sliding_window == 0
+    assert (spec.num_layers, spec.hidden_size, spec.num_heads, spec.num_kv_heads, spec.intermediate_size,
+            spec.vocab_size, spec.rope_theta, spec.tie_word_embeddings) == (
+        text.num_hidden_layers, text.hidden_size, text.num_attention_heads, text.num_key_value_heads,
+        text.intermediate_size, text.vocab_size, 1000000.0, theirs.tie_word_embeddings)
+    tower = llava_config.clip_tower_spec(REAL_CONFIG)
+    assert (tower.tokens_per_image, tower.num_layers, tower.hidden_act) == (576, 23, theirs.vision_config.hidden_act)
+    llava_next_config.check_any_resolution(REAL_CONFIG, REAL_PROCESSOR, tower)
+    config = LlavaNextImageConfig.from_hf(REAL_PROCESSOR)
+    assert llava_next.num_tokens(672, 672, config, 576) == 576 + 48 * 49
