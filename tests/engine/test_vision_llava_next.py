@@ -17,6 +17,7 @@ from vision_fixtures import sample_images
 from kiln.manifest import read_manifest
 from kiln.runtime import LLM, RuntimeConfig, SamplingParams
 from kiln.runtime.vision import llava_next
+from kiln.runtime.vision.encoder import ImageEncoder
 from kiln.runtime.vision.prompt import expand_image_tokens, image_hash, image_rows
 
 torch = pytest.importorskip("torch")
@@ -190,3 +191,22 @@ def test_a_checkpoint_kiln_cannot_pack_is_refused_by_name(tiny_llava_next_dir, t
     (tmp_path / "model.safetensors").symlink_to(tiny_llava_next_dir / "model.safetensors")
     with pytest.raises(ValueError, match=problem):
         load_vision_of(tmp_path)
+
+
+def test_an_encoder_graph_without_the_newline_is_refused_at_load(tiny_llava_next_engine, tmp_path):
+    import shutil
+
+    import onnx
+    from onnx import TensorProto, helper
+
+    from kiln.manifest import EngineLoadError
+
+    spec = read_manifest(tiny_llava_next_engine).vision
+    shutil.copy(tiny_llava_next_engine / spec.preprocessor, tmp_path / spec.preprocessor)
+    graph = helper.make_graph(
+        [helper.make_node("Identity", ["pixel_values"], ["image_embeds"])], "no-newline",
+        [helper.make_tensor_value_info("pixel_values", TensorProto.FLOAT, ["n", 3, 28, 28])],
+        [helper.make_tensor_value_info("image_embeds", TensorProto.FLOAT, ["n", 3, 28, 28])])
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), tmp_path / spec.encoder)
+    with pytest.raises(EngineLoadError, match="vision.onnx has no usable image_newline output"):
+        ImageEncoder(tmp_path, spec)
