@@ -119,7 +119,8 @@ class LLM:
             conversations = [messages]
         else:
             conversations = list(cast(list[list[ChatMessage]], messages))
-        split = [split_images(c, self.engine.image_placeholder) for c in conversations]
+        media_dir = self.engine.config.media_dir()
+        split = [split_images(c, self.engine.image_placeholder, media_dir) for c in conversations]
         images = [found for _, found in split]
         choice, name = _tool_choice(tools, tool_choice)
         if choice is None:

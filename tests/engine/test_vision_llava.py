@@ -196,7 +196,8 @@ def test_bad_image_requests_name_the_problem(llava_engine):
     bad_parts = {
         "not a readable image": "data:image/png;base64," + "aGVsbG8=",
         "corrupt base64": "data:image/png;base64,@@@",
-        "data:image/...;base64 URLs only": "https://example.com/cat.png",
+        "it fetches nothing": "https://example.com/cat.png",
+        "reading local files is off": "file:///etc/hostname",
     }
     for problem, url in bad_parts.items():
         messages = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}}]}]
