@@ -1,9 +1,10 @@
 """Image content parts of chat messages, taken out before the chat template renders the conversation.
 
 Each ``image_url`` part is decoded (runtime/vision/images.py: data URLs, and file URLs inside the directory
-``--allowed-media-path`` allows; size and count limits, every refusal a 400 naming the part) and replaced by a text part holding the engine's image placeholder in its family's layout
-(LLaVA's: the image token and a newline; SmolVLM's: the token alone); the engine expands each placeholder to the
-image's tokens. A text-only engine refuses image parts.
+``--allowed-media-path`` allows; size and count limits, every refusal a 400 naming the part) and replaced by a
+text part holding the engine's image placeholder in its family's layout (LLaVA's: the image token and a newline;
+SmolVLM's: the token alone); the engine expands each placeholder to the image's tokens.
+A text-only engine refuses image parts.
 """
 
 from __future__ import annotations
