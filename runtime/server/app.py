@@ -328,8 +328,10 @@ async def _render_chat(request: Request, messages: Sequence[Any], add_generation
 
 
 def _model_card(state: Any) -> dict[str, Any]:
+    # input_modalities: what a request may carry (OpenRouter's name); the chat page shows its image button by it
+    images = getattr(state.llm, "image_placeholder", None) is not None
     return {"id": state.model_names[0], "object": "model", "created": 0, "owned_by": "kiln",
-            "max_model_len": state.llm.max_seq_len}
+            "max_model_len": state.llm.max_seq_len, "input_modalities": ["text", "image"] if images else ["text"]}
 
 
 def _add_info_routes(app: FastAPI) -> None:

@@ -6,8 +6,11 @@ from __future__ import annotations
 
 import base64
 import io
+import json
 
+import httpx
 import pytest
+from chat_page_js import NODE, run_chat_js
 from vision_fixtures import sample_images
 
 openai = pytest.importorskip("openai")
@@ -102,6 +105,32 @@ def test_file_urls_outside_the_allowed_directory_get_a_400(server, media_dir, wh
         server.client().chat.completions.create(model="llava", max_tokens=2,
                                                 messages=image_message(f"file://{media_dir}/{where}"))
     assert err.value.body["param"] == "messages.0.content.0.image_url.url"
+
+
+@pytest.mark.skipif(NODE is None, reason="no node to run the chat page's script")
+def test_the_chat_pages_image_request_is_answered_as_the_clients(server):
+    """The model card says the engine reads images (the page's image button shows); the body chat.js builds for a
+    turn with an attached image streams the answer the openai client gets for the same message."""
+    card = httpx.get(server.url + "/v1/models", headers=server.headers).json()["data"][0]
+    assert card["input_modalities"] == ["text", "image"]
+    url = data_url(sample_images()["rgba"])
+    body = run_chat_js("""
+        model = INPUT.card.id;
+        for (const [id, value] of [["temperature", "0"], ["max-tokens", "5"]]) $(id).value = value;
+        history.push(userMessage("what is this?", [INPUT.url]));
+        return requestBody();
+    """, {"card": card, "url": url})
+    text = ""
+    with httpx.stream("POST", server.url + "/v1/chat/completions", json=body, headers=server.headers,
+                      timeout=60) as resp:
+        assert resp.status_code == 200, resp.read()
+        for line in resp.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                chunk = json.loads(line[6:])
+                text += "".join(c["delta"].get("content") or "" for c in chunk["choices"])
+    expected = server.client().chat.completions.create(model="llava", messages=image_message(url), max_tokens=5,
+                                                       temperature=0)
+    assert text == expected.choices[0].message.content and text
 
 
 def test_too_many_images_and_unpaired_placeholders_are_refused(server):
