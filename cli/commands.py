@@ -85,9 +85,12 @@ def main() -> None:
               help="write one graph per contiguous layer range (the first with the embedding, the last with the "
                    "final norm and LM head), each with its own layers' KV pools, to serve as a pipeline "
                    "(kiln serve --pipeline-parallel N)")
+@click.option("--mmproj", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
+              help="llama.cpp's image encoder file (mmproj-*.gguf) of a LLaVA-1.5 text GGUF: build a "
+                   "vision-language engine (the encoder stays float32)")
 def build(model: str, output: Path, kv_dtype: str, block_size: int, max_seq_len: int | None,
           quantization: str | None, calibration: Path | None, lm_head: str, medusa: Path | None, backend: str,
-          pipeline_stages: int) -> None:
+          pipeline_stages: int, mmproj: Path | None) -> None:
     """Compile MODEL (an HF checkpoint dir, a .gguf file, or `default` for SmolLM2) into an engine dir."""
     from kiln.manifest import BuildOptions
     from kiln.optimize.build import build_engine
@@ -99,7 +102,7 @@ def build(model: str, output: Path, kv_dtype: str, block_size: int, max_seq_len:
     options = BuildOptions(quantization=QuantScheme.parse(quantization), kv_dtype=kv_dtype, block_size=block_size,
                            max_seq_len=max_seq_len, calibration=calibration, lm_head=LmHead.parse(lm_head),
                            medusa=medusa, pipeline_stages=pipeline_stages)
-    build_engine(model, output, options, backend=backend)
+    build_engine(model, output, options, backend=backend, mmproj=mmproj)
 
 
 _speculative_options = [
