@@ -31,7 +31,6 @@ import re
 from pathlib import Path
 from typing import Any
 
-from kiln.runtime.vision.preprocess import ClipImageConfig
 from kiln.vision import VisionSpec
 
 from ..checkpoint_types import Checkpoint, LazyWeights, TensorSource
@@ -69,8 +68,10 @@ def load_mmproj(path: str | Path, text: Checkpoint) -> VisionSource:
     weights = _hf_names(sources, tower, path)
     mean, std = _floats(md, "clip.vision.image_mean", path), _floats(md, "clip.vision.image_std", path)
     size = tower.image_size
-    processor = ClipImageConfig(shortest_edge=size, crop_height=size, crop_width=size, resample=3,
-                                rescale_factor=1 / 255, image_mean=mean, image_std=std).to_dict()
+    processor = {"image_processor_type": "CLIPImageProcessor", "size": {"shortest_edge": size},
+                 "crop_size": {"height": size, "width": size}, "resample": 3, "rescale_factor": 1 / 255,
+                 "image_mean": list(mean), "image_std": list(std), "do_convert_rgb": True, "do_resize": True,
+                 "do_center_crop": True, "do_rescale": True, "do_normalize": True}
     spec = VisionSpec(family="llava", image_token_id=_image_token_id(text, path),
                       tokens_per_image=tower.tokens_per_image, embedding_size=tower.text_hidden_size, image_size=size)
     return VisionSource(tower=tower, weights=weights, processor=processor, spec=spec)
