@@ -106,8 +106,8 @@ class LLM:
     ) -> list[RequestOutput]:
         """Apply the engine's chat template to one conversation or a list of them, then generate. A message's
         content may be a list of OpenAI content parts: text, and on a vision-language engine images
-        (``{"type": "image_url", "image_url": {"url": "data:image/png;base64,..."}}`` or ``{"type": "image",
-        "image": <PIL image>}``).
+        (``{"type": "image_url", "image_url": {"url": "data:image/png;base64,..."}}``, a ``file://`` URL inside
+        RuntimeConfig.allowed_media_path, or ``{"type": "image", "image": <PIL image>}``).
 
         tools: OpenAI's function tools ({"type": "function", "function": {"name", "parameters", ...}}), offered to
         every conversation (runtime/tool_calls.py): a template that takes tools gets them, any other the Hermes
