@@ -53,7 +53,7 @@ def read_media_file(url: str, allowed: Path | None, param: str, max_bytes: int) 
     if not shown.startswith("/") or "\0" in shown:
         raise InvalidParamError(f"{param}: {url!r} is not a file URL of an absolute path", param)
     resolved = Path(shown).resolve()  # symlinks followed and '..' collapsed, as opening the path would
-    if not resolved.is_relative_to(allowed):
+    if not resolved.is_relative_to(allowed.resolve()):
         raise InvalidParamError(f"{param}: {shown} is outside the allowed media directory "
                                 f"({ALLOWED_MEDIA_FLAG})", param)
     try:
