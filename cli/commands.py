@@ -85,9 +85,12 @@ def main() -> None:
               help="write one graph per contiguous layer range (the first with the embedding, the last with the "
                    "final norm and LM head), each with its own layers' KV pools, to serve as a pipeline "
                    "(kiln serve --pipeline-parallel N)")
+@click.option("--mmproj", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
+              help="llama.cpp's image encoder file (mmproj-*.gguf) of a LLaVA-1.5 text GGUF: build a "
+                   "vision-language engine (the encoder stays float32)")
 def build(model: str, output: Path, kv_dtype: str, block_size: int, max_seq_len: int | None,
           quantization: str | None, calibration: Path | None, lm_head: str, medusa: Path | None, backend: str,
-          pipeline_stages: int) -> None:
+          pipeline_stages: int, mmproj: Path | None) -> None:
     """Compile MODEL (an HF checkpoint dir, a .gguf file, or `default` for SmolLM2) into an engine dir."""
     from kiln.manifest import BuildOptions
     from kiln.optimize.build import build_engine
@@ -99,7 +102,7 @@ def build(model: str, output: Path, kv_dtype: str, block_size: int, max_seq_len:
     options = BuildOptions(quantization=QuantScheme.parse(quantization), kv_dtype=kv_dtype, block_size=block_size,
                            max_seq_len=max_seq_len, calibration=calibration, lm_head=LmHead.parse(lm_head),
                            medusa=medusa, pipeline_stages=pipeline_stages)
-    build_engine(model, output, options, backend=backend)
+    build_engine(model, output, options, backend=backend, mmproj=mmproj)
 
 
 _speculative_options = [
@@ -169,6 +172,10 @@ def _speculative(method: str | None, num_tokens: int, draft: str | None,
 @click.option("--shutdown-timeout", type=click.FloatRange(min=0), default=30.0, show_default=True,
               help="seconds running requests get after SIGTERM; streams still running then end with an error event")
 @click.option("--no-web-ui", "no_web_ui", is_flag=True, help="leave out the chat page at /")
+@click.option("--allowed-media-path", type=click.Path(exists=True, file_okay=False, path_type=Path), default=None,
+              help="let image_url parts name files inside this directory by file:// URL (after symlinks and '..'; "
+                   "anything outside is refused); without it only data: URLs are taken. http(s) URLs are never "
+                   "fetched")
 @click.option("--max-request-bytes", type=click.IntRange(min=1), default=None,
               help="request bodies above this are answered 413 before any parsing (default: 1 KiB per token of "
               "--max-model-len, at least 1 MiB)")
@@ -210,8 +217,9 @@ def _speculative(method: str | None, num_tokens: int, draft: str | None,
 def serve(engine_dir: Path, host: str, port: int, api_key: str | None, served_model_name: str | None,
           chat_template: Path | None, max_model_len: int | None, max_queue: int | None, max_num_seqs: int,
           max_num_tokens: int | None, kv_cache_bytes: int | None, num_threads: int | None, disable_prefix_caching: bool,
-          shutdown_timeout: float, no_web_ui: bool, max_request_bytes: int | None, read_timeout: float,
-          max_connections: int, ssl_keyfile: str | None, ssl_certfile: str | None, allowed_origins: tuple[str, ...],
+          shutdown_timeout: float, no_web_ui: bool, allowed_media_path: Path | None, max_request_bytes: int | None,
+          read_timeout: float, max_connections: int, ssl_keyfile: str | None, ssl_certfile: str | None,
+          allowed_origins: tuple[str, ...],
           reasoning_parser: str, speculative: str | None, num_speculative_tokens: int,
           draft: str | None, min_guess_probability: float | None, replicas: int | None,
           prefill_replicas: int | None, decode_replicas: int | None,
@@ -228,7 +236,8 @@ def serve(engine_dir: Path, host: str, port: int, api_key: str | None, served_mo
                            enable_prefix_caching=not disable_prefix_caching,
                            chat_template=chat_template.read_text() if chat_template else None,
                            speculative=_speculative(speculative, num_speculative_tokens, draft, min_guess_probability),
-                           pipeline_parallel=pipeline_parallel, stage_memory_bytes=stage_memory_bytes)
+                           pipeline_parallel=pipeline_parallel, stage_memory_bytes=stage_memory_bytes,
+                           allowed_media_path=None if allowed_media_path is None else str(allowed_media_path))
     options = ServeOptions(host=host, port=port, served_model_name=served_model_name, max_queue=max_queue,
                            shutdown_timeout=shutdown_timeout, log_level=log_level, api_key=api_key or None,
                            web_ui=not no_web_ui, max_request_bytes=max_request_bytes, read_timeout=read_timeout,
@@ -239,6 +248,9 @@ def serve(engine_dir: Path, host: str, port: int, api_key: str | None, served_mo
     if cluster is not None and pipeline_parallel > 1:
         raise InvalidParamError("--pipeline-parallel serves one engine; it does not combine with replicas",
                                 "pipeline_parallel")
+    if cluster is not None and allowed_media_path is not None:  # the replicas' front end takes no images
+        raise InvalidParamError("--allowed-media-path is for one engine's images; replicas serve text only",
+                                "allowed_media_path")
     if cluster is None:
         run_server(engine_dir, config, options)
     else:

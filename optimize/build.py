@@ -69,9 +69,10 @@ DEFAULT_BUILD_OPTIONS = BuildOptions()  # frozen: one shared default is safe
 
 def build_engine(
     model_path: str | Path, out_dir: str | Path, options: BuildOptions = DEFAULT_BUILD_OPTIONS,
-    progress: Progress | None = None, backend: str = BACKEND_ORT_CPU,
+    progress: Progress | None = None, backend: str = BACKEND_ORT_CPU, mmproj: str | Path | None = None,
 ) -> Manifest:
-    """Build the engine directory out_dir from an HF dir, a .gguf file or "default", for `backend`.
+    """Build the engine directory out_dir from an HF dir, a .gguf file or "default", for `backend`; with
+    ``mmproj`` (llama.cpp's image encoder file of a LLaVA-1.5 GGUF) a vision-language engine.
 
     Everything is checked before the export starts; the engine is written into a hidden directory
     beside out_dir and moved into place only once complete and verified, so a failed or interrupted
@@ -87,7 +88,7 @@ def build_engine(
     with _stage(say, "load checkpoint"):
         checkpoint = _load_checkpoint(model_path)
         options = _check_model(checkpoint, options)
-        vision = _load_vision(model_path, backend)
+        vision = _load_vision(model_path, backend, checkpoint, mmproj)
         if vision is not None and options.pipeline_stages > 1:  # the stage runners bind no image inputs
             raise BuildError("--pipeline-stages is not supported for vision-language models yet")
         try:
@@ -275,12 +276,19 @@ def _load_checkpoint(model_path: str | Path):
         raise BuildError(str(exc)) from exc
 
 
-def _load_vision(model_path: str | Path, backend: str):
-    """A vision-language checkpoint's image side (export/vision/), or None for a text-only model."""
+def _load_vision(model_path: str | Path, backend: str, checkpoint, mmproj: str | Path | None):
+    """A vision-language checkpoint's image side (export/vision/; from the mmproj file when given), or None for a
+    text-only model."""
     from kiln.export.vision.export_encoder import load_vision_of
 
     try:
         vision = load_vision_of(model_path)
+        if mmproj is not None:
+            if vision is not None:
+                raise BuildError(f"{model_path} has its own image encoder; --mmproj goes with a text model")
+            from kiln.export.vision.mmproj import load_mmproj
+
+            vision = load_mmproj(mmproj, checkpoint)
     except (FileNotFoundError, ValueError) as exc:
         raise BuildError(str(exc)) from exc
     if vision is not None and backend != BACKEND_ORT_CPU:

@@ -195,6 +195,11 @@ class AsyncLLM:
         """The text a chat message's image part becomes (a vision-language engine's; None for a text engine)."""
         return self.engine.image_placeholder
 
+    @property
+    def allowed_media_dir(self) -> Path | None:
+        """Where file:// image URLs may point (RuntimeConfig.allowed_media_path, resolved), or None."""
+        return self.engine.config.media_dir()
+
     def add_prepared(self, request: EngineRequest, kv: KvHandoff | None = None) -> RequestStream:
         """add_request's second half, on the event loop: queue a prepared request (num_waiting counts it)."""
         return self._queue(request, kv, export_kv=False)

@@ -106,8 +106,8 @@ class LLM:
     ) -> list[RequestOutput]:
         """Apply the engine's chat template to one conversation or a list of them, then generate. A message's
         content may be a list of OpenAI content parts: text, and on a vision-language engine images
-        (``{"type": "image_url", "image_url": {"url": "data:image/png;base64,..."}}`` or ``{"type": "image",
-        "image": <PIL image>}``).
+        (``{"type": "image_url", "image_url": {"url": "data:image/png;base64,..."}}``, a ``file://`` URL inside
+        RuntimeConfig.allowed_media_path, or ``{"type": "image", "image": <PIL image>}``).
 
         tools: OpenAI's function tools ({"type": "function", "function": {"name", "parameters", ...}}), offered to
         every conversation (runtime/tool_calls.py): a template that takes tools gets them, any other the Hermes
@@ -119,7 +119,8 @@ class LLM:
             conversations = [messages]
         else:
             conversations = list(cast(list[list[ChatMessage]], messages))
-        split = [split_images(c, self.engine.image_placeholder) for c in conversations]
+        media_dir = self.engine.config.media_dir()
+        split = [split_images(c, self.engine.image_placeholder, media_dir) for c in conversations]
         images = [found for _, found in split]
         choice, name = _tool_choice(tools, tool_choice)
         if choice is None:

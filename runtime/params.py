@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from pathlib import Path
 
+from kiln.errors import InvalidParamError
 from kiln.errors import require as _require
 from kiln.runtime.structured.spec import StructuredOutput
+from kiln.runtime.vision.local_media import allowed_media_dir
 
 # Temperatures below this sample greedily: the distribution they ask for is the argmax's to within float rounding,
 # and 1 / temperature overflows float32 from ~3e-39 (vLLM's _SAMPLING_EPS is the same 1e-5).
@@ -151,6 +154,8 @@ class RuntimeConfig:
     # with pipeline_parallel > 1: the memory each stage actor may take beyond its Ray worker's own, a cap the
     # kernel enforces (pipeline/memory.py); a stage whose graph does not fit fails to load
     stage_memory_bytes: int | None = None
+    # a directory whose files image_url parts may name by file:// URL (kiln serve --allowed-media-path); None: none
+    allowed_media_path: str | None = None
 
     def __post_init__(self) -> None:
         _require(self.pipeline_parallel >= 1, "pipeline_parallel", ">= 1", self.pipeline_parallel)
@@ -172,3 +177,13 @@ class RuntimeConfig:
         _require(self.max_model_len is None or self.max_model_len >= 1, "max_model_len", ">= 1", self.max_model_len)
         _require(self.speculative is None or isinstance(self.speculative, SpeculativeConfig), "speculative",
                  "a SpeculativeConfig or None", self.speculative)
+        self.media_dir()  # checks allowed_media_path
+
+    def media_dir(self) -> Path | None:
+        """allowed_media_path resolved (symlinks followed), or None; InvalidParamError when it is no directory."""
+        if self.allowed_media_path is None:
+            return None
+        try:
+            return allowed_media_dir(self.allowed_media_path)
+        except ValueError as exc:
+            raise InvalidParamError(str(exc), "allowed_media_path") from None

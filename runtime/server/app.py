@@ -37,7 +37,7 @@ from kiln.runtime.server.auth import ApiKeyAuth
 from kiln.runtime.server.bodies import body_schemas, openapi_body, parse_body
 from kiln.runtime.server.errors import APIError
 from kiln.runtime.server.formatting import ResponseFormatter
-from kiln.runtime.server.images import take_images
+from kiln.runtime.server.images import names_files, take_images
 from kiln.runtime.server.limits import BodyLimit, RequestLimits, default_max_request_bytes
 from kiln.runtime.server.metrics import CONTENT_TYPE, ServerMetrics
 from kiln.runtime.server.offload import INLINE_TEMPLATE_BYTES, INLINE_TOKEN_IDS, INLINE_TOKENIZE_CHARS, Offload
@@ -291,7 +291,8 @@ def _tool_mode(chat: ChatCompletionRequest) -> ToolMode | None:
 def _render_with_images(llm: Any, messages: Sequence[Any], add_generation_prompt: bool,
                         tools: ToolMode | None = None) -> tuple[str, list[Any]]:
     """_render, and the conversation's images (decoded; each an image placeholder in the text)."""
-    messages, images = take_images(messages, getattr(llm, "image_placeholder", None))
+    messages, images = take_images(messages, getattr(llm, "image_placeholder", None),
+                                   getattr(llm, "allowed_media_dir", None))
     return _render(llm, messages, add_generation_prompt, tools), images
 
 
@@ -314,10 +315,11 @@ def _render(llm: Any, messages: Sequence[Any], add_generation_prompt: bool, tool
 async def _render_chat(request: Request, messages: Sequence[Any], add_generation_prompt: bool = True,
                        tools: ToolMode | None = None) -> tuple[str, list[Any]]:
     """The conversation rendered: on the event loop when the request's body (read and kept by then: its size
-    bounds the conversation's) is small, else on the worker pool."""
+    bounds the conversation's) is small and names no image file, else on the worker pool."""
     state = request.app.state
+    size = len(await request.body()) + (INLINE_TEMPLATE_BYTES if names_files(messages) else 0)
     try:
-        text, images = await state.offload.run_sized(len(await request.body()), INLINE_TEMPLATE_BYTES,
+        text, images = await state.offload.run_sized(size, INLINE_TEMPLATE_BYTES,
                                                      _render_with_images, state.llm, messages,
                                                      add_generation_prompt, tools)
         return str(text), images
@@ -326,8 +328,10 @@ async def _render_chat(request: Request, messages: Sequence[Any], add_generation
 
 
 def _model_card(state: Any) -> dict[str, Any]:
+    # input_modalities: what a request may carry (OpenRouter's name); the chat page shows its image button by it
+    images = getattr(state.llm, "image_placeholder", None) is not None
     return {"id": state.model_names[0], "object": "model", "created": 0, "owned_by": "kiln",
-            "max_model_len": state.llm.max_seq_len}
+            "max_model_len": state.llm.max_seq_len, "input_modalities": ["text", "image"] if images else ["text"]}
 
 
 def _add_info_routes(app: FastAPI) -> None:

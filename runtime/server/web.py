@@ -18,7 +18,7 @@ CONTENT_SECURITY_POLICY = "; ".join((
     "default-src 'none'",
     "script-src 'self'",
     "style-src 'self'",
-    "img-src 'self'",
+    "img-src 'self' blob:",  # blob: the thumbnails of images the user attaches, made by the page from their files
     "connect-src 'self'",
     "base-uri 'none'",
     "form-action 'none'",

@@ -4,6 +4,7 @@ renders the conversation from plain string contents."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kiln.errors import InvalidParamError
@@ -13,9 +14,10 @@ if TYPE_CHECKING:
     from PIL.Image import Image
 
 
-def split_images(messages: list[Any], placeholder: str | None) -> tuple[list[Any], list[Image]]:
+def split_images(messages: list[Any], placeholder: str | None,
+                 media_dir: Path | None = None) -> tuple[list[Any], list[Image]]:
     """(messages with string contents, the images in order of appearance). placeholder None: a text engine,
-    which refuses image parts."""
+    which refuses image parts. media_dir: where file:// image URLs may point (None: nowhere)."""
     check_image_count(sum(1 for message in messages for part in _parts(message)
                           if isinstance(part, dict) and part.get("type") in ("image_url", "image")), "messages")
     out, images = [], []
@@ -37,7 +39,7 @@ def split_images(messages: list[Any], placeholder: str | None) -> tuple[list[Any
             if placeholder is None:
                 raise InvalidParamError(f"{param}: this engine takes no images (it is not a vision-language engine)",
                                         param)
-            images.append(_part_image(part, param))
+            images.append(_part_image(part, param, media_dir))
             text.append(placeholder)
         out.append({**message, "content": "".join(text)})
     return out, images
@@ -48,10 +50,11 @@ def _parts(message: Any) -> list[Any]:
     return content if isinstance(content, list) else []
 
 
-def _part_image(part: dict[str, Any], param: str) -> Image:
+def _part_image(part: dict[str, Any], param: str, media_dir: Path | None) -> Image:
     if part["type"] == "image_url":
         url = part.get("image_url")
-        return decode_image_url(url.get("url") if isinstance(url, dict) else url, f"{param}.image_url.url")
+        return decode_image_url(url.get("url") if isinstance(url, dict) else url, f"{param}.image_url.url",
+                                media_dir)
     from PIL.Image import Image as PILImage
 
     image = part.get("image")

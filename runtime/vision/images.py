@@ -1,8 +1,8 @@
 """Images as requests carry them, decoded with limits: every refusal an InvalidParamError naming the problem.
 
 An image arrives as a ``data:image/...;base64,`` URL (OpenAI's image_url content part), raw bytes, or an already
-decoded Pillow image (the Python API). Plain http(s) URLs and local paths are refused: the server fetches
-nothing and reads no file on a client's behalf.
+decoded Pillow image (the Python API); a ``file://`` URL when the operator allows a directory
+(runtime/vision/local_media.py). http(s) URLs and plain paths are refused: the server fetches nothing.
 """
 
 from __future__ import annotations
@@ -11,9 +11,11 @@ import base64
 import binascii
 import io
 import warnings
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from kiln.errors import InvalidParamError
+from kiln.runtime.vision.local_media import ALLOWED_MEDIA_FLAG, is_file_url, read_media_file
 
 if TYPE_CHECKING:
     from PIL.Image import Image
@@ -23,14 +25,22 @@ MAX_IMAGE_PIXELS = 40_000_000  # a decoded one (8K x 5K); Pillow's own bomb chec
 MAX_IMAGES_PER_REQUEST = 8
 
 
-def decode_image_url(url: object, param: str) -> Image:
-    """A data URL's image; InvalidParamError for any other URL, bad base64, or bytes that are no image."""
+def decode_image_url(url: object, param: str, media_dir: Path | None = None) -> Image:
+    """A data URL's image, or a file URL's inside ``media_dir`` (None: file URLs refused); InvalidParamError
+    for any other URL, bad base64, or bytes that are no image."""
     if not isinstance(url, str):
         raise InvalidParamError(f"{param} must be a string URL, got {type(url).__name__}", param)
+    if is_file_url(url):
+        return decode_image_bytes(read_media_file(url, media_dir, param, MAX_IMAGE_BYTES), param)
     if not url.startswith("data:"):
-        scheme = url.split(":", 1)[0] if ":" in url[:12] else "a local path"
-        raise InvalidParamError(f"{param}: kiln takes images inline as data:image/...;base64 URLs only, not "
-                                f"{scheme!r} URLs (it fetches nothing and reads no file for a request)", param)
+        if ":" not in url[:12]:
+            files = (f"; a file inside the {ALLOWED_MEDIA_FLAG} directory as file://{url}" if url.startswith("/")
+                     and media_dir is not None else "")
+            raise InvalidParamError(f"{param}: kiln takes images as data:image/...;base64 URLs{files}, not as a "
+                                    "local path", param)
+        raise InvalidParamError(f"{param}: kiln takes images as data:image/...;base64 URLs (or file:// URLs with "
+                                f"{ALLOWED_MEDIA_FLAG}), not {url.split(':', 1)[0]!r} URLs (it fetches nothing)",
+                                param)
     header, _, payload = url.partition(",")
     if not header.endswith(";base64") or not header[5:].startswith("image/"):
         raise InvalidParamError(f"{param}: a data URL must be data:image/<type>;base64,<data>, got {header!r}", param)

@@ -196,12 +196,31 @@ def test_bad_image_requests_name_the_problem(llava_engine):
     bad_parts = {
         "not a readable image": "data:image/png;base64," + "aGVsbG8=",
         "corrupt base64": "data:image/png;base64,@@@",
-        "data:image/...;base64 URLs only": "https://example.com/cat.png",
+        "it fetches nothing": "https://example.com/cat.png",
+        "reading local files is off": "file:///etc/hostname",
     }
     for problem, url in bad_parts.items():
         messages = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}}]}]
         with pytest.raises(InvalidParamError, match=problem):
             llm.chat(messages)
+
+
+def test_chat_reads_a_file_url_inside_the_allowed_media_path(llava_engine, tmp_path):
+    image = sample_images()["palette"]
+    image.save(tmp_path / "pic.png")
+    llm = LLM(llava_engine, RuntimeConfig(kv_cache_bytes=4 << 20, allowed_media_path=str(tmp_path)))
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+
+    def answer(part: dict) -> list[int]:
+        messages = [{"role": "user", "content": [part, {"type": "text", "text": "the"}]}]
+        return list(llm.chat(messages, params)[0].outputs[0].token_ids)
+
+    from_file = answer({"type": "image_url", "image_url": {"url": (tmp_path / "pic.png").as_uri()}})
+    assert from_file == answer({"type": "image", "image": image})
+    from kiln.errors import InvalidParamError
+
+    with pytest.raises(InvalidParamError, match="outside the allowed media directory"):
+        answer({"type": "image_url", "image_url": {"url": f"file://{tmp_path}/../pic.png"}})
 
 
 def test_kiln_generate_takes_an_image_file(llava_engine, tmp_path):

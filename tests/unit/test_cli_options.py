@@ -60,6 +60,8 @@ def test_serve_options_name_the_bad_field():
     (["--routing", "round-robin"], "--routing needs --replicas"),
     (["--ray-address", "auto"], "--ray-address needs --replicas"),
     (["--replicas", "2", "--routing", "random"], "'--routing': 'random' is not one of"),
+    (["--replicas", "2", "--allowed-media-path", "."], "--allowed-media-path is for one engine's images"),
+    (["--allowed-media-path", "/nonexistent-media"], "'/nonexistent-media' does not exist"),
 ])
 def test_replica_options_that_cannot_work_are_one_line(tmp_path, args, message):
     """Checked before Ray (or an engine) starts."""

@@ -89,9 +89,9 @@ def test_images_come_out_of_chat_content_parts():
 
 
 @pytest.mark.parametrize(("url", "problem"), [
-    ("https://example.com/cat.png", "'https' URLs"),
-    ("/etc/passwd", "a local path"),
-    ("file:///etc/passwd", "'file' URLs"),
+    ("https://example.com/cat.png", "not 'https' URLs"),
+    ("/etc/passwd", "not as a local path"),
+    ("file:///etc/passwd", "reading local files is off.*--allowed-media-path"),
     ("data:text/plain;base64,aGVsbG8=", "data:image/<type>;base64"),
     ("data:image/png;base64,@@@", "corrupt base64"),
     ("data:image/png;base64,aGVsbG8=", "not a readable image"),
@@ -130,3 +130,68 @@ def test_the_server_takes_image_parts_out_of_messages():
     with pytest.raises(InvalidParamError, match="not a vision-language engine") as err:
         take_images([message], None)
     assert err.value.param == "messages.0.content.0"
+
+
+@pytest.fixture
+def media(tmp_path):
+    """An allowed directory holding a PNG, a sub-directory, and a symlink out of it; a PNG beside it, outside."""
+    from PIL import Image
+
+    allowed, outside = tmp_path / "media", tmp_path / "private"
+    (allowed / "sub").mkdir(parents=True)
+    outside.mkdir()
+    Image.new("RGB", (6, 3), (200, 10, 10)).save(allowed / "sub" / "cat one.png")
+    Image.new("RGB", (7, 2)).save(outside / "secret.png")
+    (allowed / "escape.png").symlink_to(outside / "secret.png")
+    (allowed / "inside-link.png").symlink_to(allowed / "sub" / "cat one.png")
+    return allowed.resolve(), outside.resolve()
+
+
+def test_file_urls_inside_the_allowed_directory_are_read(media):
+    allowed, _ = media
+    image = decode_image_url(f"file://{allowed}/sub/cat%20one.png", "x", allowed)
+    assert image.size == (6, 3) and image.getpixel((0, 0)) == (200, 10, 10)
+    assert decode_image_url(f"file://localhost{allowed}/inside-link.png", "x", allowed).size == (6, 3)
+    assert decode_image_url(f"file://{allowed}/sub/../sub/cat%20one.png", "x", allowed).size == (6, 3)
+
+
+@pytest.mark.parametrize(("tail", "problem"), [
+    ("/sub/../../private/secret.png", "outside the allowed media directory"),
+    ("/escape.png", "outside the allowed media directory"),  # a symlink in the directory pointing out of it
+    ("/../private/missing.png", "outside the allowed media directory"),  # not "no such file": nothing leaks
+    ("/sub/missing.png", "no such file"),
+    ("/sub", "not a regular file"),
+    ("/sub/cat%20one.png?x=1", "query or fragment"),
+])
+def test_file_urls_that_leave_the_directory_or_name_no_file_are_refused(media, tail, problem):
+    allowed, _ = media
+    with pytest.raises(InvalidParamError, match=problem) as err:
+        decode_image_url(f"file://{allowed}{tail}", "messages[0].content[0].image_url.url", allowed)
+    assert err.value.param == "messages[0].content[0].image_url.url"
+    assert "private/secret" not in str(err.value) or ".." in tail  # where a symlink leads is never told
+
+
+def test_local_files_need_the_allowed_directory(media, monkeypatch):
+    allowed, outside = media
+    with pytest.raises(InvalidParamError, match="reading local files is off"):
+        decode_image_url(f"file://{allowed}/sub/cat%20one.png", "x", None)
+    with pytest.raises(InvalidParamError, match=f"as file://{allowed}/sub/cat one.png"):  # a path: the URL to send
+        decode_image_url(f"{allowed}/sub/cat one.png", "x", allowed)
+    with pytest.raises(InvalidParamError, match="host 'example.com'"):
+        decode_image_url("file://example.com/sub/cat.png", "x", allowed)
+    monkeypatch.setattr(image_limits, "MAX_IMAGE_BYTES", 10)
+    with pytest.raises(InvalidParamError, match="larger than"):
+        decode_image_url(f"file://{allowed}/sub/cat%20one.png", "x", allowed)
+    messages = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": f"file://{outside}/x.png"}}]}]
+    with pytest.raises(InvalidParamError, match="outside the allowed"):
+        split_images(messages, "<image>", allowed)
+
+
+def test_the_allowed_media_path_must_be_a_directory(media):
+    from kiln.runtime.params import RuntimeConfig
+
+    allowed, _ = media
+    assert RuntimeConfig(allowed_media_path=str(allowed / "sub" / "..")).media_dir() == allowed
+    assert RuntimeConfig().media_dir() is None
+    with pytest.raises(InvalidParamError, match="allowed_media_path .* is not a directory"):
+        RuntimeConfig(allowed_media_path=str(allowed / "sub" / "cat one.png"))

@@ -12,6 +12,7 @@ import pytest
 import tomllib
 
 pytest.importorskip("fastapi")
+from chat_page_js import NODE, run_chat_js  # noqa: E402
 from fastapi.testclient import TestClient  # noqa: E402
 from server_fake import FakeAsyncLLM  # noqa: E402
 
@@ -58,7 +59,9 @@ def test_each_asset_is_served_with_its_type_and_the_csp(client, path):
     assert resp.headers["x-content-type-options"] == "nosniff"
     csp = dict(d.strip().split(" ", 1) for d in resp.headers["content-security-policy"].split(";"))
     assert csp["default-src"] == "'none'"
-    # nothing from another origin: every source list is 'self' or 'none' (no host, scheme, * or 'unsafe-inline')
+    # nothing from another origin: every source list is 'self' or 'none' (no host, scheme, * or 'unsafe-inline'),
+    # but images may also be blob: URLs, which only the page itself makes (from files the user attaches)
+    assert csp.pop("img-src") == "'self' blob:"
     assert all(v in ("'self'", "'none'") for v in csp.values()), csp
 
 
@@ -134,3 +137,56 @@ def test_the_assets_ship_as_package_data():
     patterns = pyproject["tool"]["setuptools"]["package-data"]["kiln.runtime.server"]
     for name, _ in ASSETS.values():
         assert any(fnmatch(f"static/{name}", p) for p in patterns), f"{name} is not in the wheel"
+
+
+class _Controls(HTMLParser):
+    """The page's elements by id: (tag, attributes)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.by_id: dict[str, tuple[str, dict[str, str | None]]] = {}
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        named = dict(attrs)
+        if named.get("id"):
+            self.by_id[str(named["id"])] = (tag, named)
+
+
+def test_the_image_button_is_hidden_until_the_model_reads_images(client):
+    """The attach button and its file picker (images only) start hidden; the page shows the button when the model
+    card lists the image modality, which a text engine's does not."""
+    controls = _Controls()
+    controls.feed(read_asset("index.html").decode())
+    tag, attach = controls.by_id["attach"]
+    assert tag == "button" and "hidden" in attach
+    tag, picker = controls.by_id["image-file"]
+    assert tag == "input" and picker["type"] == "file" and picker["accept"] == "image/*" and "hidden" in picker
+    assert "hidden" in controls.by_id["attached"][1]
+    script = read_asset("chat.js").decode()
+    assert '$("attach").hidden = !takesImages' in script
+    assert client.get("/v1/models").json()["data"][0]["input_modalities"] == ["text"]
+
+
+@pytest.mark.skipif(NODE is None, reason="no node to run the page's script")
+def test_the_page_builds_openai_image_parts_with_data_urls(client):
+    """chat.js itself (in Node): a turn with images is image_url parts with the data: URLs, then the text; a turn
+    without is a plain string; the request body carries the conversation as built."""
+    card = client.get("/v1/models").json()["data"][0]
+    url = "data:image/png;base64,iVBORw0KGgo="
+    out = run_chat_js("""
+        model = INPUT.card.id;
+        history.push(userMessage("what is this?", [INPUT.url, INPUT.url]));
+        history.push({role: "assistant", content: "a cat"});
+        history.push(userMessage("and now?", []));
+        const vision = {...INPUT.card, input_modalities: ["text", "image"]};
+        return {text: readsImages(INPUT.card), vision: readsImages(vision), body: requestBody(),
+                shown: messageText(history[0]), alone: userMessage("", [INPUT.url])};
+    """, {"card": card, "url": url})
+    assert out["text"] is False and out["vision"] is True
+    image = {"type": "image_url", "image_url": {"url": url}}
+    assert out["body"]["messages"] == [
+        {"role": "user", "content": [image, image, {"type": "text", "text": "what is this?"}]},
+        {"role": "assistant", "content": "a cat"}, {"role": "user", "content": "and now?"}]
+    assert out["body"]["model"] == "fake-model" and out["body"]["stream"] is True
+    assert out["shown"] == "what is this?"
+    assert out["alone"] == {"role": "user", "content": [image]}  # an image may be sent without text

@@ -7,6 +7,9 @@ const KEY_ITEM = "kiln.api-key";
 
 const history = [];      // the conversation as the server sees it: {role, content}, system prompt excluded
 let model = null;        // the served model's id, from /v1/models
+let takesImages = false; // the served model reads images (its card's input_modalities): the attach button shows
+const attached = [];     // images for the next message: {url: a data: URL for the API, thumb: a blob: URL to show}
+const thumbsOf = new WeakMap();  // a user message of `history` -> its images' thumbnails (to restore it unsent)
 let inflight = null;     // the AbortController of the answer being streamed
 let conversation = 0;    // bumped by "New chat", so an answer that ends after it leaves the new history alone
 
@@ -38,10 +41,68 @@ async function loadModel() {
     model = card.id;
     label.textContent = card.max_model_len ? `${card.id} · ${card.max_model_len} tokens` : card.id;
     label.classList.remove("bad");
+    takesImages = readsImages(card);
+    $("attach").hidden = !takesImages;
   } catch (e) {
     label.textContent = e.message;
     label.classList.add("bad");
   }
+}
+
+function readsImages(card) {
+  return Array.isArray(card.input_modalities) && card.input_modalities.includes("image");
+}
+
+// A user turn as OpenAI's API takes it: plain text, or the images (image_url parts with data: URLs, which the
+// server decodes itself: it fetches nothing) followed by the text.
+function userMessage(text, imageUrls) {
+  if (!imageUrls.length) return {role: "user", content: text};
+  const parts = imageUrls.map((url) => ({type: "image_url", image_url: {url}}));
+  if (text) parts.push({type: "text", text});
+  return {role: "user", content: parts};
+}
+
+function messageText(message) {
+  if (typeof message.content === "string") return message.content;
+  return message.content.filter((p) => p.type === "text").map((p) => p.text).join("");
+}
+
+function readDataUrl(file) {
+  return new Promise((resolve, reject) => {
+    const reader = new FileReader();
+    reader.onload = () => resolve(reader.result);
+    reader.onerror = () => reject(reader.error);
+    reader.readAsDataURL(file);
+  });
+}
+
+async function attachFiles(files) {
+  for (const file of files) {
+    if (!file.type.startsWith("image/")) continue;  // the server takes data:image/...;base64 URLs only
+    attached.push({url: await readDataUrl(file), thumb: URL.createObjectURL(file)});
+  }
+  $("image-file").value = "";  // the same file can be chosen again
+  showAttached();
+}
+
+function thumbnails(thumbs) {
+  const box = element("div", "thumbs");
+  for (const src of thumbs) Object.assign(box.appendChild(element("img")), {src, alt: "attached image"});
+  return box;
+}
+
+// The images waiting for the next message, under the input; a click on one takes it off.
+function showAttached() {
+  const box = $("attached");
+  box.replaceChildren(...thumbnails(attached.map((a) => a.thumb)).children);
+  box.querySelectorAll("img").forEach((img, i) => {
+    img.title = "click to remove";
+    img.addEventListener("click", () => {
+      URL.revokeObjectURL(attached.splice(i, 1)[0].thumb);
+      showAttached();
+    });
+  });
+  box.hidden = attached.length === 0;
 }
 
 // Server-sent events of a response body: yields each event's data field (one JSON chunk or "[DONE]").
@@ -230,7 +291,7 @@ function safeHref(raw) {
   }
 }
 
-function addMessage(role, text) {
+function addMessage(role, text, thumbs = []) {
   const item = document.createElement("li");
   item.className = `message ${role}`;
   const who = document.createElement("div");
@@ -239,7 +300,9 @@ function addMessage(role, text) {
   const body = document.createElement("div");
   body.className = role === "assistant" ? "text markdown" : "text";  // the user's text is shown as typed
   body.textContent = text;
-  item.append(who, body);
+  item.append(who);
+  if (thumbs.length) item.append(thumbnails(thumbs));
+  item.append(body);
   if (role === "assistant") {
     const stats = document.createElement("div");
     stats.className = "stats";
@@ -356,7 +419,13 @@ async function answer() {
     // and goes back to the input box, to edit or resend; both bubbles stay on screen until the next message.
     if (item.dataset.state === "stopped") textEl.textContent = "(stopped before the first token)";
     const asked = history.pop();
-    if (!$("input").value) $("input").value = asked.content;
+    if (!$("input").value) $("input").value = messageText(asked);
+    if (!attached.length && thumbsOf.has(asked)) {
+      const thumbs = thumbsOf.get(asked);
+      asked.content.filter((p) => p.type === "image_url").forEach((p, i) => attached.push({url: p.image_url.url,
+                                                                                            thumb: thumbs[i]}));
+      showAttached();
+    }
     item.classList.add("failed");
     item.previousElementSibling.classList.add("failed", "unsent");
   } else {
@@ -375,11 +444,15 @@ function clearFailed() {
 async function send(event) {
   event.preventDefault();
   const text = $("input").value.trim();
-  if (!text || inflight) return;
+  if ((!text && !attached.length) || inflight) return;
   clearFailed();
   $("input").value = "";
-  history.push({role: "user", content: text});
-  addMessage("user", text);
+  const images = attached.splice(0);
+  const message = userMessage(text, images.map((a) => a.url));
+  if (images.length) thumbsOf.set(message, images.map((a) => a.thumb));
+  showAttached();
+  history.push(message);
+  addMessage("user", text, images.map((a) => a.thumb));
   await answer();
 }
 
@@ -396,6 +469,10 @@ function newChat() {
   if (inflight) inflight.abort();
   conversation += 1;
   history.length = 0;
+  const kept = new Set(attached.map((a) => a.thumb));
+  for (const img of $("messages").querySelectorAll(".thumbs img")) {
+    if (!kept.has(img.src)) URL.revokeObjectURL(img.src);
+  }
   $("messages").replaceChildren();
   setBusy(null);
   $("input").focus();
@@ -424,6 +501,8 @@ document.addEventListener("DOMContentLoaded", () => {
   $("stop").addEventListener("click", () => inflight && inflight.abort());
   $("regenerate").addEventListener("click", regenerate);
   $("new-chat").addEventListener("click", newChat);
+  $("attach").addEventListener("click", () => $("image-file").click());
+  $("image-file").addEventListener("change", () => attachFiles([...$("image-file").files]));
   loadModel();
   $("input").focus();
 });

@@ -17,6 +17,18 @@ GPT-2's split regex). Everything else (tensor names, order, types, metadata, voc
 Phi fixtures name GPT2Tokenizer in tokenizer_config.json, as Phi-4-mini does (Phi-3's converter otherwise wants a
 SentencePiece tokenizer.model, and so does Gemma 2's: there is no Gemma 2 fixture). The converter imports
 sentencepiece even for BPE tokenizers: `pip install sentencepiece` into the venv that runs this script.
+
+LLaVA-1.5 as llama.cpp splits it (fixtures.json's "vision" entries; tests/engine/test_vision_mmproj.py): the tiny
+random LLaVA of tests/vision_fixtures.py, its text part converted by convert_hf_to_gguf.py (``llava-f32.gguf``, the
+``<image>`` token in its vocabulary) and its image side by the documented LLaVA-1.5 path (docs/multimodal/llava.md):
+``tools/mtmd/legacy-models/llava_surgery_v2.py`` takes the projector out into ``llava.projector``, the tower goes
+into a CLIP vision-model directory (the surgery's ``llava.clip`` step: CLIPVisionModel's ``vision_model.*`` names
+and the LLaVA's vision_config), and ``convert_image_encoder_to_gguf.py --clip-model-is-vision --llava-projector
+--use-f32`` writes ``mmproj-llava-f32.gguf`` (the patch convolution and the projector's matrices in f16 whatever
+--use-f32 says, as the script does). That script needs llama.cpp's pinned transformers (its
+tools/mtmd/requirements.txt: 4.57.6; transformers 5's CLIPVisionModel has no ``vision_model``): pass a directory it
+is installed in with ``--legacy-transformers`` (``pip install --target DIR transformers==4.57.6``, then remove
+DIR's numpy so the venv's is used).
 """
 
 from __future__ import annotations
@@ -24,6 +36,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -56,6 +69,7 @@ FIXTURES: dict[str, tuple[str, dict, str, str | None]] = {
     "llama-q4_k_m": ("llama", {}, "f32", "Q4_K_M"),
 }
 SEED = 0
+VISION = ("llava-f32", "mmproj-llava-f32")  # the text GGUF and the mmproj of the tiny LLaVA-1.5
 
 
 def _converter_runner(tree: Path) -> str:
@@ -85,6 +99,45 @@ def _as_phi4_tokenizer(hf_dir: Path) -> None:
     config = json.loads(config_path.read_text())
     config["tokenizer_class"] = "GPT2Tokenizer"
     config_path.write_text(json.dumps(config, indent=2))
+
+
+def make_llava_pair(tree: Path, legacy_transformers: Path, scratch: Path) -> dict[str, dict]:
+    """VISION's two files from the tiny LLaVA (seed SEED), by the tree's converters; their fixtures.json entries."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+    from vision_fixtures import make_tiny_llava
+
+    source = make_tiny_llava(scratch / "llava-source", seed=SEED)
+    text, mmproj = (HERE / f"{name}.gguf" for name in VISION)
+    convert_all(tree, [(source, text, "f32")])
+    _run([sys.executable, str(tree / "tools/mtmd/legacy-models/llava_surgery_v2.py"), "-m", str(source)])
+    vit = scratch / "vit"
+    vit.mkdir()
+    with safe_open(str(source / "model.safetensors"), "pt") as f:
+        tower = {"vision_model." + k.removeprefix("vision_tower."): f.get_tensor(k) for k in f.keys()
+                 if k.startswith("vision_tower.")}
+    save_file(tower, str(vit / "model.safetensors"), metadata={"format": "pt"})
+    vision_config = json.loads((source / "config.json").read_text())["vision_config"]
+    (vit / "config.json").write_text(json.dumps({**vision_config, "architectures": ["CLIPVisionModel"]}, indent=2))
+    out = scratch / "mmproj"
+    env = {**os.environ, "PYTHONPATH": f"{legacy_transformers}:{tree / 'gguf-py'}"}
+    done = subprocess.run([sys.executable, str(tree / "tools/mtmd/legacy-models/convert_image_encoder_to_gguf.py"),
+                           "-m", str(vit), "--llava-projector", str(source / "llava.projector"), "--output-dir",
+                           str(out), "--clip-model-is-vision", "--use-f32"], capture_output=True, text=True, env=env)
+    if done.returncode:
+        raise SystemExit(f"convert_image_encoder_to_gguf.py failed:\n{done.stderr[-3000:]}")
+    (out / "mmproj-model-f32.gguf").replace(mmproj)
+    sys.path.insert(0, str(TESTS.parent / "benchmarks" / "peers"))
+    from layout import LLAMA_CPP_PYTHON_VERSION
+
+    how = {"text": "convert_hf_to_gguf.py --outtype f32",
+           "mmproj": "llava_surgery_v2.py, then convert_image_encoder_to_gguf.py --clip-model-is-vision "
+                     "--llava-projector --use-f32 under transformers 4.57.6"}
+    return {name: {"family": "llava", "source": "tests/vision_fixtures.py make_tiny_llava", "seed": SEED,
+                   "llama_cpp": f"the tree vendored in the llama-cpp-python {LLAMA_CPP_PYTHON_VERSION} sdist",
+                   "made_by": how["mmproj" if name.startswith("mmproj") else "text"], "bytes": path.stat().st_size,
+                   "sha256": hashlib.sha256(path.read_bytes()).hexdigest()}
+            for name, path in zip(VISION, (text, mmproj), strict=True)}
 
 
 def quantize(tool: Path, source: Path, out: Path, kind: str) -> None:
@@ -118,22 +171,33 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--llama-cpp", type=Path, default=Path.home() / ".cache" / "kiln" / "peers" / "llama.cpp",
                         help="llama.cpp source tree with build/bin/llama-quantize (benchmarks/peers/setup.py)")
-    parser.add_argument("--only", nargs="*", help="fixture names to remake (default: all)")
+    parser.add_argument("--only", nargs="*", help="fixture names to remake (default: all; llava-f32 and "
+                        "mmproj-llava-f32 go together)")
+    parser.add_argument("--legacy-transformers", type=Path, default=None,
+                        help="a directory with transformers 4.57.6 installed (pip install --target), for llama.cpp's "
+                             "legacy mmproj converter; without it the LLaVA pair is not remade")
     args = parser.parse_args()
     from helpers import make_tiny_hf_model
 
     tree = args.llama_cpp.expanduser().resolve()
     tool = tree / "build" / "bin" / "llama-quantize"
     wanted = [name for name in FIXTURES if not args.only or name in args.only]
+    vision = args.legacy_transformers is not None and (not args.only or bool(set(VISION) & set(args.only)))
     if not (tree / "convert_hf_to_gguf.py").is_file():
         raise SystemExit(f"{tree} lacks convert_hf_to_gguf.py; run benchmarks/peers/setup.py (or pass --llama-cpp)")
     if any(FIXTURES[name][3] for name in wanted) and not tool.is_file():
         raise SystemExit(f"{tool} is not built; run benchmarks/peers/setup.py (or pass --llama-cpp)")
     index_path = HERE / "fixtures.json"
     index = json.loads(index_path.read_text()) if index_path.is_file() else {"fixtures": {}}
-    index.update(llama_cpp=llama_cpp_commit(tree), versions=versions(),
-                 made_by="tests/data/gguf/make_fixtures.py")
+    if wanted:  # the LLaVA pair records its tree in its own entries
+        index.update(llama_cpp=llama_cpp_commit(tree), versions=versions(),
+                     made_by="tests/data/gguf/make_fixtures.py")
     with tempfile.TemporaryDirectory() as scratch:
+        if vision:
+            index.setdefault("vision", {}).update(make_llava_pair(tree, args.legacy_transformers.resolve(),
+                                                                  Path(scratch)))
+            for name in VISION:
+                print(f"{name}: {index['vision'][name]['bytes'] / 1024:.0f} KiB", flush=True)
         jobs, outs = [], {}
         for name in wanted:
             family, overrides, outtype, kind = FIXTURES[name]
@@ -142,7 +206,8 @@ def main() -> int:
                 _as_phi4_tokenizer(hf_dir)
             outs[name] = HERE / f"{name}.gguf"
             jobs.append((hf_dir, outs[name] if kind is None else Path(scratch) / f"{name}.{outtype}.gguf", outtype))
-        convert_all(tree, jobs)
+        if jobs:
+            convert_all(tree, jobs)
         for (_, converted, _), name in zip(jobs, wanted, strict=True):
             family, overrides, outtype, kind = FIXTURES[name]
             if kind is not None:
