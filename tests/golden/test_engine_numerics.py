@@ -97,10 +97,10 @@ def generate_chunked(engine_dir, lengths: list[int], steps: int) -> tuple[list[l
 
 def check_against_transformers(engine_dir, model_dir, lengths: list[int], steps: int, atol: float) -> None:
     """Every step's logits rows equal transformers' (eager, fp32) on the full final sequences; greedy agrees."""
-    from transformers import AutoModelForCausalLM
+    from helpers import load_hf_reference
 
     seqs, rows = generate_chunked(engine_dir, lengths, steps)
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="eager", dtype=torch.float32).eval()
+    hf = load_hf_reference(model_dir)
     for s, (seq, prompt_len) in enumerate(zip(seqs, lengths, strict=True)):
         tokens = seq[: prompt_len + steps]
         with torch.no_grad():

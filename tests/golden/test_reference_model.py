@@ -7,7 +7,7 @@ import dataclasses
 
 import pytest
 import torch
-from helpers import make_tiny_hf_model
+from helpers import load_hf_reference, make_tiny_hf_model
 from tiny_gguf import make_tiny_gguf
 
 from kiln.export import ReferenceModel, default_model_path, load_checkpoint
@@ -37,9 +37,7 @@ TINY_CASES = {
 
 
 def _hf_logits(folder, input_ids, position_ids):
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(folder, attn_implementation="eager", dtype=torch.float32).eval()
+    model = load_hf_reference(folder)
     with torch.no_grad():
         return model(input_ids=input_ids, position_ids=position_ids).logits
 
