@@ -1,9 +1,9 @@
 """Compile libkiln_ops.so (the kiln.PagedAttention, kiln.MatMulQ4_1, kiln.MatMulGGUF, kiln.SwiGLU, kiln.MoE and
-kiln.AllReduce ONNX Runtime CPU kernels, and the sampler's row kernels that runtime/ops/sampling.py calls through ctypes) with g++,
-once per instruction set: libkiln_ops.so for AVX2 (the baseline) and libkiln_ops_avx512vnni.so for CPUs with
-AVX-512 VNNI, which kiln.runtime.ops.library_path() picks at load. A whole library per ISA, not a dispatching
-one, because two ISAs in one library share their inline and std:: code, and the linker may keep the AVX-512
-copy for the AVX2 path.
+kiln.AllReduce ONNX Runtime CPU kernels, and the sampler's row kernels that runtime/ops/sampling.py calls through
+ctypes) with g++, once per instruction set: libkiln_ops.so for AVX2 (the baseline) and libkiln_ops_avx512vnni.so
+for CPUs with AVX-512 VNNI, which kiln.runtime.ops.library_path() picks at load. A whole library per ISA, not a
+dispatching one, because two ISAs in one library share their inline and std:: code, and the linker may keep the
+AVX-512 copy for the AVX2 path.
 
 Standard library only: setup.py loads this file by path at install time, and `make` or a
 developer can rerun it:  python runtime/ops/build_ops.py [-o OUT.so]
