@@ -133,3 +133,15 @@ def test_a_rank_count_other_than_the_engines_is_refused(engines):
 def test_heads_that_do_not_split_are_refused_at_build(tiny4_model, tmp_path):
     with pytest.raises(BuildError, match="4 query heads in 2 KV groups do not split over 3 tensor-parallel ranks"):
         build_engine(tiny4_model, tmp_path / "three", BuildOptions(tensor_parallel=3), progress=lambda _m: None)
+
+
+def test_kiln_split_writes_the_ranks_and_names_a_missing_count(engines, tmp_path):
+    from click.testing import CliRunner
+
+    from kiln.cli import main
+
+    result = CliRunner().invoke(main, ["split", str(engines[1]), str(tmp_path / "two"), "--tensor-parallel", "2"])
+    assert result.exit_code == 0, result.output
+    assert "rank0.onnx, rank1.onnx" in result.output and len(read_manifest(tmp_path / "two").ranks) == 2
+    result = CliRunner().invoke(main, ["split", str(engines[1]), str(tmp_path / "none")])
+    assert result.exit_code != 0 and "give one of --tensor-parallel N or --pipeline-stages N" in result.output
