@@ -38,14 +38,7 @@ Workspace layout (little-endian uint64 words; each group of words on its own 64-
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import numpy as np
-
-from kiln.contract import OP_DOMAIN
-
-if TYPE_CHECKING:
-    from onnx import ModelProto
 
 OP_TYPE = "AllReduce"
 OP_VERSION = 1
@@ -120,19 +113,3 @@ def all_reduce_ref(parts: list[np.ndarray]) -> np.ndarray:
     for part in parts[1:]:
         total += np.asarray(part, dtype=np.float32)
     return total
-
-
-def make_single_op_model(rank: int, world_size: int) -> ModelProto:
-    """A one-node ONNX model y = kiln.AllReduce(x, tp_workspace), x float32 [T, H]; for tests and benchmarks."""
-    from onnx import TensorProto, helper  # compile-time dependency only
-
-    node = helper.make_node(OP_TYPE, ["x", WORKSPACE_INPUT], ["y"], domain=OP_DOMAIN, rank=rank,
-                            world_size=world_size)
-    graph = helper.make_graph([node], "all_reduce",
-                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["T", "H"]),
-                               helper.make_tensor_value_info(WORKSPACE_INPUT, TensorProto.UINT8, ["W"])],
-                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["T", "H"])])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18),
-                                                    helper.make_opsetid(OP_DOMAIN, OP_VERSION)])
-    model.ir_version = 8
-    return model

@@ -1,10 +1,11 @@
 """The rank processes of a tensor-parallel engine, driven from the engine's process (RankGroup).
 
-Each rank is a spawned process pinned to its own CPUs (NUMA nodes' CPUs kept together where there are several),
-running its ORT session with num_threads threads (1 by default). A step sends the BatchInput's feeds to every rank
-over its pipe; the ranks run the step together, meeting in every kiln.AllReduce through the workspace (a file in
-/dev/shm that every rank maps; its name is unlinked once they have), and every rank answers; rank 0's answer
-carries the logits.
+Each rank is a process of its own (`python -m kiln.runtime.tensor_parallel`, started with subprocess, so the
+engine's own script is not imported again as multiprocessing's spawn would), pinned to its own CPUs (NUMA nodes'
+CPUs kept together where there are several), running its ORT session with num_threads threads (1 by default). A step
+sends the BatchInput's feeds to every rank over its socket (a pidfd watches its process); the ranks run the step
+together, meeting in every kiln.AllReduce through the workspace (a file in /dev/shm that every rank maps; its name
+is unlinked once they have), and every rank answers; rank 0's answer carries the logits.
 
 Nothing waits forever: the driver watches every rank's pipe and process sentinel. A rank whose step raised has
 the workspace's abort word set so that the others' all-reduce fails at once instead of at its timeout; the group's
@@ -19,6 +20,8 @@ import logging
 import multiprocessing
 import os
 import secrets
+import subprocess
+import sys
 import tempfile
 from dataclasses import dataclass, replace
 from multiprocessing.connection import Connection, wait
@@ -31,7 +34,7 @@ from kiln import all_reduce
 from kiln.contract import KvPoolSpec
 from kiln.manifest import EngineLoadError
 from kiln.runtime.model_runner import BatchInput, KvLostError
-from kiln.runtime.tensor_parallel.rank import RankReply, RankSizing, rank_main
+from kiln.runtime.tensor_parallel.rank import RankReply, RankSizing
 from kiln.tensor_parallel import TensorRank
 
 log = logging.getLogger("kiln.tensor_parallel")
@@ -121,27 +124,29 @@ class RankGroup:
         self.sizing = sizing
         self.cpus = rank_cpus(len(sizing.ranks), numa_cpus())
         self.restarts = 0
+        self.seconds = [0.0] * len(sizing.ranks)  # each rank's seconds in the last step
         self.closed_stats = [{"wait_ns": 0, "bytes": 0} for _ in sizing.ranks]  # of workspaces before a restart
         self._start()
 
     def _start(self) -> None:
         sizing = self.sizing
         self.workspace = _Workspace(sizing)
-        context = multiprocessing.get_context("spawn")  # not fork: the engine process has threads (ORT, server)
         self.conns: list[Connection] = []
-        self.processes: list[Any] = []
+        self.processes: list[subprocess.Popen[bytes]] = []
+        self.sentinels: list[int] = []  # a pidfd per rank: readable once its process has exited
         try:
             for index, rank in enumerate(sizing.ranks):
                 pools = replace(sizing.pools, num_kv_heads=rank.end_kv_head - rank.first_kv_head)
                 rank_sizing = RankSizing(sizing.engine_dir, rank, index, pools, sizing.num_blocks, sizing.num_threads,
                                          self.cpus[index], self.workspace.path)
-                ours, theirs = context.Pipe()
-                process = context.Process(target=rank_main, args=(rank_sizing, theirs), daemon=True,
-                                          name=f"kiln-tp-rank{index}")
-                process.start()
+                ours, theirs = multiprocessing.Pipe()  # a socketpair; the rank inherits its end
+                process = subprocess.Popen([sys.executable, "-m", "kiln.runtime.tensor_parallel",
+                                            str(theirs.fileno())], pass_fds=[theirs.fileno()])
                 theirs.close()
                 self.conns.append(ours)
                 self.processes.append(process)
+                self.sentinels.append(os.pidfd_open(process.pid))
+                ours.send(rank_sizing)
             ready = [self._await_ready(index) for index in range(len(sizing.ranks))]
             self.pids, self.vocab_size = [pid for pid, _ in ready], ready[0][1]
         except BaseException:
@@ -150,8 +155,8 @@ class RankGroup:
         self.workspace.unlink()  # every rank has it mapped: no file left behind, whatever happens next
 
     def _await_ready(self, index: int) -> tuple[int, int]:
-        conn, process = self.conns[index], self.processes[index]
-        ready = wait([conn, process.sentinel], timeout=_START_TIMEOUT_S)
+        conn, process, sentinel = self.conns[index], self.processes[index], self.sentinels[index]
+        ready = wait([conn, sentinel], timeout=_START_TIMEOUT_S)
         if conn in ready:
             try:
                 kind, value = conn.recv()
@@ -160,9 +165,9 @@ class RankGroup:
             if kind == "ready":
                 return int(value[0]), int(value[1])
             raise EngineLoadError(f"tensor-parallel rank {index} failed to open its graph: {value}")
-        why = "exited" if process.sentinel in ready else f"did not start within {_START_TIMEOUT_S:.0f} s"
+        why = "exited" if sentinel in ready else f"did not start within {_START_TIMEOUT_S:.0f} s"
         raise EngineLoadError(f"tensor-parallel rank {index} {why} before opening its graph "
-                              f"(exit code {process.exitcode})")
+                              f"(exit code {process.poll()})")
 
     def step(self, batch: BatchInput) -> RankReply:
         """Every rank's run of batch; rank 0's reply (with the logits), each rank's seconds in `seconds`."""
@@ -178,7 +183,7 @@ class RankGroup:
             all_reduce.set_abort(self.workspace.buffer)
         pending = set(range(len(self.conns))) - set(dead)
         while pending:
-            waitables = {self.conns[i]: i for i in pending} | {self.processes[i].sentinel: i for i in pending}
+            waitables: dict[Any, int] = {self.conns[i]: i for i in pending} | {self.sentinels[i]: i for i in pending}
             for ready in wait(list(waitables)):
                 index = waitables[ready]
                 if index not in pending:
@@ -233,12 +238,16 @@ class RankGroup:
             except (OSError, BrokenPipeError):
                 pass
         for process in self.processes:
-            process.join(timeout=5)
-            if process.is_alive():
+            try:
+                process.wait(timeout=5)
+            except subprocess.TimeoutExpired:
                 process.kill()
-                process.join(timeout=5)
+                process.wait(timeout=5)
         for conn in self.conns:
             conn.close()
+        for sentinel in self.sentinels:
+            os.close(sentinel)
+        self.sentinels = []
         self.workspace.unlink()
 
     def close(self) -> None:

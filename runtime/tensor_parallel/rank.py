@@ -1,5 +1,6 @@
 """One tensor-parallel rank: its graph's ONNX Runtime session, its KV pools and the group's workspace, in a process
-of its own pinned to its CPUs (rank_main), taking steps from the driver over a pipe.
+of its own pinned to its CPUs (rank_main, run by `python -m kiln.runtime.tensor_parallel`), taking steps from
+the driver over a socket it inherits.
 
 The rank binds its pools once (kv_cache.{i} and kv_cache_out.{i}, written in place) and the workspace once (the
 shared file every rank maps, read and written by kiln.AllReduce), then per step the BatchInput's feeds. Rank 0
@@ -9,6 +10,7 @@ returns the step's logits; the others return nothing but their time, having take
 from __future__ import annotations
 
 import os
+import sys
 import time
 import traceback
 from dataclasses import dataclass
@@ -112,3 +114,14 @@ def rank_main(sizing: RankSizing, conn: Connection) -> None:
         except Exception as exc:  # noqa: BLE001 - the step fails; the driver decides what it costs
             reply = RankReply(time.perf_counter() - start, error=str(exc) or traceback.format_exc(limit=1))
         conn.send(reply)
+
+
+def main() -> None:
+    """python -m kiln.runtime.tensor_parallel FD: a rank on the connection inherited as file descriptor FD, whose
+    first message is its RankSizing (run through __main__.py, so that what it pickles is named by this module)."""
+    conn = Connection(int(sys.argv[1]))
+    try:
+        sizing = conn.recv()
+    except EOFError:
+        return
+    rank_main(sizing, conn)

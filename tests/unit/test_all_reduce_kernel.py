@@ -12,12 +12,29 @@ import numpy as np
 import pytest
 
 from kiln import all_reduce
-from kiln.all_reduce import WORKSPACE_INPUT, all_reduce_ref, init_workspace, make_single_op_model, workspace_bytes
+from kiln.all_reduce import OP_TYPE, OP_VERSION, WORKSPACE_INPUT, all_reduce_ref, init_workspace, workspace_bytes
+from kiln.contract import OP_DOMAIN
 
 ort = pytest.importorskip("onnxruntime")
 from op_library import op_library_or_skip  # noqa: E402
 
 LIBRARY = op_library_or_skip()
+
+
+def make_single_op_model(rank: int, world_size: int):
+    """A one-node ONNX model y = kiln.AllReduce(x, tp_workspace), x float32 [T, H]."""
+    from onnx import TensorProto, helper
+
+    node = helper.make_node(OP_TYPE, ["x", WORKSPACE_INPUT], ["y"], domain=OP_DOMAIN, rank=rank,
+                            world_size=world_size)
+    graph = helper.make_graph([node], "all_reduce",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["T", "H"]),
+                               helper.make_tensor_value_info(WORKSPACE_INPUT, TensorProto.UINT8, ["W"])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["T", "H"])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18),
+                                                    helper.make_opsetid(OP_DOMAIN, OP_VERSION)])
+    model.ir_version = 8
+    return model
 
 
 def session(rank: int, world: int):
