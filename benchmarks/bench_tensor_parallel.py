@@ -3,9 +3,9 @@
 The engine (a float32 one-graph engine, e.g. SmolLM2's) is split into 2 ranks in a temporary directory
 (split_engine_tensor_parallel); both are loaded once and measured in interleaved rounds (the host drifts): each
 round prefills BATCH distinct prompts, then times DECODE greedy decode steps of all BATCH sequences together.
-Reported per round and as medians: decode tokens per second of each, and for the ranks each one's seconds and the
-share of them it waited in kiln.AllReduce, with the bytes reduced per decode step; and the load average around
-the run (other work on the host shows there).
+Reported per round and as medians: decode tokens per second of each, and for the ranks, over the decode steps,
+each one's seconds and the share of them it waited in kiln.AllReduce, with the bytes reduced; and the load average
+around the run (other work on the host shows there).
 
     python benchmarks/bench_tensor_parallel.py ENGINE_DIR [--rounds 3] [--batch 16] [--decode 48] [--json OUT]
 """
@@ -34,14 +34,18 @@ def prompts(batch: int, vocab: int) -> list[list[int]]:
     return [[(97 * i + 31 * j + 7) % (vocab - 100) + 50 for j in range(PROMPT_LEN)] for i in range(batch)]
 
 
-def decode_rate(engine: Engine, batch: int, decode: int, tag: str) -> tuple[float, int]:
-    """Decode tokens per second of `batch` sequences over `decode` steps after their prefill; and the steps timed."""
+def prefill(engine: Engine, batch: int, decode: int, tag: str) -> None:
+    """Add `batch` requests of `decode` + 1 greedy tokens and step until every prompt is computed."""
     params = SamplingParams(temperature=0, max_tokens=decode + 1, ignore_eos=True)
     for i, prompt in enumerate(prompts(batch, engine.runner.vocab_size)):
         engine.add_request(f"{tag}-{i}", prompt, params)
     while engine.scheduler.waiting or any(seq.num_computed_tokens < seq.num_prompt_tokens
                                           for seq in engine.scheduler.running):
         engine.step()
+
+
+def decode_rate(engine: Engine) -> tuple[float, int]:
+    """Decode tokens per second of the prefilled sequences until they finish; and the steps timed."""
     tokens, steps, start = 0, 0, time.perf_counter()
     while engine.has_unfinished():
         tokens += sum(len(out.outputs[0].token_ids) for out in engine.step())
@@ -67,9 +71,11 @@ def main() -> None:
         rounds: list[dict[str, Any]] = []
         try:
             for index in range(args.rounds):
-                one_rate, _ = decode_rate(one, args.batch, args.decode, f"one{index}")
+                prefill(one, args.batch, args.decode, f"one{index}")
+                one_rate, _ = decode_rate(one)
+                prefill(tp, args.batch, args.decode, f"tp{index}")
                 before = tp.stats().tensor_parallel
-                tp_rate, steps = decode_rate(tp, args.batch, args.decode, f"tp{index}")
+                tp_rate, steps = decode_rate(tp)
                 after = tp.stats().tensor_parallel
                 seconds = [a - b for a, b in zip(after.rank_seconds, before.rank_seconds, strict=True)]
                 waits = [a - b for a, b in zip(after.wait_seconds, before.wait_seconds, strict=True)]
