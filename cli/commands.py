@@ -44,7 +44,7 @@ class _Group(click.Group):
 tensor_parallel_build_option = click.option(
     "--tensor-parallel", type=click.IntRange(min=1), default=1, show_default=True,
     help="write one graph per tensor-parallel rank (its attention heads and KV pool, its MLP columns, an all-reduce "
-         "after each layer's attention and MLP; float32 weights only), to serve with one process per rank")
+         "after each layer's attention and MLP; float32 or int4-q4_1 weights), to serve with one process per rank")
 
 
 @click.group(cls=_Group)

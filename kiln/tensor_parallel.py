@@ -18,7 +18,7 @@ h // (H / Hkv)):
     taking the fewer since it also runs the LM head);
   - anything else is refused.
 MLP columns are split so that each rank reads the same number of weights per decode step: a rank with more
-attention weights, or rank 0 with the LM head (its weights counted per layer), gets fewer (multiples of 16).
+attention weights, or rank 0 with the LM head (its weights counted per layer), gets fewer (multiples of 32).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from typing import Any
 from kiln.errors import KilnError
 
 TP_HIDDEN = "tp_hidden"  # a rank > 0's output: the residual-stream delta of its last all-reduce
-_COLUMN_STEP = 16  # MLP columns per rank are multiples of this (the kernels' vector width, times two)
+_COLUMN_STEP = 32  # MLP columns per rank are multiples of this: whole Q4_1 blocks of the down projection's input
 
 
 class TensorParallelError(KilnError, ValueError):

@@ -7,8 +7,9 @@ Rank r keeps its columns of W_qkv (its query heads, then its K heads, then its V
 reads) and of W_gate_up (its gate columns, then the same up columns: SwiGLU's halves), its rows of W_o and W_down,
 and its KV heads in the pool's shape and the attention's attributes. The output of each row-sharded MatMul becomes
 its partial sum, and a kiln.AllReduce on it writes the tensor the rest of the graph reads, so everything past it
-(the residual adds, the norms) is the one graph's. Weights are float32 initializers in the engine's external data;
-a rank's file holds its slices and the replicated tensors it reads (rank 0 the LM head).
+(the residual adds, the norms) is the one graph's. The linears are float32 MatMuls or kiln.MatMulQ4_1 nodes
+(shard_weights.py slices both); a rank's external-data file holds its slices and the replicated tensors it reads
+(rank 0 the LM head, in whatever form the build gave it).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from kiln import all_reduce, contract
 from kiln.manifest import BACKEND_ORT_CPU, BuildOptions, Manifest, read_manifest, write_manifest
+from kiln.optimize.shard_weights import WeightReader, column_slices, describe, is_linear, row_slices
 from kiln.spec import ModelSpec
 from kiln.swiglu import OP_TYPE as SWIGLU
 from kiln.tensor_parallel import TP_HIDDEN, ShardShape, TensorParallelError, TensorRank, plan_ranks
@@ -31,6 +33,7 @@ from kiln.tensor_parallel import TP_HIDDEN, ShardShape, TensorParallelError, Ten
 _KV_INPUT = re.compile(r"^kv_cache\.(\d+)$")
 _ALIGN = 4096  # external-data offsets on page boundaries: ONNX Runtime may map them
 _INLINE_BYTES = 1024  # slices smaller than this stay inside the graph
+SPLIT_SCHEMES = ("none", "int4-q4_1")  # weights the split reads: float32 MatMul, kiln.MatMulQ4_1 (shard_weights.py)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,7 +52,7 @@ def split_tensor_parallel_graph(graph_path: Path, out_dir: Path, ranks: tuple[Te
     """Write rank{r}.onnx (+ .data) for each rank into out_dir."""
     model = onnx.load(str(graph_path), load_external_data=False)
     layers = _find_layers(model.graph, shape)
-    weights = _WeightReader(model.graph, graph_path.parent)
+    weights = WeightReader(model.graph, graph_path.parent)
     for index, rank in enumerate(ranks):
         graph = _rank_graph(model.graph, layers, ranks, index, shape, weights)
         rank_model = helper.make_model(graph, opset_imports=list(model.opset_import), ir_version=model.ir_version,
@@ -81,17 +84,16 @@ def _find_layers(graph: onnx.GraphProto, shape: ShardShape) -> list[_Layer]:
 
     def matmul(name: str, what: str, layer: int) -> onnx.NodeProto:
         node = producer.get(name)
-        if node is None or node.op_type != "MatMul" or node.domain or node.input[1] not in initializers:
-            kind = "none" if node is None else f"{node.domain + '.' if node.domain else ''}{node.op_type}"
-            raise TensorParallelError(f"layer {layer}'s {what} is not a float32 MatMul with a constant weight "
-                                      f"(found {kind}); tensor parallelism splits float32 (unquantized) engines only")
+        if node is None or not is_linear(node, initializers):
+            raise TensorParallelError(f"layer {layer}'s {what} is not a float32 MatMul or a kiln.MatMulQ4_1 with "
+                                      f"constant weights (found {describe(node)}); tensor parallelism splits those")
         return node
 
     def only_reader(name: str, what: str, layer: int) -> onnx.NodeProto:
         readers = consumers.get(name, [])
-        if len(readers) != 1 or readers[0].op_type != "MatMul" or readers[0].input[1] not in initializers:
-            raise TensorParallelError(f"layer {layer}'s {what} is not read by one float32 MatMul alone; tensor "
-                                      "parallelism splits float32 (unquantized) engines only")
+        if len(readers) != 1 or not is_linear(readers[0], initializers):
+            raise TensorParallelError(f"layer {layer}'s {what} is not read by one float32 MatMul or kiln.MatMulQ4_1 "
+                                      "alone; tensor parallelism splits those")
         return readers[0]
 
     layers = []
@@ -112,46 +114,25 @@ def _numel(graph: onnx.GraphProto, name: str) -> int:
     return int(np.prod(tensor.dims)) if tensor.dims else 1
 
 
-class _WeightReader:
-    """The float32 arrays of the graph's initializers, read from its external data on demand."""
-
-    def __init__(self, graph: onnx.GraphProto, source_dir: Path) -> None:
-        self.tensors = {t.name: t for t in graph.initializer}
-        self.source_dir = source_dir
-
-    def array(self, name: str) -> np.ndarray:
-        tensor = onnx.TensorProto()
-        tensor.CopyFrom(self.tensors[name])
-        if tensor.data_location == TensorProto.EXTERNAL:
-            onnx.external_data_helper.load_external_data_for_tensor(tensor, str(self.source_dir))
-            tensor.data_location = TensorProto.DEFAULT
-            del tensor.external_data[:]
-        array = numpy_helper.to_array(tensor)
-        if array.dtype != np.float32 or array.ndim != 2:
-            raise TensorParallelError(f"initializer {name} is {array.dtype} {list(array.shape)}, not a float32 "
-                                      "matrix; tensor parallelism splits float32 (unquantized) engines only")
-        return array
-
-
 def _rank_graph(graph: onnx.GraphProto, layers: list[_Layer], ranks: tuple[TensorRank, ...], index: int,
-                shape: ShardShape, weights: _WeightReader) -> onnx.GraphProto:
+                shape: ShardShape, weights: WeightReader) -> onnx.GraphProto:
     rank, world = ranks[index], len(ranks)
     d, f = shape.head_dim, shape.intermediate_size
     heads, kv = rank.heads, rank.kv_heads
     qkv_columns = np.concatenate([np.arange(heads.start * d, heads.stop * d),
                                   shape.num_heads * d + np.arange(kv.start * d, kv.stop * d),
                                   (shape.num_heads + shape.num_kv_heads) * d + np.arange(kv.start * d, kv.stop * d)])
-    out_rows = np.arange(heads.start * d, heads.stop * d)
+    out_rows = range(heads.start * d, heads.stop * d)
     cols = np.arange(rank.first_column, rank.end_column)
-    gate_up_columns, down_rows = np.concatenate([cols, f + cols]), cols
+    gate_up_columns = np.concatenate([cols, f + cols])
     sliced: dict[str, np.ndarray] = {}
     replaced: dict[int, onnx.NodeProto] = {}
     extra_nodes: dict[int, onnx.NodeProto] = {}  # an AllReduce after the node of this id
     for layer in layers:
-        sliced[layer.qkv.input[1]] = weights.array(layer.qkv.input[1])[:, qkv_columns]
-        sliced[layer.out_proj.input[1]] = weights.array(layer.out_proj.input[1])[out_rows, :]
-        sliced[layer.gate_up.input[1]] = weights.array(layer.gate_up.input[1])[:, gate_up_columns]
-        sliced[layer.down.input[1]] = weights.array(layer.down.input[1])[down_rows, :]
+        sliced |= column_slices(layer.qkv, qkv_columns, weights)
+        sliced |= row_slices(layer.out_proj, out_rows, weights)
+        sliced |= column_slices(layer.gate_up, gate_up_columns, weights)
+        sliced |= row_slices(layer.down, rank.columns, weights)
         attention = onnx.NodeProto()
         attention.CopyFrom(layer.attention)
         for attribute in attention.attribute:
@@ -256,9 +237,9 @@ def check_splittable(backend: str, build: BuildOptions, spec: ModelSpec, extras:
     if backend != BACKEND_ORT_CPU:
         raise TensorParallelError(f"tensor-parallel ranks are built for the {BACKEND_ORT_CPU} backend, not "
                                   f"{backend}")
-    if build.quantization.name != "none":
-        raise TensorParallelError(f"tensor parallelism splits float32 engines only; this one has "
-                                  f"{build.quantization.name} weights (build it without --quantization)")
+    if build.quantization.name not in SPLIT_SCHEMES:
+        raise TensorParallelError(f"tensor parallelism splits float32 and int4-q4_1 engines only; this one has "
+                                  f"{build.quantization.name} weights (build it with --quantization none or int4-q4_1)")
     if build.kv_dtype == "int8":
         raise TensorParallelError("tensor parallelism does not split int8 KV pools (their per-head scales); use a "
                                   "float16 or float32 KV cache")

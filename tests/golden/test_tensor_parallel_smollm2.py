@@ -1,7 +1,8 @@
 """Tensor-parallel ranks on SmolLM2-135M fp32 (the cached test engine split in 2 and 3 ranks: 9 query heads in 3 KV
-groups, so 3 ranks hold one KV head each and 2 ranks hold 1 and 2): logits within 1e-4 of the one graph, and
-greedy tokens identical under continuous batching with preemption and prefix caching, one process and one thread
-per rank. The int4 engine's packed weights are refused by name."""
+groups, so 3 ranks hold one KV head each and 2 ranks hold 1 and 2): logits within 1e-4 of the one graph, and greedy
+tokens identical under continuous batching with preemption and prefix caching, one process and one thread per
+rank. (An int4-q4_1 engine's ranks are not token-identical to its one graph: its activations' int8 rounding turns
+the all-reduce's float reordering into differences of the scheme's own noise; docs/design.md.)"""
 
 import pytest
 from pipeline_helpers import staggered_greedy, step_logits
@@ -49,7 +50,7 @@ def test_the_ranks_hold_whole_kv_groups(engines):
         ranks = read_manifest(engines[count]).ranks
         assert [len(r.kv_heads) for r in ranks] == kv_heads
         assert [len(r.heads) for r in ranks] == [3 * k for k in kv_heads]
-        assert sum(len(r.columns) for r in ranks) == 1536 and all(len(r.columns) % 16 == 0 for r in ranks)
+        assert sum(len(r.columns) for r in ranks) == 1536 and all(len(r.columns) % 32 == 0 for r in ranks)
 
 
 @pytest.mark.parametrize("ranks", [2, 3])

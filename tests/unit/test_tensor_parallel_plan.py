@@ -1,9 +1,10 @@
 """How kiln/tensor_parallel.py gives heads and MLP columns to ranks: KV heads divided when they divide, replicated
 when the ranks are a multiple of them, whole GQA groups unevenly otherwise (rank 0, which also runs the LM head,
 the fewer), refused when none applies; MLP columns balancing each rank's weights; the manifest's check of the
-ranks; and what the split refuses before reading a graph (quantized weights, int8 KV, stages)."""
+ranks; and what the split refuses before reading a graph (weights other than float32 and Q4_1, int8 KV, stages)."""
 
 import dataclasses
+from pathlib import Path
 
 import pytest
 
@@ -54,14 +55,14 @@ def test_splits_that_fit_no_rule_are_refused():
 def test_mlp_columns_balance_the_ranks_weights():
     heads = head_ranges(9, 3, 2)
     columns = column_ranges(SMOLLM2, heads)
-    assert sum(len(c) for c in columns) == 1536 and all(len(c) % 16 == 0 for c in columns)
+    assert sum(len(c) for c in columns) == 1536 and all(len(c) % 32 == 0 for c in columns)
     d, h = SMOLLM2.head_dim, SMOLLM2.hidden_size
     weights = [h * d * (2 * len(q) + 2 * len(kv)) + 3 * h * len(c) for (q, kv), c in zip(heads, columns, strict=True)]
     weights[0] += h * SMOLLM2.vocab_size // SMOLLM2.num_layers
-    assert abs(weights[0] - weights[1]) <= 3 * h * 16  # within one step of columns
+    assert abs(weights[0] - weights[1]) <= 3 * h * 32  # within one step of columns
     assert len(columns[0]) < len(columns[1])  # rank 0 carries the LM head
-    tiny = dataclasses.replace(SMOLLM2, intermediate_size=32)
-    assert [len(c) for c in column_ranges(tiny, heads)] == [16, 16]  # every rank keeps at least one step
+    tiny = dataclasses.replace(SMOLLM2, intermediate_size=64)
+    assert [len(c) for c in column_ranges(tiny, heads)] == [32, 32]  # every rank keeps at least one step
     with pytest.raises(TensorParallelError, match="too few for 3 tensor-parallel ranks"):
         column_ranges(tiny, head_ranges(9, 3, 3))
 
@@ -85,8 +86,8 @@ def _spec() -> ModelSpec:
 
 
 @pytest.mark.parametrize(("options", "message"), [
-    (BuildOptions(quantization=QuantScheme.parse("int4-q4_1"), tensor_parallel=2),
-     "splits float32 engines only; this one has int4-q4_1 weights"),
+    (BuildOptions(quantization=QuantScheme.parse("int8-weight-only"), tensor_parallel=2),
+     "splits float32 and int4-q4_1 engines only; this one has int8-weight-only weights"),
     (BuildOptions(kv_dtype="int8", tensor_parallel=2), "does not split int8 KV pools"),
     (BuildOptions(pipeline_stages=2, tensor_parallel=2), "pipeline stages or tensor-parallel ranks, not both"),
     (BuildOptions(tensor_parallel=5), "do not split over 5 tensor-parallel ranks"),
@@ -131,3 +132,35 @@ def test_a_rank_count_below_one_is_refused():
 
     with pytest.raises(InvalidParamError, match="tensor_parallel must be >= 1"):
         RuntimeConfig(tensor_parallel=0)
+
+
+def test_q4_1_slices_sum_to_the_whole_matmul():
+    """kiln.MatMulQ4_1 weights sliced by output channel and by whole input blocks: the ranks' outputs, concatenated
+    or summed, are the spec's for the whole weight (the same activation blocks quantize alike)."""
+    import numpy as np
+    from onnx import helper, numpy_helper
+
+    from kiln.matmul_q4_1 import Q4_1Weights, matmul_q4_1_ref
+    from kiln.optimize.shard_weights import WeightReader, column_slices, row_slices
+
+    rng = np.random.default_rng(3)
+    n, k = 48, 160  # 5 blocks: the cuts below split the pairs of blocks qs stores together
+    weights = Q4_1Weights(rng.integers(0, 16, (n, k), dtype=np.uint8),
+                          (rng.random((n, k // 32)) * 0.1 + 0.01).astype(np.float16),
+                          (rng.standard_normal((n, k // 32)) * 0.1).astype(np.float16))
+    qs, dm = weights.pack()
+    node = helper.make_node("MatMulQ4_1", ["x", "qs", "dm"], ["y"], domain="kiln")
+    graph = helper.make_graph([node], "g", [], [], initializer=[numpy_helper.from_array(qs, "qs"),
+                                                                numpy_helper.from_array(dm, "dm")])
+    reader = WeightReader(graph, Path("."))
+    x = rng.standard_normal((3, k)).astype(np.float32)
+    whole = matmul_q4_1_ref(x, qs, dm)
+    parts = [row_slices(node, range(a, b), reader) for a, b in ((0, 32), (32, 96), (96, 160))]
+    summed = sum(matmul_q4_1_ref(x[:, a:b], p["qs"], p["dm"])
+                 for (a, b), p in zip(((0, 32), (32, 96), (96, 160)), parts, strict=True))
+    np.testing.assert_allclose(summed, whole, rtol=0, atol=1e-5)
+    columns = np.array([5, 6, 40, 1])
+    part = column_slices(node, columns, reader)
+    np.testing.assert_array_equal(matmul_q4_1_ref(x, part["qs"], part["dm"]), whole[:, columns])
+    with pytest.raises(TensorParallelError, match="do not start and end on Q4_1 blocks of 32"):
+        row_slices(node, range(16, 64), reader)
