@@ -205,6 +205,7 @@ class RankGroup:
             raise self._restart(dead)
         errors = [(i, r.error) for i, r in sorted(replies.items()) if r.error is not None]
         if errors:
+            self._keep_stats()
             self.workspace.reset()  # every rank is idle again: counters from zero, no abort
             cause = next(((i, e) for i, e in errors if "aborted" not in e), errors[0])
             raise RuntimeError(f"tensor-parallel rank {cause[0]} failed the step: {cause[1]}")

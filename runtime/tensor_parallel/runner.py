@@ -72,7 +72,7 @@ class TensorParallelRunner(ModelRunner):
 def open_tensor_parallel_runner(engine_dir: Path, manifest: Manifest, pools: KvPoolSpec, num_blocks: int,
                                 num_threads: int, max_tokens: int) -> TensorParallelRunner:
     """The engine's ranks in their processes, num_threads ORT threads each."""
-    sizing = GroupSizing(engine_dir, manifest.ranks, pools, num_blocks, num_threads, max_tokens,
+    sizing = GroupSizing(Path(engine_dir), manifest.ranks, pools, num_blocks, num_threads, max_tokens,
                          manifest.spec.hidden_size)
     group = RankGroup(sizing)
     if group.vocab_size < 1:

@@ -115,6 +115,23 @@ def test_rank_totals_count_the_all_reduced_bytes(engines):
     assert totals.steps == 1 and len(totals.wait_seconds) == 2 and all(w >= 0 for w in totals.wait_seconds)
 
 
+def test_a_step_that_fails_on_the_ranks_raises_and_the_next_step_runs(engines):
+    """A block id past the pools fails every rank's attention: the step raises (no rank left waiting in an
+    all-reduce), and the ranks, reset, compute the next step as the one graph does."""
+    from kiln.runtime.loader import open_engine_runner
+
+    runners = [open_engine_runner(engines[n], read_manifest(engines[n]), 4, 1) for n in (1, 2)]
+    good = pack_chunks([Chunk(0, PROMPTS[1], [0, 1])], False)
+    try:
+        with pytest.raises(RuntimeError, match="tensor-parallel rank . failed the step"):
+            runners[1].execute(pack_chunks([Chunk(0, PROMPTS[1], [9])], False))
+        np.testing.assert_allclose(runners[1].execute(good), runners[0].execute(good), rtol=0, atol=1e-4)
+        assert runners[1].rank_totals().restarts == 0
+    finally:
+        for runner in runners:
+            runner.close()
+
+
 def test_a_killed_rank_fails_the_running_requests_and_the_restarted_ranks_serve(engines):
     from kiln.runtime.loader import load_engine
 
