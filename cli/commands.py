@@ -41,6 +41,12 @@ class _Group(click.Group):
             raise click.ClickException(message) from exc
 
 
+tensor_parallel_build_option = click.option(
+    "--tensor-parallel", type=click.IntRange(min=1), default=1, show_default=True,
+    help="write one graph per tensor-parallel rank (its attention heads and KV pool, its MLP columns, an all-reduce "
+         "after each layer's attention and MLP; float32 or int4-q4_1 weights), to serve with one process per rank")
+
+
 @click.group(cls=_Group)
 @click.version_option(package_name="kiln")
 def main() -> None:
@@ -88,9 +94,10 @@ def main() -> None:
 @click.option("--mmproj", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
               help="llama.cpp's image encoder file (mmproj-*.gguf) of a LLaVA-1.5 text GGUF: build a "
                    "vision-language engine (the encoder stays float32)")
+@tensor_parallel_build_option
 def build(model: str, output: Path, kv_dtype: str, block_size: int, max_seq_len: int | None,
           quantization: str | None, calibration: Path | None, lm_head: str, medusa: Path | None, backend: str,
-          pipeline_stages: int, mmproj: Path | None) -> None:
+          pipeline_stages: int, mmproj: Path | None, tensor_parallel: int) -> None:
     """Compile MODEL (an HF checkpoint dir, a .gguf file, or `default` for SmolLM2) into an engine dir."""
     from kiln.manifest import BuildOptions
     from kiln.optimize.build import build_engine
@@ -101,8 +108,31 @@ def build(model: str, output: Path, kv_dtype: str, block_size: int, max_seq_len:
         quantization = default_quantization(model)
     options = BuildOptions(quantization=QuantScheme.parse(quantization), kv_dtype=kv_dtype, block_size=block_size,
                            max_seq_len=max_seq_len, calibration=calibration, lm_head=LmHead.parse(lm_head),
-                           medusa=medusa, pipeline_stages=pipeline_stages)
+                           medusa=medusa, pipeline_stages=pipeline_stages, tensor_parallel=tensor_parallel)
     build_engine(model, output, options, backend=backend, mmproj=mmproj)
+
+
+@main.command()
+@click.argument("engine_dir", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.argument("output", type=click.Path(path_type=Path))
+@tensor_parallel_build_option
+@click.option("--pipeline-stages", type=click.IntRange(min=1), default=1, show_default=True,
+              help="cut the engine's graph into N pipeline stages (as kiln build --pipeline-stages N)")
+def split(engine_dir: Path, output: Path, tensor_parallel: int, pipeline_stages: int) -> None:
+    """Write a copy of the one-graph engine ENGINE_DIR split into tensor-parallel ranks or pipeline stages into
+    OUTPUT, without rebuilding it."""
+    from kiln.optimize.shard_tensor_parallel import split_engine_tensor_parallel
+    from kiln.optimize.split_stages import split_engine
+
+    if (tensor_parallel > 1) == (pipeline_stages > 1):
+        raise InvalidParamError("give one of --tensor-parallel N or --pipeline-stages N (N > 1)", "tensor_parallel")
+    if output.exists():
+        raise InvalidParamError(f"{output} already exists; choose a new directory", "output")
+    if tensor_parallel > 1:
+        manifest = split_engine_tensor_parallel(engine_dir, output, tensor_parallel)
+    else:
+        manifest = split_engine(engine_dir, output, pipeline_stages)
+    click.echo(f"engine written to {output} ({', '.join(manifest.graph_files)})")
 
 
 _speculative_options = [
@@ -210,6 +240,10 @@ def _speculative(method: str | None, num_tokens: int, draft: str | None,
 @click.option("--stage-memory-bytes", type=click.IntRange(min=1), default=None,
               help="with --pipeline-parallel: the memory each stage actor may take beyond its Ray worker's own, "
                    "enforced (RLIMIT_DATA); a stage that does not fit fails to load")
+@click.option("--tensor-parallel", type=click.IntRange(min=1), default=None,
+              help="serve an engine of N tensor-parallel ranks (kiln build --tensor-parallel N): one process per rank, "
+                   "pinned to its own CPUs, --num-threads (default 1) threads each; such an engine always runs its "
+                   "ranks, and N must equal its rank count")
 @click.option("--ray-address", default=None, help="with replicas: an existing Ray cluster (e.g. ray://head:10001 or "
               "auto) instead of a local Ray on this machine")
 @click.option("--log-level", type=click.Choice(["critical", "error", "warning", "info", "debug"]), default="info",
@@ -223,8 +257,8 @@ def serve(engine_dir: Path, host: str, port: int, api_key: str | None, served_mo
           reasoning_parser: str, speculative: str | None, num_speculative_tokens: int,
           draft: str | None, min_guess_probability: float | None, replicas: int | None,
           prefill_replicas: int | None, decode_replicas: int | None,
-          routing: str, pipeline_parallel: int, stage_memory_bytes: int | None, ray_address: str | None,
-          log_level: str) -> None:
+          routing: str, pipeline_parallel: int, stage_memory_bytes: int | None, tensor_parallel: int | None,
+          ray_address: str | None, log_level: str) -> None:
     """Serve ENGINE_DIR over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions), with a
     chat page at /; on several replicas with --replicas N (or --prefill-replicas P --decode-replicas D)."""
     from kiln.runtime.params import RuntimeConfig
@@ -237,7 +271,8 @@ def serve(engine_dir: Path, host: str, port: int, api_key: str | None, served_mo
                            chat_template=chat_template.read_text() if chat_template else None,
                            speculative=_speculative(speculative, num_speculative_tokens, draft, min_guess_probability),
                            pipeline_parallel=pipeline_parallel, stage_memory_bytes=stage_memory_bytes,
-                           allowed_media_path=None if allowed_media_path is None else str(allowed_media_path))
+                           allowed_media_path=None if allowed_media_path is None else str(allowed_media_path),
+                           tensor_parallel=tensor_parallel)
     options = ServeOptions(host=host, port=port, served_model_name=served_model_name, max_queue=max_queue,
                            shutdown_timeout=shutdown_timeout, log_level=log_level, api_key=api_key or None,
                            web_ui=not no_web_ui, max_request_bytes=max_request_bytes, read_timeout=read_timeout,
@@ -251,6 +286,9 @@ def serve(engine_dir: Path, host: str, port: int, api_key: str | None, served_mo
     if cluster is not None and allowed_media_path is not None:  # the replicas' front end takes no images
         raise InvalidParamError("--allowed-media-path is for one engine's images; replicas serve text only",
                                 "allowed_media_path")
+    if cluster is not None and tensor_parallel is not None and tensor_parallel > 1:
+        raise InvalidParamError("--tensor-parallel serves one engine; it does not combine with replicas",
+                                "tensor_parallel")
     if cluster is None:
         run_server(engine_dir, config, options)
     else:
@@ -383,11 +421,14 @@ def chat(engine_dir: str, system: str | None, max_tokens: int, temperature: floa
 @speculative_options
 @click.option("--pipeline-parallel", type=click.IntRange(min=1), default=1, show_default=True,
               help="an engine of N pipeline stages with each stage in its own Ray actor (as kiln serve)")
+@click.option("--tensor-parallel", type=click.IntRange(min=1), default=None,
+              help="an engine of N tensor-parallel ranks (as kiln serve); reports each rank's seconds and all-reduce "
+                   "waits")
 def bench(engine_dir: str, num_requests: int, input_len: int, output_len: int, concurrency: tuple[int, ...],
           request_rate: float | None, kv_cache_bytes: int | None, max_num_seqs: int, max_num_tokens: int | None,
           num_threads: int | None, json_path: str | None, server_url: str | None, api_key: str | None, sweep: bool,
           plot_dir: Path | None, speculative: str | None, num_speculative_tokens: int, draft: str | None,
-          min_guess_probability: float | None, pipeline_parallel: int) -> None:
+          min_guess_probability: float | None, pipeline_parallel: int, tensor_parallel: int | None) -> None:
     """Offline throughput/latency of ENGINE_DIR on a synthetic workload, vs the memory-bandwidth floor."""
     from kiln.cli.charts import check_plottable, concurrency_sweep, write_bench_charts
     from kiln.runtime.bench.offline import BenchConfig, say
@@ -414,7 +455,7 @@ def bench(engine_dir: str, num_requests: int, input_len: int, output_len: int, c
     else:
         config = RuntimeConfig(kv_cache_bytes=kv_cache_bytes, max_num_seqs=max_num_seqs, max_num_tokens=max_num_tokens,
                                num_threads=num_threads, enable_prefix_caching=False, speculative=spec,
-                               pipeline_parallel=pipeline_parallel)
+                               pipeline_parallel=pipeline_parallel, tensor_parallel=tensor_parallel)
         report = run(engine_dir, cfg, levels, config, json_path)
     if plot_dir is not None:
         for path in write_bench_charts(report, plot_dir):

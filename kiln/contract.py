@@ -46,9 +46,10 @@ OP_VERSION = 1
 # 6: kiln.PagedAttention's softcap attribute (Gemma 2's attention logit soft-cap: an older library would
 #    ignore it and compute uncapped attention, so engines that carry it need this one), the kiln.MoE op
 #    (kiln/moe.py), which mixture-of-experts models' MLPs use, and kiln.MatMulGGUF (a GGUF's own blocks).
-OP_LIBRARY_ABI = 6
-# The oldest engine ABI this library still runs: ABIs 2 to 6 only added optional inputs, attributes,
-# a pool dtype and new ops, so ABI-1 to ABI-5 graphs (RoPE as graph ops, no SwiGLU) are unchanged and need no rebuild.
+# 7: the kiln.AllReduce op (kiln/all_reduce.py), which tensor-parallel engines' rank graphs use.
+OP_LIBRARY_ABI = 7
+# The oldest engine ABI this library still runs: ABIs 2 to 7 only added optional inputs, attributes,
+# a pool dtype and new ops, so ABI-1 to ABI-6 graphs (RoPE as graph ops, no SwiGLU) are unchanged and need no rebuild.
 OP_LIBRARY_MIN_ABI = 1
 
 INPUT_IDS = "input_ids"

@@ -22,6 +22,7 @@ from kiln.medusa import MedusaSpec
 from kiln.pipeline_stages import PipelineStage, check_stages
 from kiln.quant_scheme import LmHead, QuantScheme
 from kiln.spec import ModelSpec
+from kiln.tensor_parallel import TensorRank, check_ranks
 from kiln.verified_files import FileVerifier, sha256_file
 from kiln.vision import VisionSpec
 
@@ -52,12 +53,13 @@ class BuildOptions:
     lm_head: LmHead = LmHead.INT8  # the LM head's weights under an int4 scheme
     medusa: Path | None = None  # artifact of `kiln train-medusa`: heads compiled into the graph (kiln/medusa.py)
     pipeline_stages: int = 1  # graphs of contiguous layer ranges (kiln/pipeline_stages.py); 1: one graph
+    tensor_parallel: int = 1  # graphs of each rank's heads and MLP columns (kiln/tensor_parallel.py); 1: one graph
 
     def __post_init__(self) -> None:
         require(isinstance(self.quantization, QuantScheme), "quantization", "a QuantScheme (QuantScheme.parse(name))",
                 self.quantization)
         require(self.kv_dtype in KV_DTYPES, "kv_dtype", f"one of {list(KV_DTYPES)}", self.kv_dtype)
-        for name in ("block_size", "max_seq_len", "max_num_tokens", "pipeline_stages"):
+        for name in ("block_size", "max_seq_len", "max_num_tokens", "pipeline_stages", "tensor_parallel"):
             value = getattr(self, name)
             require(isinstance(value, int) and value > 0 or name == "max_seq_len" and value is None, name,
                     "a positive integer", value)
@@ -72,13 +74,13 @@ class BuildOptions:
                 "max_seq_len": self.max_seq_len, "max_num_tokens": self.max_num_tokens,
                 "calibration": None if self.calibration is None else str(self.calibration),
                 "lm_head": self.lm_head.value, "medusa": None if self.medusa is None else str(self.medusa),
-                "pipeline_stages": self.pipeline_stages}
+                "pipeline_stages": self.pipeline_stages, "tensor_parallel": self.tensor_parallel}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> BuildOptions:
         """Read to_dict's object, and that of older manifests: they also carry "dtype" (always float32,
         the only one builds accepted) and "" for no calibration artifact, and lack "lm_head" (int8 then)
-        "medusa" (no heads) and "pipeline_stages" (one graph)."""
+        "medusa" (no heads), "pipeline_stages" and "tensor_parallel" (one graph)."""
         fields = {key: value for key, value in data.items() if key != "dtype"}
         calibration = fields.pop("calibration", None)
         medusa = fields.pop("medusa", None)
@@ -116,6 +118,8 @@ class Manifest:
     # engine without the field): the one graph model.onnx (see `graph_files`)
     stages: tuple[PipelineStage, ...] = ()
     vision: VisionSpec | None = None  # a vision-language engine's image side (kiln/vision.py); None: text only
+    # kiln build --tensor-parallel N (N > 1): one graph per rank instead of model.onnx; (): the one graph
+    ranks: tuple[TensorRank, ...] = ()
 
     def __post_init__(self) -> None:
         require(self.build.max_seq_len is not None, "build.max_seq_len",
@@ -130,11 +134,21 @@ class Manifest:
         if len(self.stages) == 1:
             raise EngineLoadError(f"{MANIFEST_NAME} field stages lists one stage; a one-stage engine has model.onnx "
                                   "and no stages")
+        try:
+            check_ranks(self.ranks, self.spec.num_heads, self.spec.num_kv_heads)
+        except ValueError as exc:
+            raise EngineLoadError(f"{MANIFEST_NAME} field ranks is inconsistent: {exc}") from None
+        if len(self.ranks) != (self.build.tensor_parallel if self.build.tensor_parallel > 1 else 0):
+            raise EngineLoadError(f"{MANIFEST_NAME} lists {len(self.ranks)} tensor-parallel ranks, but "
+                                  f"build.tensor_parallel is {self.build.tensor_parallel}")
+        if self.ranks and self.stages:
+            raise EngineLoadError(f"{MANIFEST_NAME} lists both pipeline stages and tensor-parallel ranks")
 
     @property
     def graph_files(self) -> tuple[str, ...]:
-        """The engine's graphs: its stages' in order, or model.onnx."""
-        return tuple(stage.graph for stage in self.stages) or ("model.onnx",)
+        """The engine's graphs: its stages' or ranks' in order, or model.onnx."""
+        return (tuple(stage.graph for stage in self.stages) or tuple(rank.graph for rank in self.ranks)
+                or ("model.onnx",))
 
     @property
     def max_seq_len(self) -> int:
@@ -157,6 +171,8 @@ class Manifest:
         }
         if self.stages:  # only staged engines carry the field: a one-graph manifest reads as before
             data["stages"] = [stage.to_dict() for stage in self.stages]
+        if self.ranks:
+            data["ranks"] = [rank.to_dict() for rank in self.ranks]
         if self.vision is not None:  # a text engine's manifest stays as kiln before vision wrote it
             data["vision"] = self.vision.to_dict()
         return json.dumps(data, indent=2, sort_keys=True)
@@ -200,7 +216,15 @@ class Manifest:
             tensorrt=TensorRTPlan(**data["tensorrt"]) if data.get("tensorrt") else None,
             stages=tuple(PipelineStage(**stage) for stage in data.get("stages", ())),
             vision=_vision(data.get("vision")),
+            ranks=_ranks(data.get("ranks", ())),
         )
+
+
+def _ranks(data: list[dict[str, Any]]) -> tuple[TensorRank, ...]:
+    try:
+        return tuple(TensorRank(**rank) for rank in data)
+    except ValueError as exc:
+        raise EngineLoadError(f"{MANIFEST_NAME} field ranks is inconsistent: {exc}") from None
 
 
 def _vision(data: dict[str, Any] | None) -> VisionSpec | None:
@@ -216,14 +240,14 @@ def _vision(data: dict[str, Any] | None) -> VisionSpec | None:
 _BUILD_SCHEMA: dict[str, Any] = {
     "quantization": str, "kv_dtype": str, "block_size": int, "max_seq_len": int, "max_num_tokens": int,
     "calibration?": str | None, "lm_head?": str, "dtype?": str, "medusa?": str | None,
-    "pipeline_stages?": int,
+    "pipeline_stages?": int, "tensor_parallel?": int,
 }
 _SCHEMA: dict[str, Any] = {
     "format_version": int, "kiln_version": str, "backend": str, "op_library_abi": int,
     "model_spec": ModelSpec, "build": _BUILD_SCHEMA,
     "graph": {"inputs": list[str], "outputs": list[str]}, "files": dict[str, str],
     "medusa?": MedusaSpec | None, "tensorrt?": TensorRTPlan | None, "stages?": list[PipelineStage],
-    "vision?": VisionSpec | None,
+    "vision?": VisionSpec | None, "ranks?": list[TensorRank],
 }
 _RULES = {bool: "true or false", int: "an integer", float: "a number", str: "a string", type(None): "null"}
 

@@ -47,6 +47,7 @@ from kiln.optimize.medusa_draft import build_draft_graph, save_draft_graph
 from kiln.optimize.pipeline import optimize_model
 from kiln.optimize.quantize import QuantizationError, check_lm_head, int8_fallback, prepare_checkpoint, quantize_model
 from kiln.optimize.quantize import check_options as check_quantization
+from kiln.optimize.shard_tensor_parallel import check_splittable, split_into_ranks
 from kiln.optimize.split_stages import StageSplitError, split_into_stages
 from kiln.pipeline_stages import stage_layer_ranges
 from kiln.quant_scheme import LmHead, QuantMethod
@@ -91,6 +92,11 @@ def build_engine(
         vision = _load_vision(model_path, backend, checkpoint, mmproj)
         if vision is not None and options.pipeline_stages > 1:  # the stage runners bind no image inputs
             raise BuildError("--pipeline-stages is not supported for vision-language models yet")
+        if options.tensor_parallel > 1:
+            try:
+                check_splittable(backend, options, checkpoint.spec, vision is not None or options.medusa is not None)
+            except KilnError as exc:
+                raise BuildError(str(exc)) from exc
         try:
             heads = _medusa_heads(checkpoint, options.medusa, say) if options.medusa is not None else None
             if heads is not None and heads.kind != "hydra" and options.lm_head is LmHead.INT4_RESCORED:
@@ -144,6 +150,10 @@ def build_engine(
                 stages = split_into_stages(staging, spec, options.pipeline_stages, say)
             except StageSplitError as exc:
                 raise BuildError(str(exc)) from exc
+            try:
+                ranks = split_into_ranks(staging, spec, options.tensor_parallel, say)
+            except KilnError as exc:
+                raise BuildError(str(exc)) from exc
             _write_tokenizer(checkpoint, staging)
             if draft is not None:
                 say(f"  {save_draft_graph(draft, staging).name}: the hydra heads' chain")
@@ -156,7 +166,7 @@ def build_engine(
         _release_memory()  # the graph's quantized weights go before onnxruntime loads the engine
         manifest = Manifest(
             spec=spec, build=options, backend=backend, graph_inputs=graph_inputs,
-            graph_outputs=graph_outputs, medusa=None if heads is None else heads.spec(), stages=stages,
+            graph_outputs=graph_outputs, medusa=None if heads is None else heads.spec(), stages=stages, ranks=ranks,
             vision=None if vision is None else vision.spec,
         )
         with _stage(say, "manifest"):

@@ -419,6 +419,7 @@ class Engine:
             num_spec_proposed_tokens=spec.proposed,
             num_spec_accepted_tokens=spec.accepted,
             pipeline=self.runner.stage_totals(),
+            tensor_parallel=self.runner.rank_totals(),
             num_images_encoded=0 if self.image_encoder is None else self.image_encoder.images_encoded,
             num_image_cache_hits=0 if self.image_encoder is None else self.image_encoder.cache_hits,
         )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import logging
 import os
@@ -28,6 +29,7 @@ NUM_THREADS_ENV = "KILN_NUM_THREADS"
 if TYPE_CHECKING:  # onnxruntime is imported once an engine is opened, not with the runtime package
     from kiln.runtime.ort_runner import OrtModelRunner
     from kiln.runtime.pipeline.runner import PipelineRunner
+    from kiln.runtime.tensor_parallel.runner import TensorParallelRunner
     from kiln.runtime.trt_runner import TrtModelRunner
 
 log = logging.getLogger("kiln.runtime")
@@ -86,7 +88,12 @@ def _open_engine(engine_dir: Path, config: RuntimeConfig, manifest: Manifest, to
     held = min(max_model_len, window_tokens(window, step_tokens, build.block_size)) if window else max_model_len
     budget = KvBudget(pools.bytes_per_block, build.block_size, min_tokens=held,
                       max_useful_tokens=config.max_num_seqs * held)
-    runner: OrtModelRunner | TrtModelRunner | PipelineRunner
+    check_tensor_parallel(engine_dir, manifest, config)
+    if manifest.ranks:  # the budget covers every rank's pools (a KV head held by two ranks counts twice)
+        from kiln.runtime.tensor_parallel.runner import group_bytes_per_block
+
+        budget = dataclasses.replace(budget, bytes_per_block=group_bytes_per_block(pools, manifest.ranks))
+    runner: OrtModelRunner | TrtModelRunner | PipelineRunner | TensorParallelRunner
     size_pool = choose_num_blocks if config.max_model_len is not None else fit_num_blocks
     if manifest.backend == BACKEND_TENSORRT:
         if config.pipeline_parallel > 1:
@@ -120,6 +127,19 @@ def _open_engine(engine_dir: Path, config: RuntimeConfig, manifest: Manifest, to
     if config.speculative is not None and config.speculative.method != "ngram":
         proposer = open_proposer(config.speculative, engine_dir, manifest, runner, num_threads)
     return Engine(runner, tokenizer, config, limits, model_name=engine_dir.resolve().name, proposer=proposer)
+
+
+def check_tensor_parallel(engine_dir: Path, manifest: Manifest, config: RuntimeConfig) -> None:
+    """RuntimeConfig.tensor_parallel, when given, must be the engine's rank count (1 for a one-graph engine)."""
+    have = len(manifest.ranks) or 1
+    if config.tensor_parallel is not None and config.tensor_parallel != have:
+        what = f"{have} tensor-parallel ranks" if manifest.ranks else "one graph (no tensor-parallel ranks)"
+        raise EngineLoadError(f"--tensor-parallel {config.tensor_parallel} needs an engine of "
+                              f"{config.tensor_parallel} ranks, and {engine_dir} has {what}; build it with kiln build "
+                              f"--tensor-parallel {config.tensor_parallel} (or split it with kiln split "
+                              f"--tensor-parallel {config.tensor_parallel})")
+    if manifest.ranks and config.pipeline_parallel > 1:
+        raise EngineLoadError("pipeline_parallel does not combine with a tensor-parallel engine")
 
 
 def kv_release_window(spec: ModelSpec) -> int:
@@ -236,9 +256,15 @@ def engine_kv_pools(manifest: Manifest) -> KvPoolSpec:
 
 def open_engine_runner(
     engine_dir: Path, manifest: Manifest, num_blocks: int, num_threads: int | None,
-) -> OrtModelRunner | PipelineRunner:
+) -> OrtModelRunner | PipelineRunner | TensorParallelRunner:
     """The engine's graph in an OrtModelRunner with num_blocks blocks per layer, pools as its manifest says; a
-    staged engine's graphs in a PipelineRunner (num_threads per stage, one after another in this process)."""
+    staged engine's graphs in a PipelineRunner (num_threads per stage, one after another in this process); a
+    tensor-parallel engine's ranks in their processes (num_threads each, default 1)."""
+    if manifest.ranks:
+        from kiln.runtime.tensor_parallel.runner import open_tensor_parallel_runner
+
+        return open_tensor_parallel_runner(engine_dir, manifest, engine_kv_pools(manifest), num_blocks,
+                                           num_threads or 1, manifest.build.max_num_tokens)
     if manifest.stages:
         from kiln.runtime.pipeline.runner import open_pipeline_runner
         from kiln.runtime.pipeline.shape import StageSizing

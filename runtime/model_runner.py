@@ -16,7 +16,7 @@ import numpy as np
 from kiln import contract
 from kiln.errors import InvalidParamError, KilnError
 from kiln.runtime.kv_transfer import KvLayout
-from kiln.runtime.outputs import StageTotals
+from kiln.runtime.outputs import RankTotals, StageTotals
 from kiln.runtime.scheduler import SchedulerOutput
 from kiln.runtime.sequence import Sequence
 from kiln.runtime.vision.prompt import image_rows
@@ -169,6 +169,10 @@ class ModelRunner(abc.ABC):
     def stage_totals(self) -> StageTotals:
         """A pipeline's per-stage time and bytes handed between stages; empty for one graph."""
         return StageTotals()
+
+    def rank_totals(self) -> RankTotals:
+        """A tensor-parallel engine's per-rank time and all-reduce waits and bytes; empty for one graph."""
+        return RankTotals()
 
     def kv_layout(self) -> KvLayout:
         """The shape and dtype of one block of the pools (what read/write_kv_blocks move)."""

@@ -106,6 +106,30 @@ class StageTotals:
                            self.restarts + other.restarts)
 
 
+@dataclass(frozen=True)
+class RankTotals:
+    """What a tensor-parallel engine's ranks did since its runner opened (kiln build --tensor-parallel): each
+    rank's own seconds (its bindings and run, all-reduce waits included), each rank's seconds waiting in
+    kiln.AllReduce for the others, the bytes all ranks reduced, the steps, and how often the ranks were started
+    again after one died."""
+
+    rank_seconds: tuple[float, ...] = ()
+    wait_seconds: tuple[float, ...] = ()
+    all_reduce_bytes: int = 0
+    steps: int = 0
+    restarts: int = 0
+
+    def __add__(self, other: RankTotals) -> RankTotals:
+        """Two runners' totals (replicas summed for /metrics), rank by rank."""
+        def add(a: tuple[float, ...], b: tuple[float, ...]) -> tuple[float, ...]:
+            longer, shorter = sorted((a, b), key=len, reverse=True)
+            return tuple(x + (shorter[i] if i < len(shorter) else 0.0) for i, x in enumerate(longer))
+
+        return RankTotals(add(self.rank_seconds, other.rank_seconds), add(self.wait_seconds, other.wait_seconds),
+                          self.all_reduce_bytes + other.all_reduce_bytes, self.steps + other.steps,
+                          self.restarts + other.restarts)
+
+
 @dataclass
 class EngineStats:
     num_running: int = 0
@@ -121,6 +145,7 @@ class EngineStats:
     num_spec_proposed_tokens: int = 0
     num_spec_accepted_tokens: int = 0
     pipeline: StageTotals = StageTotals()  # empty for a one-graph engine
+    tensor_parallel: RankTotals = RankTotals()  # empty for an engine without tensor-parallel ranks
     num_images_encoded: int = 0  # encoder runs per image (a vision-language engine's; its cache saves the rest)
     num_image_cache_hits: int = 0  # images whose embeddings came from the encoder's cache
 

@@ -156,8 +156,13 @@ class RuntimeConfig:
     stage_memory_bytes: int | None = None
     # a directory whose files image_url parts may name by file:// URL (kiln serve --allowed-media-path); None: none
     allowed_media_path: str | None = None
+    # the ranks of an engine built with --tensor-parallel N, each in its own process pinned to its CPUs with
+    # num_threads (default 1) ORT threads; None: the engine's rank count, and a number must equal it
+    tensor_parallel: int | None = None
 
     def __post_init__(self) -> None:
+        _require(self.tensor_parallel is None or self.tensor_parallel >= 1, "tensor_parallel", ">= 1",
+                 self.tensor_parallel)
         _require(self.pipeline_parallel >= 1, "pipeline_parallel", ">= 1", self.pipeline_parallel)
         _require(self.stage_memory_bytes is None or (self.stage_memory_bytes > 0 and self.pipeline_parallel > 1),
                  "stage_memory_bytes", "> 0, and only with pipeline_parallel > 1 (stages in their own processes)",

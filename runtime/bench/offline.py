@@ -156,6 +156,7 @@ def run_workload(
         "num_preemptions": engine.stats().num_preemptions - preempt0,
         "speculative": speculation_summary(engine, stats0),
         "pipeline": pipeline_summary(engine, stats0),
+        "tensor_parallel": tensor_parallel_summary(engine, stats0),
     }
 
 
@@ -172,6 +173,22 @@ def pipeline_summary(engine: Engine, before: EngineStats) -> dict[str, Any] | No
             "stage_share": [round(s / sum(seconds), 4) for s in seconds] if sum(seconds) else None,
             "bytes_moved": now.bytes_moved - then.bytes_moved, "tokens": tokens,
             "bytes_per_token": round((now.bytes_moved - then.bytes_moved) / tokens, 1) if tokens else None}
+
+
+def tensor_parallel_summary(engine: Engine, before: EngineStats) -> dict[str, Any] | None:
+    """Each rank's seconds since `before`, the part of them it waited in kiln.AllReduce for the others, and the
+    bytes the ranks reduced (None for an engine without tensor-parallel ranks)."""
+    now, then = engine.stats().tensor_parallel, before.tensor_parallel
+    if not now.rank_seconds:
+        return None
+
+    def since(a: tuple[float, ...], b: tuple[float, ...]) -> list[float]:
+        return [round(x - (b[i] if i < len(b) else 0.0), 4) for i, x in enumerate(a)]
+
+    seconds, waits = since(now.rank_seconds, then.rank_seconds), since(now.wait_seconds, then.wait_seconds)
+    return {"rank_seconds": seconds, "all_reduce_wait_seconds": waits,
+            "wait_share": [round(w / s, 4) if s else None for w, s in zip(waits, seconds, strict=True)],
+            "all_reduce_bytes": now.all_reduce_bytes - then.all_reduce_bytes, "steps": now.steps - then.steps}
 
 
 def single_stream(engine: Engine, input_len: int = 16, output_len: int = 64) -> dict[str, float]:
@@ -245,6 +262,9 @@ def bench(engine_dir: str, cfg: BenchConfig, concurrencies: tuple[int | None, ..
         if (stages := result["pipeline"]) is not None:
             say(f"  pipeline: stage seconds {stages['stage_seconds']}, {stages['bytes_per_token']} bytes per token "
                 "handed between stages")
+        if (ranks := result["tensor_parallel"]) is not None:
+            say(f"  tensor parallel: rank seconds {ranks['rank_seconds']}, of which waiting in the all-reduce "
+                f"{ranks['all_reduce_wait_seconds']}, {ranks['all_reduce_bytes']} bytes reduced")
         if (spec := result["speculative"]) is not None:
             say(f"  speculative: acceptance rate {spec['acceptance_rate']}, {spec['tokens_per_verification']} "
                 f"tokens per verification ({spec['verifications']} verifications)")

@@ -1,9 +1,9 @@
-"""Compile libkiln_ops.so (the kiln.PagedAttention, kiln.MatMulQ4_1, kiln.MatMulGGUF, kiln.SwiGLU and kiln.MoE
-ONNX Runtime CPU kernels, and the sampler's row kernels that runtime/ops/sampling.py calls through ctypes) with g++,
-once per instruction set: libkiln_ops.so for AVX2 (the baseline) and libkiln_ops_avx512vnni.so for CPUs with
-AVX-512 VNNI, which kiln.runtime.ops.library_path() picks at load. A whole library per ISA, not a dispatching
-one, because two ISAs in one library share their inline and std:: code, and the linker may keep the AVX-512
-copy for the AVX2 path.
+"""Compile libkiln_ops.so (the kiln.PagedAttention, kiln.MatMulQ4_1, kiln.MatMulGGUF, kiln.SwiGLU, kiln.MoE and
+kiln.AllReduce ONNX Runtime CPU kernels, and the sampler's row kernels that runtime/ops/sampling.py calls through
+ctypes) with g++, once per instruction set: libkiln_ops.so for AVX2 (the baseline) and libkiln_ops_avx512vnni.so
+for CPUs with AVX-512 VNNI, which kiln.runtime.ops.library_path() picks at load. A whole library per ISA, not a
+dispatching one, because two ISAs in one library share their inline and std:: code, and the linker may keep the
+AVX-512 copy for the AVX2 path.
 
 Standard library only: setup.py loads this file by path at install time, and `make` or a
 developer can rerun it:  python runtime/ops/build_ops.py [-o OUT.so]
@@ -26,10 +26,10 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 SOURCES = ("paged_attention.cc", "matmul_q4_1.cc", "matmul_gguf.cc", "matmul_gguf_int8.cc", "swiglu.cc", "moe.cc",
-           "moe_q4_1.cc", "sampling.cc", "rescore_logits.cc")
+           "moe_q4_1.cc", "sampling.cc", "rescore_logits.cc", "all_reduce.cc")
 HEADERS = ("simd.h", "attention_rows.h", "paged_attention_kernel.h", "validate.h", "shape_text.h", "parallel_for.h",
            "matmul_q4_1.h", "q4_1_records.h", "matmul_gguf.h", "matmul_gguf_int8.h", "swiglu.h", "moe.h",
-           "moe_experts.h", "sampling_simd.h", "rescore_logits.h")
+           "moe_experts.h", "sampling_simd.h", "rescore_logits.h", "all_reduce.h")
 LIBRARY_NAME = "libkiln_ops.so"
 # variant name -> (library file name, compiler flags added to CXXFLAGS); the first is the baseline. 256-bit vectors
 # stay preferred: the kernels are written for ymm registers, VNNI only adds instructions (vpdpbusd) on them.

@@ -23,6 +23,7 @@
 #include <optional>
 #include <string>
 
+#include "all_reduce.h"
 #include "matmul_gguf.h"
 #include "matmul_q4_1.h"
 #include "moe.h"
@@ -34,7 +35,7 @@
 
 namespace kiln {
 
-constexpr int kAbiVersion = 6;  // kiln.contract.OP_LIBRARY_ABI
+constexpr int kAbiVersion = 7;  // kiln.contract.OP_LIBRARY_ABI
 
 // ---------------------------------------------------------------- the op
 
@@ -212,6 +213,7 @@ __attribute__((visibility("default"))) OrtStatus* ORT_API_CALL RegisterCustomOps
       kiln::add_swiglu(*domain);
       kiln::add_moe(*domain);
       kiln::add_rescore_logits(*domain);
+      kiln::add_all_reduce(*domain);
     }
     Ort::UnownedSessionOptions(options).Add(*domain);
   } catch (const std::exception& e) {

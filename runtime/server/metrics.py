@@ -66,6 +66,7 @@ class _EngineCollector:
         for name, (doc, value) in counters.items():
             yield CounterMetricFamily(name, doc, value=value)
         yield from _pipeline_metrics(s)
+        yield from _tensor_parallel_metrics(s)
 
 
 def _pipeline_metrics(s: EngineStats) -> Iterator[Metric]:
@@ -90,6 +91,26 @@ def _pipeline_metrics(s: EngineStats) -> Iterator[Metric]:
     yield CounterMetricFamily("kiln_pipeline_stage_restarts", "Pipeline stage processes that died and were "
                               "started again (each one cost the running requests their K/V).",
                               value=s.pipeline.restarts)
+
+
+def _tensor_parallel_metrics(s: EngineStats) -> Iterator[Metric]:
+    """A tensor-parallel engine's per-rank seconds, all-reduce waits and bytes (nothing without ranks)."""
+    ranks = s.tensor_parallel
+    if not ranks.rank_seconds:
+        return
+    for name, doc, values in (
+            ("kiln_tensor_parallel_rank_seconds", "Seconds each tensor-parallel rank has run steps (waits included).",
+             ranks.rank_seconds),
+            ("kiln_tensor_parallel_all_reduce_wait_seconds", "Seconds each rank has waited in kiln.AllReduce for "
+             "the other ranks.", ranks.wait_seconds)):
+        family = CounterMetricFamily(name, doc, labels=["rank"])
+        for index, value in enumerate(values):
+            family.add_metric([str(index)], value)
+        yield family
+    yield CounterMetricFamily("kiln_tensor_parallel_all_reduce_bytes", "Bytes the ranks have summed in kiln.AllReduce "
+                              "(each rank's share counted).", value=ranks.all_reduce_bytes)
+    yield CounterMetricFamily("kiln_tensor_parallel_restarts", "Times the ranks were started again after one died "
+                              "(each cost the running requests their K/V).", value=ranks.restarts)
 
 
 class ServerMetrics:
