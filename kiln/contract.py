@@ -46,8 +46,10 @@ OP_VERSION = 1
 # 6: kiln.PagedAttention's softcap attribute (Gemma 2's attention logit soft-cap: an older library would
 #    ignore it and compute uncapped attention, so engines that carry it need this one), the kiln.MoE op
 #    (kiln/moe.py), which mixture-of-experts models' MLPs use, and kiln.MatMulGGUF (a GGUF's own blocks).
-OP_LIBRARY_ABI = 6
-# The oldest engine ABI this library still runs: ABIs 2 to 6 only added optional inputs, attributes,
+# 7: kiln.PagedAttention's optional 11th input attend_until (Gemma 3's bidirectional image runs: an older
+#    library would ignore it and attend causally only, so engines that carry it need this one).
+OP_LIBRARY_ABI = 7
+# The oldest engine ABI this library still runs: ABIs 2 to 7 only added optional inputs, attributes,
 # a pool dtype and new ops, so ABI-1 to ABI-5 graphs (RoPE as graph ops, no SwiGLU) are unchanged and need no rebuild.
 OP_LIBRARY_MIN_ABI = 1
 
