@@ -63,6 +63,8 @@ LOGITS = "logits"
 MEDUSA_INDICES = "medusa_indices"
 MEDUSA_LOGITS = "medusa_logits"
 MEDUSA_HIDDEN = "medusa_hidden"
+# kiln.PagedAttention's optional 11th input, a graph input of Gemma 3 vision-language engines (kiln/paged_attention.py)
+ATTEND_UNTIL = "attend_until"
 
 
 def kv_cache_input(layer: int) -> str:

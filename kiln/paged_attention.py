@@ -59,7 +59,8 @@ sequence is written to block block_tables[s][pos // block_size], slot pos % bloc
 -127, 127) in float32 arithmetic, K post-RoPE). Then query head h of that token attends, through
 KV head h // (H / Hkv), to every position p of its sequence with p <= pos (p <= attend_until[t]
 when given; and p > pos - sliding_window when set, the window measured back from the token's own position:
-transformers' Gemma 3 masks a sliding layer as AND(window, OR(causal, same image))), reading K/V from the updated pool: out = softmax(s) V with the scores
+transformers' Gemma 3 masks a sliding layer as AND(window, OR(causal, same image))), reading K/V from the
+updated pool: out = softmax(s) V with the scores
 s = scale * q.K^T, soft-capped to softcap * tanh(s / softcap) when softcap > 0 (before the causal mask).
 For an int8 pool the steps factor out of the sums: scores = scale * kv_scale[0][g] * (q . float(k_i8)),
 and out = kv_scale[1][g] * sum_j p_j float(v_i8_j) (i.e. attention over the dequantized K/V). Blocks
@@ -78,7 +79,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import numpy.typing as npt
 
-from kiln.contract import OP_DOMAIN, OP_TYPE, OP_VERSION
+from kiln.contract import ATTEND_UNTIL, OP_DOMAIN, OP_TYPE, OP_VERSION
 
 if TYPE_CHECKING:
     from onnx import ModelProto
@@ -88,7 +89,6 @@ KV_SCALE = "kv_scale"  # the optional 8th input (int8 pools only)
 ROTARY_INPUTS = ("cos_cache", "sin_cache")  # the optional 9th and 10th inputs (RoPE inside the op)
 NO_KV_SCALE = "kv_scale.none"  # float32 [0]: the 8th input of a float pool that has cos/sin after it
 NO_ROTARY = "rotary.none"  # float32 [0]: the 9th and 10th inputs of an op with attend_until but no RoPE inside
-ATTEND_UNTIL = "attend_until"  # the optional 11th input (bidirectional runs: Gemma 3's images)
 PACKED_QKV = "qkv.packed"  # float32 [0]: key and value of an op whose query holds packed Q|K|V
 OUTPUT_NAMES = ("out", "kv_cache_out")
 INT8_MAX = 127
@@ -123,10 +123,12 @@ class PagedAttentionAttrs:
 
 @dataclass(frozen=True)
 class QkvLayout:
-    """How query, key and value reach the op: packed into one query (key and value empty), with a leading 1."""
+    """How the op's inputs arrive: query, key and value packed into one query (key and value empty), with a
+    leading 1; and (for make_single_op_model) whether the op takes attend_until."""
 
     packed: bool = False
     batch_of_one: bool = False
+    attend_until: bool = False
 
 
 @dataclass(frozen=True)
@@ -297,7 +299,7 @@ def _attention_ref(inputs: PagedAttentionInputs, attrs: PagedAttentionAttrs) -> 
 
 def make_single_op_model(
     attrs: PagedAttentionAttrs, head_dim: int, block_size: int, kv_dtype: npt.DTypeLike = np.float32,
-    rotary: bool = False, layout: QkvLayout | None = None, attend_until: bool = False,
+    rotary: bool = False, layout: QkvLayout | None = None,
 ) -> ModelProto:
     """A one-node ONNX model running kiln.PagedAttention with `attrs`, for tests and benchmarks.
 
@@ -305,8 +307,8 @@ def make_single_op_model(
     rotary adds the graph inputs cos_cache and sin_cache [P, R/2] (the 9th and 10th; a float pool's 8th input
     is then the empty initializer NO_KV_SCALE); layout.packed makes the graph input query [T, (H + 2*Hkv)*D] and
     feeds key and value the empty initializer PACKED_QKV (no key/value graph inputs); layout.batch_of_one gives
-    query (and key/value) and out a leading dim of 1; attend_until adds the graph input attend_until [T] (the 11th,
-    with empty initializers NO_KV_SCALE / NO_ROTARY before it where the op has no kv_scale / cos and sin).
+    query (and key/value) and out a leading dim of 1; layout.attend_until adds the graph input attend_until [T]
+    (the 11th, with empty initializers NO_KV_SCALE / NO_ROTARY before it where the op has no kv_scale or cos/sin).
     Graph inputs and outputs carry the op's own input/output names; token, block and
     sequence counts are symbolic dims.
     """
@@ -318,6 +320,7 @@ def make_single_op_model(
     q_width, kv_width = attrs.num_heads * head_dim, attrs.num_kv_heads * head_dim
     pool: list[str | int] = ["num_blocks", 2, attrs.num_kv_heads, block_size, head_dim]
     layout = layout or QkvLayout()
+    attend_until = layout.attend_until
     lead: list[str | int] = [1, "T"] if layout.batch_of_one else ["T"]
     width = q_width + 2 * kv_width * layout.packed
     inputs = [helper.make_tensor_value_info("query", TensorProto.FLOAT, [*lead, width])]

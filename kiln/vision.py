@@ -17,7 +17,10 @@ the image-placeholder rows (the rest of the graph, kiln.PagedAttention included,
 
 A prompt holds one ``image_token_id`` per picture; the runtime expands it the family's way: "llava" into
 ``tokens_per_image`` image tokens; "idefics3" (Idefics3 and SmolVLM) into one run of ``tokens_per_image`` image
-tokens per tile among tile-marker tokens (kiln.runtime.vision.idefics3).
+tokens per tile among tile-marker tokens (kiln.runtime.vision.idefics3); "gemma3": its placeholder is
+``<start_of_image>`` (``image_token_id`` names it), which becomes ``\n\n<start_of_image>`` + ``tokens_per_image``
+``<image_soft_token>`` + ``<end_of_image>\n\n`` (kiln.runtime.vision.gemma3), and the text graph then has one more
+input, ``attend_until`` int32 [num_tokens] (kiln/paged_attention.py), so that an image's tokens see each other.
 """
 
 from __future__ import annotations
@@ -31,10 +34,10 @@ PIXEL_VALUES = "pixel_values"
 ENCODER_OUTPUT = "image_embeds"
 IMAGE_EMBEDS = "image_embeds"
 IMAGE_ROWS = "image_rows"
-FAMILIES = ("llava", "idefics3")
+FAMILIES = ("llava", "idefics3", "gemma3")
 # what a chat message's image part becomes in the text the chat template renders: the image token, then this
-# (LLaVA-1.5's prompts put the image on its own line; SmolVLM's chat template writes "<image>" inline)
-PLACEHOLDER_SUFFIX = {"llava": "\n", "idefics3": ""}
+# (LLaVA-1.5's prompts put the image on its own line; SmolVLM's and Gemma 3's chat templates write it inline)
+PLACEHOLDER_SUFFIX = {"llava": "\n", "idefics3": "", "gemma3": ""}
 
 
 @dataclass(frozen=True)

@@ -8,10 +8,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from kiln.contract import ATTEND_UNTIL
 from kiln.paged_attention import (
-    ATTEND_UNTIL,
     PagedAttentionAttrs,
     PagedAttentionInputs,
+    QkvLayout,
     make_single_op_model,
     paged_attention_ref,
     token_positions,
@@ -37,7 +38,7 @@ def runs_until(seq_lens: np.ndarray, qsl: np.ndarray, runs: list[tuple[int, int,
 
 def session(op: OpCase, rotary: bool):
     return model_session(make_single_op_model(op.attrs, op.head_dim, op.block_size, np.dtype(op.kv_dtype), rotary,
-                                              attend_until=True))
+                                              QkvLayout(attend_until=True)))
 
 
 def test_reference_equals_dense_attention_with_a_bidirectional_run():
@@ -122,3 +123,32 @@ def test_bad_bounds_raise_clear_errors(change, message):
         return
     with pytest.raises(ValueError, match="attend_until"):
         PagedAttentionInputs(**{**feeds, ATTEND_UNTIL: change(until)})
+
+
+@pytest.mark.parametrize("kv_dtype", ["float32", "int8"])
+def test_the_pass_feeds_every_op_its_11th_input(kv_dtype):
+    """attach_attend_until on an op without RoPE inside (7 or 8 inputs): empty kv_scale / cos / sin placeholders,
+    then attend_until; the graph then runs the bounds as the reference does."""
+    import onnx_ir as ir
+
+    from kiln.optimize.attach_attend_until import attach_attend_until
+
+    op = OpCase(PagedAttentionAttrs(4, 2), 16, 16, kv_dtype)
+    model = ir.from_proto(make_single_op_model(op.attrs, op.head_dim, op.block_size, np.dtype(kv_dtype)))
+    assert attach_attend_until(model) == 1
+    node = next(iter(model.graph))
+    assert len(node.inputs) == 11 and node.inputs[10].name == ATTEND_UNTIL
+    feeds = make_case(np.random.default_rng(3), [(5, 30)], op)
+    feeds[ATTEND_UNTIL] = runs_until(feeds["seq_lens"], feeds["query_start_loc"], [(0, 10, 27)])
+    out, pool = model_session(ir.to_proto(model)).run(None, feeds)
+    check(out, pool, *paged_attention_ref(PagedAttentionInputs(**feeds), op.attrs))
+
+
+def test_tensorrt_lowering_refuses_the_bounds():
+    import onnx_ir as ir
+
+    from kiln.optimize.lower_tensorrt import TensorRTLoweringError, lower_for_tensorrt
+
+    model = make_single_op_model(PagedAttentionAttrs(4, 2), 16, 16, layout=QkvLayout(attend_until=True))
+    with pytest.raises(TensorRTLoweringError, match="attend_until .* not implemented by the TensorRT plugin"):
+        lower_for_tensorrt(ir.from_proto(model))
