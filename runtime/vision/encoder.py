@@ -2,7 +2,8 @@
 
 The family (kiln/vision.py) decides how an image becomes encoder inputs and prompt tokens: LLaVA one CLIP crop
 (runtime/vision/preprocess.py) and one run of image tokens; Idefics3 / SmolVLM several tiles
-(runtime/vision/idefics3.py), their embeddings concatenated tile after tile, laid out among tile markers.
+(runtime/vision/idefics3.py), their embeddings concatenated tile after tile, laid out among tile markers; Gemma 3
+one square resize (runtime/vision/gemma3.py) and one bidirectional run between <start_of_image> and <end_of_image>.
 
 One ONNX Runtime session of the engine's vision.onnx (kiln/vision.py). Embeddings are cached by the image's
 content hash (sha256 of its decoded pixels and mode), least recently used out first once they pass
@@ -25,7 +26,7 @@ import onnxruntime as ort
 
 from kiln import vision as contract
 from kiln.manifest import EngineLoadError
-from kiln.runtime.vision import idefics3
+from kiln.runtime.vision import gemma3, idefics3
 from kiln.runtime.vision.preprocess import ClipImageConfig, preprocess
 from kiln.runtime.vision.prompt import ImageLayout, image_hash
 from kiln.vision import VisionSpec
@@ -44,8 +45,9 @@ class ImageEncoder:
         self.spec = spec
         try:
             processor = json.loads((engine_dir / spec.preprocessor).read_text(encoding="utf-8"))
-            self.preprocess_config: ClipImageConfig | idefics3.Idefics3ImageConfig = (
+            self.preprocess_config: ClipImageConfig | idefics3.Idefics3ImageConfig | gemma3.Gemma3ImageConfig = (
                 idefics3.Idefics3ImageConfig.from_hf(processor) if spec.family == "idefics3"
+                else gemma3.Gemma3ImageConfig.from_hf(processor) if spec.family == "gemma3"
                 else ClipImageConfig.from_hf(processor))
         except (OSError, ValueError) as exc:
             raise EngineLoadError(f"the engine's image processor config {spec.preprocessor} is unusable "
@@ -66,12 +68,15 @@ class ImageEncoder:
         self.images_encoded = 0
         self.cache_hits = 0
         self._prompt: idefics3.Idefics3Prompt | None = None
+        self._gemma3_prompt: gemma3.Gemma3Prompt | None = None
 
     def tiles(self, image: Image) -> tuple[npt.NDArray[np.float32], int, int]:
         """(one image's encoder inputs [tiles, 3, S, S], rows, cols of its tile grid: 0, 0 when not split)."""
         config = self.preprocess_config
         if isinstance(config, idefics3.Idefics3ImageConfig):
             return idefics3.pixel_values(image, config)
+        if isinstance(config, gemma3.Gemma3ImageConfig):
+            return gemma3.pixel_values(image, config)[None], 0, 0
         return preprocess(image, config)[None], 0, 0
 
     def pixel_values(self, images: list[Image]) -> npt.NDArray[np.float32]:
@@ -81,12 +86,20 @@ class ImageEncoder:
     def layouts(self, images: list[Image], tokenizer: idefics3._Tokenizer) -> list[ImageLayout] | None:
         """The prompt tokens each image's placeholder expands to (None: the family's one run of image tokens)."""
         config = self.preprocess_config
+        if isinstance(config, gemma3.Gemma3ImageConfig):
+            return [self.gemma3_prompt(tokenizer).layout()] * len(images)
         if not isinstance(config, idefics3.Idefics3ImageConfig):
             return None
         if self._prompt is None:
             self._prompt = idefics3.Idefics3Prompt(tokenizer, self.spec.image_token_id, self.spec.tokens_per_image)
         grids = [idefics3.grid(image.height, image.width, config) for image in images]
         return [self._prompt.layout(rows, cols) for rows, cols in grids]
+
+    def gemma3_prompt(self, tokenizer: gemma3._Tokenizer) -> gemma3.Gemma3Prompt:
+        """Gemma 3's layout tokens, read from the engine's tokenizer once."""
+        if self._gemma3_prompt is None:
+            self._gemma3_prompt = gemma3.Gemma3Prompt(tokenizer, self.spec.image_token_id, self.spec.tokens_per_image)
+        return self._gemma3_prompt
 
     def run(self, pixel_values: npt.NDArray[np.float32]) -> npt.NDArray[np.float32]:
         """The encoder graph on pixel values: [N, tokens_per_image, hidden]."""
