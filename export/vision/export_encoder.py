@@ -77,6 +77,8 @@ def load_vision(folder: Path, config: dict[str, Any], weights: LazyWeights) -> V
     if family is None:
         return None
     processor_path = folder / contract.PREPROCESSOR_CONFIG
+    if family == "gemma3" and not processor_path.is_file():
+        return None  # a Gemma 3 checkpoint without its image processor builds its text part, as kiln always did
     if not processor_path.is_file():
         raise FileNotFoundError(f"{processor_path}: missing (a {family} checkpoint needs its image processor's "
                                 "config)")

@@ -173,3 +173,30 @@ def test_bad_tower_shapes_are_named():
         gemma3_tower_spec({**config, "vision_config": {"image_size": 32, "patch_size": 4}}, PROCESSOR)
     with pytest.raises(ValueError, match="pan-and-scan"):
         gemma3_tower_spec({**config, "mm_tokens_per_image": 16}, {**PROCESSOR, "do_pan_and_scan": True})
+
+
+def test_a_checkpoint_without_its_image_processor_is_text_only(tmp_path):
+    """Gemma3ForConditionalGeneration without preprocessor_config.json builds its text part, as before images."""
+    pytest.importorskip("torch")
+    import json
+
+    from safetensors.numpy import save_file
+
+    from kiln.export.vision.export_encoder import load_vision_of
+
+    save_file({"vision_tower.post_layernorm.weight": np.ones(4, np.float32)}, str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["Gemma3ForConditionalGeneration"],
+                                                      "text_config": {"num_hidden_layers": 1}}))
+    assert load_vision_of(tmp_path) is None
+
+
+def test_the_default_step_budget_has_room_for_an_image_run_beside_decodes():
+    from kiln.runtime.loader import room_for_image_runs
+    from kiln.vision import VisionSpec
+
+    gemma3 = VisionSpec(family="gemma3", image_token_id=1, tokens_per_image=256, embedding_size=8, image_size=896)
+    assert room_for_image_runs(256, 2048, gemma3) == 512
+    assert room_for_image_runs(256, 300, gemma3) == 300  # at most what the graph was built for
+    assert room_for_image_runs(1024, 2048, gemma3) == 1024
+    llava = VisionSpec(family="llava", image_token_id=1, tokens_per_image=576, embedding_size=8, image_size=336)
+    assert room_for_image_runs(256, 2048, llava) == room_for_image_runs(256, 2048, None) == 256
