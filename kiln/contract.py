@@ -47,9 +47,11 @@ OP_VERSION = 1
 #    ignore it and compute uncapped attention, so engines that carry it need this one), the kiln.MoE op
 #    (kiln/moe.py), which mixture-of-experts models' MLPs use, and kiln.MatMulGGUF (a GGUF's own blocks).
 # 7: the kiln.AllReduce op (kiln/all_reduce.py), which tensor-parallel engines' rank graphs use.
-OP_LIBRARY_ABI = 7
-# The oldest engine ABI this library still runs: ABIs 2 to 7 only added optional inputs, attributes,
-# a pool dtype and new ops, so ABI-1 to ABI-6 graphs (RoPE as graph ops, no SwiGLU) are unchanged and need no rebuild.
+# 8: kiln.PagedAttention's optional 11th input attend_until (Gemma 3's bidirectional image runs: an older
+#    library would ignore it and attend causally only, so engines that carry it need this one).
+OP_LIBRARY_ABI = 8
+# The oldest engine ABI this library still runs: ABIs 2 to 8 only added optional inputs, attributes,
+# a pool dtype and new ops, so ABI-1 to ABI-7 graphs (RoPE as graph ops, no SwiGLU) are unchanged and need no rebuild.
 OP_LIBRARY_MIN_ABI = 1
 
 INPUT_IDS = "input_ids"
@@ -62,6 +64,8 @@ LOGITS = "logits"
 MEDUSA_INDICES = "medusa_indices"
 MEDUSA_LOGITS = "medusa_logits"
 MEDUSA_HIDDEN = "medusa_hidden"
+# kiln.PagedAttention's optional 11th input, a graph input of Gemma 3 vision-language engines (kiln/paged_attention.py)
+ATTEND_UNTIL = "attend_until"
 
 
 def kv_cache_input(layer: int) -> str:

@@ -21,6 +21,13 @@ Inputs
   cos_cache        float32 [P, R/2]       optional 9th and 10th inputs, both or neither: cos and sin of
   sin_cache        float32 [P, R/2]       position p times rotary frequency j (rope scaling folded in at
                                             build time), for p < P; R = rotary dims (even, <= D)
+  attend_until     int32   [T]            optional 11th input: the last context position each token may see
+                                            (pos <= attend_until[t] < seq_lens[s]; an empty int32 [0] tensor,
+                                            or no input, is the causal default attend_until[t] = pos). Gemma 3
+                                            lets the tokens of one image see each other (bidirectional within the
+                                            image's run): the runtime fills the run's last position for its
+                                            tokens, so the whole run must be in one step. An op without kv_scale
+                                            or cos/sin gets empty float32 [0] tensors in their places.
   Per-head q/k normalisation (Qwen3's q_norm / k_norm, RMSNorm over each head's D values) is not part of
   the op: the graph applies it to the projections as standard ops (SimplifiedLayerNormalization over D)
   and feeds the normalised, pre-RoPE query and key in. Partial rotary (Phi-4-mini) is R < D in the caches,
@@ -50,8 +57,10 @@ s = sin_cache[pos, j]; dims >= R pass through); pos >= P is an error. Then the K
 sequence is written to block block_tables[s][pos // block_size], slot pos % block_size
 (rounded to the pool's dtype; int8 pools store q = clamp(round_half_even(x / kv_scale[0|1][g]),
 -127, 127) in float32 arithmetic, K post-RoPE). Then query head h of that token attends, through
-KV head h // (H / Hkv), to every position p of its sequence with p <= pos (and
-p > pos - sliding_window when set), reading K/V from the updated pool: out = softmax(s) V with the scores
+KV head h // (H / Hkv), to every position p of its sequence with p <= pos (p <= attend_until[t]
+when given; and p > pos - sliding_window when set, the window measured back from the token's own position:
+transformers' Gemma 3 masks a sliding layer as AND(window, OR(causal, same image))), reading K/V from the
+updated pool: out = softmax(s) V with the scores
 s = scale * q.K^T, soft-capped to softcap * tanh(s / softcap) when softcap > 0 (before the causal mask).
 For an int8 pool the steps factor out of the sums: scores = scale * kv_scale[0][g] * (q . float(k_i8)),
 and out = kv_scale[1][g] * sum_j p_j float(v_i8_j) (i.e. attention over the dequantized K/V). Blocks
@@ -70,7 +79,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import numpy.typing as npt
 
-from kiln.contract import OP_DOMAIN, OP_TYPE, OP_VERSION
+from kiln.contract import ATTEND_UNTIL, OP_DOMAIN, OP_TYPE, OP_VERSION
 
 if TYPE_CHECKING:
     from onnx import ModelProto
@@ -79,6 +88,7 @@ INPUT_NAMES = ("query", "key", "value", "kv_cache", "block_tables", "seq_lens", 
 KV_SCALE = "kv_scale"  # the optional 8th input (int8 pools only)
 ROTARY_INPUTS = ("cos_cache", "sin_cache")  # the optional 9th and 10th inputs (RoPE inside the op)
 NO_KV_SCALE = "kv_scale.none"  # float32 [0]: the 8th input of a float pool that has cos/sin after it
+NO_ROTARY = "rotary.none"  # float32 [0]: the 9th and 10th inputs of an op with attend_until but no RoPE inside
 PACKED_QKV = "qkv.packed"  # float32 [0]: key and value of an op whose query holds packed Q|K|V
 OUTPUT_NAMES = ("out", "kv_cache_out")
 INT8_MAX = 127
@@ -113,10 +123,12 @@ class PagedAttentionAttrs:
 
 @dataclass(frozen=True)
 class QkvLayout:
-    """How query, key and value reach the op: packed into one query (key and value empty), with a leading 1."""
+    """How the op's inputs arrive: query, key and value packed into one query (key and value empty), with a
+    leading 1; and (for make_single_op_model) whether the op takes attend_until."""
 
     packed: bool = False
     batch_of_one: bool = False
+    attend_until: bool = False
 
 
 @dataclass(frozen=True)
@@ -134,6 +146,7 @@ class PagedAttentionInputs:
     kv_scale: np.ndarray | None = None
     cos_cache: np.ndarray | None = None
     sin_cache: np.ndarray | None = None
+    attend_until: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         if (self.kv_cache.dtype == np.int8) != (self.kv_scale is not None):
@@ -149,6 +162,18 @@ class PagedAttentionInputs:
             if self.cos_cache.ndim != 2 or self.sin_cache.shape != self.cos_cache.shape or not 0 < 2 * half <= head_dim:
                 raise ValueError(f"cos_cache and sin_cache must both be [P, R/2] with 0 < R <= head_dim {head_dim}, "
                                  f"got {self.cos_cache.shape} and {self.sin_cache.shape}")
+        if self.attend_until is not None and self.attend_until.shape != (0,):  # empty: the causal default
+            check_attend_until(self.attend_until, self.seq_lens, self.query_start_loc)
+
+
+def check_attend_until(attend_until: np.ndarray, seq_lens: np.ndarray, query_start_loc: np.ndarray) -> None:
+    """ValueError unless every token's last visible position is at or after its own and inside its context."""
+    positions = token_positions(seq_lens, query_start_loc)
+    if attend_until.shape != positions.shape:
+        raise ValueError(f"attend_until must be int32 [T] = [{len(positions)}], got {attend_until.shape}")
+    ends = np.repeat(seq_lens.astype(np.int64), np.diff(query_start_loc))
+    if ((attend_until < positions) | (attend_until >= ends)).any():
+        raise ValueError("attend_until[t] must be in [position of t, seq_lens of its sequence - 1]")
 
 
 def quantize_kv(x: np.ndarray, step: np.ndarray) -> np.ndarray:
@@ -237,6 +262,8 @@ def _attention_ref(inputs: PagedAttentionInputs, attrs: PagedAttentionAttrs) -> 
     out = np.zeros((T, num_heads * D), dtype=np.float32)
     positions = token_positions(seq_lens, query_start_loc)
     seq_of_token = np.repeat(np.arange(len(seq_lens)), np.diff(query_start_loc))
+    bounds = inputs.attend_until  # None or empty: causal
+    bounds = None if bounds is None or bounds.shape == (0,) else bounds.astype(np.int64)
     blocks, slots = block_tables[seq_of_token, positions // block_size], positions % block_size
     new_k, new_v = key.reshape(T, num_kv_heads, D), inputs.value.reshape(T, num_kv_heads, D)
     if steps is not None:
@@ -259,7 +286,8 @@ def _attention_ref(inputs: PagedAttentionInputs, attrs: PagedAttentionAttrs) -> 
         scores = np.einsum("qhd,khd->hqk", q, k) * scale
         if attrs.softcap > 0:
             scores = np.tanh(scores / attrs.softcap) * attrs.softcap
-        allowed = ctx[None, :] <= new_pos[:, None]
+        until = new_pos if bounds is None else bounds[t0:t1]
+        allowed = ctx[None, :] <= until[:, None]
         if attrs.sliding_window > 0:
             allowed &= ctx[None, :] > new_pos[:, None] - attrs.sliding_window
         scores = np.where(allowed[None], scores, -np.inf)
@@ -279,7 +307,8 @@ def make_single_op_model(
     rotary adds the graph inputs cos_cache and sin_cache [P, R/2] (the 9th and 10th; a float pool's 8th input
     is then the empty initializer NO_KV_SCALE); layout.packed makes the graph input query [T, (H + 2*Hkv)*D] and
     feeds key and value the empty initializer PACKED_QKV (no key/value graph inputs); layout.batch_of_one gives
-    query (and key/value) and out a leading dim of 1.
+    query (and key/value) and out a leading dim of 1; layout.attend_until adds the graph input attend_until [T]
+    (the 11th, with empty initializers NO_KV_SCALE / NO_ROTARY before it where the op has no kv_scale or cos/sin).
     Graph inputs and outputs carry the op's own input/output names; token, block and
     sequence counts are symbolic dims.
     """
@@ -291,6 +320,7 @@ def make_single_op_model(
     q_width, kv_width = attrs.num_heads * head_dim, attrs.num_kv_heads * head_dim
     pool: list[str | int] = ["num_blocks", 2, attrs.num_kv_heads, block_size, head_dim]
     layout = layout or QkvLayout()
+    attend_until = layout.attend_until
     lead: list[str | int] = [1, "T"] if layout.batch_of_one else ["T"]
     width = q_width + 2 * kv_width * layout.packed
     inputs = [helper.make_tensor_value_info("query", TensorProto.FLOAT, [*lead, width])]
@@ -307,15 +337,21 @@ def make_single_op_model(
     if layout.packed:
         op_inputs[1:3] = [PACKED_QKV, PACKED_QKV]
         initializers.append(numpy_helper.from_array(np.zeros(0, np.float32), PACKED_QKV))
-    if int8 or rotary:
+    if int8 or rotary or attend_until:
         op_inputs.append(KV_SCALE if int8 else NO_KV_SCALE)
-    if rotary and not int8:
+    if (rotary or attend_until) and not int8:
         initializers.append(numpy_helper.from_array(np.zeros(0, np.float32), NO_KV_SCALE))
     if int8:
         inputs.append(helper.make_tensor_value_info(KV_SCALE, TensorProto.FLOAT, [2, attrs.num_kv_heads]))
     if rotary:
         inputs += [helper.make_tensor_value_info(n, TensorProto.FLOAT, ["P", "half_rotary"]) for n in ROTARY_INPUTS]
         op_inputs += ROTARY_INPUTS
+    elif attend_until:
+        op_inputs += [NO_ROTARY, NO_ROTARY]
+        initializers.append(numpy_helper.from_array(np.zeros(0, np.float32), NO_ROTARY))
+    if attend_until:
+        inputs.append(helper.make_tensor_value_info(ATTEND_UNTIL, TensorProto.INT32, ["T_until"]))
+        op_inputs.append(ATTEND_UNTIL)
     outputs = [
         helper.make_tensor_value_info("out", TensorProto.FLOAT, [*lead, q_width]),
         helper.make_tensor_value_info("kv_cache_out", kv_type, pool),

@@ -19,8 +19,11 @@ A prompt holds one ``image_token_id`` per picture; the runtime expands it the fa
 ``tokens_per_image`` image tokens; "idefics3" (Idefics3 and SmolVLM) into one run of ``tokens_per_image`` image
 tokens per tile among tile-marker tokens (kiln.runtime.vision.idefics3); "llava_next" (LLaVA-NeXT) into one run
 whose length depends on the image's size: its tiles' ``tokens_per_image`` rows each, packed and unpadded with a
-newline row per feature row (kiln.runtime.vision.llava_next). A "llava_next" encoder graph has a second output,
-``image_newline`` float32 [embedding_size], the learned row separator that packing appends.
+newline row per feature row (kiln.runtime.vision.llava_next); "gemma3": its placeholder is ``<start_of_image>``
+(``image_token_id`` names it), which becomes ``\n\n<start_of_image>`` + ``tokens_per_image`` ``<image_soft_token>``
++ ``<end_of_image>\n\n`` (kiln.runtime.vision.gemma3), and the text graph then has one more input, ``attend_until``
+int32 [num_tokens] (kiln/paged_attention.py), so that an image's tokens see each other. A "llava_next" encoder graph
+has a second output, ``image_newline`` float32 [embedding_size], the learned row separator that packing appends.
 """
 
 from __future__ import annotations
@@ -35,10 +38,10 @@ ENCODER_OUTPUT = "image_embeds"
 IMAGE_EMBEDS = "image_embeds"
 IMAGE_ROWS = "image_rows"
 IMAGE_NEWLINE = "image_newline"  # the llava_next encoder graph's second output
-FAMILIES = ("llava", "idefics3", "llava_next")
+FAMILIES = ("llava", "idefics3", "llava_next", "gemma3")
 # what a chat message's image part becomes in the text the chat template renders: the image token, then this
-# (LLaVA-1.5's prompts put the image on its own line; SmolVLM's chat template writes "<image>" inline)
-PLACEHOLDER_SUFFIX = {"llava": "\n", "idefics3": "", "llava_next": "\n"}
+# (LLaVA-1.5's prompts put the image on its own line; SmolVLM's and Gemma 3's chat templates write it inline)
+PLACEHOLDER_SUFFIX = {"llava": "\n", "idefics3": "", "llava_next": "\n", "gemma3": ""}
 
 
 @dataclass(frozen=True)

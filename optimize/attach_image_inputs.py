@@ -6,7 +6,9 @@ writes row ``image_rows[i]`` of the embeddings with ``image_embeds[i]``; every r
 the scattered tensor instead. Nothing else changes: the fused attention, the norms, the KV pools and the LM
 head are the text model's own, and a step without images passes N = 0 (ScatterND then copies the embeddings
 through). LLaVA's embeddings are unscaled, so placing the scatter after the Gather is where transformers'
-``masked_scatter`` puts the image features.
+``masked_scatter`` puts the image features. Gemma 3 multiplies the token embeddings by sqrt(hidden) inside its
+embedding module and scatters the image features into that module's output (Gemma3Model.forward), so the image
+rows are not scaled: with ``after_scale`` the scatter goes after the Gather's Mul by the scale.
 """
 
 from __future__ import annotations
@@ -36,10 +38,30 @@ def _embedding_gather(graph: ir.Graph) -> ir.Node:
     raise ImageInputsError("no Gather of the token-embedding table reads the input_ids")
 
 
-def attach_image_inputs(model: ir.Model, hidden_size: int) -> int:
-    """Add image_embeds / image_rows and the ScatterND after the embedding Gather; returns 1 (the fire count)."""
+def _is_constant(value: ir.Value | None) -> bool:
+    if value is None:
+        return False
+    producer = value.producer()
+    return value.const_value is not None or (producer is not None and producer.op_type == "Constant")
+
+
+def _scale_after(gather: ir.Node) -> ir.Node:
+    """The Mul by a constant that is the embedding Gather's only reader (Gemma's sqrt(hidden) scale)."""
+    readers = list(gather.outputs[0].uses())
+    node = readers[0].node if len(readers) == 1 else None
+    if node is None or node.op_type != "Mul" or not any(_is_constant(v) for v in node.inputs):
+        raise ImageInputsError("the token embeddings are not scaled by one constant Mul after their Gather "
+                               "(the image rows go after the scale)")
+    return node
+
+
+def attach_image_inputs(model: ir.Model, hidden_size: int, after_scale: bool = False) -> int:
+    """Add image_embeds / image_rows and the ScatterND after the embedding Gather (after_scale: after the Mul
+    that scales its output); returns 1 (the fire count)."""
     graph = model.graph
     gather = _embedding_gather(graph)
+    if after_scale:
+        gather = _scale_after(gather)
     embedding = gather.outputs[0]
     readers = list(embedding.uses())
     embeds = ir.Value(name=vision_contract.IMAGE_EMBEDS, type=ir.TensorType(ir.DataType.FLOAT),

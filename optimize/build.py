@@ -39,6 +39,7 @@ from kiln.manifest import (
     Manifest,
     write_manifest,
 )
+from kiln.optimize.attach_attend_until import attach_attend_until
 from kiln.optimize.attach_image_inputs import attach_image_inputs
 from kiln.optimize.attach_medusa import MedusaGraphError, attach_hidden, attach_medusa
 from kiln.optimize.fuse_attention import AttentionConfig
@@ -127,7 +128,10 @@ def build_engine(
                 say(f"  {name}: fired {count}x")
             _check_counts(counts, spec.num_layers)
             if vision is not None:
-                say(f"  attach_image_inputs: fired {attach_image_inputs(model, spec.hidden_size)}x")
+                scaled = vision.spec.family == "gemma3"  # its image rows replace the scaled embeddings
+                say(f"  attach_image_inputs: fired {attach_image_inputs(model, spec.hidden_size, scaled)}x")
+                if vision.spec.family == "gemma3":  # the tokens of one image see each other
+                    say(f"  attach_attend_until: fired {attach_attend_until(model)}x")
             if heads is not None:
                 try:
                     if heads.kind == "hydra":

@@ -82,6 +82,9 @@ def _split_paged_attention(graph: ir.Graph, node: ir.Node) -> None:
     query, key, value, pool, tables, seq_lens, qsl, *optional = list(node.inputs) + [None] * (10 - len(node.inputs))
     kv_scale, cos, sin = (_present(graph, v) for v in optional[:3])
     attrs = node.attributes
+    if len(node.inputs) > 10:
+        raise TensorRTLoweringError(f"{node.name}: attend_until (Gemma 3's bidirectional image attention) is not "
+                                    "implemented by the TensorRT plugin; build this model for the onnxruntime backend")
     num_heads, num_kv_heads = attrs.get_int("num_heads"), attrs.get_int("num_kv_heads")
     head_dim = _static_width(query) // num_heads if _static_width(query) else None
     if attrs.get_float("softcap", 0.0):

@@ -36,7 +36,7 @@ from kiln.runtime.speculative.speculator import Speculator
 from kiln.runtime.speculative.verify import SpecStats
 from kiln.runtime.structured import StructuredOutput
 from kiln.runtime.structured.grammar import CompiledGrammar, GrammarCompiler, GrammarError
-from kiln.runtime.vision.prompt import ImageSpan, check_placeholders, expand_image_tokens, image_hash
+from kiln.runtime.vision.prompt import ImageSpan, check_placeholders, expand_image_tokens, image_hash, runs_at
 
 if TYPE_CHECKING:
     from PIL.Image import Image
@@ -156,7 +156,19 @@ class Engine:
             layouts = encoder.layouts(images, self.tokenizer)
         except ValueError as exc:
             raise InvalidParamError(str(exc), "images") from exc
-        return expand_image_tokens(ids, encoder.spec.image_token_id, encoder.encode(images, hashes), hashes, layouts)
+        if encoder.spec.family != "gemma3":
+            return expand_image_tokens(ids, encoder.spec.image_token_id, encoder.encode(images, hashes), hashes,
+                                       layouts)
+        if encoder.spec.tokens_per_image > self.limits.max_num_tokens:  # a run is computed in one step
+            raise InvalidParamError(f"an image takes {encoder.spec.tokens_per_image} tokens, more than the "
+                                    f"engine's max_num_tokens {self.limits.max_num_tokens}", "images")
+        embeddings = encoder.encode(images, hashes)
+        if not isinstance(prompt, str):
+            ids, spans = expand_image_tokens(ids, encoder.spec.image_token_id, embeddings, hashes, layouts)
+            return ids, tuple(dataclasses.replace(span, bidirectional=True) for span in spans)
+        layout = encoder.gemma3_prompt(self.tokenizer)  # text: expanded as its processor does, then tokenized
+        ids = self.tokenizer.encode(layout.expand_text(prompt))
+        return ids, runs_at(layout.run_starts(ids), embeddings, hashes, bidirectional=True)
 
     def _compile(self, spec: StructuredOutput) -> CompiledGrammar:
         """spec compiled for this engine's tokenizer: by the loader's compiler, else by one made here on the first

@@ -23,6 +23,7 @@ from kiln.runtime.structured.grammar import GrammarCompiler
 from kiln.runtime.tokenizer import Tokenizer
 from kiln.spec import ModelSpec
 from kiln.verified_files import sha256_file
+from kiln.vision import VisionSpec
 
 NUM_THREADS_ENV = "KILN_NUM_THREADS"
 
@@ -83,6 +84,8 @@ def _open_engine(engine_dir: Path, config: RuntimeConfig, manifest: Manifest, to
     max_model_len = served_max_model_len(manifest.max_seq_len, config.max_model_len)
     pools = engine_kv_pools(manifest)
     step_tokens = step_token_budget(build.max_num_tokens, config.max_num_tokens, manifest.backend, num_threads)
+    if config.max_num_tokens is None:
+        step_tokens = room_for_image_runs(step_tokens, build.max_num_tokens, manifest.vision)
     window = kv_release_window(manifest.spec)
     # one sequence's blocks: all of its context, or with a sliding window the window and one step's chunk
     held = min(max_model_len, window_tokens(window, step_tokens, build.block_size)) if window else max_model_len
@@ -150,6 +153,15 @@ def kv_release_window(spec: ModelSpec) -> int:
 
 CPU_STEP_TOKENS_PER_THREAD = 128
 CPU_MIN_STEP_TOKENS = 256
+
+
+def room_for_image_runs(step_tokens: int, built_for: int, vision: VisionSpec | None) -> int:
+    """A default step budget raised to twice an image's tokens for an engine whose image runs are computed in one
+    step (Gemma 3's bidirectional runs): room for a run beside the running decodes, so an image request is not held
+    back until every running sequence finishes. At most what the graph was built for."""
+    if vision is None or vision.family != "gemma3":
+        return step_tokens
+    return min(built_for, max(step_tokens, 2 * vision.tokens_per_image))
 
 
 def step_token_budget(built_for: int, requested: int | None, backend: str, num_threads: int | None) -> int:

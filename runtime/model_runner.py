@@ -19,7 +19,7 @@ from kiln.runtime.kv_transfer import KvLayout
 from kiln.runtime.outputs import RankTotals, StageTotals
 from kiln.runtime.scheduler import SchedulerOutput
 from kiln.runtime.sequence import Sequence
-from kiln.runtime.vision.prompt import image_rows
+from kiln.runtime.vision.prompt import attend_until, image_rows
 
 
 @dataclass(frozen=True)
@@ -37,6 +37,9 @@ class BatchInput:
     # rows of the packed batch they replace (None: no image row in this step)
     image_embeds: np.ndarray | None = None
     image_rows: np.ndarray | None = None
+    # int32 [T]: the last position each token sees (kiln/paged_attention.py), where a chunk holds a bidirectional
+    # image run (Gemma 3); None: causal
+    attend_until: np.ndarray | None = None
 
     FEEDS = (contract.INPUT_IDS, contract.POSITION_IDS, contract.QUERY_START_LOC, contract.SEQ_LENS,
              contract.BLOCK_TABLES, contract.LOGITS_INDICES)
@@ -124,7 +127,22 @@ def _pack_scheduled(out: SchedulerOutput) -> BatchInput:
     if not parts:
         return batch
     return dataclasses.replace(batch, image_rows=np.concatenate([part[0] for part in parts]),
-                               image_embeds=np.concatenate([part[1] for part in parts]))
+                               image_embeds=np.concatenate([part[1] for part in parts]),
+                               attend_until=_attend_until(scheduled, starts, batch))
+
+
+def _attend_until(scheduled: tuple[tuple[Sequence, int], ...], starts: list[int],
+                  batch: BatchInput) -> np.ndarray | None:
+    """The step's attend_until: each token's own position, an image run's last for the run's tokens."""
+    until: np.ndarray | None = None
+    for r, ((seq, n), c) in enumerate(zip(scheduled, starts, strict=True)):
+        bounds = attend_until(seq.images, c, n) if seq.images_pending else None
+        if bounds is not None:
+            if until is None:
+                until = batch.position_ids.astype(np.int32)
+            row = int(batch.query_start_loc[r])
+            until[row:row + n] = bounds
+    return until
 
 
 @dataclass(frozen=True)

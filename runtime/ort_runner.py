@@ -18,12 +18,13 @@ import onnxruntime as ort
 
 from kiln import contract
 from kiln import vision as vision_contract
-from kiln.contract import KvPoolSpec
+from kiln.contract import ATTEND_UNTIL, KvPoolSpec
 from kiln.manifest import EngineLoadError
 from kiln.runtime.kv_transfer import KvLayout
 from kiln.runtime.model_runner import BatchInput, ModelRunner, RunnerOutput
 
 _NO_ROWS = np.zeros(0, dtype=np.int64)
+_CAUSAL = np.zeros(0, dtype=np.int32)  # attend_until of a step without a bidirectional image run
 
 
 def open_session(graph: Path, num_threads: int | None = None) -> ort.InferenceSession:
@@ -85,6 +86,9 @@ class OrtModelRunner(ModelRunner):
         image_input = inputs.get(vision_contract.IMAGE_EMBEDS)
         if image_input is not None:
             fed |= {vision_contract.IMAGE_EMBEDS, vision_contract.IMAGE_ROWS}
+        self._bounded = ATTEND_UNTIL in inputs  # Gemma 3's bidirectional image runs
+        if self._bounded:
+            fed.add(ATTEND_UNTIL)
         unknown = [i.name for i in session.get_inputs() if i.name not in fed]
         if unknown:
             raise EngineLoadError(f"engine graph inputs {unknown} are not fed by this runtime; rebuild the engine")
@@ -153,6 +157,10 @@ class OrtModelRunner(ModelRunner):
             embeds, rows = batch.image_embeds, batch.image_rows
         self.binding.bind_cpu_input(vision_contract.IMAGE_EMBEDS, embeds)
         self.binding.bind_cpu_input(vision_contract.IMAGE_ROWS, rows)
+        if self._bounded:  # empty: causal
+            self.binding.bind_cpu_input(ATTEND_UNTIL, _CAUSAL if batch.attend_until is None else batch.attend_until)
+        elif batch.attend_until is not None:
+            raise ValueError("this engine's text graph takes no attend_until (its images attend causally)")
 
     def kv_layout(self) -> KvLayout:
         return KvLayout(len(self.pools), self.pools[0].shape[1:], self.pools[0].dtype)

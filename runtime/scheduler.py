@@ -185,7 +185,10 @@ class Scheduler:
                 break
             if seq.status is not SequenceStatus.RUNNING:  # preempted earlier in this loop
                 continue
-            num_new = self._fit_running(seq, min(seq.num_uncomputed, budget), scheduled, preempted)
+            want = seq.whole_image_runs(min(seq.num_uncomputed, budget))
+            if not want:  # the budget left ends inside an image run: the whole run waits for a later step
+                continue
+            num_new = self._fit_running(seq, want, scheduled, preempted)
             if num_new:
                 scheduled[seq] = num_new
             budget = self.max_num_tokens - sum(scheduled.values()) if preempted else budget - num_new
@@ -205,9 +208,9 @@ class Scheduler:
         """Start the first waiting seq on its cached prefix plus a chunk of up to `budget` new
         tokens; returns the chunk's length, or 0 (seq left waiting, no blocks held) if it can't get blocks."""
         cached = self.bm.match_prefix(seq)
-        num_new = min(len(seq) - cached, budget)
         seq.num_computed_tokens = cached  # (allocate releases the cached blocks behind the chunk's window)
-        if not self.bm.allocate(seq, cached + num_new):
+        num_new = seq.whole_image_runs(min(len(seq) - cached, budget))
+        if not num_new or not self.bm.allocate(seq, cached + num_new):
             self._release(seq)  # give back the prefix hits
             return 0
         self.waiting.popleft()
@@ -244,7 +247,7 @@ class Scheduler:
                      preempted: list[Sequence]) -> int:
         """Blocks for up to `want` more tokens of a running seq; preempts others if none fit."""
         while True:
-            fit = self.bm.can_fit(seq, want)
+            fit = seq.whole_image_runs(self.bm.can_fit(seq, want))
             if fit > 0:
                 allocated = self.bm.allocate(seq, seq.num_computed_tokens + fit)
                 assert allocated

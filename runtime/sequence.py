@@ -141,6 +141,15 @@ class Sequence:
         """What block `index` hashes besides its token ids: the images it holds (empty for text)."""
         return block_image_keys(self.images, index * block_size, block_size) if self.images else ()
 
+    def whole_image_runs(self, num_new: int) -> int:
+        """num_new cut back so that a chunk of it does not end inside a bidirectional image run (Gemma 3's: its
+        tokens see each other, so they are computed in one step); 0 when the chunk cannot reach the run's end."""
+        end = self.num_computed_tokens + num_new
+        for span in self.images:
+            if span.bidirectional and span.start < end < span.end:
+                return max(0, span.start - self.num_computed_tokens)
+        return num_new
+
     @property
     def images_pending(self) -> bool:
         """Whether image positions remain to be computed (a step then packs their embeddings)."""

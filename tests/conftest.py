@@ -189,3 +189,22 @@ def cached_engine(name: str, model: str, options=None) -> Path:
         build_engine(model, engine, options)
         stamp.write_text(source)
     return engine
+
+
+@pytest.fixture(scope="session")
+def tiny_gemma3_vlm_dir(tmp_path_factory) -> Path:
+    """A tiny random Gemma 3 vision-language checkpoint (tests/gemma3_vision_fixtures.py)."""
+    from gemma3_vision_fixtures import make_tiny_gemma3_vlm
+
+    return make_tiny_gemma3_vlm(tmp_path_factory.mktemp("tiny-gemma3-vlm"))
+
+
+@pytest.fixture(scope="session")
+def tiny_gemma3_vlm_engine(tmp_path_factory, tiny_gemma3_vlm_dir) -> Path:
+    """The tiny Gemma 3 VLM built into a vision-language engine dir (fp32 weights and KV cache, block size 16)."""
+    from kiln.manifest import BuildOptions
+    from kiln.optimize.build import build_engine
+
+    out = tmp_path_factory.mktemp("tiny-gemma3-vlm-engine") / "engine"
+    build_engine(tiny_gemma3_vlm_dir, out, BuildOptions(kv_dtype="float32"), progress=lambda _msg: None)
+    return out

@@ -2,8 +2,9 @@
 
 ``load_vision(folder)`` reads the image side of a LlavaForConditionalGeneration checkpoint (CLIP tower,
 export/vision/clip_encoder.py), a LlavaNextForConditionalGeneration one (the same per tile, and the newline vector:
-export/vision/llava_next_encoder.py) or an Idefics3 / SmolVLM one (SigLIP tower + pixel-shuffle connector,
-export/vision/siglip_encoder.py); None for a text-only source. ``write_vision(source, engine_dir)`` traces the
+export/vision/llava_next_encoder.py), an Idefics3 / SmolVLM one (SigLIP tower + pixel-shuffle connector,
+export/vision/siglip_encoder.py) or a Gemma 3 one (SigLIP tower + pooling projector, export/vision/gemma3_encoder.py);
+None for a text-only source. ``write_vision(source, engine_dir)`` traces the
 family's module with a dynamic image (tile) count and writes the graph (kiln/vision.py fixes its inputs and
 outputs) and the image processor's config beside the text graph.
 """
@@ -26,24 +27,25 @@ from kiln import vision as contract
 from kiln.vision import VisionSpec
 
 from ..checkpoint_types import LazyWeights
-from . import idefics3_config, llava_config, llava_next_config, siglip_encoder
+from . import gemma3_config, gemma3_encoder, idefics3_config, llava_config, llava_next_config, siglip_encoder
 from .clip_encoder import ClipVisionEncoder, encoder_weights
+from .gemma3_config import Gemma3TowerSpec
 from .idefics3_config import SiglipTowerSpec
 from .llava_config import ClipTowerSpec
 from .llava_next_encoder import LlavaNextVisionEncoder
 
 _PROCESSOR_KEYS = ("image_processor_type", "size", "crop_size", "resample", "rescale_factor", "image_mean",
                    "image_std", "do_convert_rgb", "do_resize", "do_center_crop", "do_rescale", "do_normalize",
-                   "max_image_size", "do_image_splitting", "image_grid_pinpoints")
+                   "max_image_size", "do_image_splitting", "image_grid_pinpoints", "do_pan_and_scan")
 _PROCESSORS = {"llava": ("CLIPImageProcessor",), "idefics3": ("Idefics3ImageProcessor", "SmolVLMImageProcessor"),
-               "llava_next": ("LlavaNextImageProcessor",)}
+               "llava_next": ("LlavaNextImageProcessor",), "gemma3": ("Gemma3ImageProcessor",)}
 
 
 @dataclass(frozen=True, eq=False)
 class VisionSource:
     """A checkpoint's image side: the tower as compiled, its weights, the image processor and the manifest's spec."""
 
-    tower: ClipTowerSpec | SiglipTowerSpec
+    tower: ClipTowerSpec | SiglipTowerSpec | Gemma3TowerSpec
     weights: LazyWeights
     processor: dict[str, Any]
     spec: VisionSpec
@@ -67,6 +69,8 @@ def _family(config: dict[str, Any]) -> str | None:
         return "llava_next"
     if llava_config.is_llava(config):
         return "llava"
+    if gemma3_config.is_gemma3(config):
+        return "gemma3"
     return "idefics3" if idefics3_config.is_idefics3(config) else None
 
 
@@ -77,6 +81,8 @@ def load_vision(folder: Path, config: dict[str, Any], weights: LazyWeights) -> V
     if family is None:
         return None
     processor_path = folder / contract.PREPROCESSOR_CONFIG
+    if family == "gemma3" and not processor_path.is_file():
+        return None  # a Gemma 3 checkpoint without its image processor builds its text part, as kiln always did
     if not processor_path.is_file():
         raise FileNotFoundError(f"{processor_path}: missing (a {family} checkpoint needs its image processor's "
                                 "config)")
@@ -98,6 +104,13 @@ def load_vision(folder: Path, config: dict[str, Any], weights: LazyWeights) -> V
             raise ValueError(f"{folder}: {exc}") from None
         return VisionSource(tower=clip, weights=llava_next_config.vision_part(weights), processor=processor,
                             spec=_vision_spec("llava_next", config, clip))
+    if family == "gemma3":
+        try:
+            gemma3 = gemma3_config.gemma3_tower_spec(config, processor)
+        except ValueError as exc:
+            raise ValueError(f"{folder}: {exc}") from None
+        return VisionSource(tower=gemma3, weights=gemma3_config.vision_part(weights), processor=processor,
+                            spec=_vision_spec("gemma3", config, gemma3))
     try:
         siglip = idefics3_config.siglip_tower_spec(config, processor)
     except ValueError as exc:
@@ -106,15 +119,21 @@ def load_vision(folder: Path, config: dict[str, Any], weights: LazyWeights) -> V
                         spec=_vision_spec("idefics3", config, siglip))
 
 
-def _vision_spec(family: str, config: dict[str, Any], tower: ClipTowerSpec | SiglipTowerSpec) -> VisionSpec:
-    token = config.get("image_token_id", config.get("image_token_index"))
+def _vision_spec(family: str, config: dict[str, Any],
+                 tower: ClipTowerSpec | SiglipTowerSpec | Gemma3TowerSpec) -> VisionSpec:
+    # Gemma 3's prompts hold <start_of_image>, which its processor expands around the image tokens
+    token = config.get("boi_token_index") if family == "gemma3" else config.get("image_token_id",
+                                                                                  config.get("image_token_index"))
     if not isinstance(token, int):
-        raise ValueError(f"a {family} config without an integer image_token_id (got {token!r})")
+        name = "boi_token_index" if family == "gemma3" else "image_token_id"
+        raise ValueError(f"a {family} config without an integer {name} (got {token!r})")
     return VisionSpec(family=family, image_token_id=token, tokens_per_image=tower.tokens_per_image,
                       embedding_size=tower.text_hidden_size, image_size=tower.image_size)
 
 
 def _encoder_module(source: VisionSource) -> torch.nn.Module:
+    if isinstance(source.tower, Gemma3TowerSpec):
+        return gemma3_encoder.Gemma3VisionEncoder(source.tower, gemma3_encoder.encoder_weights(source.weights))
     if isinstance(source.tower, SiglipTowerSpec):
         return siglip_encoder.SiglipVisionEncoder(source.tower, siglip_encoder.encoder_weights(source.weights))
     if source.spec.family == "llava_next":

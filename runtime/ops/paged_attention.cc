@@ -7,6 +7,7 @@
 //   2. if kv_cache_out is not the same buffer as kv_cache, copy the pool (slow fallback);
 //   3. write the new tokens' K/V into their slots of kv_cache_out (K rotated first when cos/sin
 //      are given; int8 pools: quantized with the per-KV-head steps of kv_scale [2, Hkv]);
+//      attend_until [T], when given, lets each token see up to that position (Gemma 3's image runs);
 //   4. attention: work items (sequence, kv head, chunk of query tokens, context partition)
 //      run on ONNX Runtime's intra-op thread pool; each streams the (block, head) K/V
 //      tiles once for all query heads of its group (queries rotated as they are loaded), with a
@@ -35,7 +36,7 @@
 
 namespace kiln {
 
-constexpr int kAbiVersion = 7;  // kiln.contract.OP_LIBRARY_ABI
+constexpr int kAbiVersion = 8;  // kiln.contract.OP_LIBRARY_ABI
 
 // ---------------------------------------------------------------- the op
 
@@ -60,18 +61,25 @@ struct PagedAttention {
     }
   }
 
+  // An empty [0] tensor stands for an absent optional input (ORT cannot skip an input before a trailing one).
+  template <typename T>
+  static const Ort::Custom::Tensor<T>* present(const Ort::Custom::Tensor<T>* t) {
+    return t != nullptr && t->Shape().size() == 1 && t->Shape()[0] == 0 ? nullptr : t;
+  }
+
   Ort::Status Compute(OrtKernelContext* ctx, const Ort::Custom::Tensor<float>& query, const Ort::Custom::Tensor<float>& key,
                       const Ort::Custom::Tensor<float>& value, const Ort::Custom::Tensor<KvT>& kv_cache,
                       const Ort::Custom::Tensor<int32_t>& block_tables, const Ort::Custom::Tensor<int32_t>& seq_lens,
                       const Ort::Custom::Tensor<int32_t>& query_start_loc,
                       std::optional<const Ort::Custom::Tensor<float>*> kv_scale,
                       std::optional<const Ort::Custom::Tensor<float>*> cos_cache,
-                      std::optional<const Ort::Custom::Tensor<float>*> sin_cache, Ort::Custom::Tensor<float>& out,
+                      std::optional<const Ort::Custom::Tensor<float>*> sin_cache,
+                      std::optional<const Ort::Custom::Tensor<int32_t>*> attend_until, Ort::Custom::Tensor<float>& out,
                       Ort::Custom::Tensor<KvT>& kv_cache_out) {
     try {
-      const Rotary rotary{cos_cache.value_or(nullptr), sin_cache.value_or(nullptr)};
+      const Rotary rotary{present(cos_cache.value_or(nullptr)), present(sin_cache.value_or(nullptr))};
       run(ctx, query, key, value, kv_cache, block_tables, seq_lens, query_start_loc, kv_scale.value_or(nullptr), rotary,
-          out, kv_cache_out);
+          present(attend_until.value_or(nullptr)), out, kv_cache_out);
     } catch (const Ort::Exception& e) {
       return Ort::Status(e.what(), e.GetOrtErrorCode());
     } catch (const std::exception& e) {
@@ -84,7 +92,8 @@ struct PagedAttention {
            const Ort::Custom::Tensor<float>& value, const Ort::Custom::Tensor<KvT>& kv_cache,
            const Ort::Custom::Tensor<int32_t>& block_tables, const Ort::Custom::Tensor<int32_t>& seq_lens,
            const Ort::Custom::Tensor<int32_t>& query_start_loc, const Ort::Custom::Tensor<float>* kv_scale,
-           const Rotary& rotary, Ort::Custom::Tensor<float>& out, Ort::Custom::Tensor<KvT>& kv_cache_out) const {
+           const Rotary& rotary, const Ort::Custom::Tensor<int32_t>* attend_until, Ort::Custom::Tensor<float>& out,
+           Ort::Custom::Tensor<KvT>& kv_cache_out) const {
     if (window_ < 0) fail("sliding_window must be >= 0");
     if (!(softcap_ >= 0.f) || std::isinf(softcap_)) fail("softcap must be finite and >= 0 (0 = off)");
     if (interleaved_ != 0 && interleaved_ != 1) fail("rotary_interleaved must be 0 (rotate_half) or 1 (adjacent pairs)");
@@ -140,6 +149,10 @@ struct PagedAttention {
       p.sin = rotary.sin->Data();
       p.rot_half = rotary.cos->Shape()[1];
       p.interleaved = interleaved_ == 1;
+    }
+    if (attend_until != nullptr) {
+      validate_attend_until(attend_until->Shape(), attend_until->Data(), p.seq_lens, p.qsl, S, T);
+      p.until = attend_until->Data();
     }
     p.out = qkv.batch_of_one ? out.Allocate({1, T, num_heads_ * D}) : out.Allocate({T, num_heads_ * D});
     p.pool = kv_cache_out.Allocate(pool_shape);

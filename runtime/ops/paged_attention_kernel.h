@@ -54,12 +54,15 @@ struct Problem {
   const float* sin;
   int64_t rot_half;
   bool interleaved;
+  const int32_t* until;  // [T]: the last position each token sees; nullptr: its own (causal)
   int64_t num_tokens, H, Hkv, D, G, block_size, max_blocks;
   float scale;
   float softcap;  // > 0: scores -> softcap * tanh(scores / softcap) (Gemma 2)
   int64_t window;
 
   int64_t first_pos(int32_t s) const { return seq_lens[s] - (qsl[s + 1] - qsl[s]); }
+  // The last key position token i of sequence s (at position pos) attends to.
+  int64_t last_visible(int32_t s, int64_t i, int64_t pos) const { return until ? until[qsl[s] + i] : pos; }
   // Quantization step of K (kv = 0) or V (kv = 1) of a KV head; 1 for float pools.
   float step(int kv, int64_t kv_head) const { return kv_scale ? kv_scale[kv * Hkv + kv_head] : 1.f; }
   // dst [D] = src rotated at absolute position pos (a copy without cos/sin).
@@ -208,7 +211,7 @@ void run_item(const Problem<KvT>& p, const WorkItem& w, const WorkItem* next) {
       const int64_t pos = first + w.q_begin + i;
       int64_t lo = j0;
       if (p.window > 0) lo = std::max<int64_t>(lo, pos - p.window + 1 - base);
-      const int64_t hi = std::min<int64_t>(j1, pos + 1 - base);
+      const int64_t hi = std::min<int64_t>(j1, p.last_visible(w.seq, w.q_begin + i, pos) + 1 - base);
       if (lo >= hi) continue;
       for (int64_t hh = 0; hh < G; ++hh)
         act[nact++] = ActiveRow{static_cast<int>(i * G + hh), static_cast<int>(lo - j0), static_cast<int>(hi - j0)};
@@ -289,7 +292,8 @@ int64_t plan(const Problem<KvT>& p, int64_t num_seqs, bool serial, std::vector<W
     const int32_t q_len = p.qsl[s + 1] - p.qsl[s];
     for (int32_t b = 0; b < q_len; b += qc) {
       const int32_t e = std::min(q_len, b + qc);
-      const int64_t hi = p.first_pos(s) + e;
+      int64_t hi = p.first_pos(s) + e;
+      for (int32_t i = b; p.until != nullptr && i < e; ++i) hi = std::max<int64_t>(hi, p.until[p.qsl[s] + i] + 1);
       const int64_t lo = p.window > 0 ? std::max<int64_t>(0, p.first_pos(s) + b - p.window + 1) : 0;
       chunks.push_back({s, b, e, lo, hi});
     }

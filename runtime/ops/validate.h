@@ -122,4 +122,20 @@ inline void validate_rotary(const std::vector<int64_t>& cos, const std::vector<i
            std::to_string(cos[0]) + " positions; the engine's max_seq_len bounds it)");
 }
 
+// attend_until [T] int32: each token's last visible position, from its own to its sequence's last.
+inline void validate_attend_until(const std::vector<int64_t>& shape, const int32_t* until, const int32_t* sl,
+                                  const int32_t* qsl, int64_t S, int64_t T) {
+  if (shape.size() != 1 || shape[0] != T)
+    fail("attend_until must be int32 [num_tokens=" + std::to_string(T) + "] (or empty [0]: causal), got " +
+         shape_text(shape));
+  for (int64_t s = 0; s < S; ++s) {
+    const int64_t first = sl[s] - (qsl[s + 1] - qsl[s]);
+    for (int32_t t = qsl[s]; t < qsl[s + 1]; ++t)
+      if (until[t] < first + (t - qsl[s]) || until[t] >= sl[s])
+        fail("attend_until[" + std::to_string(t) + "] = " + std::to_string(until[t]) + " must be from the token's "
+             "position (" + std::to_string(first + (t - qsl[s])) + ") to its sequence's last (" +
+             std::to_string(sl[s] - 1) + ")");
+  }
+}
+
 }  // namespace kiln

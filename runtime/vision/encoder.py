@@ -4,7 +4,8 @@ The family (kiln/vision.py) decides how an image becomes encoder inputs and prom
 (runtime/vision/preprocess.py) and one run of image tokens; Idefics3 / SmolVLM several tiles
 (runtime/vision/idefics3.py), their embeddings concatenated tile after tile, laid out among tile markers;
 LLaVA-NeXT a base image and a grid of tiles (runtime/vision/llava_next.py), their embeddings packed into one run
-whose length follows the image's size, with the newline vector the encoder graph holds (read once at load).
+whose length follows the image's size, with the newline vector the encoder graph holds (read once at load); Gemma 3
+one square resize (runtime/vision/gemma3.py) and one bidirectional run between <start_of_image> and <end_of_image>.
 
 One ONNX Runtime session of the engine's vision.onnx (kiln/vision.py). Embeddings are cached by the image's
 content hash (sha256 of its decoded pixels and mode), least recently used out first once they pass
@@ -28,7 +29,7 @@ import onnxruntime as ort
 
 from kiln import vision as contract
 from kiln.manifest import EngineLoadError
-from kiln.runtime.vision import idefics3, llava_next
+from kiln.runtime.vision import gemma3, idefics3, llava_next
 from kiln.runtime.vision.preprocess import ClipImageConfig, preprocess
 from kiln.runtime.vision.prompt import ImageLayout, image_hash
 from kiln.vision import VisionSpec
@@ -37,9 +38,11 @@ if TYPE_CHECKING:
     from PIL.Image import Image
 
 Embeddings = npt.NDArray[np.float32]  # [tiles * tokens_per_image, hidden] (LLaVA-NeXT: its packed rows)
-ImageConfig = ClipImageConfig | idefics3.Idefics3ImageConfig | llava_next.LlavaNextImageConfig
+ImageConfig = (ClipImageConfig | idefics3.Idefics3ImageConfig | llava_next.LlavaNextImageConfig
+               | gemma3.Gemma3ImageConfig)
 _CONFIGS: dict[str, Callable[[dict[str, Any]], ImageConfig]] = {  # the family's image processor (else CLIP's)
-    "idefics3": idefics3.Idefics3ImageConfig.from_hf, "llava_next": llava_next.LlavaNextImageConfig.from_hf}
+    "idefics3": idefics3.Idefics3ImageConfig.from_hf, "llava_next": llava_next.LlavaNextImageConfig.from_hf,
+    "gemma3": gemma3.Gemma3ImageConfig.from_hf}
 
 
 class ImageEncoder:
@@ -71,6 +74,7 @@ class ImageEncoder:
         self.images_encoded = 0
         self.cache_hits = 0
         self._prompt: idefics3.Idefics3Prompt | None = None
+        self._gemma3_prompt: gemma3.Gemma3Prompt | None = None
 
     def _image_newline(self) -> npt.NDArray[np.float32]:
         """LLaVA-NeXT's learned row separator, the encoder graph's constant second output (a run on no image)."""
@@ -93,6 +97,8 @@ class ImageEncoder:
             return idefics3.pixel_values(image, config)
         if isinstance(config, llava_next.LlavaNextImageConfig):
             return llava_next.pixel_values(image, config), *llava_next.grid(image.height, image.width, config)
+        if isinstance(config, gemma3.Gemma3ImageConfig):
+            return gemma3.pixel_values(image, config)[None], 0, 0
         return preprocess(image, config)[None], 0, 0
 
     def pixel_values(self, images: list[Image]) -> npt.NDArray[np.float32]:
@@ -105,12 +111,20 @@ class ImageEncoder:
         if isinstance(config, llava_next.LlavaNextImageConfig):  # one run, its length from the image's size
             return [ImageLayout.one_run(self.spec.image_token_id, llava_next.num_tokens(
                 image.height, image.width, config, self.spec.tokens_per_image)) for image in images]
+        if isinstance(config, gemma3.Gemma3ImageConfig):
+            return [self.gemma3_prompt(tokenizer).layout()] * len(images)
         if not isinstance(config, idefics3.Idefics3ImageConfig):
             return None
         if self._prompt is None:
             self._prompt = idefics3.Idefics3Prompt(tokenizer, self.spec.image_token_id, self.spec.tokens_per_image)
         grids = [idefics3.grid(image.height, image.width, config) for image in images]
         return [self._prompt.layout(rows, cols) for rows, cols in grids]
+
+    def gemma3_prompt(self, tokenizer: gemma3._Tokenizer) -> gemma3.Gemma3Prompt:
+        """Gemma 3's layout tokens, read from the engine's tokenizer once."""
+        if self._gemma3_prompt is None:
+            self._gemma3_prompt = gemma3.Gemma3Prompt(tokenizer, self.spec.image_token_id, self.spec.tokens_per_image)
+        return self._gemma3_prompt
 
     def run(self, pixel_values: npt.NDArray[np.float32]) -> npt.NDArray[np.float32]:
         """The encoder graph on pixel values: [N, tokens_per_image, hidden]."""

@@ -29,6 +29,8 @@ class ImageSpan:
     start: int  # prompt position of the image's first token
     embeddings: npt.NDArray[np.float32]  # [tokens_per_image, hidden]
     key: int  # from the image's content hash: an int, so block hashes are the same in every process
+    # the run's tokens see each other (Gemma 3): the scheduler computes the whole run in one step
+    bidirectional: bool = False
 
     @property
     def end(self) -> int:
@@ -113,3 +115,28 @@ def image_rows(spans: tuple[ImageSpan, ...], start: int, count: int,
             parts.append((np.arange(low - start + row, high - start + row, dtype=np.int64),
                           span.embeddings[low - span.start:high - span.start]))
     return parts
+
+
+def runs_at(starts: list[int], embeddings: list[npt.NDArray[np.float32]], hashes: list[str],
+            bidirectional: bool) -> tuple[ImageSpan, ...]:
+    """One span per image, its run starting at starts[i] (a prompt whose layout was written in text)."""
+    if len(starts) != len(embeddings):
+        raise InvalidParamError(f"the prompt has {len(starts)} image run(s) but {len(embeddings)} image(s) were "
+                                "given", "images")
+    return tuple(ImageSpan(start, embedding, content_key(content), bidirectional)
+                 for start, embedding, content in zip(starts, embeddings, hashes, strict=True))
+
+
+def attend_until(spans: tuple[ImageSpan, ...], start: int, count: int) -> npt.NDArray[np.int32] | None:
+    """For a chunk computing positions [start, start+count): the last position each of its tokens sees (its own,
+    or the end of its bidirectional image run); None when no bidirectional run is in it."""
+    runs = [span for span in spans if span.bidirectional and span.start < start + count and span.end > start]
+    if not runs:
+        return None
+    until = np.arange(start, start + count, dtype=np.int32)
+    for span in runs:
+        if span.end > start + count:
+            raise ValueError(f"a chunk ending at {start + count} cuts the bidirectional image run "
+                             f"[{span.start}, {span.end})")
+        until[max(span.start, start) - start:span.end - start] = span.end - 1
+    return until
