@@ -17,6 +17,7 @@ Weights are drawn at a scale that gives O(1) logits, so numeric comparisons are 
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 from pathlib import Path
@@ -138,7 +139,8 @@ def tiny_hf_config(family: str = "llama", **overrides):
     if family not in _FAMILY_CONFIGS:
         raise ValueError(f"unknown family {family!r}; expected one of {_FAMILIES}")
     class_name, architecture, family_keys = _FAMILY_CONFIGS[family]
-    kwargs = {**_TINY_DEFAULTS, **family_keys, **overrides}
+    # a deep copy: transformers rewrites a config's rope_scaling dict in place (phi3's longrope gains rope_theta)
+    kwargs = copy.deepcopy({**_TINY_DEFAULTS, **family_keys, **overrides})
     if "head_dim" not in kwargs:
         kwargs["head_dim"] = kwargs["hidden_size"] // kwargs["num_attention_heads"]
     config = getattr(transformers, class_name)(**kwargs)
