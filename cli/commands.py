@@ -237,6 +237,10 @@ def _speculative(method: str | None, num_tokens: int, draft: str | None,
               help="serve an engine of N pipeline stages (kiln build --pipeline-stages N) with each stage in its own "
                    "Ray actor (--num-threads each; a local Ray, or the cluster RAY_ADDRESS names); 1: a staged "
                    "engine's stages run in this process")
+@click.option("--pipeline-micro-batches", type=click.IntRange(min=1), default=None,
+              help="with a staged engine: run each step as M micro-batches of whole sequences, stage k computing one "
+                   "while stage k+1 computes the one before (default: one per stage with --pipeline-parallel, else "
+                   "1; at most the step's sequences); 1: each step whole, one stage at a time")
 @click.option("--stage-memory-bytes", type=click.IntRange(min=1), default=None,
               help="with --pipeline-parallel: the memory each stage actor may take beyond its Ray worker's own, "
                    "enforced (RLIMIT_DATA); a stage that does not fit fails to load")
@@ -257,8 +261,8 @@ def serve(engine_dir: Path, host: str, port: int, api_key: str | None, served_mo
           reasoning_parser: str, speculative: str | None, num_speculative_tokens: int,
           draft: str | None, min_guess_probability: float | None, replicas: int | None,
           prefill_replicas: int | None, decode_replicas: int | None,
-          routing: str, pipeline_parallel: int, stage_memory_bytes: int | None, tensor_parallel: int | None,
-          ray_address: str | None, log_level: str) -> None:
+          routing: str, pipeline_parallel: int, pipeline_micro_batches: int | None, stage_memory_bytes: int | None,
+          tensor_parallel: int | None, ray_address: str | None, log_level: str) -> None:
     """Serve ENGINE_DIR over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions), with a
     chat page at /; on several replicas with --replicas N (or --prefill-replicas P --decode-replicas D)."""
     from kiln.runtime.params import RuntimeConfig
@@ -271,6 +275,7 @@ def serve(engine_dir: Path, host: str, port: int, api_key: str | None, served_mo
                            chat_template=chat_template.read_text() if chat_template else None,
                            speculative=_speculative(speculative, num_speculative_tokens, draft, min_guess_probability),
                            pipeline_parallel=pipeline_parallel, stage_memory_bytes=stage_memory_bytes,
+                           pipeline_micro_batches=pipeline_micro_batches,
                            allowed_media_path=None if allowed_media_path is None else str(allowed_media_path),
                            tensor_parallel=tensor_parallel)
     options = ServeOptions(host=host, port=port, served_model_name=served_model_name, max_queue=max_queue,
