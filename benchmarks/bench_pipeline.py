@@ -1,5 +1,6 @@
 """What a pipeline costs on one machine: 16-way decode of one engine as one graph on 2 threads against its
-2-stage copy with 1 thread per stage, in this process (`local`) and in two Ray actors (`ray`, what
+2-stage copy with 1 thread per stage, in this process (`local`; `local-2x1-micro2`: two micro-batches taking
+turns, what splitting a step costs) and in two Ray actors (`ray`, what
 `kiln serve --pipeline-parallel 2` runs) with each step whole (`micro1`: the stages take turns) and in two
 micro-batches in flight (`micro2`, the default: the stages overlap), in interleaved rounds.
 
@@ -77,6 +78,9 @@ def main() -> None:
         layouts = {
             "one-graph-2-threads": (args.engine, RuntimeConfig(num_threads=2, kv_cache_bytes=64 << 20)),
             "local-2x1": (staged, RuntimeConfig(num_threads=1, kv_cache_bytes=64 << 20)),
+            # two micro-batches taking turns: what the smaller matmuls cost, without Ray and without overlap
+            "local-2x1-micro2": (staged, RuntimeConfig(num_threads=1, kv_cache_bytes=64 << 20,
+                                                       pipeline_micro_batches=2)),
             "ray-2x1-micro1": (staged, RuntimeConfig(num_threads=1, kv_cache_bytes=64 << 20, pipeline_parallel=2,
                                                      pipeline_micro_batches=1)),
             "ray-2x1-micro2": (staged, RuntimeConfig(num_threads=1, kv_cache_bytes=64 << 20, pipeline_parallel=2)),
