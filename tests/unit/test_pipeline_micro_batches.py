@@ -96,3 +96,35 @@ def test_micro_batch_count_and_bad_counts():
         split_batch(step_batch(), 7)
     with pytest.raises(InvalidParamError, match="pipeline_micro_batches must be >= 1, got 0"):
         RuntimeConfig(pipeline_micro_batches=0)
+
+
+class RecordingStage:
+    """A stand-in stage actor: `run.remote` records the call and returns a reference naming it."""
+
+    def __init__(self, index: int, log: list) -> None:
+        self.index, self.log = index, log
+        self.run = self
+
+    def remote(self, batch: BatchInput, previous: object) -> tuple:
+        ref = ("ref", self.index, batch.num_tokens)
+        self.log.append(("submit", self.index, batch.num_tokens, previous))
+        return ref
+
+
+def test_ray_chain_submits_every_micro_batch_before_waiting(monkeypatch):
+    """Every stage call of every micro-batch is in flight before the engine waits, stage k+1's call on stage k's
+    reference of the same micro-batch: what lets the actors overlap."""
+    ray = pytest.importorskip("ray")
+    from kiln.runtime.pipeline.ray_stages import RayChain, StageDescription
+    from kiln.runtime.pipeline.shape import PipelineShape
+
+    log: list = []
+    monkeypatch.setattr(ray, "get", lambda refs: log.append(("wait", list(refs))) or [f"result {r[2]}" for r in refs])
+    described = [StageDescription(i == 1, PipelineShape(4, 8), 100 + i, 0) for i in range(2)]
+    chain = RayChain([RecordingStage(0, log), RecordingStage(1, log)], None, described)
+    pieces = [p.batch for p in split_batch(step_batch(), 2)]
+    sizes = [p.num_tokens for p in pieces]
+    assert chain.run(pieces) == [f"result {n}" for n in sizes]
+    assert log == [("submit", 0, sizes[0], None), ("submit", 1, sizes[0], ("ref", 0, sizes[0])),
+                   ("submit", 0, sizes[1], None), ("submit", 1, sizes[1], ("ref", 0, sizes[1])),
+                   ("wait", [("ref", 1, sizes[0]), ("ref", 1, sizes[1])])]
