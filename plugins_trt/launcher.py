@@ -66,7 +66,9 @@ class DeviceInputs:
             tensor = torch.from_numpy(np.ascontiguousarray(array)).to(device)
             return tensor if dtype is None else tensor.to(dtype)
 
-        values = {f.name: put(getattr(inputs, f.name)) for f in fields(PagedAttentionInputs)}
+        if inputs.attend_until is not None:
+            raise ValueError("attend_until (bidirectional image runs) is not supported by the Triton kernels")
+        values = {f.name: put(getattr(inputs, f.name)) for f in fields(cls)}
         if kv_dtype is not None:
             values["kv_cache"] = put(inputs.kv_cache, kv_dtype)
         return cls(**values)

@@ -10,6 +10,7 @@ import pytest
 
 pytest.importorskip("torch")
 
+from kiln.contract import OP_LIBRARY_ABI  # noqa: E402
 from kiln.manifest import BuildOptions, read_manifest  # noqa: E402
 from kiln.optimize.build import BuildError, build_engine  # noqa: E402
 from kiln.quant_scheme import QuantScheme  # noqa: E402
@@ -117,11 +118,12 @@ def test_cli_int8_without_calibration_is_one_sentence(tiny_model_dir, tmp_path):
     assert result.exit_code != 0 and "needs the per-head K/V scales" in result.output
 
 
-@pytest.mark.parametrize("abi, loads", [(1, True), (2, True), (3, True), (4, True), (5, True), (6, True), (0, False),
-                                        (7, False)])
+@pytest.mark.parametrize("abi, loads", [(abi, True) for abi in range(1, OP_LIBRARY_ABI + 1)]
+                         + [(0, False), (OP_LIBRARY_ABI + 1, False)])
 def test_engines_of_older_compatible_abis_still_load(tiny_engine, tmp_path, abi, loads):
-    """ABIs 2 to 6 only added optional inputs (kv_scale; cos/sin caches), attributes (rotary_interleaved,
-    softcap), int8 pools and new ops: ABI-1 to ABI-5 engines still run; an ABI newer than the library does not."""
+    """ABIs after 1 only added optional inputs (kv_scale; cos/sin caches; attend_until), attributes
+    (rotary_interleaved, softcap), int8 pools and new ops: older engines still run; an ABI newer than the library
+    does not."""
     import json
     import shutil
 
