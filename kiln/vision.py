@@ -48,13 +48,21 @@ PLACEHOLDER_SUFFIX = {"llava": "\n", "idefics3": "", "llava_next": "\n", "gemma3
 
 
 class EncoderQuantization(Enum):
-    """The encoder graph's weights (``kiln build --vision-quantization``; the manifest's
-    build.vision_quantization): float32, or int8 per output channel of every linear layer (attention,
-    MLP, projector) through the text graph's int8 weight-only pass (optimize/vision_encoder.py). The
-    patch convolution, norms and position embeddings stay float32 either way."""
+    """The encoder graph's linear layers (attention, MLP, projector; ``kiln build --vision-quantization``, the
+    manifest's build.vision_quantization), compiled by optimize/vision_encoder.py with the text graph's passes:
+
+      float32           as exported
+      int8              int8 weights per output channel, activations int8 per token (the W8A8 pass:
+                        MatMulIntegerToFloat); a quarter of the bytes and faster than float32 at an image's rows
+      int8-weight-only  int8 weights per output channel in MatMulNBits (the int8 weight-only pass), whose kernel
+                        quantizes activations per block of 128 inputs: finer activation scales than per token,
+                        but slower than float32 at an image's rows on AVX2 CPUs
+
+    The patch convolution, norms and position embeddings stay float32 under every one."""
 
     FLOAT32 = "float32"
     INT8 = "int8"
+    INT8_WEIGHT_ONLY = "int8-weight-only"
 
     @classmethod
     def parse(cls, name: str) -> EncoderQuantization:

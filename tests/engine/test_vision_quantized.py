@@ -1,12 +1,14 @@
-"""The int8 image encoder (`kiln build --vision-quantization int8`, optimize/vision_encoder.py) on the tiny LLaVA
-(CLIP tower + MLP projector) and the tiny Gemma 3 (SigLIP tower + pooling projector): its embeddings near
-transformers' get_image_features, greedy tokens on an image prompt equal to the float32 encoder's engine, every
-linear layer of the graph quantized, the manifest saying so; a text-only model refuses the flag.
+"""The int8 image encoders (`kiln build --vision-quantization int8 | int8-weight-only`, optimize/vision_encoder.py)
+on the tiny LLaVA (CLIP tower + MLP projector; both schemes) and the tiny Gemma 3 (SigLIP tower + pooling
+projector; int8): embeddings near transformers' get_image_features, greedy tokens on an image prompt equal to the
+float32 encoder's engine, every linear layer of the graph quantized, the manifest saying so; a text-only model
+refuses the flag.
 
-Tolerance: int8 per output channel (step max|w|/127 a row) plus the kernel's int8 activations per block of 128
-move each linear's output by a few tenths of a percent; through the tiny towers' 2 layers and the projector
-the embeddings moved by 0.9-1.8% (relative Frobenius error) with every token's cosine above 0.9996 on random
-pixels. The bounds below (4%, 0.999) leave twice that; a wrong scale, row order or zero point is O(1) off.
+Tolerance: int8 weights per output channel (step max|w|/127 a row) and int8 activations (per token, or per block
+of 128 in MatMulNBits) move each linear's output by a few tenths of a percent; through the tiny towers' 2 layers
+and the projector the embeddings moved by 0.9-1.8% (relative Frobenius error) with every token's cosine above
+0.9996 on random pixels. The bounds below (4%, 0.999) leave twice that; a wrong scale, row order or zero point
+is O(1) off.
 """
 
 from __future__ import annotations
@@ -27,6 +29,9 @@ from kiln.vision import EncoderQuantization
 
 torch = pytest.importorskip("torch")
 INT8 = BuildOptions(kv_dtype="float32", vision_quantization=EncoderQuantization.INT8)
+WEIGHT_ONLY = BuildOptions(kv_dtype="float32", vision_quantization=EncoderQuantization.INT8_WEIGHT_ONLY)
+# the node each scheme's linears become
+QUANTIZED_OP = {EncoderQuantization.INT8: "MatMulIntegerToFloat", EncoderQuantization.INT8_WEIGHT_ONLY: "MatMulNBits"}
 LLAVA_IMAGE_TOKEN_ID = 261
 GEMMA3_TEXT = "<start_of_turn>user\n<start_of_image>What is in this picture?<end_of_turn>\n<start_of_turn>model\n"
 
@@ -35,6 +40,13 @@ GEMMA3_TEXT = "<start_of_turn>user\n<start_of_image>What is in this picture?<end
 def llava_int8_engine(tmp_path_factory, tiny_llava_dir):
     out = tmp_path_factory.mktemp("tiny-llava-int8") / "engine"
     build_engine(tiny_llava_dir, out, INT8, progress=lambda _msg: None)
+    return out
+
+
+@pytest.fixture(scope="module")
+def llava_weight_only_engine(tmp_path_factory, tiny_llava_dir):
+    out = tmp_path_factory.mktemp("tiny-llava-int8-weight-only") / "engine"
+    build_engine(tiny_llava_dir, out, WEIGHT_ONLY, progress=lambda _msg: None)
     return out
 
 
@@ -53,17 +65,23 @@ def assert_near(ours: np.ndarray, theirs: np.ndarray) -> None:
     assert relative > 1e-4, "the int8 encoder equals float32: nothing was quantized"  # float32 is within 1e-5
 
 
-def test_llava_embeddings_near_transformers(llava_int8_engine, tiny_llava_dir):
+@pytest.fixture(scope="module")
+def llava_hf(tiny_llava_dir):
     from transformers import LlavaForConditionalGeneration
+
+    return LlavaForConditionalGeneration.from_pretrained(tiny_llava_dir).eval()
+
+
+@pytest.mark.parametrize("engine", ["llava_int8_engine", "llava_weight_only_engine"])
+def test_llava_embeddings_near_transformers(request, engine, llava_hf):
     from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
 
-    hf_model = LlavaForConditionalGeneration.from_pretrained(tiny_llava_dir).eval()
-    processor = CLIPImageProcessorPil(**json.loads((llava_int8_engine / "preprocessor_config.json").read_text()))
+    path = request.getfixturevalue(engine)
+    processor = CLIPImageProcessorPil(**json.loads((path / "preprocessor_config.json").read_text()))
     pixels = processor([sample_images()[n] for n in ("rgb-portrait", "gray", "rgba")], return_tensors="np")
-    ours = ImageEncoder(llava_int8_engine, read_manifest(llava_int8_engine).vision).run(
-        pixels["pixel_values"].astype(np.float32))
+    ours = ImageEncoder(path, read_manifest(path).vision).run(pixels["pixel_values"].astype(np.float32))
     with torch.no_grad():
-        theirs = hf_model.model.get_image_features(torch.from_numpy(pixels["pixel_values"]), vision_feature_layer=-2,
+        theirs = llava_hf.model.get_image_features(torch.from_numpy(pixels["pixel_values"]), vision_feature_layer=-2,
                                                    vision_feature_select_strategy="default").pooler_output
     assert ours.shape == (3, NUM_IMAGE_TOKENS, 64)
     assert_near(ours, torch.stack(list(theirs)).numpy())
@@ -89,11 +107,13 @@ def greedy(engine, prompt, image) -> list[int]:
     return list(out[0].outputs[0].token_ids)
 
 
-@pytest.mark.parametrize("name", ["rgb-portrait", "rgb-landscape"])
-def test_llava_greedy_tokens_equal_the_float32_encoders(llava_int8_engine, tiny_llava_engine, name):
+@pytest.mark.parametrize(("engine", "name"), [("llava_int8_engine", "rgb-portrait"),
+                                              ("llava_int8_engine", "rgb-landscape"),
+                                              ("llava_weight_only_engine", "rgb-portrait")])
+def test_llava_greedy_tokens_equal_the_float32_encoders(request, engine, tiny_llava_engine, name):
     prompt = [1, 40, 50, 60, LLAVA_IMAGE_TOKEN_ID, 70, 80, 90, 100, 110]
     image = sample_images()[name]
-    assert greedy(llava_int8_engine, prompt, image) == greedy(tiny_llava_engine, prompt, image)
+    assert greedy(request.getfixturevalue(engine), prompt, image) == greedy(tiny_llava_engine, prompt, image)
 
 
 @pytest.mark.parametrize("name", ["rgb-landscape", "palette"])
@@ -102,23 +122,24 @@ def test_gemma3_greedy_tokens_equal_the_float32_encoders(gemma3_int8_engine, tin
     assert greedy(gemma3_int8_engine, GEMMA3_TEXT, image) == greedy(tiny_gemma3_vlm_engine, GEMMA3_TEXT, image)
 
 
-@pytest.mark.parametrize(("engine", "linears"), [("llava_int8_engine", 10), ("gemma3_int8_engine", 9)])
+@pytest.mark.parametrize(("engine", "linears"), [("llava_int8_engine", 10), ("llava_weight_only_engine", 10),
+                                                 ("gemma3_int8_engine", 9)])
 def test_every_linear_layer_is_int8(request, engine, linears):
     """LLaVA: 2 layers x (fused q/k/v, out, fc1, fc2) + the projector's 2; Gemma 3: 2 x 4 + its projection.
     What stays float: the patch convolution and attention's activation-by-activation MatMuls."""
     path = request.getfixturevalue(engine)
+    scheme = read_manifest(path).build.vision_quantization
+    assert json.loads((path / "manifest.json").read_text())["build"]["vision_quantization"] == scheme.value
     graph = onnx.load(path / "vision.onnx", load_external_data=False).graph
     initializers = {init.name: init for init in graph.initializer}
-    quantized = [node for node in graph.node if node.op_type == "MatMulNBits"]
+    quantized = [node for node in graph.node if node.op_type == QUANTIZED_OP[scheme]]
     assert len(quantized) == linears
-    for node in quantized:
-        assert {a.name: a.i for a in node.attribute}["bits"] == 8
+    for node in quantized:  # the weight: MatMulIntegerToFloat's input 1 (uint8, zero point 128), MatMulNBits' B
         assert initializers[node.input[1]].data_type == onnx.TensorProto.UINT8
+        if node.op_type == "MatMulNBits":
+            assert {a.name: a.i for a in node.attribute}["bits"] == 8
     assert not [node.name for node in graph.node if node.op_type in ("MatMul", "Gemm")
                 and any(name in initializers for name in node.input)]
-    manifest = read_manifest(path)
-    assert manifest.build.vision_quantization is EncoderQuantization.INT8
-    assert json.loads((path / "manifest.json").read_text())["build"]["vision_quantization"] == "int8"
 
 
 def test_the_float32_encoder_is_recorded(tiny_llava_engine):
