@@ -151,3 +151,15 @@ def test_a_text_only_model_refuses_vision_quantization(tiny_model_dir, tmp_path)
                                          "encoder, and .* is a text-only model"):
         build_engine(tiny_model_dir, tmp_path / "engine", INT8, progress=lambda _msg: None)
     assert not (tmp_path / "engine").exists()
+
+
+def test_the_cli_flag_reaches_the_build(tiny_model_dir, tmp_path):
+    from click.testing import CliRunner
+
+    from kiln.cli import main
+
+    result = CliRunner().invoke(main, ["build", str(tiny_model_dir), "-o", str(tmp_path / "engine"),
+                                       "--vision-quantization", "int8-weight-only"])
+    assert result.exit_code == 1
+    assert "--vision-quantization int8-weight-only quantizes a vision-language model's image encoder" in result.output
+    assert "Traceback" not in result.output and not (tmp_path / "engine").exists()
