@@ -4,6 +4,10 @@ projector; random weights at O(1) activations): kiln's encoder graphs in ONNX Ru
 rounds interleaved; with --eager the same module in torch eager too.
 
     .venv/bin/python benchmarks/bench_vision_encoder.py [--rounds 3] [--threads 2] [--eager]
+                                                        [--tower clip-vit-l-336 | siglip-so400m-364]
+
+--tower siglip-so400m-364 measures Idefics3-8B's image side instead (SigLIP-so400m on one 364 px tile + its
+pixel-shuffle projector).
 
 Builds export/vision/clip_encoder.py's module, exports and optimizes it as `kiln build` does
 (optimize/vision_encoder.py; into a temporary folder, deleted after), checks float32 against torch, then prints
@@ -30,7 +34,8 @@ import onnx_ir as ir
 import onnxruntime as ort
 import torch
 
-from kiln.export.vision import clip_encoder
+from kiln.export.vision import clip_encoder, siglip_encoder
+from kiln.export.vision.idefics3_config import SiglipTowerSpec
 from kiln.export.vision.llava_config import ClipTowerSpec
 from kiln.optimize.quantize_int4 import quantize_int4
 from kiln.optimize.vision_encoder import optimize_encoder
@@ -39,14 +44,20 @@ from kiln.vision import EncoderQuantization
 LLAVA_15_7B = ClipTowerSpec(hidden_size=1024, intermediate_size=4096, num_heads=16, num_layers=23, image_size=336,
                             patch_size=14, num_channels=3, layer_norm_eps=1e-5, hidden_act="quick_gelu",
                             drop_cls=True, projector_act="gelu", projector_bias=True, text_hidden_size=4096)
+# Idefics3-8B-Llama3's image side: SigLIP-so400m (27 layers, hidden 1152, MLP 4304: no multiple of 128) on 364 px
+# tiles, pixel shuffle by 2 -> 169 tokens, projection 4608 -> 4096
+IDEFICS3_8B = SiglipTowerSpec(hidden_size=1152, intermediate_size=4304, num_heads=16, num_layers=27, image_size=364,
+                              patch_size=14, num_channels=3, layer_norm_eps=1e-6, hidden_act="gelu_pytorch_tanh",
+                              scale_factor=2, text_hidden_size=4096)
+TOWERS = {"clip-vit-l-336": (clip_encoder, LLAVA_15_7B), "siglip-so400m-364": (siglip_encoder, IDEFICS3_8B)}
 
 
-def random_weights(spec: ClipTowerSpec) -> dict[str, torch.Tensor]:
-    """Norms near 1, biases small, matrices at 1/sqrt(fan-in): activations stay O(1) through 23 layers."""
+def random_weights(module, spec: ClipTowerSpec | SiglipTowerSpec) -> dict[str, torch.Tensor]:
+    """Norms near 1, biases small, matrices at 1/sqrt(fan-in): activations stay O(1) through every layer."""
     gen = torch.Generator().manual_seed(0)
     with torch.device("meta"):  # the shapes only
-        shapes = {f"tower.{k}": v.shape for k, v in clip_encoder._Tower(spec).state_dict().items()}
-        shapes |= {f"projector.{k}": v.shape for k, v in clip_encoder._Projector(spec).state_dict().items()}
+        shapes = {f"tower.{k}": v.shape for k, v in module._Tower(spec).state_dict().items()}
+        shapes |= {f"projector.{k}": v.shape for k, v in module._Projector(spec).state_dict().items()}
     weights = {}
     for name, shape in shapes.items():
         noise = torch.randn(shape, generator=gen)
@@ -106,12 +117,15 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--eager", action="store_true", help="time torch eager too")
+    parser.add_argument("--tower", choices=sorted(TOWERS), default="clip-vit-l-336")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    model = clip_encoder.ClipVisionEncoder(LLAVA_15_7B, random_weights(LLAVA_15_7B))
-    image = torch.randn(1, 3, 336, 336)
+    module, spec = TOWERS[args.tower]
+    encoder = clip_encoder.ClipVisionEncoder if module is clip_encoder else siglip_encoder.SiglipVisionEncoder
+    model = encoder(spec, random_weights(module, spec))
+    image = torch.randn(1, 3, spec.image_size, spec.image_size)
     pixels = image.numpy()
-    print(host())
+    print(f"{args.tower}; {host()}")
     with tempfile.TemporaryDirectory() as folder:
         start = time.perf_counter()
         graphs = write_graphs(model, image, Path(folder))
