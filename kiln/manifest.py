@@ -24,7 +24,7 @@ from kiln.quant_scheme import LmHead, QuantScheme
 from kiln.spec import ModelSpec
 from kiln.tensor_parallel import TensorRank, check_ranks
 from kiln.verified_files import FileVerifier, sha256_file
-from kiln.vision import VisionSpec
+from kiln.vision import EncoderQuantization, VisionSpec
 
 FORMAT_VERSION = 1
 MANIFEST_NAME = "manifest.json"
@@ -54,6 +54,8 @@ class BuildOptions:
     medusa: Path | None = None  # artifact of `kiln train-medusa`: heads compiled into the graph (kiln/medusa.py)
     pipeline_stages: int = 1  # graphs of contiguous layer ranges (kiln/pipeline_stages.py); 1: one graph
     tensor_parallel: int = 1  # graphs of each rank's heads and MLP columns (kiln/tensor_parallel.py); 1: one graph
+    # a vision-language engine's encoder weights (kiln/vision.py); a text-only build takes only the default
+    vision_quantization: EncoderQuantization = EncoderQuantization.FLOAT32
 
     def __post_init__(self) -> None:
         require(isinstance(self.quantization, QuantScheme), "quantization", "a QuantScheme (QuantScheme.parse(name))",
@@ -67,6 +69,8 @@ class BuildOptions:
                 self.calibration)
         require(isinstance(self.lm_head, LmHead), "lm_head", "an LmHead (LmHead.parse(name))", self.lm_head)
         require(self.medusa is None or isinstance(self.medusa, Path), "medusa", "a Path or None", self.medusa)
+        require(isinstance(self.vision_quantization, EncoderQuantization), "vision_quantization",
+                "an EncoderQuantization (EncoderQuantization.parse(name))", self.vision_quantization)
 
     def to_dict(self) -> dict[str, Any]:
         """The manifest's "build" object: the scheme by name, the artifact as a path string or null."""
@@ -74,19 +78,23 @@ class BuildOptions:
                 "max_seq_len": self.max_seq_len, "max_num_tokens": self.max_num_tokens,
                 "calibration": None if self.calibration is None else str(self.calibration),
                 "lm_head": self.lm_head.value, "medusa": None if self.medusa is None else str(self.medusa),
-                "pipeline_stages": self.pipeline_stages, "tensor_parallel": self.tensor_parallel}
+                "pipeline_stages": self.pipeline_stages, "tensor_parallel": self.tensor_parallel,
+                "vision_quantization": self.vision_quantization.value}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> BuildOptions:
         """Read to_dict's object, and that of older manifests: they also carry "dtype" (always float32,
         the only one builds accepted) and "" for no calibration artifact, and lack "lm_head" (int8 then)
-        "medusa" (no heads), "pipeline_stages" and "tensor_parallel" (one graph)."""
+        "medusa" (no heads), "pipeline_stages" and "tensor_parallel" (one graph), "vision_quantization"
+        (float32: every encoder was)."""
         fields = {key: value for key, value in data.items() if key != "dtype"}
         calibration = fields.pop("calibration", None)
         medusa = fields.pop("medusa", None)
         return cls(quantization=QuantScheme.parse(fields.pop("quantization", "none")),
                    calibration=Path(calibration) if calibration else None, medusa=Path(medusa) if medusa else None,
-                   lm_head=LmHead.parse(fields.pop("lm_head", LmHead.INT8.value)), **fields)
+                   lm_head=LmHead.parse(fields.pop("lm_head", LmHead.INT8.value)),
+                   vision_quantization=EncoderQuantization.parse(fields.pop("vision_quantization", "float32")),
+                   **fields)
 
 
 @dataclass(frozen=True)
@@ -240,7 +248,7 @@ def _vision(data: dict[str, Any] | None) -> VisionSpec | None:
 _BUILD_SCHEMA: dict[str, Any] = {
     "quantization": str, "kv_dtype": str, "block_size": int, "max_seq_len": int, "max_num_tokens": int,
     "calibration?": str | None, "lm_head?": str, "dtype?": str, "medusa?": str | None,
-    "pipeline_stages?": int, "tensor_parallel?": int,
+    "pipeline_stages?": int, "tensor_parallel?": int, "vision_quantization?": str,
 }
 _SCHEMA: dict[str, Any] = {
     "format_version": int, "kiln_version": str, "backend": str, "op_library_abi": int,

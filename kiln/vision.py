@@ -29,7 +29,10 @@ has a second output, ``image_newline`` float32 [embedding_size], the learned row
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import Enum
 from typing import Any
+
+from kiln.errors import InvalidParamError
 
 ENCODER_GRAPH = "vision.onnx"
 PREPROCESSOR_CONFIG = "preprocessor_config.json"
@@ -42,6 +45,33 @@ FAMILIES = ("llava", "idefics3", "llava_next", "gemma3")
 # what a chat message's image part becomes in the text the chat template renders: the image token, then this
 # (LLaVA-1.5's prompts put the image on its own line; SmolVLM's and Gemma 3's chat templates write it inline)
 PLACEHOLDER_SUFFIX = {"llava": "\n", "idefics3": "", "llava_next": "\n", "gemma3": ""}
+
+
+class EncoderQuantization(Enum):
+    """The encoder graph's linear layers (attention, MLP, projector; ``kiln build --vision-quantization``, the
+    manifest's build.vision_quantization), compiled by optimize/vision_encoder.py with the text graph's passes:
+
+      float32           as exported
+      int8              int8 weights per output channel, activations int8 per token (the W8A8 pass:
+                        MatMulIntegerToFloat); a quarter of the bytes and faster than float32 at an image's rows
+      int8-weight-only  int8 weights per output channel in MatMulNBits (the int8 weight-only pass), whose kernel
+                        quantizes activations per block of 128 inputs: finer activation scales than per token,
+                        but slower than float32 at an image's rows on AVX2 CPUs
+
+    The patch convolution, norms and position embeddings stay float32 under every one."""
+
+    FLOAT32 = "float32"
+    INT8 = "int8"
+    INT8_WEIGHT_ONLY = "int8-weight-only"
+
+    @classmethod
+    def parse(cls, name: str) -> EncoderQuantization:
+        try:
+            return cls(name)
+        except ValueError:
+            choices = [scheme.value for scheme in cls]
+            raise InvalidParamError(f"unknown vision encoder quantization {name!r}; choose one of {choices}",
+                                    "vision_quantization") from None
 
 
 @dataclass(frozen=True)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import onnx
 import onnx_ir as ir
 
 
@@ -98,3 +99,19 @@ def soft_cap_output(value: ir.Value) -> ir.Value | None:
         return None
     out = mul_uses[0].node.outputs[0]
     return out if soft_cap_input(out) is value else None
+
+
+def prune_graph(source: onnx.GraphProto, nodes: list[onnx.NodeProto], inputs: list[onnx.ValueInfoProto],
+                outputs: list[onnx.ValueInfoProto], keep: set[str]) -> onnx.GraphProto:
+    """The graph of the nodes the outputs read, with only the inputs (and `keep`) and the source graph's
+    initializers and value infos they use: what a pipeline stage or a tensor-parallel rank keeps of the one graph."""
+    needed = {o.name for o in outputs} | keep
+    kept = []
+    for node in reversed(nodes):
+        if any(out in needed for out in node.output):
+            kept.append(node)
+            needed.update(node.input)
+    kept.reverse()
+    return onnx.helper.make_graph(kept, source.name, [i for i in inputs if i.name in needed], outputs,
+                                  initializer=[t for t in source.initializer if t.name in needed],
+                                  value_info=[v for v in source.value_info if v.name in needed])

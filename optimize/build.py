@@ -50,8 +50,10 @@ from kiln.optimize.quantize import QuantizationError, check_lm_head, int8_fallba
 from kiln.optimize.quantize import check_options as check_quantization
 from kiln.optimize.shard_tensor_parallel import check_splittable, split_into_ranks
 from kiln.optimize.split_stages import StageSplitError, split_into_stages
+from kiln.optimize.vision_encoder import EncoderQuantizationError, optimize_encoder
 from kiln.pipeline_stages import stage_layer_ranges
 from kiln.quant_scheme import LmHead, QuantMethod
+from kiln.vision import EncoderQuantization
 
 Progress = Callable[[str], None]
 MODEL_FILE = "model.onnx"
@@ -90,7 +92,7 @@ def build_engine(
     with _stage(say, "load checkpoint"):
         checkpoint = _load_checkpoint(model_path)
         options = _check_model(checkpoint, options)
-        vision = _load_vision(model_path, backend, checkpoint, mmproj)
+        vision = _load_vision(model_path, backend, checkpoint, mmproj, options.vision_quantization)
         if vision is not None and options.pipeline_stages > 1:  # the stage runners bind no image inputs
             raise BuildError("--pipeline-stages is not supported for vision-language models yet")
         if options.tensor_parallel > 1:
@@ -163,7 +165,7 @@ def build_engine(
                 say(f"  {save_draft_graph(draft, staging).name}: the hydra heads' chain")
         if vision is not None:
             with _stage(say, "export vision encoder"):
-                say(f"  {', '.join(_write_vision(vision, staging))}")
+                say(f"  {', '.join(_write_vision(vision, staging, options.vision_quantization, say))}")
         graph_inputs = tuple(v.name for v in model.graph.inputs)
         graph_outputs = tuple(v.name for v in model.graph.outputs)
         del model
@@ -290,7 +292,8 @@ def _load_checkpoint(model_path: str | Path):
         raise BuildError(str(exc)) from exc
 
 
-def _load_vision(model_path: str | Path, backend: str, checkpoint, mmproj: str | Path | None):
+def _load_vision(model_path: str | Path, backend: str, checkpoint, mmproj: str | Path | None,
+                 quantization: EncoderQuantization):
     """A vision-language checkpoint's image side (export/vision/; from the mmproj file when given), or None for a
     text-only model."""
     from kiln.export.vision.export_encoder import load_vision_of
@@ -307,13 +310,23 @@ def _load_vision(model_path: str | Path, backend: str, checkpoint, mmproj: str |
         raise BuildError(str(exc)) from exc
     if vision is not None and backend != BACKEND_ORT_CPU:
         raise BuildError(f"vision-language engines build for {BACKEND_ORT_CPU} only, not {backend}")
+    if vision is None and quantization is not EncoderQuantization.FLOAT32:
+        raise BuildError(f"--vision-quantization {quantization.value} quantizes a vision-language model's image "
+                         f"encoder, and {model_path} is a text-only model (build it without --vision-quantization)")
     return vision
 
 
-def _write_vision(vision, staging: Path) -> list[str]:
-    from kiln.export.vision.export_encoder import write_vision
+def _write_vision(vision, staging: Path, quantization: EncoderQuantization, say: Progress) -> list[str]:
+    from kiln.export.vision.export_encoder import export_encoder, write_vision
 
-    return write_vision(vision, staging)
+    encoder = export_encoder(vision)
+    try:
+        counts = optimize_encoder(encoder, quantization)
+    except EncoderQuantizationError as exc:
+        raise BuildError(str(exc)) from exc
+    for name, count in counts.items():
+        say(f"  {name}: fired {count}x")
+    return write_vision(vision, staging, encoder)
 
 
 def _scheme_artifact(options: BuildOptions) -> Path | None:

@@ -25,6 +25,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from kiln import all_reduce, contract
 from kiln.manifest import BACKEND_ORT_CPU, BuildOptions, Manifest, read_manifest, write_manifest
+from kiln.optimize._common import prune_graph
 from kiln.optimize.shard_weights import WeightReader, column_slices, describe, is_linear, row_slices
 from kiln.spec import ModelSpec
 from kiln.swiglu import OP_TYPE as SWIGLU
@@ -173,7 +174,9 @@ def _rank_graph(graph: onnx.GraphProto, layers: list[_Layer], ranks: tuple[Tenso
         else:
             initializers.append(tensor)
     keep = {contract.INPUT_IDS, contract.POSITION_IDS, contract.LOGITS_INDICES}
-    return _prune(graph.name, nodes, inputs, outputs, initializers, keep)
+    # the sliced weights, and no value infos: the one graph's shapes of per-head tensors are not a rank's
+    sliced_graph = helper.make_graph([], graph.name, [], [], initializer=initializers)
+    return prune_graph(sliced_graph, nodes, inputs, outputs, keep)
 
 
 def _rank_kv_type(value: onnx.ValueInfoProto, num_kv_heads: int) -> onnx.ValueInfoProto:
@@ -182,20 +185,6 @@ def _rank_kv_type(value: onnx.ValueInfoProto, num_kv_heads: int) -> onnx.ValueIn
     copy.CopyFrom(value)
     copy.type.tensor_type.shape.dim[2].dim_value = num_kv_heads
     return copy
-
-
-def _prune(name: str, nodes: list[onnx.NodeProto], inputs: list, outputs: list, initializers: list,
-           keep: set[str]) -> onnx.GraphProto:
-    """The graph of the nodes the outputs read, with the inputs (and `keep`) and initializers they use."""
-    needed = {o.name for o in outputs} | keep
-    kept = []
-    for node in reversed(nodes):
-        if any(out in needed for out in node.output):
-            kept.append(node)
-            needed.update(node.input)
-    kept.reverse()
-    return helper.make_graph(kept, name, [i for i in inputs if i.name in needed], outputs,
-                             initializer=[t for t in initializers if t.name in needed])
 
 
 def _write_weights(graph: onnx.GraphProto, source_dir: Path, data_path: Path, location: str) -> None:

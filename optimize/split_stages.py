@@ -26,6 +26,7 @@ from onnx import TensorProto, helper
 from kiln import contract
 from kiln.errors import KilnError
 from kiln.manifest import BACKEND_ORT_CPU, Manifest, read_manifest, write_manifest
+from kiln.optimize._common import prune_graph
 from kiln.pipeline_stages import HIDDEN_STATES, HIDDEN_STATES_OUT, PipelineStage, stage_graph_name, stage_layer_ranges
 
 _RESIDUAL_NORM = "SkipSimplifiedLayerNormalization"
@@ -136,23 +137,7 @@ def _stage_graph(graph: onnx.GraphProto, start: _Cut | None, end: _Cut | None, l
     # the first stage declares the tokens' inputs as the one graph does, read or not (RoPE inside the attention
     # op reads no position_ids); other stages declare only what they read
     keep = {contract.INPUT_IDS, contract.POSITION_IDS} if start is None else set()
-    return _prune(graph, nodes, inputs + kv_inputs, outputs, keep)
-
-
-def _prune(graph: onnx.GraphProto, nodes: list[onnx.NodeProto], inputs: list, outputs: list,
-           keep: set[str]) -> onnx.GraphProto:
-    """The graph of `nodes` that the outputs read, with only the inputs (and `keep`) and initializers they use."""
-    needed = {o.name for o in outputs} | keep
-    kept = []
-    for node in reversed(nodes):
-        if any(out in needed for out in node.output):
-            kept.append(node)
-            needed.update(node.input)
-    kept.reverse()
-    initializers = [t for t in graph.initializer if t.name in needed]
-    used_inputs = [i for i in inputs if i.name in needed]
-    value_info = [v for v in graph.value_info if v.name in needed]
-    return helper.make_graph(kept, graph.name, used_inputs, outputs, initializer=initializers, value_info=value_info)
+    return prune_graph(graph, nodes, inputs + kv_inputs, outputs, keep)
 
 
 def _check_layers(stage: onnx.GraphProto, layers: range) -> None:

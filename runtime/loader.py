@@ -99,8 +99,9 @@ def _open_engine(engine_dir: Path, config: RuntimeConfig, manifest: Manifest, to
     runner: OrtModelRunner | TrtModelRunner | PipelineRunner | TensorParallelRunner
     size_pool = choose_num_blocks if config.max_model_len is not None else fit_num_blocks
     if manifest.backend == BACKEND_TENSORRT:
-        if config.pipeline_parallel > 1:
-            raise EngineLoadError("pipeline_parallel is served by the onnxruntime-cpu backend only")
+        if config.pipeline_parallel > 1 or config.pipeline_micro_batches is not None:
+            raise EngineLoadError("pipeline_parallel and pipeline_micro_batches are served by the onnxruntime-cpu "
+                                  "backend only")
         from kiln.runtime.trt_runner import TrtModelRunner, device_free_bytes
 
         num_blocks = size_pool(budget, config.kv_cache_bytes, config.kv_cache_fraction, device_free_bytes())
@@ -112,9 +113,10 @@ def _open_engine(engine_dir: Path, config: RuntimeConfig, manifest: Manifest, to
             from kiln.runtime.pipeline.shape import StageSizing
 
             sizing = StageSizing(engine_kv_pools(manifest), num_blocks, num_threads, config.stage_memory_bytes)
-            runner = open_ray_pipeline_runner(engine_dir, manifest.stages, sizing, config.pipeline_parallel)
+            runner = open_ray_pipeline_runner(engine_dir, manifest.stages, sizing, config.pipeline_parallel,
+                                              config.pipeline_micro_batches)
         else:
-            runner = open_engine_runner(engine_dir, manifest, num_blocks, num_threads)
+            runner = open_engine_runner(engine_dir, manifest, num_blocks, num_threads, config.pipeline_micro_batches)
     warning = short_context_warning(budget, num_blocks)
     if warning is not None:  # only with the default max_model_len: choose_num_blocks refuses a pool too small
         log.warning(warning)
@@ -268,10 +270,15 @@ def engine_kv_pools(manifest: Manifest) -> KvPoolSpec:
 
 def open_engine_runner(
     engine_dir: Path, manifest: Manifest, num_blocks: int, num_threads: int | None,
+    micro_batches: int | None = None,
 ) -> OrtModelRunner | PipelineRunner | TensorParallelRunner:
     """The engine's graph in an OrtModelRunner with num_blocks blocks per layer, pools as its manifest says; a
-    staged engine's graphs in a PipelineRunner (num_threads per stage, one after another in this process); a
-    tensor-parallel engine's ranks in their processes (num_threads each, default 1)."""
+    staged engine's graphs in a PipelineRunner (num_threads per stage, one after another in this process, each step
+    as micro_batches micro-batches); a tensor-parallel engine's ranks in their processes (num_threads each,
+    default 1)."""
+    if micro_batches is not None and not manifest.stages:
+        raise EngineLoadError(f"pipeline_micro_batches is for an engine of pipeline stages (kiln build "
+                              f"--pipeline-stages N), and {engine_dir} is one graph")
     if manifest.ranks:
         from kiln.runtime.tensor_parallel.runner import open_tensor_parallel_runner
 
@@ -282,7 +289,7 @@ def open_engine_runner(
         from kiln.runtime.pipeline.shape import StageSizing
 
         return open_pipeline_runner(engine_dir, manifest.stages, StageSizing(engine_kv_pools(manifest), num_blocks,
-                                                                             num_threads))
+                                                                             num_threads), micro_batches)
     from kiln.runtime.ort_runner import OrtModelRunner, open_session
 
     session = open_session(engine_dir / "model.onnx", num_threads)

@@ -154,6 +154,11 @@ class RuntimeConfig:
     # with pipeline_parallel > 1: the memory each stage actor may take beyond its Ray worker's own, a cap the
     # kernel enforces (pipeline/memory.py); a stage whose graph does not fit fails to load
     stage_memory_bytes: int | None = None
+    # a staged engine's step as this many micro-batches of whole sequences, stage k computing one while stage k+1
+    # computes the one before (pipeline/micro_batch.py); at most the step's sequences. None: one per stage where
+    # the stages run in their own actors (pipeline_parallel > 1), the step whole where they take turns in this
+    # process; 1: the step whole
+    pipeline_micro_batches: int | None = None
     # a directory whose files image_url parts may name by file:// URL (kiln serve --allowed-media-path); None: none
     allowed_media_path: str | None = None
     # the ranks of an engine built with --tensor-parallel N, each in its own process pinned to its CPUs with
@@ -167,6 +172,8 @@ class RuntimeConfig:
         _require(self.stage_memory_bytes is None or (self.stage_memory_bytes > 0 and self.pipeline_parallel > 1),
                  "stage_memory_bytes", "> 0, and only with pipeline_parallel > 1 (stages in their own processes)",
                  self.stage_memory_bytes)
+        _require(self.pipeline_micro_batches is None or self.pipeline_micro_batches >= 1, "pipeline_micro_batches",
+                 ">= 1", self.pipeline_micro_batches)
         _require(self.kv_cache_bytes is None or self.kv_cache_bytes > 0, "kv_cache_bytes", "> 0", self.kv_cache_bytes)
         _require(
             self.kv_cache_fraction is None or 0 < self.kv_cache_fraction <= 0.95,

@@ -32,11 +32,13 @@ def staggered_greedy(engine_dir: Path, prompts: list[list[int]], config: Runtime
     return [tokens[str(i)] for i in range(len(prompts))], stats
 
 
-def step_logits(engine_dir: Path, prompts: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
-    """Logits of every row of one packed prefill of the prompts, then of one decode token each (1 thread)."""
+def step_logits(engine_dir: Path, prompts: list[list[int]],
+                micro_batches: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Logits of every row of one packed prefill of the prompts, then of one decode token each (1 thread; a staged
+    engine's steps as micro_batches micro-batches)."""
     manifest = read_manifest(engine_dir)
     blocks_each = -(-(max(map(len, prompts)) + 1) // manifest.build.block_size)
-    runner = open_engine_runner(engine_dir, manifest, blocks_each * len(prompts), 1)
+    runner = open_engine_runner(engine_dir, manifest, blocks_each * len(prompts), 1, micro_batches)
     tables = [list(range(i * blocks_each, (i + 1) * blocks_each)) for i in range(len(prompts))]
     prefill = runner.execute(pack_chunks([Chunk(0, p, t) for p, t in zip(prompts, tables, strict=True)], True))
     decode = runner.execute(pack_chunks([Chunk(len(p), [p[0]], t) for p, t in zip(prompts, tables, strict=True)],

@@ -4,9 +4,9 @@
 export/vision/clip_encoder.py), a LlavaNextForConditionalGeneration one (the same per tile, and the newline vector:
 export/vision/llava_next_encoder.py), an Idefics3 / SmolVLM one (SigLIP tower + pixel-shuffle connector,
 export/vision/siglip_encoder.py) or a Gemma 3 one (SigLIP tower + pooling projector, export/vision/gemma3_encoder.py);
-None for a text-only source. ``write_vision(source, engine_dir)`` traces the
-family's module with a dynamic image (tile) count and writes the graph (kiln/vision.py fixes its inputs and
-outputs) and the image processor's config beside the text graph.
+None for a text-only source. ``export_encoder(source)`` traces the family's module with a dynamic image (tile)
+count (kiln/vision.py fixes the graph's inputs and outputs); ``write_vision(source, engine_dir, graph)`` writes
+that graph, once optimized (optimize/vision_encoder.py), and the image processor's config beside the text graph.
 """
 
 from __future__ import annotations
@@ -162,11 +162,12 @@ def export_encoder(source: VisionSource) -> ir.Model:
     return program.model
 
 
-def write_vision(source: VisionSource, engine_dir: Path) -> list[str]:
-    """Write the encoder graph and the processor config into engine_dir; the names written."""
+def write_vision(source: VisionSource, engine_dir: Path, encoder: ir.Model) -> list[str]:
+    """Write the encoder graph (export_encoder's, as the optimizer left it) and the processor config into
+    engine_dir; the names written."""
     graph = engine_dir / source.spec.encoder
     data = graph.with_name(graph.name + ".data")
-    ir.save(export_encoder(source), graph, external_data=data.name)
+    ir.save(encoder, graph, external_data=data.name)
     processor = {key: source.processor[key] for key in _PROCESSOR_KEYS if key in source.processor}
     (engine_dir / source.spec.preprocessor).write_text(json.dumps(processor, indent=2, sort_keys=True))
     return [graph.name, data.name, source.spec.preprocessor]

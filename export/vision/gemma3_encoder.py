@@ -6,8 +6,8 @@ Gemma3MultiModalProjector.
       -> average pool the side x side patch grid by k (k = side / sqrt(tokens))       [N, tokens, H]
       -> RMSNorm x (1 + w) (Gemma's, float32) -> @ mm_input_projection_weight        -> [N, tokens, text_hidden]
 
-The SigLIP layers are clip_encoder.py's (export/vision/siglip_encoder.py's embeddings: patch conv with bias, no CLS,
-no pre-norm); the positions are simply 0..P-1 (Gemma 3 feeds one full square image, no tiles, no patch mask).
+The SigLIP tower is siglip_encoder.py's (clip_encoder.py's layers; a patch conv with bias, no CLS, no pre-norm);
+the positions are simply 0..P-1 (Gemma 3 feeds one full square image, no tiles, no patch mask).
 """
 
 from __future__ import annotations
@@ -16,29 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .clip_encoder import _Layer
 from .gemma3_config import Gemma3TowerSpec
-
-
-class _Embeddings(nn.Module):
-    def __init__(self, spec: Gemma3TowerSpec):
-        super().__init__()
-        self.patch_embedding = nn.Conv2d(spec.num_channels, spec.hidden_size, spec.patch_size, spec.patch_size)
-        self.position_embedding = nn.Embedding(spec.patches_per_side**2, spec.hidden_size)
-
-
-class _Encoder(nn.Module):
-    def __init__(self, spec: Gemma3TowerSpec):
-        super().__init__()
-        self.layers = nn.ModuleList(_Layer(spec) for _ in range(spec.num_layers))  # the CLIP layer: same fields
-
-
-class _Tower(nn.Module):
-    def __init__(self, spec: Gemma3TowerSpec):
-        super().__init__()
-        self.embeddings = _Embeddings(spec)
-        self.encoder = _Encoder(spec)
-        self.post_layernorm = nn.LayerNorm(spec.hidden_size, eps=spec.layer_norm_eps)
+from .siglip_encoder import SiglipTower
 
 
 class _SoftEmbNorm(nn.Module):
@@ -66,19 +45,15 @@ class Gemma3VisionEncoder(nn.Module):
         super().__init__()
         self.spec = spec
         with torch.device("meta"):
-            self.tower = _Tower(spec)
+            self.tower = SiglipTower(spec)
             self.projector = _Projector(spec)
         self.load_state_dict(weights, strict=True, assign=True)
         self.requires_grad_(False)
         self.eval()
 
     def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
-        embeddings, side = self.tower.embeddings, self.spec.patches_per_side
-        x = embeddings.patch_embedding(pixel_values).flatten(2).transpose(1, 2)  # [N, P, H]
-        x = x + embeddings.position_embedding.weight
-        for layer in self.tower.encoder.layers:
-            x = layer(x)
-        x = self.tower.post_layernorm(x)
+        side = self.spec.patches_per_side
+        x = self.tower(pixel_values, None)  # [N, P, H]
         grid = x.transpose(1, 2).reshape(x.shape[0], x.shape[2], side, side)  # [N, H, side, side]
         pooled = F.avg_pool2d(grid, self.spec.pool_kernel).flatten(2).transpose(1, 2)  # [N, tokens, H]
         return torch.matmul(self.projector.mm_soft_emb_norm(pooled), self.projector.mm_input_projection_weight)

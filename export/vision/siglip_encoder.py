@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from .clip_encoder import _Layer
+from .gemma3_config import Gemma3TowerSpec
 from .idefics3_config import SiglipTowerSpec
 
 
@@ -41,24 +42,35 @@ def pixel_shuffle(x: torch.Tensor, scale: int) -> torch.Tensor:
 
 
 class _Embeddings(nn.Module):
-    def __init__(self, spec: SiglipTowerSpec):
+    def __init__(self, spec: SiglipTowerSpec | Gemma3TowerSpec):
         super().__init__()
         self.patch_embedding = nn.Conv2d(spec.num_channels, spec.hidden_size, spec.patch_size, spec.patch_size)
         self.position_embedding = nn.Embedding(spec.patches_per_side**2, spec.hidden_size)
 
 
 class _Encoder(nn.Module):
-    def __init__(self, spec: SiglipTowerSpec):
+    def __init__(self, spec: SiglipTowerSpec | Gemma3TowerSpec):
         super().__init__()
         self.layers = nn.ModuleList(_Layer(spec) for _ in range(spec.num_layers))  # the CLIP layer: same fields
 
 
-class _Tower(nn.Module):
-    def __init__(self, spec: SiglipTowerSpec):
+class SiglipTower(nn.Module):
+    """The SigLIP tower, under transformers' module names (Gemma 3's is the same: gemma3_encoder.py)."""
+
+    def __init__(self, spec: SiglipTowerSpec | Gemma3TowerSpec):
         super().__init__()
         self.embeddings = _Embeddings(spec)
         self.encoder = _Encoder(spec)
         self.post_layernorm = nn.LayerNorm(spec.hidden_size, eps=spec.layer_norm_eps)
+
+    def forward(self, pixel_values: torch.Tensor, position_ids: torch.Tensor | None) -> torch.Tensor:
+        """[N, 3, S, S] -> post-layernorm patch features [N, P, H]; position_ids None: 0..P-1."""
+        x = self.embeddings.patch_embedding(pixel_values).flatten(2).transpose(1, 2)  # [N, P, H]
+        positions = self.embeddings.position_embedding.weight
+        x = x + (positions if position_ids is None else positions[position_ids])
+        for layer in self.encoder.layers:
+            x = layer(x)
+        return self.post_layernorm(x)
 
 
 class _Projector(nn.Module):
@@ -74,7 +86,7 @@ class SiglipVisionEncoder(nn.Module):
         super().__init__()
         self.spec = spec
         with torch.device("meta"):
-            self.tower = _Tower(spec)
+            self.tower = SiglipTower(spec)
             self.projector = _Projector(spec)
         self.load_state_dict(weights, strict=True, assign=True)
         self.register_buffer("position_ids", full_tile_position_ids(spec.patches_per_side), persistent=False)
@@ -82,12 +94,7 @@ class SiglipVisionEncoder(nn.Module):
         self.eval()
 
     def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
-        embeddings = self.tower.embeddings
-        x = embeddings.patch_embedding(pixel_values).flatten(2).transpose(1, 2)  # [N, P, H]
-        x = x + embeddings.position_embedding.weight[self.position_ids]
-        for layer in self.tower.encoder.layers:
-            x = layer(x)
-        x = self.tower.post_layernorm(x)
+        x = self.tower(pixel_values, self.position_ids)
         return self.projector.proj(pixel_shuffle(x, self.spec.scale_factor))
 
 

@@ -1,9 +1,11 @@
 """The stages of a pipeline in Ray actors (kiln serve --pipeline-parallel N): one actor per stage, each with
 its session, its layers' KV pools and its own threads, in a placement group that may span machines.
 
-A step is one chain of direct actor calls: stage k+1's call takes the ObjectRef of stage k's result, so Ray
-hands the hidden states from actor to actor (inline in the call while small, through the object store once
-larger) and the engine process waits only for the last stage. The actors run in the engine's own Ray (a local
+A step is one chain of direct actor calls per micro-batch: stage k+1's call takes the ObjectRef of stage k's
+result, so Ray hands the hidden states from actor to actor (inline in the call while small, through the object
+store once larger). Every call of the step is submitted before the engine process waits on the last stage's
+results; each actor runs its calls in submission order, so stage k computes micro-batch j while stage k+1
+computes micro-batch j-1. The actors run in the engine's own Ray (a local
 one started here, or the cluster RAY_ADDRESS names); their nodes need kiln and the engine dir at the same path.
 """
 
@@ -87,7 +89,7 @@ class StageLauncher:
 
 
 class RayChain(StageChain):
-    """The stages as Ray actors; each step one chain of calls, the engine waiting on the last.
+    """The stages as Ray actors; each step one chain of calls per micro-batch, the engine waiting on the last.
 
     A stage actor that dies (its process killed, its node lost) is started again in its bundle, reloading its
     stage graph, and the step raises KvLostError: the new actor's pools are empty, so no block the engine's
@@ -98,18 +100,22 @@ class RayChain(StageChain):
         self.pids = [d.pid for d in described]
         self.resident_bytes = [d.load_resident_bytes for d in described]
         self.restarts = 0
+        self.overlaps = True
 
-    def run(self, batch: BatchInput) -> StageResult:
+    def run(self, batches: list[BatchInput]) -> list[StageResult]:
         import ray
 
-        ref: Any = None
-        for actor in self.actors:
-            ref = actor.run.remote(batch, ref)
+        last = []
+        for batch in batches:
+            ref: Any = None
+            for actor in self.actors:
+                ref = actor.run.remote(batch, ref)
+            last.append(ref)
         try:
-            result: StageResult = ray.get(ref)
+            results: list[StageResult] = ray.get(last)
         except ray.exceptions.RayActorError as exc:
             raise self._recover(exc) from exc
-        return result
+        return results
 
     def _recover(self, cause: Exception) -> KvLostError:
         """Start again every stage actor that is dead; the error the step raises."""
@@ -179,8 +185,9 @@ def connect_ray(num_cpus: int) -> None:
 
 
 def open_ray_pipeline_runner(engine_dir: Path, stages: tuple[PipelineStage, ...], sizing: StageSizing,
-                             num_actors: int) -> PipelineRunner:
-    """The engine's stages in num_actors Ray actors (which must be its stage count), sizing.num_threads CPUs each."""
+                             num_actors: int, micro_batches: int | None = None) -> PipelineRunner:
+    """The engine's stages in num_actors Ray actors (which must be its stage count), sizing.num_threads CPUs each;
+    each step as micro_batches micro-batches in flight (None: one per stage)."""
     if num_actors != len(stages):
         have = f"{len(stages)} pipeline stages" if stages else "one graph (no pipeline stages)"
         raise EngineLoadError(f"--pipeline-parallel {num_actors} needs an engine of {num_actors} stages, and "
@@ -207,4 +214,5 @@ def open_ray_pipeline_runner(engine_dir: Path, stages: tuple[PipelineStage, ...]
     check_last_stage([d.is_last for d in described], engine_dir)
     log.info("pipeline of %d stages in Ray actors (pids %s), %d thread(s) each; their graphs added %s MiB resident",
              num_actors, [d.pid for d in described], threads, [d.load_resident_bytes >> 20 for d in described])
-    return PipelineRunner(RayChain(actors, launcher, described), stages, sizing.pools, described[-1].shape)
+    return PipelineRunner(RayChain(actors, launcher, described), stages, sizing.pools, described[-1].shape,
+                          micro_batches)

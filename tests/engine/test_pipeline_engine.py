@@ -59,26 +59,30 @@ def test_build_writes_one_graph_per_stage_with_its_own_pools(engines):
         assert (engines[3] / f"{stage.graph}.data").stat().st_size < whole
 
 
-@pytest.mark.parametrize("stages", [2, 3])
-def test_stage_logits_match_the_one_graph(engines, stages):
+@pytest.mark.parametrize(("stages", "micro_batches"), [(2, None), (3, None), (2, 2), (3, 3)])
+def test_stage_logits_match_the_one_graph(engines, stages, micro_batches):
     want_prefill, want_decode = step_logits(engines[1], PROMPTS)
-    got_prefill, got_decode = step_logits(engines[stages], PROMPTS)
+    got_prefill, got_decode = step_logits(engines[stages], PROMPTS, micro_batches)
     np.testing.assert_allclose(got_prefill, want_prefill, rtol=0, atol=1e-4)
     np.testing.assert_allclose(got_decode, want_decode, rtol=0, atol=1e-4)
 
 
-@pytest.mark.parametrize("stages", [2, 3])
-def test_greedy_under_preemption_and_prefix_caching_is_token_identical(engines, stages):
+@pytest.mark.parametrize(("stages", "micro_batches"), [(2, None), (3, None), (2, 2), (3, 4)])
+def test_greedy_under_preemption_and_prefix_caching_is_token_identical(engines, stages, micro_batches):
+    """Also with each step in micro-batches of whole sequences (in this process they run one after another)."""
     config = RuntimeConfig(num_threads=1, kv_cache_bytes=12 * 16384, max_model_len=96)
     want, _ = staggered_greedy(engines[1], STAGGERED, config)
-    got, stats = staggered_greedy(engines[stages], STAGGERED, config)
+    got, stats = staggered_greedy(engines[stages], STAGGERED,
+                                  dataclasses.replace(config, pipeline_micro_batches=micro_batches))
     assert got == want
     assert stats.num_preemptions > 0 and stats.prefix_cache_hits > 0 and stats.kv_blocks_used == 0
 
 
 def test_ngram_speculation_verifies_through_the_stages(engines):
+    """In 2 micro-batches: a verified sequence's logits rows are several, a micro-batch's are its sequences'."""
     repetitive = [[5, 6, 7, 8] * 6 + [9 + i] for i in range(3)]
-    config = RuntimeConfig(num_threads=1, kv_cache_bytes=1 << 20, speculative=SpeculativeConfig("ngram", 3))
+    config = RuntimeConfig(num_threads=1, kv_cache_bytes=1 << 20, speculative=SpeculativeConfig("ngram", 3),
+                           pipeline_micro_batches=2)
     want, _ = staggered_greedy(engines[1], repetitive, RuntimeConfig(num_threads=1, kv_cache_bytes=1 << 20))
     got, stats = staggered_greedy(engines[3], repetitive, config)
     assert got == want and stats.num_spec_verifications > 0
@@ -87,12 +91,15 @@ def test_ngram_speculation_verifies_through_the_stages(engines):
 def test_pipeline_stats_count_the_hidden_bytes_handed_on(engines):
     from kiln.runtime.loader import load_engine
 
-    engine = load_engine(engines[3], RuntimeConfig(num_threads=1, kv_cache_bytes=1 << 20))
+    engine = load_engine(engines[3], RuntimeConfig(num_threads=1, kv_cache_bytes=1 << 20, pipeline_micro_batches=2))
     hidden = read_manifest(engines[3]).spec.hidden_size
-    engine.runner.execute(pack_chunks([Chunk(0, PROMPTS[1], [0, 1])], False))
+    engine.runner.execute(pack_chunks([Chunk(0, PROMPTS[1], [0, 1])], False))  # one sequence: one micro-batch
+    engine.runner.execute(pack_chunks([Chunk(0, PROMPTS[0], [2]), Chunk(0, PROMPTS[2], [3, 4])], False))
     stats = engine.runner.stats
-    assert stats.bytes_moved == 2 * len(PROMPTS[1]) * hidden * 4  # two hand-offs of [tokens, hidden] float32
-    assert stats.steps == 1 and len(stats.stage_seconds) == 3 and all(s > 0 for s in stats.stage_seconds)
+    tokens = len(PROMPTS[0]) + len(PROMPTS[1]) + len(PROMPTS[2])
+    assert stats.bytes_moved == 2 * tokens * hidden * 4  # two hand-offs of [tokens, hidden] float32
+    assert stats.steps == 2 and stats.micro_batches == 3 and stats.tokens == tokens
+    assert len(stats.stage_seconds) == 3 and all(s > 0 for s in stats.stage_seconds)
 
 
 def test_more_stages_than_layers_is_refused(tiny4_model, tmp_path):
@@ -116,17 +123,26 @@ def test_a_missing_stage_graph_is_a_clear_load_error(engines, tmp_path):
 
 
 def test_stages_in_ray_actors_generate_what_the_one_graph_does(engines):
-    """--pipeline-parallel 2: each stage in a Ray actor, hidden states handed on by chained actor calls."""
+    """--pipeline-parallel 2: each stage in a Ray actor, hidden states handed on by chained actor calls, a step's
+    two micro-batches (the default: one per stage) in flight at once."""
     pytest.importorskip("ray")
     config = RuntimeConfig(num_threads=1, kv_cache_bytes=12 * 16384, max_model_len=96)
-    want, _ = staggered_greedy(engines[1], STAGGERED[:4], config)
+    want, _ = staggered_greedy(engines[1], STAGGERED, config)
     import ray
 
     try:
-        got, stats = staggered_greedy(engines[2], STAGGERED[:4], dataclasses.replace(config, pipeline_parallel=2))
+        got, stats = staggered_greedy(engines[2], STAGGERED, dataclasses.replace(config, pipeline_parallel=2))
     finally:
         ray.shutdown()  # the local Ray this started sized its CPUs for two stages; later Ray tests size their own
-    assert got == want and stats.prefix_cache_hits > 0
+    assert got == want and stats.prefix_cache_hits > 0 and stats.num_preemptions > 0
+
+
+def test_micro_batches_need_a_staged_engine(engines):
+    from kiln.runtime.loader import load_engine
+
+    with pytest.raises(EngineLoadError, match="pipeline_micro_batches is for an engine of pipeline stages "
+                                              r"\(kiln build --pipeline-stages N\), and .*one is one graph"):
+        load_engine(engines[1], RuntimeConfig(num_threads=1, pipeline_micro_batches=2))
 
 
 def test_pipeline_parallel_needs_an_engine_of_as_many_stages(engines):

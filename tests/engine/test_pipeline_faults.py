@@ -1,8 +1,9 @@
 """kiln serve --pipeline-parallel 2 on a small 4-layer llama (hidden 512, FFN 4096: its weights, 108 MiB, outweigh
 the runtime's own allocations), as a subprocess (its own local Ray, gone with it), each stage under a memory cap
-the one graph does not fit: a stage actor SIGKILLed while streams run. The streams end with an error event and
-[DONE], their blocks are freed, the runner starts the stage again (under the cap), and a prompt served before
-the kill is served identically after it (the prefix cache forgot the blocks whose K/V died with the stage)."""
+the one graph does not fit: a stage actor SIGKILLed while streams run, two micro-batches of each step in
+flight. The streams end with an error event and [DONE], their blocks are freed, the runner starts the stage
+again (under the cap), and a prompt served before the kill is served identically after it (the prefix cache
+forgot the blocks whose K/V died with the stage)."""
 
 from __future__ import annotations
 
@@ -126,7 +127,7 @@ def test_a_stage_killed_mid_stream_fails_its_streams_and_is_restarted(engines, t
     one, two = engines
     server = Server(two, tmp_path / "server.log", "--pipeline-parallel", "2", "--num-threads", "1",
                     "--served-model-name", "m", "--max-model-len", "1024", "--kv-cache-bytes", str(8 << 20),
-                    "--stage-memory-bytes", str(BUDGET))
+                    "--stage-memory-bytes", str(BUDGET), "--pipeline-micro-batches", "2")  # both stages busy
     try:
         before = complete(server, SHARED)
         pids = stage_actor_pids(server.proc.pid)

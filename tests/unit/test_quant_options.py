@@ -13,6 +13,7 @@ from kiln.errors import InvalidParamError, KilnError
 from kiln.manifest import BuildOptions
 from kiln.optimize.quantize import QuantizationError, check_lm_head, check_options
 from kiln.quant_scheme import SCHEMES, LmHead, QuantMethod, QuantScheme
+from kiln.vision import EncoderQuantization
 
 README_NAMES = {"none", "int8-weight-only", "int4-rtn-g32", "int4-rtn-g64", "int4-rtn-g128", "int4-awq-g32",
                 "int4-awq-g64", "int4-awq-g128", "int4-q4_1", "w8a8-smoothquant", "gguf",
@@ -86,11 +87,12 @@ def test_bad_build_option_is_one_sentence_naming_it(field, value):
 def test_build_options_dict_round_trip():
     options = BuildOptions(quantization=QuantScheme.parse("int4-awq-g64"), kv_dtype="int8", block_size=8,
                            max_seq_len=256, max_num_tokens=64, calibration=Path("calib/awq"), lm_head=LmHead.INT4,
-                           medusa=Path("heads/smollm2"), pipeline_stages=2)
+                           medusa=Path("heads/smollm2"), pipeline_stages=2,
+                           vision_quantization=EncoderQuantization.INT8)
     data = options.to_dict()
     assert data == {"quantization": "int4-awq-g64", "kv_dtype": "int8", "block_size": 8, "max_seq_len": 256,
                     "max_num_tokens": 64, "calibration": "calib/awq", "lm_head": "int4", "medusa": "heads/smollm2",
-                    "pipeline_stages": 2, "tensor_parallel": 1}
+                    "pipeline_stages": 2, "tensor_parallel": 1, "vision_quantization": "int8"}
     assert BuildOptions.from_dict(data) == options
     assert BuildOptions().to_dict()["calibration"] is None and BuildOptions().to_dict()["medusa"] is None
     assert BuildOptions().kv_dtype == "float16"  # the default: fp32's perplexity, half the KV bytes
@@ -105,6 +107,9 @@ def test_older_manifests_build_object_still_reads():
     assert BuildOptions.from_dict(old) == BuildOptions(quantization=QuantScheme.parse("int8-weight-only"),
                                                        kv_dtype="float16", max_seq_len=2048)
     assert BuildOptions.from_dict(old).lm_head is LmHead.INT8
+    assert BuildOptions.from_dict(old).vision_quantization is EncoderQuantization.FLOAT32  # every encoder was
+    with pytest.raises(InvalidParamError, match="unknown vision encoder quantization 'int4'"):
+        BuildOptions.from_dict({**old, "vision_quantization": "int4"})
     with pytest.raises(InvalidParamError, match="unknown quantization 'int9'"):
         BuildOptions.from_dict({**old, "quantization": "int9"})
     with pytest.raises(InvalidParamError, match="unknown LM head precision 'int2'"):
