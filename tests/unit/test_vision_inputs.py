@@ -6,6 +6,7 @@ from __future__ import annotations
 import base64
 import dataclasses
 import io
+import json
 
 import numpy as np
 import pytest
@@ -41,7 +42,7 @@ def test_vision_spec_round_trips_through_the_manifest(tmp_path):
     write_manifest(tmp_path, manifest)
     assert read_manifest(tmp_path).vision == SPEC
     text_only = write_manifest(tmp_path, make_manifest())
-    assert "vision" not in text_only.to_json()  # a text engine's manifest is as before
+    assert "vision" not in json.loads(text_only.to_json())  # a text engine's manifest is as before
 
 
 def test_a_bad_vision_object_is_named():
