@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import onnx
 import onnx_ir as ir
@@ -115,3 +117,35 @@ def prune_graph(source: onnx.GraphProto, nodes: list[onnx.NodeProto], inputs: li
     return onnx.helper.make_graph(kept, source.name, [i for i in inputs if i.name in needed], outputs,
                                   initializer=[t for t in source.initializer if t.name in needed],
                                   value_info=[v for v in source.value_info if v.name in needed])
+
+
+PAGE_BYTES = 4096  # external-data offsets on page boundaries: ONNX Runtime may map them
+
+
+def write_weights(graph: onnx.GraphProto, source_dir: Path, data_path: Path, location: str,
+                  inline_limit: int | None = None) -> None:
+    """Each external initializer's bytes (read from source_dir) into data_path, page-aligned, and the tensor pointed
+    at them; with inline_limit, also every in-graph tensor of at least that many raw bytes (moved out)."""
+    offset = 0
+    with open(data_path, "wb") as out:
+        for tensor in graph.initializer:
+            if tensor.data_location == onnx.TensorProto.EXTERNAL:
+                info = {entry.key: entry.value for entry in tensor.external_data}
+                with open(source_dir / info["location"], "rb") as source:
+                    source.seek(int(info.get("offset", 0)))
+                    data = source.read(int(info["length"]))
+            elif inline_limit is not None and len(tensor.raw_data) >= inline_limit:
+                data = tensor.raw_data
+                tensor.ClearField("raw_data")
+                tensor.data_location = onnx.TensorProto.EXTERNAL
+            else:
+                continue
+            padding = -offset % PAGE_BYTES
+            out.write(b"\0" * padding)
+            offset += padding
+            out.write(data)
+            del tensor.external_data[:]
+            for key, value in (("location", location), ("offset", str(offset)), ("length", str(len(data)))):
+                entry = tensor.external_data.add()
+                entry.key, entry.value = key, value
+            offset += len(data)

@@ -25,14 +25,13 @@ from onnx import TensorProto, helper, numpy_helper
 
 from kiln import all_reduce, contract
 from kiln.manifest import BACKEND_ORT_CPU, BuildOptions, Manifest, read_manifest, write_manifest
-from kiln.optimize._common import prune_graph
+from kiln.optimize._common import prune_graph, write_weights
 from kiln.optimize.shard_weights import WeightReader, column_slices, describe, is_linear, row_slices
 from kiln.spec import ModelSpec
 from kiln.swiglu import OP_TYPE as SWIGLU
 from kiln.tensor_parallel import TP_HIDDEN, ShardShape, TensorParallelError, TensorRank, plan_ranks
 
 _KV_INPUT = re.compile(r"^kv_cache\.(\d+)$")
-_ALIGN = 4096  # external-data offsets on page boundaries: ONNX Runtime may map them
 _INLINE_BYTES = 1024  # slices smaller than this stay inside the graph
 SPLIT_SCHEMES = ("none", "int4-q4_1")  # weights the split reads: float32 MatMul, kiln.MatMulQ4_1 (shard_weights.py)
 
@@ -58,7 +57,8 @@ def split_tensor_parallel_graph(graph_path: Path, out_dir: Path, ranks: tuple[Te
         graph = _rank_graph(model.graph, layers, ranks, index, shape, weights)
         rank_model = helper.make_model(graph, opset_imports=list(model.opset_import), ir_version=model.ir_version,
                                        producer_name=model.producer_name, producer_version=model.producer_version)
-        _write_weights(rank_model.graph, graph_path.parent, out_dir / f"{rank.graph}.data", f"{rank.graph}.data")
+        data = f"{rank.graph}.data"
+        write_weights(rank_model.graph, graph_path.parent, out_dir / data, data, inline_limit=_INLINE_BYTES)
         (out_dir / rank.graph).write_bytes(rank_model.SerializeToString())
 
 
@@ -185,34 +185,6 @@ def _rank_kv_type(value: onnx.ValueInfoProto, num_kv_heads: int) -> onnx.ValueIn
     copy.CopyFrom(value)
     copy.type.tensor_type.shape.dim[2].dim_value = num_kv_heads
     return copy
-
-
-def _write_weights(graph: onnx.GraphProto, source_dir: Path, data_path: Path, location: str) -> None:
-    """Each large initializer's bytes into data_path (page-aligned): external ones copied from the engine's file,
-    new slices from their raw data; the tensor pointed at them."""
-    offset = 0
-    with open(data_path, "wb") as out:
-        for tensor in graph.initializer:
-            if tensor.data_location == TensorProto.EXTERNAL:
-                info = {entry.key: entry.value for entry in tensor.external_data}
-                with open(source_dir / info["location"], "rb") as source:
-                    source.seek(int(info.get("offset", 0)))
-                    data = source.read(int(info["length"]))
-            elif len(tensor.raw_data) >= _INLINE_BYTES:
-                data = tensor.raw_data
-                tensor.ClearField("raw_data")
-                tensor.data_location = TensorProto.EXTERNAL
-            else:
-                continue
-            padding = -offset % _ALIGN
-            out.write(b"\0" * padding)
-            offset += padding
-            out.write(data)
-            del tensor.external_data[:]
-            for key, value in (("location", location), ("offset", str(offset)), ("length", str(len(data)))):
-                entry = tensor.external_data.add()
-                entry.key, entry.value = key, value
-            offset += len(data)
 
 
 def shard_shape(spec: ModelSpec) -> ShardShape:

@@ -26,12 +26,11 @@ from onnx import TensorProto, helper
 from kiln import contract
 from kiln.errors import KilnError
 from kiln.manifest import BACKEND_ORT_CPU, Manifest, read_manifest, write_manifest
-from kiln.optimize._common import prune_graph
+from kiln.optimize._common import prune_graph, write_weights
 from kiln.pipeline_stages import HIDDEN_STATES, HIDDEN_STATES_OUT, PipelineStage, stage_graph_name, stage_layer_ranges
 
 _RESIDUAL_NORM = "SkipSimplifiedLayerNormalization"
 _KV_INPUT = re.compile(r"^kv_cache\.(\d+)$")
-_ALIGN = 4096  # external-data offsets on page boundaries: ONNX Runtime may map them
 
 
 class StageSplitError(KilnError, ValueError):
@@ -59,7 +58,7 @@ def split_engine_graph(graph_path: Path, out_dir: Path, ranges: list[range], hid
         name = stage_graph_name(index)
         stage_model = helper.make_model(stage, opset_imports=list(model.opset_import), ir_version=model.ir_version,
                                         producer_name=model.producer_name, producer_version=model.producer_version)
-        _copy_weights(stage_model.graph, graph_path.parent, out_dir / f"{name}.data", f"{name}.data")
+        write_weights(stage_model.graph, graph_path.parent, out_dir / f"{name}.data", f"{name}.data")
         (out_dir / name).write_bytes(stage_model.SerializeToString())
         stages.append(PipelineStage(name, layers.start, layers.stop))
     return stages
@@ -145,28 +144,6 @@ def _check_layers(stage: onnx.GraphProto, layers: range) -> None:
     if found != list(layers):
         raise StageSplitError(f"the stage of layers {layers.start}..{layers.stop - 1} reads the attention of layers "
                               f"{found}: the residual stream is not the only tensor its layers share with others")
-
-
-def _copy_weights(graph: onnx.GraphProto, source_dir: Path, data_path: Path, location: str) -> None:
-    """Copy each external initializer's bytes into data_path (page-aligned) and point the tensor at them."""
-    offset = 0
-    with open(data_path, "wb") as out:
-        for tensor in graph.initializer:
-            if tensor.data_location != TensorProto.EXTERNAL:
-                continue
-            info = {entry.key: entry.value for entry in tensor.external_data}
-            with open(source_dir / info["location"], "rb") as source:
-                source.seek(int(info.get("offset", 0)))
-                data = source.read(int(info["length"]))
-            padding = -offset % _ALIGN
-            out.write(b"\0" * padding)
-            offset += padding
-            out.write(data)
-            del tensor.external_data[:]
-            for key, value in (("location", location), ("offset", str(offset)), ("length", str(len(data)))):
-                entry = tensor.external_data.add()
-                entry.key, entry.value = key, value
-            offset += len(data)
 
 
 def split_into_stages(engine_dir: Path, spec, count: int, say) -> tuple[PipelineStage, ...]:
