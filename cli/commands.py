@@ -14,6 +14,7 @@ from kiln.cli.extras import missing_extra
 from kiln.contract import KV_DTYPES
 from kiln.errors import InvalidParamError, KilnError
 from kiln.quant_scheme import RESCORED_HEAD_MAX_ROWS
+from kiln.vision import EncoderQuantization
 
 if TYPE_CHECKING:
     from kiln.runtime.params import SamplingParams, SpeculativeConfig
@@ -94,8 +95,8 @@ def main() -> None:
 @click.option("--mmproj", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
               help="llama.cpp's image encoder file (mmproj-*.gguf) of a LLaVA-1.5 text GGUF: build a "
                    "vision-language engine")
-@click.option("--vision-quantization", type=click.Choice(["float32", "int8", "int8-weight-only"]), default="float32",
-              show_default=True,
+@click.option("--vision-quantization", type=click.Choice([scheme.value for scheme in EncoderQuantization]),
+              default=EncoderQuantization.FLOAT32.value, show_default=True,
               help="a vision-language model's image encoder: float32; int8 (int8 weights per output channel and "
                    "per-token int8 activations: a quarter of the bytes and faster than float32; at CLIP "
                    "ViT-L/14-336's shape the embeddings moved by 3%% relative error); int8-weight-only (the same "
@@ -108,7 +109,6 @@ def build(model: str, output: Path, kv_dtype: str, block_size: int, max_seq_len:
     from kiln.manifest import BuildOptions
     from kiln.optimize.build import build_engine
     from kiln.quant_scheme import LmHead, QuantScheme
-    from kiln.vision import EncoderQuantization
 
     if quantization is None:
         from kiln.optimize.quantize_gguf import default_quantization

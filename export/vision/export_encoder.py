@@ -92,29 +92,28 @@ def load_vision(folder: Path, config: dict[str, Any], weights: LazyWeights) -> V
     if kind.removesuffix("Fast").removesuffix("Pil") not in accepted:
         raise ValueError(f"{processor_path}: image processor {kind!r}; kiln preprocesses a {family} checkpoint's "
                          f"images the way of {' / '.join(accepted)}")
+    try:
+        return _family_source(family, config, processor, weights)
+    except ValueError as exc:  # a config the family's export cannot take, named with its checkpoint
+        raise ValueError(f"{folder}: {exc}") from None
+
+
+def _family_source(family: str, config: dict[str, Any], processor: dict[str, Any],
+                   weights: LazyWeights) -> VisionSource:
     if family == "llava":
         clip = llava_config.clip_tower_spec(config)
         return VisionSource(tower=clip, weights=llava_config.vision_part(weights), processor=processor,
                             spec=_vision_spec("llava", config, clip))
     if family == "llava_next":
         clip = llava_config.clip_tower_spec(config)
-        try:
-            llava_next_config.check_any_resolution(config, processor, clip)
-        except ValueError as exc:
-            raise ValueError(f"{folder}: {exc}") from None
+        llava_next_config.check_any_resolution(config, processor, clip)
         return VisionSource(tower=clip, weights=llava_next_config.vision_part(weights), processor=processor,
                             spec=_vision_spec("llava_next", config, clip))
     if family == "gemma3":
-        try:
-            gemma3 = gemma3_config.gemma3_tower_spec(config, processor)
-        except ValueError as exc:
-            raise ValueError(f"{folder}: {exc}") from None
+        gemma3 = gemma3_config.gemma3_tower_spec(config, processor)
         return VisionSource(tower=gemma3, weights=gemma3_config.vision_part(weights), processor=processor,
                             spec=_vision_spec("gemma3", config, gemma3))
-    try:
-        siglip = idefics3_config.siglip_tower_spec(config, processor)
-    except ValueError as exc:
-        raise ValueError(f"{folder}: {exc}") from None
+    siglip = idefics3_config.siglip_tower_spec(config, processor)
     return VisionSource(tower=siglip, weights=idefics3_config.vision_part(weights), processor=processor,
                         spec=_vision_spec("idefics3", config, siglip))
 
