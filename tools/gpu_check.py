@@ -22,12 +22,14 @@ TREE = REPO / ".cache" / "gpu-check"
 
 def main() -> int:
     mirror_packages(TREE)
+    # -P: `python -m` would put the repository root first on sys.path, where the source folder kiln/ (without
+    # the subpackages the mirror maps in) would shadow the mirrored package.
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(TREE), os.environ.get("PYTHONPATH")]))}
     env.pop("TRITON_INTERPRET", None)
     env["KILN_GPU_CHECK"] = "1"  # tests/conftest.py then leaves Triton compiling, not interpreting
     steps = [
-        [sys.executable, "-m", "pytest", "-q", "-ra", "-p", "no:cacheprovider", "tests/gpu"],
-        [sys.executable, "benchmarks/gpu_paged_attention.py", "--json", "gpu-bandwidth.json"],
+        [sys.executable, "-P", "-m", "pytest", "-q", "-ra", "-p", "no:cacheprovider", "tests/gpu"],
+        [sys.executable, "-P", "benchmarks/gpu_paged_attention.py", "--json", "gpu-bandwidth.json"],
     ]
     for command in steps:
         print("+", " ".join(command), flush=True)

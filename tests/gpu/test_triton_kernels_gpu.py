@@ -18,7 +18,7 @@ pytest.importorskip("triton")
 if not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
     pytest.skip("needs a CUDA GPU (and TRITON_INTERPRET unset)", allow_module_level=True)
 
-from kiln.paged_attention import PagedAttentionInputs, paged_attention_ref  # noqa: E402
+from kiln.paged_attention import PagedAttentionInputs, paged_attention_ref, rotate_query_key  # noqa: E402
 from kiln.plugins_trt.cases import Case, make_inputs  # noqa: E402
 from kiln.plugins_trt.launcher import DeviceInputs, paged_attention  # noqa: E402
 from kiln.plugins_trt.plan import AttentionPlan, plan_attention  # noqa: E402
@@ -71,7 +71,7 @@ def test_int8_pool():
     np.testing.assert_allclose(out.cpu().numpy(), ref_out, atol=1e-2, rtol=1e-2)
 
 
-def test_fp8_pool():
+def test_fp8_pool_quantizes_the_rotated_key():
     case = Case(**MIXED, rotary=0)
     inputs = make_inputs(case)
     steps = torch.tensor([[0.02, 0.03, 0.05], [0.04, 0.01, 0.02]], device="cuda")
@@ -80,17 +80,24 @@ def test_fp8_pool():
     device = DeviceInputs(**{**base.__dict__, "kv_cache": (base.kv_cache / per_head).to(torch.float8_e4m3fn),
                              "kv_scale": steps})
     start = (device.kv_cache.float() * per_head).cpu().numpy()
-    k, v = (torch.from_numpy(x).view(len(x), 3, 64).cuda() for x in (inputs.key, inputs.value))
 
-    def e4m3(x, step):
-        return ((x / step[:, None]).clamp(-448, 448).to(torch.float8_e4m3fn).float() * step[:, None]).flatten(1)
+    def e4m3(x: np.ndarray, step: torch.Tensor) -> np.ndarray:
+        heads = torch.from_numpy(x).cuda().view(len(x), 3, 64)
+        rounded = (heads / step[:, None]).clamp(-448, 448).to(torch.float8_e4m3fn).float() * step[:, None]
+        return rounded.flatten(1).cpu().numpy()
 
-    ref_inputs = PagedAttentionInputs(**{**inputs.__dict__, "kv_cache": start,
-                                         "key": e4m3(k, steps[0]).cpu().numpy(),
-                                         "value": e4m3(v, steps[1]).cpu().numpy()})
+    # The kernel rotates, then rounds to e4m3: the reference gets the rotated query and rounded key/value, no RoPE.
+    query, key = rotate_query_key(inputs, case.attrs)
+    ref_inputs = PagedAttentionInputs(**{**inputs.__dict__, "kv_cache": start, "query": query,
+                                         "key": e4m3(key, steps[0]), "value": e4m3(inputs.value, steps[1]),
+                                         "cos_cache": None, "sin_cache": None})
     ref_out, ref_pool = paged_attention_ref(ref_inputs, case.attrs)
     out = paged_attention(device, case.attrs)
-    np.testing.assert_allclose((device.kv_cache.float() * per_head).cpu().numpy(), ref_pool, atol=1e-6)
+    pool = (device.kv_cache.float() * per_head).cpu().numpy()
+    # the GPU may fuse RoPE's multiply-adds: a value on a rounding boundary may land one e4m3 step away
+    off = ~np.isclose(pool, ref_pool, rtol=0, atol=1e-6)
+    assert off.mean() < 1e-3
+    np.testing.assert_allclose(pool[off], ref_pool[off], rtol=2**-3 + 1e-6)
     np.testing.assert_allclose(out.cpu().numpy(), ref_out, atol=2e-2, rtol=2e-2)
 
 
