@@ -7,7 +7,9 @@ and fp16, int8 and fp8 KV, it times kiln's attention step (KV write + attention 
 launcher.paged_attention runs it with its own plan, metadata checks off) with CUDA events, and reports the
 K/V bytes the step must read divided by its time, next to the device-to-device copy bandwidth measured
 the same way (bytes read + written by a 1 GiB copy). The ratio is the figure of merit: decode attention is a
-read of the whole context, so a kernel at 80% of copy bandwidth is close to what the memory allows.
+read of the whole context, so a kernel at 80% of copy bandwidth is close to what the memory allows. The step is
+timed twice: launched from Python as the launcher runs it, and replayed from a CUDA graph of the same launches
+(the GPU's own time, without the host's work between the kernels, as a TensorRT plan would launch them).
 """
 
 from __future__ import annotations
@@ -37,6 +39,23 @@ def time_ms(fn, repeats: int = 20) -> float:
         end.synchronize()
         times.append(start.elapsed_time(end))
     return sorted(times)[len(times) // 2]
+
+
+def graph_ms(fn) -> float | None:
+    """Median milliseconds of replaying a CUDA graph captured from fn(); None where capture fails."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()  # compiles and allocates outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(graph):
+            fn()
+    except RuntimeError as error:
+        print(f"no CUDA graph: {error}")
+        return None
+    return time_ms(graph.replay)
 
 
 def copy_bandwidth_gbs(size: int = 1 << 30) -> float:
@@ -79,8 +98,8 @@ def main() -> None:
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     copy = copy_bandwidth_gbs()
     print(f"{torch.cuda.get_device_name(0)}: device-to-device copy {copy:.0f} GB/s; heads {tuple(args.heads)}")
-    print("| kv | batch | context | splits | time (us) | K/V read (GB/s) | of copy |")
-    print("|---|---|---|---|---|---|---|")
+    print("| kv | batch | context | splits | time (us) | K/V read (GB/s) | of copy | graph (us) | of copy, graph |")
+    print("|---|---|---|---|---|---|---|---|---|")
     rows = []
     for kv in args.kv:
         for batch in args.batches:
@@ -88,13 +107,19 @@ def main() -> None:
                 inputs, attrs, read = decode_problem(batch, context, tuple(args.heads), kv)
                 group = attrs.num_heads // attrs.num_kv_heads
                 plan = plan_attention(batch, batch, group, attrs.num_kv_heads, num_sms=sms, max_context=context)
-                ms = time_ms(lambda inputs=inputs, attrs=attrs, plan=plan: paged_attention(inputs, attrs, plan,
-                                                                                           check=False))
+                def step(inputs=inputs, attrs=attrs, plan=plan):
+                    return paged_attention(inputs, attrs, plan, check=False)
+
+                ms, replay_ms = time_ms(step), graph_ms(step)
                 bandwidth = read / ms / 1e6
+                graph_gbs = read / replay_ms / 1e6 if replay_ms else None
                 rows.append({"kv": kv, "batch": batch, "context": context, "splits": plan.num_splits,
-                             "us": ms * 1e3, "gbs": bandwidth, "of_copy": bandwidth / copy})
+                             "us": ms * 1e3, "gbs": bandwidth, "of_copy": bandwidth / copy,
+                             "graph_us": replay_ms and replay_ms * 1e3,
+                             "graph_of_copy": graph_gbs and graph_gbs / copy})
+                graph_cells = f"{replay_ms * 1e3:.1f} | {graph_gbs / copy:.0%}" if replay_ms and graph_gbs else "— | —"
                 print(f"| {kv} | {batch} | {context} | {plan.num_splits} | {ms * 1e3:.1f} | {bandwidth:.0f} | "
-                      f"{bandwidth / copy:.0%} |", flush=True)
+                      f"{bandwidth / copy:.0%} | {graph_cells} |", flush=True)
                 del inputs
     if args.json:
         with open(args.json, "w") as f:
