@@ -15,6 +15,7 @@ timed twice: launched from Python as the launcher runs it, and replayed from a C
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 
 import torch
@@ -87,12 +88,32 @@ def decode_problem(batch: int, context: int, heads: tuple[int, int, int], kv: st
     return inputs, PagedAttentionAttrs(num_heads, num_kv_heads), read
 
 
+def timed_row(inputs: DeviceInputs, attrs: PagedAttentionAttrs, plan, read: int, copy: float, **labels) -> dict:
+    """One step timed launched and replayed from a CUDA graph, printed as a table row."""
+    def step():
+        return paged_attention(inputs, attrs, plan, check=False)
+
+    ms, replay_ms = time_ms(step), graph_ms(step)
+    gbs = read / ms / 1e6
+    row = {**labels, "splits": plan.num_splits, "us": ms * 1e3, "gbs": gbs, "of_copy": gbs / copy,
+           "graph_us": None, "graph_of_copy": None}
+    graph_cells = "— | —"
+    if replay_ms:
+        row["graph_us"], row["graph_of_copy"] = replay_ms * 1e3, read / replay_ms / 1e6 / copy
+        graph_cells = f"{row['graph_us']:.1f} | {row['graph_of_copy']:.0%}"
+    print(f"| {labels['kv']} | {labels['batch']} | {labels['context']} | {plan.num_splits} | {ms * 1e3:.1f} | "
+          f"{gbs:.0f} | {gbs / copy:.0%} | {graph_cells} |", flush=True)
+    return row
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--heads", type=int, nargs=3, default=(32, 8, 128), metavar=("H", "HKV", "D"))
     parser.add_argument("--batches", type=int, nargs="+", default=(1, 16, 64))
     parser.add_argument("--contexts", type=int, nargs="+", default=(1024, 4096, 16384))
     parser.add_argument("--kv", nargs="+", default=list(KV_DTYPES), choices=list(KV_DTYPES))
+    parser.add_argument("--splits", type=int, nargs="+",
+                        help="time each step with these split counts instead of the plan's (a planning sweep)")
     parser.add_argument("--json", help="also write the rows here")
     args = parser.parse_args()
     sms = torch.cuda.get_device_properties(0).multi_processor_count
@@ -106,20 +127,9 @@ def main() -> None:
             for context in args.contexts:
                 inputs, attrs, read = decode_problem(batch, context, tuple(args.heads), kv)
                 group = attrs.num_heads // attrs.num_kv_heads
-                plan = plan_attention(batch, batch, group, attrs.num_kv_heads, num_sms=sms, max_context=context)
-                def step(inputs=inputs, attrs=attrs, plan=plan):
-                    return paged_attention(inputs, attrs, plan, check=False)
-
-                ms, replay_ms = time_ms(step), graph_ms(step)
-                bandwidth = read / ms / 1e6
-                graph_gbs = read / replay_ms / 1e6 if replay_ms else None
-                rows.append({"kv": kv, "batch": batch, "context": context, "splits": plan.num_splits,
-                             "us": ms * 1e3, "gbs": bandwidth, "of_copy": bandwidth / copy,
-                             "graph_us": replay_ms and replay_ms * 1e3,
-                             "graph_of_copy": graph_gbs and graph_gbs / copy})
-                graph_cells = f"{replay_ms * 1e3:.1f} | {graph_gbs / copy:.0%}" if replay_ms and graph_gbs else "— | —"
-                print(f"| {kv} | {batch} | {context} | {plan.num_splits} | {ms * 1e3:.1f} | {bandwidth:.0f} | "
-                      f"{bandwidth / copy:.0%} | {graph_cells} |", flush=True)
+                planned = plan_attention(batch, batch, group, attrs.num_kv_heads, num_sms=sms, max_context=context)
+                for plan in [dataclasses.replace(planned, num_splits=n) for n in args.splits or [planned.num_splits]]:
+                    rows.append(timed_row(inputs, attrs, plan, read, copy, kv=kv, batch=batch, context=context))
                 del inputs
     if args.json:
         with open(args.json, "w") as f:

@@ -93,9 +93,8 @@ def attention_spec(shape: KernelShape, plan: AttentionPlan) -> KernelSpec:
 
 def merge_spec(shape: KernelShape, num_splits: int) -> KernelSpec:
     signature = {"partial_ptr": "*fp32", "stats_ptr": "*fp32", "out_ptr": "*fp32"}
-    constexprs = {"NUM_HEADS": shape.num_heads, "HEADS_PAD": next_power_of_2(shape.num_heads),
-                  "HEAD_DIM": shape.head_dim, "HEAD_DIM_PAD": max(16, next_power_of_2(shape.head_dim)),
-                  "NUM_SPLITS": num_splits}
+    constexprs = {"NUM_HEADS": shape.num_heads, "HEAD_DIM": shape.head_dim,
+                  "HEAD_DIM_PAD": max(16, next_power_of_2(shape.head_dim)), "NUM_SPLITS": num_splits}
     return KernelSpec("merge", f"merge_s{num_splits}", signature, constexprs, num_warps=4, num_stages=1)
 
 

@@ -171,23 +171,19 @@ def _attend_tile(q, m, total, acc, tile, pos, lo, last_pos, qk_scale, table, kv_
 @triton.jit
 def merge_splits_kernel(
     partial_ptr, stats_ptr, out_ptr,
-    NUM_HEADS: tl.constexpr, HEADS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
+    NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr,
 ):
     """out[t, h] = sum_i 2^(m_i - M) acc_i / sum_i 2^(m_i - M) l_i over the splits i of (token t, head h);
-    one program per token, all heads at once."""
-    heads = tl.arange(0, HEADS_PAD)
-    splits = tl.arange(0, NUM_SPLITS)
-    head_ok = heads < NUM_HEADS
-    cells = (tl.program_id(0).to(tl.int64) * NUM_HEADS + heads)[:, None] * NUM_SPLITS + splits[None, :]
-    m = tl.load(stats_ptr + cells * 2, mask=head_ok[:, None], other=0.0)
-    total = tl.load(stats_ptr + cells * 2 + 1, mask=head_ok[:, None], other=1.0)
-    peak = tl.max(m, axis=1)
+    one program per (token, head): a program's load is NUM_SPLITS x HEAD_DIM, and a single decode token's heads
+    merge on as many SMs."""
+    cell = tl.program_id(0).to(tl.int64) * NUM_HEADS + tl.program_id(1)
+    cells = cell * NUM_SPLITS + tl.arange(0, NUM_SPLITS)
+    m = tl.load(stats_ptr + cells * 2)
+    total = tl.load(stats_ptr + cells * 2 + 1)
+    peak = tl.max(m, axis=0)
     peak = tl.where(peak == float("-inf"), 0.0, peak)
-    weight = tl.exp2(m - peak[:, None])  # an empty split (m = -inf) weighs 0
+    weight = tl.exp2(m - peak)  # an empty split (m = -inf) weighs 0
     d = tl.arange(0, HEAD_DIM_PAD)
-    mask = head_ok[:, None, None] & (d < HEAD_DIM)[None, None, :]
-    partial = tl.load(partial_ptr + cells[:, :, None] * HEAD_DIM + d[None, None, :], mask=mask, other=0.0)
-    result = tl.sum(partial * weight[:, :, None], axis=1) / tl.sum(total * weight, axis=1)[:, None]
-    out = out_ptr + (tl.program_id(0).to(tl.int64) * NUM_HEADS + heads)[:, None] * HEAD_DIM + d[None, :]
-    tl.store(out, result.to(out_ptr.dtype.element_ty), mask=head_ok[:, None] & (d < HEAD_DIM)[None, :])
+    partial = tl.load(partial_ptr + cells[:, None] * HEAD_DIM + d[None, :], mask=(d < HEAD_DIM)[None, :], other=0.0)
+    result = tl.sum(partial * weight[:, None], axis=0) / tl.sum(total * weight, axis=0)
+    tl.store(out_ptr + cell * HEAD_DIM + d, result.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)

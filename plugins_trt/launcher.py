@@ -158,10 +158,9 @@ def paged_attention(inputs: DeviceInputs, attrs: PagedAttentionAttrs, plan: Atte
         num_warps=plan.num_warps, num_stages=plan.num_stages, **shape,
     )
     if splits > 1:
-        merge_splits_kernel[(T,)](
-            partial, stats, out, NUM_HEADS=attrs.num_heads, HEADS_PAD=next_power_of_2(attrs.num_heads),
-            HEAD_DIM=head_dim,
-            HEAD_DIM_PAD=shape["HEAD_DIM_PAD"], NUM_SPLITS=splits,
+        merge_splits_kernel[(T, attrs.num_heads)](
+            partial, stats, out, NUM_HEADS=attrs.num_heads, HEAD_DIM=head_dim, HEAD_DIM_PAD=shape["HEAD_DIM_PAD"],
+            NUM_SPLITS=splits,
         )
     return out
 

@@ -3,20 +3,28 @@
 Like FlashInfer's planner, the decision is made on the host before the launch, but from what is known
 without reading device memory (the TensorRT plugin sees shapes only): the number of tokens and sequences,
 the KV heads and, when the caller knows it, the longest context. A batch that is all decode (one token per
-sequence) and puts fewer programs on the GPU than it has SMs splits each context into up to MAX_SPLITS
-ranges (flash-decoding); everything else runs the single-pass kernel.
+sequence) and puts fewer than two programs per SM on the GPU splits each context into ranges (flash-decoding)
+until there are about PROGRAMS_PER_SM programs per SM, up to MAX_SPLITS; everything else runs the single-pass
+kernel. The constants come from a sweep on an H200 (benchmarks/gpu_paged_attention.py --splits, replayed from a
+CUDA graph): a single 16k-64k sequence read K/V fastest at 64 splits (512 programs), 4 sequences at 16, 16 at 4,
+and 64 sequences unsplit.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-MAX_SPLITS = 16
-MIN_TILES_PER_SPLIT = 4  # a split that reads fewer K/V tiles than this costs more in the merge than it saves
+MAX_SPLITS = 64
+PROGRAMS_PER_SM = 4  # what a split decode batch aims for: enough loads in flight per SM to stream K/V
+MIN_TILES_PER_SPLIT = 2  # a split that reads fewer K/V tiles than this costs more in the merge than it saves
 
 
 def next_power_of_2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
+
+
+def power_of_2_at_most(n: int) -> int:
+    return 1 << max(0, n.bit_length() - 1)
 
 
 @dataclass(frozen=True)
@@ -57,8 +65,8 @@ def plan_attention(num_tokens: int, num_seqs: int, group: int, num_kv_heads: int
     tile = 64
     splits = 1
     programs = num_seqs * num_kv_heads
-    if num_tokens == num_seqs and programs < num_sms:
-        splits = min(MAX_SPLITS, next_power_of_2(-(-num_sms // programs)))
+    if num_tokens == num_seqs and programs < 2 * num_sms:
+        splits = min(MAX_SPLITS, power_of_2_at_most(PROGRAMS_PER_SM * num_sms // programs))
         if max_context is not None:
             splits = min(splits, next_power_of_2(max(1, -(-max_context // (tile * MIN_TILES_PER_SPLIT)))))
     return AttentionPlan(block_q=block_q, group_pad=group_pad, tile=tile, num_splits=splits)

@@ -53,7 +53,7 @@ def test_sliding_window_interleaved_rope_and_a_head_dim_that_is_not_a_power_of_t
                      torch.float16)
 
 
-@pytest.mark.parametrize("num_splits", [2, 8, 16])
+@pytest.mark.parametrize("num_splits", [2, 8, 16, 64, 128])
 def test_split_context(num_splits):
     case = Case(q_lens=(1, 1, 1), context_lens=(4000, 1500, 37), block_size=16)
     check_float_pool(case, torch.float16, AttentionPlan(block_q=4, group_pad=4, tile=64, num_splits=num_splits))

@@ -134,9 +134,14 @@ def test_bad_inputs_are_named_before_a_launch():
 
 
 def test_plan_splits_only_small_decode_batches():
-    assert plan_attention(1, 1, 3, 3, max_context=16384).num_splits == 16
-    assert plan_attention(64, 64, 3, 3).num_splits == 1  # 192 programs already fill 132 SMs
+    assert plan_attention(1, 1, 3, 3, max_context=16384).num_splits == 64
+    assert plan_attention(1, 1, 4, 8, max_context=65536).num_splits == 64  # 8 programs x 64 = 4 per SM
+    assert plan_attention(4, 4, 4, 8, max_context=65536).num_splits == 16
+    assert plan_attention(16, 16, 4, 8, max_context=65536).num_splits == 4
+    assert plan_attention(64, 64, 3, 3).num_splits == 2  # 192 programs, under 2 per SM: 384
+    assert plan_attention(64, 64, 4, 8).num_splits == 1  # 512 programs: ~4 per SM unsplit
     assert plan_attention(300, 4, 3, 3).num_splits == 1  # prefill: enough query blocks
     assert plan_attention(1, 1, 3, 3, max_context=100).num_splits == 1  # one tile: nothing to split
+    assert plan_attention(1, 1, 4, 8, max_context=1024).num_splits == 8  # 16 tiles, 2 a split
     with pytest.raises(ValueError, match="power of two"):
         AttentionPlan(block_q=3, group_pad=4, tile=16)
