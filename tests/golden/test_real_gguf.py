@@ -29,7 +29,7 @@ FIXTURES = INDEX["fixtures"]
 # Families whose GGUF files transformers' GGUF loader reads into the same model (given _config_as_the_file). It does
 # not read OLMoE or Mixtral's llama-with-experts, drops Phi-3's LongRoPE factors and partial rotary, and sizes
 # Qwen-MoE experts by the dense feed_forward_length: those fixtures are f32, held to their source model.
-TRANSFORMERS_READS = {"llama", "mistral", "qwen2", "qwen3", "gemma3"}
+TRANSFORMERS_READS = {"llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3"}
 STEPS = 4
 
 

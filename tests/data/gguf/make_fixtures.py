@@ -15,8 +15,10 @@ identifies a tokenizer by the hash of its token ids on a test string, and the ti
 in no table, so ``get_vocab_base_pre`` is answered "gpt-2" -- what the tiny tokenizer is (ByteLevel with
 GPT-2's split regex). Everything else (tensor names, order, types, metadata, vocabulary) is the converter's.
 Phi fixtures name GPT2Tokenizer in tokenizer_config.json, as Phi-4-mini does (Phi-3's converter otherwise wants a
-SentencePiece tokenizer.model, and so does Gemma 2's: there is no Gemma 2 fixture). The converter imports
-sentencepiece even for BPE tokenizers: `pip install sentencepiece` into the venv that runs this script.
+SentencePiece tokenizer.model). Gemma 2's converter reads nothing but a SentencePiece tokenizer.model, so its
+fixture's tokenizer is one trained here (SENTENCEPIECE_CORPUS, BPE with byte fallback, the model's vocabulary
+size). The converter imports sentencepiece even for BPE tokenizers: `pip install sentencepiece` into the venv that
+runs this script (or a --target folder on PYTHONPATH).
 
 LLaVA-1.5 as llama.cpp splits it (fixtures.json's "vision" entries; tests/engine/test_vision_mmproj.py): the tiny
 random LLaVA of tests/vision_fixtures.py, its text part converted by convert_hf_to_gguf.py (``llava-f32.gguf``, the
@@ -55,6 +57,7 @@ FIXTURES: dict[str, tuple[str, dict, str, str | None]] = {
     "qwen3-f32": ("qwen3", {"tie_word_embeddings": False}, "f32", None),
     "phi3-f32": ("phi3", {}, "f32", None),
     "phi4-f32": ("phi4", {}, "f32", None),
+    "gemma2-f32": ("gemma2", {}, "f32", None),
     "gemma3-q8_0": ("gemma3", {"head_dim": 128, "query_pre_attn_scalar": 128}, "q8_0", None),
     "mixtral-f32": ("mixtral", {"intermediate_size": 32}, "f32", None),
     "qwen2_moe-f32": ("qwen2_moe", {"num_experts": 8}, "f32", None),
@@ -69,6 +72,15 @@ FIXTURES: dict[str, tuple[str, dict, str, str | None]] = {
     "llama-q4_k_m": ("llama", {}, "f32", "Q4_K_M"),
 }
 SEED = 0
+SENTENCEPIECE_FAMILIES = {"gemma2"}  # converters that read only a SentencePiece tokenizer.model
+# Few distinct characters: with byte fallback (256 pieces) and 3 specials, a 320-token vocabulary leaves 61 pieces
+# for the characters and their merges.
+SENTENCEPIECE_CORPUS = "\n".join([
+    "the cat sat on the mat and the dog sat on the log",
+    "a model reads the text and writes the next word",
+    "paged attention keeps the keys and values in blocks",
+    "the engine runs the graph on the cores it has",
+] * 8)
 VISION = ("llava-f32", "mmproj-llava-f32")  # the text GGUF and the mmproj of the tiny LLaVA-1.5
 
 
@@ -99,6 +111,24 @@ def _as_phi4_tokenizer(hf_dir: Path) -> None:
     config = json.loads(config_path.read_text())
     config["tokenizer_class"] = "GPT2Tokenizer"
     config_path.write_text(json.dumps(config, indent=2))
+
+
+def _as_sentencepiece_tokenizer(hf_dir: Path) -> None:
+    """Replace the tiny BPE tokenizer by a SentencePiece one of the model's vocabulary size, unk/bos/eos at the tiny
+    tokenizer's ids 0-2, trained on SENTENCEPIECE_CORPUS (one thread: the same model every run)."""
+    import sentencepiece as spm
+
+    vocab_size = json.loads((hf_dir / "config.json").read_text())["vocab_size"]
+    corpus = hf_dir / "corpus.txt"
+    corpus.write_text(SENTENCEPIECE_CORPUS)
+    spm.SentencePieceTrainer.train(input=str(corpus), model_prefix=str(hf_dir / "tokenizer"), vocab_size=vocab_size,
+                                   model_type="bpe", byte_fallback=True, character_coverage=1.0, unk_id=0, bos_id=1,
+                                   eos_id=2, pad_id=-1, num_threads=1, minloglevel=2)
+    for leftover in (corpus, hf_dir / "tokenizer.vocab", hf_dir / "tokenizer.json"):
+        leftover.unlink()
+    config = {"tokenizer_class": "GemmaTokenizer", "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>",
+              "pad_token": None, "add_bos_token": False, "add_eos_token": False, "model_max_length": 512}
+    (hf_dir / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
 
 
 def make_llava_pair(tree: Path, legacy_transformers: Path, scratch: Path) -> dict[str, dict]:
@@ -204,6 +234,8 @@ def main() -> int:
             hf_dir = make_tiny_hf_model(Path(scratch) / name, family, seed=SEED, **overrides)
             if family.startswith("phi"):
                 _as_phi4_tokenizer(hf_dir)
+            if family in SENTENCEPIECE_FAMILIES:
+                _as_sentencepiece_tokenizer(hf_dir)
             outs[name] = HERE / f"{name}.gguf"
             jobs.append((hf_dir, outs[name] if kind is None else Path(scratch) / f"{name}.{outtype}.gguf", outtype))
         if jobs:
