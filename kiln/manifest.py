@@ -73,13 +73,18 @@ class BuildOptions:
                 "an EncoderQuantization (EncoderQuantization.parse(name))", self.vision_quantization)
 
     def to_dict(self) -> dict[str, Any]:
-        """The manifest's "build" object: the scheme by name, the artifact as a path string or null."""
-        return {"quantization": self.quantization.name, "kv_dtype": self.kv_dtype, "block_size": self.block_size,
-                "max_seq_len": self.max_seq_len, "max_num_tokens": self.max_num_tokens,
-                "calibration": None if self.calibration is None else str(self.calibration),
-                "lm_head": self.lm_head.value, "medusa": None if self.medusa is None else str(self.medusa),
-                "pipeline_stages": self.pipeline_stages, "tensor_parallel": self.tensor_parallel,
-                "vision_quantization": self.vision_quantization.value}
+        """The manifest's "build" object: the scheme by name, the artifact as a path string or null. The optional
+        fields are written only when they differ from what their absence means, so an engine that uses none of
+        them stays readable by a kiln that predates them (a reader refuses unknown fields)."""
+        data: dict[str, Any] = {
+            "quantization": self.quantization.name, "kv_dtype": self.kv_dtype, "block_size": self.block_size,
+            "max_seq_len": self.max_seq_len, "max_num_tokens": self.max_num_tokens,
+            "calibration": None if self.calibration is None else str(self.calibration),
+            "lm_head": self.lm_head.value, "medusa": None if self.medusa is None else str(self.medusa)}
+        optional = {"pipeline_stages": (self.pipeline_stages, 1), "tensor_parallel": (self.tensor_parallel, 1),
+                    "vision_quantization": (self.vision_quantization.value, EncoderQuantization.FLOAT32.value)}
+        data.update({name: value for name, (value, absent) in optional.items() if value != absent})
+        return data
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> BuildOptions:

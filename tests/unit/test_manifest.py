@@ -126,3 +126,15 @@ def test_a_corrupt_tokenizer_config_is_one_sentence(tmp_path, config, message):
     (tmp_path / "tokenizer_config.json").write_text(config)
     with pytest.raises(EngineLoadError, match=message):
         Tokenizer(tmp_path)
+
+
+def test_optional_build_fields_are_written_only_when_they_mean_something():
+    """An engine that uses no pipeline, rank or quantized encoder stays readable by a kiln that predates them."""
+    from kiln.vision import EncoderQuantization
+
+    plain = BuildOptions().to_dict()
+    assert not {"pipeline_stages", "tensor_parallel", "vision_quantization"} & plain.keys()
+    assert BuildOptions.from_dict(plain) == BuildOptions()
+    split = BuildOptions(pipeline_stages=2, vision_quantization=EncoderQuantization.INT8)
+    assert split.to_dict()["pipeline_stages"] == 2 and split.to_dict()["vision_quantization"] == "int8"
+    assert BuildOptions.from_dict(split.to_dict()) == split
