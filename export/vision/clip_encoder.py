@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .frozen import adopt_weights
 from .llava_config import ClipTowerSpec
 
 _ACTIVATIONS = {
@@ -125,9 +126,7 @@ class ClipVisionEncoder(nn.Module):
         with torch.device("meta"):
             self.tower = _Tower(spec)
             self.projector = _Projector(spec)
-        self.load_state_dict(weights, strict=True, assign=True)
-        self.requires_grad_(False)
-        self.eval()
+        adopt_weights(self, weights)
 
     def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
         x = self.tower.pre_layrnorm(self.tower.embeddings(pixel_values))

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .frozen import adopt_weights
 from .gemma3_config import Gemma3TowerSpec
 from .siglip_encoder import SiglipTower
 
@@ -47,9 +48,7 @@ class Gemma3VisionEncoder(nn.Module):
         with torch.device("meta"):
             self.tower = SiglipTower(spec)
             self.projector = _Projector(spec)
-        self.load_state_dict(weights, strict=True, assign=True)
-        self.requires_grad_(False)
-        self.eval()
+        adopt_weights(self, weights)
 
     def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
         side = self.spec.patches_per_side

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from .clip_encoder import _Layer
+from .frozen import adopt_weights
 from .gemma3_config import Gemma3TowerSpec
 from .idefics3_config import SiglipTowerSpec
 
@@ -88,10 +89,8 @@ class SiglipVisionEncoder(nn.Module):
         with torch.device("meta"):
             self.tower = SiglipTower(spec)
             self.projector = _Projector(spec)
-        self.load_state_dict(weights, strict=True, assign=True)
+        adopt_weights(self, weights)
         self.register_buffer("position_ids", full_tile_position_ids(spec.patches_per_side), persistent=False)
-        self.requires_grad_(False)
-        self.eval()
 
     def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
         x = self.tower(pixel_values, self.position_ids)
