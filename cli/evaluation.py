@@ -27,15 +27,18 @@ def _say(message: str) -> None:
               help="UTF-8 text file to measure on instead of the corpus's domains (e.g. your own domain)")
 @click.option("--split", type=click.Choice(["evaluation", "validation"]), default="evaluation", show_default=True,
               help="corpus split: validation is the one to choose methods and hyperparameters on")
+@click.option("--score-second-half", is_flag=True,
+              help="score only each window's second half, as llama.cpp's llama-perplexity does with -c equal to "
+                   "--window-tokens (compare with --text on the same file)")
 def evaluate(engine_dir: Path, reference: Path | None, windows: int, window_tokens: int, threads: int | None,
-             text_file: Path | None, split: str) -> None:
+             text_file: Path | None, split: str, score_second_half: bool) -> None:
     """Perplexity per domain (prose, technical, code, chat) on the corpus's evaluation split, greedy
     agreement with --reference, decode tok/s, size."""
     from kiln.corpus.debian import CorpusNotFound
     from kiln.evaluation.evaluate import EvalOptions
     from kiln.evaluation.evaluate import evaluate as run
 
-    options = EvalOptions(reference, windows, window_tokens, threads, text_file, split)
+    options = EvalOptions(reference, windows, window_tokens, threads, text_file, split, score_second_half)
     try:
         report = run(engine_dir, options, _say)
     except (CorpusNotFound, UnicodeDecodeError) as exc:

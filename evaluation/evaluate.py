@@ -102,12 +102,13 @@ def perplexity(session: EngineSession, token_ids: list[int], window: int = 512, 
 
 
 def windows_perplexity(session: EngineSession, windows: list[list[int]], progress: Progress | None = None,
-                       label: str = "perplexity") -> tuple[float, int]:
-    """(perplexity, number of predicted tokens) over windows, each a fresh sequence from position 0."""
+                       label: str = "perplexity", first: int = 0) -> tuple[float, int]:
+    """(perplexity, number of predicted tokens) over windows, each a fresh sequence from position 0; the tokens
+    predicted from the logits at positions first.. are scored (llama.cpp's llama-perplexity: first = window / 2)."""
     total, count = 0.0, 0
     for w, tokens in enumerate(windows):
         logits = session.prefill(tokens)
-        nll = _nll(logits[:-1], np.asarray(tokens[1:]))
+        nll = _nll(logits[first:-1], np.asarray(tokens[first + 1:]))
         total += float(nll.sum())
         count += len(nll)
         if progress:
@@ -213,6 +214,7 @@ class EvalReport:
     quantization: str
     kv_dtype: str
     text: str  # what the perplexity and the agreement prompts were measured on: a corpus split or a file
+    scored: str  # which predicted tokens of each window count: "all", or "second half" (llama-perplexity's)
     perplexity: dict[str, float]  # per domain (prose, technical, code, chat), or {"text": ...} for --text
     eval_tokens: dict[str, int]  # predicted tokens per domain
     greedy_agreement: float | None  # vs the reference engine; None without one
@@ -240,6 +242,14 @@ class EvalOptions:
     threads: int | None = None
     text_file: Path | None = None
     split: str = "evaluation"
+    # score only the second half of each window, every token predicted from at least window / 2 of context, as
+    # llama.cpp's llama-perplexity does (its -c is the window): the figure to hold against that tool's
+    score_second_half: bool = False
+
+    @property
+    def first_scored(self) -> int:
+        """The first position whose logits are scored."""
+        return self.window // 2 if self.score_second_half else 0
 
     def __post_init__(self) -> None:
         from kiln.corpus import SPLITS
@@ -285,7 +295,8 @@ def evaluate(engine_dir: str | Path, options: EvalOptions, progress: Progress | 
     source, text, per_domain, manifest = _domain_windows(session, options)
     ppl, counts = {}, {}
     for d in per_domain:
-        ppl[d.domain], counts[d.domain] = windows_perplexity(session, d.windows, progress, f"{d.domain} perplexity")
+        ppl[d.domain], counts[d.domain] = windows_perplexity(session, d.windows, progress, f"{d.domain} perplexity",
+                                                             options.first_scored)
     prompts = prompt_set(text, session)
     agreement = reference = None
     if options.reference_dir is not None:
@@ -298,5 +309,6 @@ def evaluate(engine_dir: str | Path, options: EvalOptions, progress: Progress | 
     in_reference = None if reference is None else trace_loops(reference, answers)
     for a in answers:
         del a["prompt_ids"], a["answer_ids"]
-    return EvalReport(str(engine_dir), build.quantization.name, build.kv_dtype, source, ppl, counts, agreement, speed,
-                      size_mb, sum(a["degenerate"] for a in answers), in_reference, answers, manifest)
+    scored = "second half" if options.score_second_half else "all"
+    return EvalReport(str(engine_dir), build.quantization.name, build.kv_dtype, source, scored, ppl, counts, agreement,
+                      speed, size_mb, sum(a["degenerate"] for a in answers), in_reference, answers, manifest)

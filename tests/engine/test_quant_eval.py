@@ -59,9 +59,11 @@ def fake_clock(monkeypatch, step_s: float) -> None:
     monkeypatch.setattr(evaluate, "time", types.SimpleNamespace(perf_counter=lambda: next(ticks) * step_s))
 
 
-def torch_perplexity(model: TorchModel, ids: list[int], window: int, num_windows: int) -> float:
-    nll = [torch.nn.functional.cross_entropy(model.logits(ids[w * window:(w + 1) * window])[:-1],
-                                             torch.tensor(ids[w * window + 1:(w + 1) * window]), reduction="none")
+def torch_perplexity(model: TorchModel, ids: list[int], window: int, num_windows: int, first: int = 0) -> float:
+    """Over num_windows windows, the tokens predicted from the logits at positions first.. of each."""
+    nll = [torch.nn.functional.cross_entropy(model.logits(ids[w * window:(w + 1) * window])[first:-1],
+                                             torch.tensor(ids[w * window + first + 1:(w + 1) * window]),
+                                             reduction="none")
            for w in range(num_windows)]
     return float(torch.exp(torch.cat(nll).mean()))
 
@@ -230,6 +232,11 @@ def test_kiln_eval_on_a_text_file_and_a_too_short_one(tiny_engine, torch_model, 
     report = json.loads(result.output[result.output.index("{"):])
     assert report["text"] == str(text) and report["eval_tokens"] == {"text": 2 * 63}
     expected = torch_perplexity(torch_model, torch_model.encode(text.read_text()), 64, 2)
+    assert report["perplexity"] == {"text": pytest.approx(expected, rel=1e-4)} and report["scored"] == "all"
+    result = CliRunner().invoke(main, args + [str(text), "--score-second-half"])  # llama-perplexity's tokens
+    report = json.loads(result.output[result.output.index("{"):])
+    assert report["eval_tokens"] == {"text": 2 * 31} and report["scored"] == "second half"
+    expected = torch_perplexity(torch_model, torch_model.encode(text.read_text()), 64, 2, first=32)
     assert report["perplexity"] == {"text": pytest.approx(expected, rel=1e-4)}
     short = tmp_path / "short.txt"
     short.write_text("Too short.")

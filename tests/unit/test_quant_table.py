@@ -17,7 +17,7 @@ spec.loader.exec_module(quant_table)
 def _report(quantization, kv_dtype, ppl, digest="d", loops=0):
     domains = list(ppl)
     return {"engine": f"e-{quantization}-{kv_dtype}", "quantization": quantization, "kv_dtype": kv_dtype,
-            "text": "corpus:evaluation", "perplexity": ppl, "eval_tokens": {d: 8176 for d in domains},
+            "text": "corpus:evaluation", "scored": "all", "perplexity": ppl, "eval_tokens": {d: 8176 for d in domains},
             "greedy_agreement": 0.9, "decode_tok_s": 50.0, "engine_mb": 122.4, "degenerate_answers": loops,
             "degenerate_in_reference_too": 1 if loops else 0, "chat": [{}] * 4,
             "corpus": {"domains": {d: {"token_sha256": digest} for d in domains}}}
