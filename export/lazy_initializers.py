@@ -8,8 +8,12 @@ initializer still backed by a placeholder's memory (the parameter itself, or a t
 becomes an ``ir.LazyTensor`` that reads the checkpoint's tensor, transposed as the view was, when a pass
 or the engine writer asks for it. The graph, its names and its initializer order are the exporter's own,
 so the engine is the one a fully materialised export gives, bit for bit. Vectors (norm gains, biases) are
-read for real: they are small, and the exporter's rewrite rules may look at their values. Stacked [E, ...] expert
-weights (kiln.MoE's inputs) are placeholders too, never transposed.
+read for real: they are small, and the exporter's rewrite rules may look at their values. Small matrices are
+placeholders that hold their own numbers (a copy, read when the export starts): the exporter's optimizer merges
+initializers of at most 1024 elements whose bytes are equal, and an uninitialised placeholder's bytes are whatever
+the allocator's memory held, so two that happened to hold the same bytes (zeroed pages, or the same freed data)
+became one and a layer read another layer's weight (a tiny Qwen2-MoE's routers, after other builds in the process).
+Stacked [E, ...] expert weights (kiln.MoE's inputs) are placeholders too, never transposed.
 
 A matrix read from a GGUF also carries its file's blocks (``blocks``: the rows as the file's quantized bytes), so
 `--quantization gguf` can hand them to kiln.MatMulGGUF as they are instead of re-rounding the float rows.
@@ -17,6 +21,7 @@ A matrix read from a GGUF also carries its file's blocks (``blocks``: the rows a
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
@@ -32,17 +37,27 @@ from .tensor_files import FileBlocks
 class _Placeholder:
     name: str  # the checkpoint weight it stands for
     tensor: torch.Tensor
+    filled: bool  # holds the weight's numbers (a small matrix), not uninitialised memory
+
+
+# Matrices of at most this many elements enter the export holding their numbers: the exporter's optimizer compares
+# tensors this small by value (onnxscript's DeduplicateInitializersPass, size_limit 1024; a unit test holds this
+# bound to theirs).
+FILLED_AT_MOST = 1024
 
 
 def placeholder_weights(weights: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], list[_Placeholder]]:
-    """The state dict to trace with: matrices as untouched placeholders, vectors read."""
+    """The state dict to trace with: matrices as placeholders (untouched, or a copy of a small one), vectors read."""
     state: dict[str, torch.Tensor] = {}
     placeholders = []
     for name in weights:
         shape = weight_shape(weights, name)
         if len(shape) >= 2 and min(shape) > 1:  # a [1, D] row (Qwen2-MoE's shared expert gate) is a vector
-            tensor = torch.empty(shape, dtype=torch.float32)
-            placeholders.append(_Placeholder(name, tensor))
+            filled = math.prod(shape) <= FILLED_AT_MOST
+            # a copy: its own memory, which only the export's views of it share
+            tensor = (weights[name].to(torch.float32, copy=True).contiguous() if filled
+                      else torch.empty(shape, dtype=torch.float32))
+            placeholders.append(_Placeholder(name, tensor, filled))
             state[name] = tensor
         else:
             state[name] = weights[name]
@@ -135,8 +150,8 @@ def _reader(weights: Mapping[str, torch.Tensor], name: str) -> Callable[[], np.n
 
 
 def _check_no_placeholder_left(model: ir.Model, placeholders: list[_Placeholder]) -> None:
-    """Any other initializer of a placeholder's size was computed from uninitialised memory: refuse it."""
-    sizes = {p.tensor.numel() for p in placeholders}
+    """Any other initializer of an unfilled placeholder's size was computed from uninitialised memory: refuse it."""
+    sizes = {p.tensor.numel() for p in placeholders if not p.filled}
     for value in model.graph.initializers.values():
         tensor = value.const_value
         if tensor is not None and not isinstance(tensor, ir.LazyTensor) and tensor.size in sizes:

@@ -166,8 +166,7 @@ def make_tiny_hf_model(tmp_path, family: str = "llama", **overrides) -> Path:
 
 def load_hf_reference(model_dir):
     """transformers' model as the golden tests' reference: fp32, eager attention, and the experts as the plain
-    per-expert loop. transformers' CPU default for experts is torch's grouped_mm kernel, whose output buffer starts
-    uninitialised: a MoE comparison against it failed by 1.1 once, then passed on every rerun."""
+    per-expert loop, the model's arithmetic written out (transformers' CPU default is torch's grouped_mm kernel)."""
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="eager", experts_implementation="eager",
