@@ -116,6 +116,22 @@ def test_a_row_has_the_same_bits_at_every_t_every_thread_count_and_rank_3(kind):
     np.testing.assert_array_equal(batch, run_kernel(w, kind, x, threads=1))
 
 
+@pytest.mark.parametrize("kind", TYPES, ids=lambda t: t.name)
+def test_every_row_of_a_batch_has_the_bits_of_the_row_alone(kind):
+    """Decode (one row) against speculative verification (rows in tiles of 4 or 8, work items of 32 rows and their
+    remainders): the same bits for every row, in any tile and at any place in it."""
+    rng = np.random.default_rng(6)
+    w = blocks_for(kind, 21, 512 // FORMATS[kind].weights, seed=6)
+    x = rng.standard_normal((37, 512)).astype(np.float32)
+    x[:, 3] *= 20
+    s = session(make_single_op_model(w, kind, rng.standard_normal(21).astype(np.float32), rank=2,
+                                     int8_activations=True))
+    batch = s.run(None, {"x": x})[0]
+    alone = np.concatenate([s.run(None, {"x": x[t:t + 1]})[0] for t in range(len(x))])
+    np.testing.assert_array_equal(batch, alone)
+    np.testing.assert_array_equal(s.run(None, {"x": x[5:16]})[0], batch[5:16])  # tiles starting off the batch's
+
+
 def test_kernel_refuses_an_unknown_activation_mode():
     from onnx import helper
 
