@@ -37,6 +37,7 @@ namespace {
 
 constexpr int kTileRows = 4;      // Q4_0 / Q8_0: a tile is one channel x up to 4 rows
 constexpr int kKTileRows = 8;     // the k-quants: a tile is one channel x up to 8 rows
+constexpr int64_t kKTileRowsMaxK = 4096;  // ... for K up to 4096; kTileRows above
 constexpr int64_t kChannelsPerItem = 16;
 constexpr int64_t kRowsPerItem = 32;
 constexpr int64_t kSumGroup = 16;               // activations per int sum (Q8_K's bsums)
@@ -335,16 +336,17 @@ void run_item(const Problem& p, int64_t n_begin, int64_t n_end, int64_t t_begin,
   }
 }
 
-// The k-quants' tile: one output channel x NT rows, each block decoded once, group by group straight into the NT
-// rows' dots (codes, multipliers and the rows' integer sums all in registers), then the block's float terms once for
-// the NT rows. A (channel, row) pair runs the same integer and float operations in the same order in every tile
-// size, so a row's bits depend on neither T nor the tiling.
+// The k-quants' tile: one output channel x NT rows over blocks [b0, b1) of the row, each block decoded once, group
+// by group straight into the NT rows' dots (codes, multipliers and the rows' integer sums all in registers), then
+// the block's float terms once for the NT rows; acc[r] carries row r's 8 float lanes from the previous span of
+// blocks. A (channel, row) pair runs the same integer and float operations in the same order (its blocks in
+// order) in every tile size and span, so a row's bits depend on neither T nor the tiling.
 template <class Type, int NT>
-__attribute__((noinline)) void k_tile(const Problem& p, int64_t n, int64_t t0) {
+__attribute__((noinline)) void k_tile(const Problem& p, int64_t n, int64_t t0, int64_t b0, int64_t b1, __m256* acc_io) {
   const GgufMatmul& m = *p.m;
   const Int8Rows& a = *p.rows;
   const int64_t nb = m.K / Type::kWeights;
-  const uint8_t* w = m.w + n * m.row_bytes;
+  const uint8_t* w = m.w + n * m.row_bytes + b0 * Type::kBytes;
   const int8_t* xq[NT];
   const float* step[NT];
   const int16_t* sums[NT];
@@ -357,9 +359,9 @@ __attribute__((noinline)) void k_tile(const Problem& p, int64_t n, int64_t t0) {
     sums[r] = Type::kSums ? a.sums.data() + t * (m.K / kSumGroup) : nullptr;
     sub_sum[r] = Type::kSums ? nullptr : a.sub_sum.data() + t * (m.K / 32);
     sub_error[r] = Type::kSums ? nullptr : a.sub_error.data() + t * (m.K / 32);
-    acc[r] = _mm256_setzero_ps();
+    acc[r] = acc_io[r];
   }
-  for (int64_t blk = 0; blk < nb; ++blk, w += Type::kBytes) {
+  for (int64_t blk = b0; blk < b1; ++blk, w += Type::kBytes) {
     KFloats k;
     __m256i isum[NT];
     for (int r = 0; r < NT; ++r) isum[r] = _mm256_setzero_si256();
@@ -371,23 +373,32 @@ __attribute__((noinline)) void k_tile(const Problem& p, int64_t n, int64_t t0) {
       acc[r] = k_accumulate<Type>(acc[r], isum[r], k, step[r][blk], sums[r] + blk * (Type::kWeights / kSumGroup),
                                   sub_sum[r] + blk * (Type::kWeights / 32), sub_error[r] + blk * (Type::kWeights / 32));
   }
-  const float bias = m.bias ? m.bias[n] : 0.f;
-  for (int r = 0; r < NT; ++r) m.y[(t0 + r) * m.N + n] = hsum(acc[r]) + bias;
+  for (int r = 0; r < NT; ++r) acc_io[r] = acc[r];
 }
 
 template <class Type, int NT>
-void k_pass_rows(const Problem& p, int64_t n, int64_t t0, int64_t rows) {
+void k_pass_rows(const Problem& p, int64_t n, int64_t t0, int64_t rows, __m256* acc) {
   if constexpr (NT > 1)
-    if (rows < NT) return k_pass_rows<Type, NT - 1>(p, n, t0, rows);
-  k_tile<Type, NT>(p, n, t0);
+    if (rows < NT) return k_pass_rows<Type, NT - 1>(p, n, t0, rows, acc);
+  k_tile<Type, NT>(p, n, t0, 0, p.m->K / Type::kWeights, acc);
 }
 
+// An item's rows in tiles of kKTileRows, or kTileRows where so many rows' int8 activations would not stay in L1
+// while a channel's row of blocks streams past them (K above kKTileRowsMaxK: 8 rows of 8192 are 64 KiB).
 template <class Type>
 void run_k_item(const Problem& p, int64_t n_begin, int64_t n_end, int64_t t_begin, int64_t t_end) {
   static_assert(Type::kActBlock == Type::kWeights, "an activation block per weight block");
-  for (int64_t t = t_begin; t < t_end; t += kKTileRows) {
-    const int64_t rows = std::min<int64_t>(kKTileRows, t_end - t);
-    for (int64_t n = n_begin; n < n_end; ++n) k_pass_rows<Type, kKTileRows>(p, n, t, rows);
+  const GgufMatmul& m = *p.m;
+  const int64_t tile_rows = m.K <= kKTileRowsMaxK ? kKTileRows : kTileRows;
+  for (int64_t t = t_begin; t < t_end; t += tile_rows) {
+    const int64_t rows = std::min<int64_t>(tile_rows, t_end - t);
+    for (int64_t n = n_begin; n < n_end; ++n) {
+      __m256 acc[kKTileRows];
+      for (int r = 0; r < kKTileRows; ++r) acc[r] = _mm256_setzero_ps();
+      k_pass_rows<Type, kKTileRows>(p, n, t, rows, acc);
+      const float bias = m.bias ? m.bias[n] : 0.f;
+      for (int64_t r = 0; r < rows; ++r) m.y[(t + r) * m.N + n] = hsum(acc[r]) + bias;
+    }
   }
 }
 

@@ -105,6 +105,16 @@ def test_kernel_at_a_1b_shape_k(kind):
     _check(kind, rng.standard_normal((6, 2048)).astype(np.float32), w)
 
 
+@pytest.mark.parametrize("kind", [GgmlType.Q4_K, GgmlType.Q5_K, GgmlType.Q6_K], ids=lambda t: t.name)
+def test_kernel_past_the_8_row_tiles_k(kind):
+    """K = 4352 (17 blocks of 256): past 4096 a k-quant tile holds 4 rows, not 8; 11 rows are 4 + 4 + 3."""
+    rng = np.random.default_rng(12)
+    w = blocks_for(kind, 6, 17, seed=12)
+    x = rng.standard_normal((11, 17 * 256)).astype(np.float32)
+    y = _check(kind, x, w)
+    np.testing.assert_array_equal(y[9:10], run_kernel(w, kind, x[9:10]))
+
+
 @pytest.mark.parametrize("kind", TYPES, ids=lambda t: t.name)
 def test_a_row_has_the_same_bits_at_every_t_every_thread_count_and_rank_3(kind):
     rng = np.random.default_rng(5)
