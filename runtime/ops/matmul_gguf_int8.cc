@@ -5,12 +5,12 @@
 //   1. each activation row is quantized to int8 in blocks of the weight type's granularity (Q4_0, Q8_0: 32 values;
 //      the k-quants: 256, llama.cpp's Q8_K), step max|x| / 127, with int sums per 16 values for Q6_K's offset of
 //      32, and for Q4_K / Q5_K per sub-block of 32 the float sum S and what int8 loses of it, E = S - step sum(xq);
-//   2. a tile is one output channel x up to kTileRows rows (Q4_0, Q8_0: 4; the k-quants: 8, whose unpacking and
-//      scale decoding cost more a block); for each block, the block's integers are unpacked to bytes once (32 a
-//      vector, a k-quant's scales broadcast by pshufb from one int16 vector) and multiplied into each row's int8
-//      with maddubs (unsigned weight byte x signed
-//      activation, pairs summed in int16: at most 63 x 127 x 2, no saturation) and madd (the pairs times the
-//      sub-block's integer scale, summed in int32). The integer block sum is exact; it meets float once per block:
+//   2. a tile is one output channel x up to kTileRows rows (Q4_0, Q8_0: 4; the k-quants: 8 up to K = 4096, 4
+//      above, their unpacking and scale decoding shared by more rows); for each block, the block's integers are
+//      unpacked to bytes once (32 a vector; a k-quant's scales broadcast by pshufb from one int16 vector) and
+//      multiplied into each row's int8 with maddubs (unsigned weight byte x signed activation, pairs summed in
+//      int16: at most 63 x 127 x 2, no saturation) and madd (the pairs times the sub-block's integer scale, summed
+//      in int32). The integer block sum is exact; it meets float once per block:
 //          acc += (step * d) * isum  [+ sum_j (c (d sc_j)) E_j - sum_j (dmin m_j) S_j   for Q4_K / Q5_K]
 //      (the minimums from the exact float sums, and the codes' mean c (7.5, 15.5) from E: int8 rounding then
 //      reaches only the centred codes, as in kiln.MatMulQ4_1);
