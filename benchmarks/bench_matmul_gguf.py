@@ -15,6 +15,7 @@ its time.
 
     python benchmarks/bench_matmul_gguf.py [--repeats 7] [--tokens 1 16] [--linears gate/up down] [--copies 4]
         [--cold-mib 96] [--threads 2] [--cpu-time] [--ways q4_1 q4_k q4_k-i8 q6_k-i8 q8_0-i8]
+        [--baseline-library OLD.so]
 """
 
 from __future__ import annotations
@@ -37,20 +38,24 @@ TYPES = {"q4_k": GgmlType.Q4_K, "q5_k": GgmlType.Q5_K, "q6_k": GgmlType.Q6_K, "q
          "q4_0": GgmlType.Q4_0}
 INT8_SUFFIX = "-i8"
 WAYS = ["q4_1", *TYPES, *(name + INT8_SUFFIX for name in TYPES)]
+OLD_SUFFIX = "@old"  # a way on --baseline-library
 
 
-def session(model: bytes, threads: int) -> ort.InferenceSession:
+def session(model: bytes, threads: int, library: str | None = None) -> ort.InferenceSession:
     so = ort.SessionOptions()
-    so.register_custom_ops_library(library_path())
+    so.register_custom_ops_library(library or library_path())
     so.intra_op_num_threads = threads
     return ort.InferenceSession(model, so, providers=["CPUExecutionProvider"])
 
 
-def ways(k: int, n: int, names: list[str], cold_bytes: int, threads: int) -> dict[str, tuple[list, int]]:
-    """name -> (sessions, weight bytes a call reads), each way's copies at least cold_bytes in all."""
-    rng = np.random.default_rng(0)
+def ways(k: int, n: int, names: list[str], cold_bytes: int, threads: int,
+         baseline: str | None = None) -> dict[str, tuple[list, int]]:
+    """name -> (sessions, weight bytes a call reads), each way's copies at least cold_bytes in all; with a baseline
+    library, each GGUF way also as NAME@old on it (the same blocks), run just before NAME in every round."""
     out = {}
-    for name in names:
+    for full in [w for name in names for w in ([name + OLD_SUFFIX] if baseline and name != "q4_1" else []) + [name]]:
+        name, library = full.removesuffix(OLD_SUFFIX), baseline if full.endswith(OLD_SUFFIX) else None
+        rng = np.random.default_rng(list(WAYS).index(name))  # NAME and NAME@old: the same weights
         sessions, nbytes = [], 0
         while not sessions or len(sessions) * nbytes < cold_bytes:
             if name == "q4_1":  # Q4_1 of a Q4_K's decoded weights: the re-rounding path
@@ -63,8 +68,8 @@ def ways(k: int, n: int, names: list[str], cold_bytes: int, threads: int) -> dic
                 blocks = random_blocks(rng, kind, n, k)
                 nbytes = blocks.nbytes
                 model = gguf_model(blocks, kind, int8_activations=name.endswith(INT8_SUFFIX))
-                sessions.append(session(model.SerializeToString(), threads))
-        out[name] = (sessions, nbytes)
+                sessions.append(session(model.SerializeToString(), threads, library))
+        out[full] = (sessions, nbytes)
     return out
 
 
@@ -101,6 +106,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--cpu-time", action="store_true",
                         help="time with the process's CPU time (with --threads 1: what other load barely moves)")
+    parser.add_argument("--baseline-library", help="an older libkiln_ops.so: each GGUF way also as NAME@old on it")
     args = parser.parse_args()
     clock = "CPU" if args.cpu_time else "wall"
     print(f"threads {args.threads}, >= {args.cold_mib:.0f} MiB of weights a way, {clock} time; "
@@ -109,7 +115,7 @@ def main() -> None:
         k, n = SHAPES[linear]
         q4_k_bytes = n * k // 256 * 144
         cold_bytes = max(args.copies, -(-int(args.cold_mib * 2**20) // q4_k_bytes)) * q4_k_bytes
-        built = ways(k, n, args.ways, cold_bytes, args.threads)
+        built = ways(k, n, args.ways, cold_bytes, args.threads, args.baseline_library)
         for t in args.tokens:
             x = np.random.default_rng(1).standard_normal((t, k)).astype(np.float32)
             times = time_us(built, x, args.repeats, time.process_time if args.cpu_time else time.perf_counter)
@@ -118,6 +124,8 @@ def main() -> None:
             for name, us in times.items():
                 gbs = built[name][1] / (us * 1e-6) / 1e9
                 ratio = f" x{us / base:.2f}" if base and name != "q4_1" else ""
+                if name + OLD_SUFFIX in times:
+                    ratio += f" new/old {us / times[name + OLD_SUFFIX]:.2f}"
                 cells.append(f"{name} {us:8.0f} ({gbs:5.1f}){ratio}")
             print(f"{linear:8s} K={k:5d} N={n:5d} T={t:4d}  " + "  ".join(cells), flush=True)
 

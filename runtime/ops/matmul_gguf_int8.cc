@@ -5,10 +5,12 @@
 //   1. each activation row is quantized to int8 in blocks of the weight type's granularity (Q4_0, Q8_0: 32 values;
 //      the k-quants: 256, llama.cpp's Q8_K), step max|x| / 127, with int sums per 16 values for Q6_K's offset of
 //      32, and for Q4_K / Q5_K per sub-block of 32 the float sum S and what int8 loses of it, E = S - step sum(xq);
-//   2. a tile is one output channel x up to kTileRows rows; for each block, the block's integers are unpacked to
-//      bytes once (32 a vector) and multiplied into each row's int8 with maddubs (unsigned weight byte x signed
-//      activation, pairs summed in int16: at most 63 x 127 x 2, no saturation) and madd (the pairs times the
-//      sub-block's integer scale, summed in int32). The integer block sum is exact; it meets float once per block:
+//   2. a tile is one output channel x up to kTileRows rows (Q4_0, Q8_0: 4; the k-quants: 8 up to K = 4096, 4
+//      above, their unpacking and scale decoding shared by more rows); for each block, the block's integers are
+//      unpacked to bytes once (32 a vector; a k-quant's scales broadcast by pshufb from one int16 vector) and
+//      multiplied into each row's int8 with maddubs (unsigned weight byte x signed activation, pairs summed in
+//      int16: at most 63 x 127 x 2, no saturation) and madd (the pairs times the sub-block's integer scale, summed
+//      in int32). The integer block sum is exact; it meets float once per block:
 //          acc += (step * d) * isum  [+ sum_j (c (d sc_j)) E_j - sum_j (dmin m_j) S_j   for Q4_K / Q5_K]
 //      (the minimums from the exact float sums, and the codes' mean c (7.5, 15.5) from E: int8 rounding then
 //      reaches only the centred codes, as in kiln.MatMulQ4_1);
@@ -33,7 +35,9 @@
 namespace kiln {
 namespace {
 
-constexpr int kTileRows = 4;
+constexpr int kTileRows = 4;      // Q4_0 / Q8_0: a tile is one channel x up to 4 rows
+constexpr int kKTileRows = 8;     // the k-quants: a tile is one channel x up to 8 rows
+constexpr int64_t kKTileRowsMaxK = 4096;  // ... for K up to 4096; kTileRows above
 constexpr int64_t kChannelsPerItem = 16;
 constexpr int64_t kRowsPerItem = 32;
 constexpr int64_t kSumGroup = 16;               // activations per int sum (Q8_K's bsums)
@@ -162,15 +166,44 @@ inline void k_scales(const uint8_t* b, uint8_t* sc, uint8_t* mins) {
   std::memcpy(mins, out + 2, 8);
 }
 
-// Sub-block j's 32 weights: chunk c = j / 2 of the nibbles, low (j even) or high (j odd); Q5_K's fifth bit is bit j
-// of qh[l]. isum = sum_j sc_j (q_j . xq_j); the minimums and the codes' mean c from the float sums (see the top).
-template <bool kFifthBit, int NT>
-inline void k_block(const uint8_t* b, const uint8_t* qs, const RowPtrs<NT>& rows, __m256* acc) {
+// A k-quant block (Q4_K, Q5_K, Q6_K) decodes into group g's 32 weights (inputs 32g..32g + 31) as unsigned codes q_g
+// and s_g, the int16 multipliers madd puts on maddubs' pairs: the sub-block scale (Q4_K / Q5_K: one a group; Q6_K:
+// scale 2g on the low 128-bit lane, 2g + 1 on the high one). A row's integer block sum is then
+// isum = sum_g madd(maddubs(q_g, xq_g), s_g) whatever the type; `decode(b, floats, f)` calls f(g, q_g, s_g) for
+// g = 0..7 and fills the float terms that meet isum:
+struct KFloats {
+  __m256 centred, minimum;  // Q4_K / Q5_K: c (d sc_j) and dmin m_j, the 8 sub-blocks
+  __m256i sc16;             // Q6_K: the 16 scales as int16 (the offset of 32 through the 16-sums)
+  float d;
+};
+
+// pshufb masks: int16 element j of each 128-bit lane into every element of that lane (k[j]); Q6_K's group t of a
+// half: element 2t on the low lane and 2t + 1 on the high one (q6[t])
+struct ScaleMasks {
+  alignas(32) uint8_t k[8][32];
+  alignas(32) uint8_t q6[4][32];
+};
+inline ScaleMasks make_scale_masks() {
+  ScaleMasks m;
+  for (int i = 0; i < 32; ++i) {
+    for (int j = 0; j < 8; ++j) m.k[j][i] = static_cast<uint8_t>(2 * j + (i & 1));
+    for (int t = 0; t < 4; ++t) m.q6[t][i] = static_cast<uint8_t>(2 * (2 * t + i / 16) + (i & 1));
+  }
+  return m;
+}
+const ScaleMasks kScaleMasks = make_scale_masks();
+inline __m256i mask_of(const uint8_t* m) { return _mm256_load_si256(reinterpret_cast<const __m256i*>(m)); }
+
+// Q4_K / Q5_K: sub-block j's 32 weights are chunk c = j / 2 of the nibbles, low (j even) or high (j odd); Q5_K's
+// fifth bit is bit j of qh[l]. isum = sum_j sc_j (q_j . xq_j); the minimums and the codes' mean c from the float
+// sums (see the top).
+template <bool kFifthBit, class F>
+inline void decode_k(const uint8_t* b, const uint8_t* qs, KFloats& k, F&& f) {
   alignas(16) uint8_t sc[8], mins[8];
   k_scales(b, sc, mins);
   const __m256i m4 = _mm256_set1_epi8(15), bit4 = _mm256_set1_epi8(16);
-  __m256i isum[NT];
-  for (int r = 0; r < NT; ++r) isum[r] = _mm256_setzero_si256();
+  const __m128i sc8 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(sc));
+  const __m256i sc_both = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(sc8));  // the 8 scales, int16, both lanes
   const __m256i qh = kFifthBit ? load32(b + 16) : _mm256_setzero_si256();
 #pragma GCC unroll 4
   for (int c = 0; c < 4; ++c) {
@@ -181,41 +214,30 @@ inline void k_block(const uint8_t* b, const uint8_t* qs, const RowPtrs<NT>& rows
       lo = _mm256_or_si256(lo, _mm256_and_si256(_mm256_slli_epi16(h, 4), bit4));
       hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_slli_epi16(h, 3), bit4));
     }
-    const __m256i s_lo = _mm256_set1_epi16(sc[2 * c]), s_hi = _mm256_set1_epi16(sc[2 * c + 1]);
-    for (int r = 0; r < NT; ++r) {
-      const __m256i a = dot_bytes(lo, load32(rows.q[r] + 64 * c), s_lo);
-      isum[r] = _mm256_add_epi32(isum[r], _mm256_add_epi32(a, dot_bytes(hi, load32(rows.q[r] + 64 * c + 32), s_hi)));
-    }
+    f(2 * c, lo, _mm256_shuffle_epi8(sc_both, mask_of(kScaleMasks.k[2 * c])));
+    f(2 * c + 1, hi, _mm256_shuffle_epi8(sc_both, mask_of(kScaleMasks.k[2 * c + 1])));
   }
   // the 8 sub-blocks' d sc_j and dmin m_j as float32 vectors (the spec's products), then c (d sc_j)
   constexpr float kCentre = kFifthBit ? 15.5f : 7.5f;
-  const float d = f16(b), dmin = f16(b + 2);
-  const __m256 scale = _mm256_mul_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(
-                                                            _mm_loadl_epi64(reinterpret_cast<const __m128i*>(sc)))));
-  const __m256 minimum = _mm256_mul_ps(_mm256_set1_ps(dmin), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(
-                                                                 _mm_loadl_epi64(reinterpret_cast<const __m128i*>(mins)))));
-  const __m256 centred = _mm256_mul_ps(scale, _mm256_set1_ps(kCentre));
-  for (int r = 0; r < NT; ++r) {
-    acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(rows.step[r][0] * d), _mm256_cvtepi32_ps(isum[r]), acc[r]);
-    acc[r] = _mm256_fmadd_ps(centred, _mm256_loadu_ps(rows.sub_error[r]), acc[r]);
-    acc[r] = _mm256_fnmadd_ps(minimum, _mm256_loadu_ps(rows.sub_sum[r]), acc[r]);
-  }
+  k.d = f16(b);
+  const __m256 scale = _mm256_mul_ps(_mm256_set1_ps(k.d), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(sc8)));
+  k.minimum = _mm256_mul_ps(_mm256_set1_ps(f16(b + 2)), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(
+                                                               _mm_loadl_epi64(reinterpret_cast<const __m128i*>(mins)))));
+  k.centred = _mm256_mul_ps(scale, _mm256_set1_ps(kCentre));
 }
 
 struct Q4_K {
   static constexpr int64_t kWeights = 256, kBytes = 144, kActBlock = 256;
-  template <int NT>
-  static void block(const uint8_t* b, const RowPtrs<NT>& rows, __m256* acc) {
-    k_block<false, NT>(b, b + 16, rows, acc);
-  }
+  static constexpr bool kSums = false;
+  template <class F>
+  static void decode(const uint8_t* b, KFloats& k, F&& f) { decode_k<false>(b, b + 16, k, f); }
 };
 
 struct Q5_K {
   static constexpr int64_t kWeights = 256, kBytes = 176, kActBlock = 256;
-  template <int NT>
-  static void block(const uint8_t* b, const RowPtrs<NT>& rows, __m256* acc) {
-    k_block<true, NT>(b, b + 48, rows, acc);
-  }
+  static constexpr bool kSums = false;
+  template <class F>
+  static void decode(const uint8_t* b, KFloats& k, F&& f) { decode_k<true>(b, b + 48, k, f); }
 };
 
 // Q6_K: half h (128 weights) holds groups t = 0..3 of 32: low nibbles of ql[64h + 32 (t % 2) + l] >> 4 (t / 2), high
@@ -223,36 +245,44 @@ struct Q5_K {
 // 32 comes from the 16-sums: isum = sum_g sc_g (q_g . x_g) - 32 sum_g sc_g S_g.
 struct Q6_K {
   static constexpr int64_t kWeights = 256, kBytes = 210, kActBlock = 256;
-  template <int NT>
-  static void block(const uint8_t* b, const RowPtrs<NT>& rows, __m256* acc) {
-    const int8_t* scales = reinterpret_cast<const int8_t*>(b + 192);
+  static constexpr bool kSums = true;
+  template <class F>
+  static void decode(const uint8_t* b, KFloats& k, F&& f) {
     const __m256i m4 = _mm256_set1_epi8(15), m48 = _mm256_set1_epi8(48);
-    __m256i isum[NT];
-    for (int r = 0; r < NT; ++r) isum[r] = _mm256_setzero_si256();
+    k.sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 192)));
 #pragma GCC unroll 2
     for (int h = 0; h < 2; ++h) {
+      // scales 8h..8h + 7 as int16 on both lanes: group t of the half takes 8h + 2t low, 8h + 2t + 1 high
+      const __m256i half = _mm256_broadcastsi128_si256(h == 0 ? _mm256_castsi256_si128(k.sc16)
+                                                              : _mm256_extracti128_si256(k.sc16, 1));
       const __m256i l0 = load32(b + 64 * h), l1 = load32(b + 64 * h + 32), hb = load32(b + 128 + 32 * h);
-      const __m256i q[4] = {
-          _mm256_or_si256(_mm256_and_si256(l0, m4), _mm256_and_si256(_mm256_slli_epi16(hb, 4), m48)),
-          _mm256_or_si256(_mm256_and_si256(l1, m4), _mm256_and_si256(_mm256_slli_epi16(hb, 2), m48)),
-          _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), m4), _mm256_and_si256(hb, m48)),
-          _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4),
-                          _mm256_and_si256(_mm256_srli_epi16(hb, 2), m48))};
-      for (int t = 0; t < 4; ++t) {
-        const int g = 4 * h + t;  // weights 32g..32g + 31: scales 2g (first 16) and 2g + 1
-        const __m256i s = _mm256_set_m128i(_mm_set1_epi16(scales[2 * g + 1]), _mm_set1_epi16(scales[2 * g]));
-        for (int r = 0; r < NT; ++r) isum[r] = _mm256_add_epi32(isum[r], dot_bytes(q[t], load32(rows.q[r] + 32 * g), s));
-      }
+      f(4 * h, _mm256_or_si256(_mm256_and_si256(l0, m4), _mm256_and_si256(_mm256_slli_epi16(hb, 4), m48)),
+        _mm256_shuffle_epi8(half, mask_of(kScaleMasks.q6[0])));
+      f(4 * h + 1, _mm256_or_si256(_mm256_and_si256(l1, m4), _mm256_and_si256(_mm256_slli_epi16(hb, 2), m48)),
+        _mm256_shuffle_epi8(half, mask_of(kScaleMasks.q6[1])));
+      f(4 * h + 2, _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), m4), _mm256_and_si256(hb, m48)),
+        _mm256_shuffle_epi8(half, mask_of(kScaleMasks.q6[2])));
+      f(4 * h + 3,
+        _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4), _mm256_and_si256(_mm256_srli_epi16(hb, 2), m48)),
+        _mm256_shuffle_epi8(half, mask_of(kScaleMasks.q6[3])));
     }
-    const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(scales)));
-    const float d = f16(b + 208);
-    for (int r = 0; r < NT; ++r) {
-      const __m256i offset = _mm256_slli_epi32(_mm256_madd_epi16(load32(rows.sums[r]), sc16), 5);
-      acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(rows.step[r][0] * d),
-                               _mm256_cvtepi32_ps(_mm256_sub_epi32(isum[r], offset)), acc[r]);
-    }
+    k.d = f16(b + 208);
   }
 };
+
+// One (channel, row) pair's float step for a block: the same operations in the same order in every tile.
+template <class Type>
+inline __m256 k_accumulate(__m256 acc, __m256i isum, const KFloats& k, float step, const int16_t* sums,
+                           const float* sub_sum, const float* sub_error) {
+  if constexpr (Type::kSums) {
+    const __m256i offset = _mm256_slli_epi32(_mm256_madd_epi16(load32(sums), k.sc16), 5);
+    return _mm256_fmadd_ps(_mm256_set1_ps(step * k.d), _mm256_cvtepi32_ps(_mm256_sub_epi32(isum, offset)), acc);
+  } else {
+    acc = _mm256_fmadd_ps(_mm256_set1_ps(step * k.d), _mm256_cvtepi32_ps(isum), acc);
+    acc = _mm256_fmadd_ps(k.centred, _mm256_loadu_ps(sub_error), acc);
+    return _mm256_fnmadd_ps(k.minimum, _mm256_loadu_ps(sub_sum), acc);
+  }
+}
 
 // ---- tiles and work items
 
@@ -306,6 +336,72 @@ void run_item(const Problem& p, int64_t n_begin, int64_t n_end, int64_t t_begin,
   }
 }
 
+// The k-quants' tile: one output channel x NT rows over blocks [b0, b1) of the row, each block decoded once, group
+// by group straight into the NT rows' dots (codes, multipliers and the rows' integer sums all in registers), then
+// the block's float terms once for the NT rows; acc[r] carries row r's 8 float lanes from the previous span of
+// blocks. A (channel, row) pair runs the same integer and float operations in the same order (its blocks in
+// order) in every tile size and span, so a row's bits depend on neither T nor the tiling.
+template <class Type, int NT>
+__attribute__((noinline)) void k_tile(const Problem& p, int64_t n, int64_t t0, int64_t b0, int64_t b1, __m256* acc_io) {
+  const GgufMatmul& m = *p.m;
+  const Int8Rows& a = *p.rows;
+  const int64_t nb = m.K / Type::kWeights;
+  const uint8_t* w = m.w + n * m.row_bytes + b0 * Type::kBytes;
+  const int8_t* xq[NT];
+  const float* step[NT];
+  const int16_t* sums[NT];
+  const float *sub_sum[NT], *sub_error[NT];
+  __m256 acc[NT];
+  for (int r = 0; r < NT; ++r) {
+    const int64_t t = t0 + r;
+    xq[r] = a.q.data() + t * m.K;
+    step[r] = a.step.data() + t * nb;
+    sums[r] = Type::kSums ? a.sums.data() + t * (m.K / kSumGroup) : nullptr;
+    sub_sum[r] = Type::kSums ? nullptr : a.sub_sum.data() + t * (m.K / 32);
+    sub_error[r] = Type::kSums ? nullptr : a.sub_error.data() + t * (m.K / 32);
+    acc[r] = acc_io[r];
+  }
+  for (int64_t blk = b0; blk < b1; ++blk, w += Type::kBytes) {
+    KFloats k;
+    __m256i isum[NT];
+    for (int r = 0; r < NT; ++r) isum[r] = _mm256_setzero_si256();
+    Type::decode(w, k, [&](int g, __m256i q, __m256i s) {
+      for (int r = 0; r < NT; ++r)
+        isum[r] = _mm256_add_epi32(isum[r], dot_bytes(q, load32(xq[r] + blk * Type::kWeights + 32 * g), s));
+    });
+    for (int r = 0; r < NT; ++r)
+      acc[r] = k_accumulate<Type>(acc[r], isum[r], k, step[r][blk], sums[r] + blk * (Type::kWeights / kSumGroup),
+                                  sub_sum[r] + blk * (Type::kWeights / 32), sub_error[r] + blk * (Type::kWeights / 32));
+  }
+  for (int r = 0; r < NT; ++r) acc_io[r] = acc[r];
+}
+
+template <class Type, int NT>
+void k_pass_rows(const Problem& p, int64_t n, int64_t t0, int64_t rows, __m256* acc) {
+  if constexpr (NT > 1)
+    if (rows < NT) return k_pass_rows<Type, NT - 1>(p, n, t0, rows, acc);
+  k_tile<Type, NT>(p, n, t0, 0, p.m->K / Type::kWeights, acc);
+}
+
+// An item's rows in tiles of kKTileRows, or kTileRows where so many rows' int8 activations would not stay in L1
+// while a channel's row of blocks streams past them (K above kKTileRowsMaxK: 8 rows of 8192 are 64 KiB).
+template <class Type>
+void run_k_item(const Problem& p, int64_t n_begin, int64_t n_end, int64_t t_begin, int64_t t_end) {
+  static_assert(Type::kActBlock == Type::kWeights, "an activation block per weight block");
+  const GgufMatmul& m = *p.m;
+  const int64_t tile_rows = m.K <= kKTileRowsMaxK ? kKTileRows : kTileRows;
+  for (int64_t t = t_begin; t < t_end; t += tile_rows) {
+    const int64_t rows = std::min<int64_t>(tile_rows, t_end - t);
+    for (int64_t n = n_begin; n < n_end; ++n) {
+      __m256 acc[kKTileRows];
+      for (int r = 0; r < kKTileRows; ++r) acc[r] = _mm256_setzero_ps();
+      k_pass_rows<Type, kKTileRows>(p, n, t, rows, acc);
+      const float bias = m.bias ? m.bias[n] : 0.f;
+      for (int64_t r = 0; r < rows; ++r) m.y[(t + r) * m.N + n] = hsum(acc[r]) + bias;
+    }
+  }
+}
+
 using ItemFn = void (*)(const Problem&, int64_t, int64_t, int64_t, int64_t);
 
 struct Kernel {
@@ -318,9 +414,9 @@ Kernel kernel_of(int64_t ggml_type) {
   switch (ggml_type) {
     case 2: return {Q4_0::kActBlock, false, false, &run_item<Q4_0>};
     case 8: return {Q8_0::kActBlock, false, false, &run_item<Q8_0>};
-    case 12: return {Q4_K::kActBlock, false, true, &run_item<Q4_K>};
-    case 13: return {Q5_K::kActBlock, false, true, &run_item<Q5_K>};
-    default: return {Q6_K::kActBlock, true, false, &run_item<Q6_K>};  // 14: the caller validated the type
+    case 12: return {Q4_K::kActBlock, false, true, &run_k_item<Q4_K>};
+    case 13: return {Q5_K::kActBlock, false, true, &run_k_item<Q5_K>};
+    default: return {Q6_K::kActBlock, true, false, &run_k_item<Q6_K>};  // 14: the caller validated the type
   }
 }
 

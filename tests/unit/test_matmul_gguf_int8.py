@@ -105,6 +105,16 @@ def test_kernel_at_a_1b_shape_k(kind):
     _check(kind, rng.standard_normal((6, 2048)).astype(np.float32), w)
 
 
+@pytest.mark.parametrize("kind", [GgmlType.Q4_K, GgmlType.Q5_K, GgmlType.Q6_K], ids=lambda t: t.name)
+def test_kernel_past_the_8_row_tiles_k(kind):
+    """K = 4352 (17 blocks of 256): past 4096 a k-quant tile holds 4 rows, not 8; 11 rows are 4 + 4 + 3."""
+    rng = np.random.default_rng(12)
+    w = blocks_for(kind, 6, 17, seed=12)
+    x = rng.standard_normal((11, 17 * 256)).astype(np.float32)
+    y = _check(kind, x, w)
+    np.testing.assert_array_equal(y[9:10], run_kernel(w, kind, x[9:10]))
+
+
 @pytest.mark.parametrize("kind", TYPES, ids=lambda t: t.name)
 def test_a_row_has_the_same_bits_at_every_t_every_thread_count_and_rank_3(kind):
     rng = np.random.default_rng(5)
@@ -114,6 +124,22 @@ def test_a_row_has_the_same_bits_at_every_t_every_thread_count_and_rank_3(kind):
     assert batch.shape == (2, 9, 40)
     np.testing.assert_array_equal(batch[1, 4:5], run_kernel(w, kind, x[1, 4:5]))
     np.testing.assert_array_equal(batch, run_kernel(w, kind, x, threads=1))
+
+
+@pytest.mark.parametrize("kind", TYPES, ids=lambda t: t.name)
+def test_every_row_of_a_batch_has_the_bits_of_the_row_alone(kind):
+    """Decode (one row) against speculative verification (rows in tiles of 4 or 8, work items of 32 rows and their
+    remainders): the same bits for every row, in any tile and at any place in it."""
+    rng = np.random.default_rng(6)
+    w = blocks_for(kind, 21, 512 // FORMATS[kind].weights, seed=6)
+    x = rng.standard_normal((37, 512)).astype(np.float32)
+    x[:, 3] *= 20
+    s = session(make_single_op_model(w, kind, rng.standard_normal(21).astype(np.float32), rank=2,
+                                     int8_activations=True))
+    batch = s.run(None, {"x": x})[0]
+    alone = np.concatenate([s.run(None, {"x": x[t:t + 1]})[0] for t in range(len(x))])
+    np.testing.assert_array_equal(batch, alone)
+    np.testing.assert_array_equal(s.run(None, {"x": x[5:16]})[0], batch[5:16])  # tiles starting off the batch's
 
 
 def test_kernel_refuses_an_unknown_activation_mode():
