@@ -158,33 +158,34 @@ constexpr int kTileMax = 4;  // most blocks accumulate_rows4 takes at once
 
 // ---- four rows over keys that all of them see, scores interleaved: s[4 j + r] is row r's score of key j
 
-// s[4 j + r] = q[r] . K[j] for j < n: dot_rows<4, 2>'s loop, each key's 4 scores summed into one vector and
-// stored at once.
+// s[4 j + r] = q[r] . K[j] for j < n, three keys at a time: 12 accumulators share each q load (4 q loads per 12
+// FMAs; dot_rows<4, 2>'s 4 per 8 made q.k bound by its loads), each K vector converted once for the 4 rows, and
+// each key's 4 scores summed into one vector and stored at once. Then pairs, then a last key.
 template <typename T>
 inline void dot_rows4(const float* const* q, const T* K, int n, int64_t D, float* s, const Prefetch& pf) {
   const int64_t D8 = D & ~int64_t(7);
-  const int64_t pf_chunk = pf.chunk(n / 2);
+  const int64_t pf_chunk = pf.chunk(n / 3);
   int j = 0;
-  for (; j + 2 <= n; j += 2) {
-    pf.step(j / 2, pf_chunk);
+  for (; j + 3 <= n; j += 3) {
+    pf.step(j / 3, pf_chunk);
     const T* k0 = K + j * D;
-    __m256 a[4][2];
-    for (int r = 0; r < 4; ++r) a[r][0] = a[r][1] = _mm256_setzero_ps();
+    __m256 a[4][3];
+    for (int r = 0; r < 4; ++r) a[r][0] = a[r][1] = a[r][2] = _mm256_setzero_ps();
     for (int64_t d = 0; d < D8; d += 8) {
-      const __m256 k0v = load8(k0 + d), k1v = load8(k0 + D + d);
+      const __m256 k0v = load8(k0 + d), k1v = load8(k0 + D + d), k2v = load8(k0 + 2 * D + d);
       for (int r = 0; r < 4; ++r) {
         const __m256 qv = _mm256_loadu_ps(q[r] + d);
         a[r][0] = _mm256_fmadd_ps(qv, k0v, a[r][0]);
         a[r][1] = _mm256_fmadd_ps(qv, k1v, a[r][1]);
+        a[r][2] = _mm256_fmadd_ps(qv, k2v, a[r][2]);
       }
     }
-    _mm_storeu_ps(s + 4 * j, hsum4(a[0][0], a[1][0], a[2][0], a[3][0]));
-    _mm_storeu_ps(s + 4 * j + 4, hsum4(a[0][1], a[1][1], a[2][1], a[3][1]));
+    for (int i = 0; i < 3; ++i) _mm_storeu_ps(s + 4 * (j + i), hsum4(a[0][i], a[1][i], a[2][i], a[3][i]));
     if (D8 < D)
       for (int r = 0; r < 4; ++r)
-        for (int i = 0; i < 2; ++i) s[4 * (j + i) + r] += dot_tail(q[r], k0 + i * D, D8, D);
+        for (int i = 0; i < 3; ++i) s[4 * (j + i) + r] += dot_tail(q[r], k0 + i * D, D8, D);
   }
-  if (j < n) {
+  for (; j < n; ++j) {
     const T* k = K + j * D;
     __m256 a[4];
     for (int r = 0; r < 4; ++r) a[r] = _mm256_setzero_ps();
