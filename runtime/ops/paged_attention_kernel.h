@@ -112,8 +112,7 @@ struct ActiveRow {
 
 constexpr int kGroup = 4;  // most rows sharing each K and V load
 
-// Up to kGroup rows against one block slice K/V (float, row stride D): scores over the union of
-// their key ranges, each row masked to its own range, online softmax, then one blocked P.V.
+// q.k (dot_rows) and P.V (accumulate_rows) of nr <= kGroup rows, dispatched to their row counts.
 template <typename T>
 inline void dot_group(int nr, const float* const* qs, const T* K, int n, int64_t D, float* const* ss, const Prefetch& pf) {
   switch (nr) {
@@ -151,6 +150,8 @@ inline void softmax_update(RowState& row, float* s, int n, int64_t D, float soft
   row.l += exp_shift_sum(s, n, row.m);
 }
 
+// Up to kGroup rows against one block slice K/V (float, row stride D): scores over the union of
+// their key ranges, each row masked to its own range, online softmax, then one blocked P.V.
 template <typename T>
 inline void attend_group(RowState* st, const ActiveRow* act, int nr, const T* K, const T* V, int64_t D,
                          float* sbuf, int ld, float softcap, const Prefetch& next_k, const Prefetch& next_v) {
