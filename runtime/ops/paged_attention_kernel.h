@@ -23,6 +23,12 @@ constexpr int64_t kSerialWork = 1024 * 64;
 // Tiles are prefetched this many blocks ahead: a (block, head) tile is a few KB at a random place
 // in the pool, which the hardware prefetchers cannot anticipate (16 x 2048 decode: 4.8 -> 1.6 ms).
 constexpr int kPrefetchBlocks = 2;
+// Whole blocks that every row of an item sees entirely (all of a decode's, a prefill chunk's past) are attended
+// kTileBlocks at a time: q.k of the tile's blocks, one online-softmax update of each row over all their scores,
+// then P.V. The per-row softmax bookkeeping (max, rescale, sum), the calls and the accumulator loads and stores
+// of P.V are paid once per 64 positions instead of once per 16-position block. Their tiles are prefetched one
+// tile ahead.
+constexpr int kTileBlocks = kTileMax;
 
 struct WorkItem {
   int32_t seq, kv_head, q_begin, q_end;  // query tokens [q_begin, q_end) of the sequence
@@ -106,6 +112,44 @@ struct ActiveRow {
 
 constexpr int kGroup = 4;  // most rows sharing each K and V load
 
+// q.k (dot_rows) and P.V (accumulate_rows) of nr <= kGroup rows, dispatched to their row counts.
+template <typename T>
+inline void dot_group(int nr, const float* const* qs, const T* K, int n, int64_t D, float* const* ss, const Prefetch& pf) {
+  switch (nr) {
+    case 1: dot_rows<1, 4>(qs, K, n, D, ss, pf); break;
+    case 2: dot_rows<2, 4>(qs, K, n, D, ss, pf); break;
+    case 3: dot_rows<3, 4>(qs, K, n, D, ss, pf); break;
+    default: dot_rows<4, 2>(qs, K, n, D, ss, pf); break;
+  }
+}
+
+template <typename T>
+inline void accumulate_group(int nr, float* const* accs, const float* const* ps, const T* V, int n, int64_t D,
+                             const Prefetch& pf) {
+  switch (nr) {
+    case 1: accumulate_rows<1>(accs, ps, V, n, D, pf); break;
+    case 2: accumulate_rows<2>(accs, ps, V, n, D, pf); break;
+    case 3: accumulate_rows<3>(accs, ps, V, n, D, pf); break;
+    default: accumulate_rows<4>(accs, ps, V, n, D, pf); break;
+  }
+}
+
+// One row's online-softmax update with scores s[0, n) (soft-capped first when softcap > 0): the running max,
+// the accumulator and denominator rescaled when it grows, s[j] = exp(s[j] - m), the denominator summed.
+inline void softmax_update(RowState& row, float* s, int n, int64_t D, float softcap) {
+  if (softcap > 0.f) soft_cap(s, n, softcap);
+  const float mx = max_of(s, n);
+  if (mx > row.m) {
+    if (row.l > 0.f) {
+      const float corr = std::exp(row.m - mx);
+      row.l *= corr;
+      scale_row(row.acc, corr, D);
+    }
+    row.m = mx;
+  }
+  row.l += exp_shift_sum(s, n, row.m);
+}
+
 // Up to kGroup rows against one block slice K/V (float, row stride D): scores over the union of
 // their key ranges, each row masked to its own range, online softmax, then one blocked P.V.
 template <typename T>
@@ -118,45 +162,90 @@ inline void attend_group(RowState* st, const ActiveRow* act, int nr, const T* K,
   float* ss[kGroup];
   float* accs[kGroup];
   for (int r = 0; r < nr; ++r) qs[r] = st[act[r].row].q, ss[r] = sbuf + r * ld, accs[r] = st[act[r].row].acc;
-  switch (nr) {
-    case 1: dot_rows<1, 4>(qs, K + a * D, n, D, ss, next_k); break;
-    case 2: dot_rows<2, 4>(qs, K + a * D, n, D, ss, next_k); break;
-    case 3: dot_rows<3, 4>(qs, K + a * D, n, D, ss, next_k); break;
-    default: dot_rows<4, 2>(qs, K + a * D, n, D, ss, next_k); break;
-  }
+  dot_group(nr, qs, K + a * D, n, D, ss, next_k);
   for (int r = 0; r < nr; ++r) {
-    RowState& row = st[act[r].row];
     float* s = ss[r];
     const int lo = act[r].lo - a, hi = act[r].hi - a;
-    if (softcap > 0.f) soft_cap(s + lo, hi - lo, softcap);
-    const float mx = max_of(s + lo, hi - lo);
-    if (mx > row.m) {
-      if (row.l > 0.f) {
-        const float corr = std::exp(row.m - mx);
-        row.l *= corr;
-        scale_row(row.acc, corr, D);
-      }
-      row.m = mx;
-    }
-    row.l += exp_shift_sum(s + lo, hi - lo, row.m);
+    softmax_update(st[act[r].row], s + lo, hi - lo, D, softcap);
     if (lo > 0) std::fill(s, s + lo, 0.f);
     if (hi < n) std::fill(s + hi, s + n, 0.f);
   }
-  const float* const* ps = ss;
-  switch (nr) {
-    case 1: accumulate_rows<1>(accs, ps, V + a * D, n, D, next_v); break;
-    case 2: accumulate_rows<2>(accs, ps, V + a * D, n, D, next_v); break;
-    case 3: accumulate_rows<3>(accs, ps, V + a * D, n, D, next_v); break;
-    default: accumulate_rows<4>(accs, ps, V + a * D, n, D, next_v); break;
+  accumulate_group(nr, accs, ss, V + a * D, n, D, next_v);
+}
+
+// A tile's block that every row sees whole: its K and V rows, their count, and the tiles to prefetch meanwhile.
+template <typename T>
+struct TileBlock {
+  const T* K;
+  const T* V;
+  int n;
+  Prefetch next_k, next_v;
+};
+
+// Four rows (a G = 4 group, the most common) against a tile: attend_tile's steps on the interleaved scores
+// s[4 j + r] (attention_rows.h), whose per-row max, exp and sum run on all four rows' lanes at once.
+template <typename T>
+inline void attend_tile4(RowState* st, const TileBlock<T>* tb, int nb, int64_t D, float* s, float softcap,
+                         bool prefetch) {
+  const float* qs[4] = {st[0].q, st[1].q, st[2].q, st[3].q};
+  float* accs[4] = {st[0].acc, st[1].acc, st[2].acc, st[3].acc};
+  int total = 0;
+  for (int b = 0; b < nb; total += tb[b].n, ++b)
+    dot_rows4(qs, tb[b].K, tb[b].n, D, s + 4 * total, prefetch ? tb[b].next_k : Prefetch{});
+  if (softcap > 0.f) soft_cap(s, 4 * total, softcap);
+  alignas(16) float mx[4], l[4];
+  _mm_store_ps(mx, max_rows4(s, total));
+  for (int r = 0; r < 4; ++r) {
+    RowState& row = st[r];
+    if (mx[r] > row.m) {
+      if (row.l > 0.f) {
+        const float corr = std::exp(row.m - mx[r]);
+        row.l *= corr;
+        scale_row(row.acc, corr, D);
+      }
+      row.m = mx[r];
+    }
+  }
+  _mm_store_ps(l, exp_shift_sum4(s, total, _mm_setr_ps(st[0].m, st[1].m, st[2].m, st[3].m)));
+  for (int r = 0; r < 4; ++r) st[r].l += l[r];
+  const T* Vs[kTileBlocks];
+  int ns[kTileBlocks];
+  Prefetch pfs[kTileBlocks];
+  for (int b = 0; b < nb; ++b) Vs[b] = tb[b].V, ns[b] = tb[b].n, pfs[b] = prefetch ? tb[b].next_v : Prefetch{};
+  accumulate_rows4(accs, s, Vs, ns, nb, D, pfs);
+}
+
+// Rows st[row0, row0 + nr) (nr <= kGroup) against nb <= kTileBlocks blocks seen whole by every row: q.k of
+// each block into its columns of the rows' score buffers (row stride ld >= the tile's positions), one softmax
+// update over the tile, then P.V block by block.
+template <typename T>
+inline void attend_tile(RowState* st, int row0, int nr, const TileBlock<T>* tb, int nb, int64_t D, float* sbuf,
+                        int ld, float softcap, bool prefetch) {
+  if (nr == 4) return attend_tile4(st + row0, tb, nb, D, sbuf, softcap, prefetch);
+  const float* qs[kGroup] = {};
+  float* ss[kGroup] = {};
+  float* accs[kGroup] = {};
+  for (int r = 0; r < nr; ++r) qs[r] = st[row0 + r].q, accs[r] = st[row0 + r].acc;
+  int total = 0;
+  for (int b = 0; b < nb; total += tb[b].n, ++b) {
+    for (int r = 0; r < nr; ++r) ss[r] = sbuf + r * ld + total;
+    dot_group(nr, qs, tb[b].K, tb[b].n, D, ss, prefetch ? tb[b].next_k : Prefetch{});
+  }
+  for (int r = 0; r < nr; ++r) softmax_update(st[row0 + r], sbuf + r * ld, total, D, softcap);
+  total = 0;
+  for (int b = 0; b < nb; total += tb[b].n, ++b) {
+    for (int r = 0; r < nr; ++r) ss[r] = sbuf + r * ld + total;
+    accumulate_group(nr, accs, ss, tb[b].V, tb[b].n, D, prefetch ? tb[b].next_v : Prefetch{});
   }
 }
 
-// The tile `ahead` blocks past block blk of item w, read on: past w's last block, the next item's first ones
+// The tile `distance` blocks past block blk of item w, read on: past w's last block, the next item's first ones
 // (`next`, or nullptr). A decode item spans a few blocks, so without the next item's tiles its first
 // kPrefetchBlocks would always be demand misses: a step's other layers have evicted the pool by now.
 template <typename KvT>
-const KvT* tile_ahead(const Problem<KvT>& p, const WorkItem& w, const WorkItem* next, int64_t blk, int kv) {
-  const int64_t bs = p.block_size, ahead = blk + kPrefetchBlocks;
+const KvT* tile_ahead(const Problem<KvT>& p, const WorkItem& w, const WorkItem* next, int64_t blk, int kv,
+                      int64_t distance = kPrefetchBlocks) {
+  const int64_t bs = p.block_size, ahead = blk + distance;
   if (ahead * bs < w.ctx_end) return p.tile(w.seq, ahead, kv, w.kv_head);
   if (next == nullptr) return nullptr;
   const int64_t past = ahead - (w.ctx_end + bs - 1) / bs;  // blocks beyond w's last: 0, 1, ...
@@ -170,7 +259,7 @@ void run_item(const Problem<KvT>& p, const WorkItem& w, const WorkItem* next) {
   const int nq = w.q_end - w.q_begin;
   const int rows = nq * static_cast<int>(G);
   thread_local std::vector<float> scratch;
-  const size_t need = static_cast<size_t>(rows) * (2 * D) + kGroup * bs;
+  const size_t need = static_cast<size_t>(rows) * (2 * D) + kGroup * kTileBlocks * bs;
   if (scratch.size() < need) scratch.resize(need);
   float* qbuf = scratch.data();
   float* accbuf = qbuf + rows * D;
@@ -202,6 +291,18 @@ void run_item(const Problem<KvT>& p, const WorkItem& w, const WorkItem* next) {
   }
 
   const int64_t tile_bytes = bs * D * static_cast<int64_t>(sizeof(KvT));
+  const int ld = kTileBlocks * static_cast<int>(bs);  // score row stride
+  auto ahead = [&](int64_t blk, int kv, int64_t distance) {
+    const KvT* t = tile_ahead(p, w, next, blk, kv, distance);
+    return t ? Prefetch{reinterpret_cast<const char*>(t), tile_bytes} : Prefetch{};
+  };
+  TileBlock<KvT> tile[kTileBlocks];
+  int pending = 0;  // blocks seen whole by every row, not attended yet
+  auto flush = [&] {
+    for (int g = 0; g < rows && pending > 0; g += group)
+      attend_tile(st.data(), g, std::min(group, rows - g), tile, pending, D, scores, ld, p.softcap, g == 0);
+    pending = 0;
+  };
   for (int64_t blk = w.ctx_begin / bs; blk * bs < w.ctx_end; ++blk) {
     const int64_t base = blk * bs;
     const int j0 = static_cast<int>(std::max<int64_t>(w.ctx_begin, base) - base);
@@ -219,13 +320,21 @@ void run_item(const Problem<KvT>& p, const WorkItem& w, const WorkItem* next) {
     if (nact == 0) continue;
     const KvT* K = p.tile(w.seq, blk, 0, w.kv_head) + j0 * D;
     const KvT* V = p.tile(w.seq, blk, 1, w.kv_head) + j0 * D;
-    Prefetch next_k, next_v;  // the tiles kPrefetchBlocks ahead, fetched during this block's math
-    if (const KvT* t = tile_ahead(p, w, next, blk, 0)) next_k = Prefetch{reinterpret_cast<const char*>(t), tile_bytes};
-    if (const KvT* t = tile_ahead(p, w, next, blk, 1)) next_v = Prefetch{reinterpret_cast<const char*>(t), tile_bytes};
+    bool whole = nact == rows;  // every row sees all of [j0, j1)
+    for (int r = 0; whole && r < nact; ++r) whole = act[r].lo == 0 && act[r].hi == j1 - j0;
+    if (whole) {
+      tile[pending++] = TileBlock<KvT>{K, V, j1 - j0, ahead(blk, 0, kTileBlocks), ahead(blk, 1, kTileBlocks)};
+      if (pending == kTileBlocks) flush();
+      continue;
+    }
+    flush();
+    // the tiles kPrefetchBlocks ahead, fetched during this block's math
+    const Prefetch next_k = ahead(blk, 0, kPrefetchBlocks), next_v = ahead(blk, 1, kPrefetchBlocks);
     for (int g = 0; g < nact; g += group)
-      attend_group(st.data(), act.data() + g, std::min(group, nact - g), K, V, D, scores, static_cast<int>(bs), p.softcap,
+      attend_group(st.data(), act.data() + g, std::min(group, nact - g), K, V, D, scores, ld, p.softcap,
                    g == 0 ? next_k : Prefetch{}, g == 0 ? next_v : Prefetch{});
   }
+  flush();
 
   for (int i = 0; i < nq; ++i) {
     for (int64_t hh = 0; hh < G; ++hh) {

@@ -291,6 +291,19 @@ def test_kernel_group_of_four(head_dim, kv_dtype):
     check(out, pool, *reference(feeds, op))
 
 
+@pytest.mark.parametrize("kv_dtype", ["float32", "float16", "int8"])
+def test_kernel_group_of_four_tiles(kv_dtype):
+    """Blocks that every row sees whole are attended 4 at a time (one softmax update, interleaved scores): decodes
+    ending on a tile edge, one position past it, a whole block past it, and partial blocks of odd and even length
+    after 1 or 2 tiles; a chunk whose first tile is whole and whose later blocks are masked per token (the per-block
+    path after a flushed tile)."""
+    rng = np.random.default_rng(44)
+    op = op_case(8, 2, 64, 16, kv_dtype)
+    feeds = make_case(rng, [(63, 1), (64, 1), (79, 1), (100, 1), (150, 1), (70, 30)], op)
+    out, pool = session(op).run(None, feeds)
+    check(out, pool, *reference(feeds, op))
+
+
 @pytest.mark.parametrize("kv_dtype", ["float32", "float16"])
 def test_long_decode_is_the_same_on_any_thread_count(kv_dtype):
     """A long decode is split across context partitions planned from the machine, not the session's threads: one
