@@ -16,7 +16,7 @@ import onnx_ir as ir
 from kiln.contract import OP_DOMAIN
 from kiln.matmul_q4_1 import LAYOUT, OP_TYPE, RECORDS, Q4_1Weights
 
-from .quant.graph import initializer, prune
+from .quant.graph import initializer
 
 
 def pack_q4_1_records(model: ir.Model) -> int:
@@ -39,9 +39,10 @@ def pack_q4_1_records(model: ir.Model) -> int:
         node.replace_input_with(1, packed[key][0])
         node.replace_input_with(2, packed[key][1])
         node.attributes[LAYOUT] = ir.AttrString(LAYOUT, RECORDS)
+        for blocks in (qs, dm):  # dropped as soon as nothing reads them: the weights are never held twice
+            if blocks.is_initializer() and not blocks.uses():
+                del model.graph.initializers[blocks.name or ""]
         count += 1
-    if count:
-        prune(model)  # the blocks' initializers
     return count
 
 
