@@ -15,9 +15,12 @@ from pathlib import Path
 import onnx
 from q4_1_records_helpers import q4_1_nodes
 
-# ONNX Runtime's own session state (graph, kernels, allocator arenas, the int8 head its MatMulNBits packs) and the
-# tokenizer, above the weights.
-SLACK = 64 * 2**20
+# Above the weights: ONNX Runtime's session state (graph, kernels, allocator arenas, and the 27 MiB int8 head its
+# MatMulNBits packs, a copy), the tokenizer, a step's activations, and the file's pages the kernel maps around those a
+# step reads (fault-around). A second copy of the Q4_1 records (63 MiB) does not fit in it.
+SLACK = 96 * 2**20
+# Of that, anonymous: the session state, the packed head, the tokenizer and the activations (not the file's pages).
+ANONYMOUS_SLACK = 64 * 2**20
 
 _CHILD = """
 import json, sys
@@ -66,5 +69,5 @@ def test_loading_an_engine_maps_its_weights_once(smollm2_q4_1_engine: Path):
     assert q4_1_bytes > engine_bytes // 3  # SmolLM2's decoder linears: most of what a step reads
     assert mapped >= 0.9 * q4_1_bytes, f"the Q4_1 records are not read from the mapped file ({mapped / 2**20:.0f} MiB)"
     # the rest of the engine (the 8-bit embedding and head, which ONNX Runtime's kernels copy) and the runtime's own
-    assert anonymous < engine_bytes - q4_1_bytes + SLACK, \
+    assert anonymous < engine_bytes - q4_1_bytes + ANONYMOUS_SLACK, \
         f"{anonymous / 2**20:.0f} MiB anonymous: the Q4_1 records were copied out of the mapped file"
