@@ -49,9 +49,12 @@ OP_VERSION = 1
 # 7: the kiln.AllReduce op (kiln/all_reduce.py), which tensor-parallel engines' rank graphs use.
 # 8: kiln.PagedAttention's optional 11th input attend_until (Gemma 3's bidirectional image runs: an older
 #    library would ignore it and attend causally only, so engines that carry it need this one).
-OP_LIBRARY_ABI = 8
-# The oldest engine ABI this library still runs: ABIs 2 to 8 only added optional inputs, attributes,
-# a pool dtype and new ops, so ABI-1 to ABI-7 graphs (RoPE as graph ops, no SwiGLU) are unchanged and need no rebuild.
+# 9: kiln.MatMulQ4_1's layout attribute: "records" weights are the kernel's own 320-byte records, stored in the
+#    engine and read where ONNX Runtime maps them (kiln/matmul_q4_1.py); int4-q4_1 and gguf engines hold them.
+OP_LIBRARY_ABI = 9
+# The oldest engine ABI this library still runs: ABIs 2 to 9 only added optional inputs, attributes,
+# a pool dtype and new ops, so ABI-1 to ABI-8 graphs (RoPE as graph ops, no SwiGLU, Q4_1 blocks) are unchanged and
+# need no rebuild.
 OP_LIBRARY_MIN_ABI = 1
 
 INPUT_IDS = "input_ids"

@@ -39,12 +39,14 @@ from kiln.manifest import (
     Manifest,
     write_manifest,
 )
+from kiln.optimize._common import PAGE_BYTES
 from kiln.optimize.attach_attend_until import attach_attend_until
 from kiln.optimize.attach_image_inputs import attach_image_inputs
 from kiln.optimize.attach_medusa import MedusaGraphError, attach_hidden, attach_medusa
 from kiln.optimize.fuse_attention import AttentionConfig
 from kiln.optimize.lower_onnxruntime import lower_for_onnxruntime
 from kiln.optimize.medusa_draft import build_draft_graph, save_draft_graph
+from kiln.optimize.pack_q4_1_records import pack_q4_1_records
 from kiln.optimize.pipeline import optimize_model
 from kiln.optimize.quantize import QuantizationError, check_lm_head, int8_fallback, prepare_checkpoint, quantize_model
 from kiln.optimize.quantize import check_options as check_quantization
@@ -151,6 +153,7 @@ def build_engine(
                 except QuantizationError as exc:
                     raise BuildError(str(exc)) from exc
         with _stage(say, "write engine"):
+            say(f"  pack_q4_1_records: fired {pack_q4_1_records(model)}x")  # last: the kernel's layout, stored
             _save_graph(model, staging)
             try:
                 stages = split_into_stages(staging, spec, options.pipeline_stages, say)
@@ -456,13 +459,16 @@ def _move_into_place(staging: Path, out_dir: Path) -> None:
 
 
 def _save_graph(model: ir.Model, engine_dir: Path) -> None:
-    """model.onnx + its weights in model.onnx.data, with a bar over the tensors written."""
+    """model.onnx + its weights in model.onnx.data, each on a page boundary (ONNX Runtime maps them from the file, and
+    kernels that read their tensors in place, kiln.MatMulQ4_1's records, find them on whole cache lines), with a bar
+    over the tensors written."""
     with progress_bar("write engine", unit="tensor") as bar:
         def written(_tensor, info) -> None:
             bar.total = info.total
             bar.update(1)
 
-        ir.save(model, engine_dir / MODEL_FILE, external_data=DATA_FILE, callback=written)
+        ir.save(model, engine_dir / MODEL_FILE, external_data=DATA_FILE, callback=written, alignment=PAGE_BYTES,
+                align_threshold=0)
 
 
 def _write_tokenizer(checkpoint, out_dir: Path) -> None:

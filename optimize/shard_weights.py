@@ -1,10 +1,12 @@
 """The weights of a linear node of a finished graph, sliced for a tensor-parallel rank (shard_tensor_parallel.py).
 
 Two kinds of linear are split: a float32 `MatMul(x, W)` with W [K, N], and `kiln.MatMulQ4_1(x, qs, dm)`
-(kiln/matmul_q4_1.py: N output channels of Q4_1 blocks of 32 along K). Columns (output channels) are rows of qs
-and dm; an input range [k0, k1) must start and end on a block (multiples of 32), and is cut from the unpacked
-nibbles and repacked, since qs pairs blocks 2j and 2j + 1 in one byte. A rank's activations quantize per block of
-32 as the one graph's do, so a rank's partial sum is the one graph's sum over its blocks.
+(kiln/matmul_q4_1.py: N output channels of Q4_1 blocks of 32 along K, in blocks or in the kernel's records).
+Columns (output channels) are rows of blocks' qs and dm; an input range [k0, k1) must start and end on a block
+(multiples of 32), and is cut from the unpacked nibbles and repacked, since qs pairs blocks 2j and 2j + 1 in one
+byte. Records hold 16 channels a record, so both cuts unpack them and pack the slice as records again: a rank keeps
+its graph's layout. A rank's activations quantize per block of 32 as the one graph's do, so a rank's partial sum is
+the one graph's sum over its blocks.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import onnx
 from onnx import TensorProto, numpy_helper
 
 from kiln import contract
-from kiln.matmul_q4_1 import BLOCK, Q4_1Weights
+from kiln.matmul_q4_1 import BLOCK, BLOCKS, LAYOUT, Q4_1Weights
 from kiln.matmul_q4_1 import OP_TYPE as MATMUL_Q4_1
 from kiln.tensor_parallel import TensorParallelError
 
@@ -57,7 +59,10 @@ def column_slices(node: onnx.NodeProto, columns: np.ndarray, weights: WeightRead
     if node.op_type == "MatMul":
         return {node.input[1]: _float_matrix(weights, node.input[1])[:, columns]}
     qs, dm = node.input[1], node.input[2]
-    return {qs: weights.array(qs)[columns], dm: weights.array(dm)[columns]}
+    if _layout(node) == BLOCKS:
+        return {qs: weights.array(qs)[columns], dm: weights.array(dm)[columns]}
+    full = _q4_1_weights(node, weights)
+    return _q4_1_inputs(node, Q4_1Weights(full.q[columns], full.d[columns], full.m[columns]))
 
 
 def row_slices(node: onnx.NodeProto, rows: range, weights: WeightReader) -> dict[str, np.ndarray]:
@@ -67,11 +72,26 @@ def row_slices(node: onnx.NodeProto, rows: range, weights: WeightReader) -> dict
     if rows.start % BLOCK or rows.stop % BLOCK:
         raise TensorParallelError(f"{node.name or node.output[0]}'s input channels {rows.start}..{rows.stop - 1} do "
                                   f"not start and end on Q4_1 blocks of {BLOCK}")
-    full = Q4_1Weights.unpack(weights.array(node.input[1]), weights.array(node.input[2]))
+    full = _q4_1_weights(node, weights)
     first, end = rows.start // BLOCK, rows.stop // BLOCK
     part = Q4_1Weights(np.ascontiguousarray(full.q[:, rows.start:rows.stop]),
                        np.ascontiguousarray(full.d[:, first:end]), np.ascontiguousarray(full.m[:, first:end]))
-    qs, dm = part.pack()
+    return _q4_1_inputs(node, part)
+
+
+def _layout(node: onnx.NodeProto) -> str:
+    """A kiln.MatMulQ4_1's weight layout (blocks when the attribute is absent, as in engines before records)."""
+    found = next((a for a in node.attribute if a.name == LAYOUT), None)
+    return BLOCKS if found is None else found.s.decode()
+
+
+def _q4_1_weights(node: onnx.NodeProto, weights: WeightReader) -> Q4_1Weights:
+    return Q4_1Weights.unpack_as(_layout(node), weights.array(node.input[1]), weights.array(node.input[2]))
+
+
+def _q4_1_inputs(node: onnx.NodeProto, part: Q4_1Weights) -> dict[str, np.ndarray]:
+    """The node's (qs, dm) tensors holding `part`, in the node's layout."""
+    qs, dm = part.pack_as(_layout(node))
     return {node.input[1]: qs, node.input[2]: dm}
 
 

@@ -4,10 +4,11 @@
 // implementation, in kiln/matmul_q4_1.py; this file implements it, with the records, the activation quantizer and
 // the tile of q4_1_records.h (which kiln.MoE's Q4_1 experts share).
 //
-//   1. at session load, the constant weights are repacked once for this kernel (pack_weights): output
-//      channels in groups of 16, each block of 32 inputs of a group one 320-byte record (the group's
-//      nibbles four inputs a lane, then its 16 d and 16 m in float16). Weights that are not constant are
-//      repacked on every call;
+//   1. the weights as records: output channels in groups of 16, each block of 32 inputs of a group one 320-byte
+//      record (the group's nibbles four inputs a lane, then its 16 d and 16 m in float16). An engine stores them so
+//      (layout "records"): the kernel reads the tensor where ONNX Runtime has it, the engine file's mapped pages,
+//      with no copy. Weights in blocks (layout "blocks": older engines, graphs before the build's last step) are
+//      packed into records once, at session load, when constant (pack_weights), on every call otherwise;
 //   2. each activation row is quantized per block of 32 to int8 (step max|x| / 127, exact float sum and
 //      what int8 loses of it);
 //   3. work items (a chunk of channel groups x a chunk of rows) run on ONNX Runtime's intra-op thread pool;
@@ -158,14 +159,52 @@ PackedWeights pack_weights(const uint8_t* qs, const uint16_t* dm, const Shape& s
   return out;
 }
 
-// The op's contract on its weights' shapes (kiln/matmul_q4_1.py), for the constructor and for Compute's errors.
+// The op's contract on its weights' shapes in either layout (kiln/matmul_q4_1.py), for the constructor and for
+// Compute's errors.
+enum class Layout { kBlocks, kRecords };
+
 bool valid_dm(const std::vector<int64_t>& ds) { return ds.size() == 3 && ds[0] > 0 && ds[1] == 2 && ds[2] > 0; }
 std::vector<int64_t> qs_shape(const std::vector<int64_t>& ds) { return {ds[0], (ds[2] + 1) / 2, kPairBytes}; }
 
+Shape blocks_shape(const std::vector<int64_t>& qss, const std::vector<int64_t>& ds) {
+  if (!valid_dm(ds)) fail_q4("dm must be float16 [N, 2, nb] (rows d and m of each block), got " + shape_text(ds));
+  if (qss != qs_shape(ds))
+    fail_q4("qs must be uint8 [N, ceil(nb / 2), 32] = " + shape_text(qs_shape(ds)) + " for dm " + shape_text(ds) +
+            ", got " + shape_text(qss));
+  return Shape{ds[0], ds[2]};
+}
+
+Shape records_shape(const std::vector<int64_t>& qss, const std::vector<int64_t>& ds) {
+  if (ds.size() != 2 || ds[0] <= 0 || ds[1] != 0)
+    fail_q4("dm must be float16 [N, 0] with layout \"records\" (no numbers: its shape names N), got " +
+            shape_text(ds));
+  const Shape s{ds[0], qss.size() == 3 ? qss[1] : 0};
+  if (qss.size() != 3 || qss[0] != s.groups() || qss[1] <= 0 || qss[2] != kRecordBytes)
+    fail_q4("qs must be uint8 records [ceil(N / 16) = " + std::to_string(s.groups()) + ", nb, " +
+            std::to_string(kRecordBytes) + "] for dm " + shape_text(ds) + ", got " + shape_text(qss));
+  return s;
+}
+
+// The layout attribute; absent in engines of op-library ABI < 9, whose weights are blocks.
+Layout read_layout(const Ort::ConstKernelInfo& info) {
+  std::string layout;
+  try {
+    layout = info.GetAttribute<std::string>("layout");
+  } catch (const Ort::Exception&) {
+    return Layout::kBlocks;
+  }
+  if (layout == "blocks") return Layout::kBlocks;
+  if (layout == "records") return Layout::kRecords;
+  fail_q4("layout must be \"blocks\" or \"records\", got \"" + layout + "\"");
+}
+
 struct MatMulQ4_1 {
-  // Constant weights (every engine's) are repacked once, here; others on every call.
+  // Records are read in place on every call. Constant blocks (older engines) are packed once, here; others on every
+  // call.
   MatMulQ4_1(const OrtApi*, const OrtKernelInfo* info) {
     Ort::ConstKernelInfo kernel_info{info};
+    layout_ = read_layout(kernel_info);
+    if (layout_ == Layout::kRecords) return;
     int qs_constant = 0, dm_constant = 0;
     const Ort::ConstValue qs = kernel_info.GetTensorConstantInput(1, &qs_constant);
     const Ort::ConstValue dm = kernel_info.GetTensorConstantInput(2, &dm_constant);
@@ -202,13 +241,10 @@ struct MatMulQ4_1 {
     const std::vector<int64_t>& ds = dm.Shape();
     const std::vector<int64_t>& qss = qs.Shape();
     std::vector<int64_t> xs = x.Shape();
-    if (!valid_dm(ds)) fail_q4("dm must be float16 [N, 2, nb] (rows d and m of each block), got " + shape_text(ds));
-    const int64_t N = ds[0], nb = ds[2], K = nb * kBlock;
-    if (qss != qs_shape(ds))
-      fail_q4("qs must be uint8 [N, ceil(nb / 2), 32] = " + shape_text(qs_shape(ds)) + " for dm " + shape_text(ds) +
-              ", got " + shape_text(qss));
+    const Shape shape = layout_ == Layout::kRecords ? records_shape(qss, ds) : blocks_shape(qss, ds);
+    const int64_t N = shape.N, nb = shape.nb, K = nb * kBlock;
     if (xs.empty() || xs.back() != K)
-      fail_q4("x must be [..., K = " + std::to_string(K) + "] for dm " + shape_text(ds) + ", got " + shape_text(xs));
+      fail_q4("x must be [..., K = " + std::to_string(K) + "] for qs " + shape_text(qss) + ", got " + shape_text(xs));
     if (bias != nullptr && bias->Shape() != std::vector<int64_t>{N})
       fail_q4("bias must be [N = " + std::to_string(N) + "], got " + shape_text(bias->Shape()));
     const int64_t T = x.NumberOfElement() / K;
@@ -217,9 +253,9 @@ struct MatMulQ4_1 {
     if (T == 0) return;
 
     PackedWeights repacked;
-    const Shape shape{N, nb};
-    if (packed_.empty()) repacked = pack_weights(qs.Data(), reinterpret_cast<const uint16_t*>(dm.Data()), shape);
-    const uint8_t* w = packed_.empty() ? repacked.data() : packed_.data();
+    const bool pack_now = layout_ == Layout::kBlocks && packed_.empty();
+    if (pack_now) repacked = pack_weights(qs.Data(), reinterpret_cast<const uint16_t*>(dm.Data()), shape);
+    const uint8_t* w = layout_ == Layout::kRecords ? qs.Data() : pack_now ? repacked.data() : packed_.data();
 
     // Decode-sized rows reuse a scratch of the calling thread (allocations a call measured ~4% of a decode step:
     // docs/design.md, "kiln.MatMulQ4_1"); larger batches allocate their own, so the scratch stays
@@ -249,7 +285,8 @@ struct MatMulQ4_1 {
     parallel_for(ctx, static_cast<size_t>(channel_chunks * row_chunks), item);
   }
 
-  PackedWeights packed_;  // the constant weights' records; empty: repacked per call
+  Layout layout_ = Layout::kBlocks;
+  PackedWeights packed_;  // constant blocks' records; empty: records read in place, or blocks packed per call
 };
 
 }  // namespace

@@ -36,7 +36,7 @@
 
 namespace kiln {
 
-constexpr int kAbiVersion = 8;  // kiln.contract.OP_LIBRARY_ABI
+constexpr int kAbiVersion = 9;  // kiln.contract.OP_LIBRARY_ABI
 
 // ---------------------------------------------------------------- the op
 

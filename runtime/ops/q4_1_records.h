@@ -118,6 +118,8 @@ inline void quantize_row(const float* x, int64_t nb, int8_t* q, float* steps, fl
 }
 
 // ---- the dot: one vector of output channels (16 in zmm registers, 8 in ymm) against a row
+// Records are loaded unaligned: kiln.MatMulQ4_1 reads an engine's records where ONNX Runtime has the tensor (on a page
+// boundary when mapped from the engine file, anywhere for a graph input); on aligned data the loads cost the same.
 
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__) && defined(__AVX512BW__)
 // GCC 12's AVX-512 headers make their "undefined" operands with `__Y = __Y`, which -Wall reports at every
@@ -127,7 +129,7 @@ inline void quantize_row(const float* x, int64_t nb, int8_t* q, float* steps, fl
 constexpr int64_t kLanes = 16;
 using VI = __m512i;
 using VF = __m512;
-inline VI load_chunk(const uint8_t* p) { return _mm512_load_si512(p); }
+inline VI load_chunk(const uint8_t* p) { return _mm512_loadu_si512(p); }
 inline VI low_nibbles(VI raw) { return _mm512_and_si512(raw, _mm512_set1_epi8(0x0F)); }
 inline VI high_nibbles(VI raw) { return _mm512_and_si512(_mm512_srli_epi16(raw, 4), _mm512_set1_epi8(0x0F)); }
 // acc + per lane the dot of its 4 unsigned nibbles with the row's 4 int8 at x
@@ -143,7 +145,7 @@ inline VF zero_f() { return _mm512_setzero_ps(); }
 inline VF to_float(VI v) { return _mm512_cvtepi32_ps(v); }
 inline VF fmadd(VF a, VF b, VF c) { return _mm512_fmadd_ps(a, b, c); }
 inline VF broadcast(const float* p) { return _mm512_set1_ps(*p); }
-inline VF load_f16(const uint8_t* p) { return _mm512_cvtph_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(p))); }
+inline VF load_f16(const uint8_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
 inline void store_lanes(float* y, VF v, int64_t count) {
   if (count >= kLanes) _mm512_storeu_ps(y, v);
   else _mm512_mask_storeu_ps(y, static_cast<__mmask16>((1u << count) - 1), v);
@@ -156,7 +158,7 @@ inline VF load_lanes(const float* p, int64_t count) {
 constexpr int64_t kLanes = 8;
 using VI = __m256i;
 using VF = __m256;
-inline VI load_chunk(const uint8_t* p) { return _mm256_load_si256(reinterpret_cast<const __m256i*>(p)); }
+inline VI load_chunk(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
 inline VI low_nibbles(VI raw) { return _mm256_and_si256(raw, _mm256_set1_epi8(0x0F)); }
 inline VI high_nibbles(VI raw) { return _mm256_and_si256(_mm256_srli_epi16(raw, 4), _mm256_set1_epi8(0x0F)); }
 // Without vpdpbusd a block's dot stays in int16 pairs (maddubs) until block_sums folds them: a pair is at most
@@ -173,7 +175,7 @@ inline VF zero_f() { return _mm256_setzero_ps(); }
 inline VF to_float(VI v) { return _mm256_cvtepi32_ps(v); }
 inline VF fmadd(VF a, VF b, VF c) { return _mm256_fmadd_ps(a, b, c); }
 inline VF broadcast(const float* p) { return _mm256_broadcast_ss(p); }
-inline VF load_f16(const uint8_t* p) { return _mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(p))); }
+inline VF load_f16(const uint8_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
 inline void store_lanes(float* y, VF v, int64_t count) {
   if (count >= kLanes) return _mm256_storeu_ps(y, v);
   alignas(32) float tmp[kLanes];

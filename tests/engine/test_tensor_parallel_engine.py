@@ -13,6 +13,7 @@ import numpy as np
 import onnx
 import pytest
 from pipeline_helpers import staggered_greedy, step_logits
+from q4_1_records_helpers import assert_records_compute_the_blocks_logits, assert_records_on_pages
 
 from kiln.all_reduce import WORKSPACE_INPUT
 from kiln.manifest import BuildOptions, EngineLoadError, read_manifest
@@ -88,6 +89,14 @@ def test_q4_1_ranks_stay_within_the_schemes_own_noise(engines):
     fp32 = np.concatenate(step_logits(engines[1], PROMPTS))
     assert abs(ranks - q4).mean() < 0.1 * abs(q4 - fp32).mean()
     assert (ranks.argmax(-1) == q4.argmax(-1)).mean() >= 0.9
+
+
+def test_q4_1_engine_and_its_ranks_hold_records(engines, tmp_path):
+    """The int4-q4_1 build stores the kernel's records (the blocks' logits bit for bit), and its ranks' slices of
+    them are records again."""
+    assert_records_compute_the_blocks_logits(engines["q4"], tmp_path)
+    for rank in read_manifest(engines["q4-2"]).ranks:
+        assert_records_on_pages(engines["q4-2"] / rank.graph)
 
 
 def test_greedy_under_preemption_and_prefix_caching_is_token_identical(engines):

@@ -8,6 +8,7 @@ import pytest
 
 from kiln.matmul_q4_1 import (
     BLOCK,
+    RECORDS,
     Q4_1Weights,
     make_single_op_model,
     matmul_q4_1_ref,
@@ -178,3 +179,86 @@ def test_a_matrix_packed_on_several_threads_matches_the_reference():
     x, w = random_case(rng, 2, 4096, 16 * 416 + 5)
     y = session(make_single_op_model(w)).run(None, {"x": x})[0]
     np.testing.assert_allclose(y, matmul_q4_1_ref(x, *w.pack()), rtol=0, atol=2e-6 * scale_of(x, w))
+
+
+# ---- the records layout: what an engine stores, read by the kernel where it lies
+
+@pytest.mark.parametrize("n, k", [(1, 32), (16, 64), (17, 96), (35, 576), (48, 288)])
+def test_records_round_trip_in_the_documented_layout(n, k):
+    rng = np.random.default_rng(n + k)
+    w = quantize_q4_1(rng.standard_normal((n, k)).astype(np.float32))
+    qs, dm = w.pack_records()
+    groups, nb = -(-n // 16), k // BLOCK
+    assert qs.shape == (groups, nb, 320) and qs.dtype == np.uint8 and dm.shape == (n, 0) and dm.dtype == np.float16
+    back = Q4_1Weights.unpack_records(qs, dm)
+    for name in ("q", "d", "m"):
+        np.testing.assert_array_equal(getattr(back, name), getattr(w, name))
+    # record (g, b), chunk j, lane l, byte i: input 32b + 8j + i low, 32b + 8j + 4 + i high; then 16 d, 16 m
+    g, lane, b, j, i = groups - 1, (n - 1) % 16, nb - 1, 3, 2
+    c = 16 * g + lane
+    assert qs[g, b, 64 * j + 4 * lane + i] == w.q[c, 32 * b + 8 * j + i] | (w.q[c, 32 * b + 8 * j + 4 + i] << 4)
+    assert qs[g, b, 256 + 2 * lane:258 + 2 * lane].tobytes() == w.d[c, b].astype("<f2").tobytes()
+    assert qs[g, b, 288 + 2 * lane:290 + 2 * lane].tobytes() == w.m[c, b].astype("<f2").tobytes()
+    if n % 16:  # the ragged group's missing channels are zero bytes
+        lanes = qs[-1, :, :256].reshape(nb, 4, 16, 4)[:, :, n % 16:]
+        assert not lanes.any() and not qs[-1, :, 256:].view("<u2").reshape(nb, 2, 16)[:, :, n % 16:].any()
+
+
+def test_records_are_refused_in_a_wrong_shape():
+    w = quantize_q4_1(np.random.default_rng(0).standard_normal((17, 64)).astype(np.float32))
+    qs, dm = w.pack_records()
+    with pytest.raises(ValueError, match=r"qs must be uint8 \[2, nb, 320\] records for N = 17"):
+        Q4_1Weights.unpack_records(qs[:1], dm)
+    with pytest.raises(ValueError, match=r"dm must be float16 \[N, 0\]"):
+        Q4_1Weights.unpack_records(qs, np.zeros((17, 2, 2), np.float16))
+    with pytest.raises(ValueError, match="layout must be one of"):
+        matmul_q4_1_ref(np.zeros((1, 64), np.float32), qs, dm, layout="rows")
+
+
+def test_reference_on_records_is_the_reference_on_blocks():
+    rng = np.random.default_rng(3)
+    x, w = random_case(rng, 4, 160, 21)
+    np.testing.assert_array_equal(matmul_q4_1_ref(x, *w.pack_records(), layout=RECORDS), matmul_q4_1_ref(x, *w.pack()))
+
+
+# T = 1 (decode), 13 and 40 (more than one pass, more than one work item); N = 7 and 35 ragged, 48 whole groups
+@pytest.mark.parametrize("t, k, n", [(1, 96, 7), (1, 576, 35), (13, 288, 48), (40, 608, 35), (5, 32, 1),
+                                     (2, 4096, 16 * 416 + 5)])
+def test_kernel_on_records_is_bitwise_the_kernel_on_blocks(t, k, n):
+    """The kernel reading an engine's records computes the bits it computes from blocks it packs itself at load:
+    numpy's packing is the kernel's, byte for byte (a d/m swap, a lane or a nibble out of place would differ)."""
+    rng = np.random.default_rng(t + k + n)
+    x, w = random_case(rng, t, k, n)
+    bias = rng.standard_normal(n).astype(np.float32)
+    blocks = session(make_single_op_model(w, bias)).run(None, {"x": x})[0]
+    records = session(make_single_op_model(w, bias, layout=RECORDS)).run(None, {"x": x})[0]
+    np.testing.assert_array_equal(records, blocks)
+    np.testing.assert_allclose(records, matmul_q4_1_ref(x, *w.pack_records(), bias, layout=RECORDS), rtol=0,
+                               atol=2e-6 * scale_of(x, w))
+
+
+def test_records_that_are_graph_inputs_are_read_as_given():
+    rng = np.random.default_rng(11)
+    x, w = random_case(rng, 3, 96, 19)
+    model = make_single_op_model(w, layout=RECORDS)
+    init = next(i for i in model.graph.initializer if i.name == "qs")
+    model.graph.initializer.remove(init)
+    model.graph.input.append(helper.make_tensor_value_info("qs", TensorProto.UINT8, ["G", "nb", "R"]))
+    qs, _ = w.pack_records()
+    y = session(model).run(None, {"x": x, "qs": qs})[0]
+    np.testing.assert_array_equal(y, session(make_single_op_model(w)).run(None, {"x": x})[0])
+    with pytest.raises(Exception, match=r"kiln.MatMulQ4_1: qs must be uint8 records \[ceil\(N / 16\) = 2, nb, 320\]"):
+        session(model).run(None, {"x": x, "qs": qs[:, :, :256].copy()})
+
+
+def test_kernel_names_a_wrong_layout_or_records_shape():
+    rng = np.random.default_rng(12)
+    x, w = random_case(rng, 2, 64, 5)
+    model = make_single_op_model(w, layout=RECORDS)
+    model.graph.node[0].attribute[0].s = b"rows"
+    with pytest.raises(Exception, match=r"kiln.MatMulQ4_1: layout must be \"blocks\" or \"records\", got \"rows\""):
+        session(model)
+    model = make_single_op_model(w)  # blocks' dm under the records layout
+    model.graph.node[0].attribute.append(helper.make_attribute("layout", RECORDS))
+    with pytest.raises(Exception, match=r"kiln.MatMulQ4_1: dm must be float16 \[N, 0\] with layout \"records\""):
+        session(model).run(None, {"x": x})

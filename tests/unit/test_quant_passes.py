@@ -208,6 +208,28 @@ def test_q4_1_pass_runs_and_keeps_q4_1_weights():
     assert rel_err(run(model, IDS), fp32) < 0.02
 
 
+def test_q4_1_records_pass_stores_the_kernel_s_layout_and_keeps_the_logits_bit_for_bit():
+    """The build's last pass gives every kiln.MatMulQ4_1 (the int4 head too) its weights as the kernel's records:
+    the logits are the blocks' bit for bit, the blocks' initializers go, and a second run finds nothing to do."""
+    from kiln.matmul_q4_1 import RECORDS, Q4_1Weights
+    from kiln.optimize.pack_q4_1_records import pack_q4_1_records
+
+    model, w = tiny_graph()
+    assert quantize_q4_1_pass(model, int4_lm_head=True) == 3
+    blocks = run(model, IDS)
+    q4_1 = [n for n in model.graph if n.op_type == "MatMulQ4_1"]
+    down = Q4_1Weights.unpack(*(v.const_value.numpy() for v in q4_1[1].inputs[1:3]))
+    assert pack_q4_1_records(model) == 3
+    assert all(n.attributes["layout"].as_string() == RECORDS for n in q4_1)
+    records, channels = (v.const_value.numpy() for v in q4_1[1].inputs[1:3])
+    assert records.shape == (-(-H // 16), F // 32, 320) and channels.shape == (H, 0)
+    back = Q4_1Weights.unpack_records(records, channels)
+    assert np.array_equal(back.q, down.q) and np.array_equal(back.d, down.d) and np.array_equal(back.m, down.m)
+    assert not [name for name in model.graph.initializers if name.endswith((".qs", ".dm"))]
+    np.testing.assert_array_equal(run(model, IDS), blocks)
+    assert pack_q4_1_records(model) == 0
+
+
 def test_int4_lm_head_on_request():
     model, w = tiny_graph()
     assert quantize_int4(model, group_size=32, int4_lm_head=True) == 3

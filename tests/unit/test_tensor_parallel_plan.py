@@ -134,9 +134,11 @@ def test_a_rank_count_below_one_is_refused():
         RuntimeConfig(tensor_parallel=0)
 
 
-def test_q4_1_slices_sum_to_the_whole_matmul():
+@pytest.mark.parametrize("layout", ["blocks", "records"])
+def test_q4_1_slices_sum_to_the_whole_matmul(layout):
     """kiln.MatMulQ4_1 weights sliced by output channel and by whole input blocks: the ranks' outputs, concatenated
-    or summed, are the spec's for the whole weight (the same activation blocks quantize alike)."""
+    or summed, are the spec's for the whole weight (the same activation blocks quantize alike); records slices are
+    records again (16 channels a record: the columns below cut through groups)."""
     import numpy as np
     from onnx import helper, numpy_helper
 
@@ -148,19 +150,22 @@ def test_q4_1_slices_sum_to_the_whole_matmul():
     weights = Q4_1Weights(rng.integers(0, 16, (n, k), dtype=np.uint8),
                           (rng.random((n, k // 32)) * 0.1 + 0.01).astype(np.float16),
                           (rng.standard_normal((n, k // 32)) * 0.1).astype(np.float16))
-    qs, dm = weights.pack()
-    node = helper.make_node("MatMulQ4_1", ["x", "qs", "dm"], ["y"], domain="kiln")
+    qs, dm = weights.pack_as(layout)
+    attributes = {"layout": layout} if layout == "records" else {}
+    node = helper.make_node("MatMulQ4_1", ["x", "qs", "dm"], ["y"], domain="kiln", **attributes)
     graph = helper.make_graph([node], "g", [], [], initializer=[numpy_helper.from_array(qs, "qs"),
                                                                 numpy_helper.from_array(dm, "dm")])
     reader = WeightReader(graph, Path("."))
     x = rng.standard_normal((3, k)).astype(np.float32)
-    whole = matmul_q4_1_ref(x, qs, dm)
+    whole = matmul_q4_1_ref(x, qs, dm, layout=layout)
     parts = [row_slices(node, range(a, b), reader) for a, b in ((0, 32), (32, 96), (96, 160))]
-    summed = sum(matmul_q4_1_ref(x[:, a:b], p["qs"], p["dm"])
+    summed = sum(matmul_q4_1_ref(x[:, a:b], p["qs"], p["dm"], layout=layout)
                  for (a, b), p in zip(((0, 32), (32, 96), (96, 160)), parts, strict=True))
     np.testing.assert_allclose(summed, whole, rtol=0, atol=1e-5)
-    columns = np.array([5, 6, 40, 1])
+    columns = np.array([5, 6, 40, 1, 17])
     part = column_slices(node, columns, reader)
-    np.testing.assert_array_equal(matmul_q4_1_ref(x, part["qs"], part["dm"]), whole[:, columns])
+    if layout == "records":
+        assert part["qs"].shape == (1, 5, 320) and part["dm"].shape == (5, 0)
+    np.testing.assert_array_equal(matmul_q4_1_ref(x, part["qs"], part["dm"], layout=layout), whole[:, columns])
     with pytest.raises(TensorParallelError, match="do not start and end on Q4_1 blocks of 32"):
         row_slices(node, range(16, 64), reader)

@@ -1,0 +1,51 @@
+"""Pass (the build's last on the graph): kiln.MatMulQ4_1 weights from blocks to the kernel's records.
+
+Every kiln.MatMulQ4_1 whose qs and dm are initializers in blocks gets them as records (kiln/matmul_q4_1.py, layout
+"records": qs [ceil(N / 16), nb, 320], dm [N, 0]). The engine writer puts them on page boundaries, ONNX Runtime maps
+them from the engine file, and the kernel reads them there: nothing is packed or copied at load, the weights' memory
+is the file's page cache (shared by every server of the engine on a machine, kept across restarts).
+
+It runs after every pass that reads or writes Q4_1 blocks (quantization, the rescored head); the splits that follow
+take records as they are (pipeline stages) or cut and repack them (tensor-parallel ranks: optimize/shard_weights.py).
+"""
+
+from __future__ import annotations
+
+import onnx_ir as ir
+
+from kiln.contract import OP_DOMAIN
+from kiln.matmul_q4_1 import LAYOUT, OP_TYPE, RECORDS, Q4_1Weights
+
+from .quant.graph import initializer
+
+
+def pack_q4_1_records(model: ir.Model) -> int:
+    """Rewrite every kiln.MatMulQ4_1 with constant blocks in place; returns how many nodes it rewrote."""
+    packed: dict[tuple[str, str], tuple[ir.Value, ir.Value]] = {}  # a weight several nodes read is packed once
+    count = 0
+    for node in model.graph:
+        if node.op_type != OP_TYPE or node.domain != OP_DOMAIN or _layout(node) == RECORDS:
+            continue
+        qs, dm = node.inputs[1], node.inputs[2]
+        if qs is None or dm is None or qs.const_value is None or dm.const_value is None:
+            continue  # weights computed in the graph stay blocks, which the kernel packs per call
+        key = (qs.name or "", dm.name or "")
+        if key not in packed:
+            weights = Q4_1Weights.unpack(qs.const_value.numpy(), dm.const_value.numpy())
+            records, channels = weights.pack_records()
+            stem = key[0].removesuffix(".qs")
+            packed[key] = (initializer(model, f"{stem}.records", records),
+                           initializer(model, f"{stem}.channels", channels))
+        node.replace_input_with(1, packed[key][0])
+        node.replace_input_with(2, packed[key][1])
+        node.attributes[LAYOUT] = ir.AttrString(LAYOUT, RECORDS)
+        for blocks in (qs, dm):  # dropped as soon as nothing reads them: the weights are never held twice
+            if blocks.is_initializer() and not blocks.uses():
+                del model.graph.initializers[blocks.name or ""]
+        count += 1
+    return count
+
+
+def _layout(node: ir.Node) -> str | None:
+    attribute = node.attributes.get(LAYOUT)
+    return None if attribute is None else attribute.as_string()
