@@ -92,7 +92,7 @@ def test_build_options_dict_round_trip():
     data = options.to_dict()
     assert data == {"quantization": "int4-awq-g64", "kv_dtype": "int8", "block_size": 8, "max_seq_len": 256,
                     "max_num_tokens": 64, "calibration": "calib/awq", "lm_head": "int4", "medusa": "heads/smollm2",
-                    "pipeline_stages": 2, "tensor_parallel": 1, "vision_quantization": "int8"}
+                    "pipeline_stages": 2, "vision_quantization": "int8"}  # one rank: tensor_parallel unwritten
     assert BuildOptions.from_dict(data) == options
     assert BuildOptions().to_dict()["calibration"] is None and BuildOptions().to_dict()["medusa"] is None
     assert BuildOptions().kv_dtype == "float16"  # the default: fp32's perplexity, half the KV bytes
