@@ -7,6 +7,11 @@ KilnError; anything else reaching the CLI or the server is a bug and keeps its t
 
 from __future__ import annotations
 
+from enum import Enum
+from typing import TypeVar
+
+E = TypeVar("E", bound=Enum)
+
 
 class KilnError(Exception):
     """An error whose message is one sentence saying what is wrong and, where it can, what to do."""
@@ -24,6 +29,15 @@ def require(ok: bool, param: str, rule: str, value: object) -> None:
     """Raise InvalidParamError("{param} must be {rule}, got {value!r}") unless ok."""
     if not ok:
         raise InvalidParamError(f"{param} must be {rule}, got {value!r}", param)
+
+
+def parse_choice(kind: type[E], name: str, what: str, param: str) -> E:
+    """kind's member whose value is name, or InvalidParamError("unknown {what} ...; choose one of [...]")."""
+    try:
+        return kind(name)
+    except ValueError:
+        choices = [member.value for member in kind]
+        raise InvalidParamError(f"unknown {what} {name!r}; choose one of {choices}", param) from None
 
 
 class RequestFailedError(RuntimeError):

@@ -24,7 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import Enum
 
-from kiln.errors import InvalidParamError, require
+from kiln.errors import InvalidParamError, parse_choice, require
 
 
 class QuantMethod(Enum):
@@ -69,11 +69,7 @@ class LmHead(Enum):
 
     @classmethod
     def parse(cls, name: str) -> LmHead:
-        try:
-            return cls(name)
-        except ValueError:
-            choices = [head.value for head in cls]
-            raise InvalidParamError(f"unknown LM head precision {name!r}; choose one of {choices}", "lm_head") from None
+        return parse_choice(cls, name, "LM head precision", "lm_head")
 
 
 INT4_GROUP_SIZES = (32, 64, 128)

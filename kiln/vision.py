@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
-from kiln.errors import InvalidParamError
+from kiln.errors import parse_choice
 
 ENCODER_GRAPH = "vision.onnx"
 PREPROCESSOR_CONFIG = "preprocessor_config.json"
@@ -66,12 +66,7 @@ class EncoderQuantization(Enum):
 
     @classmethod
     def parse(cls, name: str) -> EncoderQuantization:
-        try:
-            return cls(name)
-        except ValueError:
-            choices = [scheme.value for scheme in cls]
-            raise InvalidParamError(f"unknown vision encoder quantization {name!r}; choose one of {choices}",
-                                    "vision_quantization") from None
+        return parse_choice(cls, name, "vision encoder quantization", "vision_quantization")
 
 
 @dataclass(frozen=True)
