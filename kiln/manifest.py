@@ -81,9 +81,10 @@ class BuildOptions:
             "max_seq_len": self.max_seq_len, "max_num_tokens": self.max_num_tokens,
             "calibration": None if self.calibration is None else str(self.calibration),
             "lm_head": self.lm_head.value, "medusa": None if self.medusa is None else str(self.medusa)}
-        optional = {"pipeline_stages": (self.pipeline_stages, 1), "tensor_parallel": (self.tensor_parallel, 1),
-                    "vision_quantization": (self.vision_quantization.value, EncoderQuantization.FLOAT32.value)}
-        data.update({name: value for name, (value, absent) in optional.items() if value != absent})
+        defaults = {declared.name: declared.default for declared in dataclasses.fields(self)}
+        for name in ("pipeline_stages", "tensor_parallel", "vision_quantization"):
+            if (value := getattr(self, name)) != defaults[name]:
+                data[name] = value.value if isinstance(value, EncoderQuantization) else value
         return data
 
     @classmethod
