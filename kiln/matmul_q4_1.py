@@ -53,7 +53,7 @@ import numpy as np
 from kiln.contract import OP_DOMAIN
 
 if TYPE_CHECKING:
-    from onnx import ModelProto
+    from onnx import ModelProto, NodeProto
 
 OP_TYPE = "MatMulQ4_1"
 LAYOUT = "layout"  # the attribute naming the weights' layout
@@ -157,6 +157,13 @@ class Q4_1Weights:
     def unpack_as(cls, layout: str, qs: np.ndarray, dm: np.ndarray) -> Q4_1Weights:
         """The weights of the op's (qs, dm) in `layout`."""
         return cls.unpack_records(qs, dm) if check_layout(layout) == RECORDS else cls.unpack(qs, dm)
+
+
+def node_layout(node: NodeProto) -> str:
+    """A saved graph's kiln.MatMulQ4_1 node's weight layout: blocks when the attribute is absent (engines before
+    records)."""
+    found = next((a for a in node.attribute if a.name == LAYOUT), None)
+    return BLOCKS if found is None else found.s.decode()
 
 
 def check_layout(layout: str) -> str:

@@ -7,16 +7,22 @@ is the file's page cache (shared by every server of the engine on a machine, kep
 
 It runs after every pass that reads or writes Q4_1 blocks (quantization, the rescored head); the splits that follow
 take records as they are (pipeline stages) or cut and repack them (tensor-parallel ranks: optimize/shard_weights.py).
+`unpack_q4_1_records` is the inverse on a saved graph, for measuring and testing against blocks.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import onnx
 import onnx_ir as ir
+from onnx import numpy_helper
 
 from kiln.contract import OP_DOMAIN
-from kiln.matmul_q4_1 import LAYOUT, OP_TYPE, RECORDS, Q4_1Weights
+from kiln.matmul_q4_1 import LAYOUT, OP_TYPE, RECORDS, Q4_1Weights, node_layout
 
 from .quant.graph import initializer
+from .shard_weights import WeightReader
 
 
 def pack_q4_1_records(model: ir.Model) -> int:
@@ -49,3 +55,19 @@ def pack_q4_1_records(model: ir.Model) -> int:
 def _layout(node: ir.Node) -> str | None:
     attribute = node.attributes.get(LAYOUT)
     return None if attribute is None else attribute.as_string()
+
+
+def unpack_q4_1_records(graph: onnx.GraphProto, source_dir: Path) -> int:
+    """Rewrite a saved graph's kiln.MatMulQ4_1 records (external data under source_dir) as in-graph blocks, the
+    layout engines held before records; returns how many nodes it rewrote."""
+    reader = WeightReader(graph, source_dir)
+    blocks = {}
+    nodes = [n for n in graph.node if n.op_type == OP_TYPE and n.domain == OP_DOMAIN and node_layout(n) == RECORDS]
+    for node in nodes:
+        weights = Q4_1Weights.unpack_records(reader.array(node.input[1]), reader.array(node.input[2]))
+        blocks[node.input[1]], blocks[node.input[2]] = weights.pack()
+        node.attribute.remove(next(a for a in node.attribute if a.name == LAYOUT))
+    for tensor in graph.initializer:
+        if tensor.name in blocks:
+            tensor.CopyFrom(numpy_helper.from_array(blocks.pop(tensor.name), tensor.name))
+    return len(nodes)

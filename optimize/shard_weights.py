@@ -18,7 +18,7 @@ import onnx
 from onnx import TensorProto, numpy_helper
 
 from kiln import contract
-from kiln.matmul_q4_1 import BLOCK, BLOCKS, LAYOUT, Q4_1Weights
+from kiln.matmul_q4_1 import BLOCK, BLOCKS, Q4_1Weights, node_layout
 from kiln.matmul_q4_1 import OP_TYPE as MATMUL_Q4_1
 from kiln.tensor_parallel import TensorParallelError
 
@@ -59,7 +59,7 @@ def column_slices(node: onnx.NodeProto, columns: np.ndarray, weights: WeightRead
     if node.op_type == "MatMul":
         return {node.input[1]: _float_matrix(weights, node.input[1])[:, columns]}
     qs, dm = node.input[1], node.input[2]
-    if _layout(node) == BLOCKS:
+    if node_layout(node) == BLOCKS:
         return {qs: weights.array(qs)[columns], dm: weights.array(dm)[columns]}
     full = _q4_1_weights(node, weights)
     return _q4_1_inputs(node, Q4_1Weights(full.q[columns], full.d[columns], full.m[columns]))
@@ -79,19 +79,13 @@ def row_slices(node: onnx.NodeProto, rows: range, weights: WeightReader) -> dict
     return _q4_1_inputs(node, part)
 
 
-def _layout(node: onnx.NodeProto) -> str:
-    """A kiln.MatMulQ4_1's weight layout (blocks when the attribute is absent, as in engines before records)."""
-    found = next((a for a in node.attribute if a.name == LAYOUT), None)
-    return BLOCKS if found is None else found.s.decode()
-
-
 def _q4_1_weights(node: onnx.NodeProto, weights: WeightReader) -> Q4_1Weights:
-    return Q4_1Weights.unpack_as(_layout(node), weights.array(node.input[1]), weights.array(node.input[2]))
+    return Q4_1Weights.unpack_as(node_layout(node), weights.array(node.input[1]), weights.array(node.input[2]))
 
 
 def _q4_1_inputs(node: onnx.NodeProto, part: Q4_1Weights) -> dict[str, np.ndarray]:
     """The node's (qs, dm) tensors holding `part`, in the node's layout."""
-    qs, dm = part.pack_as(_layout(node))
+    qs, dm = part.pack_as(node_layout(node))
     return {node.input[1]: qs, node.input[2]: dm}
 
 

@@ -8,11 +8,10 @@ from pathlib import Path
 
 import numpy as np
 import onnx
-from onnx import numpy_helper
 
-from kiln.matmul_q4_1 import BLOCKS, LAYOUT, OP_TYPE, RECORDS, Q4_1Weights
+from kiln.matmul_q4_1 import OP_TYPE, RECORDS, node_layout
 from kiln.optimize._common import PAGE_BYTES, write_weights
-from kiln.optimize.shard_weights import WeightReader
+from kiln.optimize.pack_q4_1_records import unpack_q4_1_records
 
 PROMPT = list(range(3, 43))
 
@@ -21,16 +20,11 @@ def q4_1_nodes(graph: onnx.GraphProto) -> list[onnx.NodeProto]:
     return [n for n in graph.node if n.op_type == OP_TYPE and n.domain == "kiln"]
 
 
-def layout(node: onnx.NodeProto) -> str:
-    found = [a.s.decode() for a in node.attribute if a.name == LAYOUT]
-    return found[0] if found else BLOCKS
-
-
 def assert_records_on_pages(graph_path: Path) -> None:
     """Every kiln.MatMulQ4_1 of the graph reads records, each starting on a page of the data file."""
     graph = onnx.load(str(graph_path), load_external_data=False).graph
     nodes = q4_1_nodes(graph)
-    assert nodes and all(layout(n) == RECORDS for n in nodes)
+    assert nodes and all(node_layout(n) == RECORDS for n in nodes)
     offsets = {t.name: int(next(e.value for e in t.external_data if e.key == "offset"))
                for t in graph.initializer if t.data_location == onnx.TensorProto.EXTERNAL}
     assert all(offsets[n.input[1]] % PAGE_BYTES == 0 for n in nodes)
@@ -39,15 +33,7 @@ def assert_records_on_pages(graph_path: Path) -> None:
 def blocks_copy(graph_path: Path, out: Path) -> Path:
     """The graph with every kiln.MatMulQ4_1's records unpacked into blocks, written with its own data file into out."""
     model = onnx.load(str(graph_path), load_external_data=False)
-    reader = WeightReader(model.graph, graph_path.parent)
-    arrays = {}
-    for node in q4_1_nodes(model.graph):
-        weights = Q4_1Weights.unpack_records(reader.array(node.input[1]), reader.array(node.input[2]))
-        arrays[node.input[1]], arrays[node.input[2]] = weights.pack()
-        node.attribute.remove(next(a for a in node.attribute if a.name == LAYOUT))
-    for tensor in model.graph.initializer:
-        if tensor.name in arrays:
-            tensor.CopyFrom(numpy_helper.from_array(arrays[tensor.name], tensor.name))
+    unpack_q4_1_records(model.graph, graph_path.parent)
     out.mkdir()
     write_weights(model.graph, graph_path.parent, out / "model.onnx.data", "model.onnx.data", inline_limit=1024)
     onnx.save(model, str(out / "model.onnx"))

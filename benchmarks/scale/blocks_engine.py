@@ -16,31 +16,13 @@ import shutil
 from pathlib import Path
 
 import onnx
-from onnx import numpy_helper
 
 from kiln.manifest import MANIFEST_NAME, read_manifest, write_manifest
-from kiln.matmul_q4_1 import LAYOUT, OP_TYPE, RECORDS, Q4_1Weights
 from kiln.optimize._common import write_weights
-from kiln.optimize.shard_weights import WeightReader
+from kiln.optimize.pack_q4_1_records import unpack_q4_1_records
 
 BLOCKS_ABI = 8
 GRAPH, DATA = "model.onnx", "model.onnx.data"
-
-
-def unpack_records(graph: onnx.GraphProto, source_dir: Path) -> int:
-    """Rewrite graph's kiln.MatMulQ4_1 records as in-graph blocks (write_weights moves them out); how many nodes."""
-    reader = WeightReader(graph, source_dir)
-    blocks = {}
-    nodes = [n for n in graph.node if n.op_type == OP_TYPE and any(a.name == LAYOUT and a.s.decode() == RECORDS
-                                                                    for a in n.attribute)]
-    for node in nodes:
-        weights = Q4_1Weights.unpack_records(reader.array(node.input[1]), reader.array(node.input[2]))
-        blocks[node.input[1]], blocks[node.input[2]] = weights.pack()
-        node.attribute.remove(next(a for a in node.attribute if a.name == LAYOUT))
-    for tensor in graph.initializer:
-        if tensor.name in blocks:
-            tensor.CopyFrom(numpy_helper.from_array(blocks.pop(tensor.name), tensor.name))
-    return len(nodes)
 
 
 def main() -> None:
@@ -56,7 +38,7 @@ def main() -> None:
         if path.is_file() and path.name not in (GRAPH, DATA, MANIFEST_NAME):
             shutil.copy2(path, args.out / path.name)
     model = onnx.load(str(args.engine / GRAPH), load_external_data=False)
-    count = unpack_records(model.graph, args.engine)
+    count = unpack_q4_1_records(model.graph, args.engine)
     write_weights(model.graph, args.engine, args.out / DATA, DATA, inline_limit=1024)
     onnx.save(model, str(args.out / GRAPH))
     write_manifest(args.out, dataclasses.replace(manifest, op_library_abi=BLOCKS_ABI))
