@@ -32,18 +32,21 @@ import torch
 from .checkpoint_types import LazyWeights, weight_shape
 from .tensor_files import FileBlocks
 
+# Matrices of at most this many elements enter the export holding their numbers: the exporter's optimizer compares
+# tensors this small by value (onnxscript's DeduplicateInitializersPass, size_limit 1024; a unit test holds this
+# bound to theirs).
+FILLED_AT_MOST = 1024
+
 
 @dataclass(frozen=True)
 class _Placeholder:
     name: str  # the checkpoint weight it stands for
     tensor: torch.Tensor
-    filled: bool  # holds the weight's numbers (a small matrix), not uninitialised memory
 
-
-# Matrices of at most this many elements enter the export holding their numbers: the exporter's optimizer compares
-# tensors this small by value (onnxscript's DeduplicateInitializersPass, size_limit 1024; a unit test holds this
-# bound to theirs).
-FILLED_AT_MOST = 1024
+    @property
+    def filled(self) -> bool:
+        """Holds the weight's numbers (a small matrix), not uninitialised memory."""
+        return self.tensor.numel() <= FILLED_AT_MOST
 
 
 def placeholder_weights(weights: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], list[_Placeholder]]:
@@ -53,11 +56,10 @@ def placeholder_weights(weights: Mapping[str, torch.Tensor]) -> tuple[dict[str, 
     for name in weights:
         shape = weight_shape(weights, name)
         if len(shape) >= 2 and min(shape) > 1:  # a [1, D] row (Qwen2-MoE's shared expert gate) is a vector
-            filled = math.prod(shape) <= FILLED_AT_MOST
-            # a copy: its own memory, which only the export's views of it share
-            tensor = (weights[name].to(torch.float32, copy=True).contiguous() if filled
+            # a small one is a copy: its own memory, which only the export's views of it share
+            tensor = (weights[name].to(torch.float32, copy=True).contiguous() if math.prod(shape) <= FILLED_AT_MOST
                       else torch.empty(shape, dtype=torch.float32))
-            placeholders.append(_Placeholder(name, tensor, filled))
+            placeholders.append(_Placeholder(name, tensor))
             state[name] = tensor
         else:
             state[name] = weights[name]
