@@ -27,7 +27,7 @@ SMOLLM2_VOCAB = 49152
 
 @dataclass(frozen=True)
 class Shape:
-    family: str  # llama | qwen2
+    family: str  # llama | qwen2 | olmoe
     hidden: int
     layers: int
     heads: int
@@ -37,6 +37,8 @@ class Shape:
     rope_theta: float
     llama3_rope: float | None = None  # Llama 3's rope scaling factor (original context 8192)
     vocab: int = SMOLLM2_VOCAB
+    experts: int = 0  # olmoe: experts per layer, each of width ffn
+    top_k: int = 0  # olmoe: experts per token
 
     @property
     def head_dim(self) -> int:
@@ -49,9 +51,17 @@ class Shape:
             p = f"model.layers.{i}."
             shapes.update({p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
                            p + "self_attn.q_proj.weight": (q, h), p + "self_attn.k_proj.weight": (kv, h),
-                           p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, q),
-                           p + "mlp.gate_proj.weight": (self.ffn, h), p + "mlp.up_proj.weight": (self.ffn, h),
-                           p + "mlp.down_proj.weight": (h, self.ffn)})
+                           p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, q)})
+            if self.experts:  # OLMoE: q/k RMSNorm over whole projections, a router, SwiGLU experts
+                shapes.update({p + "self_attn.q_norm.weight": (q,), p + "self_attn.k_norm.weight": (kv,),
+                               p + "mlp.gate.weight": (self.experts, h)})
+                for e in range(self.experts):
+                    x = f"{p}mlp.experts.{e}."
+                    shapes.update({x + "gate_proj.weight": (self.ffn, h), x + "up_proj.weight": (self.ffn, h),
+                                   x + "down_proj.weight": (h, self.ffn)})
+            else:
+                shapes.update({p + "mlp.gate_proj.weight": (self.ffn, h), p + "mlp.up_proj.weight": (self.ffn, h),
+                               p + "mlp.down_proj.weight": (h, self.ffn)})
             if self.family == "qwen2":
                 shapes.update({p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
                                p + "self_attn.v_proj.bias": (kv,)})
@@ -63,27 +73,42 @@ class Shape:
     def parameters(self) -> int:
         return sum(math.prod(s) for s in self.weight_shapes().values())
 
+    def active_parameters(self) -> int:
+        """Parameters one token's step multiplies by (all but the embedding table; top_k of the experts)."""
+        def used(name: str, dims: tuple[int, ...]) -> float:
+            if "embed_tokens" in name and not self.tied:
+                return 0
+            return math.prod(dims) * (self.top_k / self.experts if ".experts." in name else 1)
+        return round(sum(used(n, d) for n, d in self.weight_shapes().items()))
+
     def config(self) -> dict:
         config = {
-            "architectures": ["LlamaForCausalLM" if self.family == "llama" else "Qwen2ForCausalLM"],
+            "architectures": [_ARCHITECTURES[self.family]],
             "model_type": self.family, "hidden_size": self.hidden, "intermediate_size": self.ffn,
             "num_hidden_layers": self.layers, "num_attention_heads": self.heads,
             "num_key_value_heads": self.kv_heads, "head_dim": self.head_dim, "vocab_size": self.vocab,
-            "rms_norm_eps": 1e-5 if self.family == "llama" else 1e-6, "rope_theta": self.rope_theta,
+            "rms_norm_eps": 1e-6 if self.family == "qwen2" else 1e-5, "rope_theta": self.rope_theta,
             "max_position_embeddings": 131072 if self.llama3_rope else 32768, "tie_word_embeddings": self.tied,
             "hidden_act": "silu", "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": "bfloat16",
         }
+        if self.experts:
+            config.update({"num_experts": self.experts, "num_experts_per_tok": self.top_k, "norm_topk_prob": False,
+                           "max_position_embeddings": 4096})
         if self.llama3_rope:
             config["rope_scaling"] = {"rope_type": "llama3", "factor": self.llama3_rope, "low_freq_factor": 1.0,
                                       "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
         return config
 
 
+_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "olmoe": "OlmoeForCausalLM"}
+
 SHAPES = {
     "llama-3.2-1b": Shape("llama", 2048, 16, 32, 8, 8192, tied=True, rope_theta=500000.0, llama3_rope=32.0),
     "llama-3.2-3b": Shape("llama", 3072, 28, 24, 8, 8192, tied=True, rope_theta=500000.0, llama3_rope=32.0),
     "llama-3.1-8b": Shape("llama", 4096, 32, 32, 8, 14336, tied=False, rope_theta=500000.0, llama3_rope=8.0),
     "qwen2.5-7b": Shape("qwen2", 3584, 28, 28, 4, 18944, tied=False, rope_theta=1000000.0),
+    # OLMoE-1B-7B: 6.9B parameters, 1.3B of them active per token
+    "olmoe-1b-7b": Shape("olmoe", 2048, 16, 16, 16, 1024, tied=False, rope_theta=10000.0, experts=64, top_k=8),
 }
 
 
@@ -144,7 +169,7 @@ _F16_FIELDS = {"Q8_0": (0,), "Q4_K": (0, 2), "Q6_K": (208,)}
 def gguf_tensors(shape: Shape) -> dict[str, tuple[tuple[int, ...], str]]:
     """GGUF name -> (PyTorch-order shape, type) of a llama-architecture file of this shape."""
     if shape.family != "llama":
-        raise ValueError("kiln reads GGUF files of the llama architecture only")
+        raise ValueError(f"random GGUF files are written in the llama architecture only, not {shape.family}")
     h, q, kv = shape.hidden, shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
     parts = {"attn_norm": (h,), "attn_q": (q, h), "attn_k": (kv, h), "attn_v": (kv, h), "attn_output": (h, q),
              "ffn_norm": (h,), "ffn_gate": (shape.ffn, h), "ffn_up": (shape.ffn, h), "ffn_down": (h, shape.ffn)}

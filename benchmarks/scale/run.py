@@ -8,8 +8,8 @@ blocks tensor by tensor, checkpoints.py; llamacpp: the hf dir converted by llama
 llama-quantize Q4_K_M, both measured, where benchmarks/peers/setup.py has built them), `kiln build` it in a child
 process (peak RSS: the child's ru_maxrss from wait4), `kiln generate ENGINE --max-tokens 8` to check the engine
 runs, then delete checkpoint and engine before the next (an 8B bf16 checkpoint is 15 GB; --keep-engine keeps the
-engine). One JSON line per build
-goes to --results; a markdown table is printed at the end.
+engine and llama.cpp's Q4_K_M file). One JSON line per build goes to --results; a markdown table is printed at the
+end.
 """
 
 from __future__ import annotations
@@ -92,6 +92,8 @@ def run_one(name: str, source: str, quantization: str, work: Path, keep_engine: 
         model_path = model
         if source == "llamacpp":
             model_path, peers = llama_cpp_q4_k_m(model, work / f"{name}-{source}")
+            if keep_engine:  # the peers are measured on the same file
+                model_path = model_path.rename(work / f"{name}-Q4_K_M.gguf")
     else:
         model.mkdir(parents=True, exist_ok=True)
         model_path = model / "model.gguf"
@@ -140,7 +142,8 @@ def main() -> int:
     parser.add_argument("--dir", type=Path, default=Path("/tmp/kiln-scale"))
     parser.add_argument("--results", type=Path, default=Path(__file__).with_name("results.jsonl"))
     parser.add_argument("--keep-engine", action="store_true",
-                        help="leave each built engine in --dir (for serve_first_token.py); checkpoints are deleted")
+                        help="leave each built engine in --dir (for serve_first_token.py), and llama.cpp's Q4_K_M "
+                             "file beside it (NAME-Q4_K_M.gguf, for the peers); checkpoints are deleted")
     args = parser.parse_args()
     results = []
     for name in args.shapes.split(","):
@@ -150,8 +153,8 @@ def main() -> int:
             if source == "llamacpp" and not llama_cpp_available():
                 print("[scale] no llama.cpp converter here: run benchmarks/peers/setup.py (it builds llama-quantize)")
                 continue
-            if source in ("gguf", "llamacpp") and SHAPES[name].family != "llama":
-                print(f"[scale] {name}: no gguf source (kiln reads llama-architecture GGUF files only)")
+            if source == "gguf" and SHAPES[name].family != "llama":
+                print(f"[scale] {name}: no gguf source (random GGUF files are written in the llama architecture)")
                 continue
             result = run_one(name, source, args.quantization, args.dir, args.keep_engine)
             results.append(result)

@@ -1,0 +1,82 @@
+"""The weight bytes one decode step reads: the denominator of `kiln bench`'s bandwidth floor.
+
+An engine's files overstate it. A gathered table (the token embedding: Gather or GatherBlockQuantized) is read one
+row per token, not whole, and a kiln.MoE node reads top_k of its E experts per token. Counting the file sizes put
+a 1B GGUF engine's floor at 800 MB a token where the step reads 667 MB (its 133 MB 8-bit embedding table is
+gathered), so its decode rate looked 20% closer to the floor than it is.
+
+Reading the graph needs the `onnx` package (kiln's compile extra); without it the files' sizes are the answer, and
+the report says which was used.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from pathlib import Path
+
+from kiln.manifest import read_manifest
+
+# op type -> the input position that holds indices; every other input of the node belongs to the gathered table
+_GATHERS = {"Gather": 1, "GatherBlockQuantized": 1}
+# kiln.MoE's expert inputs (gate_up, down and their Q4_1 scales); 0 is the activations, 1 the router
+_MOE_FIRST_EXPERT_INPUT = 2
+
+
+def weight_bytes_per_token(engine_dir: Path) -> tuple[int, str]:
+    """(bytes, "graph") counted from the graphs' initializers, or (bytes, "files") from the graph files' sizes
+    where `onnx` is not installed."""
+    graphs = read_manifest(engine_dir, verify_checksums=False).graph_files
+    try:
+        import onnx
+    except ImportError:
+        return sum(p.stat().st_size for graph in graphs for p in Path(engine_dir).glob(f"{graph}*")), "files"
+    total = 0.0
+    for graph in graphs:
+        model = onnx.load(str(Path(engine_dir) / graph), load_external_data=False)
+        total += graph_bytes_per_token(model.graph)
+    return round(total), "graph"
+
+
+def graph_bytes_per_token(graph) -> float:
+    """The bytes of an onnx GraphProto's initializers one token's step reads (each at the largest share any of its
+    consumers reads)."""
+    uses: dict[str, list[float]] = defaultdict(list)  # initializer -> the fraction of it each consumer reads
+    for node in graph.node:
+        fraction_of = _fraction_reader(node, graph)
+        for position, name in enumerate(node.input):
+            if name:
+                uses[name].append(fraction_of(position))
+    return sum(_nbytes(t) * max(uses.get(t.name, [1.0])) for t in graph.initializer)
+
+
+def _fraction_reader(node, graph):
+    """position -> the fraction of that input one token's step reads."""
+    if node.op_type in _GATHERS and node.domain in ("", "ai.onnx", "com.microsoft"):
+        indices = _GATHERS[node.op_type]
+        return lambda position: 1.0 if position == indices else 0.0
+    if node.op_type == "MoE" and node.domain == "kiln":
+        top_k = next(a.i for a in node.attribute if a.name == "top_k")
+        experts = _leading_dim(graph, node.input[1])  # the router [E, D]
+        share = top_k / experts if experts else 1.0
+        return lambda position: share if position >= _MOE_FIRST_EXPERT_INPUT else 1.0
+    return lambda position: 1.0
+
+
+def _leading_dim(graph, name: str) -> int | None:
+    for t in graph.initializer:
+        if t.name == name:
+            return t.dims[0] if t.dims else None
+    return None
+
+
+def _nbytes(tensor) -> int:
+    for entry in tensor.external_data:
+        if entry.key == "length":
+            return int(entry.value)
+    if tensor.raw_data:
+        return len(tensor.raw_data)
+    import onnx.helper
+
+    count = math.prod(tensor.dims)
+    return count * onnx.helper.tensor_dtype_to_np_dtype(tensor.data_type).itemsize
