@@ -134,19 +134,22 @@ inline void accumulate_group(int nr, float* const* accs, const float* const* ps,
   }
 }
 
-// One row's online-softmax update with scores s[0, n) (soft-capped first when softcap > 0): the running max,
-// the accumulator and denominator rescaled when it grows, s[j] = exp(s[j] - m), the denominator summed.
+// A row's running max raised to mx where that is larger, its accumulator and denominator rescaled to match.
+inline void raise_max(RowState& row, float mx, int64_t D) {
+  if (mx <= row.m) return;
+  if (row.l > 0.f) {
+    const float corr = std::exp(row.m - mx);
+    row.l *= corr;
+    scale_row(row.acc, corr, D);
+  }
+  row.m = mx;
+}
+
+// One row's online-softmax update with scores s[0, n) (soft-capped first when softcap > 0): the running max
+// raised, s[j] = exp(s[j] - m), the denominator summed.
 inline void softmax_update(RowState& row, float* s, int n, int64_t D, float softcap) {
   if (softcap > 0.f) soft_cap(s, n, softcap);
-  const float mx = max_of(s, n);
-  if (mx > row.m) {
-    if (row.l > 0.f) {
-      const float corr = std::exp(row.m - mx);
-      row.l *= corr;
-      scale_row(row.acc, corr, D);
-    }
-    row.m = mx;
-  }
+  raise_max(row, max_of(s, n), D);
   row.l += exp_shift_sum(s, n, row.m);
 }
 
@@ -195,17 +198,7 @@ inline void attend_tile4(RowState* st, const TileBlock<T>* tb, int nb, int64_t D
   if (softcap > 0.f) soft_cap(s, 4 * total, softcap);
   alignas(16) float mx[4], l[4];
   _mm_store_ps(mx, max_rows4(s, total));
-  for (int r = 0; r < 4; ++r) {
-    RowState& row = st[r];
-    if (mx[r] > row.m) {
-      if (row.l > 0.f) {
-        const float corr = std::exp(row.m - mx[r]);
-        row.l *= corr;
-        scale_row(row.acc, corr, D);
-      }
-      row.m = mx[r];
-    }
-  }
+  for (int r = 0; r < 4; ++r) raise_max(st[r], mx[r], D);
   _mm_store_ps(l, exp_shift_sum4(s, total, _mm_setr_ps(st[0].m, st[1].m, st[2].m, st[3].m)));
   for (int r = 0; r < 4; ++r) st[r].l += l[r];
   const T* Vs[kTileBlocks];
