@@ -1,7 +1,8 @@
 """kiln.MoE (domain "kiln", version 1): a sparse mixture-of-experts SwiGLU MLP, the contract and its executable spec.
 
 The ONNX Runtime CPU kernel (runtime/ops/moe.cc) is tested against `moe_ref` (float32 experts), `moe_q4_1_ref`
-(Q4_1 experts) and kiln/moe_gguf.py's `moe_gguf_ref` (a GGUF file's expert blocks); the exporter's torch op (export/moe.py) computes the same thing for calibration and tracing.
+(Q4_1 experts) and kiln/moe_gguf.py's `moe_gguf_ref` (a GGUF file's expert blocks); the exporter's torch op
+(export/moe.py) computes the same thing for calibration and tracing.
 
 Inputs
   x        float32 [..., D]      the tokens of the packed batch (any leading shape; each row routes alone)

@@ -91,14 +91,17 @@ class GgufExperts:
 def gguf_experts(gate: np.ndarray, up: np.ndarray, down: np.ndarray, types: tuple[int, int, int]) -> GgufExperts:
     """The op's inputs from a file's three stacks, uint8 [E, F, gate/up row bytes] and [E, D, down row bytes] (the
     bytes as ffn_gate_exps / ffn_up_exps / ffn_down_exps hold them), checked against each other and their types."""
-    gate_kind, up_kind, down_kind = (expert_kind(t, name) for t, name in zip(types, ("gate", "up", "down"), strict=True))
-    for name, stack in (("gate", gate), ("up", up), ("down", down)):
+    names = ("gate", "up", "down")
+    gate_kind, up_kind, down_kind = (expert_kind(t, name) for t, name in zip(types, names, strict=True))
+    for name, stack in zip(names, (gate, up, down), strict=True):
         if stack.ndim != 3 or stack.dtype != np.uint8:
-            raise ValueError(f"{name} experts must be uint8 [E, rows, row bytes], got {stack.dtype} {list(stack.shape)}")
+            raise ValueError(f"{name} experts must be uint8 [E, rows, row bytes], "
+                             f"got {stack.dtype} {list(stack.shape)}")
     e, f, _ = gate.shape
     d = down.shape[1]
     if up.shape[:2] != (e, f) or down.shape[0] != e:
-        raise ValueError(f"expert stacks disagree: gate {list(gate.shape)}, up {list(up.shape)}, down {list(down.shape)}")
+        raise ValueError(f"expert stacks disagree: gate {list(gate.shape)}, up {list(up.shape)}, "
+                         f"down {list(down.shape)}")
     for name, stack, kind, k in (("gate", gate, gate_kind, d), ("up", up, up_kind, d), ("down", down, down_kind, f)):
         if stack.shape[2] != row_bytes(kind, k):
             raise ValueError(f"{name} experts' rows are {stack.shape[2]} bytes, {kind.name} rows of {k} weights are "
@@ -138,9 +141,8 @@ def make_single_op_model(top_k: int, norm_topk_prob: bool, types: tuple[int, int
 
     lead = [f"t{i}" for i in range(rank - 1)]
     names = ["x", "router", "gate_up", "down"]
-    attributes = dict(zip(TYPE_ATTRIBUTES, (int(t) for t in types), strict=True))
-    node = helper.make_node(OP_TYPE, names, ["y"], domain=OP_DOMAIN, top_k=top_k, norm_topk_prob=int(norm_topk_prob),
-                            **attributes)
+    node = helper.make_node(OP_TYPE, names, ["y"], domain=OP_DOMAIN, top_k=top_k, norm_topk_prob=int(norm_topk_prob))
+    node.attribute.extend(helper.make_attribute(name, int(t)) for name, t in zip(TYPE_ATTRIBUTES, types, strict=True))
     inputs = [helper.make_tensor_value_info("x", TensorProto.FLOAT, [*lead, "D"]),
               helper.make_tensor_value_info("router", TensorProto.FLOAT, ["E", "D"]),
               helper.make_tensor_value_info("gate_up", TensorProto.UINT8, ["E", "F2", "Bg"]),

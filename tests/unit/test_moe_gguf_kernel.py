@@ -53,7 +53,8 @@ def tolerance(want: np.ndarray) -> float:
     return 4e-6 * float(np.abs(want).max())
 
 
-def case(rng, tokens: int, e: int, d: int, f: int, types, favoured: list[int] | None = None):
+def case(rng, tokens: int, e: int, types, favoured: list[int] | None = None, d: int = 256):
+    f = d  # D and F one k-quant block each
     experts = experts_of(rng, e, d, f, types)
     router = (rng.standard_normal((e, d)) / np.sqrt(d)).astype(np.float32)
     x = rng.standard_normal((tokens, d)).astype(np.float32)
@@ -78,7 +79,7 @@ TYPES = {"q4_k_m": Q4_K_M, "q4_k": (Q4_K, Q4_K, Q4_K), "q6_k": (Q6_K, Q6_K, Q6_K
 @pytest.mark.parametrize("types", TYPES.values(), ids=TYPES.keys())
 def test_kernel_matches_the_spec(types, tokens, e, top_k, favoured):
     rng = np.random.default_rng(tokens * 10 + e)
-    x, router, experts = case(rng, tokens, e, 256, 256, types, favoured)
+    x, router, experts = case(rng, tokens, e, types, favoured)
     routed, _ = route_ref(x, router, top_k, True)
     if favoured is not None:
         assert (routed == favoured).all()
@@ -109,7 +110,7 @@ def _misplaced(experts: GgufExperts, expert: int, where: str) -> GgufExperts:
 @pytest.mark.parametrize("where", ["scale", "min", "sub-block", "q6_k scale"])
 def test_the_tolerance_sees_a_misplaced_scale_min_or_sub_block(where):
     rng = np.random.default_rng(3)
-    x, router, experts = case(rng, 3, 4, 256, 256, Q4_K_M, favoured=[2, 0])
+    x, router, experts = case(rng, 3, 4, Q4_K_M, favoured=[2, 0])
     y = run(x, router, experts, 2, False)
     wrong = moe_gguf_ref(x, router, _misplaced(experts, 2, where), top_k=2, norm_topk_prob=False)
     assert np.abs(y - wrong).max() > 10 * tolerance(wrong)
@@ -118,7 +119,7 @@ def test_the_tolerance_sees_a_misplaced_scale_min_or_sub_block(where):
 def test_the_spec_is_matmul_gguf_int8_per_expert():
     """The spec's expert path written out for one token with kiln.MatMulGGUF's int8 reference."""
     rng = np.random.default_rng(4)
-    x, router, experts = case(rng, 1, 4, 256, 256, Q4_K_M)
+    x, router, experts = case(rng, 1, 4, Q4_K_M)
     chosen, weights = route_ref(x, router, 2, False)
     gate, up, down = (experts.gate_up[:, :256, :144], experts.gate_up[:, 256:, :144], experts.down)
     want = np.zeros(256)
@@ -133,7 +134,7 @@ def test_the_spec_is_matmul_gguf_int8_per_expert():
 
 def test_a_tokens_output_is_bitwise_independent_of_its_batch_and_threads():
     rng = np.random.default_rng(5)
-    x, router, experts = case(rng, 19, 6, 256, 256, Q4_K_M)
+    x, router, experts = case(rng, 19, 6, Q4_K_M)
     x3 = x[:18].reshape(2, 9, 256)
     batch = run(x3, router, experts, 2, True)
     np.testing.assert_array_equal(batch, run(x3, router, experts, 2, True, threads=1))
@@ -143,7 +144,7 @@ def test_a_tokens_output_is_bitwise_independent_of_its_batch_and_threads():
 
 def test_stacks_of_the_wrong_width_and_types_without_a_kernel_are_named():
     rng = np.random.default_rng(6)
-    x, router, experts = case(rng, 2, 4, 256, 256, Q4_K_M)
+    x, router, experts = case(rng, 2, 4, Q4_K_M)
     narrow = GgufExperts(experts.gate_up[..., :-4], experts.down, *experts.types)
     with pytest.raises(Exception, match=r"GGUF gate_up must be \[E, 2F, 144\]"):
         run(x, router, narrow, 2, True)
