@@ -1,0 +1,71 @@
+"""Pass: a GGUF file's expert blocks kept as they are -> kiln.MoE's GGUF experts (kiln/moe_gguf.py), no re-rounding.
+
+Under the `gguf` scheme a mixture-of-experts file's ffn_gate_exps / ffn_up_exps / ffn_down_exps become the op's
+gate_up and down inputs byte for byte, their types its gate_type / up_type / down_type attributes (a Q4_K_M file's
+Q6_K down beside Q4_K in other layers, each layer's own), and the kernel computes with kiln.MatMulGGUF's int8
+arithmetic: the engine serves the file's own weights. The stacks' bytes are read one layer at a time from the file
+(export/lazy_initializers.py's BlockRows carries where they are); nothing is dequantized. A layer whose experts have
+a type without an int8 kernel (Q5_0, Q2_K, the i-quants ...) or no blocks keeps its float32 experts (the file's
+weights dequantized, exact), and the pass says how many.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import onnx_ir as ir
+
+from kiln.export.lazy_initializers import BlockRows
+from kiln.export.progress import track
+from kiln.export.tensor_files import FileBlocks
+from kiln.gguf_blocks import FORMATS, GgmlType
+from kiln.gguf_int8 import INT8_KINDS
+from kiln.moe_gguf import TYPE_ATTRIBUTES, gguf_experts
+
+from .quant.graph import initializer, prune
+from .quantize_moe import moe_nodes
+
+
+@dataclass(frozen=True)
+class MoeGgufCounts:
+    kept: int  # layers whose experts are the file's blocks
+    float32: int  # layers left with float32 experts (no blocks, or a type without a kernel)
+
+
+def keep_moe_gguf_experts(model: ir.Model) -> MoeGgufCounts:
+    """Rewrite every float kiln.MoE whose expert stacks have usable file blocks in place; returns the counts."""
+    nodes = [node for node in moe_nodes(model) if len(node.inputs) == 4]
+    kept = [(node, parts) for node in nodes if (parts := _stack_blocks(node)) is not None]
+    for node, (gate, up, down) in track(kept, "keep expert blocks", "layer"):
+        gate_up_value, down_value = node.inputs[2], node.inputs[3]
+        assert gate_up_value is not None and down_value is not None  # _stack_blocks
+        e, f2, d = gate_up_value.shape or ()
+        f = int(f2) // 2
+        stacks = [part.read().reshape(int(e), rows, -1) for part, rows in ((gate, f), (up, f), (down, int(d)))]
+        experts = gguf_experts(*stacks, (gate.ggml_type, up.ggml_type, down.ggml_type))
+        name = gate_up_value.name or "experts"
+        types = ".".join(GgmlType(kind).name.lower() for kind in experts.types)
+        node.replace_input_with(2, initializer(model, f"{name}.{types}", experts.gate_up))
+        node.replace_input_with(3, initializer(model, f"{down_value.name or 'experts'}.{types}", experts.down))
+        for attribute, kind in zip(TYPE_ATTRIBUTES, experts.types, strict=True):
+            node.attributes[attribute] = ir.AttrInt64(attribute, int(kind))
+    if kept:
+        prune(model)
+    return MoeGgufCounts(len(kept), len(nodes) - len(kept))
+
+
+def _stack_blocks(node: ir.Node) -> tuple[FileBlocks, FileBlocks, FileBlocks] | None:
+    """(gate, up, down) file blocks of a node whose stacks have them, each of a type with an int8 kernel and rows of
+    whole blocks; None otherwise (shapes and types only: nothing read)."""
+    gate_up, down = (value.const_value if value is not None else None for value in node.inputs[2:4])
+    if not isinstance(gate_up, BlockRows) or not isinstance(down, BlockRows):
+        return None
+    if len(gate_up.blocks) != 2 or len(down.blocks) != 1:
+        return None
+    e, f2, d = gate_up.shape.numpy()
+    (gate, up), (dn,) = gate_up.blocks, down.blocks
+    for part, rows, k in ((gate, f2 // 2, d), (up, f2 // 2, d), (dn, d, f2 // 2)):
+        if part.ggml_type not in INT8_KINDS or part.rows != e * rows or k % FORMATS[GgmlType(part.ggml_type)].weights:
+            return None
+    return gate, up, dn
+
