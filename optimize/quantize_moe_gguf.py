@@ -39,9 +39,9 @@ def keep_moe_gguf_experts(model: ir.Model) -> MoeGgufCounts:
     for node, (gate, up, down) in track(kept, "keep expert blocks", "layer"):
         gate_up_value, down_value = node.inputs[2], node.inputs[3]
         assert gate_up_value is not None and down_value is not None  # _stack_blocks
-        e, f2, d = gate_up_value.shape or ()
-        f = int(f2) // 2
-        stacks = [part.read().reshape(int(e), rows, -1) for part, rows in ((gate, f), (up, f), (down, int(d)))]
+        assert gate_up_value.const_value is not None
+        e, f2, d = gate_up_value.const_value.shape.numpy()
+        stacks = [part.read().reshape(e, rows, -1) for part, rows in ((gate, f2 // 2), (up, f2 // 2), (down, d))]
         experts = gguf_experts(*stacks, (gate.ggml_type, up.ggml_type, down.ggml_type))
         name = gate_up_value.name or "experts"
         types = ".".join(GgmlType(kind).name.lower() for kind in experts.types)
