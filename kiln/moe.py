@@ -31,8 +31,10 @@ spec's (that element's step times its down column, ~1/127 of its term; the tests
 GGUF experts (the same op, its expert inputs uint8 and three more attributes; kiln/moe_gguf.py specifies them):
   gate_up     uint8   [E, 2F, row bytes]   a GGUF file's expert blocks as they are (ffn_gate_exps' rows, then
   down        uint8   [E, D, row bytes]    ffn_up_exps'; ffn_down_exps), no dm inputs
-  gate_type, up_type, down_type   int      their ggml types (Q4_0, Q8_0, Q4_K, Q5_K, Q6_K, each its own)
-Each projection is kiln.MatMulGGUF's int8-activation arithmetic (kiln/gguf_int8.py): `moe_gguf_ref`.
+  gate_type, up_type, down_type   int      their ggml types (kiln.MatMulGGUF's, each its own)
+  int8_activations                int      optional (absent: 1), as kiln.MatMulGGUF's
+Each projection is kiln.MatMulGGUF's arithmetic on that activation path (kiln/gguf_int8.py, kiln/matmul_gguf.py):
+`moe_gguf_ref`.
 
 Per row: p = softmax(x @ router^T) over all E experts; the top_k largest p are chosen (equal p: the lower expert
 index first); w = the chosen p, renormalised to sum 1 when norm_topk_prob; y = sum_j w_j * expert_{e_j}(x) with

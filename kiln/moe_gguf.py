@@ -6,17 +6,20 @@ The op's contract is kiln/moe.py's; this variant types its expert inputs uint8 a
                                                               each row its blocks over D from the row's start
                                                               (a shorter row zero-padded: gate and up may differ)
   down     uint8 [E, D, down row bytes]                      each row its blocks over F
-Attributes (all three, beside top_k and norm_topk_prob)
-  gate_type, up_type, down_type   int: GGUF type ids with an int8 kernel (kiln/gguf_int8.py: Q4_0, Q8_0, Q4_K, Q5_K,
-                                  Q6_K); a Q4_K_M file's experts are Q4_K gate/up and Q4_K or Q6_K down by layer
+Attributes (beside top_k and norm_topk_prob)
+  gate_type, up_type, down_type   int, all three: GGUF type ids of kiln.MatMulGGUF's (Q4_0, Q5_0, Q5_1, Q8_0, Q4_K,
+                                  Q5_K, Q6_K); a Q4_K_M file's experts are Q4_K gate/up and Q4_K or Q6_K down by layer
+  int8_activations                int, optional (absent: 1): as kiln.MatMulGGUF's. 1: int8 activations, types with
+                                  an int8 kernel only (Q4_0, Q8_0, Q4_K, Q5_K, Q6_K); 0: float32 activations
 No gate_up_dm / down_dm inputs.
 
-Per row the routing is moe_ref's; each chosen expert's projections are kiln.MatMulGGUF's int8-activation arithmetic
-(`matmul_gguf_int8_ref`, what the dense `gguf` engines run): the token quantized for gate and for up, silu(gate) * up
-in float32 quantized for down. The kernel sums each projection in float32 where this spec sums in float64, and the
-down projection's int8 inputs are rounded from float32 values the kernel computed with float32 sums, so the two
+Per row the routing is moe_ref's; each chosen expert's projections are kiln.MatMulGGUF's arithmetic. With int8
+activations (`matmul_gguf_int8_ref`, what the dense `gguf` engines run) the token is quantized for gate and for up,
+silu(gate) * up in float32 for down; the kernel sums each projection in float32 where this spec sums in float64, and
+the down projection's int8 inputs are rounded from float32 values the kernel computed with float32 sums, so the two
 agree within float32 rounding (an element within rounding of a half int8 step can land one step away, as for the
-Q4_1 experts: kiln/moe.py says what that costs).
+Q4_1 experts: kiln/moe.py says what that costs). With float32 activations (`matmul_gguf_ref`, `gguf-exact`) each
+projection is x @ dequantize(W)^T: the file's weights, to float32 rounding.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ import numpy as np
 from kiln.contract import OP_DOMAIN
 from kiln.gguf_blocks import GgmlType, dequantize, row_bytes
 from kiln.gguf_int8 import INT8_KINDS, matmul_gguf_int8_ref
+from kiln.matmul_gguf import INT8_ATTRIBUTE, matmul_gguf_ref
 from kiln.moe import OP_TYPE, OP_VERSION, check_moe_shapes, route_ref
 
 if TYPE_CHECKING:
@@ -37,16 +41,19 @@ if TYPE_CHECKING:
 TYPE_ATTRIBUTES = ("gate_type", "up_type", "down_type")
 
 
-def expert_kind(value: int, what: str) -> GgmlType:
-    """The type of an expert stack, one kiln.MoE multiplies; ValueError naming it and the supported ones otherwise."""
-    kinds = ", ".join(f"{k.name} ({k.value})" for k in sorted(INT8_KINDS))
+def expert_kind(value: int, what: str, int8_activations: bool = True) -> GgmlType:
+    """The type of an expert stack, one kiln.MoE multiplies on that activation path; ValueError naming it and the
+    supported ones otherwise."""
+    supported = INT8_KINDS if int8_activations else frozenset(GgmlType)
     try:
         kind = GgmlType(int(value))
     except ValueError:
         kind = None
-    if kind is None or kind not in INT8_KINDS:
-        raise ValueError(f"{what} has ggml type {value}, which kiln.MoE's GGUF experts have no kernel for; "
-                         f"supported: {kinds}")
+    if kind is None or kind not in supported:
+        kinds = ", ".join(f"{k.name} ({k.value})" for k in sorted(supported))
+        path = "int8" if int8_activations else "float32"
+        raise ValueError(f"{what} has ggml type {value}, which kiln.MoE's GGUF experts with {path} activations have "
+                         f"no kernel for; supported: {kinds}")
     return kind
 
 
@@ -88,11 +95,13 @@ class GgufExperts:
         return gate_up, down
 
 
-def gguf_experts(gate: np.ndarray, up: np.ndarray, down: np.ndarray, types: tuple[int, int, int]) -> GgufExperts:
+def gguf_experts(gate: np.ndarray, up: np.ndarray, down: np.ndarray, types: tuple[int, int, int],
+                 int8_activations: bool = True) -> GgufExperts:
     """The op's inputs from a file's three stacks, uint8 [E, F, gate/up row bytes] and [E, D, down row bytes] (the
     bytes as ffn_gate_exps / ffn_up_exps / ffn_down_exps hold them), checked against each other and their types."""
     names = ("gate", "up", "down")
-    gate_kind, up_kind, down_kind = (expert_kind(t, name) for t, name in zip(types, names, strict=True))
+    gate_kind, up_kind, down_kind = (expert_kind(t, name, int8_activations) for t, name in zip(types, names,
+                                                                                               strict=True))
     for name, stack in zip(names, (gate, up, down), strict=True):
         if stack.ndim != 3 or stack.dtype != np.uint8:
             raise ValueError(f"{name} experts must be uint8 [E, rows, row bytes], "
@@ -113,9 +122,11 @@ def gguf_experts(gate: np.ndarray, up: np.ndarray, down: np.ndarray, types: tupl
     return GgufExperts(gate_up, np.ascontiguousarray(down), gate_kind, up_kind, down_kind)
 
 
-def moe_gguf_ref(x: np.ndarray, router: np.ndarray, experts: GgufExperts, *, top_k: int,
-                 norm_topk_prob: bool) -> np.ndarray:
-    """The op's output for GGUF experts: each projection kiln.MatMulGGUF's int8 arithmetic; float32 [..., D]."""
+def moe_gguf_ref(x: np.ndarray, router: np.ndarray, experts: GgufExperts, *, top_k: int, norm_topk_prob: bool,
+                 int8_activations: bool = True) -> np.ndarray:
+    """The op's output for GGUF experts: each projection kiln.MatMulGGUF's arithmetic on that activation path;
+    float32 [..., D]."""
+    matmul = matmul_gguf_int8_ref if int8_activations else matmul_gguf_ref
     x = np.asarray(x, np.float32)
     e, d, f = experts.dims
     shapes = (np.broadcast_to(np.float32(0), (e, 2 * f, d)), np.broadcast_to(np.float32(0), (e, d, f)))  # no memory
@@ -125,24 +136,28 @@ def moe_gguf_ref(x: np.ndarray, router: np.ndarray, experts: GgufExperts, *, top
     y = np.zeros(rows.shape, np.float64)
     for expert in np.unique(chosen):
         tokens, slots = np.nonzero(chosen == expert)
-        gate = matmul_gguf_int8_ref(rows[tokens], *experts.projection(int(expert), "gate")).astype(np.float64)
-        up = matmul_gguf_int8_ref(rows[tokens], *experts.projection(int(expert), "up")).astype(np.float64)
+        gate = matmul(rows[tokens], *experts.projection(int(expert), "gate")).astype(np.float64)
+        up = matmul(rows[tokens], *experts.projection(int(expert), "up")).astype(np.float64)
         act = (gate / (1.0 + np.exp(-np.clip(gate, -700, 700))) * up).astype(np.float32)
-        out = matmul_gguf_int8_ref(act, *experts.projection(int(expert), "down")).astype(np.float64)
+        out = matmul(act, *experts.projection(int(expert), "down")).astype(np.float64)
         y[tokens] += weights[tokens, slots, None] * out
     result: np.ndarray = y.astype(np.float32).reshape(x.shape)
     return result
 
 
-def make_single_op_model(top_k: int, norm_topk_prob: bool, types: tuple[int, int, int], rank: int = 2) -> ModelProto:
-    """A one-node ONNX model y = kiln.MoE(x, router, gate_up, down) with GGUF experts of these (gate, up, down) types,
-    every input a graph input with symbolic dims; for tests and benchmarks."""
+def make_single_op_model(top_k: int, norm_topk_prob: bool, types: tuple[int, int, int], rank: int = 2,
+                         int8_activations: bool | None = None) -> ModelProto:
+    """A one-node ONNX model y = kiln.MoE(x, router, gate_up, down) with GGUF experts of these (gate, up, down) types
+    (int8_activations None: the attribute absent), every input a graph input with symbolic dims; for tests and
+    benchmarks."""
     from onnx import TensorProto, helper  # compile-time dependency only
 
     lead = [f"t{i}" for i in range(rank - 1)]
     names = ["x", "router", "gate_up", "down"]
     node = helper.make_node(OP_TYPE, names, ["y"], domain=OP_DOMAIN, top_k=top_k, norm_topk_prob=int(norm_topk_prob))
     node.attribute.extend(helper.make_attribute(name, int(t)) for name, t in zip(TYPE_ATTRIBUTES, types, strict=True))
+    if int8_activations is not None:
+        node.attribute.append(helper.make_attribute(INT8_ATTRIBUTE, int(int8_activations)))
     inputs = [helper.make_tensor_value_info("x", TensorProto.FLOAT, [*lead, "D"]),
               helper.make_tensor_value_info("router", TensorProto.FLOAT, ["E", "D"]),
               helper.make_tensor_value_info("gate_up", TensorProto.UINT8, ["E", "F2", "Bg"]),

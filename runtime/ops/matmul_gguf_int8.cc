@@ -410,7 +410,7 @@ Kernel kernel_of(int64_t ggml_type) {
 
 namespace gguf_int8 {
 
-bool block_type(int64_t ggml_type, BlockType& out) {
+bool block_type(int64_t ggml_type, GgufBlockType& out) {
   switch (ggml_type) {
     case 2: out = {Q4_0::kWeights, Q4_0::kBytes, "Q4_0"}; return true;
     case 8: out = {Q8_0::kWeights, Q8_0::kBytes, "Q8_0"}; return true;

@@ -9,6 +9,12 @@
 
 namespace kiln {
 
+// A GGUF block type a kernel path decodes: a block's weights and bytes, and the type's name.
+struct GgufBlockType {
+  int64_t weights = 0, bytes = 0;
+  const char* name = "";
+};
+
 struct GgufMatmul {
   const uint8_t* w;   // [N, row_bytes]: the file's blocks (row n at w + n * row_bytes)
   const float* x;     // [T, K]
@@ -25,12 +31,8 @@ namespace gguf_int8 {
 constexpr int64_t kSumGroup = 16;  // activations per int sum (Q8_K's bsums)
 
 // A type this path multiplies (Q4_0, Q8_0, Q4_K, Q5_K, Q6_K: gguf.GGMLQuantizationType ids 2, 8, 12, 13, 14): its
-// block's weights and bytes, and its name; false for every other id.
-struct BlockType {
-  int64_t weights = 0, bytes = 0;
-  const char* name = "";
-};
-bool block_type(int64_t ggml_type, BlockType& out);
+// blocks into `out`; false for every other id.
+bool block_type(int64_t ggml_type, GgufBlockType& out);
 
 // What a weight type's blocks need of its activations: values per int8 step, the 16-sums of the codes (Q6_K), the
 // float sums and their int8 errors per 32 (Q4_K, Q5_K).

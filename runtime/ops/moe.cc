@@ -314,8 +314,20 @@ bool gguf_types(const Ort::ConstKernelInfo& info, int64_t types[3]) {
   return found == 3;
 }
 
+// GGUF experts' activation path: int8_activations 1 (absent: the `gguf` scheme's) or 0 (float32).
+bool gguf_int8_activations(const Ort::ConstKernelInfo& info) {
+  int64_t value = 1;
+  try {
+    value = info.GetAttribute<int64_t>("int8_activations");
+  } catch (const Ort::Exception&) {
+  }
+  if (value != 0 && value != 1)
+    fail_moe("int8_activations must be 0 (float32 activations) or 1 (int8), got " + std::to_string(value));
+  return value == 1;
+}
+
 // W = float: float32 experts (no dm inputs); W = uint8_t: Q4_1 experts with their dm inputs, or GGUF experts (the
-// gate_type, up_type and down_type attributes; no dm inputs).
+// gate_type, up_type and down_type attributes, int8_activations optional; no dm inputs).
 template <typename W>
 struct MoE {
   static constexpr bool kQ4 = std::is_same<W, uint8_t>::value;
@@ -326,7 +338,8 @@ struct MoE {
     norm_topk_prob_ = ki.GetAttribute<int64_t>("norm_topk_prob") != 0;
     if constexpr (kQ4) {
       gguf_ = gguf_types(ki, gguf_types_);
-      if (!gguf_) pack_constant_experts(ki, gate_up_, down_);
+      if (gguf_) gguf_int8_ = gguf_int8_activations(ki);
+      else pack_constant_experts(ki, gate_up_, down_);
     }
   }
 
@@ -343,8 +356,8 @@ struct MoE {
           d = check_routing(x.Shape(), router.Shape(), top_k_);
           if (gate_up.Shape().empty() || gate_up.Shape()[0] != d.E)
             fail_moe("gate_up must be [E=" + std::to_string(d.E) + ", 2F, row bytes], got " + shape_text(gate_up.Shape()));
-          experts.gguf = moe::checked_gguf_experts(gguf_types_, gate_up.Data(), gate_up.Shape(), down.Data(),
-                                                   down.Shape(), d.D);
+          experts.gguf = moe::checked_gguf_experts(gguf_types_, gguf_int8_, gate_up.Data(), gate_up.Shape(),
+                                                   down.Data(), down.Shape(), d.D);
           d.F = gate_up.Shape()[1] / 2;
         } else {
           d = check_shapes(x.Shape(), router.Shape(), gate_up.Shape(), down.Shape(), top_k_, true);
@@ -378,7 +391,7 @@ struct MoE {
  private:
   int64_t top_k_ = 1;
   bool norm_topk_prob_ = false;
-  bool gguf_ = false;
+  bool gguf_ = false, gguf_int8_ = true;
   int64_t gguf_types_[3] = {0, 0, 0};
   moe::Q4_1Experts gate_up_, down_;  // constant Q4_1 experts as records; empty: packed per call
 };

@@ -67,19 +67,22 @@ struct GgufStack {
   int64_t type = 0, rows = 0, stride = 0, expert_bytes = 0;
 };
 
-// GGUF experts: gate and up [E, F, D] (the op's gate_up rows [0, F) and [F, 2F)), down [E, D, F].
+// GGUF experts: gate and up [E, F, D] (the op's gate_up rows [0, F) and [F, 2F)), down [E, D, F], and the
+// activations' path (int8: kiln.MatMulGGUF's int8_activations = 1; else its float32 one).
 struct GgufExperts {
   GgufStack gate, up, down;
+  bool int8 = true;
 };
 
 // The op's gate_up [E, 2F, gate_up_bytes] and down [E, D, down_bytes] with the node's ggml types, checked (each type
-// one with an int8 kernel, D and F whole blocks of it, each stack's rows as wide as its types need); a problem
-// throws an Ort::Exception that names it.
-GgufExperts checked_gguf_experts(const int64_t types[3], const uint8_t* gate_up, const std::vector<int64_t>& gate_up_shape,
-                                 const uint8_t* down, const std::vector<int64_t>& down_shape, int64_t D);
+// one the activations' path has a kernel for, D and F whole blocks of it, each stack's rows as wide as its types
+// need); a problem throws an Ort::Exception that names it.
+GgufExperts checked_gguf_experts(const int64_t types[3], bool int8_activations, const uint8_t* gate_up,
+                                 const std::vector<int64_t>& gate_up_shape, const uint8_t* down,
+                                 const std::vector<int64_t>& down_shape, int64_t D);
 
 // expert_out [T * top_k, D] = each grouped row's expert (g) applied to its token of x [T, D], each projection with
-// kiln.MatMulGGUF's int8 arithmetic (kiln/gguf_int8.py).
+// kiln.MatMulGGUF's arithmetic on the experts' activation path (kiln/gguf_int8.py or kiln/matmul_gguf.py).
 void run_gguf_experts(OrtKernelContext* ctx, const Groups& g, const float* x, int64_t T, const GgufExperts& experts,
                       float* expert_out);
 

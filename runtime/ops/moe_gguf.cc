@@ -16,6 +16,7 @@
 #include <string>
 #include <vector>
 
+#include "matmul_gguf.h"
 #include "matmul_gguf_int8.h"
 #include "moe_experts.h"
 #include "parallel_for.h"
@@ -35,11 +36,14 @@ constexpr int64_t kItemBytes = 64 << 10;
 
 [[noreturn]] void fail(const std::string& what) { throw Ort::Exception("kiln.MoE: " + what, ORT_INVALID_ARGUMENT); }
 
-gguf_int8::BlockType checked_type(int64_t type, const char* attribute, int64_t K, const char* k_name) {
-  gguf_int8::BlockType b;
-  if (!gguf_int8::block_type(type, b))
-    fail(std::string(attribute) + " " + std::to_string(type) + " has no kernel for GGUF experts (Q4_0 = 2, Q8_0 = 8, "
-         "Q4_K = 12, Q5_K = 13, Q6_K = 14)");
+GgufBlockType checked_type(int64_t type, bool int8, const char* attribute, int64_t K, const char* k_name) {
+  GgufBlockType b;
+  if (int8 && !gguf_int8::block_type(type, b))
+    fail(std::string(attribute) + " " + std::to_string(type) + " has no kernel for GGUF experts with int8 activations "
+         "(Q4_0 = 2, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14; Q5_0 and Q5_1 take int8_activations = 0)");
+  if (!int8 && !gguf_float::block_type(type, b))
+    fail(std::string(attribute) + " " + std::to_string(type) + " has no kernel for GGUF experts (Q4_0 = 2, Q5_0 = 6, "
+         "Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14)");
   if (K % b.weights != 0)
     fail(std::string(attribute) + " " + b.name + " needs " + k_name + " a multiple of " + std::to_string(b.weights) +
          ", got " + std::to_string(K));
@@ -83,13 +87,15 @@ GgufMatmul expert_matmul(const GgufStack& s, int64_t e, int64_t K, int64_t n_row
 
 }  // namespace
 
-GgufExperts checked_gguf_experts(const int64_t types[3], const uint8_t* gate_up, const std::vector<int64_t>& gate_up_shape,
-                                 const uint8_t* down, const std::vector<int64_t>& down_shape, int64_t D) {
+GgufExperts checked_gguf_experts(const int64_t types[3], bool int8_activations, const uint8_t* gate_up,
+                                 const std::vector<int64_t>& gate_up_shape, const uint8_t* down,
+                                 const std::vector<int64_t>& down_shape, int64_t D) {
   if (gate_up_shape.size() != 3 || gate_up_shape[1] % 2 != 0)
     fail("GGUF gate_up must be [E, 2F, row bytes], got " + shape_text(gate_up_shape));
   const int64_t E = gate_up_shape[0], F = gate_up_shape[1] / 2;
-  const auto gate = checked_type(types[0], "gate_type", D, "D"), up = checked_type(types[1], "up_type", D, "D");
-  const auto dn = checked_type(types[2], "down_type", F, "F");
+  const bool i8 = int8_activations;
+  const auto gate = checked_type(types[0], i8, "gate_type", D, "D"), up = checked_type(types[1], i8, "up_type", D, "D");
+  const auto dn = checked_type(types[2], i8, "down_type", F, "F");
   const int64_t gate_bytes = D / gate.weights * gate.bytes, up_bytes = D / up.weights * up.bytes;
   const int64_t gate_up_bytes = std::max(gate_bytes, up_bytes), down_bytes = F / dn.weights * dn.bytes;
   if (gate_up_shape[2] != gate_up_bytes)
@@ -102,11 +108,22 @@ GgufExperts checked_gguf_experts(const int64_t types[3], const uint8_t* gate_up,
   x.gate = {gate_up, types[0], F, gate_up_bytes, 2 * F * gate_up_bytes};
   x.up = {gate_up + F * gate_up_bytes, types[1], F, gate_up_bytes, 2 * F * gate_up_bytes};
   x.down = {down, types[2], D, down_bytes, D * down_bytes};
+  x.int8 = int8_activations;
   return x;
 }
 
-void run_gguf_experts(OrtKernelContext* ctx, const Groups& g, const float* x, int64_t T, const GgufExperts& experts,
-                      float* expert_out) {
+namespace {
+
+// SwiGLU into act [rows, F] for an item's channels [c0, c1) of the expert's rows [first, last).
+void swiglu_rows(const std::vector<float>& gate_out, const std::vector<float>& up_out, int64_t F, const Item& it,
+                 int64_t first, int64_t last, std::vector<float>& act) {
+  for (int64_t t = first; t < last; ++t)
+    for (int64_t c = it.u0; c < it.u1; ++c) act[t * F + c] = silu_times(gate_out[t * F + c], up_out[t * F + c]);
+}
+
+// The int8 path: kiln/gguf_int8.py's arithmetic.
+void run_int8(OrtKernelContext* ctx, const Groups& g, const float* x, int64_t T, const GgufExperts& experts,
+              float* expert_out) {
   const GgufStack &gate = experts.gate, &up = experts.up, &down = experts.down;
   const int64_t n_rows = static_cast<int64_t>(g.token.size()), F = gate.rows, D = down.rows;
   Layout gate_layout = gguf_int8::layout_of(gate.type);
@@ -128,8 +145,7 @@ void run_gguf_experts(OrtKernelContext* ctx, const Groups& g, const float* x, in
                         first, last);
     gguf_int8::run_item(up.type, expert_matmul(up, it.expert, D, n_rows, up_out.data()), up_q, it.u0, it.u1, first,
                         last);
-    for (int64_t t = first; t < last; ++t)
-      for (int64_t c = it.u0; c < it.u1; ++c) act[t * F + c] = silu_times(gate_out[t * F + c], up_out[t * F + c]);
+    swiglu_rows(gate_out, up_out, F, it, first, last, act);
   };
   parallel_for(ctx, items.size(), gate_up_item);
 
@@ -144,6 +160,49 @@ void run_gguf_experts(OrtKernelContext* ctx, const Groups& g, const float* x, in
                         g.start[it.expert], g.start[it.expert + 1]);
   };
   parallel_for(ctx, items.size(), down_item);
+}
+
+// The float32 path: kiln/matmul_gguf.py's arithmetic on the tokens' rows copied into the grouped order.
+void run_float(OrtKernelContext* ctx, const Groups& g, const float* x, const GgufExperts& experts, float* expert_out) {
+  const GgufStack &gate = experts.gate, &up = experts.up, &down = experts.down;
+  const int64_t n_rows = static_cast<int64_t>(g.token.size()), F = gate.rows, D = down.rows;
+  std::vector<float> rows(n_rows * D);
+  for (int64_t i = 0; i < n_rows; ++i) std::copy_n(x + g.token[i] * D, D, rows.data() + i * D);
+  const std::vector<float> gate_sums = gguf_float::row_sums_for(gate.type, rows.data(), n_rows, D);
+  const std::vector<float> up_sums = gguf_float::row_sums_for(up.type, rows.data(), n_rows, D);
+
+  std::vector<float> gate_out(n_rows * F), up_out(n_rows * F), act(n_rows * F);
+  std::vector<Item> items = items_over(g, F, channels_per_item(2 * gate.stride));
+  auto gate_up_item = [&](size_t i) {
+    const Item& it = items[i];
+    const int64_t first = g.start[it.expert], last = g.start[it.expert + 1];
+    GgufMatmul m = expert_matmul(gate, it.expert, D, n_rows, gate_out.data());
+    m.x = rows.data();
+    gguf_float::run_item(gate.type, m, gate_sums.data(), it.u0, it.u1, first, last);
+    m = expert_matmul(up, it.expert, D, n_rows, up_out.data());
+    m.x = rows.data();
+    gguf_float::run_item(up.type, m, up_sums.data(), it.u0, it.u1, first, last);
+    swiglu_rows(gate_out, up_out, F, it, first, last, act);
+  };
+  parallel_for(ctx, items.size(), gate_up_item);
+
+  const std::vector<float> act_sums = gguf_float::row_sums_for(down.type, act.data(), n_rows, F);
+  items = items_over(g, D, channels_per_item(down.stride));
+  auto down_item = [&](size_t i) {
+    const Item& it = items[i];
+    GgufMatmul m = expert_matmul(down, it.expert, F, n_rows, expert_out);
+    m.x = act.data();
+    gguf_float::run_item(down.type, m, act_sums.data(), it.u0, it.u1, g.start[it.expert], g.start[it.expert + 1]);
+  };
+  parallel_for(ctx, items.size(), down_item);
+}
+
+}  // namespace
+
+void run_gguf_experts(OrtKernelContext* ctx, const Groups& g, const float* x, int64_t T, const GgufExperts& experts,
+                      float* expert_out) {
+  if (experts.int8) run_int8(ctx, g, x, T, experts, expert_out);
+  else run_float(ctx, g, x, experts, expert_out);
 }
 
 }  // namespace moe

@@ -132,6 +132,19 @@ def _logits(model, tokens: list[int]) -> np.ndarray:
         return model(input_ids=torch.tensor([tokens]), position_ids=torch.arange(len(tokens))[None]).logits[0].numpy()
 
 
+def _steps(engine: Path, steps: int):
+    """Per prompt of SHORT_PROMPTS, greedy on packed ragged steps (test_engine_numerics.generate_chunked): (the
+    tokens (those fed, then the last chosen), the positions that got logits, those logits, the positions whose
+    logits chose the token after)."""
+    from test_engine_numerics import generate_chunked
+
+    seqs, rows = generate_chunked(engine, SHORT_PROMPTS, steps)
+    for seq, prompt_len, seq_rows in zip(seqs, SHORT_PROMPTS, rows, strict=True):
+        positions = [pos for pos, _ in seq_rows]
+        yield (seq, positions, np.stack([row for _, row in seq_rows]),
+               [pos for pos in positions if pos >= prompt_len - 1])
+
+
 def _rerounded_experts(model):
     """transformers' model with its experts re-rounded to Q4_1 (what int4-q4_1 would serve of the file's experts)."""
     import torch
@@ -146,15 +159,32 @@ def _rerounded_experts(model):
     return model
 
 
+def _float_activations_copy(engine: Path, out: Path) -> Path:
+    """The engine with every kiln.MoE and kiln.MatMulGGUF on float32 activations (int8_activations = 0): the same
+    blocks computed as `gguf-exact` computes them."""
+    out.mkdir(parents=True)
+    shutil.copy(engine / "tokenizer.json", out / "tokenizer.json")
+    model = onnx.load(str(engine / "model.onnx"))
+    flipped = 0
+    for node in model.graph.node:
+        for attribute in node.attribute:
+            if node.domain == "kiln" and attribute.name == "int8_activations":
+                attribute.i, flipped = 0, flipped + 1
+    assert flipped > len(moe_nodes(model))
+    onnx.save(model, str(out / "model.onnx"), save_as_external_data=True, location="model.onnx.data")
+    return out
+
+
 def test_k_quant_moe_gguf_engine_serves_the_files_expert_blocks(tmp_path):
     """`kiln build FILE.gguf` (the default `gguf` scheme) keeps a k-quant MoE file's expert blocks as they are:
     kiln.MoE's GGUF experts with the file's bytes and types, each layer's own. Against transformers on the file's
     dequantized weights the engine differs by its int8 activations alone (every linear's and expert's, as llama.cpp's
     arithmetic: ~1% of the logits' size, what the dense `gguf` engines differ by too), less than the file's experts
     re-rounded to Q4_1 differ even with float32 activations, and greedy tokens agree wherever transformers' top two
-    logits are further apart than that error; a misplaced block, type or expert would be off by the logits' size."""
+    logits are further apart than that error; a misplaced block, type or expert would be off by the logits' size.
+    The same engine on float32 activations (what `gguf-exact` builds) gives transformers' logits within 1e-3 and its
+    greedy tokens."""
     from helpers import load_hf_reference
-    from test_engine_numerics import generate_chunked
     from tiny_gguf import make_tiny_gguf
 
     from kiln.manifest import BuildOptions
@@ -181,19 +211,21 @@ def test_k_quant_moe_gguf_engine_serves_the_files_expert_blocks(tmp_path):
         np.testing.assert_array_equal(inits[node.input[2]], np.concatenate([file_bytes["gate"], file_bytes["up"]], 1))
         np.testing.assert_array_equal(inits[node.input[3]], file_bytes["down"])
 
-    seqs, rows = generate_chunked(engine, SHORT_PROMPTS, 4)
     file_model, rerounded = load_hf_reference(hf_dir), _rerounded_experts(load_hf_reference(hf_dir))
     errors, rerounding, decodes = [], [], []
-    for s, (seq, prompt_len) in enumerate(zip(seqs, SHORT_PROMPTS, strict=True)):
-        tokens = seq[: prompt_len + 4]
-        ref = _logits(file_model, tokens)
-        positions = [pos for pos, _ in rows[s]]
-        errors.append(np.abs(np.stack([row for _, row in rows[s]]) - ref[positions]))
-        rerounding.append(np.abs(_logits(rerounded, tokens) - ref)[positions])
-        decodes += [(seq[pos + 1], ref[pos]) for pos in positions if pos >= prompt_len - 1]
+    for tokens, positions, got, decoded in _steps(engine, 4):
+        ref = _logits(file_model, tokens[:-1])
+        errors.append(np.abs(got - ref[positions]))
+        rerounding.append(np.abs(_logits(rerounded, tokens[:-1]) - ref)[positions])
+        decodes += [(tokens[pos + 1], ref[pos]) for pos in decoded]
     err, worse = np.concatenate(errors), np.concatenate(rerounding)
     assert err.max() < 0.05 * np.abs(np.concatenate([ref for _, ref in decodes])).max()
     assert err.mean() < 0.7 * worse.mean()
     clear = [(token, ref) for token, ref in decodes if np.diff(np.sort(ref)[-2:])[0] > 2 * err.max()]
     assert len(clear) > len(decodes) // 2
     assert [token for token, _ in clear] == [int(ref.argmax()) for _, ref in clear]
+
+    for tokens, positions, got, decoded in _steps(_float_activations_copy(engine, tmp_path / "float"), 3):
+        ref = _logits(file_model, tokens[:-1])
+        assert np.abs(got - ref[positions]).max() < 1e-3
+        assert [tokens[pos + 1] for pos in decoded] == ref[decoded].argmax(-1).tolist()

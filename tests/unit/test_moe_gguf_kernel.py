@@ -7,9 +7,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from onnx import helper
 
 from kiln.gguf_blocks import FORMATS, GgmlType, random_blocks, row_bytes
-from kiln.gguf_int8 import matmul_gguf_int8_ref
+from kiln.gguf_int8 import INT8_KINDS, matmul_gguf_int8_ref
 from kiln.moe import moe_ref, route_ref
 from kiln.moe_gguf import GgufExperts, gguf_experts, make_single_op_model, moe_gguf_ref
 
@@ -24,7 +25,7 @@ Q4_K_M = (Q4_K, Q4_K, Q6_K)  # llama.cpp's Q4_K_M: gate/up Q4_K, down Q6_K in it
 def experts_of(rng, e: int, d: int, f: int, types) -> GgufExperts:
     gate, up, down = (random_blocks(rng, kind, e * rows, cols).reshape(e, rows, -1)
                       for kind, rows, cols in zip(types, (f, f, d), (d, d, f), strict=True))
-    return gguf_experts(gate, up, down, types)
+    return gguf_experts(gate, up, down, types, int8_activations=set(types) <= INT8_KINDS)
 
 
 def biased_router(experts: int, d: int, favoured: list[int], rng) -> np.ndarray:
@@ -42,8 +43,9 @@ def session(model, threads: int = 2):
     return ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
 
 
-def run(x, router, experts: GgufExperts, top_k: int, norm: bool, threads: int = 2) -> np.ndarray:
-    model = make_single_op_model(top_k, norm, experts.types, rank=x.ndim)
+def run(x, router, experts: GgufExperts, top_k: int, norm: bool, threads: int = 2,  # noqa: PLR0913 (the op's)
+        int8_activations: bool | None = None) -> np.ndarray:
+    model = make_single_op_model(top_k, norm, experts.types, rank=x.ndim, int8_activations=int8_activations)
     feeds = {"x": x, "router": router, "gate_up": experts.gate_up, "down": experts.down}
     return session(model, threads).run(None, feeds)[0]
 
@@ -89,6 +91,26 @@ def test_kernel_matches_the_spec(types, tokens, e, top_k, favoured):
     # float32 activations on the same weights are further off than the tolerance: the test sees the int8 path
     float_acts = moe_ref(x, router, *experts.dequantized(), top_k=top_k, norm_topk_prob=True)
     assert np.abs(y - float_acts).max() > 50 * tolerance(want)
+
+
+FLOAT_TYPES = {"q4_k_m": Q4_K_M, "q5_0_q5_1_q8_0": (GgmlType.Q5_0, GgmlType.Q5_1, Q8_0),
+               "q5_k_q4_0_q6_k": (Q5_K, Q4_0, Q6_K)}
+
+
+@pytest.mark.parametrize("tokens, e, top_k, favoured", [(1, 8, 2, None), (11, 5, 2, [3, 1]), (10, 4, 4, None)])
+@pytest.mark.parametrize("types", FLOAT_TYPES.values(), ids=FLOAT_TYPES.keys())
+def test_float_activations_match_the_files_weights(types, tokens, e, top_k, favoured):
+    """int8_activations = 0 (gguf-exact): each projection x @ dequantize(W)^T, every type kiln.MatMulGGUF decodes
+    (Q5_0 / Q5_1 too); the spec is moe_ref on the dequantized experts, to float32 rounding."""
+    rng = np.random.default_rng(tokens * 7 + e)
+    x, router, experts = case(rng, tokens, e, types, favoured)
+    y = run(x, router, experts, top_k, False, int8_activations=False)
+    want = moe_gguf_ref(x, router, experts, top_k=top_k, norm_topk_prob=False, int8_activations=False)
+    np.testing.assert_allclose(want, moe_ref(x, router, *experts.dequantized(), top_k=top_k, norm_topk_prob=False),
+                               rtol=0, atol=1e-6 * np.abs(want).max())
+    np.testing.assert_allclose(y, want, rtol=0, atol=tolerance(want))
+    if set(types) <= INT8_KINDS:  # the int8 path on the same blocks is further off: the attribute chooses the path
+        assert np.abs(run(x, router, experts, top_k, False, int8_activations=True) - want).max() > 50 * tolerance(want)
 
 
 def _misplaced(experts: GgufExperts, expert: int, where: str) -> GgufExperts:
@@ -153,9 +175,15 @@ def test_stacks_of_the_wrong_width_and_types_without_a_kernel_are_named():
         run(x, router, wide_down, 2, True)
     model = make_single_op_model(2, True, (Q4_K, Q4_K, GgmlType.Q5_1))
     feeds = {"x": x, "router": router, "gate_up": experts.gate_up, "down": experts.down}
-    with pytest.raises(Exception, match="down_type 7 has no kernel for GGUF experts"):
+    with pytest.raises(Exception, match="down_type 7 has no kernel for GGUF experts with int8 activations"):
         session(model).run(None, feeds)
-    with pytest.raises(ValueError, match="down has ggml type 7, which kiln.MoE's GGUF experts have no kernel for"):
+    float_model = make_single_op_model(2, True, (Q4_K, Q4_K, 10), int8_activations=False)  # Q2_K
+    with pytest.raises(Exception, match=r"down_type 10 has no kernel for GGUF experts \(Q4_0 = 2, Q5_0 = 6"):
+        session(float_model).run(None, feeds)
+    with pytest.raises(Exception, match="int8_activations must be 0 .* or 1"):
+        model.graph.node[0].attribute.append(helper.make_attribute("int8_activations", 2))
+        session(model).run(None, feeds)
+    with pytest.raises(ValueError, match="down has ggml type 7, which kiln.MoE's GGUF experts with int8 activations"):
         gguf_experts(experts.gate_up[:, :256], experts.gate_up[:, 256:], experts.down, (Q4_K, Q4_K, 7))
     bad_f = np.zeros((4, 128, row_bytes(Q8_0, 256)), np.uint8)
     with pytest.raises(ValueError, match="Q6_K rows hold whole blocks of 256 weights, got K = 128"):

@@ -1,6 +1,7 @@
 """optimize/quantize_moe_gguf.py: a kiln.MoE whose expert stacks carry a GGUF file's blocks gets those bytes and
-types as its GGUF experts (each read once, nothing dequantized), and the rewritten graph computes moe_gguf_ref; a
-layer with a type that has no int8 kernel keeps its float32 experts."""
+types as its GGUF experts (each read once, nothing dequantized), and the rewritten graph computes moe_gguf_ref on the
+activation path asked for (float32 for Q5_0 / Q5_1 experts, which have no int8 kernel); a layer with a type
+kiln.MatMulGGUF lacks keeps its float32 experts."""
 
 from __future__ import annotations
 
@@ -23,9 +24,10 @@ LIBRARY = op_library_or_skip()
 E, D, F = 4, 256, 256
 
 
-def file_stack(rng, kind: GgmlType, rows: int, k: int, reads: list[str], name: str):
-    """An expert stack [E, rows, k] as a file's blocks: (FileBlocks over its E * rows rows, the bytes)."""
-    data = random_blocks(rng, kind, E * rows, k)
+def file_stack(rng, kind: int, rows: int, k: int, reads: list[str], name: str):
+    """An expert stack [E, rows, k] as a file's blocks: (FileBlocks over its E * rows rows, the bytes; a type without
+    kiln's decoder gets bytes of Q8_0's size, which the pass must not read)."""
+    data = random_blocks(rng, GgmlType(kind) if kind in set(GgmlType) else GgmlType.Q8_0, E * rows, k)
 
     def read() -> np.ndarray:
         reads.append(name)
@@ -34,7 +36,7 @@ def file_stack(rng, kind: GgmlType, rows: int, k: int, reads: list[str], name: s
     return FileBlocks(int(kind), E * rows, read), data.reshape(E, rows, -1)
 
 
-def graph_with_file_experts(rng, types: tuple[GgmlType, GgmlType, GgmlType], reads: list[str]):
+def graph_with_file_experts(rng, types: tuple[int, int, int], reads: list[str]):
     """A one-node kiln.MoE graph whose experts are lazy float stacks carrying their file blocks (a GGUF build's)."""
     gate, gate_bytes = file_stack(rng, types[0], F, D, reads, "gate")
     up, up_bytes = file_stack(rng, types[1], F, D, reads, "up")
@@ -64,26 +66,32 @@ def run(model: ir.Model, x: np.ndarray) -> np.ndarray:
     return ort.InferenceSession(proto, so, providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
 
 
-def test_file_blocks_become_gguf_experts_and_the_graph_computes_the_spec():
+@pytest.mark.parametrize("types, int8_asked, int8", [
+    ((GgmlType.Q4_K, GgmlType.Q4_K, GgmlType.Q6_K), True, True),     # Q4_K_M's experts under gguf
+    ((GgmlType.Q4_K, GgmlType.Q4_K, GgmlType.Q6_K), False, False),   # ... under gguf-exact
+    ((GgmlType.Q4_K, GgmlType.Q4_K, GgmlType.Q5_0), True, False),    # a type without an int8 kernel: float32 acts
+])
+def test_file_blocks_become_gguf_experts_and_the_graph_computes_the_spec(types, int8_asked, int8):
     rng = np.random.default_rng(0)
     reads: list[str] = []
-    types = (GgmlType.Q4_K, GgmlType.Q4_K, GgmlType.Q6_K)
     model, router, stacks = graph_with_file_experts(rng, types, reads)
-    counts = keep_moe_gguf_experts(model)
+    counts = keep_moe_gguf_experts(model, int8_activations=int8_asked)
     assert (counts.kept, counts.float32) == (1, 0)
     assert sorted(reads) == ["down", "gate", "up"]  # each stack's bytes read once
     (node,) = moe_nodes(model)
-    assert [node.attributes[name].value for name in ("gate_type", "up_type", "down_type")] == [int(t) for t in types]
+    names = ("gate_type", "up_type", "down_type", "int8_activations")
+    assert [node.attributes[name].value for name in names] == [*map(int, types), int(int8)]
     gate_up, down = (value.const_value.numpy() for value in node.inputs[2:4])
     np.testing.assert_array_equal(gate_up, np.concatenate(stacks[:2], axis=1))
     np.testing.assert_array_equal(down, stacks[2])
     x = rng.standard_normal((5, D)).astype(np.float32)
-    want = moe_gguf_ref(x, router, gguf_experts(*stacks, types), top_k=2, norm_topk_prob=True)
+    want = moe_gguf_ref(x, router, gguf_experts(*stacks, types, int8), top_k=2, norm_topk_prob=True,
+                        int8_activations=int8)
     np.testing.assert_allclose(run(model, x), want, rtol=0, atol=4e-6 * np.abs(want).max())
 
 
-@pytest.mark.parametrize("down_type", [GgmlType.Q5_0, GgmlType.Q5_1])
-def test_a_type_without_an_int8_kernel_keeps_float32_experts(down_type):
+@pytest.mark.parametrize("down_type", [10, 11])  # Q2_K, Q3_K: no kiln.MatMulGGUF decoder
+def test_a_type_kiln_does_not_decode_keeps_float32_experts(down_type):
     reads: list[str] = []
     model, _, _ = graph_with_file_experts(np.random.default_rng(1), (GgmlType.Q4_K, GgmlType.Q4_K, down_type), reads)
     counts = keep_moe_gguf_experts(model)
