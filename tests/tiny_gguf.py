@@ -128,7 +128,8 @@ def make_tiny_gguf(tmp_path, family: str = "llama", architecture: str | None = N
         else:
             kind, data = blocks
             writer.add_tensor(gguf_name, data, raw_dtype=gguf.GGMLQuantizationType(int(kind)))
-            weights[name] = torch.from_numpy(dequantize(data, gguf.GGMLQuantizationType(int(kind))))
+            if file_weights_in_hf:
+                weights[name] = torch.from_numpy(dequantize(data, gguf.GGMLQuantizationType(int(kind))))
     for gguf_name, by_index in experts.items():
         names, arrays = zip(*(by_index[j] for j in range(len(by_index))), strict=True)
         stack = np.stack(arrays)
@@ -138,8 +139,9 @@ def make_tiny_gguf(tmp_path, family: str = "llama", architecture: str | None = N
         else:
             kind, data = blocks
             writer.add_tensor(gguf_name, data, raw_dtype=gguf.GGMLQuantizationType(int(kind)))
-            for name, expert in zip(names, dequantize(data, gguf.GGMLQuantizationType(int(kind))), strict=True):
-                weights[name] = torch.from_numpy(np.ascontiguousarray(expert))
+            if file_weights_in_hf:
+                for name, expert in zip(names, dequantize(data, gguf.GGMLQuantizationType(int(kind))), strict=True):
+                    weights[name] = torch.from_numpy(np.ascontiguousarray(expert))
     if file_weights_in_hf:
         if arch == "llama":
             raise ValueError("file_weights_in_hf: llama's q/k rows are permuted in the file")
