@@ -80,6 +80,8 @@ void grouped_activations(OrtKernelContext* ctx, const Layout& layout, const floa
 
 int64_t channels_per_item(int64_t row_bytes) { return std::max<int64_t>(1, kItemBytes / row_bytes); }
 
+enum class Projection { kGate, kUp, kDown };
+
 // A projection's matmul over expert e's rows of its stack, writing y [rows, N] (ld N).
 GgufMatmul expert_matmul(const GgufStack& s, int64_t e, int64_t K, int64_t n_rows, float* y) {
   return GgufMatmul{s.w + e * s.expert_bytes, nullptr, nullptr, y, n_rows, s.rows, K, s.stride};
@@ -114,85 +116,85 @@ GgufExperts checked_gguf_experts(const int64_t types[3], bool int8_activations, 
 
 namespace {
 
-// SwiGLU into act [rows, F] for an item's channels [c0, c1) of the expert's rows [first, last).
-void swiglu_rows(const std::vector<float>& gate_out, const std::vector<float>& up_out, int64_t F, const Item& it,
-                 int64_t first, int64_t last, std::vector<float>& act) {
-  for (int64_t t = first; t < last; ++t)
-    for (int64_t c = it.u0; c < it.u1; ++c) act[t * F + c] = silu_times(gate_out[t * F + c], up_out[t * F + c]);
-}
+// The int8 path's activations (kiln/gguf_int8.py): the tokens quantized once for gate and up (once in all when
+// their layouts share a block), silu(gate) * up once per grouped row for down.
+struct Int8Path {
+  Int8Rows gate_q, up_own, down_q;
+  bool shared = false;  // up reads gate_q
 
-// The int8 path: kiln/gguf_int8.py's arithmetic.
-void run_int8(OrtKernelContext* ctx, const Groups& g, const float* x, int64_t T, const GgufExperts& experts,
-              float* expert_out) {
+  Int8Path(OrtKernelContext* ctx, const Groups& g, const float* x, int64_t T, const GgufExperts& experts) {
+    const int64_t D = experts.down.rows;
+    Layout gate_layout = gguf_int8::layout_of(experts.gate.type);
+    const Layout up_layout = gguf_int8::layout_of(experts.up.type);
+    shared = gate_layout.block == up_layout.block;
+    if (shared) gate_layout.sums |= up_layout.sums, gate_layout.sub_sums |= up_layout.sub_sums;
+    grouped_activations(ctx, gate_layout, x, T, D, g, gate_q);
+    if (!shared) grouped_activations(ctx, up_layout, x, T, D, g, up_own);
+  }
+  void prepare_down(OrtKernelContext* ctx, const GgufStack& down, const std::vector<float>& act, int64_t n_rows,
+                    int64_t F) {
+    std::vector<const float*> rows(n_rows);
+    for (int64_t i = 0; i < n_rows; ++i) rows[i] = act.data() + i * F;
+    gguf_int8::quantize_rows(ctx, gguf_int8::layout_of(down.type), rows.data(), n_rows, F, down_q);
+  }
+  void project(Projection which, const GgufStack& s, const GgufMatmul& m, const Item& it, int64_t first,
+               int64_t last) const {
+    const Int8Rows& a = which == Projection::kDown ? down_q : which == Projection::kUp && !shared ? up_own : gate_q;
+    gguf_int8::run_item(s.type, m, a, it.u0, it.u1, first, last);
+  }
+};
+
+// The float32 path's activations (kiln/matmul_gguf.py): the tokens' rows copied into the grouped order, and the
+// row sums of 32 the types with minimums need.
+struct FloatPath {
+  std::vector<float> rows, gate_sums, up_sums, down_sums;
+  const float* act = nullptr;
+
+  FloatPath(const Groups& g, const float* x, const GgufExperts& experts) {
+    const int64_t n_rows = static_cast<int64_t>(g.token.size()), D = experts.down.rows;
+    rows.resize(n_rows * D);
+    for (int64_t i = 0; i < n_rows; ++i) std::copy_n(x + g.token[i] * D, D, rows.data() + i * D);
+    gate_sums = gguf_float::row_sums_for(experts.gate.type, rows.data(), n_rows, D);
+    up_sums = gguf_float::row_sums_for(experts.up.type, rows.data(), n_rows, D);
+  }
+  void prepare_down(OrtKernelContext*, const GgufStack& down, const std::vector<float>& activations, int64_t n_rows,
+                    int64_t F) {
+    act = activations.data();
+    down_sums = gguf_float::row_sums_for(down.type, act, n_rows, F);
+  }
+  void project(Projection which, const GgufStack& s, GgufMatmul m, const Item& it, int64_t first,
+               int64_t last) const {
+    m.x = which == Projection::kDown ? act : rows.data();
+    const std::vector<float>& sums = which == Projection::kDown ? down_sums
+                                     : which == Projection::kUp ? up_sums : gate_sums;
+    gguf_float::run_item(s.type, m, sums.data(), it.u0, it.u1, first, last);
+  }
+};
+
+// The two phases on either path: (expert, range of F's channels) items computing gate and up over all of the
+// expert's rows and their silu(gate) * up, then (expert, range of D's channels) items of down.
+template <class Path>
+void run_phases(OrtKernelContext* ctx, const Groups& g, const GgufExperts& experts, Path& path, float* expert_out) {
   const GgufStack &gate = experts.gate, &up = experts.up, &down = experts.down;
   const int64_t n_rows = static_cast<int64_t>(g.token.size()), F = gate.rows, D = down.rows;
-  Layout gate_layout = gguf_int8::layout_of(gate.type);
-  const Layout up_layout = gguf_int8::layout_of(up.type);
-  const bool shared = gate_layout.block == up_layout.block;  // one quantization serves both
-  if (shared) gate_layout.sums |= up_layout.sums, gate_layout.sub_sums |= up_layout.sub_sums;
-  Int8Rows gate_q, up_own;
-  grouped_activations(ctx, gate_layout, x, T, D, g, gate_q);
-  if (!shared) grouped_activations(ctx, up_layout, x, T, D, g, up_own);
-  const Int8Rows& up_q = shared ? gate_q : up_own;
-
-  // gate/up + SwiGLU: an item is (expert, range of F's channels), its gate and up rows over all of its rows
   std::vector<float> gate_out(n_rows * F), up_out(n_rows * F), act(n_rows * F);
   std::vector<Item> items = items_over(g, F, channels_per_item(2 * gate.stride));  // a gate and an up row a channel
   auto gate_up_item = [&](size_t i) {
     const Item& it = items[i];
     const int64_t first = g.start[it.expert], last = g.start[it.expert + 1];
-    gguf_int8::run_item(gate.type, expert_matmul(gate, it.expert, D, n_rows, gate_out.data()), gate_q, it.u0, it.u1,
-                        first, last);
-    gguf_int8::run_item(up.type, expert_matmul(up, it.expert, D, n_rows, up_out.data()), up_q, it.u0, it.u1, first,
-                        last);
-    swiglu_rows(gate_out, up_out, F, it, first, last, act);
+    path.project(Projection::kGate, gate, expert_matmul(gate, it.expert, D, n_rows, gate_out.data()), it, first, last);
+    path.project(Projection::kUp, up, expert_matmul(up, it.expert, D, n_rows, up_out.data()), it, first, last);
+    for (int64_t t = first; t < last; ++t)
+      for (int64_t c = it.u0; c < it.u1; ++c) act[t * F + c] = silu_times(gate_out[t * F + c], up_out[t * F + c]);
   };
   parallel_for(ctx, items.size(), gate_up_item);
 
-  std::vector<const float*> act_rows(n_rows);
-  for (int64_t i = 0; i < n_rows; ++i) act_rows[i] = act.data() + i * F;
-  Int8Rows act_q;
-  gguf_int8::quantize_rows(ctx, gguf_int8::layout_of(down.type), act_rows.data(), n_rows, F, act_q);
+  path.prepare_down(ctx, down, act, n_rows, F);
   items = items_over(g, D, channels_per_item(down.stride));
   auto down_item = [&](size_t i) {
     const Item& it = items[i];
-    gguf_int8::run_item(down.type, expert_matmul(down, it.expert, F, n_rows, expert_out), act_q, it.u0, it.u1,
-                        g.start[it.expert], g.start[it.expert + 1]);
-  };
-  parallel_for(ctx, items.size(), down_item);
-}
-
-// The float32 path: kiln/matmul_gguf.py's arithmetic on the tokens' rows copied into the grouped order.
-void run_float(OrtKernelContext* ctx, const Groups& g, const float* x, const GgufExperts& experts, float* expert_out) {
-  const GgufStack &gate = experts.gate, &up = experts.up, &down = experts.down;
-  const int64_t n_rows = static_cast<int64_t>(g.token.size()), F = gate.rows, D = down.rows;
-  std::vector<float> rows(n_rows * D);
-  for (int64_t i = 0; i < n_rows; ++i) std::copy_n(x + g.token[i] * D, D, rows.data() + i * D);
-  const std::vector<float> gate_sums = gguf_float::row_sums_for(gate.type, rows.data(), n_rows, D);
-  const std::vector<float> up_sums = gguf_float::row_sums_for(up.type, rows.data(), n_rows, D);
-
-  std::vector<float> gate_out(n_rows * F), up_out(n_rows * F), act(n_rows * F);
-  std::vector<Item> items = items_over(g, F, channels_per_item(2 * gate.stride));
-  auto gate_up_item = [&](size_t i) {
-    const Item& it = items[i];
-    const int64_t first = g.start[it.expert], last = g.start[it.expert + 1];
-    GgufMatmul m = expert_matmul(gate, it.expert, D, n_rows, gate_out.data());
-    m.x = rows.data();
-    gguf_float::run_item(gate.type, m, gate_sums.data(), it.u0, it.u1, first, last);
-    m = expert_matmul(up, it.expert, D, n_rows, up_out.data());
-    m.x = rows.data();
-    gguf_float::run_item(up.type, m, up_sums.data(), it.u0, it.u1, first, last);
-    swiglu_rows(gate_out, up_out, F, it, first, last, act);
-  };
-  parallel_for(ctx, items.size(), gate_up_item);
-
-  const std::vector<float> act_sums = gguf_float::row_sums_for(down.type, act.data(), n_rows, F);
-  items = items_over(g, D, channels_per_item(down.stride));
-  auto down_item = [&](size_t i) {
-    const Item& it = items[i];
-    GgufMatmul m = expert_matmul(down, it.expert, F, n_rows, expert_out);
-    m.x = act.data();
-    gguf_float::run_item(down.type, m, act_sums.data(), it.u0, it.u1, g.start[it.expert], g.start[it.expert + 1]);
+    path.project(Projection::kDown, down, expert_matmul(down, it.expert, F, n_rows, expert_out), it,
+                 g.start[it.expert], g.start[it.expert + 1]);
   };
   parallel_for(ctx, items.size(), down_item);
 }
@@ -201,8 +203,13 @@ void run_float(OrtKernelContext* ctx, const Groups& g, const float* x, const Ggu
 
 void run_gguf_experts(OrtKernelContext* ctx, const Groups& g, const float* x, int64_t T, const GgufExperts& experts,
                       float* expert_out) {
-  if (experts.int8) run_int8(ctx, g, x, T, experts, expert_out);
-  else run_float(ctx, g, x, experts, expert_out);
+  if (experts.int8) {
+    Int8Path path(ctx, g, x, T, experts);
+    run_phases(ctx, g, experts, path, expert_out);
+  } else {
+    FloatPath path(g, x, experts);
+    run_phases(ctx, g, experts, path, expert_out);
+  }
 }
 
 }  // namespace moe

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import shutil
 import zlib
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -28,26 +29,35 @@ def moe_nodes(model: onnx.ModelProto) -> list[onnx.NodeProto]:
     return [node for node in model.graph.node if node.op_type == OP_TYPE and node.domain == "kiln"]
 
 
-def perturbed_copy(engine: Path, out: Path, how: str) -> Path:
-    """A copy of the engine's graph with every kiln.MoE's routing perturbed `how`."""
+def edited_copy(engine: Path, out: Path, edit: Callable[[onnx.ModelProto], None]) -> Path:
+    """A copy of the engine's graph (with its weights: the tiny models are small) after `edit` changed it."""
     out.mkdir(parents=True)
     shutil.copy(engine / "tokenizer.json", out / "tokenizer.json")
-    model = onnx.load(str(engine / "model.onnx"))  # with its external weights: the tiny model is small
-    initializers = {init.name: init for init in model.graph.initializer}
-    for node in moe_nodes(model):
-        attrs = {a.name: a for a in node.attribute}
-        if how == "top_k+1":
-            attrs["top_k"].i += 1
-        elif how == "top_k-1":
-            attrs["top_k"].i -= 1
-        elif how == "renormalisation":
-            attrs["norm_topk_prob"].i = 1 - attrs["norm_topk_prob"].i
-        else:  # expert order: the stacked experts reversed, the router's rows not
-            for name in node.input[2:4]:
-                init = initializers[name]
-                init.CopyFrom(onnx.numpy_helper.from_array(onnx.numpy_helper.to_array(init)[::-1].copy(), name))
+    model = onnx.load(str(engine / "model.onnx"))
+    edit(model)
     onnx.save(model, str(out / "model.onnx"), save_as_external_data=True, location="model.onnx.data")
     return out
+
+
+def perturbed_copy(engine: Path, out: Path, how: str) -> Path:
+    """A copy of the engine's graph with every kiln.MoE's routing perturbed `how`."""
+
+    def perturb(model: onnx.ModelProto) -> None:
+        initializers = {init.name: init for init in model.graph.initializer}
+        for node in moe_nodes(model):
+            attrs = {a.name: a for a in node.attribute}
+            if how == "top_k+1":
+                attrs["top_k"].i += 1
+            elif how == "top_k-1":
+                attrs["top_k"].i -= 1
+            elif how == "renormalisation":
+                attrs["norm_topk_prob"].i = 1 - attrs["norm_topk_prob"].i
+            else:  # expert order: the stacked experts reversed, the router's rows not
+                for name in node.input[2:4]:
+                    init = initializers[name]
+                    init.CopyFrom(onnx.numpy_helper.from_array(onnx.numpy_helper.to_array(init)[::-1].copy(), name))
+
+    return edited_copy(engine, out, perturb)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -159,20 +169,15 @@ def _rerounded_experts(model):
     return model
 
 
-def _float_activations_copy(engine: Path, out: Path) -> Path:
-    """The engine with every kiln.MoE and kiln.MatMulGGUF on float32 activations (int8_activations = 0): the same
-    blocks computed as `gguf-exact` computes them."""
-    out.mkdir(parents=True)
-    shutil.copy(engine / "tokenizer.json", out / "tokenizer.json")
-    model = onnx.load(str(engine / "model.onnx"))
+def _float_activations(model: onnx.ModelProto) -> None:
+    """Every kiln.MoE and kiln.MatMulGGUF on float32 activations (int8_activations = 0): the same blocks computed as
+    `gguf-exact` computes them."""
     flipped = 0
     for node in model.graph.node:
         for attribute in node.attribute:
             if node.domain == "kiln" and attribute.name == "int8_activations":
                 attribute.i, flipped = 0, flipped + 1
     assert flipped > len(moe_nodes(model))
-    onnx.save(model, str(out / "model.onnx"), save_as_external_data=True, location="model.onnx.data")
-    return out
 
 
 def test_k_quant_moe_gguf_engine_serves_the_files_expert_blocks(tmp_path):
@@ -225,7 +230,7 @@ def test_k_quant_moe_gguf_engine_serves_the_files_expert_blocks(tmp_path):
     assert len(clear) > len(decodes) // 2
     assert [token for token, _ in clear] == [int(ref.argmax()) for _, ref in clear]
 
-    for tokens, positions, got, decoded in _steps(_float_activations_copy(engine, tmp_path / "float"), 3):
+    for tokens, positions, got, decoded in _steps(edited_copy(engine, tmp_path / "float", _float_activations), 3):
         ref = _logits(file_model, tokens[:-1])
         assert np.abs(got - ref[positions]).max() < 1e-3
         assert [tokens[pos + 1] for pos in decoded] == ref[decoded].argmax(-1).tolist()

@@ -16,6 +16,7 @@ from kiln.moe_gguf import GgufExperts, gguf_experts, make_single_op_model, moe_g
 
 ort = pytest.importorskip("onnxruntime")
 from op_library import op_library_or_skip  # noqa: E402
+from test_moe_kernel import biased_router  # noqa: E402
 
 LIBRARY = op_library_or_skip()
 Q4_K, Q5_K, Q6_K, Q8_0, Q4_0 = GgmlType.Q4_K, GgmlType.Q5_K, GgmlType.Q6_K, GgmlType.Q8_0, GgmlType.Q4_0
@@ -26,14 +27,6 @@ def experts_of(rng, e: int, d: int, f: int, types) -> GgufExperts:
     gate, up, down = (random_blocks(rng, kind, e * rows, cols).reshape(e, rows, -1)
                       for kind, rows, cols in zip(types, (f, f, d), (d, d, f), strict=True))
     return gguf_experts(gate, up, down, types, int8_activations=set(types) <= INT8_KINDS)
-
-
-def biased_router(experts: int, d: int, favoured: list[int], rng) -> np.ndarray:
-    """Logits for x near ones huge for `favoured` (in that order), small for the rest."""
-    router = (rng.standard_normal((experts, d)) * 0.01).astype(np.float32)
-    for rank, e in enumerate(favoured):
-        router[e] += (10.0 - rank) / d
-    return router
 
 
 def session(model, threads: int = 2):

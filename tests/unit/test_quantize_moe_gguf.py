@@ -18,9 +18,8 @@ from kiln.optimize.quantize_moe import moe_nodes
 from kiln.optimize.quantize_moe_gguf import keep_moe_gguf_experts
 
 ort = pytest.importorskip("onnxruntime")
-from op_library import op_library_or_skip  # noqa: E402
+from test_quantize_moe import run  # noqa: E402
 
-LIBRARY = op_library_or_skip()
 E, D, F = 4, 256, 256
 
 
@@ -57,13 +56,6 @@ def graph_with_file_experts(rng, types: tuple[int, int, int], reads: list[str]):
             value.const_value = stacks[value.name]
             graph.register_initializer(value)
     return model, router, (gate_bytes, up_bytes, down_bytes)
-
-
-def run(model: ir.Model, x: np.ndarray) -> np.ndarray:
-    so = ort.SessionOptions()
-    so.register_custom_ops_library(LIBRARY)
-    proto = ir.serde.serialize_model(model).SerializeToString()
-    return ort.InferenceSession(proto, so, providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
 
 
 @pytest.mark.parametrize("types, int8_asked, int8", [
