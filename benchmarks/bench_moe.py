@@ -1,8 +1,11 @@
 """kiln.MoE with Q4_1 experts against a dense SwiGLU MLP with the same active parameters (kiln.MatMulQ4_1 gate/up ->
-kiln.SwiGLU -> kiln.MatMulQ4_1 down, the int4-q4_1 engine's dense MLP), one layer, random Q4_1 weights.
+kiln.SwiGLU -> kiln.MatMulQ4_1 down, the int4-q4_1 engine's dense MLP), one layer, random Q4_1 weights; or, with
+--gguf-experts, kiln.MoE with GGUF experts (random blocks of the types given for gate, up and down: a Q4_K_M file's
+are Q4_K Q4_K Q4_K or Q4_K Q4_K Q6_K by layer) against the same op with Q4_1 experts.
 
     .venv/bin/python benchmarks/bench_moe.py [--hidden 2048] [--expert-width 1024] [--experts 64] [--top-k 8]
                                              [--rows 1 16 128] [--rounds 7] [--threads 2]
+                                             [--gguf-experts Q4_K Q4_K Q4_K]
 
 The defaults are OLMoE-1B-7B's layer: 64 experts of width 1024, 8 per token, so the dense MLP has width 8192.
 A decode row reads 8 experts' bytes in either graph (the same weight budget); 16 rows route to most of the 64
@@ -21,8 +24,10 @@ import onnxruntime as ort
 from onnx import ModelProto, TensorProto, helper, numpy_helper
 
 from kiln.contract import OP_DOMAIN
+from kiln.gguf_blocks import GgmlType, random_blocks
 from kiln.matmul_q4_1 import Q4_1Weights
 from kiln.moe import OP_TYPE, OP_VERSION, pack_q4_1_experts
+from kiln.moe_gguf import TYPE_ATTRIBUTES, gguf_experts
 from kiln.runtime.ops import library_path
 
 
@@ -48,6 +53,19 @@ def moe_model(rng: np.random.Generator, args: argparse.Namespace) -> ModelProto:
     router = (rng.standard_normal((e, d)) / np.sqrt(d)).astype(np.float32)
     arrays = {"router": router, "gate_up": gate_up, "down": down, "gate_up_dm": gate_up_dm, "down_dm": down_dm}
     node = helper.make_node(OP_TYPE, ["x", *arrays], ["y"], domain=OP_DOMAIN, top_k=args.top_k, norm_topk_prob=1)
+    return model([node], [numpy_helper.from_array(a, name) for name, a in arrays.items()], d)
+
+
+def gguf_moe_model(rng: np.random.Generator, args: argparse.Namespace) -> ModelProto:
+    e, d, f = args.experts, args.hidden, args.expert_width
+    kinds = [GgmlType[name] for name in args.gguf_experts]
+    stacks = [random_blocks(rng, kind, e * rows, k, 0.02).reshape(e, rows, -1)
+              for kind, rows, k in zip(kinds, (f, f, d), (d, d, f), strict=True)]
+    experts = gguf_experts(*stacks, tuple(kinds))
+    router = (rng.standard_normal((e, d)) / np.sqrt(d)).astype(np.float32)
+    arrays = {"router": router, "gate_up": experts.gate_up, "down": experts.down}
+    node = helper.make_node(OP_TYPE, ["x", *arrays], ["y"], domain=OP_DOMAIN, top_k=args.top_k, norm_topk_prob=1)
+    node.attribute.extend(helper.make_attribute(name, int(k)) for name, k in zip(TYPE_ATTRIBUTES, kinds, strict=True))
     return model([node], [numpy_helper.from_array(a, name) for name, a in arrays.items()], d)
 
 
@@ -87,21 +105,34 @@ def main() -> None:
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 16, 128])
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--gguf-experts", nargs=3, metavar=("GATE", "UP", "DOWN"),
+                        choices=[k.name for k in GgmlType], help="compare GGUF experts of these types with Q4_1 ones")
     args = parser.parse_args()
     rng = np.random.default_rng(0)
-    moe, dense = session(moe_model(rng, args), args.threads), session(dense_model(rng, args), args.threads)
-    print(f"D={args.hidden} experts={args.experts}x{args.expert_width} top-{args.top_k}; dense width "
-          f"{args.top_k * args.expert_width}; {args.threads} threads; ms per layer (median of {args.rounds} rounds)")
-    print(f"{'rows':>5} {'MoE':>8} {'dense':>8} {'MoE/dense [min-max over rounds]':>32}")
+    if args.gguf_experts:
+        names = ("GGUF", "Q4_1")
+        first, second = gguf_moe_model(rng, args), moe_model(rng, args)
+        print(f"D={args.hidden} experts={args.experts}x{args.expert_width} top-{args.top_k}; GGUF experts "
+              f"{'/'.join(args.gguf_experts)} against Q4_1 experts; {args.threads} threads; ms per layer "
+              f"(median of {args.rounds} rounds)")
+    else:
+        names = ("MoE", "dense")
+        first, second = moe_model(rng, args), dense_model(rng, args)
+        print(f"D={args.hidden} experts={args.experts}x{args.expert_width} top-{args.top_k}; dense width "
+              f"{args.top_k * args.expert_width}; {args.threads} threads; ms per layer "
+              f"(median of {args.rounds} rounds)")
+    sessions = (session(first, args.threads), session(second, args.threads))
+    ratio_title = f"{names[0]}/{names[1]} [min-max over rounds]"
+    print(f"{'rows':>5} {names[0]:>8} {names[1]:>8} {ratio_title:>32}")
     for rows in args.rows:
         x = rng.standard_normal((rows, args.hidden)).astype(np.float32)
         repeats = max(3, 64 // rows)
-        times: dict[str, list[float]] = {"moe": [], "dense": []}
+        times: tuple[list[float], list[float]] = ([], [])
         for _ in range(args.rounds):
-            times["moe"].append(ms_per_run(moe, x, repeats))
-            times["dense"].append(ms_per_run(dense, x, repeats))
-        a, b = statistics.median(times["moe"]), statistics.median(times["dense"])
-        ratios = [m / d for m, d in zip(times["moe"], times["dense"], strict=True)]
+            for sess, timed in zip(sessions, times, strict=True):
+                timed.append(ms_per_run(sess, x, repeats))
+        a, b = statistics.median(times[0]), statistics.median(times[1])
+        ratios = [m / d for m, d in zip(*times, strict=True)]
         print(f"{rows:>5} {a:>8.2f} {b:>8.2f} {statistics.median(ratios):>10.2f} [{min(ratios):.2f}-{max(ratios):.2f}]")
 
 

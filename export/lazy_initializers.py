@@ -89,7 +89,8 @@ class MatrixRows(ir.LazyTensor):
 
 class BlockRows(ir.LazyTensor):
     """A lazy ``W [N, K]`` initializer kept as it is (an embedding table, which a tied LM head reads through a
-    Transpose), with W's rows as file blocks like MatrixRows.blocks."""
+    Transpose), with W's rows as file blocks like MatrixRows.blocks; or a kiln.MoE expert stack [E, rows, K], whose
+    blocks are its parts along rows (down's one, or gate_up's gate and up), each part's rows every expert's."""
 
     __slots__ = ("blocks",)
 
@@ -126,13 +127,22 @@ def attach_lazy_weights(model: ir.Model, weights: Mapping[str, torch.Tensor],
             raise LazyInitializerError(f"initializer {value.name} views weight {placeholder.name} "
                                        f"{list(shape)} as {list(array.shape)} with strides {array.strides}")
         read = _reader(weights, placeholder.name)
-        found = weights.file_blocks(placeholder.name) if isinstance(weights, LazyWeights) else None
-        blocks = (found,) if isinstance(found, FileBlocks) else ()
+        blocks = _file_blocks(weights, placeholder.name)
         value.const_value = (MatrixRows(read, *shape, name=tensor.name, blocks=blocks) if transpose else
                              BlockRows(read, shape, name=tensor.name, blocks=blocks))
         swapped += 1
     _check_no_placeholder_left(model, placeholders)
     return swapped
+
+
+def _file_blocks(weights: Mapping[str, torch.Tensor], name: str) -> tuple[FileBlocks, ...]:
+    """A weight's file blocks: one part, or an expert stack's gate and up parts; () without blocks."""
+    found = weights.file_blocks(name) if isinstance(weights, LazyWeights) else None
+    if isinstance(found, FileBlocks):
+        return (found,)
+    if isinstance(found, tuple) and all(isinstance(part, FileBlocks) for part in found):
+        return found
+    return ()
 
 
 def _backing_array(tensor: ir.TensorProtocol | None) -> np.ndarray | None:

@@ -22,6 +22,7 @@ import torch
 from kiln.spec import ModelSpec
 
 from .checkpoint_types import LazyWeights, TensorSource
+from .tensor_files import FileBlocks, file_blocks
 
 _MIXTRAL_NAMES = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 _EXPERT = re.compile(r"^(model\.layers\.\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.weight$")
@@ -72,6 +73,11 @@ class ConcatRows:
 
     def read(self) -> torch.Tensor:
         return torch.cat([self.first.read().to(torch.float32), self.second.read().to(torch.float32)], dim=1)
+
+    def file_blocks(self) -> tuple[FileBlocks, FileBlocks] | None:
+        """The two stacks' file blocks (gate's, then up's; each its E * rows rows), when both have them."""
+        first, second = file_blocks(self.first), file_blocks(self.second)
+        return (first, second) if first is not None and second is not None else None
 
 
 @dataclass(frozen=True)

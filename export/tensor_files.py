@@ -153,16 +153,18 @@ class GgufTensor:
         return tensor
 
     def file_blocks(self) -> FileBlocks | None:
-        """The matrix's rows as the file's blocks (None for vectors and float types). llama.cpp's q/k permutation
-        moves whole rows, and a row is whole blocks, so undoing it on the rows of bytes is exact."""
+        """The matrix's rows as the file's blocks (None for vectors and float types); an [E, rows, cols] expert stack's
+        are its E * rows rows, expert after expert. llama.cpp's q/k permutation moves whole rows, and a row is whole
+        blocks, so undoing it on the rows of bytes is exact."""
         from gguf import GGMLQuantizationType
 
-        if len(self.shape) != 2 or self.qtype in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
+        if len(self.shape) not in (2, 3) or self.qtype in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
             return None
-        return FileBlocks(self.qtype, self.shape[0], self._read_blocks)
+        return FileBlocks(self.qtype, int(np.prod(self.shape[:-1])), self._read_blocks)
 
     def _read_blocks(self) -> np.ndarray:
-        data = np.frombuffer(read_bytes(self.path, self.offset, self.nbytes), dtype=np.uint8).reshape(self.shape[0], -1)
+        rows = int(np.prod(self.shape[:-1]))
+        data = np.frombuffer(read_bytes(self.path, self.offset, self.nbytes), dtype=np.uint8).reshape(rows, -1)
         if self.rotary_heads:
             data = unpermute_rotary_rows(torch.from_numpy(data), self.rotary_heads).numpy()
         return np.ascontiguousarray(data)

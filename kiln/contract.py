@@ -51,9 +51,11 @@ OP_VERSION = 1
 #    library would ignore it and attend causally only, so engines that carry it need this one).
 # 9: kiln.MatMulQ4_1's layout attribute: "records" weights are the kernel's own 320-byte records, stored in the
 #    engine and read where ONNX Runtime maps them (kiln/matmul_q4_1.py); int4-q4_1 and gguf engines hold them.
-OP_LIBRARY_ABI = 9
-# The oldest engine ABI this library still runs: ABIs 2 to 9 only added optional inputs, attributes,
-# a pool dtype and new ops, so ABI-1 to ABI-8 graphs (RoPE as graph ops, no SwiGLU, Q4_1 blocks) are unchanged and
+# 10: kiln.MoE's GGUF experts (the gate_type, up_type and down_type attributes: a GGUF file's expert blocks as they
+#     are, kiln/moe_gguf.py); `gguf` engines of mixture-of-experts GGUF files hold them.
+OP_LIBRARY_ABI = 10
+# The oldest engine ABI this library still runs: ABIs 2 to 10 only added optional inputs, attributes,
+# a pool dtype and new ops, so ABI-1 to ABI-9 graphs (RoPE as graph ops, no SwiGLU, Q4_1 blocks) are unchanged and
 # need no rebuild.
 OP_LIBRARY_MIN_ABI = 1
 

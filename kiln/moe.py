@@ -1,7 +1,8 @@
 """kiln.MoE (domain "kiln", version 1): a sparse mixture-of-experts SwiGLU MLP, the contract and its executable spec.
 
-The ONNX Runtime CPU kernel (runtime/ops/moe.cc) is tested against `moe_ref` (float32 experts) and `moe_q4_1_ref`
-(Q4_1 experts); the exporter's torch op (export/moe.py) computes the same thing for calibration and tracing.
+The ONNX Runtime CPU kernel (runtime/ops/moe.cc) is tested against `moe_ref` (float32 experts), `moe_q4_1_ref`
+(Q4_1 experts) and kiln/moe_gguf.py's `moe_gguf_ref` (a GGUF file's expert blocks); the exporter's torch op
+(export/moe.py) computes the same thing for calibration and tracing.
 
 Inputs
   x        float32 [..., D]      the tokens of the packed batch (any leading shape; each row routes alone)
@@ -26,6 +27,14 @@ the spec sums in float64, so they agree to float32 rounding, as kiln.MatMulQ4_1 
 is possible: the down projection's int8 inputs are rounded from silu(gate) * up, which the kernel holds in float32
 from float32 sums, so an element within float32 rounding of a half int8 step can land one step away from the
 spec's (that element's step times its down column, ~1/127 of its term; the tests' cases have none).
+
+GGUF experts (the same op, its expert inputs uint8 and three more attributes; kiln/moe_gguf.py specifies them):
+  gate_up     uint8   [E, 2F, row bytes]   a GGUF file's expert blocks as they are (ffn_gate_exps' rows, then
+  down        uint8   [E, D, row bytes]    ffn_up_exps'; ffn_down_exps), no dm inputs
+  gate_type, up_type, down_type   int      their ggml types (kiln.MatMulGGUF's, each its own)
+  int8_activations                int      optional (absent: 1), as kiln.MatMulGGUF's
+Each projection is kiln.MatMulGGUF's arithmetic on that activation path (kiln/gguf_int8.py, kiln/matmul_gguf.py):
+`moe_gguf_ref`.
 
 Per row: p = softmax(x @ router^T) over all E experts; the top_k largest p are chosen (equal p: the lower expert
 index first); w = the chosen p, renormalised to sum 1 when norm_topk_prob; y = sum_j w_j * expert_{e_j}(x) with

@@ -14,7 +14,8 @@ The int4 schemes give the tied LM head int8 per channel unless asked for int4, i
 Every scheme but none also stores the embedding table as 8-bit blocks (quantize_embedding.py); gguf keeps a Q8_0 or
 Q6_K table's own numbers there.
 Under every int4 scheme a mixture-of-experts model's kiln.MoE experts become Q4_1 (quantize_moe.py; AWQ's scales
-reach the attention projections only); the other schemes keep them float32.
+reach the attention projections only); under gguf and gguf-exact a GGUF file's expert blocks stay as they are
+(quantize_moe_gguf.py); the other schemes keep them float32.
 The build calls ``prepare_checkpoint`` before export (the gpt-fast-style conversion step:
 check the artifact's fingerprint, fold its scales into the weights) and ``quantize_model``
 on the optimized graph.
@@ -36,6 +37,7 @@ from .quantize_gguf import quantize_gguf
 from .quantize_int4 import quantize_int4
 from .quantize_int8 import quantize_int8_weight_only
 from .quantize_moe import quantize_moe_experts
+from .quantize_moe_gguf import keep_moe_gguf_experts
 from .quantize_q4_1 import quantize_q4_1_pass
 from .quantize_w8a8 import quantize_w8a8
 from .rescore_lm_head import RESCORE_TOP_K, head_rows, rescore_lm_head
@@ -148,6 +150,11 @@ def quantize_model(model: ir.Model, scheme: QuantScheme, lm_head: LmHead = LmHea
             name = (f"quantize_gguf ({counts.kept} on the file's blocks, {counts.q4_1} Q4_1, {counts.fallback} "
                     "without usable blocks: int8)")
             count = counts.total
+            # kiln.MoE's experts: the file's blocks, activations as the linears'
+            experts = keep_moe_gguf_experts(model, int8_activations=scheme.method is QuantMethod.GGUF)
+            if progress and experts.kept + experts.float32:
+                progress(f"  keep_moe_gguf_experts: {experts.kept} layers' experts on the file's blocks, "
+                         f"{experts.float32} float32 (blocks of a type kiln.MatMulGGUF lacks, or none)")
     if progress:
         progress(f"  {name}: converted {count} MatMuls")
     if scheme.method in (QuantMethod.INT4_RTN, QuantMethod.INT4_AWQ, QuantMethod.INT4_Q4_1):

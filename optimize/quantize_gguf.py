@@ -53,16 +53,17 @@ class GgufCounts:
 
 
 def default_quantization(model: str) -> str:
-    """What `kiln build MODEL` quantizes with when not told: "gguf" for a .gguf file whose matrices (the embedding
-    table aside) are all of types kiln.MatMulGGUF executes (a Q4_K_M file runs as it is, as in llama.cpp), else
-    "none"."""
+    """What `kiln build MODEL` quantizes with when not told: "gguf" for a .gguf file whose matrices and expert stacks
+    (the embedding table and the routers aside) are all of types kiln.MatMulGGUF executes (a Q4_K_M file runs as it
+    is, as in llama.cpp), else "none". A mixture-of-experts router (ffn_gate_inp, which llama.cpp's quantizer leaves
+    float32) is kiln.MoE's float input, not a linear."""
     path = Path(model)
     if path.suffix != ".gguf" or not path.is_file():
         return "none"
     from gguf import GGUFReader  # compile-time dependency only
 
     types = [int(t.tensor_type) for t in GGUFReader(str(path)).tensors
-             if len(t.shape) == 2 and not t.name.startswith("token_embd")]
+             if len(t.shape) in (2, 3) and not t.name.startswith("token_embd") and ".ffn_gate_inp" not in t.name]
     return "gguf" if types and all(t in _EXECUTABLE for t in types) else "none"
 
 

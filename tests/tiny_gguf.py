@@ -27,6 +27,7 @@ import math
 from pathlib import Path
 
 import numpy as np
+import torch
 from helpers import TINY_BOS_ID, TINY_CHAT_TEMPLATE, TINY_EOS_ID, TINY_MERGES, TINY_SPECIAL_TOKENS, make_tiny_hf_model
 
 # HF family -> the GGUF architecture llama.cpp's converter writes it as.
@@ -73,13 +74,17 @@ def llama_cpp_permute(weights, num_heads: int):
 
 
 def make_tiny_gguf(tmp_path, family: str = "llama", architecture: str | None = None, quantize=None,
-                   **overrides) -> tuple[Path, Path]:
+                   file_weights_in_hf: bool = False, **overrides) -> tuple[Path, Path]:
     """Convert make_tiny_hf_model(tmp_path, family, **overrides) to an F32 GGUF as llama.cpp does.
     Returns (gguf_path, hf_dir). ``architecture`` overrides only the metadata's name (for error tests).
-    ``quantize(gguf_name, array)`` -> None (keep F32) or (ggml type, uint8 [rows, row bytes]) stores a matrix as
-    quantized blocks instead (after the q/k permutation, as llama.cpp quantizes the converted file)."""
+    ``quantize(gguf_name, array)`` -> None (keep F32) or (ggml type, uint8 [rows, row bytes]) stores a matrix (or an
+    expert stack [E, rows, cols] as uint8 [E, rows, row bytes]) as quantized blocks instead (after the q/k
+    permutation, as llama.cpp quantizes the converted file). With ``file_weights_in_hf`` the returned checkpoint
+    holds the file's weights (its blocks dequantized): the golden reference of an engine built from the file
+    (families without llama's q/k permutation)."""
     import gguf
-    from safetensors.torch import load_file
+    from gguf.quants import dequantize
+    from safetensors.torch import load_file, save_file
 
     hf_dir = make_tiny_hf_model(tmp_path, family, **overrides)
     config = json.loads((hf_dir / "config.json").read_text())
@@ -105,7 +110,7 @@ def make_tiny_gguf(tmp_path, family: str = "llama", architecture: str | None = N
             continue  # the converter skips it (Gemma ties the head)
         if ".experts." in name:  # model.layers.{i}.(mlp|block_sparse_moe).experts.{j}.{proj}.weight
             _, _, layer, _, _, index, proj, _ = name.split(".")
-            experts.setdefault(f"blk.{layer}.{_EXPERT_NAMES[proj]}.weight", {})[int(index)] = array
+            experts.setdefault(f"blk.{layer}.{_EXPERT_NAMES[proj]}.weight", {})[int(index)] = (name, array)
             continue
         if name.startswith("model.layers."):
             _, _, layer, rest = name.split(".", 3)
@@ -123,8 +128,25 @@ def make_tiny_gguf(tmp_path, family: str = "llama", architecture: str | None = N
         else:
             kind, data = blocks
             writer.add_tensor(gguf_name, data, raw_dtype=gguf.GGMLQuantizationType(int(kind)))
+            if file_weights_in_hf:
+                weights[name] = torch.from_numpy(dequantize(data, gguf.GGMLQuantizationType(int(kind))))
     for gguf_name, by_index in experts.items():
-        writer.add_tensor(gguf_name, np.stack([by_index[j] for j in range(len(by_index))]))
+        names, arrays = zip(*(by_index[j] for j in range(len(by_index))), strict=True)
+        stack = np.stack(arrays)
+        blocks = quantize(gguf_name, stack) if quantize is not None else None
+        if blocks is None:
+            writer.add_tensor(gguf_name, stack)
+        else:
+            kind, data = blocks
+            writer.add_tensor(gguf_name, data, raw_dtype=gguf.GGMLQuantizationType(int(kind)))
+            if file_weights_in_hf:
+                for name, expert in zip(names, dequantize(data, gguf.GGMLQuantizationType(int(kind))), strict=True):
+                    weights[name] = torch.from_numpy(np.ascontiguousarray(expert))
+    if file_weights_in_hf:
+        if arch == "llama":
+            raise ValueError("file_weights_in_hf: llama's q/k rows are permuted in the file")
+        save_file({name: tensor.contiguous() for name, tensor in weights.items()}, str(hf_dir / "model.safetensors"),
+                  metadata={"format": "pt"})
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -13,9 +13,14 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
+from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from kiln.manifest import read_manifest
+
+if TYPE_CHECKING:
+    from onnx import GraphProto, NodeProto, TensorProto
 
 # op type -> the input position that holds indices; every other input of the node belongs to the gathered table
 _GATHERS = {"Gather": 1, "GatherBlockQuantized": 1}
@@ -38,7 +43,7 @@ def weight_bytes_per_token(engine_dir: Path) -> tuple[int, str]:
     return round(total), "graph"
 
 
-def graph_bytes_per_token(graph) -> float:
+def graph_bytes_per_token(graph: GraphProto) -> float:
     """The bytes of an onnx GraphProto's initializers one token's step reads (each at the largest share any of its
     consumers reads)."""
     uses: dict[str, list[float]] = defaultdict(list)  # initializer -> the fraction of it each consumer reads
@@ -50,7 +55,7 @@ def graph_bytes_per_token(graph) -> float:
     return sum(_nbytes(t) * max(uses.get(t.name, [1.0])) for t in graph.initializer)
 
 
-def _fraction_reader(node, graph):
+def _fraction_reader(node: NodeProto, graph: GraphProto) -> Callable[[int], float]:
     """position -> the fraction of that input one token's step reads."""
     if node.op_type in _GATHERS and node.domain in ("", "ai.onnx", "com.microsoft"):
         indices = _GATHERS[node.op_type]
@@ -63,14 +68,14 @@ def _fraction_reader(node, graph):
     return lambda position: 1.0
 
 
-def _leading_dim(graph, name: str) -> int | None:
+def _leading_dim(graph: GraphProto, name: str) -> int | None:
     for t in graph.initializer:
         if t.name == name:
-            return t.dims[0] if t.dims else None
+            return int(t.dims[0]) if t.dims else None
     return None
 
 
-def _nbytes(tensor) -> int:
+def _nbytes(tensor: TensorProto) -> int:
     for entry in tensor.external_data:
         if entry.key == "length":
             return int(entry.value)
@@ -79,4 +84,4 @@ def _nbytes(tensor) -> int:
     import onnx.helper
 
     count = math.prod(tensor.dims)
-    return count * onnx.helper.tensor_dtype_to_np_dtype(tensor.data_type).itemsize
+    return int(count * onnx.helper.tensor_dtype_to_np_dtype(tensor.data_type).itemsize)

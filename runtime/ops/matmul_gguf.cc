@@ -382,11 +382,7 @@ struct MatMulGGUF {
     if (int8_activations_ == 1)
       return matmul_gguf_int8(ctx, ggml_type_, GgufMatmul{w.Data(), xd, bias ? bias->Data() : nullptr, out, T, N, K,
                                                           row_bytes});
-    std::vector<float> sums;
-    if (type->mins) {
-      sums.resize(T * (K / kSub));
-      for (int64_t t = 0; t < T; ++t) row_sums(xd + t * K, K, sums.data() + t * (K / kSub));
-    }
+    const std::vector<float> sums = gguf_float::row_sums_for(ggml_type_, xd, T, K);
     const Problem p{w.Data(), xd, sums.empty() ? nullptr : sums.data(), bias ? bias->Data() : nullptr, out, N, K,
                     row_bytes};
     const int64_t channel_chunks = (N + kChannelsPerItem - 1) / kChannelsPerItem;
@@ -405,6 +401,29 @@ struct MatMulGGUF {
 };
 
 }  // namespace
+
+namespace gguf_float {
+
+bool block_type(int64_t ggml_type, GgufBlockType& out) {
+  const std::optional<TypeInfo> type = type_info(ggml_type);
+  if (type) out = {type->weights, type->bytes, type->name};
+  return type.has_value();
+}
+
+std::vector<float> row_sums_for(int64_t ggml_type, const float* x, int64_t T, int64_t K) {
+  std::vector<float> sums;
+  if (!type_info(ggml_type)->mins) return sums;
+  sums.resize(T * (K / kSub));
+  for (int64_t t = 0; t < T; ++t) row_sums(x + t * K, K, sums.data() + t * (K / kSub));
+  return sums;
+}
+
+void run_item(int64_t ggml_type, const GgufMatmul& m, const float* sums, int64_t n0, int64_t n1, int64_t t0,
+              int64_t t1) {
+  type_info(ggml_type)->item(Problem{m.w, m.x, sums, m.bias, m.y, m.N, m.K, m.row_bytes}, n0, n1, t0, t1);
+}
+
+}  // namespace gguf_float
 
 void add_matmul_gguf(Ort::CustomOpDomain& domain) {
   domain.Add(Ort::Custom::CreateLiteCustomOp<MatMulGGUF>("MatMulGGUF", "CPUExecutionProvider"));

@@ -33,6 +33,11 @@
 #include "simd.h"
 
 namespace kiln {
+
+using gguf_int8::Int8Rows;
+using gguf_int8::kSumGroup;
+using gguf_int8::Layout;
+
 namespace {
 
 constexpr int kTileRows = 4;      // Q4_0 / Q8_0: a tile is one channel x up to 4 rows
@@ -40,7 +45,6 @@ constexpr int kKTileRows = 8;     // the k-quants: a tile is one channel x up to
 constexpr int64_t kKTileRowsMaxK = 4096;  // ... for K up to 4096; kTileRows above
 constexpr int64_t kChannelsPerItem = 16;
 constexpr int64_t kRowsPerItem = 32;
-constexpr int64_t kSumGroup = 16;               // activations per int sum (Q8_K's bsums)
 constexpr int64_t kParallelQuantize = 1 << 15;  // activation elements from which quantizing is parallel
 
 inline float f16(const uint8_t* p) {
@@ -53,23 +57,6 @@ inline __m256i load32(const void* p) { return _mm256_loadu_si256(reinterpret_cas
 inline __m256i dot_bytes(__m256i u, __m256i s, __m256i m) { return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), m); }
 
 // ---- activations
-
-struct Int8Rows {
-  int64_t K = 0, block = 0;
-  std::vector<int8_t> q;         // [T, K]
-  std::vector<float> step;       // [T, K / block]
-  std::vector<int16_t> sums;     // [T, K / 16]: Q6_K only
-  std::vector<float> sub_sum, sub_error;  // [T, K / 32]: Q4_K / Q5_K only
-
-  void reset(int64_t T, int64_t K_, int64_t block_, bool with_sums, bool with_sub_sums) {
-    K = K_, block = block_;
-    q.resize(T * K);
-    step.resize(T * (K / block));
-    sums.resize(with_sums ? T * (K / kSumGroup) : 0);
-    sub_sum.resize(with_sub_sums ? T * (K / 32) : 0);
-    sub_error.resize(with_sub_sums ? T * (K / 32) : 0);
-  }
-};
 
 // One row: per block, step = max|x| / 127 and q = rint(x * (1 / step)) (half to even), the spec's float32 numbers.
 // sums (16-sums) and sub_sum / sub_error (per 32) are written where not nullptr.
@@ -405,22 +392,66 @@ void run_k_item(const Problem& p, int64_t n_begin, int64_t n_end, int64_t t_begi
 using ItemFn = void (*)(const Problem&, int64_t, int64_t, int64_t, int64_t);
 
 struct Kernel {
-  int64_t act_block;
-  bool sums, sub_sums;  // 16-sums of q (Q6_K); float sums and errors per 32 (Q4_K, Q5_K)
+  Layout layout;
   ItemFn item;
 };
 
 Kernel kernel_of(int64_t ggml_type) {
   switch (ggml_type) {
-    case 2: return {Q4_0::kActBlock, false, false, &run_item<Q4_0>};
-    case 8: return {Q8_0::kActBlock, false, false, &run_item<Q8_0>};
-    case 12: return {Q4_K::kActBlock, false, true, &run_k_item<Q4_K>};
-    case 13: return {Q5_K::kActBlock, false, true, &run_k_item<Q5_K>};
-    default: return {Q6_K::kActBlock, true, false, &run_k_item<Q6_K>};  // 14: the caller validated the type
+    case 2: return {{Q4_0::kActBlock, false, false}, &run_item<Q4_0>};
+    case 8: return {{Q8_0::kActBlock, false, false}, &run_item<Q8_0>};
+    case 12: return {{Q4_K::kActBlock, false, true}, &run_k_item<Q4_K>};
+    case 13: return {{Q5_K::kActBlock, false, true}, &run_k_item<Q5_K>};
+    default: return {{Q6_K::kActBlock, true, false}, &run_k_item<Q6_K>};  // 14: the caller validated the type
   }
 }
 
 }  // namespace
+
+namespace gguf_int8 {
+
+bool block_type(int64_t ggml_type, GgufBlockType& out) {
+  switch (ggml_type) {
+    case 2: out = {Q4_0::kWeights, Q4_0::kBytes, "Q4_0"}; return true;
+    case 8: out = {Q8_0::kWeights, Q8_0::kBytes, "Q8_0"}; return true;
+    case 12: out = {Q4_K::kWeights, Q4_K::kBytes, "Q4_K"}; return true;
+    case 13: out = {Q5_K::kWeights, Q5_K::kBytes, "Q5_K"}; return true;
+    case 14: out = {Q6_K::kWeights, Q6_K::kBytes, "Q6_K"}; return true;
+    default: return false;
+  }
+}
+
+Layout layout_of(int64_t ggml_type) { return kernel_of(ggml_type).layout; }
+
+void Int8Rows::reset(int64_t T, int64_t K_, const Layout& layout) {
+  K = K_, block = layout.block;
+  q.resize(T * K);
+  step.resize(T * (K / block));
+  sums.resize(layout.sums ? T * (K / kSumGroup) : 0);
+  sub_sum.resize(layout.sub_sums ? T * (K / 32) : 0);
+  sub_error.resize(layout.sub_sums ? T * (K / 32) : 0);
+}
+
+void quantize_rows(OrtKernelContext* ctx, const Layout& layout, const float* const* rows, int64_t T, int64_t K,
+                   Int8Rows& out) {
+  out.reset(T, K, layout);
+  const int64_t act_blocks = K / layout.block;
+  auto quantize = [&](size_t t) {
+    quantize_row(rows[t], K, layout.block, out.q.data() + t * K, out.step.data() + t * act_blocks,
+                 layout.sums ? out.sums.data() + t * (K / kSumGroup) : nullptr,
+                 layout.sub_sums ? out.sub_sum.data() + t * (K / 32) : nullptr,
+                 layout.sub_sums ? out.sub_error.data() + t * (K / 32) : nullptr);
+  };
+  if (T * K >= kParallelQuantize) parallel_for(ctx, static_cast<size_t>(T), quantize);
+  else for (int64_t t = 0; t < T; ++t) quantize(static_cast<size_t>(t));
+}
+
+void run_item(int64_t ggml_type, const GgufMatmul& m, const Int8Rows& a, int64_t n0, int64_t n1, int64_t t0,
+              int64_t t1) {
+  kernel_of(ggml_type).item(Problem{&m, &a}, n0, n1, t0, t1);
+}
+
+}  // namespace gguf_int8
 
 void matmul_gguf_int8(OrtKernelContext* ctx, int64_t ggml_type, const GgufMatmul& m) {
   const Kernel kernel = kernel_of(ggml_type);
@@ -428,16 +459,9 @@ void matmul_gguf_int8(OrtKernelContext* ctx, int64_t ggml_type, const GgufMatmul
   thread_local Int8Rows scratch;
   Int8Rows local;
   Int8Rows& rows = m.T <= kRowsPerItem ? scratch : local;
-  rows.reset(m.T, m.K, kernel.act_block, kernel.sums, kernel.sub_sums);
-  const int64_t act_blocks = m.K / kernel.act_block;
-  auto quantize = [&](size_t t) {
-    quantize_row(m.x + t * m.K, m.K, kernel.act_block, rows.q.data() + t * m.K, rows.step.data() + t * act_blocks,
-                 kernel.sums ? rows.sums.data() + t * (m.K / kSumGroup) : nullptr,
-                 kernel.sub_sums ? rows.sub_sum.data() + t * (m.K / 32) : nullptr,
-                 kernel.sub_sums ? rows.sub_error.data() + t * (m.K / 32) : nullptr);
-  };
-  if (m.T * m.K >= kParallelQuantize) parallel_for(ctx, static_cast<size_t>(m.T), quantize);
-  else for (int64_t t = 0; t < m.T; ++t) quantize(static_cast<size_t>(t));
+  std::vector<const float*> x(m.T);
+  for (int64_t t = 0; t < m.T; ++t) x[t] = m.x + t * m.K;
+  gguf_int8::quantize_rows(ctx, kernel.layout, x.data(), m.T, m.K, rows);
 
   const Problem p{&m, &rows};
   const int64_t channel_chunks = (m.N + kChannelsPerItem - 1) / kChannelsPerItem;

@@ -15,7 +15,8 @@
 // So each selected expert's weights are read once per step whatever the number of its tokens, experts no token
 // chose are never touched, and no two items write the same memory (each (token, slot) has its own row).
 // Float32 experts run phases 3 and 4 here; Q4_1 experts run them with kiln.MatMulQ4_1's int8 arithmetic
-// (moe_q4_1.cc), their constant weights repacked once at session load.
+// (moe_q4_1.cc), their constant weights repacked once at session load; GGUF experts with kiln.MatMulGGUF's int8
+// arithmetic on the file's blocks as they are (moe_gguf.cc).
 //
 // Built with -O3 -mavx2 -mfma -mf16c (AVX2 only).
 #define ORT_API_MANUAL_INIT
@@ -143,14 +144,21 @@ struct Dims {
 
 [[noreturn]] void fail_moe(const std::string& what) { throw Ort::Exception("kiln.MoE: " + what, ORT_INVALID_ARGUMENT); }
 
-// Shapes of x, router and the experts' stacks; `packed` divides the experts' last dim by 2 (Q4_1 nibbles).
-Dims check_shapes(const std::vector<int64_t>& xs, const std::vector<int64_t>& rs, const std::vector<int64_t>& gus,
-                  const std::vector<int64_t>& ds, int64_t top_k, bool packed) {
+// Shapes of x and router, and top_k: T, D, E and top_k (F is the experts' to give).
+Dims check_routing(const std::vector<int64_t>& xs, const std::vector<int64_t>& rs, int64_t top_k) {
   if (xs.empty()) fail_moe("x must be [..., D], got a scalar");
   Dims d{1, xs.back(), 0, 0, top_k};
   for (size_t i = 0; i + 1 < xs.size(); ++i) d.T *= xs[i];
   if (rs.size() != 2 || rs[1] != d.D) fail_moe("router must be [E, D=" + std::to_string(d.D) + "], got " + shape_text(rs));
   d.E = rs[0];
+  if (top_k < 1 || top_k > d.E) fail_moe("top_k must be in [1, E=" + std::to_string(d.E) + "], got " + std::to_string(top_k));
+  return d;
+}
+
+// Shapes of x, router and the experts' stacks; `packed` divides the experts' last dim by 2 (Q4_1 nibbles).
+Dims check_shapes(const std::vector<int64_t>& xs, const std::vector<int64_t>& rs, const std::vector<int64_t>& gus,
+                  const std::vector<int64_t>& ds, int64_t top_k, bool packed) {
+  Dims d = check_routing(xs, rs, top_k);
   const int64_t div = packed ? 2 : 1;
   const std::string last = packed ? "/2" : "";
   if (gus.size() != 3 || gus[0] != d.E || gus[2] * div != d.D || gus[1] % 2 != 0)
@@ -159,7 +167,6 @@ Dims check_shapes(const std::vector<int64_t>& xs, const std::vector<int64_t>& rs
   d.F = gus[1] / 2;
   if (ds.size() != 3 || ds[0] != d.E || ds[1] != d.D || ds[2] * div != d.F)
     fail_moe("down must be [E, D, F" + last + "] = " + shape_text({d.E, d.D, d.F / div}) + ", got " + shape_text(ds));
-  if (top_k < 1 || top_k > d.E) fail_moe("top_k must be in [1, E=" + std::to_string(d.E) + "], got " + std::to_string(top_k));
   if (packed && (d.D % 32 != 0 || d.F % 32 != 0))
     fail_moe("Q4_1 experts need D and F multiples of 32, got D=" + std::to_string(d.D) + ", F=" + std::to_string(d.F));
   return d;
@@ -194,12 +201,14 @@ void run_float_experts(OrtKernelContext* ctx, const Dims& d, const Groups& g, co
   parallel_for(ctx, items.size(), down_item);
 }
 
-// The experts of one call: float32 stacks, or Q4_1 ones as records (the session's, or packed for this call).
+// The experts of one call: float32 stacks, Q4_1 ones as records (the session's, or packed for this call), or GGUF
+// ones as the file's blocks.
 struct Experts {
   const float* gate_up = nullptr;
   const float* down = nullptr;
   const moe::Q4_1Experts* q4_gate_up = nullptr;
   const moe::Q4_1Experts* q4_down = nullptr;
+  std::optional<moe::GgufExperts> gguf;
 };
 
 // Phases 2-5 (see the file comment).
@@ -210,7 +219,9 @@ void moe_step(OrtKernelContext* ctx, const Dims& d, const float* in, const Routi
   std::vector<const float*> token_rows(rows);
   for (int64_t i = 0; i < rows; ++i) token_rows[i] = in + g.token[i] * d.D;
   std::vector<float> expert_out(rows * d.D);
-  if (experts.q4_gate_up != nullptr)
+  if (experts.gguf.has_value())
+    moe::run_gguf_experts(ctx, g, in, d.T, *experts.gguf, expert_out.data());
+  else if (experts.q4_gate_up != nullptr)
     moe::run_q4_1_experts(ctx, g, token_rows, *experts.q4_gate_up, *experts.q4_down, expert_out.data());
   else
     run_float_experts(ctx, d, g, token_rows, experts.gate_up, experts.down, expert_out.data());
@@ -288,7 +299,35 @@ void pack_constant_experts(const Ort::ConstKernelInfo& info, moe::Q4_1Experts& g
   for (int i = 2; i < 4; ++i) q4_1::release_pages(steps(i), v[i].GetTensorTypeAndShapeInfo().GetElementCount() * 2);
 }
 
-// W = float: float32 experts (no dm inputs); W = uint8_t: Q4_1 experts with their dm inputs.
+// The node's GGUF expert types (gate_type, up_type, down_type): all three, or none (Q4_1 experts).
+bool gguf_types(const Ort::ConstKernelInfo& info, int64_t types[3]) {
+  static const char* const kNames[3] = {"gate_type", "up_type", "down_type"};
+  int found = 0;
+  for (int i = 0; i < 3; ++i) {
+    try {
+      types[i] = info.GetAttribute<int64_t>(kNames[i]);
+      ++found;
+    } catch (const Ort::Exception&) {
+    }
+  }
+  if (found != 0 && found != 3) fail_moe("GGUF experts need all of gate_type, up_type and down_type");
+  return found == 3;
+}
+
+// GGUF experts' activation path: int8_activations 1 (absent: the `gguf` scheme's) or 0 (float32).
+bool gguf_int8_activations(const Ort::ConstKernelInfo& info) {
+  int64_t value = 1;
+  try {
+    value = info.GetAttribute<int64_t>("int8_activations");
+  } catch (const Ort::Exception&) {
+  }
+  if (value != 0 && value != 1)
+    fail_moe("int8_activations must be 0 (float32 activations) or 1 (int8), got " + std::to_string(value));
+  return value == 1;
+}
+
+// W = float: float32 experts (no dm inputs); W = uint8_t: Q4_1 experts with their dm inputs, or GGUF experts (the
+// gate_type, up_type and down_type attributes, int8_activations optional; no dm inputs).
 template <typename W>
 struct MoE {
   static constexpr bool kQ4 = std::is_same<W, uint8_t>::value;
@@ -297,26 +336,42 @@ struct MoE {
     Ort::ConstKernelInfo ki(info);
     top_k_ = ki.GetAttribute<int64_t>("top_k");
     norm_topk_prob_ = ki.GetAttribute<int64_t>("norm_topk_prob") != 0;
-    if constexpr (kQ4) pack_constant_experts(ki, gate_up_, down_);
+    if constexpr (kQ4) {
+      gguf_ = gguf_types(ki, gguf_types_);
+      if (gguf_) gguf_int8_ = gguf_int8_activations(ki);
+      else pack_constant_experts(ki, gate_up_, down_);
+    }
   }
 
   Ort::Status Compute(OrtKernelContext* ctx, const Ort::Custom::Tensor<float>& x, const Ort::Custom::Tensor<float>& router,
                       const Ort::Custom::Tensor<W>& gate_up, const Ort::Custom::Tensor<W>& down, DmInput gate_up_dm,
                       DmInput down_dm, Ort::Custom::Tensor<float>& y) {
     try {
-      const Dims d = check_shapes(x.Shape(), router.Shape(), gate_up.Shape(), down.Shape(), top_k_, kQ4);
+      Dims d;
       Experts experts;
       moe::Q4_1Experts call_gate_up, call_down;  // non-constant Q4_1 experts, packed for this call
       if constexpr (kQ4) {
-        const uint16_t* gu_dm = checked_dm(gate_up_dm, gate_up.Shape(), 2 * d.F, d.D, "gate_up");
-        const uint16_t* dn_dm = checked_dm(down_dm, down.Shape(), d.D, d.F, "down");
-        if (gate_up_.empty()) {
-          call_gate_up = moe::Q4_1Experts::pack(gate_up.Data(), gu_dm, d.E, 2 * d.F, d.D);
-          call_down = moe::Q4_1Experts::pack(down.Data(), dn_dm, d.E, d.D, d.F);
+        if (gguf_) {
+          if (gate_up_dm.has_value() || down_dm.has_value()) fail_moe("GGUF experts take no gate_up_dm or down_dm input");
+          d = check_routing(x.Shape(), router.Shape(), top_k_);
+          if (gate_up.Shape().empty() || gate_up.Shape()[0] != d.E)
+            fail_moe("gate_up must be [E=" + std::to_string(d.E) + ", 2F, row bytes], got " + shape_text(gate_up.Shape()));
+          experts.gguf = moe::checked_gguf_experts(gguf_types_, gguf_int8_, gate_up.Data(), gate_up.Shape(),
+                                                   down.Data(), down.Shape(), d.D);
+          d.F = gate_up.Shape()[1] / 2;
+        } else {
+          d = check_shapes(x.Shape(), router.Shape(), gate_up.Shape(), down.Shape(), top_k_, true);
+          const uint16_t* gu_dm = checked_dm(gate_up_dm, gate_up.Shape(), 2 * d.F, d.D, "gate_up");
+          const uint16_t* dn_dm = checked_dm(down_dm, down.Shape(), d.D, d.F, "down");
+          if (gate_up_.empty()) {
+            call_gate_up = moe::Q4_1Experts::pack(gate_up.Data(), gu_dm, d.E, 2 * d.F, d.D);
+            call_down = moe::Q4_1Experts::pack(down.Data(), dn_dm, d.E, d.D, d.F);
+          }
+          experts.q4_gate_up = gate_up_.empty() ? &call_gate_up : &gate_up_;
+          experts.q4_down = down_.empty() ? &call_down : &down_;
         }
-        experts.q4_gate_up = gate_up_.empty() ? &call_gate_up : &gate_up_;
-        experts.q4_down = down_.empty() ? &call_down : &down_;
       } else {
+        d = check_shapes(x.Shape(), router.Shape(), gate_up.Shape(), down.Shape(), top_k_, false);
         if (gate_up_dm.has_value() || down_dm.has_value()) fail_moe("float32 experts take no gate_up_dm or down_dm input");
         experts.gate_up = gate_up.Data();
         experts.down = down.Data();
@@ -336,6 +391,8 @@ struct MoE {
  private:
   int64_t top_k_ = 1;
   bool norm_topk_prob_ = false;
+  bool gguf_ = false, gguf_int8_ = true;
+  int64_t gguf_types_[3] = {0, 0, 0};
   moe::Q4_1Experts gate_up_, down_;  // constant Q4_1 experts as records; empty: packed per call
 };
 

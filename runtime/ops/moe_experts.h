@@ -1,5 +1,6 @@
-// kiln.MoE's pieces shared by its step (moe.cc) and its Q4_1 experts (moe_q4_1.cc): the tokens grouped by expert,
-// work items over an expert's weight rows, SwiGLU, and the Q4_1 experts in MatMulQ4_1's records.
+// kiln.MoE's pieces shared by its step (moe.cc), its Q4_1 experts (moe_q4_1.cc) and its GGUF experts (moe_gguf.cc):
+// the tokens grouped by expert, work items over an expert's weight rows, SwiGLU, the Q4_1 experts in MatMulQ4_1's
+// records, and the GGUF experts as the file's blocks.
 #pragma once
 
 #include <algorithm>
@@ -59,6 +60,31 @@ struct Q4_1Experts {
 // (length D), gate_up [E, 2F, D] and down [E, D, F] Q4_1, activations int8 as kiln.MatMulQ4_1's.
 void run_q4_1_experts(OrtKernelContext* ctx, const Groups& g, const std::vector<const float*>& rows,
                       const Q4_1Experts& gate_up, const Q4_1Experts& down, float* expert_out);
+
+// One projection's GGUF expert stack: expert e's weight row n is the `type` blocks at w + e * expert_bytes + n * stride.
+struct GgufStack {
+  const uint8_t* w = nullptr;
+  int64_t type = 0, rows = 0, stride = 0, expert_bytes = 0;
+};
+
+// GGUF experts: gate and up [E, F, D] (the op's gate_up rows [0, F) and [F, 2F)), down [E, D, F], and the
+// activations' path (int8: kiln.MatMulGGUF's int8_activations = 1; else its float32 one).
+struct GgufExperts {
+  GgufStack gate, up, down;
+  bool int8 = true;
+};
+
+// The op's gate_up [E, 2F, gate_up_bytes] and down [E, D, down_bytes] with the node's ggml types, checked (each type
+// one the activations' path has a kernel for, D and F whole blocks of it, each stack's rows as wide as its types
+// need); a problem throws an Ort::Exception that names it.
+GgufExperts checked_gguf_experts(const int64_t types[3], bool int8_activations, const uint8_t* gate_up,
+                                 const std::vector<int64_t>& gate_up_shape, const uint8_t* down,
+                                 const std::vector<int64_t>& down_shape, int64_t D);
+
+// expert_out [T * top_k, D] = each grouped row's expert (g) applied to its token of x [T, D], each projection with
+// kiln.MatMulGGUF's arithmetic on the experts' activation path (kiln/gguf_int8.py or kiln/matmul_gguf.py).
+void run_gguf_experts(OrtKernelContext* ctx, const Groups& g, const float* x, int64_t T, const GgufExperts& experts,
+                      float* expert_out);
 
 }  // namespace moe
 }  // namespace kiln

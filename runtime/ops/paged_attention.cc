@@ -36,7 +36,7 @@
 
 namespace kiln {
 
-constexpr int kAbiVersion = 9;  // kiln.contract.OP_LIBRARY_ABI
+constexpr int kAbiVersion = 10;  // kiln.contract.OP_LIBRARY_ABI
 
 // ---------------------------------------------------------------- the op
 

@@ -9,12 +9,17 @@ the experts' order reversed against the router's) must fail that comparison: the
 from __future__ import annotations
 
 import shutil
+import zlib
+from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
 import onnx
 import pytest
+from gguf import GGUFReader
 from test_engine_numerics import SHORT_PROMPTS, check_against_transformers
 
+from kiln.gguf_blocks import GgmlType, random_blocks
 from kiln.moe import OP_TYPE
 
 FAMILIES = ["mixtral", "qwen3_moe", "olmoe", "qwen2_moe"]
@@ -24,26 +29,35 @@ def moe_nodes(model: onnx.ModelProto) -> list[onnx.NodeProto]:
     return [node for node in model.graph.node if node.op_type == OP_TYPE and node.domain == "kiln"]
 
 
-def perturbed_copy(engine: Path, out: Path, how: str) -> Path:
-    """A copy of the engine's graph with every kiln.MoE's routing perturbed `how`."""
+def edited_copy(engine: Path, out: Path, edit: Callable[[onnx.ModelProto], None]) -> Path:
+    """A copy of the engine's graph (with its weights: the tiny models are small) after `edit` changed it."""
     out.mkdir(parents=True)
     shutil.copy(engine / "tokenizer.json", out / "tokenizer.json")
-    model = onnx.load(str(engine / "model.onnx"))  # with its external weights: the tiny model is small
-    initializers = {init.name: init for init in model.graph.initializer}
-    for node in moe_nodes(model):
-        attrs = {a.name: a for a in node.attribute}
-        if how == "top_k+1":
-            attrs["top_k"].i += 1
-        elif how == "top_k-1":
-            attrs["top_k"].i -= 1
-        elif how == "renormalisation":
-            attrs["norm_topk_prob"].i = 1 - attrs["norm_topk_prob"].i
-        else:  # expert order: the stacked experts reversed, the router's rows not
-            for name in node.input[2:4]:
-                init = initializers[name]
-                init.CopyFrom(onnx.numpy_helper.from_array(onnx.numpy_helper.to_array(init)[::-1].copy(), name))
+    model = onnx.load(str(engine / "model.onnx"))
+    edit(model)
     onnx.save(model, str(out / "model.onnx"), save_as_external_data=True, location="model.onnx.data")
     return out
+
+
+def perturbed_copy(engine: Path, out: Path, how: str) -> Path:
+    """A copy of the engine's graph with every kiln.MoE's routing perturbed `how`."""
+
+    def perturb(model: onnx.ModelProto) -> None:
+        initializers = {init.name: init for init in model.graph.initializer}
+        for node in moe_nodes(model):
+            attrs = {a.name: a for a in node.attribute}
+            if how == "top_k+1":
+                attrs["top_k"].i += 1
+            elif how == "top_k-1":
+                attrs["top_k"].i -= 1
+            elif how == "renormalisation":
+                attrs["norm_topk_prob"].i = 1 - attrs["norm_topk_prob"].i
+            else:  # expert order: the stacked experts reversed, the router's rows not
+                for name in node.input[2:4]:
+                    init = initializers[name]
+                    init.CopyFrom(onnx.numpy_helper.from_array(onnx.numpy_helper.to_array(init)[::-1].copy(), name))
+
+    return edited_copy(engine, out, perturb)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -95,3 +109,128 @@ def test_mixtral_gguf_engine_matches_transformers(tmp_path):
     gguf_path, hf_dir = make_tiny_gguf(tmp_path, "mixtral")
     build_engine(gguf_path, tmp_path / "engine", BuildOptions(kv_dtype="float32"), progress=lambda _msg: None)
     check_against_transformers(tmp_path / "engine", hf_dir, SHORT_PROMPTS, steps=4, atol=1e-4)
+
+
+# A Q4_K_M-like MoE file: the experts' gate/up Q4_K, down Q6_K in layer 0 and Q4_K in layer 1 (llama.cpp's "more
+# bits" layers), attention Q4_K with a Q8_0 output projection (its 128 inputs are no k-quant block), a Q6_K head
+# and a Q8_0 table; the routers float32, as llama.cpp's quantizer leaves them.
+K_QUANT_MOE = dict(hidden_size=256, moe_intermediate_size=256, intermediate_size=256, num_attention_heads=4,
+                   num_key_value_heads=2)
+K_QUANT_TYPES = {"ffn_down_exps": {0: GgmlType.Q6_K, 1: GgmlType.Q4_K}, "attn_output": GgmlType.Q8_0,
+                 "output": GgmlType.Q6_K, "token_embd": GgmlType.Q8_0}
+
+
+def _k_quant_blocks(name: str, array: np.ndarray):
+    """(type, random blocks) for every matrix and expert stack but the routers (kept float32)."""
+    if ".ffn_gate_inp" in name:
+        return None
+    parts = name.split(".")
+    base = parts[-2]
+    kind = K_QUANT_TYPES.get(base, GgmlType.Q4_K)
+    if isinstance(kind, dict):
+        kind = kind[int(parts[1])]
+    rng = np.random.default_rng(zlib.crc32(name.encode()))
+    std = 0.5 if base == "token_embd" else 1 / np.sqrt(array.shape[-1])
+    rows = int(np.prod(array.shape[:-1]))
+    return kind, random_blocks(rng, kind, rows, array.shape[-1], std).reshape(*array.shape[:-1], -1)
+
+
+def _logits(model, tokens: list[int]) -> np.ndarray:
+    import torch
+
+    with torch.no_grad():
+        return model(input_ids=torch.tensor([tokens]), position_ids=torch.arange(len(tokens))[None]).logits[0].numpy()
+
+
+def _steps(engine: Path, steps: int):
+    """Per prompt of SHORT_PROMPTS, greedy on packed ragged steps (test_engine_numerics.generate_chunked): (the
+    tokens (those fed, then the last chosen), the positions that got logits, those logits, the positions whose
+    logits chose the token after)."""
+    from test_engine_numerics import generate_chunked
+
+    seqs, rows = generate_chunked(engine, SHORT_PROMPTS, steps)
+    for seq, prompt_len, seq_rows in zip(seqs, SHORT_PROMPTS, rows, strict=True):
+        positions = [pos for pos, _ in seq_rows]
+        yield (seq, positions, np.stack([row for _, row in seq_rows]),
+               [pos for pos in positions if pos >= prompt_len - 1])
+
+
+def _rerounded_experts(model):
+    """transformers' model with its experts re-rounded to Q4_1 (what int4-q4_1 would serve of the file's experts)."""
+    import torch
+
+    from kiln.optimize.quant.rtn import quantize_q4_1
+
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if ".experts." in name:
+                w = param.detach().numpy().reshape(-1, param.shape[-1])
+                param.copy_(torch.from_numpy(quantize_q4_1(np.ascontiguousarray(w)).dequantize().reshape(param.shape)))
+    return model
+
+
+def _float_activations(model: onnx.ModelProto) -> None:
+    """Every kiln.MoE and kiln.MatMulGGUF on float32 activations (int8_activations = 0): the same blocks computed as
+    `gguf-exact` computes them."""
+    flipped = 0
+    for node in model.graph.node:
+        for attribute in node.attribute:
+            if node.domain == "kiln" and attribute.name == "int8_activations":
+                attribute.i, flipped = 0, flipped + 1
+    assert flipped > len(moe_nodes(model))
+
+
+def test_k_quant_moe_gguf_engine_serves_the_files_expert_blocks(tmp_path):
+    """`kiln build FILE.gguf` (the default `gguf` scheme) keeps a k-quant MoE file's expert blocks as they are:
+    kiln.MoE's GGUF experts with the file's bytes and types, each layer's own. Against transformers on the file's
+    dequantized weights the engine differs by its int8 activations alone (every linear's and expert's, as llama.cpp's
+    arithmetic: ~1% of the logits' size, what the dense `gguf` engines differ by too), less than the file's experts
+    re-rounded to Q4_1 differ even with float32 activations, and greedy tokens agree wherever transformers' top two
+    logits are further apart than that error; a misplaced block, type or expert would be off by the logits' size.
+    The same engine on float32 activations (what `gguf-exact` builds) gives transformers' logits within 1e-3 and its
+    greedy tokens."""
+    from helpers import load_hf_reference
+    from tiny_gguf import make_tiny_gguf
+
+    from kiln.manifest import BuildOptions
+    from kiln.optimize.build import build_engine
+    from kiln.optimize.quantize_gguf import default_quantization
+    from kiln.quant_scheme import QuantScheme
+
+    gguf_path, hf_dir = make_tiny_gguf(tmp_path, "qwen3_moe", quantize=_k_quant_blocks, file_weights_in_hf=True,
+                                       **K_QUANT_MOE)
+    scheme = default_quantization(str(gguf_path))
+    assert scheme == "gguf"
+    engine = tmp_path / "engine"
+    build_engine(gguf_path, engine, BuildOptions(quantization=QuantScheme.parse(scheme), kv_dtype="float32"),
+                 progress=lambda _msg: None)
+    graph = onnx.load(str(engine / "model.onnx"))
+    tensors = {t.name: t for t in GGUFReader(str(gguf_path)).tensors}
+    for layer, node in enumerate(moe_nodes(graph)):
+        attrs = {a.name: a.i for a in node.attribute}
+        down = int(K_QUANT_TYPES["ffn_down_exps"][layer])
+        assert (attrs["gate_type"], attrs["up_type"], attrs["down_type"]) == (GgmlType.Q4_K, GgmlType.Q4_K, down)
+        inits = {init.name: onnx.numpy_helper.to_array(init) for init in graph.graph.initializer
+                 if init.name in node.input[2:4]}
+        file_bytes = {p: np.asarray(tensors[f"blk.{layer}.ffn_{p}_exps.weight"].data) for p in ("gate", "up", "down")}
+        np.testing.assert_array_equal(inits[node.input[2]], np.concatenate([file_bytes["gate"], file_bytes["up"]], 1))
+        np.testing.assert_array_equal(inits[node.input[3]], file_bytes["down"])
+
+    file_model, rerounded = load_hf_reference(hf_dir), _rerounded_experts(load_hf_reference(hf_dir))
+    errors, rerounding, decodes = [], [], []
+    for tokens, positions, got, decoded in _steps(engine, 4):
+        ref = _logits(file_model, tokens[:-1])
+        errors.append(np.abs(got - ref[positions]))
+        rerounding.append(np.abs(_logits(rerounded, tokens[:-1]) - ref)[positions])
+        decodes += [(tokens[pos + 1], ref[pos]) for pos in decoded]
+    err, worse = np.concatenate(errors), np.concatenate(rerounding)
+    assert err.max() < 0.05 * np.abs(np.concatenate([ref for _, ref in decodes])).max()
+    assert err.mean() < 0.7 * worse.mean()
+    clear = [(token, ref) for token, ref in decodes if np.diff(np.sort(ref)[-2:])[0] > 2 * err.max()]
+    assert len(clear) > len(decodes) // 2
+    assert [token for token, _ in clear] == [int(ref.argmax()) for _, ref in clear]
+
+    for tokens, positions, got, decoded in _steps(edited_copy(engine, tmp_path / "float", _float_activations), 3):
+        ref = _logits(file_model, tokens[:-1])
+        assert np.abs(got - ref[positions]).max() < 1e-3
+        assert [tokens[pos + 1] for pos in decoded] == ref[decoded].argmax(-1).tolist()

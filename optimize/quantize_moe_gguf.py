@@ -1,0 +1,79 @@
+"""Pass: a GGUF file's expert blocks kept as they are -> kiln.MoE's GGUF experts (kiln/moe_gguf.py), no re-rounding.
+
+Under the `gguf` and `gguf-exact` schemes a mixture-of-experts file's ffn_gate_exps / ffn_up_exps / ffn_down_exps
+become the op's gate_up and down inputs byte for byte, their types its gate_type / up_type / down_type attributes (a
+Q4_K_M file's Q6_K down beside Q4_K in other layers, each layer's own), and the kernel computes with kiln.MatMulGGUF's
+arithmetic: the engine serves the file's own weights. Activations as the dense nodes take them: int8 under `gguf`
+(float32 for a layer with Q5_0 / Q5_1 experts, which have no int8 kernel), float32 under `gguf-exact`. The stacks'
+bytes are read one layer at a time from the file (export/lazy_initializers.py's BlockRows carries where they are);
+nothing is dequantized. A layer whose experts have no blocks or a type kiln.MatMulGGUF lacks (Q2_K, Q3_K, the
+i-quants ...) keeps its float32 experts (the file's weights dequantized, exact), and the pass says how many.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import onnx_ir as ir
+
+from kiln.export.lazy_initializers import BlockRows
+from kiln.export.progress import track
+from kiln.export.tensor_files import FileBlocks
+from kiln.gguf_blocks import FORMATS, GgmlType
+from kiln.gguf_int8 import INT8_KINDS
+from kiln.matmul_gguf import INT8_ATTRIBUTE
+from kiln.moe_gguf import TYPE_ATTRIBUTES, gguf_experts
+
+from .quant.graph import initializer, prune
+from .quantize_moe import moe_nodes
+
+_EXECUTABLE = frozenset(int(kind) for kind in GgmlType)
+
+
+@dataclass(frozen=True)
+class MoeGgufCounts:
+    kept: int  # layers whose experts are the file's blocks
+    float32: int  # layers left with float32 experts (no blocks, or a type without a kernel)
+
+
+def keep_moe_gguf_experts(model: ir.Model, int8_activations: bool = True) -> MoeGgufCounts:
+    """Rewrite every float kiln.MoE whose expert stacks have usable file blocks in place (int8 activations where
+    asked for and every type has an int8 kernel); returns the counts."""
+    nodes = [node for node in moe_nodes(model) if len(node.inputs) == 4]
+    kept = [(node, parts) for node in nodes if (parts := _stack_blocks(node)) is not None]
+    for node, (gate, up, down) in track(kept, "keep expert blocks", "layer"):
+        gate_up_value, down_value = node.inputs[2], node.inputs[3]
+        assert gate_up_value is not None and down_value is not None  # _stack_blocks
+        assert gate_up_value.const_value is not None
+        e, f2, d = gate_up_value.const_value.shape.numpy()
+        stacks = [part.read().reshape(e, rows, -1) for part, rows in ((gate, f2 // 2), (up, f2 // 2), (down, d))]
+        types = (gate.ggml_type, up.ggml_type, down.ggml_type)
+        int8 = int8_activations and all(kind in INT8_KINDS for kind in types)
+        experts = gguf_experts(*stacks, types, int8)
+        name = gate_up_value.name or "experts"
+        suffix = ".".join(GgmlType(kind).name.lower() for kind in experts.types)
+        node.replace_input_with(2, initializer(model, f"{name}.{suffix}", experts.gate_up))
+        node.replace_input_with(3, initializer(model, f"{down_value.name or 'experts'}.{suffix}", experts.down))
+        for attribute, kind in zip(TYPE_ATTRIBUTES, experts.types, strict=True):
+            node.attributes[attribute] = ir.AttrInt64(attribute, int(kind))
+        node.attributes[INT8_ATTRIBUTE] = ir.AttrInt64(INT8_ATTRIBUTE, int(int8))
+    if kept:
+        prune(model)
+    return MoeGgufCounts(len(kept), len(nodes) - len(kept))
+
+
+def _stack_blocks(node: ir.Node) -> tuple[FileBlocks, FileBlocks, FileBlocks] | None:
+    """(gate, up, down) file blocks of a node whose stacks have them, each of a type kiln.MatMulGGUF executes and rows
+    of whole blocks; None otherwise (shapes and types only: nothing read)."""
+    gate_up, down = (value.const_value if value is not None else None for value in node.inputs[2:4])
+    if not isinstance(gate_up, BlockRows) or not isinstance(down, BlockRows):
+        return None
+    if len(gate_up.blocks) != 2 or len(down.blocks) != 1:
+        return None
+    e, f2, d = gate_up.shape.numpy()
+    (gate, up), (dn,) = gate_up.blocks, down.blocks
+    for part, rows, k in ((gate, f2 // 2, d), (up, f2 // 2, d), (dn, d, f2 // 2)):
+        if part.ggml_type not in _EXECUTABLE or part.rows != e * rows or k % FORMATS[GgmlType(part.ggml_type)].weights:
+            return None
+    return gate, up, dn
+
