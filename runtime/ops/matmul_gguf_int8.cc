@@ -152,18 +152,17 @@ struct Q8_0 {
   }
 };
 
-// Q4_K / Q5_K's 6-bit scales and minimums as bytes (llama.cpp's get_scale_min_k4 with 32-bit masks): sc[0..8),
-// mins[0..8).
-inline void k_scales(const uint8_t* b, uint8_t* sc, uint8_t* mins) {
-  constexpr uint32_t kLow6 = 0x3f3f3f3f, kLow4 = 0x0f0f0f0f, kLow2 = 0x03030303;
-  uint32_t w[3], out[4];
-  std::memcpy(w, b + 4, 12);
-  out[0] = w[0] & kLow6;
-  out[1] = (w[2] & kLow4) | (((w[0] >> 6) & kLow2) << 4);
-  out[2] = w[1] & kLow6;
-  out[3] = ((w[2] >> 4) & kLow4) | (((w[1] >> 6) & kLow2) << 4);
-  std::memcpy(sc, out, 8);
-  std::memcpy(mins, out + 2, 8);
+// Q4_K / Q5_K's 6-bit scales and minimums (llama.cpp's get_scale_min_k4 on 32-bit words w0, w1, w2 of the 12 bytes)
+// as the bytes sc[0..8) then mins[0..8) of one vector, in vector registers:
+//   sc 0..3 = w0 & 0x3f   sc 4..7 = (w2 & 0x0f) | ((w0 >> 2) & 0x30)
+//   m 0..3  = w1 & 0x3f   m 4..7  = ((w2 >> 4) & 0x0f) | ((w1 >> 2) & 0x30)
+inline __m128i k_scales(const uint8_t* b) {
+  const __m128i w = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 4));  // w0 w1 w2 and 4 bytes past them
+  const __m128i low = _mm_and_si128(_mm_srlv_epi32(_mm_shuffle_epi32(w, _MM_SHUFFLE(2, 1, 2, 0)), _mm_setr_epi32(0, 0, 0, 4)),
+                                    _mm_setr_epi32(0x3f3f3f3f, 0x0f0f0f0f, 0x3f3f3f3f, 0x0f0f0f0f));
+  const __m128i top = _mm_and_si128(_mm_srli_epi32(_mm_shuffle_epi32(w, _MM_SHUFFLE(1, 1, 0, 0)), 2),
+                                    _mm_setr_epi32(0, 0x30303030, 0, 0x30303030));
+  return _mm_or_si128(low, top);
 }
 
 // A k-quant block (Q4_K, Q5_K, Q6_K) decodes into group g's 32 weights (inputs 32g..32g + 31) as unsigned codes q_g
@@ -199,11 +198,9 @@ inline __m256i mask_of(const uint8_t* m) { return _mm256_load_si256(reinterpret_
 // sums (see the top).
 template <bool kFifthBit, class F>
 inline void decode_k(const uint8_t* b, const uint8_t* qs, KFloats& k, F&& f) {
-  alignas(16) uint8_t sc[8], mins[8];
-  k_scales(b, sc, mins);
+  const __m128i sc_mins = k_scales(b);
   const __m256i m4 = _mm256_set1_epi8(15), bit4 = _mm256_set1_epi8(16);
-  const __m128i sc8 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(sc));
-  const __m256i sc_both = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(sc8));  // the 8 scales, int16, both lanes
+  const __m256i sc_both = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(sc_mins));  // the 8 scales, int16, both lanes
   const __m256i qh = kFifthBit ? load32(b + 16) : _mm256_setzero_si256();
 #pragma GCC unroll 4
   for (int c = 0; c < 4; ++c) {
@@ -217,12 +214,15 @@ inline void decode_k(const uint8_t* b, const uint8_t* qs, KFloats& k, F&& f) {
     f(2 * c, lo, _mm256_shuffle_epi8(sc_both, mask_of(kScaleMasks.k[2 * c])));
     f(2 * c + 1, hi, _mm256_shuffle_epi8(sc_both, mask_of(kScaleMasks.k[2 * c + 1])));
   }
-  // the 8 sub-blocks' d sc_j and dmin m_j as float32 vectors (the spec's products), then c (d sc_j)
+  // the 8 sub-blocks' d sc_j and dmin m_j as float32 vectors (the spec's products), then c (d sc_j); d and dmin
+  // converted together, [d, dmin] in every pair of lanes
   constexpr float kCentre = kFifthBit ? 15.5f : 7.5f;
-  k.d = f16(b);
-  const __m256 scale = _mm256_mul_ps(_mm256_set1_ps(k.d), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(sc8)));
-  k.minimum = _mm256_mul_ps(_mm256_set1_ps(f16(b + 2)), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(
-                                                               _mm_loadl_epi64(reinterpret_cast<const __m128i*>(mins)))));
+  const __m256 d_dmin = _mm256_cvtph_ps(_mm_castps_si128(_mm_broadcast_ss(reinterpret_cast<const float*>(b))));
+  const __m256 d = _mm256_moveldup_ps(d_dmin);
+  k.d = _mm256_cvtss_f32(d);
+  const __m256 scale = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(sc_mins)));
+  k.minimum = _mm256_mul_ps(_mm256_movehdup_ps(d_dmin),
+                            _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_unpackhi_epi64(sc_mins, sc_mins))));
   k.centred = _mm256_mul_ps(scale, _mm256_set1_ps(kCentre));
 }
 
