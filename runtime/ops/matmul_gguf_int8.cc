@@ -336,22 +336,21 @@ void run_item(const Problem& p, int64_t n_begin, int64_t n_end, int64_t t_begin,
   }
 }
 
-// The k-quants' tile: one output channel x NT rows over blocks [b0, b1) of the row, each block decoded once, group
-// by group straight into the NT rows' dots (codes, multipliers and the rows' integer sums all in registers), then
-// the block's float terms once for the NT rows; acc[r] carries row r's 8 float lanes from the previous span of
-// blocks. A (channel, row) pair runs the same integer and float operations in the same order (its blocks in
-// order) in every tile size and span, so a row's bits depend on neither T nor the tiling.
+// The k-quants' tile: output channels [n_begin, n_end) one after the other, each x NT rows over its whole row of
+// blocks, each block decoded once, group by group straight into the NT rows' dots (codes, multipliers and the rows'
+// integer sums all in registers), then the block's float terms once for the NT rows. One call takes the channels of
+// an item, so the row pointers and the scale masks are set up once for them, not once a channel (a K = 2048 row is
+// only 8 blocks). A (channel, row) pair runs the same integer and float operations in the same order (its blocks
+// in order) in every tile size, so a row's bits depend on neither T nor the tiling.
 template <class Type, int NT>
-__attribute__((noinline)) void k_tile(const Problem& p, int64_t n, int64_t t0, int64_t b0, int64_t b1, __m256* acc_io) {
+__attribute__((noinline)) void k_tile(const Problem& p, int64_t n_begin, int64_t n_end, int64_t t0) {
   const GgufMatmul& m = *p.m;
   const Int8Rows& a = *p.rows;
   const int64_t nb = m.K / Type::kWeights;
-  const uint8_t* w = m.w + n * m.row_bytes + b0 * Type::kBytes;
   const int8_t* xq[NT];
   const float* step[NT];
   const int16_t* sums[NT];
   const float *sub_sum[NT], *sub_error[NT];
-  __m256 acc[NT];
   for (int r = 0; r < NT; ++r) {
     const int64_t t = t0 + r;
     xq[r] = a.q.data() + t * m.K;
@@ -359,28 +358,33 @@ __attribute__((noinline)) void k_tile(const Problem& p, int64_t n, int64_t t0, i
     sums[r] = Type::kSums ? a.sums.data() + t * (m.K / kSumGroup) : nullptr;
     sub_sum[r] = Type::kSums ? nullptr : a.sub_sum.data() + t * (m.K / 32);
     sub_error[r] = Type::kSums ? nullptr : a.sub_error.data() + t * (m.K / 32);
-    acc[r] = acc_io[r];
   }
-  for (int64_t blk = b0; blk < b1; ++blk, w += Type::kBytes) {
-    KFloats k;
-    __m256i isum[NT];
-    for (int r = 0; r < NT; ++r) isum[r] = _mm256_setzero_si256();
-    Type::decode(w, k, [&](int g, __m256i q, __m256i s) {
+  for (int64_t n = n_begin; n < n_end; ++n) {
+    const uint8_t* w = m.w + n * m.row_bytes;
+    __m256 acc[NT];
+    for (int r = 0; r < NT; ++r) acc[r] = _mm256_setzero_ps();
+    for (int64_t blk = 0; blk < nb; ++blk, w += Type::kBytes) {
+      KFloats k;
+      __m256i isum[NT];
+      for (int r = 0; r < NT; ++r) isum[r] = _mm256_setzero_si256();
+      Type::decode(w, k, [&](int g, __m256i q, __m256i s) {
+        for (int r = 0; r < NT; ++r)
+          isum[r] = _mm256_add_epi32(isum[r], dot_bytes(q, load32(xq[r] + blk * Type::kWeights + 32 * g), s));
+      });
       for (int r = 0; r < NT; ++r)
-        isum[r] = _mm256_add_epi32(isum[r], dot_bytes(q, load32(xq[r] + blk * Type::kWeights + 32 * g), s));
-    });
-    for (int r = 0; r < NT; ++r)
-      acc[r] = k_accumulate<Type>(acc[r], isum[r], k, step[r][blk], sums[r] + blk * (Type::kWeights / kSumGroup),
-                                  sub_sum[r] + blk * (Type::kWeights / 32), sub_error[r] + blk * (Type::kWeights / 32));
+        acc[r] = k_accumulate<Type>(acc[r], isum[r], k, step[r][blk], sums[r] + blk * (Type::kWeights / kSumGroup),
+                                    sub_sum[r] + blk * (Type::kWeights / 32), sub_error[r] + blk * (Type::kWeights / 32));
+    }
+    const float bias = m.bias ? m.bias[n] : 0.f;
+    for (int r = 0; r < NT; ++r) m.y[(t0 + r) * m.N + n] = hsum(acc[r]) + bias;
   }
-  for (int r = 0; r < NT; ++r) acc_io[r] = acc[r];
 }
 
 template <class Type, int NT>
-void k_pass_rows(const Problem& p, int64_t n, int64_t t0, int64_t rows, __m256* acc) {
+void k_pass_rows(const Problem& p, int64_t n_begin, int64_t n_end, int64_t t0, int64_t rows) {
   if constexpr (NT > 1)
-    if (rows < NT) return k_pass_rows<Type, NT - 1>(p, n, t0, rows, acc);
-  k_tile<Type, NT>(p, n, t0, 0, p.m->K / Type::kWeights, acc);
+    if (rows < NT) return k_pass_rows<Type, NT - 1>(p, n_begin, n_end, t0, rows);
+  k_tile<Type, NT>(p, n_begin, n_end, t0);
 }
 
 // An item's rows in tiles of kKTileRows, or kTileRows where so many rows' int8 activations would not stay in L1
@@ -388,18 +392,9 @@ void k_pass_rows(const Problem& p, int64_t n, int64_t t0, int64_t rows, __m256* 
 template <class Type>
 void run_k_item(const Problem& p, int64_t n_begin, int64_t n_end, int64_t t_begin, int64_t t_end) {
   static_assert(Type::kActBlock == Type::kWeights, "an activation block per weight block");
-  const GgufMatmul& m = *p.m;
-  const int64_t tile_rows = m.K <= kKTileRowsMaxK ? kKTileRows : kTileRows;
-  for (int64_t t = t_begin; t < t_end; t += tile_rows) {
-    const int64_t rows = std::min<int64_t>(tile_rows, t_end - t);
-    for (int64_t n = n_begin; n < n_end; ++n) {
-      __m256 acc[kKTileRows];
-      for (int r = 0; r < kKTileRows; ++r) acc[r] = _mm256_setzero_ps();
-      k_pass_rows<Type, kKTileRows>(p, n, t, rows, acc);
-      const float bias = m.bias ? m.bias[n] : 0.f;
-      for (int64_t r = 0; r < rows; ++r) m.y[(t + r) * m.N + n] = hsum(acc[r]) + bias;
-    }
-  }
+  const int64_t tile_rows = p.m->K <= kKTileRowsMaxK ? kKTileRows : kTileRows;
+  for (int64_t t = t_begin; t < t_end; t += tile_rows)
+    k_pass_rows<Type, kKTileRows>(p, n_begin, n_end, t, std::min<int64_t>(tile_rows, t_end - t));
 }
 
 using ItemFn = void (*)(const Problem&, int64_t, int64_t, int64_t, int64_t);
