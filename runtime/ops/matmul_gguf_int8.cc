@@ -39,6 +39,7 @@ constexpr int kTileRows = 4;      // Q4_0 / Q8_0: a tile is one channel x up to 
 constexpr int kKTileRows = 8;     // the k-quants: a tile is one channel x up to 8 rows
 constexpr int64_t kKTileRowsMaxK = 4096;  // ... for K up to 4096; kTileRows above
 constexpr int64_t kChannelsPerItem = 16;
+constexpr int64_t kPrefetchAhead = 4096;  // bytes of the weight stream a k-quant tile prefetches ahead
 constexpr int64_t kRowsPerItem = 32;
 constexpr int64_t kSumGroup = 16;               // activations per int sum (Q8_K's bsums)
 constexpr int64_t kParallelQuantize = 1 << 15;  // activation elements from which quantizing is parallel
@@ -364,6 +365,8 @@ __attribute__((noinline)) void k_tile(const Problem& p, int64_t n_begin, int64_t
     __m256 acc[NT];
     for (int r = 0; r < NT; ++r) acc[r] = _mm256_setzero_ps();
     for (int64_t blk = 0; blk < nb; ++blk, w += Type::kBytes) {
+      for (int64_t off = 0; off < Type::kBytes; off += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(w) + kPrefetchAhead + off, _MM_HINT_T0);
       KFloats k;
       __m256i isum[NT];
       for (int r = 0; r < NT; ++r) isum[r] = _mm256_setzero_si256();
