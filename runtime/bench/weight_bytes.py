@@ -13,9 +13,14 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from kiln.manifest import read_manifest
+
+if TYPE_CHECKING:
+    from onnx import GraphProto, NodeProto, TensorProto
 
 # op type -> the input position that holds indices; every other input of the node belongs to the gathered table
 _GATHERS = {"Gather": 1, "GatherBlockQuantized": 1}
@@ -38,39 +43,55 @@ def weight_bytes_per_token(engine_dir: Path) -> tuple[int, str]:
     return round(total), "graph"
 
 
-def graph_bytes_per_token(graph) -> float:
+def graph_bytes_per_token(graph: GraphProto) -> float:
     """The bytes of an onnx GraphProto's initializers one token's step reads (each at the largest share any of its
     consumers reads)."""
     uses: dict[str, list[float]] = defaultdict(list)  # initializer -> the fraction of it each consumer reads
+    for _, name, fraction in _initializer_reads(graph):
+        uses[name].append(fraction)
+    return sum(_nbytes(t) * max(uses.get(t.name, [1.0])) for t in graph.initializer)
+
+
+def node_bytes_per_token(graph: GraphProto) -> dict[str, float]:
+    """Node name -> the initializer bytes that node reads for one token (a table shared by two nodes, such as a
+    tied head, counts for each: what each node's own time is set against)."""
+    sizes = {t.name: _nbytes(t) for t in graph.initializer}
+    out: dict[str, float] = defaultdict(float)
+    for node, name, fraction in _initializer_reads(graph):
+        out[node.name] += sizes.get(name, 0) * fraction
+    return dict(out)
+
+
+def _initializer_reads(graph: GraphProto) -> Iterator[tuple[NodeProto, str, float]]:
+    """(node, input name, the fraction of it one token's step reads) for every named input of every node."""
     for node in graph.node:
         fraction_of = _fraction_reader(node, graph)
         for position, name in enumerate(node.input):
             if name:
-                uses[name].append(fraction_of(position))
-    return sum(_nbytes(t) * max(uses.get(t.name, [1.0])) for t in graph.initializer)
+                yield node, name, fraction_of(position)
 
 
-def _fraction_reader(node, graph):
+def _fraction_reader(node: NodeProto, graph: GraphProto) -> Callable[[int], float]:
     """position -> the fraction of that input one token's step reads."""
     if node.op_type in _GATHERS and node.domain in ("", "ai.onnx", "com.microsoft"):
         indices = _GATHERS[node.op_type]
         return lambda position: 1.0 if position == indices else 0.0
     if node.op_type == "MoE" and node.domain == "kiln":
-        top_k = next(a.i for a in node.attribute if a.name == "top_k")
+        top_k = int(next(a.i for a in node.attribute if a.name == "top_k"))
         experts = _leading_dim(graph, node.input[1])  # the router [E, D]
         share = top_k / experts if experts else 1.0
         return lambda position: share if position >= _MOE_FIRST_EXPERT_INPUT else 1.0
     return lambda position: 1.0
 
 
-def _leading_dim(graph, name: str) -> int | None:
+def _leading_dim(graph: GraphProto, name: str) -> int | None:
     for t in graph.initializer:
         if t.name == name:
-            return t.dims[0] if t.dims else None
+            return int(t.dims[0]) if t.dims else None
     return None
 
 
-def _nbytes(tensor) -> int:
+def _nbytes(tensor: TensorProto) -> int:
     for entry in tensor.external_data:
         if entry.key == "length":
             return int(entry.value)
@@ -79,4 +100,4 @@ def _nbytes(tensor) -> int:
     import onnx.helper
 
     count = math.prod(tensor.dims)
-    return count * onnx.helper.tensor_dtype_to_np_dtype(tensor.data_type).itemsize
+    return int(count * onnx.helper.tensor_dtype_to_np_dtype(tensor.data_type).itemsize)
