@@ -8,12 +8,12 @@ are left out; decode steps repeat the same work, and a busy machine's preemption
 time), summed per op type. Prints, per batch size, ms per decode step and each op type's share.
 
     python benchmarks/profile_ops.py ENGINE_DIR [--batches 1 32] [--max-tokens 64] [--threads 1]
-        [--library OTHER/libkiln_ops.so] [--stat min|median] [--nodes]
+        [--library OTHER/libkiln_ops.so] [--stat min|median] [--nodes [--read-gbps GB/S]]
 
 --nodes adds a table per kind of node (an op type; a MatMulGGUF by its ggml type and K -> N): its nodes' summed
 time against the initializer bytes they read for a token over the measured read bandwidth (kiln bench's numpy
 read), i.e. how far each kind of linear is from streaming its weights at memory speed; the model run's time outside
-the kernels (ONNX Runtime between nodes) is its last row.
+the kernels (ONNX Runtime between nodes, and the profiler's own cost) is its last row.
 
 An `If` node's time (the int4-rescored head's switch) includes its branch's nodes, which are listed too.
 
@@ -79,7 +79,7 @@ def generate(llm_engine: Engine, batch: int, max_tokens: int) -> list[bool]:
 def node_times(profile: Path, decode: list[bool],
                stat: str = "min") -> tuple[dict[tuple[str, str], float], int, float]:
     """Per (op type, node name), the node's fastest (stat "min") or median kernel microseconds over the decode
-    runs; the number of those runs; and their median wall microseconds (the whole model run)."""
+    runs; the number of those runs; and their fastest or median wall microseconds (the whole model run)."""
     events = json.loads(profile.read_text())
     runs = sorted((e for e in events if e.get("name") == "model_run"), key=lambda e: e["ts"])
     if len(runs) != len(decode):
@@ -91,9 +91,10 @@ def node_times(profile: Path, decode: list[bool],
             continue
         if any(start <= e["ts"] <= end for start, end in windows):
             per_node[(e["args"]["op_name"], e["name"])].append(e["dur"])
-    times = {key: min(d) if stat == "min" else statistics.median(d) for key, d in per_node.items()}
-    run_median = statistics.median(end - start for start, end in windows) if windows else 0.0
-    return times, len(windows), run_median
+    pick = min if stat == "min" else statistics.median
+    times = {key: pick(d) for key, d in per_node.items()}
+    run = pick([end - start for start, end in windows]) if windows else 0.0
+    return times, len(windows), run
 
 
 def per_op_type(times: dict[tuple[str, str], float]) -> dict[str, float]:
@@ -149,8 +150,11 @@ def main() -> None:
     parser.add_argument("--stat", choices=["min", "median"], default="min",
                         help="each node's fastest time (robust on one thread) or its median (what two threads see)")
     parser.add_argument("--nodes", action="store_true", help="add the table per kind of node against its bytes")
+    parser.add_argument("--read-gbps", type=float, default=None,
+                        help="the read bandwidth the table sets bytes against (default: measured now, as kiln bench "
+                             "does; on a busy host give a quiet measurement)")
     args = parser.parse_args()
-    read_gbps = memory_bandwidth_gbps()["read_gbps"] if args.nodes else 0.0
+    read_gbps = args.read_gbps or (memory_bandwidth_gbps()["read_gbps"] if args.nodes else 0.0)
     for batch in args.batches:
         llm_engine = load_engine(args.engine_dir, RuntimeConfig(max_num_seqs=batch, num_threads=args.threads))
         with tempfile.TemporaryDirectory(prefix="kiln-ops-") as tmp:
@@ -158,19 +162,19 @@ def main() -> None:
                                      args.library or library_path(), str(Path(tmp) / "ort"))
             llm_engine.runner = runner
             decode = generate(llm_engine, batch, args.max_tokens)
-            times, steps, run_median = node_times(Path(runner.session.end_profiling()), decode, args.stat)
+            times, steps, run_us = node_times(Path(runner.session.end_profiling()), decode, args.stat)
         totals = per_op_type(times)
         kernel = sum(totals.values())
         which = "fastest" if args.stat == "min" else "median"
         print(f"batch {batch}: {kernel / 1e3:.2f} ms of kernels per decode step ({which} of {steps} steps, "
-              f"{args.threads} threads); a model run's median {run_median / 1e3:.2f} ms")
+              f"{args.threads} threads); a model run's {which} {run_us / 1e3:.2f} ms")
         print("| op type | ms / step | share |")
         print("|---|---|---|")
         for op, us in sorted(totals.items(), key=lambda kv: -kv[1]):
             print(f"| {op} | {us / 1e3:.3f} | {100 * us / kernel:.1f}% |")
         if args.nodes:
             print()
-            print_node_table(times, node_kinds(args.engine_dir), run_median, read_gbps)
+            print_node_table(times, node_kinds(args.engine_dir), run_us, read_gbps)
 
 
 if __name__ == "__main__":
