@@ -14,7 +14,9 @@
 //          acc += (step * d) * isum  [+ sum_j (c (d sc_j)) E_j - sum_j (dmin m_j) S_j   for Q4_K / Q5_K]
 //      (the minimums from the exact float sums, and the codes' mean c (7.5, 15.5) from E: int8 rounding then
 //      reaches only the centred codes, as in kiln.MatMulQ4_1);
-//   3. work items (16 channels x 32 rows) run on ONNX Runtime's intra-op thread pool.
+//   3. work items (16 channels x 32 rows) run on ONNX Runtime's intra-op thread pool (each thread a contiguous
+//      shard of them, stealing at the end); a k-quant tile call takes its item's channels one after the other and
+//      prefetches the weight stream a page ahead.
 //
 // The weights are the file's blocks as they are (no repacking). Each row's arithmetic is the same in every tile
 // size, so a row's outputs are bitwise the same for every T and every thread count; only the float32 sums over
