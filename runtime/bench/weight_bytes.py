@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -47,12 +47,28 @@ def graph_bytes_per_token(graph: GraphProto) -> float:
     """The bytes of an onnx GraphProto's initializers one token's step reads (each at the largest share any of its
     consumers reads)."""
     uses: dict[str, list[float]] = defaultdict(list)  # initializer -> the fraction of it each consumer reads
+    for _, name, fraction in _initializer_reads(graph):
+        uses[name].append(fraction)
+    return sum(_nbytes(t) * max(uses.get(t.name, [1.0])) for t in graph.initializer)
+
+
+def node_bytes_per_token(graph: GraphProto) -> dict[str, float]:
+    """Node name -> the initializer bytes that node reads for one token (a table shared by two nodes, such as a
+    tied head, counts for each: what each node's own time is set against)."""
+    sizes = {t.name: _nbytes(t) for t in graph.initializer}
+    out: dict[str, float] = defaultdict(float)
+    for node, name, fraction in _initializer_reads(graph):
+        out[node.name] += sizes.get(name, 0) * fraction
+    return dict(out)
+
+
+def _initializer_reads(graph: GraphProto) -> Iterator[tuple[NodeProto, str, float]]:
+    """(node, input name, the fraction of it one token's step reads) for every named input of every node."""
     for node in graph.node:
         fraction_of = _fraction_reader(node, graph)
         for position, name in enumerate(node.input):
             if name:
-                uses[name].append(fraction_of(position))
-    return sum(_nbytes(t) * max(uses.get(t.name, [1.0])) for t in graph.initializer)
+                yield node, name, fraction_of(position)
 
 
 def _fraction_reader(node: NodeProto, graph: GraphProto) -> Callable[[int], float]:
@@ -61,7 +77,7 @@ def _fraction_reader(node: NodeProto, graph: GraphProto) -> Callable[[int], floa
         indices = _GATHERS[node.op_type]
         return lambda position: 1.0 if position == indices else 0.0
     if node.op_type == "MoE" and node.domain == "kiln":
-        top_k = next(a.i for a in node.attribute if a.name == "top_k")
+        top_k = int(next(a.i for a in node.attribute if a.name == "top_k"))
         experts = _leading_dim(graph, node.input[1])  # the router [E, D]
         share = top_k / experts if experts else 1.0
         return lambda position: share if position >= _MOE_FIRST_EXPERT_INPUT else 1.0

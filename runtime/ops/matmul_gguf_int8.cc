@@ -14,7 +14,9 @@
 //          acc += (step * d) * isum  [+ sum_j (c (d sc_j)) E_j - sum_j (dmin m_j) S_j   for Q4_K / Q5_K]
 //      (the minimums from the exact float sums, and the codes' mean c (7.5, 15.5) from E: int8 rounding then
 //      reaches only the centred codes, as in kiln.MatMulQ4_1);
-//   3. work items (16 channels x 32 rows) run on ONNX Runtime's intra-op thread pool.
+//   3. work items (16 channels x 32 rows) run on ONNX Runtime's intra-op thread pool (each thread a contiguous
+//      shard of them, stealing at the end); a k-quant tile call takes its item's channels one after the other and
+//      prefetches the weight stream a page ahead.
 //
 // The weights are the file's blocks as they are (no repacking). Each row's arithmetic is the same in every tile
 // size, so a row's outputs are bitwise the same for every T and every thread count; only the float32 sums over
@@ -44,6 +46,7 @@ constexpr int kTileRows = 4;      // Q4_0 / Q8_0: a tile is one channel x up to 
 constexpr int kKTileRows = 8;     // the k-quants: a tile is one channel x up to 8 rows
 constexpr int64_t kKTileRowsMaxK = 4096;  // ... for K up to 4096; kTileRows above
 constexpr int64_t kChannelsPerItem = 16;
+constexpr int64_t kPrefetchAhead = 4096;  // bytes of the weight stream a k-quant tile prefetches ahead
 constexpr int64_t kRowsPerItem = 32;
 constexpr int64_t kParallelQuantize = 1 << 15;  // activation elements from which quantizing is parallel
 
@@ -139,18 +142,17 @@ struct Q8_0 {
   }
 };
 
-// Q4_K / Q5_K's 6-bit scales and minimums as bytes (llama.cpp's get_scale_min_k4 with 32-bit masks): sc[0..8),
-// mins[0..8).
-inline void k_scales(const uint8_t* b, uint8_t* sc, uint8_t* mins) {
-  constexpr uint32_t kLow6 = 0x3f3f3f3f, kLow4 = 0x0f0f0f0f, kLow2 = 0x03030303;
-  uint32_t w[3], out[4];
-  std::memcpy(w, b + 4, 12);
-  out[0] = w[0] & kLow6;
-  out[1] = (w[2] & kLow4) | (((w[0] >> 6) & kLow2) << 4);
-  out[2] = w[1] & kLow6;
-  out[3] = ((w[2] >> 4) & kLow4) | (((w[1] >> 6) & kLow2) << 4);
-  std::memcpy(sc, out, 8);
-  std::memcpy(mins, out + 2, 8);
+// Q4_K / Q5_K's 6-bit scales and minimums (llama.cpp's get_scale_min_k4 on 32-bit words w0, w1, w2 of the 12 bytes)
+// as the bytes sc[0..8) then mins[0..8) of one vector, in vector registers:
+//   sc 0..3 = w0 & 0x3f   sc 4..7 = (w2 & 0x0f) | ((w0 >> 2) & 0x30)
+//   m 0..3  = w1 & 0x3f   m 4..7  = ((w2 >> 4) & 0x0f) | ((w1 >> 2) & 0x30)
+inline __m128i k_scales(const uint8_t* b) {
+  const __m128i w = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 4));  // w0 w1 w2 and 4 bytes past them
+  const __m128i low = _mm_and_si128(_mm_srlv_epi32(_mm_shuffle_epi32(w, _MM_SHUFFLE(2, 1, 2, 0)), _mm_setr_epi32(0, 0, 0, 4)),
+                                    _mm_setr_epi32(0x3f3f3f3f, 0x0f0f0f0f, 0x3f3f3f3f, 0x0f0f0f0f));
+  const __m128i top = _mm_and_si128(_mm_srli_epi32(_mm_shuffle_epi32(w, _MM_SHUFFLE(1, 1, 0, 0)), 2),
+                                    _mm_setr_epi32(0, 0x30303030, 0, 0x30303030));
+  return _mm_or_si128(low, top);
 }
 
 // A k-quant block (Q4_K, Q5_K, Q6_K) decodes into group g's 32 weights (inputs 32g..32g + 31) as unsigned codes q_g
@@ -186,11 +188,9 @@ inline __m256i mask_of(const uint8_t* m) { return _mm256_load_si256(reinterpret_
 // sums (see the top).
 template <bool kFifthBit, class F>
 inline void decode_k(const uint8_t* b, const uint8_t* qs, KFloats& k, F&& f) {
-  alignas(16) uint8_t sc[8], mins[8];
-  k_scales(b, sc, mins);
+  const __m128i sc_mins = k_scales(b);
   const __m256i m4 = _mm256_set1_epi8(15), bit4 = _mm256_set1_epi8(16);
-  const __m128i sc8 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(sc));
-  const __m256i sc_both = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(sc8));  // the 8 scales, int16, both lanes
+  const __m256i sc_both = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(sc_mins));  // the 8 scales, int16, both lanes
   const __m256i qh = kFifthBit ? load32(b + 16) : _mm256_setzero_si256();
 #pragma GCC unroll 4
   for (int c = 0; c < 4; ++c) {
@@ -204,12 +204,15 @@ inline void decode_k(const uint8_t* b, const uint8_t* qs, KFloats& k, F&& f) {
     f(2 * c, lo, _mm256_shuffle_epi8(sc_both, mask_of(kScaleMasks.k[2 * c])));
     f(2 * c + 1, hi, _mm256_shuffle_epi8(sc_both, mask_of(kScaleMasks.k[2 * c + 1])));
   }
-  // the 8 sub-blocks' d sc_j and dmin m_j as float32 vectors (the spec's products), then c (d sc_j)
+  // the 8 sub-blocks' d sc_j and dmin m_j as float32 vectors (the spec's products), then c (d sc_j); d and dmin
+  // converted together, [d, dmin] in every pair of lanes
   constexpr float kCentre = kFifthBit ? 15.5f : 7.5f;
-  k.d = f16(b);
-  const __m256 scale = _mm256_mul_ps(_mm256_set1_ps(k.d), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(sc8)));
-  k.minimum = _mm256_mul_ps(_mm256_set1_ps(f16(b + 2)), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(
-                                                               _mm_loadl_epi64(reinterpret_cast<const __m128i*>(mins)))));
+  const __m256 d_dmin = _mm256_cvtph_ps(_mm_castps_si128(_mm_broadcast_ss(reinterpret_cast<const float*>(b))));
+  const __m256 d = _mm256_moveldup_ps(d_dmin);
+  k.d = _mm256_cvtss_f32(d);
+  const __m256 scale = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(sc_mins)));
+  k.minimum = _mm256_mul_ps(_mm256_movehdup_ps(d_dmin),
+                            _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_unpackhi_epi64(sc_mins, sc_mins))));
   k.centred = _mm256_mul_ps(scale, _mm256_set1_ps(kCentre));
 }
 
@@ -323,22 +326,21 @@ void run_item(const Problem& p, int64_t n_begin, int64_t n_end, int64_t t_begin,
   }
 }
 
-// The k-quants' tile: one output channel x NT rows over blocks [b0, b1) of the row, each block decoded once, group
-// by group straight into the NT rows' dots (codes, multipliers and the rows' integer sums all in registers), then
-// the block's float terms once for the NT rows; acc[r] carries row r's 8 float lanes from the previous span of
-// blocks. A (channel, row) pair runs the same integer and float operations in the same order (its blocks in
-// order) in every tile size and span, so a row's bits depend on neither T nor the tiling.
+// The k-quants' tile: output channels [n_begin, n_end) one after the other, each x NT rows over its whole row of
+// blocks, each block decoded once, group by group straight into the NT rows' dots (codes, multipliers and the rows'
+// integer sums all in registers), then the block's float terms once for the NT rows. One call takes the channels of
+// an item, so the row pointers and the scale masks are set up once for them, not once a channel (a K = 2048 row is
+// only 8 blocks). A (channel, row) pair runs the same integer and float operations in the same order (its blocks
+// in order) in every tile size, so a row's bits depend on neither T nor the tiling.
 template <class Type, int NT>
-__attribute__((noinline)) void k_tile(const Problem& p, int64_t n, int64_t t0, int64_t b0, int64_t b1, __m256* acc_io) {
+__attribute__((noinline)) void k_tile(const Problem& p, int64_t n_begin, int64_t n_end, int64_t t0) {
   const GgufMatmul& m = *p.m;
   const Int8Rows& a = *p.rows;
   const int64_t nb = m.K / Type::kWeights;
-  const uint8_t* w = m.w + n * m.row_bytes + b0 * Type::kBytes;
   const int8_t* xq[NT];
   const float* step[NT];
   const int16_t* sums[NT];
   const float *sub_sum[NT], *sub_error[NT];
-  __m256 acc[NT];
   for (int r = 0; r < NT; ++r) {
     const int64_t t = t0 + r;
     xq[r] = a.q.data() + t * m.K;
@@ -346,28 +348,35 @@ __attribute__((noinline)) void k_tile(const Problem& p, int64_t n, int64_t t0, i
     sums[r] = Type::kSums ? a.sums.data() + t * (m.K / kSumGroup) : nullptr;
     sub_sum[r] = Type::kSums ? nullptr : a.sub_sum.data() + t * (m.K / 32);
     sub_error[r] = Type::kSums ? nullptr : a.sub_error.data() + t * (m.K / 32);
-    acc[r] = acc_io[r];
   }
-  for (int64_t blk = b0; blk < b1; ++blk, w += Type::kBytes) {
-    KFloats k;
-    __m256i isum[NT];
-    for (int r = 0; r < NT; ++r) isum[r] = _mm256_setzero_si256();
-    Type::decode(w, k, [&](int g, __m256i q, __m256i s) {
+  for (int64_t n = n_begin; n < n_end; ++n) {
+    const uint8_t* w = m.w + n * m.row_bytes;
+    __m256 acc[NT];
+    for (int r = 0; r < NT; ++r) acc[r] = _mm256_setzero_ps();
+    for (int64_t blk = 0; blk < nb; ++blk, w += Type::kBytes) {
+      for (int64_t off = 0; off < Type::kBytes; off += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(w) + kPrefetchAhead + off, _MM_HINT_T0);
+      KFloats k;
+      __m256i isum[NT];
+      for (int r = 0; r < NT; ++r) isum[r] = _mm256_setzero_si256();
+      Type::decode(w, k, [&](int g, __m256i q, __m256i s) {
+        for (int r = 0; r < NT; ++r)
+          isum[r] = _mm256_add_epi32(isum[r], dot_bytes(q, load32(xq[r] + blk * Type::kWeights + 32 * g), s));
+      });
       for (int r = 0; r < NT; ++r)
-        isum[r] = _mm256_add_epi32(isum[r], dot_bytes(q, load32(xq[r] + blk * Type::kWeights + 32 * g), s));
-    });
-    for (int r = 0; r < NT; ++r)
-      acc[r] = k_accumulate<Type>(acc[r], isum[r], k, step[r][blk], sums[r] + blk * (Type::kWeights / kSumGroup),
-                                  sub_sum[r] + blk * (Type::kWeights / 32), sub_error[r] + blk * (Type::kWeights / 32));
+        acc[r] = k_accumulate<Type>(acc[r], isum[r], k, step[r][blk], sums[r] + blk * (Type::kWeights / kSumGroup),
+                                    sub_sum[r] + blk * (Type::kWeights / 32), sub_error[r] + blk * (Type::kWeights / 32));
+    }
+    const float bias = m.bias ? m.bias[n] : 0.f;
+    for (int r = 0; r < NT; ++r) m.y[(t0 + r) * m.N + n] = hsum(acc[r]) + bias;
   }
-  for (int r = 0; r < NT; ++r) acc_io[r] = acc[r];
 }
 
 template <class Type, int NT>
-void k_pass_rows(const Problem& p, int64_t n, int64_t t0, int64_t rows, __m256* acc) {
+void k_pass_rows(const Problem& p, int64_t n_begin, int64_t n_end, int64_t t0, int64_t rows) {
   if constexpr (NT > 1)
-    if (rows < NT) return k_pass_rows<Type, NT - 1>(p, n, t0, rows, acc);
-  k_tile<Type, NT>(p, n, t0, 0, p.m->K / Type::kWeights, acc);
+    if (rows < NT) return k_pass_rows<Type, NT - 1>(p, n_begin, n_end, t0, rows);
+  k_tile<Type, NT>(p, n_begin, n_end, t0);
 }
 
 // An item's rows in tiles of kKTileRows, or kTileRows where so many rows' int8 activations would not stay in L1
@@ -375,18 +384,9 @@ void k_pass_rows(const Problem& p, int64_t n, int64_t t0, int64_t rows, __m256* 
 template <class Type>
 void run_k_item(const Problem& p, int64_t n_begin, int64_t n_end, int64_t t_begin, int64_t t_end) {
   static_assert(Type::kActBlock == Type::kWeights, "an activation block per weight block");
-  const GgufMatmul& m = *p.m;
-  const int64_t tile_rows = m.K <= kKTileRowsMaxK ? kKTileRows : kTileRows;
-  for (int64_t t = t_begin; t < t_end; t += tile_rows) {
-    const int64_t rows = std::min<int64_t>(tile_rows, t_end - t);
-    for (int64_t n = n_begin; n < n_end; ++n) {
-      __m256 acc[kKTileRows];
-      for (int r = 0; r < kKTileRows; ++r) acc[r] = _mm256_setzero_ps();
-      k_pass_rows<Type, kKTileRows>(p, n, t, rows, acc);
-      const float bias = m.bias ? m.bias[n] : 0.f;
-      for (int64_t r = 0; r < rows; ++r) m.y[(t + r) * m.N + n] = hsum(acc[r]) + bias;
-    }
-  }
+  const int64_t tile_rows = p.m->K <= kKTileRowsMaxK ? kKTileRows : kTileRows;
+  for (int64_t t = t_begin; t < t_end; t += tile_rows)
+    k_pass_rows<Type, kKTileRows>(p, n_begin, n_end, t, std::min<int64_t>(tile_rows, t_end - t));
 }
 
 using ItemFn = void (*)(const Problem&, int64_t, int64_t, int64_t, int64_t);

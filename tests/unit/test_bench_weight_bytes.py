@@ -4,7 +4,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from kiln.runtime.bench.weight_bytes import graph_bytes_per_token
+from kiln.runtime.bench.weight_bytes import graph_bytes_per_token, node_bytes_per_token
 
 
 def _graph(nodes, arrays):
@@ -54,3 +54,17 @@ def test_external_data_lengths_are_read_without_loading_the_data(tmp_path):
               location="m.onnx.data", size_threshold=0)
     graph = onnx.load(str(tmp_path / "m.onnx"), load_external_data=False).graph
     assert graph.initializer[0].external_data and graph_bytes_per_token(graph) == w.nbytes
+
+
+def test_node_bytes_are_each_nodes_reads_a_shared_table_for_each():
+    """profile_ops --nodes sets each node's time against its own reads: the gathered table reads nothing whole, the
+    tied head all of it, a MoE node top_k of its experts."""
+    e, f, d = 8, 4, 8
+    arrays = {"table": np.zeros((100, 8), np.float32), "router": np.zeros((e, d), np.float32),
+              "gate_up": np.zeros((e, 2 * f, d), np.float32), "down": np.zeros((e, d, f), np.float32)}
+    nodes = [helper.make_node("Gather", ["table", "ids"], ["e"], name="embed"),
+             helper.make_node("MoE", ["x", "router", "gate_up", "down"], ["h"], name="moe", domain="kiln", top_k=2,
+                              norm_topk_prob=0),
+             helper.make_node("Gemm", ["h", "table"], ["y"], name="head", transB=1)]
+    reads = node_bytes_per_token(_graph(nodes, arrays))
+    assert reads == {"embed": 0, "moe": e * d * 4 + (2 / e) * (e * 2 * f * d + e * d * f) * 4, "head": 100 * 8 * 4}
