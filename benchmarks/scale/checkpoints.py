@@ -27,7 +27,7 @@ SMOLLM2_VOCAB = 49152
 
 @dataclass(frozen=True)
 class Shape:
-    family: str  # llama | qwen2 | olmoe
+    family: str  # llama | qwen2 | olmoe | qwen3moe
     hidden: int
     layers: int
     heads: int
@@ -37,12 +37,13 @@ class Shape:
     rope_theta: float
     llama3_rope: float | None = None  # Llama 3's rope scaling factor (original context 8192)
     vocab: int = SMOLLM2_VOCAB
-    experts: int = 0  # olmoe: experts per layer, each of width ffn
-    top_k: int = 0  # olmoe: experts per token
+    experts: int = 0  # mixture of experts: experts per layer, each of width ffn
+    top_k: int = 0  # mixture of experts: experts per token
+    head_size: int = 0  # where a head is not hidden / heads wide (Qwen3)
 
     @property
     def head_dim(self) -> int:
-        return self.hidden // self.heads
+        return self.head_size or self.hidden // self.heads
 
     def weight_shapes(self) -> dict[str, tuple[int, ...]]:
         h, q, kv = self.hidden, self.heads * self.head_dim, self.kv_heads * self.head_dim
@@ -52,8 +53,9 @@ class Shape:
             shapes.update({p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
                            p + "self_attn.q_proj.weight": (q, h), p + "self_attn.k_proj.weight": (kv, h),
                            p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, q)})
-            if self.experts:  # OLMoE: q/k RMSNorm over whole projections, a router, SwiGLU experts
-                shapes.update({p + "self_attn.q_norm.weight": (q,), p + "self_attn.k_norm.weight": (kv,),
+            if self.experts:  # q/k RMSNorm (OLMoE: over whole projections; Qwen3: per head), router, experts
+                norm_q, norm_k = ((q,), (kv,)) if self.family == "olmoe" else ((self.head_dim,), (self.head_dim,))
+                shapes.update({p + "self_attn.q_norm.weight": norm_q, p + "self_attn.k_norm.weight": norm_k,
                                p + "mlp.gate.weight": (self.experts, h)})
                 for e in range(self.experts):
                     x = f"{p}mlp.experts.{e}."
@@ -84,23 +86,29 @@ class Shape:
     def config(self) -> dict:
         config = {
             "architectures": [_ARCHITECTURES[self.family]],
-            "model_type": self.family, "hidden_size": self.hidden, "intermediate_size": self.ffn,
+            "model_type": {"qwen3moe": "qwen3_moe"}.get(self.family, self.family), "hidden_size": self.hidden,
+            "intermediate_size": self.ffn,
             "num_hidden_layers": self.layers, "num_attention_heads": self.heads,
             "num_key_value_heads": self.kv_heads, "head_dim": self.head_dim, "vocab_size": self.vocab,
-            "rms_norm_eps": 1e-6 if self.family == "qwen2" else 1e-5, "rope_theta": self.rope_theta,
+            "rms_norm_eps": 1e-6 if self.family in ("qwen2", "qwen3moe") else 1e-5, "rope_theta": self.rope_theta,
             "max_position_embeddings": 131072 if self.llama3_rope else 32768, "tie_word_embeddings": self.tied,
             "hidden_act": "silu", "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": "bfloat16",
         }
-        if self.experts:
+        if self.family == "olmoe":
             config.update({"num_experts": self.experts, "num_experts_per_tok": self.top_k, "norm_topk_prob": False,
                            "max_position_embeddings": 4096})
+        elif self.experts:  # Qwen3-MoE: every layer sparse, the chosen experts' weights renormalised
+            config.update({"num_experts": self.experts, "num_experts_per_tok": self.top_k, "norm_topk_prob": True,
+                           "moe_intermediate_size": self.ffn, "decoder_sparse_step": 1, "mlp_only_layers": [],
+                           "max_position_embeddings": 40960})
         if self.llama3_rope:
             config["rope_scaling"] = {"rope_type": "llama3", "factor": self.llama3_rope, "low_freq_factor": 1.0,
                                       "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
         return config
 
 
-_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "olmoe": "OlmoeForCausalLM"}
+_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "olmoe": "OlmoeForCausalLM",
+                  "qwen3moe": "Qwen3MoeForCausalLM"}
 
 SHAPES = {
     "llama-3.2-1b": Shape("llama", 2048, 16, 32, 8, 8192, tied=True, rope_theta=500000.0, llama3_rope=32.0),
@@ -109,6 +117,9 @@ SHAPES = {
     "qwen2.5-7b": Shape("qwen2", 3584, 28, 28, 4, 18944, tied=False, rope_theta=1000000.0),
     # OLMoE-1B-7B: 6.9B parameters, 1.3B of them active per token
     "olmoe-1b-7b": Shape("olmoe", 2048, 16, 16, 16, 1024, tied=False, rope_theta=10000.0, experts=64, top_k=8),
+    # Qwen3-30B-A3B: 30B parameters (29B with SmolLM2's vocabulary), 3B of them active per token
+    "qwen3-30b-a3b": Shape("qwen3moe", 2048, 48, 32, 4, 768, tied=False, rope_theta=1000000.0, experts=128, top_k=8,
+                           head_size=128),
 }
 
 
@@ -161,25 +172,32 @@ def write_smollm2_tokenizer(out: Path) -> None:
 # A Q4_K_M-like mix for random GGUFs (llama.cpp keeps attn_v, ffn_down and the head at Q6_K), as random valid
 # blocks: no quantizer runs, so an 8B file is written in seconds. The byte offsets are each block's float16
 # scales, set to small finite values (random bytes there could be NaN or inf).
-GGUF_MIX = {"attn_v": "Q6_K", "ffn_down": "Q6_K", "output": "Q6_K"}
+GGUF_MIX = {"attn_v": "Q6_K", "ffn_down": "Q6_K", "ffn_down_exps": "Q6_K", "output": "Q6_K"}
 GGUF_DEFAULT_TYPE = "Q4_K"
+GGUF_FAMILIES = ("llama", "qwen3moe")  # the architectures write_random_gguf writes
 _F16_FIELDS = {"Q8_0": (0,), "Q4_K": (0, 2), "Q6_K": (208,)}
 
 
 def gguf_tensors(shape: Shape) -> dict[str, tuple[tuple[int, ...], str]]:
-    """GGUF name -> (PyTorch-order shape, type) of a llama-architecture file of this shape."""
-    if shape.family != "llama":
-        raise ValueError(f"random GGUF files are written in the llama architecture only, not {shape.family}")
+    """GGUF name -> (PyTorch-order shape, type) of a llama- or qwen3moe-architecture file of this shape."""
+    if shape.family not in GGUF_FAMILIES:
+        raise ValueError(f"random GGUF files are written for {GGUF_FAMILIES} only, not {shape.family}")
     h, q, kv = shape.hidden, shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
     parts = {"attn_norm": (h,), "attn_q": (q, h), "attn_k": (kv, h), "attn_v": (kv, h), "attn_output": (h, q),
-             "ffn_norm": (h,), "ffn_gate": (shape.ffn, h), "ffn_up": (shape.ffn, h), "ffn_down": (h, shape.ffn)}
+             "ffn_norm": (h,)}
+    if shape.experts:  # the router stays float32, as llama.cpp's quantizer leaves it
+        e, f = shape.experts, shape.ffn
+        parts.update({"attn_q_norm": (shape.head_dim,), "attn_k_norm": (shape.head_dim,), "ffn_gate_inp": (e, h),
+                      "ffn_gate_exps": (e, f, h), "ffn_up_exps": (e, f, h), "ffn_down_exps": (e, h, f)})
+    else:
+        parts.update({"ffn_gate": (shape.ffn, h), "ffn_up": (shape.ffn, h), "ffn_down": (h, shape.ffn)})
     names: dict[str, tuple[int, ...]] = {"token_embd": (shape.vocab, h)}
     for i in range(shape.layers):
         names.update({f"blk.{i}.{part}": dims for part, dims in parts.items()})
     names["output_norm"] = (h,)
     if not shape.tied:
         names["output"] = (shape.vocab, h)
-    return {f"{name}.weight": (dims, "F32" if len(dims) == 1 else
+    return {f"{name}.weight": (dims, "F32" if len(dims) == 1 or name.endswith("ffn_gate_inp") else
                                GGUF_MIX.get(name.rsplit(".", 1)[-1], GGUF_DEFAULT_TYPE))
             for name, dims in names.items()}
 
@@ -190,23 +208,23 @@ def _random_blocks(dims: tuple[int, ...], type_name: str, rng) -> np.ndarray:
 
     if type_name == "F32":
         return (1 + 0.1 * rng.standard_normal(dims)).astype(np.float32)
-    rows, cols = dims
+    rows, cols = math.prod(dims[:-1]), dims[-1]
     block, size = GGML_QUANT_SIZES[GGMLQuantizationType[type_name]]
     data = rng.integers(0, 256, (rows, cols // block, size), dtype=np.uint8)
     for offset in _F16_FIELDS[type_name]:
         scale = rng.uniform(0.001, 0.01, (rows, cols // block)).astype(np.float16)
         data[..., offset:offset + 2] = scale.view(np.uint8).reshape(rows, cols // block, 2)
-    return data.reshape(rows, -1)
+    return data.reshape(*dims[:-1], -1)
 
 
 def write_random_gguf(shape: Shape, path: Path, add_tokenizer: Callable, seed: int = 0) -> int:
-    """A llama GGUF of random valid blocks (GGUF_MIX), written a tensor at a time (tensor infos first, then each
-    tensor's data, so only one tensor is in memory); add_tokenizer(writer) adds the tokenizer metadata.
-    Returns the number of parameters."""
+    """A GGUF of random valid blocks (GGUF_MIX; the llama or qwen3moe architecture), written a tensor at a time
+    (tensor infos first, then each tensor's data, so only one tensor is in memory); add_tokenizer(writer) adds the
+    tokenizer metadata. Returns the number of parameters."""
     import gguf
 
     rng = np.random.default_rng(seed)
-    writer = gguf.GGUFWriter(str(path), "llama")
+    writer = gguf.GGUFWriter(str(path), shape.family)
     writer.add_block_count(shape.layers)
     writer.add_context_length(shape.config()["max_position_embeddings"])
     writer.add_embedding_length(shape.hidden)
@@ -217,16 +235,23 @@ def write_random_gguf(shape: Shape, path: Path, add_tokenizer: Callable, seed: i
     writer.add_rope_freq_base(shape.rope_theta)
     writer.add_layer_norm_rms_eps(shape.config()["rms_norm_eps"])
     writer.add_vocab_size(shape.vocab)
+    if shape.experts:
+        writer.add_key_length(shape.head_dim)
+        writer.add_value_length(shape.head_dim)
+        writer.add_expert_count(shape.experts)
+        writer.add_expert_used_count(shape.top_k)
+        writer.add_expert_feed_forward_length(shape.ffn)
     add_tokenizer(writer)
     tensors = gguf_tensors(shape)
     for name, (dims, type_name) in tensors.items():
         if type_name == "F32":
-            writer.add_tensor_info(name, dims, np.dtype(np.float32), 4 * dims[0])
+            writer.add_tensor_info(name, dims, np.dtype(np.float32), 4 * math.prod(dims))
         else:
             qtype = gguf.GGMLQuantizationType[type_name]
             block, size = gguf.constants.GGML_QUANT_SIZES[qtype]
-            row_bytes = dims[1] // block * size
-            writer.add_tensor_info(name, (dims[0], row_bytes), np.dtype(np.uint8), dims[0] * row_bytes, raw_dtype=qtype)
+            row_bytes = dims[-1] // block * size
+            writer.add_tensor_info(name, (*dims[:-1], row_bytes), np.dtype(np.uint8), math.prod(dims[:-1]) * row_bytes,
+                                   raw_dtype=qtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_ti_data_to_file()
