@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from kiln.contract import OP_DOMAIN
+from kiln.contract import OP_DOMAIN, single_node_model
 from kiln.gguf_blocks import dequantize, ggml_type, row_weights
 
 if TYPE_CHECKING:
@@ -77,9 +77,5 @@ def make_single_op_model(w: np.ndarray, kind: int, bias: np.ndarray | None = Non
     node.attribute.append(helper.make_attribute(TYPE_ATTRIBUTE, int(kind)))
     if int8_activations:
         node.attribute.append(helper.make_attribute(INT8_ATTRIBUTE, 1))
-    graph = helper.make_graph([node], "matmul_gguf",
-                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [*lead, k])],
-                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [*lead, n])], inits)
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid(OP_DOMAIN, 1)])
-    model.ir_version = 8
-    return model
+    return single_node_model(node, "matmul_gguf", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [*lead, k])],
+                             [helper.make_tensor_value_info("y", TensorProto.FLOAT, [*lead, n])], initializers=inits)

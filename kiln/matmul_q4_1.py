@@ -50,7 +50,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from kiln.contract import OP_DOMAIN
+from kiln.contract import OP_DOMAIN, single_node_model
 
 if TYPE_CHECKING:
     from onnx import ModelProto, NodeProto
@@ -232,9 +232,5 @@ def make_single_op_model(weights: Q4_1Weights, bias: np.ndarray | None = None, r
     names = ["x", "qs", "dm"] + (["bias"] if bias is not None else [])
     attributes = {LAYOUT: RECORDS} if layout == RECORDS else {}  # blocks: the default, as older engines have it
     node = helper.make_node(OP_TYPE, names, ["y"], domain=OP_DOMAIN, **attributes)
-    graph = helper.make_graph([node], "matmul_q4_1",
-                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [*lead, k])],
-                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [*lead, n])], inits)
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid(OP_DOMAIN, 1)])
-    model.ir_version = 8
-    return model
+    return single_node_model(node, "matmul_q4_1", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [*lead, k])],
+                             [helper.make_tensor_value_info("y", TensorProto.FLOAT, [*lead, n])], initializers=inits)

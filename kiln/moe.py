@@ -51,7 +51,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from kiln.contract import OP_DOMAIN
+from kiln.contract import OP_DOMAIN, single_node_model
 from kiln.matmul_q4_1 import Q4_1Weights, matmul_q4_1_ref
 
 if TYPE_CHECKING:
@@ -181,9 +181,5 @@ def make_single_op_model(top_k: int, norm_topk_prob: bool, rank: int = 2, q4_1: 
               helper.make_tensor_value_info("down", expert_type, ["E", "D", "Fq"])]
     if q4_1:
         inputs += [helper.make_tensor_value_info(name, TensorProto.FLOAT16, None) for name in names[4:]]
-    graph = helper.make_graph([node], "moe", inputs,
-                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [*lead, "D"])])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18),
-                                                    helper.make_opsetid(OP_DOMAIN, OP_VERSION)])
-    model.ir_version = 8
-    return model
+    outputs = [helper.make_tensor_value_info("y", TensorProto.FLOAT, [*lead, "D"])]
+    return single_node_model(node, "moe", inputs, outputs, OP_VERSION)

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from kiln.contract import OP_DOMAIN
+from kiln.contract import OP_DOMAIN, single_node_model
 from kiln.gguf_blocks import GgmlType, dequantize, row_bytes
 from kiln.gguf_int8 import INT8_KINDS, matmul_gguf_int8_ref
 from kiln.matmul_gguf import INT8_ATTRIBUTE, matmul_gguf_ref
@@ -162,9 +162,5 @@ def make_single_op_model(top_k: int, norm_topk_prob: bool, types: tuple[int, int
               helper.make_tensor_value_info("router", TensorProto.FLOAT, ["E", "D"]),
               helper.make_tensor_value_info("gate_up", TensorProto.UINT8, ["E", "F2", "Bg"]),
               helper.make_tensor_value_info("down", TensorProto.UINT8, ["E", "D", "Bd"])]
-    graph = helper.make_graph([node], "moe_gguf", inputs,
-                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [*lead, "D"])])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18),
-                                                    helper.make_opsetid(OP_DOMAIN, OP_VERSION)])
-    model.ir_version = 8
-    return model
+    outputs = [helper.make_tensor_value_info("y", TensorProto.FLOAT, [*lead, "D"])]
+    return single_node_model(node, "moe_gguf", inputs, outputs, OP_VERSION)

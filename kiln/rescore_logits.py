@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from kiln.contract import OP_DOMAIN
+from kiln.contract import OP_DOMAIN, single_node_model
 
 if TYPE_CHECKING:
     from onnx import ModelProto
@@ -74,9 +74,5 @@ def make_single_op_model(k: int, rank: int = 2) -> ModelProto:
               helper.make_tensor_value_info("data", TensorProto.UINT8, ["Vt", "Dt"]),
               helper.make_tensor_value_info("scales", TensorProto.FLOAT, ["Vs", "B"]),
               helper.make_tensor_value_info("zero_points", TensorProto.UINT8, ["Vz", "Bz"])]
-    graph = helper.make_graph([node], "rescore_logits", inputs,
-                              [helper.make_tensor_value_info("logits", TensorProto.FLOAT, [*lead, "V"])])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18),
-                                                    helper.make_opsetid(OP_DOMAIN, OP_VERSION)])
-    model.ir_version = 8
-    return model
+    outputs = [helper.make_tensor_value_info("logits", TensorProto.FLOAT, [*lead, "V"])]
+    return single_node_model(node, "rescore_logits", inputs, outputs, OP_VERSION)

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from kiln.contract import OP_DOMAIN
+from kiln.contract import OP_DOMAIN, single_node_model
 
 if TYPE_CHECKING:
     from onnx import ModelProto
@@ -51,10 +51,5 @@ def make_single_op_model(rank: int = 2, width: int | str = "W") -> ModelProto:
     lead = [f"d{i}" for i in range(rank - 1)]
     out_width = width // 2 if isinstance(width, int) else "F"
     node = helper.make_node(OP_TYPE, ["x"], ["y"], domain=OP_DOMAIN)
-    graph = helper.make_graph([node], "swiglu",
-                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [*lead, width])],
-                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [*lead, out_width])])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18),
-                                                    helper.make_opsetid(OP_DOMAIN, OP_VERSION)])
-    model.ir_version = 8
-    return model
+    return single_node_model(node, "swiglu", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [*lead, width])],
+                             [helper.make_tensor_value_info("y", TensorProto.FLOAT, [*lead, out_width])], OP_VERSION)
