@@ -34,8 +34,8 @@ import onnx
 import onnxruntime as ort
 
 from kiln.gguf_blocks import ggml_type, row_weights
+from kiln.optimize.weight_bytes import node_bytes_per_token
 from kiln.runtime.bench.offline import memory_bandwidth_gbps
-from kiln.runtime.bench.weight_bytes import node_bytes_per_token
 from kiln.runtime.engine import Engine
 from kiln.runtime.loader import load_engine
 from kiln.runtime.model_runner import RunnerOutput, build_batch

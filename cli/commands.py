@@ -409,6 +409,15 @@ def chat(engine_dir: str, system: str | None, max_tokens: int, temperature: floa
     chat_repl(engine_dir, _sampling(max_tokens, temperature, top_p, top_k, seed), system, config)
 
 
+def _weight_bytes_per_token(engine_dir: Path) -> int | None:
+    """What a decode step of the engine reads, counted from its graphs; None without onnx (the compile extra)."""
+    try:
+        from kiln.optimize.weight_bytes import weight_bytes_per_token
+    except ImportError:
+        return None
+    return weight_bytes_per_token(engine_dir)
+
+
 @main.command()
 @click.argument("engine_dir", type=click.Path(exists=True, file_okay=False))
 @click.option("--num-requests", type=click.IntRange(min=1), default=32, show_default=True)
@@ -469,7 +478,7 @@ def bench(engine_dir: str, num_requests: int, input_len: int, output_len: int, c
         config = RuntimeConfig(kv_cache_bytes=kv_cache_bytes, max_num_seqs=max_num_seqs, max_num_tokens=max_num_tokens,
                                num_threads=num_threads, enable_prefix_caching=False, speculative=spec,
                                pipeline_parallel=pipeline_parallel, tensor_parallel=tensor_parallel)
-        report = run(engine_dir, cfg, levels, config, json_path)
+        report = run(engine_dir, cfg, levels, config, json_path, _weight_bytes_per_token(Path(engine_dir)))
     if plot_dir is not None:
         for path in write_bench_charts(report, plot_dir):
             say(f"chart written to {path}")

@@ -31,12 +31,8 @@ reference implementation, in kiln/paged_attention.py.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import numpy as np
-
-if TYPE_CHECKING:
-    from onnx import ModelProto, NodeProto, TensorProto, ValueInfoProto
 
 OP_DOMAIN = "kiln"
 OP_TYPE = "PagedAttention"
@@ -123,15 +119,3 @@ class KvPoolSpec:
         """One layer's pool: [num_blocks, 2 (K, V), num_kv_heads, block_size, head_dim]."""
         return (num_blocks, 2, self.num_kv_heads, self.block_size, self.head_dim)
 
-
-def single_node_model(node: NodeProto, name: str, inputs: list[ValueInfoProto], outputs: list[ValueInfoProto],
-                      op_version: int = 1, initializers: list[TensorProto] | None = None) -> ModelProto:
-    """A one-node ONNX model of one of kiln's ops (opset 18 beside the kiln domain, IR 8: what ONNX Runtime 1.21
-    loads), for the ops' tests and benchmarks."""
-    from onnx import helper  # compile-time dependency only
-
-    graph = helper.make_graph([node], name, inputs, outputs, initializers or [])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18),
-                                                    helper.make_opsetid(OP_DOMAIN, op_version)])
-    model.ir_version = 8
-    return model

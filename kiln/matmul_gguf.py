@@ -34,8 +34,9 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from kiln.contract import OP_DOMAIN, single_node_model
+from kiln.contract import OP_DOMAIN
 from kiln.gguf_blocks import dequantize, ggml_type, row_weights
+from kiln.op_models import single_node_model
 
 if TYPE_CHECKING:
     from onnx import ModelProto

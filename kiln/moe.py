@@ -51,8 +51,9 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from kiln.contract import OP_DOMAIN, single_node_model
+from kiln.contract import OP_DOMAIN
 from kiln.matmul_q4_1 import Q4_1Weights, matmul_q4_1_ref
+from kiln.op_models import single_node_model
 
 if TYPE_CHECKING:
     from onnx import ModelProto

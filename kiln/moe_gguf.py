@@ -29,11 +29,12 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from kiln.contract import OP_DOMAIN, single_node_model
+from kiln.contract import OP_DOMAIN
 from kiln.gguf_blocks import GgmlType, dequantize, row_bytes
 from kiln.gguf_int8 import INT8_KINDS, matmul_gguf_int8_ref
 from kiln.matmul_gguf import INT8_ATTRIBUTE, matmul_gguf_ref
 from kiln.moe import OP_TYPE, OP_VERSION, check_moe_shapes, route_ref
+from kiln.op_models import single_node_model
 
 if TYPE_CHECKING:
     from onnx import ModelProto

@@ -20,7 +20,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from kiln.contract import OP_DOMAIN, single_node_model
+from kiln.contract import OP_DOMAIN
+from kiln.op_models import single_node_model
 
 if TYPE_CHECKING:
     from onnx import ModelProto

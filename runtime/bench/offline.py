@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from kiln.errors import require
-from kiln.runtime.bench.weight_bytes import weight_bytes_per_token
+from kiln.manifest import read_manifest
 from kiln.runtime.engine import Engine
 from kiln.runtime.loader import load_engine
 from kiln.runtime.ops import library_variant
@@ -79,6 +79,13 @@ def memory_bandwidth_gbps(size_mb: int = 256, repeats: int = 5) -> dict[str, flo
             np.copyto(b, a)
             copy.append(2 * a.nbytes / (time.perf_counter() - t) / 1e9)
     return {"read_gbps": round(max(read), 2), "copy_gbps": round(max(copy), 2)}
+
+
+def engine_file_bytes(engine_dir: Path) -> int:
+    """The bytes of the engine's graphs and their weights (model.onnx*, or every stage's): the bandwidth floor's
+    denominator where the graphs cannot be read (kiln.optimize.weight_bytes counts what a step reads)."""
+    graphs = read_manifest(engine_dir, verify_checksums=False).graph_files
+    return sum(p.stat().st_size for graph in graphs for p in Path(engine_dir).glob(f"{graph}*"))
 
 
 def synthetic_prompts(cfg: BenchConfig, vocab: int) -> list[list[int]]:
@@ -228,7 +235,10 @@ def prefill_throughput(engine: Engine, input_len: int = 512) -> float:
 
 
 def bench(engine_dir: str, cfg: BenchConfig, concurrencies: tuple[int | None, ...] = (None,),
-          config: RuntimeConfig | None = None, json_path: str | None = None) -> dict[str, Any]:
+          config: RuntimeConfig | None = None, json_path: str | None = None,
+          weight_bytes_per_token: int | None = None) -> dict[str, Any]:
+    """weight_bytes_per_token: what a decode step reads (the caller counts it from the graphs where it can); None
+    counts the engine's files."""
     engine = load_engine(engine_dir, config or RuntimeConfig(enable_prefix_caching=False))
     # which copy of the CPU kernels ran (AVX2 or AVX-512 VNNI): figures of the two are not comparable
     kernels = library_variant() if isinstance(engine.runner, OrtModelRunner | PipelineRunner) else None
@@ -237,7 +247,8 @@ def bench(engine_dir: str, cfg: BenchConfig, concurrencies: tuple[int | None, ..
         + (f", kernels {kernels}" if kernels else ""))
     run_workload(engine, BenchConfig(num_requests=2, input_len=16, output_len=4))  # warm-up
     bandwidth = memory_bandwidth_gbps()
-    wbytes, counted_from = weight_bytes_per_token(Path(engine_dir))
+    wbytes, counted_from = ((weight_bytes_per_token, "graph") if weight_bytes_per_token is not None
+                            else (engine_file_bytes(Path(engine_dir)), "files"))
     single = single_stream(engine)
     single["prefill_512_tok_per_s"] = prefill_throughput(engine)
     floor = bandwidth["read_gbps"] * 1e9 / wbytes

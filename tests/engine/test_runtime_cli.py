@@ -10,8 +10,8 @@ import pytest
 from click.testing import CliRunner
 
 from kiln.cli import main
+from kiln.optimize.weight_bytes import weight_bytes_per_token
 from kiln.runtime import LLM, SamplingParams
-from kiln.runtime.bench.weight_bytes import weight_bytes_per_token
 from kiln.runtime.ops import library_variant
 
 
@@ -144,7 +144,7 @@ def test_bench_reports_json(tiny_engine, tmp_path):
     # the graph's initializers a step reads: fewer than the files hold (the embedding table is gathered)
     weights = report["weight_bytes_per_token"]
     assert report["weight_bytes_counted_from"] == "graph"
-    assert weights == weight_bytes_per_token(tiny_engine)[0]
+    assert weights == weight_bytes_per_token(tiny_engine)
     assert 0 < weights < sum(p.stat().st_size for p in tiny_engine.glob("model.onnx*"))
     assert report["op_library"] == library_variant()  # the kernels' copy this CPU loads, named in the report
     bound = report["memory_bandwidth"]["read_gbps"] * 1e9 / weights

@@ -4,7 +4,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from kiln.runtime.bench.weight_bytes import graph_bytes_per_token, node_bytes_per_token
+from kiln.optimize.weight_bytes import graph_bytes_per_token, node_bytes_per_token
 
 
 def _graph(nodes, arrays):

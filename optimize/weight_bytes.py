@@ -5,8 +5,8 @@ row per token, not whole, and a kiln.MoE node reads top_k of its E experts per t
 a 1B GGUF engine's floor at 800 MB a token where the step reads 667 MB (its 133 MB 8-bit embedding table is
 gathered), so its decode rate looked 20% closer to the floor than it is.
 
-Reading the graph needs the `onnx` package (kiln's compile extra); without it the files' sizes are the answer, and
-the report says which was used.
+Reading the graph needs the `onnx` package (kiln's compile extra), so this lives on the build side: `kiln bench`
+asks it where onnx is installed and otherwise counts the files (runtime/bench/offline.py), and says which it did.
 """
 
 from __future__ import annotations
@@ -16,6 +16,9 @@ from collections import defaultdict
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+import onnx
+import onnx.helper
 
 from kiln.manifest import read_manifest
 
@@ -28,19 +31,13 @@ _GATHERS = {"Gather": 1, "GatherBlockQuantized": 1}
 _MOE_FIRST_EXPERT_INPUT = 2
 
 
-def weight_bytes_per_token(engine_dir: Path) -> tuple[int, str]:
-    """(bytes, "graph") counted from the graphs' initializers, or (bytes, "files") from the graph files' sizes
-    where `onnx` is not installed."""
-    graphs = read_manifest(engine_dir, verify_checksums=False).graph_files
-    try:
-        import onnx
-    except ImportError:
-        return sum(p.stat().st_size for graph in graphs for p in Path(engine_dir).glob(f"{graph}*")), "files"
+def weight_bytes_per_token(engine_dir: Path) -> int:
+    """The bytes of the engine graphs' initializers one decode step reads (every stage's or rank's graph)."""
     total = 0.0
-    for graph in graphs:
+    for graph in read_manifest(engine_dir, verify_checksums=False).graph_files:
         model = onnx.load(str(Path(engine_dir) / graph), load_external_data=False)
         total += graph_bytes_per_token(model.graph)
-    return round(total), "graph"
+    return round(total)
 
 
 def graph_bytes_per_token(graph: GraphProto) -> float:
@@ -97,7 +94,5 @@ def _nbytes(tensor: TensorProto) -> int:
             return int(entry.value)
     if tensor.raw_data:
         return len(tensor.raw_data)
-    import onnx.helper
-
     count = math.prod(tensor.dims)
     return int(count * onnx.helper.tensor_dtype_to_np_dtype(tensor.data_type).itemsize)
