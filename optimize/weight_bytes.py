@@ -43,10 +43,10 @@ def weight_bytes_per_token(engine_dir: Path) -> int:
 def graph_bytes_per_token(graph: GraphProto) -> float:
     """The bytes of an onnx GraphProto's initializers one token's step reads (each at the largest share any of its
     consumers reads)."""
-    uses: dict[str, list[float]] = defaultdict(list)  # initializer -> the fraction of it each consumer reads
+    share: dict[str, float] = {}  # initializer -> the largest fraction of it a consumer reads
     for _, name, fraction in _initializer_reads(graph):
-        uses[name].append(fraction)
-    return sum(_nbytes(t) * max(uses.get(t.name, [1.0])) for t in graph.initializer)
+        share[name] = max(share.get(name, 0.0), fraction)
+    return sum(_nbytes(t) * share.get(t.name, 1.0) for t in graph.initializer)
 
 
 def node_bytes_per_token(graph: GraphProto) -> dict[str, float]:

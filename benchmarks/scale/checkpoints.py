@@ -85,9 +85,8 @@ class Shape:
 
     def config(self) -> dict:
         config = {
-            "architectures": [_ARCHITECTURES[self.family]],
-            "model_type": {"qwen3moe": "qwen3_moe"}.get(self.family, self.family), "hidden_size": self.hidden,
-            "intermediate_size": self.ffn,
+            "architectures": [_HF_CLASS[self.family]], "model_type": _HF_MODEL_TYPE.get(self.family, self.family),
+            "hidden_size": self.hidden, "intermediate_size": self.ffn,
             "num_hidden_layers": self.layers, "num_attention_heads": self.heads,
             "num_key_value_heads": self.kv_heads, "head_dim": self.head_dim, "vocab_size": self.vocab,
             "rms_norm_eps": 1e-6 if self.family in ("qwen2", "qwen3moe") else 1e-5, "rope_theta": self.rope_theta,
@@ -107,8 +106,10 @@ class Shape:
         return config
 
 
-_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "olmoe": "OlmoeForCausalLM",
-                  "qwen3moe": "Qwen3MoeForCausalLM"}
+# A family's Hugging Face class, and its config's model_type where that differs from the family (GGUF's name)
+_HF_CLASS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "olmoe": "OlmoeForCausalLM",
+             "qwen3moe": "Qwen3MoeForCausalLM"}
+_HF_MODEL_TYPE = {"qwen3moe": "qwen3_moe"}
 
 SHAPES = {
     "llama-3.2-1b": Shape("llama", 2048, 16, 32, 8, 8192, tied=True, rope_theta=500000.0, llama3_rope=32.0),

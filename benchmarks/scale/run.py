@@ -26,7 +26,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "peers"))
-from checkpoints import SHAPES, copy_gguf_tokenizer, write_checkpoint, write_random_gguf, write_smollm2_tokenizer  # noqa: E402
+from checkpoints import (  # noqa: E402
+    GGUF_FAMILIES,
+    SHAPES,
+    copy_gguf_tokenizer,
+    write_checkpoint,
+    write_random_gguf,
+    write_smollm2_tokenizer,
+)
 from layout import PeerLayout, default_scratch  # noqa: E402
 
 KILN = Path(sys.executable).with_name("kiln")
@@ -153,8 +160,8 @@ def main() -> int:
             if source == "llamacpp" and not llama_cpp_available():
                 print("[scale] no llama.cpp converter here: run benchmarks/peers/setup.py (it builds llama-quantize)")
                 continue
-            if source == "gguf" and SHAPES[name].family != "llama":
-                print(f"[scale] {name}: no gguf source (random GGUF files are written in the llama architecture)")
+            if source == "gguf" and SHAPES[name].family not in GGUF_FAMILIES:
+                print(f"[scale] {name}: no gguf source (random GGUF files are written for {GGUF_FAMILIES} only)")
                 continue
             result = run_one(name, source, args.quantization, args.dir, args.keep_engine)
             results.append(result)
