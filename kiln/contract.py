@@ -53,11 +53,23 @@ OP_VERSION = 1
 #    engine and read where ONNX Runtime maps them (kiln/matmul_q4_1.py); int4-q4_1 and gguf engines hold them.
 # 10: kiln.MoE's GGUF experts (the gate_type, up_type and down_type attributes: a GGUF file's expert blocks as they
 #     are, kiln/moe_gguf.py); `gguf` engines of mixture-of-experts GGUF files hold them.
-OP_LIBRARY_ABI = 10
-# The oldest engine ABI this library still runs: ABIs 2 to 10 only added optional inputs, attributes,
-# a pool dtype and new ops, so ABI-1 to ABI-9 graphs (RoPE as graph ops, no SwiGLU, Q4_1 blocks) are unchanged and
+# 11: kiln.MoE's layout attribute: "records" Q4_1 experts are kiln.MatMulQ4_1's records, expert after expert, stored
+#     in the engine and read where ONNX Runtime maps them (kiln/moe.py); int4-q4_1 engines of mixture-of-experts
+#     models hold them.
+OP_LIBRARY_ABI = 11
+# The oldest engine ABI this library still runs: ABIs 2 to 11 only added optional inputs, attributes,
+# a pool dtype and new ops, so ABI-1 to ABI-10 graphs (RoPE as graph ops, no SwiGLU, Q4_1 blocks) are unchanged and
 # need no rebuild.
 OP_LIBRARY_MIN_ABI = 1
+# The ABI that added kiln.MoE's records: a built engine records it only when its graphs hold them, and the ABI before
+# it otherwise, so kilns of ABI 10 still load the engines that need nothing of 11 (`engine_abi`).
+MOE_RECORDS_ABI = 11
+
+
+def engine_abi(moe_records: bool) -> int:
+    """The op-library ABI a built engine records: the lowest whose library runs its graphs, as far as the build tells
+    them apart (every ABI up to MOE_RECORDS_ABI - 1 is assumed; kiln.MoE records need MOE_RECORDS_ABI)."""
+    return MOE_RECORDS_ABI if moe_records else MOE_RECORDS_ABI - 1
 
 INPUT_IDS = "input_ids"
 POSITION_IDS = "position_ids"

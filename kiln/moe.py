@@ -15,12 +15,24 @@ Attributes
 Output
   y        float32 [..., D]
 
-Q4_1 experts (the same op, its expert inputs typed uint8, two more inputs):
+Q4_1 experts (the same op, its expert inputs typed uint8, two more inputs), in one of two layouts named by the
+string attribute ``layout``:
+  layout "blocks" (the default; every graph before the build's last step, and engines of op-library ABI < 11):
   gate_up     uint8   [E, 2F, D/2]         llama.cpp's Q4_1 numbers per block of 32 inputs: w = m + q * d; a block's
   down        uint8   [E, D, F/2]          16 bytes hold element j in byte j's low nibble, element j + 16 in its high
   gate_up_dm  float16 [E, 2F, D/32, 2]     one (like a GGUF block_q4_1's qs); dm the blocks' (d, m)
   down_dm     float16 [E, D, F/32, 2]
-D and F multiples of 32. Each expert's two projections are kiln.MatMulQ4_1's arithmetic (kiln/matmul_q4_1.py): the
+  layout "records" (what an engine stores, ABI 11: the kernel's own layout, read where ONNX Runtime maps it):
+  gate_up     uint8   [E, 2F/16, D/32, 320]  expert e's gate_up [2F, D] as kiln.MatMulQ4_1's records (16 output
+  down        uint8   [E, D/16, F/32, 320]   channels per block of 32 inputs, d and m inside), expert after expert
+  gate_up_dm  float16 [E, 2F, 0]             no numbers, as MatMulQ4_1's records form: their shapes name the rows
+  down_dm     float16 [E, D, 0]
+D and F multiples of 32, so every expert's rows are whole 16-channel groups and expert e's records start at byte
+e * rows / 16 * K / 32 * 320 of its stack. The kernel repacks constant blocks into those records once, at session
+load, into memory of its own; records it reads where the tensor lies (unaligned loads: anywhere works, and the
+engine writer puts them on page boundaries). `q4_1_experts_to_records` / `q4_1_experts_from_records` convert
+between the layouts bit for bit as the kernel's packing does.
+Each expert's two projections are kiln.MatMulQ4_1's arithmetic (kiln/matmul_q4_1.py): the
 projection's input rows (the token for gate/up, silu(gate) * up in float32 for down) quantized per block of 32 to
 int8 with exact float block sums, integer dots against the nibbles: `moe_q4_1_ref`. The kernel sums in float32 where
 the spec sums in float64, so they agree to float32 rounding, as kiln.MatMulQ4_1 and its spec do; one more difference
@@ -52,14 +64,15 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from kiln.contract import OP_DOMAIN
-from kiln.matmul_q4_1 import Q4_1Weights, matmul_q4_1_ref
+from kiln.matmul_q4_1 import BLOCKS, LAYOUT, RECORD_BYTES, RECORDS, Q4_1Weights, check_layout, matmul_q4_1_ref
 from kiln.op_models import single_node_model
 
 if TYPE_CHECKING:
-    from onnx import ModelProto
+    from onnx import ModelProto, NodeProto
 
 OP_TYPE = "MoE"
 OP_VERSION = 1
+GROUP = 16  # output channels of a record (kiln.MatMulQ4_1's)
 
 
 def check_moe_shapes(x: np.ndarray, router: np.ndarray, gate_up: np.ndarray, down: np.ndarray, top_k: int) -> None:
@@ -145,42 +158,91 @@ def q4_1_expert(nibbles: np.ndarray, dm: np.ndarray, expert: int) -> Q4_1Weights
                        np.ascontiguousarray(dm[expert, ..., 1]))
 
 
-def moe_q4_1_ref(x: np.ndarray, router: np.ndarray, gate_up: tuple[np.ndarray, np.ndarray],
-                 down: tuple[np.ndarray, np.ndarray], *, top_k: int, norm_topk_prob: bool) -> np.ndarray:
-    """The op's output for Q4_1 experts gate_up = (nibbles, dm), down = (nibbles, dm): each projection
-    kiln.MatMulQ4_1's (`matmul_q4_1_ref`: int8 activations, float64 accumulation); float32 [..., D]."""
+def q4_1_experts_to_records(nibbles: np.ndarray, dm: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """A stack's blocks (nibbles [E, rows, K/2], dm [E, rows, K/32, 2]) as the records layout: (records uint8
+    [E, rows/16, K/32, 320], dm float16 [E, rows, 0]), converted one expert at a time."""
+    e, rows, half = nibbles.shape
+    if rows % GROUP or half % (Q4_BLOCK // 2) or dm.shape != (e, rows, half // (Q4_BLOCK // 2), 2):
+        raise ValueError(f"Q4_1 experts must be nibbles [E, rows, K/2] with rows a multiple of {GROUP} and dm "
+                         f"[E, rows, K/32, 2], got {list(nibbles.shape)} and {list(dm.shape)}")
+    records = np.empty((e, rows // GROUP, 2 * half // Q4_BLOCK, RECORD_BYTES), np.uint8)
+    for expert in range(e):
+        records[expert] = q4_1_expert(nibbles, dm, expert).pack_records()[0]
+    return records, np.zeros((e, rows, 0), np.float16)
+
+
+def q4_1_records_expert(records: np.ndarray, dm: np.ndarray, expert: int) -> Q4_1Weights:
+    """Expert `expert` of a stack in the records layout (records [E, rows/16, K/32, 320], dm [E, rows, 0])."""
+    e = records.shape[0] if records.ndim == 4 else -1
+    if records.ndim != 4 or dm.shape != (e, records.shape[1] * GROUP, 0):
+        raise ValueError(f"Q4_1 records must be uint8 [E, rows/16, K/32, {RECORD_BYTES}] with dm float16 [E, rows, 0], "
+                         f"got {list(records.shape)} and {list(dm.shape)}")
+    return Q4_1Weights.unpack_records(records[expert], dm[expert])
+
+
+def q4_1_experts_from_records(records: np.ndarray, dm: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The blocks (nibbles [E, rows, K/2], dm [E, rows, K/32, 2]) of a stack in the records layout."""
+    experts = [q4_1_records_expert(records, dm, expert) for expert in range(records.shape[0])]
+    return pack_q4_1_experts(np.stack([w.q for w in experts]), np.stack([w.d for w in experts]),
+                             np.stack([w.m for w in experts]))
+
+
+def _q4_1_expert_as(layout: str, stack: tuple[np.ndarray, np.ndarray], expert: int) -> Q4_1Weights:
+    return q4_1_records_expert(*stack, expert) if layout == RECORDS else q4_1_expert(*stack, expert)
+
+
+def moe_q4_1_ref(x: np.ndarray, router: np.ndarray, gate_up: tuple[np.ndarray, np.ndarray],  # noqa: PLR0913
+                 down: tuple[np.ndarray, np.ndarray], *, top_k: int, norm_topk_prob: bool,
+                 layout: str = BLOCKS) -> np.ndarray:
+    """The op's output for Q4_1 experts gate_up = (nibbles or records, dm), down = (nibbles or records, dm) in
+    `layout`: each projection kiln.MatMulQ4_1's (`matmul_q4_1_ref`: int8 activations, float64 accumulation);
+    float32 [..., D]."""
     x = np.asarray(x, np.float32)
-    gate_up_shape, down_shape = (np.broadcast_to(np.uint8(0), (*w.shape[:2], 2 * w.shape[2]))  # no memory
-                                 for w, _ in (gate_up, down))
+    check_layout(layout)
+    # the float stacks' shapes, without their memory
+    shapes = [(w.shape[0], w.shape[1] * GROUP, w.shape[2] * Q4_BLOCK) if layout == RECORDS
+              else (*w.shape[:2], 2 * w.shape[2]) for w, _ in (gate_up, down)]
+    gate_up_shape, down_shape = (np.broadcast_to(np.uint8(0), shape) for shape in shapes)
     check_moe_shapes(x, router, gate_up_shape, down_shape, top_k)
     rows = x.reshape(-1, x.shape[-1])
     experts, weights = route_ref(rows, router, top_k, norm_topk_prob)
-    f = gate_up[0].shape[1] // 2
+    f = shapes[0][1] // 2
     y = np.zeros(rows.shape, np.float64)
     for expert in np.unique(experts):
         tokens, slots = np.nonzero(experts == expert)
-        hidden = matmul_q4_1_ref(rows[tokens], *q4_1_expert(*gate_up, int(expert)).pack()).astype(np.float64)
+        hidden = matmul_q4_1_ref(rows[tokens], *_q4_1_expert_as(layout, gate_up, int(expert)).pack())
+        hidden = hidden.astype(np.float64)
         act = (hidden[:, :f] / (1.0 + np.exp(-np.clip(hidden[:, :f], -700, 700))) * hidden[:, f:]).astype(np.float32)
-        out = matmul_q4_1_ref(act, *q4_1_expert(*down, int(expert)).pack()).astype(np.float64)
+        out = matmul_q4_1_ref(act, *_q4_1_expert_as(layout, down, int(expert)).pack()).astype(np.float64)
         y[tokens] += weights[tokens, slots, None] * out
     result: np.ndarray = y.astype(np.float32).reshape(x.shape)
     return result
 
 
-def make_single_op_model(top_k: int, norm_topk_prob: bool, rank: int = 2, q4_1: bool = False) -> ModelProto:
+def make_single_op_model(top_k: int, norm_topk_prob: bool, rank: int = 2, q4_1: bool = False,
+                         layout: str = BLOCKS) -> ModelProto:
     """A one-node ONNX model y = kiln.MoE(x, router, gate_up, down[, gate_up_dm, down_dm]), every input a graph
-    input with symbolic dims (Q4_1 experts with q4_1); for tests and benchmarks."""
+    input with symbolic dims (Q4_1 experts in `layout` with q4_1); for tests and benchmarks."""
     from onnx import TensorProto, helper  # compile-time dependency only
 
     lead = [f"t{i}" for i in range(rank - 1)]
     names = ["x", "router", "gate_up", "down"] + (["gate_up_dm", "down_dm"] if q4_1 else [])
-    node = helper.make_node(OP_TYPE, names, ["y"], domain=OP_DOMAIN, top_k=top_k, norm_topk_prob=int(norm_topk_prob))
+    extra = {LAYOUT: check_layout(layout)} if q4_1 and layout != BLOCKS else {}
+    node = helper.make_node(OP_TYPE, names, ["y"], domain=OP_DOMAIN, top_k=top_k, norm_topk_prob=int(norm_topk_prob),
+                            **extra)
     expert_type = TensorProto.UINT8 if q4_1 else TensorProto.FLOAT
     inputs = [helper.make_tensor_value_info("x", TensorProto.FLOAT, [*lead, "D"]),
               helper.make_tensor_value_info("router", TensorProto.FLOAT, ["E", "D"]),
-              helper.make_tensor_value_info("gate_up", expert_type, ["E", "F2", "Dq"]),
-              helper.make_tensor_value_info("down", expert_type, ["E", "D", "Fq"])]
+              helper.make_tensor_value_info("gate_up", expert_type, None if extra else ["E", "F2", "Dq"]),
+              helper.make_tensor_value_info("down", expert_type, None if extra else ["E", "D", "Fq"])]
     if q4_1:
         inputs += [helper.make_tensor_value_info(name, TensorProto.FLOAT16, None) for name in names[4:]]
     outputs = [helper.make_tensor_value_info("y", TensorProto.FLOAT, [*lead, "D"])]
     return single_node_model(node, "moe", inputs, outputs, OP_VERSION)
+
+
+def node_layout(node: NodeProto) -> str:
+    """A saved graph's kiln.MoE node's Q4_1 expert layout: blocks when the attribute is absent (engines before
+    records, and float or GGUF experts)."""
+    found = next((a for a in node.attribute if a.name == LAYOUT), None)
+    return BLOCKS if found is None else found.s.decode()

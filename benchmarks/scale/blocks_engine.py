@@ -1,11 +1,13 @@
-"""Copy a one-graph engine with kiln.MatMulQ4_1's weights unpacked from records into blocks (the layout engines held
-before records, which the kernel packs into anonymous memory at session load), to measure a load both ways on the
-same weights with one op library.
+"""Copy a one-graph engine with kiln.MatMulQ4_1's weights and kiln.MoE's Q4_1 experts unpacked from records into
+blocks (the layouts engines held before records, which the kernels pack into anonymous memory at session load), to
+measure a load both ways on the same weights with one op library.
 
-    .venv/bin/python benchmarks/scale/blocks_engine.py ENGINE OUT
+    .venv/bin/python benchmarks/scale/blocks_engine.py ENGINE OUT [--experts-only]
 
 OUT gets the engine's other files as they are, its graph and data file rewritten tensor by tensor (page-aligned, as
-every kiln engine), and a manifest with the new checksums and op-library ABI 8 (the last without records).
+every kiln engine), and a manifest with the new checksums and op-library ABI 8 (the last without records); with
+--experts-only the kiln.MatMulQ4_1 records stay and only kiln.MoE's experts become blocks, as engines of ABI 9 and 10
+held them (the manifest says 10).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from pathlib import Path
 
 import onnx
 
+from kiln.contract import MOE_RECORDS_ABI
 from kiln.manifest import MANIFEST_NAME, read_manifest, write_manifest
 from kiln.optimize._common import write_weights
 from kiln.optimize.pack_q4_1_records import unpack_q4_1_records
@@ -29,6 +32,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("engine", type=Path)
     parser.add_argument("out", type=Path)
+    parser.add_argument("--experts-only", action="store_true",
+                        help="unpack kiln.MoE's experts only, keeping kiln.MatMulQ4_1's records")
     args = parser.parse_args()
     manifest = read_manifest(args.engine, verify_checksums=False)
     if manifest.stages or manifest.ranks:
@@ -38,11 +43,12 @@ def main() -> None:
         if path.is_file() and path.name not in (GRAPH, DATA, MANIFEST_NAME):
             shutil.copy2(path, args.out / path.name)
     model = onnx.load(str(args.engine / GRAPH), load_external_data=False)
-    count = unpack_q4_1_records(model.graph, args.engine)
+    count = unpack_q4_1_records(model.graph, args.engine, dense=not args.experts_only)
     write_weights(model.graph, args.engine, args.out / DATA, DATA, inline_limit=1024)
     onnx.save(model, str(args.out / GRAPH))
-    write_manifest(args.out, dataclasses.replace(manifest, op_library_abi=BLOCKS_ABI))
-    print(f"{args.out}: {count} kiln.MatMulQ4_1 nodes in blocks")
+    abi = MOE_RECORDS_ABI - 1 if args.experts_only else BLOCKS_ABI
+    write_manifest(args.out, dataclasses.replace(manifest, op_library_abi=abi))
+    print(f"{args.out}: {count} kiln.MatMulQ4_1 / kiln.MoE nodes in blocks")
 
 
 if __name__ == "__main__":

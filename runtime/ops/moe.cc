@@ -15,8 +15,9 @@
 // So each selected expert's weights are read once per step whatever the number of its tokens, experts no token
 // chose are never touched, and no two items write the same memory (each (token, slot) has its own row).
 // Float32 experts run phases 3 and 4 here; Q4_1 experts run them with kiln.MatMulQ4_1's int8 arithmetic
-// (moe_q4_1.cc), their constant weights repacked once at session load; GGUF experts with kiln.MatMulGGUF's int8
-// arithmetic on the file's blocks as they are (moe_gguf.cc).
+// (moe_q4_1.cc) on its records: an engine's (layout "records") read where ONNX Runtime maps them, blocks (older
+// engines) repacked once at session load when constant; GGUF experts with kiln.MatMulGGUF's int8 arithmetic on the
+// file's blocks as they are (moe_gguf.cc).
 //
 // Built with -O3 -mavx2 -mfma -mf16c (AVX2 only).
 #define ORT_API_MANUAL_INIT
@@ -29,6 +30,7 @@
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <utility>
 #include <type_traits>
 #include <vector>
 
@@ -263,6 +265,51 @@ Routing route(OrtKernelContext* ctx, const Dims& d, const float* x, const float*
 
 using DmInput = std::optional<const Ort::Custom::Tensor<Ort::Float16_t>*>;
 
+// The Q4_1 experts' layout (kiln/moe.py): the attribute, absent in engines of op-library ABI < 11 (blocks).
+enum class Layout { kBlocks, kRecords };
+
+Layout read_layout(const Ort::ConstKernelInfo& info) {
+  std::string layout;
+  try {
+    layout = info.GetAttribute<std::string>("layout");
+  } catch (const Ort::Exception&) {
+    return Layout::kBlocks;
+  }
+  if (layout == "blocks") return Layout::kBlocks;
+  if (layout == "records") return Layout::kRecords;
+  fail_moe("layout must be \"blocks\" or \"records\", got \"" + layout + "\"");
+}
+
+// Shapes of x, router and Q4_1 experts in the records layout: gate_up [E, 2F / 16, D / 32, 320], down
+// [E, D / 16, F / 32, 320], each dm float16 [E, rows, 0] (no numbers: its shape names the rows).
+Dims check_records_shapes(const std::vector<int64_t>& xs, const std::vector<int64_t>& rs,
+                          const std::vector<int64_t>& gus, const std::vector<int64_t>& ds, DmInput gate_up_dm,
+                          DmInput down_dm, int64_t top_k) {
+  using q4_1::kBlock;
+  using q4_1::kGroup;
+  using q4_1::kRecordBytes;
+  Dims d = check_routing(xs, rs, top_k);
+  if (d.D % kBlock != 0) fail_moe("Q4_1 experts need D a multiple of 32, got D=" + std::to_string(d.D));
+  const std::string records = std::to_string(kRecordBytes);
+  if (gus.size() != 4 || gus[0] != d.E || gus[1] <= 0 || (gus[1] * kGroup) % (2 * kBlock) != 0 ||
+      gus[2] != d.D / kBlock || gus[3] != kRecordBytes)
+    fail_moe("gate_up must be uint8 records [E=" + std::to_string(d.E) + ", 2F/16 (F a multiple of 32), D/32=" +
+             std::to_string(d.D / kBlock) + ", " + records + "] with layout \"records\", got " + shape_text(gus));
+  d.F = gus[1] * kGroup / 2;
+  const std::vector<int64_t> want_down{d.E, d.D / kGroup, d.F / kBlock, kRecordBytes};
+  if (ds != want_down)
+    fail_moe("down must be uint8 records [E, D/16, F/32, " + records + "] = " + shape_text(want_down) +
+             " with layout \"records\", got " + shape_text(ds));
+  const std::pair<DmInput, std::vector<int64_t>> dms[2] = {{gate_up_dm, {d.E, 2 * d.F, 0}}, {down_dm, {d.E, d.D, 0}}};
+  const char* const names[2] = {"gate_up_dm", "down_dm"};
+  for (int i = 0; i < 2; ++i)
+    if (!dms[i].first.has_value() || (*dms[i].first)->Shape() != dms[i].second)
+      fail_moe(std::string(names[i]) + " must be float16 " + shape_text(dms[i].second) +
+               " with layout \"records\" (no numbers: its shape names the rows), got " +
+               (dms[i].first.has_value() ? shape_text((*dms[i].first)->Shape()) : std::string("none")));
+  return d;
+}
+
 // A Q4_1 stack's dm [E, rows, K / 32, 2] checked against its nibbles; its float16 bits.
 const uint16_t* checked_dm(DmInput dm, const std::vector<int64_t>& w, int64_t rows, int64_t K, const std::string& name) {
   if (!dm.has_value()) fail_moe("Q4_1 " + name + " needs its " + name + "_dm input");
@@ -332,14 +379,20 @@ template <typename W>
 struct MoE {
   static constexpr bool kQ4 = std::is_same<W, uint8_t>::value;
 
+  // Records are read in place on every call. Constant blocks (older engines) are packed once, here; others on every
+  // call.
   MoE(const OrtApi*, const OrtKernelInfo* info) {
     Ort::ConstKernelInfo ki(info);
     top_k_ = ki.GetAttribute<int64_t>("top_k");
     norm_topk_prob_ = ki.GetAttribute<int64_t>("norm_topk_prob") != 0;
+    layout_ = read_layout(ki);
     if constexpr (kQ4) {
       gguf_ = gguf_types(ki, gguf_types_);
+      if (gguf_ && layout_ == Layout::kRecords) fail_moe("layout \"records\" is for Q4_1 experts, not GGUF ones");
       if (gguf_) gguf_int8_ = gguf_int8_activations(ki);
-      else pack_constant_experts(ki, gate_up_, down_);
+      else if (layout_ == Layout::kBlocks) pack_constant_experts(ki, gate_up_, down_);
+    } else if (layout_ == Layout::kRecords) {
+      fail_moe("layout \"records\" is for Q4_1 experts (uint8), not float32 ones");
     }
   }
 
@@ -349,7 +402,7 @@ struct MoE {
     try {
       Dims d;
       Experts experts;
-      moe::Q4_1Experts call_gate_up, call_down;  // non-constant Q4_1 experts, packed for this call
+      moe::Q4_1Experts call_gate_up, call_down;  // records read in place, or non-constant blocks packed for this call
       if constexpr (kQ4) {
         if (gguf_) {
           if (gate_up_dm.has_value() || down_dm.has_value()) fail_moe("GGUF experts take no gate_up_dm or down_dm input");
@@ -359,6 +412,13 @@ struct MoE {
           experts.gguf = moe::checked_gguf_experts(gguf_types_, gguf_int8_, gate_up.Data(), gate_up.Shape(),
                                                    down.Data(), down.Shape(), d.D);
           d.F = gate_up.Shape()[1] / 2;
+        } else if (layout_ == Layout::kRecords) {
+          d = check_records_shapes(x.Shape(), router.Shape(), gate_up.Shape(), down.Shape(), gate_up_dm, down_dm,
+                                   top_k_);
+          call_gate_up = moe::Q4_1Experts::view(gate_up.Data(), 2 * d.F, d.D);
+          call_down = moe::Q4_1Experts::view(down.Data(), d.D, d.F);
+          experts.q4_gate_up = &call_gate_up;
+          experts.q4_down = &call_down;
         } else {
           d = check_shapes(x.Shape(), router.Shape(), gate_up.Shape(), down.Shape(), top_k_, true);
           const uint16_t* gu_dm = checked_dm(gate_up_dm, gate_up.Shape(), 2 * d.F, d.D, "gate_up");
@@ -391,9 +451,11 @@ struct MoE {
  private:
   int64_t top_k_ = 1;
   bool norm_topk_prob_ = false;
+  Layout layout_ = Layout::kBlocks;
   bool gguf_ = false, gguf_int8_ = true;
   int64_t gguf_types_[3] = {0, 0, 0};
-  moe::Q4_1Experts gate_up_, down_;  // constant Q4_1 experts as records; empty: packed per call
+  moe::Q4_1Experts gate_up_, down_;  // constant Q4_1 blocks packed into records; empty: records read in place, or
+                                     // blocks packed per call
 };
 
 }  // namespace

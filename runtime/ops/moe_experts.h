@@ -43,17 +43,29 @@ inline float silu_times(float gate, float up) {
 }
 
 // One projection's Q4_1 expert stack [E, rows, K] as MatMulQ4_1's records, expert after expert: expert e's
-// records [rows / 16, K / 32, 320] from records.data() + e * expert_bytes(). rows a multiple of 16, K of 32.
+// records [rows / 16, K / 32, 320] from data() + e * expert_bytes(). rows a multiple of 16, K of 32. The records are
+// the op's own input (layout "records": read where ONNX Runtime has the tensor, mapped from the engine file) or
+// packed from its blocks into memory of the stack's.
 struct Q4_1Experts {
-  q4_1::AlignedVector<uint8_t> records;
+  q4_1::AlignedVector<uint8_t> packed;  // records packed from blocks; empty when read in place
+  const uint8_t* in_place = nullptr;    // the op's records input, when the stack reads it where it lies
   int64_t rows = 0, nb = 0;
 
   // From the op's nibbles [E, rows, K / 2] (a block's 16 bytes: element j low, j + 16 high) and dm [E, rows, K / 32, 2].
   static Q4_1Experts pack(const uint8_t* nibbles, const uint16_t* dm, int64_t E, int64_t rows, int64_t K);
-  bool empty() const { return records.empty(); }
+  // The op's records [E, rows / 16, K / 32, 320], read where they lie (no copy).
+  static Q4_1Experts view(const uint8_t* records, int64_t rows, int64_t K) {
+    Q4_1Experts s;
+    s.in_place = records;
+    s.rows = rows;
+    s.nb = K / q4_1::kBlock;
+    return s;
+  }
+  bool empty() const { return in_place == nullptr && packed.empty(); }
+  const uint8_t* data() const { return in_place != nullptr ? in_place : packed.data(); }
   int64_t group_bytes() const { return nb * q4_1::kRecordBytes; }
   int64_t expert_bytes() const { return rows / q4_1::kGroup * group_bytes(); }
-  const uint8_t* expert(int64_t e) const { return records.data() + e * expert_bytes(); }
+  const uint8_t* expert(int64_t e) const { return data() + e * expert_bytes(); }
 };
 
 // expert_out [rows.size(), D] = each grouped row's expert (g) applied to it: rows[i] is grouped row i's input

@@ -1,7 +1,8 @@
 // kiln.MoE's Q4_1 experts: kiln.MatMulQ4_1's arithmetic (q4_1_records.h) over each expert's grouped rows.
 //
-// Each projection's expert stack is repacked into MatMulQ4_1's records, expert after expert (once, at session load,
-// for constant weights). A phase quantizes its grouped rows to int8 per block of 32 (step, exact float sum and the
+// Each projection's expert stack is MatMulQ4_1's records, expert after expert: an engine's as it stores them (layout
+// "records", read where ONNX Runtime maps them), or repacked from blocks (once, at session load, for constant
+// weights; older engines). A phase quantizes its grouped rows to int8 per block of 32 (step, exact float sum and the
 // centring term, as MatMulQ4_1 does), then runs work items of (expert, chunk of 16-channel groups) over all of the
 // expert's rows with MatMulQ4_1's tile: each selected expert's records are read once per step whatever the number
 // of its rows, in passes of rows that reuse a group's records from L1. A row's outputs are the same arithmetic in
@@ -31,11 +32,11 @@ Q4_1Experts Q4_1Experts::pack(const uint8_t* nibbles, const uint16_t* dm, int64_
   Q4_1Experts s;
   s.rows = rows;
   s.nb = K / kBlock;
-  s.records.assign(E * s.expert_bytes(), 0);
+  s.packed.assign(E * s.expert_bytes(), 0);
   uint8_t q[kBlock];
   for (int64_t r = 0; r < E * rows; ++r) {  // expert e's row n is r = e * rows + n
     const int64_t e = r / rows, n = r % rows;
-    uint8_t* group = s.records.data() + e * s.expert_bytes() + (n / kGroup) * s.group_bytes();
+    uint8_t* group = s.packed.data() + e * s.expert_bytes() + (n / kGroup) * s.group_bytes();
     for (int64_t b = 0; b < s.nb; ++b) {
       const uint8_t* src = nibbles + r * (K / 2) + b * (kBlock / 2);
       for (int64_t i = 0; i < kBlock / 2; ++i) {

@@ -19,6 +19,7 @@ import pytest
 from gguf import GGUFReader
 from test_engine_numerics import SHORT_PROMPTS, check_against_transformers
 
+from kiln.contract import MOE_RECORDS_ABI
 from kiln.gguf_blocks import GgmlType, random_blocks
 from kiln.moe import OP_TYPE
 
@@ -65,13 +66,14 @@ def test_moe_family_matches_transformers_and_sees_its_routing(tmp_path, family):
     """The family's tiny model built in fp32 equals transformers; each perturbed routing does not."""
     from helpers import make_tiny_hf_model
 
-    from kiln.manifest import BuildOptions
+    from kiln.manifest import BuildOptions, read_manifest
     from kiln.optimize.build import build_engine
 
     model = make_tiny_hf_model(tmp_path, family=family)
     engine = tmp_path / "engine"
     build_engine(model, engine, BuildOptions(kv_dtype="float32"), progress=lambda _msg: None)
     graph = onnx.load(str(engine / "model.onnx"), load_external_data=False)
+    assert read_manifest(engine).op_library_abi == MOE_RECORDS_ABI - 1  # no kiln.MoE records: older kilns load it
     # one per layer, each reading its own layer's router: the experts' loop traced into the op
     assert [node.input[1] for node in moe_nodes(graph)] == [f"model.layers.{i}.mlp.gate.weight" for i in range(2)]
     check_against_transformers(engine, model, SHORT_PROMPTS, steps=6, atol=1e-4)
@@ -83,6 +85,26 @@ def test_moe_family_matches_transformers_and_sees_its_routing(tmp_path, family):
         wrong = perturbed_copy(engine, tmp_path / how.replace(" ", "_"), how)
         with pytest.raises(AssertionError):
             check_against_transformers(wrong, model, SHORT_PROMPTS, steps=2, atol=1e-4)
+
+
+def test_q4_1_moe_engine_holds_records_and_computes_the_blocks_logits(tmp_path):
+    """`--quantization int4-q4_1` stores kiln.MoE's Q4_1 experts as the kernel's records (as kiln.MatMulQ4_1's), on
+    page boundaries, and the engine computes bit for bit the logits of its copy in blocks (what engines held before
+    records, packed at load); it records the op-library ABI that added them."""
+    from helpers import make_tiny_hf_model
+    from q4_1_records_helpers import assert_records_compute_the_blocks_logits, q4_1_moe_nodes
+
+    from kiln.manifest import BuildOptions, read_manifest
+    from kiln.optimize.build import build_engine
+    from kiln.quant_scheme import QuantScheme
+
+    model = make_tiny_hf_model(tmp_path, family="olmoe")
+    engine = tmp_path / "engine"
+    build_engine(model, engine, BuildOptions(kv_dtype="float32", quantization=QuantScheme.parse("int4-q4_1")),
+                 progress=lambda _msg: None)
+    assert len(q4_1_moe_nodes(onnx.load(str(engine / "model.onnx"), load_external_data=False).graph)) == 2
+    assert read_manifest(engine).op_library_abi == MOE_RECORDS_ABI
+    assert_records_compute_the_blocks_logits(engine, tmp_path)
 
 
 def test_moe_spec_rejects_partly_dense_configs(tmp_path):

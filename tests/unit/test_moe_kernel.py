@@ -7,11 +7,15 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from kiln.matmul_q4_1 import BLOCKS, RECORDS
 from kiln.moe import (
     make_single_op_model,
     moe_q4_1_ref,
     moe_ref,
     pack_q4_1_experts,
+    q4_1_expert,
+    q4_1_experts_from_records,
+    q4_1_experts_to_records,
     route_ref,
     unpack_q4_1_experts,
 )
@@ -164,12 +168,13 @@ def q4_1_experts(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return pack_q4_1_experts(q.q.reshape(e, rows, k), q.d.reshape(e, rows, -1), q.m.reshape(e, rows, -1))
 
 
-def run_q4_1(x, router, gate_up, down, top_k: int, norm: bool) -> np.ndarray:  # noqa: PLR0913 (the op's inputs)
+def run_q4_1(x, router, gate_up, down, top_k: int, norm: bool,  # noqa: PLR0913 (the op's inputs)
+             layout: str = BLOCKS) -> np.ndarray:
     so = ort.SessionOptions()
     so.register_custom_ops_library(LIBRARY)
     so.intra_op_num_threads = 2
-    session = ort.InferenceSession(make_single_op_model(top_k, norm, q4_1=True).SerializeToString(), so,
-                                   providers=["CPUExecutionProvider"])
+    session = ort.InferenceSession(make_single_op_model(top_k, norm, q4_1=True, layout=layout).SerializeToString(),
+                                   so, providers=["CPUExecutionProvider"])
     (gu, gu_dm), (dn, dn_dm) = gate_up, down
     return session.run(None, {"x": x, "router": router, "gate_up": gu, "down": dn, "gate_up_dm": gu_dm,
                               "down_dm": dn_dm})[0]
@@ -296,3 +301,86 @@ def test_q4_1_tokens_are_bitwise_independent_of_their_batch():
     batch = run_q4_1(x, router, gu, dn, 2, True)
     for t in (0, 5, 22):
         np.testing.assert_array_equal(run_q4_1(x[t:t + 1], router, gu, dn, 2, True), batch[t:t + 1])
+
+
+# ---- the records layout: what an engine stores, read by the kernel where it lies
+
+def test_q4_1_records_are_each_experts_matmul_q4_1_records_in_turn():
+    rng = np.random.default_rng(20)
+    nibbles, dm = q4_1_experts(rng.standard_normal((3, 48, 96)).astype(np.float32))
+    records, rows = q4_1_experts_to_records(nibbles, dm)
+    assert records.shape == (3, 3, 3, 320) and records.dtype == np.uint8
+    assert rows.shape == (3, 48, 0) and rows.dtype == np.float16
+    for e in range(3):
+        np.testing.assert_array_equal(records[e], q4_1_expert(nibbles, dm, e).pack_records()[0])
+    back = q4_1_experts_from_records(records, rows)
+    np.testing.assert_array_equal(back[0], nibbles)
+    np.testing.assert_array_equal(back[1], dm)
+    with pytest.raises(ValueError, match="rows a multiple of 16"):
+        q4_1_experts_to_records(nibbles[:, :40], dm[:, :40])
+
+
+@pytest.mark.parametrize("tokens, experts, top_k, d, f, favoured", [
+    (1, 8, 2, 64, 96, None),         # decode: two experts get the token, six get none
+    (3, 16, 2, 64, 32, None),        # most experts idle, some with one token
+    (40, 4, 4, 32, 32, None),        # every expert gets every token
+    (17, 6, 2, 64, 64, [3, 1]),      # all tokens on one pair (more than a pass of rows), four experts idle
+])
+def test_q4_1_kernel_on_records_is_bitwise_the_kernel_on_blocks(tokens, experts, top_k, d, f, favoured):  # noqa: PLR0913
+    """Records given as the op's inputs compute the bits the kernel computes from blocks it packs itself (numpy's
+    records are the kernel's packing byte for byte: an expert, lane or nibble out of place would differ)."""
+    rng = np.random.default_rng(tokens + experts + 1)
+    x, router, gu, dn = q4_1_case(rng, tokens, experts, d, f, favoured)
+    gu_records, dn_records = q4_1_experts_to_records(*gu), q4_1_experts_to_records(*dn)
+    blocks = run_q4_1(x, router, gu, dn, top_k, True)
+    records = run_q4_1(x, router, gu_records, dn_records, top_k, True, layout=RECORDS)
+    np.testing.assert_array_equal(records, blocks)
+    spec = moe_q4_1_ref(x, router, gu_records, dn_records, top_k=top_k, norm_topk_prob=True, layout=RECORDS)
+    np.testing.assert_array_equal(spec, moe_q4_1_ref(x, router, gu, dn, top_k=top_k, norm_topk_prob=True))
+
+
+def test_constant_q4_1_records_compute_the_constant_blocks_bits():
+    """An engine's records are initializers, read in place; the same experts as constant blocks are packed at load."""
+    from onnx import numpy_helper
+
+    rng = np.random.default_rng(21)
+    x, router, gu, dn = q4_1_case(rng, 9, 8, 64, 64)
+
+    def session(layout: str, gate_up, down):
+        arrays = {"router": router, "gate_up": gate_up[0], "down": down[0], "gate_up_dm": gate_up[1],
+                  "down_dm": down[1]}
+        model = make_single_op_model(2, True, q4_1=True, layout=layout)
+        keep = [value for value in model.graph.input if value.name == "x"]
+        del model.graph.input[:]
+        model.graph.input.extend(keep)
+        model.graph.initializer.extend(numpy_helper.from_array(a, name) for name, a in arrays.items())
+        so = ort.SessionOptions()
+        so.register_custom_ops_library(LIBRARY)
+        return ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+
+    records = session(RECORDS, q4_1_experts_to_records(*gu), q4_1_experts_to_records(*dn)).run(None, {"x": x})[0]
+    np.testing.assert_array_equal(records, session(BLOCKS, gu, dn).run(None, {"x": x})[0])
+
+
+def test_malformed_q4_1_records_are_named():
+    rng = np.random.default_rng(22)
+    x, router, gu, dn = q4_1_case(rng, 2, 4, 64, 32)
+    gu_records, dn_records = q4_1_experts_to_records(*gu), q4_1_experts_to_records(*dn)
+    with pytest.raises(Exception, match=r"kiln.MoE: gate_up must be uint8 records \[E=4, 2F/16 \(F a multiple of "
+                                        r"32\), D/32=2, 320\] with layout \"records\", got \[4, 4, 2, 256\]"):
+        run_q4_1(x, router, (gu_records[0][..., :256].copy(), gu_records[1]), dn_records, 2, True, layout=RECORDS)
+    with pytest.raises(Exception, match=r"kiln.MoE: down must be uint8 records \[E, D/16, F/32, 320\] = "
+                                        r"\[4, 4, 1, 320\]"):
+        run_q4_1(x, router, gu_records, (dn_records[0][:, :2].copy(), dn_records[1]), 2, True, layout=RECORDS)
+    with pytest.raises(Exception, match=r"kiln.MoE: down_dm must be float16 \[4, 64, 0\] with layout \"records\""):
+        run_q4_1(x, router, gu_records, (dn_records[0], dn[1]), 2, True, layout=RECORDS)  # blocks' dm
+    with pytest.raises(Exception, match=r"kiln.MoE: gate_up must be uint8 records"):
+        run_q4_1(x, router, gu, dn, 2, True, layout=RECORDS)  # blocks under the records layout
+    model = make_single_op_model(2, True, q4_1=True, layout=RECORDS)
+    next(a for a in model.graph.node[0].attribute if a.name == "layout").s = b"rows"
+    so = ort.SessionOptions()
+    so.register_custom_ops_library(LIBRARY)
+    with pytest.raises(Exception, match=r"kiln.MoE: layout must be \"blocks\" or \"records\", got \"rows\""):
+        ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"]).run(
+            None, {"x": x, "router": router, "gate_up": gu_records[0], "down": dn_records[0],
+                   "gate_up_dm": gu_records[1], "down_dm": dn_records[1]})

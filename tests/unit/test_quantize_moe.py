@@ -1,5 +1,6 @@
 """optimize/quantize_moe.py: a kiln.MoE graph's float experts become Q4_1 inputs, and the quantized graph computes the
-op's Q4_1 spec on them (the pass's packing is the kernel's layout)."""
+op's Q4_1 spec on them (the pass's packing is the kernel's layout); optimize/pack_q4_1_records.py then gives them as
+the kernel's records, which compute the blocks' bits."""
 
 from __future__ import annotations
 
@@ -8,7 +9,9 @@ import onnx_ir as ir
 import pytest
 from onnx import numpy_helper
 
-from kiln.moe import make_single_op_model, moe_q4_1_ref, unpack_q4_1_experts
+from kiln.matmul_q4_1 import LAYOUT, RECORDS
+from kiln.moe import make_single_op_model, moe_q4_1_ref, q4_1_experts_to_records, unpack_q4_1_experts
+from kiln.optimize.pack_q4_1_records import pack_moe_q4_1_records
 from kiln.optimize.quantize_moe import moe_nodes, quantize_moe_experts
 
 ort = pytest.importorskip("onnxruntime")
@@ -51,6 +54,29 @@ def test_experts_become_q4_1_and_the_graph_computes_the_spec():
     want = moe_q4_1_ref(x, arrays["router"], gate_up, down, top_k=2, norm_topk_prob=True)
     np.testing.assert_allclose(run(model, x), want, rtol=0, atol=4e-6 * np.abs(want).max())
     assert quantize_moe_experts(model) == 0  # already converted
+
+
+def test_q4_1_experts_become_records_with_the_blocks_bits():
+    rng = np.random.default_rng(2)
+    model, _ = graph_with_constant_experts(rng, experts=6, d=64, f=32)
+    x = rng.standard_normal((9, 64)).astype(np.float32)
+    quantize_moe_experts(model)
+    (node,) = moe_nodes(model)
+    blocks = [node.inputs[i].const_value.numpy() for i in range(2, 6)]
+    want = run(model, x)
+    assert pack_moe_q4_1_records(model) == 1
+    assert node.attributes[LAYOUT].as_string() == RECORDS
+    for w in (0, 1):  # each stack the records of its blocks, which are gone
+        records, rows = (node.inputs[2 + w + 2 * i].const_value.numpy() for i in (0, 1))
+        want_records, want_rows = q4_1_experts_to_records(blocks[w], blocks[w + 2])
+        np.testing.assert_array_equal(records, want_records)
+        assert rows.shape == want_rows.shape
+    assert not [v for v in model.graph.initializers.values() if v.const_value.dtype == ir.DataType.UINT8
+                and len(v.shape) == 3]
+    np.testing.assert_array_equal(run(model, x), want)
+    assert pack_moe_q4_1_records(model) == 0  # already records
+    float_model, _ = graph_with_constant_experts(rng, experts=6, d=64, f=32)
+    assert pack_moe_q4_1_records(float_model) == 0  # float experts stay
 
 
 def test_experts_not_whole_blocks_wide_stay_float():
