@@ -138,3 +138,12 @@ def test_optional_build_fields_are_written_only_when_they_mean_something():
     split = BuildOptions(pipeline_stages=2, vision_quantization=EncoderQuantization.INT8)
     assert split.to_dict()["pipeline_stages"] == 2 and split.to_dict()["vision_quantization"] == "int8"
     assert BuildOptions.from_dict(split.to_dict()) == split
+
+
+def test_engine_abi_asks_for_the_newest_library_only_of_engines_that_need_it():
+    """An engine records ABI 11 only with kiln.MoE records; every other engine the build writes records 10, which
+    kilns of ABI 10 load. A new ABI must say here which engines need it."""
+    from kiln.contract import OP_LIBRARY_ABI, engine_abi
+
+    assert engine_abi(moe_records=True) == OP_LIBRARY_ABI
+    assert engine_abi(moe_records=False) == OP_LIBRARY_ABI - 1
