@@ -53,7 +53,8 @@ struct Q4_1Experts {
 
   // From the op's nibbles [E, rows, K / 2] (a block's 16 bytes: element j low, j + 16 high) and dm [E, rows, K / 32, 2].
   static Q4_1Experts pack(const uint8_t* nibbles, const uint16_t* dm, int64_t E, int64_t rows, int64_t K);
-  // The op's records [E, rows / 16, K / 32, 320], read where they lie (no copy).
+  // The op's records [E, rows / 16, K / 32, 320], read where they lie (no copy; the tile's loads are unaligned, so
+  // any address works, and an engine's sit on page boundaries).
   static Q4_1Experts view(const uint8_t* records, int64_t rows, int64_t K) {
     Q4_1Experts s;
     s.in_place = records;
