@@ -43,6 +43,7 @@
 #include "parallel_for.h"
 #include "q4_1_records.h"
 #include "shape_text.h"
+#include "weight_layout.h"
 
 namespace kiln {
 namespace {
@@ -161,7 +162,7 @@ PackedWeights pack_weights(const uint8_t* qs, const uint16_t* dm, const Shape& s
 
 // The op's contract on its weights' shapes in either layout (kiln/matmul_q4_1.py), for the constructor and for
 // Compute's errors.
-enum class Layout { kBlocks, kRecords };
+using Layout = WeightLayout;
 
 bool valid_dm(const std::vector<int64_t>& ds) { return ds.size() == 3 && ds[0] > 0 && ds[1] == 2 && ds[2] > 0; }
 std::vector<int64_t> qs_shape(const std::vector<int64_t>& ds) { return {ds[0], (ds[2] + 1) / 2, kPairBytes}; }
@@ -187,15 +188,9 @@ Shape records_shape(const std::vector<int64_t>& qss, const std::vector<int64_t>&
 
 // The layout attribute; absent in engines of op-library ABI < 9, whose weights are blocks.
 Layout read_layout(const Ort::ConstKernelInfo& info) {
-  std::string layout;
-  try {
-    layout = info.GetAttribute<std::string>("layout");
-  } catch (const Ort::Exception&) {
-    return Layout::kBlocks;
-  }
-  if (layout == "blocks") return Layout::kBlocks;
-  if (layout == "records") return Layout::kRecords;
-  fail_q4("layout must be \"blocks\" or \"records\", got \"" + layout + "\"");
+  std::string name;
+  if (const std::optional<Layout> layout = read_weight_layout(info, name)) return *layout;
+  fail_q4("layout must be \"blocks\" or \"records\", got \"" + name + "\"");
 }
 
 struct MatMulQ4_1 {

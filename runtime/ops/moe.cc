@@ -39,6 +39,7 @@
 #include "parallel_for.h"
 #include "shape_text.h"
 #include "simd.h"
+#include "weight_layout.h"
 
 namespace kiln {
 namespace {
@@ -266,18 +267,12 @@ Routing route(OrtKernelContext* ctx, const Dims& d, const float* x, const float*
 using DmInput = std::optional<const Ort::Custom::Tensor<Ort::Float16_t>*>;
 
 // The Q4_1 experts' layout (kiln/moe.py): the attribute, absent in engines of op-library ABI < 11 (blocks).
-enum class Layout { kBlocks, kRecords };
+using Layout = WeightLayout;
 
 Layout read_layout(const Ort::ConstKernelInfo& info) {
-  std::string layout;
-  try {
-    layout = info.GetAttribute<std::string>("layout");
-  } catch (const Ort::Exception&) {
-    return Layout::kBlocks;
-  }
-  if (layout == "blocks") return Layout::kBlocks;
-  if (layout == "records") return Layout::kRecords;
-  fail_moe("layout must be \"blocks\" or \"records\", got \"" + layout + "\"");
+  std::string name;
+  if (const std::optional<Layout> layout = read_weight_layout(info, name)) return *layout;
+  fail_moe("layout must be \"blocks\" or \"records\", got \"" + name + "\"");
 }
 
 // Shapes of x, router and Q4_1 experts in the records layout: gate_up [E, 2F / 16, D / 32, 320], down

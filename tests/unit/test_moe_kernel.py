@@ -253,23 +253,29 @@ def test_q4_1_spec_is_matmul_q4_1_per_expert():
                                rtol=1e-6, atol=1e-7)
 
 
-def test_constant_q4_1_experts_packed_at_load_compute_the_same_bits():
-    """An engine's experts are initializers, repacked once when the session loads; the per-call packing of graph
-    inputs must give the same bits."""
+def constant_experts_session(router, gate_up, down, layout: str = BLOCKS, threads: int = 0):
+    """A top-2 kiln.MoE session whose router and Q4_1 experts ((weights, dm) each, in `layout`) are initializers, as an
+    engine's are; x is its one input."""
     from onnx import numpy_helper
 
-    rng = np.random.default_rng(14)
-    x, router, gu, dn = q4_1_case(rng, 9, 8, 64, 64)
-    arrays = {"router": router, "gate_up": gu[0], "down": dn[0], "gate_up_dm": gu[1], "down_dm": dn[1]}
-    model = make_single_op_model(2, True, q4_1=True)
+    arrays = {"router": router, "gate_up": gate_up[0], "down": down[0], "gate_up_dm": gate_up[1], "down_dm": down[1]}
+    model = make_single_op_model(2, True, q4_1=True, layout=layout)
     keep = [value for value in model.graph.input if value.name == "x"]
     del model.graph.input[:]
     model.graph.input.extend(keep)
     model.graph.initializer.extend(numpy_helper.from_array(a, name) for name, a in arrays.items())
     so = ort.SessionOptions()
     so.register_custom_ops_library(LIBRARY)
-    so.intra_op_num_threads = 2
-    session = ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+    so.intra_op_num_threads = threads
+    return ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+
+
+def test_constant_q4_1_experts_packed_at_load_compute_the_same_bits():
+    """An engine's experts are initializers, repacked once when the session loads; the per-call packing of graph
+    inputs must give the same bits."""
+    rng = np.random.default_rng(14)
+    x, router, gu, dn = q4_1_case(rng, 9, 8, 64, 64)
+    session = constant_experts_session(router, gu, dn, threads=2)
     np.testing.assert_array_equal(session.run(None, {"x": x})[0], run_q4_1(x, router, gu, dn, 2, True))
 
 
@@ -341,25 +347,11 @@ def test_q4_1_kernel_on_records_is_bitwise_the_kernel_on_blocks(tokens, experts,
 
 def test_constant_q4_1_records_compute_the_constant_blocks_bits():
     """An engine's records are initializers, read in place; the same experts as constant blocks are packed at load."""
-    from onnx import numpy_helper
-
     rng = np.random.default_rng(21)
     x, router, gu, dn = q4_1_case(rng, 9, 8, 64, 64)
-
-    def session(layout: str, gate_up, down):
-        arrays = {"router": router, "gate_up": gate_up[0], "down": down[0], "gate_up_dm": gate_up[1],
-                  "down_dm": down[1]}
-        model = make_single_op_model(2, True, q4_1=True, layout=layout)
-        keep = [value for value in model.graph.input if value.name == "x"]
-        del model.graph.input[:]
-        model.graph.input.extend(keep)
-        model.graph.initializer.extend(numpy_helper.from_array(a, name) for name, a in arrays.items())
-        so = ort.SessionOptions()
-        so.register_custom_ops_library(LIBRARY)
-        return ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
-
-    records = session(RECORDS, q4_1_experts_to_records(*gu), q4_1_experts_to_records(*dn)).run(None, {"x": x})[0]
-    np.testing.assert_array_equal(records, session(BLOCKS, gu, dn).run(None, {"x": x})[0])
+    records = constant_experts_session(router, q4_1_experts_to_records(*gu), q4_1_experts_to_records(*dn), RECORDS)
+    blocks = constant_experts_session(router, gu, dn)
+    np.testing.assert_array_equal(records.run(None, {"x": x})[0], blocks.run(None, {"x": x})[0])
 
 
 def test_malformed_q4_1_records_are_named():

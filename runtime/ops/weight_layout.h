@@ -1,0 +1,27 @@
+// The "layout" attribute of the ops whose Q4_1 weights come either as blocks or as kiln.MatMulQ4_1's records
+// (kiln.MatMulQ4_1, kiln.MoE's Q4_1 experts; kiln/matmul_q4_1.py and kiln/moe.py name the layouts).
+#pragma once
+
+#include <optional>
+#include <string>
+
+#include "onnxruntime_lite_custom_op.h"
+
+namespace kiln {
+
+enum class WeightLayout { kBlocks, kRecords };
+
+// The node's layout: blocks where the attribute is absent (engines written before the op had records); nullopt
+// for any other name, which is then left in `name` for the op's own error.
+inline std::optional<WeightLayout> read_weight_layout(const Ort::ConstKernelInfo& info, std::string& name) {
+  try {
+    name = info.GetAttribute<std::string>("layout");
+  } catch (const Ort::Exception&) {
+    return WeightLayout::kBlocks;
+  }
+  if (name == "blocks") return WeightLayout::kBlocks;
+  if (name == "records") return WeightLayout::kRecords;
+  return std::nullopt;
+}
+
+}  // namespace kiln
