@@ -5,12 +5,16 @@ are Q4_K Q4_K Q4_K or Q4_K Q4_K Q6_K by layer) against the same op with Q4_1 exp
 
     .venv/bin/python benchmarks/bench_moe.py [--hidden 2048] [--expert-width 1024] [--experts 64] [--top-k 8]
                                              [--rows 1 16 128] [--rounds 7] [--threads 2]
-                                             [--gguf-experts Q4_K Q4_K Q4_K]
+                                             [--gguf-experts Q4_K Q4_K Q4_K] [--cpu-time]
+                                             [--baseline-library OLD.so]
 
 The defaults are OLMoE-1B-7B's layer: 64 experts of width 1024, 8 per token, so the dense MLP has width 8192.
 A decode row reads 8 experts' bytes in either graph (the same weight budget); 16 rows route to most of the 64
 experts, so the MoE layer then reads up to 8x the dense one's bytes, which no kernel can avoid. Rounds interleave
 the two graphs; the median ms per layer is printed with the ratio MoE / dense (median and range over rounds).
+--baseline-library adds the first graph on an older libkiln_ops.so (GGUF@old, or MoE@old) to every round and
+prints new / old the same way; --cpu-time times with the process's CPU time (with --threads 1: what other load on
+a shared host barely moves).
 """
 
 from __future__ import annotations
@@ -80,20 +84,20 @@ def dense_model(rng: np.random.Generator, args: argparse.Namespace) -> ModelProt
     return model(nodes, inits, d)
 
 
-def session(m: ModelProto, threads: int) -> ort.InferenceSession:
+def session(m: ModelProto, threads: int, library: str | None = None) -> ort.InferenceSession:
     options = ort.SessionOptions()
-    options.register_custom_ops_library(library_path())
+    options.register_custom_ops_library(library or library_path())
     options.intra_op_num_threads = threads
     options.inter_op_num_threads = 1
     return ort.InferenceSession(m.SerializeToString(), options, providers=["CPUExecutionProvider"])
 
 
-def ms_per_run(sess: ort.InferenceSession, x: np.ndarray, repeats: int) -> float:
+def ms_per_run(sess: ort.InferenceSession, x: np.ndarray, repeats: int, clock=time.perf_counter) -> float:
     sess.run(None, {"x": x})
-    start = time.perf_counter()
+    start = clock()
     for _ in range(repeats):
         sess.run(None, {"x": x})
-    return (time.perf_counter() - start) / repeats * 1e3
+    return (clock() - start) / repeats * 1e3
 
 
 def main() -> None:
@@ -107,8 +111,11 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--gguf-experts", nargs=3, metavar=("GATE", "UP", "DOWN"),
                         choices=[k.name for k in GgmlType], help="compare GGUF experts of these types with Q4_1 ones")
+    parser.add_argument("--cpu-time", action="store_true", help="time with the process's CPU time")
+    parser.add_argument("--baseline-library", help="an older libkiln_ops.so: the first graph also on it, each round")
     args = parser.parse_args()
     rng = np.random.default_rng(0)
+    names: tuple[str, ...]
     if args.gguf_experts:
         names = ("GGUF", "Q4_1")
         first, second = gguf_moe_model(rng, args), moe_model(rng, args)
@@ -121,19 +128,32 @@ def main() -> None:
         print(f"D={args.hidden} experts={args.experts}x{args.expert_width} top-{args.top_k}; dense width "
               f"{args.top_k * args.expert_width}; {args.threads} threads; ms per layer "
               f"(median of {args.rounds} rounds)")
-    sessions = (session(first, args.threads), session(second, args.threads))
+    sessions = [session(first, args.threads), session(second, args.threads)]
+    if args.baseline_library:
+        names += (names[0] + "@old",)
+        sessions.append(session(first, args.threads, args.baseline_library))
+    clock = time.process_time if args.cpu_time else time.perf_counter
     ratio_title = f"{names[0]}/{names[1]} [min-max over rounds]"
-    print(f"{'rows':>5} {names[0]:>8} {names[1]:>8} {ratio_title:>32}")
+    old_title = f"  {names[0]}/{names[0]}@old [min-max]" if args.baseline_library else ""
+    print(f"{'rows':>5} " + " ".join(f"{name:>8}" for name in names) + f" {ratio_title:>32}{old_title}")
     for rows in args.rows:
         x = rng.standard_normal((rows, args.hidden)).astype(np.float32)
         repeats = max(3, 64 // rows)
-        times: tuple[list[float], list[float]] = ([], [])
+        times: list[list[float]] = [[] for _ in sessions]
         for _ in range(args.rounds):
             for sess, timed in zip(sessions, times, strict=True):
-                timed.append(ms_per_run(sess, x, repeats))
-        a, b = statistics.median(times[0]), statistics.median(times[1])
-        ratios = [m / d for m, d in zip(*times, strict=True)]
-        print(f"{rows:>5} {a:>8.2f} {b:>8.2f} {statistics.median(ratios):>10.2f} [{min(ratios):.2f}-{max(ratios):.2f}]")
+                timed.append(ms_per_run(sess, x, repeats, clock))
+        medians = " ".join(f"{statistics.median(timed):>8.2f}" for timed in times)
+        line = f"{rows:>5} {medians} {ratio_cell(times[0], times[1]):>32}"
+        if args.baseline_library:
+            line += f"  {ratio_cell(times[0], times[2])}"
+        print(line)
+
+
+def ratio_cell(a: list[float], b: list[float]) -> str:
+    """The median of the rounds' ratios a / b and their range."""
+    ratios = [x / y for x, y in zip(a, b, strict=True)]
+    return f"{statistics.median(ratios):.2f} [{min(ratios):.2f}-{max(ratios):.2f}]"
 
 
 if __name__ == "__main__":

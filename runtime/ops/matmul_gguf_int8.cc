@@ -13,7 +13,11 @@
 //      in int32). The integer block sum is exact; it meets float once per block:
 //          acc += (step * d) * isum  [+ sum_j (c (d sc_j)) E_j - sum_j (dmin m_j) S_j   for Q4_K / Q5_K]
 //      (the minimums from the exact float sums, and the codes' mean c (7.5, 15.5) from E: int8 rounding then
-//      reaches only the centred codes, as in kiln.MatMulQ4_1);
+//      reaches only the centred codes, as in kiln.MatMulQ4_1). A many-row k-quant tile is bound by Zen 3's two
+//      vector-multiply pipes (maddubs, madd and the float FMAs share them): per (row, block) 16 integer multiplies
+//      and 2-4 float ones, which no tile shape reduces while each row's 8 lanes keep their integer sums; so the
+//      tile keeps each row's sums in registers as they accumulate (in_register) and nothing else of a block's
+//      work moves to memory;
 //   3. work items (16 channels x 32 rows) run on ONNX Runtime's intra-op thread pool (each thread a contiguous
 //      shard of them, stealing at the end); a k-quant tile call takes its item's channels one after the other and
 //      prefetches the weight stream a page ahead.
@@ -260,6 +264,12 @@ struct Q6_K {
   }
 };
 
+// v as it is here, in a register. Without it GCC reassociates each row's 8 group sums of a block into a tree
+// computed after all the tile's products, and so spills every product to the stack (64 stores and reloads a block
+// at 8 rows), which cost the many-row tiles 15-20% of their time. (One row has no such spill: its code is the
+// same with or without.)
+inline void in_register(__m256i& v) { asm("" : "+x"(v)); }
+
 // One (channel, row) pair's float step for a block: the same operations in the same order in every tile.
 template <class Type>
 inline __m256 k_accumulate(__m256 acc, __m256i isum, const KFloats& k, float step, const int16_t* sums,
@@ -360,8 +370,10 @@ __attribute__((noinline)) void k_tile(const Problem& p, int64_t n_begin, int64_t
       __m256i isum[NT];
       for (int r = 0; r < NT; ++r) isum[r] = _mm256_setzero_si256();
       Type::decode(w, k, [&](int g, __m256i q, __m256i s) {
-        for (int r = 0; r < NT; ++r)
+        for (int r = 0; r < NT; ++r) {
           isum[r] = _mm256_add_epi32(isum[r], dot_bytes(q, load32(xq[r] + blk * Type::kWeights + 32 * g), s));
+          if constexpr (NT > 1) in_register(isum[r]);
+        }
       });
       for (int r = 0; r < NT; ++r)
         acc[r] = k_accumulate<Type>(acc[r], isum[r], k, step[r][blk], sums[r] + blk * (Type::kWeights / kSumGroup),

@@ -142,6 +142,20 @@ def test_every_row_of_a_batch_has_the_bits_of_the_row_alone(kind):
     np.testing.assert_array_equal(s.run(None, {"x": x[5:16]})[0], batch[5:16])  # tiles starting off the batch's
 
 
+@pytest.mark.parametrize("kind", [GgmlType.Q4_K, GgmlType.Q5_K, GgmlType.Q6_K], ids=lambda t: t.name)
+def test_a_k_quant_batch_of_each_tile_edge_has_the_bits_of_its_rows_alone(kind):
+    """T rows against each row alone for T at the k-quant tile's edges (tiles of 8 rows: 1, 2, 3, 5, 8, 9, 17) and
+    an odd channel count past a 16-channel work item: the many-row tile runs each (channel, row) as the one-row
+    tile does."""
+    rng = np.random.default_rng(7)
+    w = blocks_for(kind, 19, 2, seed=7)
+    x = rng.standard_normal((17, 512)).astype(np.float32)
+    s = session(make_single_op_model(w, kind, rank=2, int8_activations=True))
+    alone = np.concatenate([s.run(None, {"x": x[t:t + 1]})[0] for t in range(len(x))])
+    for t in (2, 3, 5, 8, 9, 17):
+        np.testing.assert_array_equal(s.run(None, {"x": x[:t]})[0], alone[:t], err_msg=f"T = {t}")
+
+
 def test_kernel_refuses_an_unknown_activation_mode():
     from onnx import helper
 
