@@ -13,7 +13,7 @@
 //      in int32). The integer block sum is exact; it meets float once per block:
 //          acc += (step * d) * isum  [+ sum_j (c (d sc_j)) E_j - sum_j (dmin m_j) S_j   for Q4_K / Q5_K]
 //      (the minimums from the exact float sums, and the codes' mean c (7.5, 15.5) from E: int8 rounding then
-//      reaches only the centred codes, as in kiln.MatMulQ4_1). A many-row k-quant tile is bound by Zen 3's two
+//      reaches only the centred codes, as in kiln.MatMulQ4_1). A many-row k-quant tile is bound by the core's two
 //      vector-multiply pipes (maddubs, madd and the float FMAs share them): per (row, block) 16 integer multiplies
 //      and 2-4 float ones, which no tile shape reduces while each row's 8 lanes keep their integer sums; so the
 //      tile keeps each row's sums in registers as they accumulate (in_register) and nothing else of a block's
