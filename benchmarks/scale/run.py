@@ -9,7 +9,7 @@ llama-quantize Q4_K_M, both measured, where benchmarks/peers/setup.py has built 
 process (peak RSS: the child's ru_maxrss from wait4), `kiln generate ENGINE --max-tokens 8` to check the engine
 runs, then delete checkpoint and engine before the next (an 8B bf16 checkpoint is 15 GB; --keep-engine keeps the
 engine and llama.cpp's Q4_K_M file). One JSON line per build goes to --results; a markdown table is printed at the
-end.
+end. --keep-checkpoint keeps the checkpoint too (the hf dir the other peers export from).
 """
 
 from __future__ import annotations
@@ -83,7 +83,8 @@ def llama_cpp_available() -> bool:
     return (lay.llama_src / "convert_hf_to_gguf.py").is_file() and lay.llama_tool("llama-quantize").is_file()
 
 
-def run_one(name: str, source: str, quantization: str, work: Path, keep_engine: bool = False) -> dict:
+def run_one(name: str, source: str, quantization: str, work: Path, keep_engine: bool = False,
+            keep_checkpoint: bool = False) -> dict:
     from kiln.export.checkpoint import default_model_path
 
     shape = SHAPES[name]
@@ -113,7 +114,8 @@ def run_one(name: str, source: str, quantization: str, work: Path, keep_engine: 
               "build_exit": code, "build_wall_s": round(wall, 1), "build_peak_rss_gib": round(rss, 2),
               "cpu": cpu_model(), "date": time.strftime("%Y-%m-%d"), "host_load": os.getloadavg()[0]}
     result.update(peers)
-    shutil.rmtree(model, ignore_errors=True)
+    if not keep_checkpoint:
+        shutil.rmtree(model, ignore_errors=True)
     if code == 0:
         result["engine_gib"] = round(engine_bytes(engine) / 2**30, 2)
         gcode, gwall, grss = measure([str(KILN), "generate", str(engine), "Hello", "--max-tokens", "8"],
@@ -151,6 +153,9 @@ def main() -> int:
     parser.add_argument("--keep-engine", action="store_true",
                         help="leave each built engine in --dir (for serve_first_token.py), and llama.cpp's Q4_K_M "
                              "file beside it (NAME-Q4_K_M.gguf, for the peers); checkpoints are deleted")
+    parser.add_argument("--keep-checkpoint", action="store_true",
+                        help="leave each written checkpoint in --dir (NAME-SOURCE: the hf dir that onnxruntime-genai's "
+                             "builder and OpenVINO's export read, for peers.py)")
     args = parser.parse_args()
     results = []
     for name in args.shapes.split(","):
@@ -163,7 +168,8 @@ def main() -> int:
             if source == "gguf" and SHAPES[name].family not in GGUF_FAMILIES:
                 print(f"[scale] {name}: no gguf source (random GGUF files are written for {GGUF_FAMILIES} only)")
                 continue
-            result = run_one(name, source, args.quantization, args.dir, args.keep_engine)
+            result = run_one(name, source, args.quantization, args.dir, args.keep_engine,
+                             args.keep_checkpoint)
             results.append(result)
             with args.results.open("a") as out:
                 out.write(json.dumps(result) + "\n")

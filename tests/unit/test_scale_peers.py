@@ -1,0 +1,36 @@
+"""benchmarks/scale/peers.py's table: medians [min-max] a system and kiln / best peer taken round by round."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "scale" / "peers.py"
+spec = importlib.util.spec_from_file_location("scale_peers", SCRIPT)
+peers = importlib.util.module_from_spec(spec)
+sys.modules[spec.name] = peers
+spec.loader.exec_module(peers)
+
+
+def _row(rnd: int, system: str, value: float, **extra) -> dict:
+    return {"round": rnd, "system": system, **dict.fromkeys(peers.FIGURES, value), **extra}
+
+
+def test_ratio_is_against_the_best_peer_of_each_round():
+    rows = [_row(1, "kiln", 60.0, floor_pct=70.0), _row(1, "llamacpp", 50.0), _row(1, "ort-genai", 40.0),
+            _row(2, "kiln", 30.0, floor_pct=80.0), _row(2, "llamacpp", 20.0), _row(2, "ort-genai", 60.0),
+            _row(3, "kiln", 45.0, floor_pct=75.0), _row(3, "llamacpp", 45.0), _row(3, "ort-genai", 10.0)]
+    text = peers.table(rows, {"kiln": "1 MiB"})
+    decode = next(line for line in text.splitlines() if line.startswith("| single-stream decode"))
+    # kiln 45.0 [30.0-60.0]; llama.cpp 45.0 [20.0-50.0]; per-round ratios 60/50, 30/60, 45/45 -> 1.00 [0.50-1.20]
+    assert decode == ("| single-stream decode (tok/s) | 45.0 [30.0–60.0] | 45.0 [20.0–50.0] | 40.0 [10.0–60.0] "
+                      "| 1.00× [0.50–1.20] |")
+    assert "| weights | 1 MiB | - | - | |" in text
+    assert "75.0 [70.0–80.0] % of `kiln bench`'s bandwidth floor" in text
+
+
+def test_a_system_missing_from_a_round_is_left_out_of_that_rounds_ratio():
+    rows = [_row(1, "kiln", 60.0, floor_pct=70.0), _row(1, "llamacpp", 30.0), _row(2, "llamacpp", 30.0)]
+    text = peers.table(rows, {})
+    assert "| 2.00× [2.00–2.00] |" in text
