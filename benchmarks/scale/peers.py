@@ -7,6 +7,11 @@ HF_DIR, the GGUF and the engine come from `benchmarks/scale/run.py --sources lla
 --keep-engine --keep-checkpoint`. The peers' own models are built from HF_DIR when absent (beside it):
 onnxruntime-genai's builder `-p int4 -e cpu` (MatMulNBits, block 32) in the venv benchmarks/peers/setup.py made,
 and OpenVINO's `optimum-cli export openvino --weight-format int4 --group-size 32 --ratio 1.0` in DIR/openvino-venv.
+That venv is made by hand: `python3 -m venv DIR/openvino-venv`, a .pth file in its site-packages naming kiln's venv's
+site-packages (its CPU torch), then `pip install openvino-genai==2026.4.1.0 openvino-tokenizers
+"optimum-intel[openvino]" nncf "torch==2.13.0"` (without the torch pin pip pulls a CUDA torch through torchvision)
+and `pip uninstall -y torchvision` (the version pip picks against torch 2.13 breaks `import transformers`; the
+export does not need it).
 
 Four figures a system and round, every one at --threads threads:
   decode_1    single-stream decode tok/s after a short prompt (kiln bench: 16 tokens in, 64 out; llama-bench tg64;
