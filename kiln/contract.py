@@ -130,4 +130,3 @@ class KvPoolSpec:
     def pool_shape(self, num_blocks: int) -> tuple[int, ...]:
         """One layer's pool: [num_blocks, 2 (K, V), num_kv_heads, block_size, head_dim]."""
         return (num_blocks, 2, self.num_kv_heads, self.block_size, self.head_dim)
-

@@ -68,7 +68,7 @@ from kiln.matmul_q4_1 import BLOCKS, LAYOUT, RECORD_BYTES, RECORDS, Q4_1Weights,
 from kiln.op_models import single_node_model
 
 if TYPE_CHECKING:
-    from onnx import ModelProto, NodeProto
+    from onnx import ModelProto
 
 OP_TYPE = "MoE"
 OP_VERSION = 1
@@ -240,9 +240,3 @@ def make_single_op_model(top_k: int, norm_topk_prob: bool, rank: int = 2, q4_1: 
     outputs = [helper.make_tensor_value_info("y", TensorProto.FLOAT, [*lead, "D"])]
     return single_node_model(node, "moe", inputs, outputs, OP_VERSION)
 
-
-def node_layout(node: NodeProto) -> str:
-    """A saved graph's kiln.MoE node's Q4_1 expert layout: blocks when the attribute is absent (engines before
-    records, and float or GGUF experts)."""
-    found = next((a for a in node.attribute if a.name == LAYOUT), None)
-    return BLOCKS if found is None else found.s.decode()

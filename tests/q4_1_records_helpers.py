@@ -31,7 +31,7 @@ def assert_records_on_pages(graph_path: Path) -> None:
     graph = onnx.load(str(graph_path), load_external_data=False).graph
     nodes, moe_nodes = q4_1_nodes(graph), q4_1_moe_nodes(graph)
     assert nodes and all(node_layout(n) == RECORDS for n in nodes)
-    assert all(moe.node_layout(n) == RECORDS for n in moe_nodes)
+    assert all(node_layout(n) == RECORDS for n in moe_nodes)
     offsets = {t.name: int(next(e.value for e in t.external_data if e.key == "offset"))
                for t in graph.initializer if t.data_location == onnx.TensorProto.EXTERNAL}
     records = [n.input[1] for n in nodes] + [name for n in moe_nodes for name in n.input[2:4]]
