@@ -116,8 +116,12 @@ def node_kinds(engine_dir: Path) -> dict[str, tuple[str, float]]:
         kind = node.op_type
         if node.op_type == "MatMulGGUF" and node.input[1] in dims:
             gtype = ggml_type(next(a.i for a in node.attribute if a.name == "ggml_type"))
-            n, row = dims[node.input[1]]
-            kind = f"{gtype.name} {row_weights(gtype, row)}->{n}"
+            if len(dims[node.input[1]]) == 3:  # Q4_K records [N / 16, K / 256, 2368]
+                groups, superblocks, _ = dims[node.input[1]]
+                kind = f"{gtype.name} records {superblocks * 256}->{groups * 16}"
+            else:
+                n, row = dims[node.input[1]]
+                kind = f"{gtype.name} {row_weights(gtype, row)}->{n}"
         out[node.name] = (kind, nbytes.get(node.name, 0.0))
     return out
 

@@ -56,19 +56,27 @@ OP_VERSION = 1
 # 11: kiln.MoE's layout attribute: "records" Q4_1 experts are kiln.MatMulQ4_1's records, expert after expert, stored
 #     in the engine and read where ONNX Runtime maps them (kiln/moe.py); int4-q4_1 engines of mixture-of-experts
 #     models hold them.
-OP_LIBRARY_ABI = 11
-# The oldest engine ABI this library still runs: ABIs 2 to 11 only added optional inputs, attributes,
-# a pool dtype and new ops, so ABI-1 to ABI-10 graphs (RoPE as graph ops, no SwiGLU, Q4_1 blocks) are unchanged and
+# 12: kiln.MatMulGGUF's layout attribute: "records" Q4_K weights are kiln.MatMulQ4_1's records, 8 blocks of 32 a
+#     superblock, stored in the engine and read where ONNX Runtime maps them (kiln/gguf_records.py); `gguf` engines
+#     of files with Q4_K matrices hold them.
+OP_LIBRARY_ABI = 12
+# The oldest engine ABI this library still runs: ABIs 2 to 12 only added optional inputs, attributes,
+# a pool dtype and new ops, so ABI-1 to ABI-11 graphs (RoPE as graph ops, no SwiGLU, Q4_1 blocks) are unchanged and
 # need no rebuild.
 OP_LIBRARY_MIN_ABI = 1
-# The ABI that added kiln.MoE's records: a built engine records it only when its graphs hold them, and the ABI before
-# it otherwise, so kilns of ABI 10 still load the engines that need nothing of 11 (`engine_abi`).
+# The ABIs that added kiln.MoE's records and kiln.MatMulGGUF's: a built engine records the newest its graphs need,
+# and MOE_RECORDS_ABI - 1 when they hold neither, so older kilns still load the engines that need nothing newer
+# (`engine_abi`).
 MOE_RECORDS_ABI = 11
+GGUF_RECORDS_ABI = 12
 
 
-def engine_abi(moe_records: bool) -> int:
+def engine_abi(moe_records: bool, gguf_records: bool = False) -> int:
     """The op-library ABI a built engine records: the lowest whose library runs its graphs, as far as the build tells
-    them apart (every ABI up to MOE_RECORDS_ABI - 1 is assumed; kiln.MoE records need MOE_RECORDS_ABI)."""
+    them apart (every ABI up to MOE_RECORDS_ABI - 1 is assumed; kiln.MoE records need MOE_RECORDS_ABI, kiln.MatMulGGUF
+    records GGUF_RECORDS_ABI)."""
+    if gguf_records:
+        return GGUF_RECORDS_ABI
     return MOE_RECORDS_ABI if moe_records else MOE_RECORDS_ABI - 1
 
 INPUT_IDS = "input_ids"

@@ -9,9 +9,13 @@ Attributes
                     (kiln/gguf_int8.py, the spec of that path: llama.cpp's arithmetic, what `--quantization gguf`
                     builds; Q4_0, Q8_0, Q4_K, Q5_K, Q6_K); 0 keeps x float32 (this module's spec: every type,
                     `--quantization gguf-exact`)
+  layout            string, optional (absent: "blocks"): "records" holds Q4_K weights (int8_activations = 1, N a
+                    multiple of 16) in the kernel's own layout, kiln.MatMulQ4_1's records (kiln/gguf_records.py:
+                    the layout and its spec; op-library ABI 12); what a `gguf` engine stores for them
 Inputs
   x          float32 [..., K]
   w          uint8   [N, K / QK * block bytes]   row n: output channel n's blocks, the bytes as the file holds them
+                     (layout "records": [N / 16, K / 256, 2368])
   bias       float32 [N]                         optional
 Output
   y          float32 [..., N]
@@ -36,6 +40,7 @@ import numpy as np
 
 from kiln.contract import OP_DOMAIN
 from kiln.gguf_blocks import dequantize, ggml_type, row_weights
+from kiln.gguf_records import BLOCKS, LAYOUT, RECORDS, pack_q4_k_records
 from kiln.op_models import single_node_model
 
 if TYPE_CHECKING:
@@ -62,15 +67,16 @@ def matmul_gguf_ref(x: np.ndarray, w: np.ndarray, kind: int, bias: np.ndarray | 
 
 
 def make_single_op_model(w: np.ndarray, kind: int, bias: np.ndarray | None = None, rank: int = 2,
-                         int8_activations: bool = False) -> ModelProto:
-    """A one-node ONNX model y = kiln.MatMulGGUF(x, w[, bias]) with constant weights, for tests and benchmarks.
-    x is [T, K] (rank 2) or [B, T, K] (rank 3), the leading dims symbolic."""
+                         int8_activations: bool = False, layout: str = BLOCKS) -> ModelProto:
+    """A one-node ONNX model y = kiln.MatMulGGUF(x, w[, bias]) with constant weights (the file's blocks, stored in
+    `layout`), for tests and benchmarks. x is [T, K] (rank 2) or [B, T, K] (rank 3), the leading dims symbolic."""
     from onnx import TensorProto, helper, numpy_helper  # compile-time dependency only
 
     kind = ggml_type(kind)
     n, k = w.shape[0], row_weights(kind, w.shape[1])
     lead = ["B", "T"][3 - rank:]
-    inits = [numpy_helper.from_array(np.ascontiguousarray(w, dtype=np.uint8), "w")]
+    stored = pack_q4_k_records(w) if layout == RECORDS else w
+    inits = [numpy_helper.from_array(np.ascontiguousarray(stored, dtype=np.uint8), "w")]
     if bias is not None:
         inits.append(numpy_helper.from_array(bias.astype(np.float32), "bias"))
     names = ["x", "w"] + (["bias"] if bias is not None else [])
@@ -78,5 +84,7 @@ def make_single_op_model(w: np.ndarray, kind: int, bias: np.ndarray | None = Non
     node.attribute.append(helper.make_attribute(TYPE_ATTRIBUTE, int(kind)))
     if int8_activations:
         node.attribute.append(helper.make_attribute(INT8_ATTRIBUTE, 1))
+    if layout != BLOCKS:
+        node.attribute.append(helper.make_attribute(LAYOUT, layout))
     return single_node_model(node, "matmul_gguf", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [*lead, k])],
                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [*lead, n])], initializers=inits)

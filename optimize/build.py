@@ -46,6 +46,7 @@ from kiln.optimize.attach_medusa import MedusaGraphError, attach_hidden, attach_
 from kiln.optimize.fuse_attention import AttentionConfig
 from kiln.optimize.lower_onnxruntime import lower_for_onnxruntime
 from kiln.optimize.medusa_draft import build_draft_graph, save_draft_graph
+from kiln.optimize.pack_gguf_records import pack_gguf_records
 from kiln.optimize.pack_q4_1_records import pack_moe_q4_1_records, pack_q4_1_records
 from kiln.optimize.pipeline import optimize_model
 from kiln.optimize.quantize import QuantizationError, check_lm_head, int8_fallback, prepare_checkpoint, quantize_model
@@ -156,6 +157,8 @@ def build_engine(
             say(f"  pack_q4_1_records: fired {pack_q4_1_records(model)}x")  # last: the kernels' layout, stored
             moe_records = pack_moe_q4_1_records(model)
             say(f"  pack_moe_q4_1_records: fired {moe_records}x")
+            gguf_records = pack_gguf_records(model)
+            say(f"  pack_gguf_records: fired {gguf_records}x")
             _save_graph(model, staging)
             try:
                 stages = split_into_stages(staging, spec, options.pipeline_stages, say)
@@ -178,7 +181,8 @@ def build_engine(
         manifest = Manifest(
             spec=spec, build=options, backend=backend, graph_inputs=graph_inputs,
             graph_outputs=graph_outputs, medusa=None if heads is None else heads.spec(), stages=stages, ranks=ranks,
-            vision=None if vision is None else vision.spec, op_library_abi=contract.engine_abi(moe_records > 0),
+            vision=None if vision is None else vision.spec,
+            op_library_abi=contract.engine_abi(moe_records > 0, gguf_records > 0),
         )
         with _stage(say, "manifest"):
             manifest = write_manifest(staging, manifest)

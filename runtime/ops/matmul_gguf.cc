@@ -30,8 +30,10 @@
 #include "matmul_gguf.h"
 #include "matmul_gguf_int8.h"
 #include "parallel_for.h"
+#include "q4_k_records.h"
 #include "shape_text.h"
 #include "simd.h"
+#include "weight_layout.h"
 
 namespace kiln {
 namespace {
@@ -335,6 +337,10 @@ struct MatMulGGUF {
     } catch (const Ort::Exception&) {
       int8_activations_ = 0;
     }
+    std::string name;
+    const std::optional<WeightLayout> layout = read_weight_layout(kernel_info, name);
+    if (!layout) fail_gguf("layout must be \"blocks\" or \"records\", got \"" + name + "\"");
+    layout_ = *layout;
   }
 
   Ort::Status Compute(OrtKernelContext* ctx, const Ort::Custom::Tensor<float>& x, const Ort::Custom::Tensor<uint8_t>& w,
@@ -362,6 +368,7 @@ struct MatMulGGUF {
     if (int8_activations_ == 1 && (ggml_type_ == 6 || ggml_type_ == 7))
       fail_gguf(std::string("int8_activations = 1 has no kernel for ") + type->name +
                 " (Q4_0, Q8_0, Q4_K, Q5_K, Q6_K only); such a node keeps int8_activations = 0");
+    if (layout_ == WeightLayout::kRecords) return run_records(ctx, x, w, bias, y);
     const std::vector<int64_t>& ws = w.Shape();
     std::vector<int64_t> xs = x.Shape();
     if (ws.size() != 2 || ws[0] <= 0 || ws[1] <= 0 || ws[1] % type->bytes)
@@ -396,8 +403,34 @@ struct MatMulGGUF {
     parallel_for(ctx, static_cast<size_t>(channel_chunks * row_chunks), item);
   }
 
+  // Q4_K records (kiln/gguf_records.py): w [N / 16, K / 256, 2368], kiln.MatMulQ4_1's arithmetic on them.
+  void run_records(OrtKernelContext* ctx, const Ort::Custom::Tensor<float>& x, const Ort::Custom::Tensor<uint8_t>& w,
+                   const Ort::Custom::Tensor<float>* bias, Ort::Custom::Tensor<float>& y) const {
+    if (ggml_type_ != 12 || int8_activations_ != 1)
+      fail_gguf("layout \"records\" is Q4_K's (ggml_type 12) with int8_activations = 1, got ggml_type " +
+                std::to_string(ggml_type_) + " and int8_activations " + std::to_string(int8_activations_));
+    const std::vector<int64_t>& ws = w.Shape();
+    std::vector<int64_t> xs = x.Shape();
+    if (ws.size() != 3 || ws[0] <= 0 || ws[1] <= 0 || ws[2] != q4_k::kRecordBytes)
+      fail_gguf("w must be uint8 Q4_K records [N / 16, K / 256, " + std::to_string(q4_k::kRecordBytes) + "], got " +
+                shape_text(ws));
+    const int64_t N = ws[0] * q4_k::kGroup, K = ws[1] * q4_k::kSuperBlock;
+    if (xs.empty() || xs.back() != K)
+      fail_gguf("x must be [..., K = " + std::to_string(K) + "] for Q4_K records " + shape_text(ws) + ", got " +
+                shape_text(xs));
+    if (bias != nullptr && bias->Shape() != std::vector<int64_t>{N})
+      fail_gguf("bias must be [N = " + std::to_string(N) + "], got " + shape_text(bias->Shape()));
+    const int64_t T = x.NumberOfElement() / K;
+    xs.back() = N;
+    float* out = y.Allocate(xs);
+    if (T == 0) return;
+    q4_1::multiply<q4_k::Format>(ctx, w.Data(), ws[1] * q4_k::kRecordBytes, x.Data(), bias ? bias->Data() : nullptr,
+                                 out, T, N, K);
+  }
+
   int64_t ggml_type_ = -1;
   int64_t int8_activations_ = 0;
+  WeightLayout layout_ = WeightLayout::kBlocks;
 };
 
 }  // namespace

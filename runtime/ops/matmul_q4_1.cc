@@ -51,9 +51,6 @@ namespace {
 using namespace q4_1;  // NOLINT: the records, the activations and the tile (q4_1_records.h)
 
 constexpr int64_t kPairBytes = 32;      // the op's qs: the nibbles of two blocks
-constexpr int64_t kGroupsPerItem = 2;   // channel groups per work item (SmolLM2's N = 576 is 36 groups)
-constexpr int64_t kRowsPerItem = 32;    // activation rows per work item
-constexpr int64_t kParallelQuantize = 1 << 15;  // activation elements from which quantizing is parallel
 
 [[noreturn]] void fail_q4(const std::string& msg) {
   throw Ort::Exception("kiln.MatMulQ4_1: " + msg, ORT_INVALID_ARGUMENT);
@@ -255,29 +252,7 @@ struct MatMulQ4_1 {
     // Decode-sized rows reuse a scratch of the calling thread (allocations a call measured ~4% of a decode step:
     // docs/design.md, "kiln.MatMulQ4_1"); larger batches allocate their own, so the scratch stays
     // small. `rows` is a reference: the lambdas below run on the pool's threads too.
-    thread_local Int8Rows scratch;
-    Int8Rows local;
-    Int8Rows& rows = T <= kRowsPerItem ? scratch : local;
-    rows.reset(T, K, nb);
-    const float* xd = x.Data();
-    auto quantize = [&](size_t t) {
-      quantize_row(xd + t * K, nb, rows.q.data() + t * K, rows.step.data() + t * nb, rows.sum.data() + t * nb,
-                   rows.centred_error.data() + t * nb);
-    };
-    if (T * K >= kParallelQuantize) parallel_for(ctx, T, quantize);
-    else for (int64_t t = 0; t < T; ++t) quantize(t);
-
-    const Problem p{w, bias ? bias->Data() : nullptr, &rows, out, N, nb, shape.group_bytes()};
-    const int64_t vectors = shape.groups() * kVectorsPerGroup;
-    const int64_t vectors_per_item = kGroupsPerItem * kVectorsPerGroup;
-    const int64_t channel_chunks = (vectors + vectors_per_item - 1) / vectors_per_item;
-    const int64_t row_chunks = (T + kRowsPerItem - 1) / kRowsPerItem;
-    auto item = [&](size_t i) {
-      const int64_t c = static_cast<int64_t>(i) % channel_chunks, r = static_cast<int64_t>(i) / channel_chunks;
-      run_item(p, c * vectors_per_item, std::min(vectors, (c + 1) * vectors_per_item), r * kRowsPerItem,
-               std::min(T, (r + 1) * kRowsPerItem));
-    };
-    parallel_for(ctx, static_cast<size_t>(channel_chunks * row_chunks), item);
+    multiply<Q4_1Format>(ctx, w, shape.group_bytes(), x.Data(), bias ? bias->Data() : nullptr, out, T, N, K);
   }
 
   Layout layout_ = Layout::kBlocks;

@@ -36,7 +36,7 @@
 
 namespace kiln {
 
-constexpr int kAbiVersion = 11;  // kiln.contract.OP_LIBRARY_ABI
+constexpr int kAbiVersion = 12;  // kiln.contract.OP_LIBRARY_ABI
 
 // ---------------------------------------------------------------- the op
 

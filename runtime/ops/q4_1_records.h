@@ -18,6 +18,7 @@
 #include <new>
 #include <vector>
 
+#include "parallel_for.h"
 #include "simd.h"
 
 namespace kiln {
@@ -210,10 +211,29 @@ __attribute__((always_inline)) inline void prefetch_record(const uint8_t* p, boo
   }
 }
 
+// Where a tile finds a block's nibbles and steps. Q4_1's records are one block each, their d and m float16 lanes.
+// A format has blocks of 32 inputs, kBlocksPerRecord of them a record of kRecordBytes; block s of a record has its
+// 4 chunks at nibbles(record, s) (q4_k_records.h: Q4_K's superblocks, 8 blocks a record).
+struct Q4_1Format {
+  static constexpr int64_t kBlocksPerRecord = 1;
+  static constexpr int64_t kRecordBytes = q4_1::kRecordBytes;
+  struct RecordSteps {};
+  static RecordSteps record_steps(const uint8_t*, int64_t) { return {}; }
+  static const uint8_t* nibbles(const uint8_t* record, int64_t) { return record; }
+  // the bytes a tile prefetches, kPrefetchBlocks blocks ahead of block s
+  static const uint8_t* ahead(const uint8_t* record, int64_t) { return record + kPrefetchBlocks * kRecordBytes; }
+  // block s's per-lane step d and minimum m (w = m + q d)
+  static void block_steps(const RecordSteps&, const uint8_t* record, int64_t, int64_t lane_bytes, VF& d, VF& m) {
+    const uint8_t* steps = record + kStepsOffset + lane_bytes * 2;
+    d = load_f16(steps), m = load_f16(steps + kGroup * 2);
+  }
+};
+
 // y for one vector of output channels (vector v: kLanes channels from v * kLanes) x NT rows from t0, over every
 // block. Each chunk of the weights is unpacked once for the NT rows; their int32 dots and float sums stay in
-// registers (NT = 12 in zmm: 24 accumulators; rows of a call beyond one pass re-read the group from L1).
-template <int NT>
+// registers (NT = 12 in zmm: 24 accumulators; rows of a call beyond one pass re-read the group from L1). A row's
+// operations are the same for every NT, so its outputs are bitwise the same whatever the rows beside it.
+template <class Format, int NT>
 __attribute__((noinline)) inline void tile(const Problem& p, int64_t v, int64_t t0, bool once) {
   const Int8Rows& x = *p.x;
   const int64_t lane_bytes = (v % kVectorsPerGroup) * kLanes;  // the vector's lanes within its group's records
@@ -223,28 +243,33 @@ __attribute__((noinline)) inline void tile(const Problem& p, int64_t v, int64_t 
   VF acc[NT];
   for (int r = 0; r < NT; ++r) acc[r] = zero_f();
 
-  for (int64_t b = 0; b < p.nb; ++b) {
-    const uint8_t* record = records + b * kRecordBytes;
-    prefetch_record(record + kPrefetchBlocks * kRecordBytes, once);
-    VI dots[NT];
-    for (int r = 0; r < NT; ++r) dots[r] = zero_i();
+  for (int64_t rb = 0; rb < p.nb / Format::kBlocksPerRecord; ++rb) {
+    const uint8_t* record = records + rb * Format::kRecordBytes;
+    const typename Format::RecordSteps record_steps = Format::record_steps(record, lane_bytes);
+    for (int64_t s = 0; s < Format::kBlocksPerRecord; ++s) {
+      const int64_t b = rb * Format::kBlocksPerRecord + s;
+      const uint8_t* nibbles = Format::nibbles(record, s);
+      prefetch_record(Format::ahead(record, s), once);
+      VI dots[NT];
+      for (int r = 0; r < NT; ++r) dots[r] = zero_i();
 #pragma GCC unroll 4
-    for (int64_t j = 0; j < kChunks; ++j) {
-      const VI raw = load_chunk(record + j * kChunkBytes + lane_bytes * 4);
-      const VI lo = low_nibbles(raw), hi = high_nibbles(raw);
+      for (int64_t j = 0; j < kChunks; ++j) {
+        const VI raw = load_chunk(nibbles + j * kChunkBytes + lane_bytes * 4);
+        const VI lo = low_nibbles(raw), hi = high_nibbles(raw);
+#pragma GCC unroll 16
+        for (int r = 0; r < NT; ++r) {
+          const int8_t* xb = xq[r] + b * kBlock + 8 * j;
+          dots[r] = dot4(dot4(dots[r], lo, xb), hi, xb + 4);
+        }
+      }
+      VF d, m;
+      Format::block_steps(record_steps, record, s, lane_bytes, d, m);
 #pragma GCC unroll 16
       for (int r = 0; r < NT; ++r) {
-        const int8_t* xb = xq[r] + b * kBlock + 8 * j;
-        dots[r] = dot4(dot4(dots[r], lo, xb), hi, xb + 4);
+        const int64_t i = (t0 + r) * x.nb + b;
+        const VF scaled = fmadd(to_float(block_sums(dots[r])), broadcast(&x.step[i]), broadcast(&x.centred_error[i]));
+        acc[r] = fmadd(m, broadcast(&x.sum[i]), fmadd(d, scaled, acc[r]));
       }
-    }
-    const uint8_t* steps = record + kStepsOffset + lane_bytes * 2;
-    const VF d = load_f16(steps), m = load_f16(steps + kGroup * 2);
-#pragma GCC unroll 16
-    for (int r = 0; r < NT; ++r) {
-      const int64_t i = (t0 + r) * x.nb + b;
-      const VF scaled = fmadd(to_float(block_sums(dots[r])), broadcast(&x.step[i]), broadcast(&x.centred_error[i]));
-      acc[r] = fmadd(m, broadcast(&x.sum[i]), fmadd(d, scaled, acc[r]));
     }
   }
 
@@ -263,20 +288,55 @@ constexpr int kPassRows = 12;
 constexpr int kPassRows = 6;
 #endif
 
-template <int NT>
+template <class Format, int NT>
 inline void pass_rows(const Problem& p, int64_t v, int64_t t0, int64_t rows, bool once) {
   if constexpr (NT > 1)
-    if (rows < NT) return pass_rows<NT - 1>(p, v, t0, rows, once);
-  tile<NT>(p, v, t0, once);
+    if (rows < NT) return pass_rows<Format, NT - 1>(p, v, t0, rows, once);
+  tile<Format, NT>(p, v, t0, once);
 }
 
 // Channel vectors [v_begin, v_end) x rows [t_begin, t_end), a vector's passes one after the other (its records
 // then come from L1).
+template <class Format = Q4_1Format>
 inline void run_item(const Problem& p, int64_t v_begin, int64_t v_end, int64_t t_begin, int64_t t_end) {
   const bool once = t_end - t_begin <= kPassRows;
   for (int64_t v = v_begin; v < v_end; ++v)
     for (int64_t t = t_begin; t < t_end; t += kPassRows)
-      pass_rows<kPassRows>(p, v, t, std::min<int64_t>(kPassRows, t_end - t), once);
+      pass_rows<Format, kPassRows>(p, v, t, std::min<int64_t>(kPassRows, t_end - t), once);
+}
+
+constexpr int64_t kGroupsPerItem = 2;   // channel groups per work item (SmolLM2's N = 576 is 36 groups)
+constexpr int64_t kRowsPerItem = 32;    // activation rows per work item
+constexpr int64_t kParallelQuantize = 1 << 15;  // activation elements from which quantizing is parallel
+
+// y [T, N] = the op's x [T, K] times records w (groups of `group_bytes` each) in `Format`: the rows quantized per
+// block of 32, then work items of channel groups x rows on ONNX Runtime's intra-op threads.
+template <class Format>
+void multiply(OrtKernelContext* ctx, const uint8_t* w, int64_t group_bytes, const float* x, const float* bias,
+              float* y, int64_t T, int64_t N, int64_t K) {
+  const int64_t nb = K / kBlock;
+  thread_local Int8Rows scratch;  // decode-sized rows reuse the calling thread's; larger batches allocate their own
+  Int8Rows local;
+  Int8Rows& rows = T <= kRowsPerItem ? scratch : local;
+  rows.reset(T, K, nb);
+  auto quantize = [&](size_t t) {
+    quantize_row(x + t * K, nb, rows.q.data() + t * K, rows.step.data() + t * nb, rows.sum.data() + t * nb,
+                 rows.centred_error.data() + t * nb);
+  };
+  if (T * K >= kParallelQuantize) parallel_for(ctx, T, quantize);
+  else for (int64_t t = 0; t < T; ++t) quantize(t);
+
+  const Problem p{w, bias, &rows, y, N, nb, group_bytes};
+  const int64_t vectors = (N + kGroup - 1) / kGroup * kVectorsPerGroup;
+  const int64_t vectors_per_item = kGroupsPerItem * kVectorsPerGroup;
+  const int64_t channel_chunks = (vectors + vectors_per_item - 1) / vectors_per_item;
+  const int64_t row_chunks = (T + kRowsPerItem - 1) / kRowsPerItem;
+  auto item = [&](size_t i) {
+    const int64_t c = static_cast<int64_t>(i) % channel_chunks, r = static_cast<int64_t>(i) / channel_chunks;
+    run_item<Format>(p, c * vectors_per_item, std::min(vectors, (c + 1) * vectors_per_item), r * kRowsPerItem,
+                     std::min(T, (r + 1) * kRowsPerItem));
+  };
+  parallel_for(ctx, static_cast<size_t>(channel_chunks * row_chunks), item);
 }
 
 

@@ -1,5 +1,6 @@
-// The "layout" attribute of the ops whose Q4_1 weights come either as blocks or as kiln.MatMulQ4_1's records
-// (kiln.MatMulQ4_1, kiln.MoE's Q4_1 experts; kiln/matmul_q4_1.py and kiln/moe.py name the layouts).
+// The "layout" attribute of the ops whose weights come either as blocks or as records, the kernels' own layout
+// (kiln.MatMulQ4_1 and kiln.MoE's Q4_1 experts: kiln/matmul_q4_1.py, kiln/moe.py; kiln.MatMulGGUF's Q4_K:
+// kiln/gguf_records.py).
 #pragma once
 
 #include <optional>

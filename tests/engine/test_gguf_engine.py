@@ -17,8 +17,11 @@ from engine_driver import PagedDriver
 from onnx import numpy_helper
 from tiny_gguf import make_tiny_gguf
 
+from kiln.contract import GGUF_RECORDS_ABI
 from kiln.gguf_blocks import GgmlType, random_blocks
-from kiln.manifest import BuildOptions
+from kiln.gguf_records import unpack_q4_k_records
+from kiln.manifest import BuildOptions, read_manifest
+from kiln.optimize.pack_gguf_records import node_layout
 from kiln.quant_scheme import QuantScheme
 
 pytest.importorskip("gguf")
@@ -102,8 +105,14 @@ def test_every_linear_is_the_files_blocks(gguf_engines):
     reader = GGUFReader(str(path))
     q = next(t for t in reader.tensors if t.name == "blk.0.attn_q.weight")
     file_rows = np.asarray(q.data).reshape(256, -1)
-    fused = next(n for n in nodes if n.input[1].endswith("fused.q4_k.rows0"))  # layer 0's q/k, first in graph order
-    engine_rows = numpy_helper.to_array(inits[fused.input[1]], base_dir=str(engines["gguf"]))[:256]
+    # the Q4_K nodes hold records (the file's bytes in the kernel's layout), every other type the file's blocks
+    assert all((node_layout(n) == "records") == (GgmlType(n.attribute[0].i) == GgmlType.Q4_K) for n in nodes)
+    assert all(node_layout(n) == "blocks" for n in exact)
+    assert read_manifest(engines["gguf"]).op_library_abi == GGUF_RECORDS_ABI
+    assert read_manifest(engines["gguf-exact"]).op_library_abi == GGUF_RECORDS_ABI - 2  # nothing of 11 or 12
+    fused = next(n for n in nodes if n.input[1].endswith("fused.q4_k.rows0.records"))  # layer 0's q/k, first in order
+    records = numpy_helper.to_array(inits[fused.input[1]], base_dir=str(engines["gguf"]))
+    engine_rows = unpack_q4_k_records(records)[:256]
     expected = unpermute_rotary_rows(torch.from_numpy(file_rows.copy()), 4).numpy()
     np.testing.assert_array_equal(engine_rows, expected)
 

@@ -1,0 +1,154 @@
+"""kiln.MatMulGGUF's Q4_K weights as records (attribute ``layout = "records"``): the layout and its executable spec.
+
+The CPU kernel (runtime/ops/q4_k_records.h, on kiln.MatMulQ4_1's tile) is tested against `matmul_q4_k_records_ref`.
+
+A Q4_K superblock of 256 inputs is 8 blocks of 32 with ``w = (d * sc_j) * q - (dmin * m_j)`` (q the 4-bit code,
+sc_j and m_j 6-bit integers, d and dmin float16): per block of 32, a Q4_1 block whose step is the float32 product
+``d * sc_j`` and whose minimum is ``-(dmin * m_j)``. The records hold the file's numbers in kiln.MatMulQ4_1's
+record layout, 8 blocks at a time, so the kernel is MatMulQ4_1's: 16 output channels in the lanes of a vector, a
+64-byte chunk of nibbles the operand of vpdpbusd against 4 int8 of a row, and activations quantized per block of 32.
+
+Layout ``records`` (only for ggml_type Q4_K with int8_activations = 1, and N a multiple of 16)
+  w   uint8 [N / 16, K / 256, 2368]   record (g, b): channels 16g .. 16g + 15 ("lanes" l), superblock b
+Record bytes
+  256 s + 64 j + 4 l + i   (s, j < 8, 4; i < 4): channel l's input 256b + 32s + 8j + i in the low nibble and
+                           256b + 32s + 8j + 4 + i in the high one (kiln.MatMulQ4_1's record for block s)
+  2048 + 16 s + l          sc_s of channel l (the 6-bit scale, one byte)
+  2176 + 16 s + l          m_s of channel l (the 6-bit minimum, one byte)
+  2304 + 2 l, 2336 + 2 l   d, dmin of channel l (float16, little-endian)
+2368 bytes are 37 cache lines: 148 bytes per channel and superblock against the file's 144 (the scales a byte each
+instead of 6 bits: 2.8% more bytes for no unpacking of 12-byte scale fields in the kernel).
+
+Semantics: kiln.MatMulQ4_1's (kiln/matmul_q4_1.py) with these steps and minimums. Each row of x is quantized per
+block of 32 to int8 (``xs = max|x_block| / 127``, ``xq = rint(x / xs)``), with ``S = sum(x_block)`` and
+``E = S - xs * sum(xq)``; per block of 32 with ``D = d * sc_j`` and ``M = dmin * m_j`` (float32 products):
+
+    y[t, n] = sum_blocks  D * xs * (q . xq)  +  7.5 * D * E  -  M * S   (+ bias[n])
+
+The weights are the file's exactly; only the activations are rounded, per 32 values where the ``blocks`` layout's
+int8 path (kiln/gguf_int8.py) rounds per 256 with its sub-block sums. The kernel sums in float32 (per lane, blocks
+in order), this spec in float64. A row's outputs are bitwise the same for every number of rows beside it.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from kiln.gguf_blocks import FORMATS, GgmlType, block_integers, row_weights
+from kiln.matmul_q4_1 import CENTRE, GROUP, quantize_activations
+
+LAYOUT = "layout"  # the attribute, as kiln.MatMulQ4_1's
+BLOCKS = "blocks"  # w [N, row bytes]: the file's bytes; the default
+RECORDS = "records"  # w [N / 16, K / 256, 2368]
+LAYOUTS = (BLOCKS, RECORDS)
+SUPER = 256  # inputs per Q4_K superblock
+SUBS = 8  # blocks of 32 a superblock
+CHUNKS = 4  # a block's 64-byte chunks
+BLOCK_BYTES = CHUNKS * GROUP * 4  # 256
+SCALES = SUBS * BLOCK_BYTES  # 2048: sc[s][l]
+MINS = SCALES + SUBS * GROUP  # 2176: m[s][l]
+D = MINS + SUBS * GROUP  # 2304: d[l], float16
+DMIN = D + 2 * GROUP  # 2336: dmin[l], float16
+RECORD_BYTES = DMIN + 2 * GROUP  # 2368
+Q4_K_BYTES = FORMATS[GgmlType.Q4_K].nbytes  # 144
+
+
+def records_shape(n: int, k: int) -> tuple[int, int, int]:
+    return (n // GROUP, k // SUPER, RECORD_BYTES)
+
+
+def can_pack(kind: int, int8_activations: bool, n: int) -> bool:
+    """Whether a kiln.MatMulGGUF node of this type, activation path and N output channels may hold records."""
+    return kind == GgmlType.Q4_K and int8_activations and n > 0 and n % GROUP == 0
+
+
+def pack_q4_k_records(blocks: np.ndarray) -> np.ndarray:
+    """A Q4_K matrix as the file holds it (uint8 [N, K / 256 * 144], N a multiple of 16) -> its records."""
+    blocks = _check_blocks(blocks)
+    n, nb = blocks.shape[0], blocks.shape[1] // Q4_K_BYTES
+    b = blocks.reshape(n, nb, Q4_K_BYTES)
+    ints = block_integers(blocks, GgmlType.Q4_K)
+    groups = n // GROUP
+    # codes [group, lane, super, s, chunk, low/high, i] -> bytes [group, super, s, chunk, lane, i]
+    q = ints.q.astype(np.uint8).reshape(groups, GROUP, nb, SUBS, CHUNKS, 2, 4)
+    nibbles = (q[..., 0, :] | (q[..., 1, :] << 4)).transpose(0, 2, 3, 4, 1, 5).reshape(groups, nb, SCALES)
+
+    def lanes_last(v: np.ndarray) -> np.ndarray:  # [N, nb, ...] -> [groups, nb, ..., lane]
+        v = v.reshape(groups, GROUP, nb, -1)
+        return v.transpose(0, 2, 3, 1).reshape(groups, nb, -1)
+
+    sc = lanes_last(ints.scales.astype(np.uint8))
+    assert ints.mins is not None
+    mn = lanes_last(ints.mins.astype(np.uint8))
+    # float16 bytes [N, nb, 2] -> [groups, nb, lane, 2]
+    d, dmin = (b[:, :, part].reshape(groups, GROUP, nb, 2).transpose(0, 2, 1, 3).reshape(groups, nb, 2 * GROUP)
+               for part in (slice(0, 2), slice(2, 4)))
+    return np.ascontiguousarray(np.concatenate([nibbles, sc, mn, d, dmin], axis=2))
+
+
+def unpack_q4_k_records(records: np.ndarray) -> np.ndarray:
+    """The records' Q4_K matrix as the file holds it, bit for bit: uint8 [N, K / 256 * 144]."""
+    records = _check_records(records)
+    groups, nb = records.shape[:2]
+    n = groups * GROUP
+    raw = records[..., :SCALES].reshape(groups, nb, SUBS, CHUNKS, GROUP, 4)
+    # bytes [group, super, s, chunk, lane, i] -> codes [group, lane, super, s, chunk, low/high, i]
+    q = np.stack([raw & 15, raw >> 4], axis=-2).transpose(0, 4, 1, 2, 3, 5, 6).reshape(n, nb, SUBS, 32)
+
+    def per_channel(part: np.ndarray, width: int) -> np.ndarray:  # [groups, nb, width * 16] -> [N, nb, width]
+        return part.reshape(groups, nb, width, GROUP).transpose(0, 3, 1, 2).reshape(n, nb, width)
+
+    sc = per_channel(records[..., SCALES:MINS], SUBS)
+    mn = per_channel(records[..., MINS:D], SUBS)
+    d = records[..., D:DMIN].reshape(groups, nb, GROUP, 2).transpose(0, 2, 1, 3).reshape(n, nb, 2)
+    dmin = records[..., DMIN:].reshape(groups, nb, GROUP, 2).transpose(0, 2, 1, 3).reshape(n, nb, 2)
+    # llama.cpp's 12 bytes of 6-bit scales and minimums (the inverse of gguf_blocks.k_scales_mins)
+    scales = np.concatenate([
+        (sc[..., :4] & 63) | ((sc[..., 4:] >> 4) << 6),
+        (mn[..., :4] & 63) | ((mn[..., 4:] >> 4) << 6),
+        (sc[..., 4:] & 15) | ((mn[..., 4:] & 15) << 4),
+    ], axis=2)
+    # codes in the file's order: chunk c of 32 bytes holds block 2c in the low nibbles and 2c + 1 in the high ones
+    pairs = q.reshape(n, nb, 4, 2, 32)
+    qs = (pairs[:, :, :, 0] | (pairs[:, :, :, 1] << 4)).reshape(n, nb, 128)
+    blocks = np.concatenate([d, dmin, scales.astype(np.uint8), qs.astype(np.uint8)], axis=2)
+    return np.ascontiguousarray(blocks.reshape(n, nb * Q4_K_BYTES))
+
+
+def matmul_q4_k_records_ref(x: np.ndarray, records: np.ndarray, bias: np.ndarray | None = None) -> np.ndarray:
+    """y = x @ W^T of kiln.MatMulGGUF with Q4_K records (see the module docstring), float64 sums; float32 [..., N]."""
+    blocks = unpack_q4_k_records(records)
+    n, k = blocks.shape[0], row_weights(GgmlType.Q4_K, blocks.shape[1])
+    x = np.asarray(x, dtype=np.float32)
+    if x.shape[-1] != k:
+        raise ValueError(f"x's last dimension {x.shape[-1]} is not the weight's K = {k}")
+    ints = block_integers(blocks, GgmlType.Q4_K)
+    assert ints.mins is not None and ints.dmin is not None
+    steps = (ints.d[..., None] * ints.scales.astype(np.float32)).astype(np.float32).reshape(n, -1)  # D [N, K / 32]
+    mins = (ints.dmin[..., None] * ints.mins.astype(np.float32)).astype(np.float32).reshape(n, -1)  # M
+    acts = quantize_activations(x.reshape(-1, k))
+    t = acts.q.shape[0]
+    dots = np.einsum("tbi,nbi->tnb", acts.q.reshape(t, -1, 32).astype(np.int64),
+                     ints.q.reshape(n, -1, 32).astype(np.int64))
+    d64, m64 = steps.astype(np.float64), mins.astype(np.float64)
+    y = ((dots * d64[None] * acts.scale.astype(np.float64)[:, None]).sum(-1) + CENTRE * acts.sum_errors @ d64.T
+         - acts.sums @ m64.T)
+    if bias is not None:
+        y = y + bias.astype(np.float64)
+    out: np.ndarray = y.astype(np.float32).reshape(*x.shape[:-1], n)
+    return out
+
+
+def _check_blocks(blocks: np.ndarray) -> np.ndarray:
+    if blocks.ndim != 2 or blocks.dtype != np.uint8 or blocks.shape[1] % Q4_K_BYTES or blocks.shape[0] % GROUP \
+            or not blocks.size:
+        raise ValueError(f"Q4_K records need uint8 [N, K / 256 * {Q4_K_BYTES}] blocks with N a multiple of "
+                         f"{GROUP}, got {blocks.dtype} {list(blocks.shape)}")
+    return np.ascontiguousarray(blocks)
+
+
+def _check_records(records: np.ndarray) -> np.ndarray:
+    if records.ndim != 3 or records.dtype != np.uint8 or records.shape[2] != RECORD_BYTES or not records.size:
+        raise ValueError(f"Q4_K records must be uint8 [N / 16, K / 256, {RECORD_BYTES}], got {records.dtype} "
+                         f"{list(records.shape)}")
+    return np.ascontiguousarray(records)

@@ -1,0 +1,73 @@
+// kiln.MatMulGGUF's Q4_K weights as records (layout "records"; the layout and its spec: kiln/gguf_records.py):
+// a GGUF Q4_K superblock of 256 inputs is 8 blocks of 32 with w = (d sc_j) q - (dmin m_j), i.e. 8 Q4_1 blocks
+// whose step and minimum are the float32 products of the superblock's float16 d, dmin and the 6-bit sc_j, m_j. So
+// the records are Q4_1's records 8 blocks at a time, with the scales left as the file's integers, and the tile,
+// the activations' quantization and the arithmetic are kiln.MatMulQ4_1's (q4_1_records.h).
+//
+// A record [2368 bytes, 37 cache lines] holds one superblock of a group of 16 channels: blocks s = 0..7 of 256
+// bytes each (Q4_1's 4 chunks of 64: lane l's 4 bytes of chunk j hold channel l's inputs 32s + 8j + i, low nibble,
+// and 32s + 8j + 4 + i, high), then sc[s][lane] and m[s][lane] (bytes), then the 16 d and the 16 dmin (float16).
+#pragma once
+
+#include <cstdint>
+
+#include "q4_1_records.h"
+
+namespace kiln {
+namespace q4_k {
+
+using q4_1::kChunkBytes;
+using q4_1::kChunks;
+using q4_1::kGroup;
+using q4_1::kLanes;
+using q4_1::VF;
+
+constexpr int64_t kSuperBlock = 256;
+constexpr int64_t kBlocks = 8;                                  // blocks of 32 a superblock
+constexpr int64_t kBlockBytes = kChunks * kChunkBytes;          // 256: a block's nibbles
+constexpr int64_t kScalesOffset = kBlocks * kBlockBytes;        // sc[8][16]
+constexpr int64_t kMinsOffset = kScalesOffset + kBlocks * kGroup;  // m[8][16]
+constexpr int64_t kDOffset = kMinsOffset + kBlocks * kGroup;    // d[16], float16
+constexpr int64_t kDminOffset = kDOffset + kGroup * 2;          // dmin[16], float16
+constexpr int64_t kRecordBytes = kDminOffset + kGroup * 2;      // 2368
+static_assert(kRecordBytes % 64 == 0, "a record is whole cache lines");
+
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__) && defined(__AVX512BW__)
+inline VF load_u8(const uint8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+inline VF mul(VF a, VF b) { return _mm512_mul_ps(a, b); }
+inline VF negate(VF a) { return _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(a), _mm512_set1_epi32(INT32_MIN))); }
+#else
+inline VF load_u8(const uint8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+inline VF mul(VF a, VF b) { return _mm256_mul_ps(a, b); }
+inline VF negate(VF a) { return _mm256_xor_ps(a, _mm256_set1_ps(-0.f)); }
+#endif
+
+// q4_1::tile's view of a record: block s's step d sc_s and minimum -(dmin m_s), the spec's float32 products (the
+// negation is exact, so m S + ... is the spec's ... - (dmin m_s) S).
+struct Format {
+  static constexpr int64_t kBlocksPerRecord = kBlocks;
+  static constexpr int64_t kRecordBytes = q4_k::kRecordBytes;
+  struct RecordSteps {
+    VF d, dmin;
+  };
+  static RecordSteps record_steps(const uint8_t* record, int64_t lane_bytes) {
+    return {q4_1::load_f16(record + kDOffset + lane_bytes * 2), q4_1::load_f16(record + kDminOffset + lane_bytes * 2)};
+  }
+  static const uint8_t* nibbles(const uint8_t* record, int64_t s) { return record + s * kBlockBytes; }
+  // a record's bytes spread evenly over its blocks, so block s prefetches as far ahead as Q4_1's do
+  static const uint8_t* ahead(const uint8_t* record, int64_t s) {
+    return record + (s + q4_1::kPrefetchBlocks) * (kRecordBytes / kBlocks);
+  }
+  static void block_steps(const RecordSteps& steps, const uint8_t* record, int64_t s, int64_t lane_bytes, VF& d,
+                          VF& m) {
+    d = mul(steps.d, load_u8(record + kScalesOffset + s * kGroup + lane_bytes));
+    m = negate(mul(steps.dmin, load_u8(record + kMinsOffset + s * kGroup + lane_bytes)));
+  }
+};
+
+}  // namespace q4_k
+}  // namespace kiln

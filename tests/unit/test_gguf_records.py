@@ -1,0 +1,213 @@
+"""kiln.MatMulGGUF's Q4_K records (layout "records", kiln/gguf_records.py): the layout holds the file's bytes (packed
+and unpacked bit for bit, each number at the byte the layout names), the spec stays near the exact product of the
+file's weights, and the ONNX Runtime kernel matches the spec within float32 summation bounds (a misplaced scale,
+minimum, step or block is orders of magnitude past them), with a row's bits the same at every T and thread count;
+the build's pass packs only what the kernel takes, and the op names what it refuses."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx_ir as ir
+import pytest
+
+from kiln.contract import OP_DOMAIN
+from kiln.gguf_blocks import GgmlType, dequantize, k_scales_mins, random_blocks
+from kiln.gguf_int8 import matmul_gguf_int8_ref
+from kiln.gguf_records import (
+    DMIN,
+    MINS,
+    RECORD_BYTES,
+    SCALES,
+    D,
+    matmul_q4_k_records_ref,
+    pack_q4_k_records,
+    unpack_q4_k_records,
+)
+from kiln.matmul_gguf import make_single_op_model, matmul_gguf_ref
+from kiln.matmul_q4_1 import quantize_activations
+
+ort = pytest.importorskip("onnxruntime")
+from op_library import op_library_or_skip  # noqa: E402
+
+LIBRARY = op_library_or_skip()
+Q4_K = GgmlType.Q4_K
+
+
+def q4_k(rows: int, superblocks: int, seed: int = 0) -> np.ndarray:
+    return random_blocks(np.random.default_rng(seed), Q4_K, rows, 256 * superblocks)
+
+
+def session(model, threads: int = 2):
+    so = ort.SessionOptions()
+    so.register_custom_ops_library(LIBRARY)
+    so.intra_op_num_threads = threads
+    return ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+
+
+def run_kernel(w, x, bias=None, threads=2):
+    model = make_single_op_model(w, Q4_K, bias, rank=x.ndim, int8_activations=True, layout="records")
+    return session(model, threads).run(None, {"x": x})[0]
+
+
+@pytest.mark.parametrize("rows, superblocks", [(16, 1), (48, 3), (32, 8)])
+def test_records_hold_the_files_bytes(rows, superblocks):
+    w = q4_k(rows, superblocks, seed=rows)
+    records = pack_q4_k_records(w)
+    assert records.shape == (rows // 16, superblocks, RECORD_BYTES) and RECORD_BYTES == 2368
+    np.testing.assert_array_equal(unpack_q4_k_records(records), w)
+
+
+def test_each_number_sits_where_the_layout_says():
+    """Channel 21 (group 1, lane 5), superblock 1: its d, dmin, the 6-bit scale and minimum of block 6 (packed in
+    the 12 bytes' high fields) and the codes of inputs 256 + 32 * 6 + 8 * 2 + 1 (low nibble) and + 4 (high)."""
+    w = q4_k(32, 2, seed=3)
+    b = w.reshape(32, 2, 144)[21, 1]
+    records = pack_q4_k_records(w)
+    rec, lane = records[1, 1], 5
+    assert rec[D + 2 * lane:D + 2 * lane + 2].tobytes() == b[0:2].tobytes()
+    assert rec[DMIN + 2 * lane:DMIN + 2 * lane + 2].tobytes() == b[2:4].tobytes()
+    sc, mn = k_scales_mins(b[None, 4:16])
+    assert rec[SCALES + 16 * 6 + lane] == sc[0, 6] and rec[MINS + 16 * 6 + lane] == mn[0, 6]
+    codes = np.concatenate([b[16:144].reshape(4, 32) & 15, b[16:144].reshape(4, 32) >> 4], axis=1)  # [chunk, 64]
+    code = codes.reshape(4, 2, 32)[3, 0]  # block 6 = chunk 3's low nibbles
+    byte = rec[256 * 6 + 64 * 2 + 4 * lane + 1]
+    assert byte & 15 == code[8 * 2 + 1] and byte >> 4 == code[8 * 2 + 4 + 1]
+
+
+def test_packing_refuses_what_the_layout_cannot_hold():
+    with pytest.raises(ValueError, match="N a multiple of 16"):
+        pack_q4_k_records(q4_k(24, 1))
+    with pytest.raises(ValueError, match="2368"):
+        unpack_q4_k_records(np.zeros((1, 1, 2000), np.uint8))
+
+
+def test_the_spec_is_the_q4_1_formula_on_the_files_numbers():
+    """Per block of 32: D xs (q . xq) + 7.5 D E - M S with D = d sc_j, M = dmin m_j; near the exact product, and
+    nearer than the blocks layout's int8 path (activations per 256), on Gaussian x with an outlier channel."""
+    rng = np.random.default_rng(4)
+    w = q4_k(32, 4, seed=4)
+    x = rng.standard_normal((6, 1024)).astype(np.float32)
+    x[:, 7] *= 25
+    exact = matmul_gguf_ref(x, w, Q4_K)
+    spec = matmul_q4_k_records_ref(x, pack_q4_k_records(w))
+    err = np.abs(spec - exact).max() / np.abs(exact).max()
+    assert err < 0.02
+    assert np.abs(spec - exact).mean() < np.abs(matmul_gguf_int8_ref(x, w, Q4_K) - exact).mean()
+    # the formula by hand on one (row, channel)
+    acts = quantize_activations(x[2:3])
+    wf = dequantize(w, Q4_K).astype(np.float64)
+    from kiln.gguf_blocks import block_integers
+    ints = block_integers(w, Q4_K)
+    steps = (ints.d[..., None] * ints.scales.astype(np.float32)).astype(np.float32).reshape(32, -1)[9]
+    mins = (ints.dmin[..., None] * ints.mins.astype(np.float32)).astype(np.float32).reshape(32, -1)[9]
+    q = ints.q.reshape(32, -1, 32)[9].astype(np.int64)
+    dots = (acts.q.reshape(-1, 32).astype(np.int64) * q).sum(-1)
+    by_hand = (steps * acts.scale[0] * dots + 7.5 * steps * acts.sum_errors[0] - mins * acts.sums[0]).sum()
+    assert abs(by_hand - spec[2, 9]) <= 1e-6 * np.abs(x[2].astype(np.float64) @ np.abs(wf[9]))
+
+
+def _check(w, x, bias=None, threads=2):
+    y = run_kernel(w, x, bias, threads)
+    ref = matmul_q4_k_records_ref(x, pack_q4_k_records(w), bias)
+    # float32 sums per lane over the blocks: ulps of |x| @ |W|^T
+    magnitude = np.abs(x.reshape(-1, x.shape[-1])).astype(np.float64) @ np.abs(dequantize(w, Q4_K)).T
+    bound = 2e-6 * (magnitude.reshape(ref.shape) + (np.abs(bias) if bias is not None else 0)) + 1e-30
+    err = np.abs(y - ref)
+    assert (err <= bound).all(), f"{float((err / bound).max()):.3g} of the bound"
+    return y
+
+
+# decode's one row, passes of 12 (VNNI) or 6 rows and their remainders, items of 32 rows and 2 groups, ragged both
+@pytest.mark.parametrize("t, n, superblocks", [(1, 16, 1), (1, 48, 8), (3, 32, 2), (13, 16, 3), (37, 80, 2),
+                                               (70, 16, 1)])
+def test_kernel_matches_spec(t, n, superblocks):
+    rng = np.random.default_rng(t * 100 + n)
+    w = q4_k(n, superblocks, seed=t + n)
+    x = rng.standard_normal((t, 256 * superblocks)).astype(np.float32)
+    x[:, 5] *= 30  # an outlier channel: its block's step is coarse
+    if t > 2:
+        x[1] = 0  # an all-zero row: step 0
+    bias = rng.standard_normal(n).astype(np.float32) if t % 2 else None
+    assert _check(w, x, bias).shape == (t, n)
+
+
+def test_kernel_at_a_1b_shape_k():
+    rng = np.random.default_rng(11)
+    _check(q4_k(32, 8, seed=11), rng.standard_normal((6, 2048)).astype(np.float32))
+
+
+def test_every_row_has_the_bits_of_the_row_alone_at_every_thread_count_and_rank_3():
+    """Decode (one row) against speculative verification and batches: the same bits for every row, in any pass and
+    at any place in it, on one thread or two."""
+    rng = np.random.default_rng(6)
+    w = q4_k(48, 2, seed=6)
+    x = rng.standard_normal((37, 512)).astype(np.float32)
+    x[:, 3] *= 20
+    s = session(make_single_op_model(w, Q4_K, rng.standard_normal(48).astype(np.float32), int8_activations=True,
+                                     layout="records"))
+    batch = s.run(None, {"x": x})[0]
+    alone = np.concatenate([s.run(None, {"x": x[t:t + 1]})[0] for t in range(len(x))])
+    np.testing.assert_array_equal(batch, alone)
+    np.testing.assert_array_equal(s.run(None, {"x": x[5:16]})[0], batch[5:16])
+    x3 = x[:36].reshape(4, 9, 512)
+    np.testing.assert_array_equal(run_kernel(w, x3, threads=1).reshape(36, 48), run_kernel(w, x[:36], threads=2))
+
+
+def _model_with(attribute: str, value, w=None):
+    from onnx import helper
+
+    model = make_single_op_model(q4_k(16, 1) if w is None else w, Q4_K, int8_activations=True, layout="records")
+    node = model.graph.node[0]
+    found = next(a for a in node.attribute if a.name == attribute)
+    found.CopyFrom(helper.make_attribute(attribute, value))
+    return model
+
+
+def test_kernel_names_what_it_refuses():
+    x = np.zeros((1, 256), np.float32)
+    with pytest.raises(Exception, match='layout must be "blocks" or "records", got "tiles"'):
+        session(_model_with("layout", "tiles")).run(None, {"x": x})
+    with pytest.raises(Exception, match="records\" is Q4_K's .* got ggml_type 14"):
+        session(_model_with("ggml_type", 14)).run(None, {"x": x})
+    with pytest.raises(Exception, match="int8_activations 0"):
+        session(_model_with("int8_activations", 0)).run(None, {"x": x})
+
+
+def test_kernel_names_records_of_the_wrong_size():
+    from onnx import numpy_helper
+
+    model = make_single_op_model(q4_k(16, 1), Q4_K, int8_activations=True, layout="records")
+    model.graph.initializer[0].CopyFrom(numpy_helper.from_array(np.zeros((1, 1, 2304), np.uint8), "w"))
+    with pytest.raises(Exception, match=r"w must be uint8 Q4_K records \[N / 16, K / 256, 2368\], got \[1, 1, 2304\]"):
+        session(model).run(None, {"x": np.zeros((1, 256), np.float32)})
+
+
+def _graph_of(blocks: dict[str, tuple[np.ndarray, int, int]]) -> ir.Model:
+    """One kiln.MatMulGGUF per entry name -> (w, ggml_type, int8_activations) over a shared input."""
+    x = ir.Value(name="x", type=ir.TensorType(ir.DataType.FLOAT), shape=ir.Shape(["T", 256]))
+    graph = ir.Graph([x], [], nodes=[], opset_imports={"": 21, OP_DOMAIN: 1})
+    for name, (w, kind, int8) in blocks.items():
+        value = ir.Value(name=name, shape=ir.Shape(w.shape), type=ir.TensorType(ir.DataType.UINT8))
+        value.const_value = ir.tensor(w, name=name)
+        graph.register_initializer(value)
+        node = ir.node("MatMulGGUF", [x, value], attributes={"ggml_type": kind, "int8_activations": int8},
+                       domain=OP_DOMAIN, name=f"{name}.MatMulGGUF")
+        graph.append(node)
+        graph.outputs.append(node.outputs[0])
+    return ir.Model(graph, ir_version=10)
+
+
+def test_the_build_pass_packs_only_what_the_kernel_takes():
+    from kiln.optimize.pack_gguf_records import pack_gguf_records
+
+    q6 = random_blocks(np.random.default_rng(1), GgmlType.Q6_K, 16, 256)
+    model = _graph_of({"a": (q4_k(32, 1), Q4_K, 1), "odd": (q4_k(24, 1), Q4_K, 1), "float": (q4_k(16, 1), Q4_K, 0),
+                       "q6": (q6, GgmlType.Q6_K, 1)})
+    assert pack_gguf_records(model) == 1
+    layouts = {n.name: n.attributes.get("layout") for n in model.graph}
+    assert layouts["a.MatMulGGUF"] is not None and layouts["a.MatMulGGUF"].as_string() == "records"
+    assert all(layouts[f"{name}.MatMulGGUF"] is None for name in ("odd", "float", "q6"))
+    inits = model.graph.initializers
+    assert "a" not in inits and "a.records" in inits  # the blocks go as their records come
+    np.testing.assert_array_equal(inits["a.records"].const_value.numpy(), pack_q4_k_records(q4_k(32, 1)))
+    assert pack_gguf_records(model) == 0  # records stay records
