@@ -4,7 +4,7 @@ Ways, one linear y = x @ W^T each:
   q4_1            kiln.MatMulQ4_1 (kiln's repacked Q4_1, int8 activations): what a Q4_K_M file is re-rounded to today
   q4_k q5_k q6_k q8_0 q4_0   kiln.MatMulGGUF on random valid blocks of that type, float32 activations
   q4_k-i8 q5_k-i8 ...        the same blocks with int8 activations (int8_activations = 1: integer block dots)
-  q4_k-rec                   Q4_K blocks stored as records (layout "records": kiln.MatMulQ4_1's kernel)
+  q4_k-rec q6_k-rec          Q4_K / Q6_K blocks stored as records (layout "records": kiln.MatMulQ4_1's tile)
 Shapes (Llama-3.2-1B): fused qkv 2048 -> 3072, o 2048 -> 2048, up 2048 -> 8192, fused gate/up 2048 -> 16384,
 down 8192 -> 2048.
 Each way cycles through sessions each with its own copy of the weights, enough copies (at least --copies) for
@@ -39,8 +39,9 @@ SHAPES = {"qkv": (2048, 3072), "o": (2048, 2048), "up": (2048, 8192), "gate/up":
 TYPES = {"q4_k": GgmlType.Q4_K, "q5_k": GgmlType.Q5_K, "q6_k": GgmlType.Q6_K, "q8_0": GgmlType.Q8_0,
          "q4_0": GgmlType.Q4_0}
 INT8_SUFFIX = "-i8"
-RECORDS_WAY = "q4_k-rec"
-WAYS = ["q4_1", *TYPES, *(name + INT8_SUFFIX for name in TYPES), RECORDS_WAY]
+RECORDS_SUFFIX = "-rec"
+RECORDS_WAYS = ["q4_k" + RECORDS_SUFFIX, "q6_k" + RECORDS_SUFFIX]
+WAYS = ["q4_1", *TYPES, *(name + INT8_SUFFIX for name in TYPES), *RECORDS_WAYS]
 OLD_SUFFIX = "@old"  # a way on --baseline-library
 
 
@@ -66,9 +67,10 @@ def ways(k: int, n: int, names: list[str], cold_bytes: int, threads: int,
                 qs, dm = w.pack()
                 nbytes = qs.nbytes + dm.nbytes
                 sessions.append(session(q4_1_model(w).SerializeToString(), threads))
-            elif name == RECORDS_WAY:
-                blocks = random_blocks(rng, GgmlType.Q4_K, n, k)
-                model = gguf_model(blocks, GgmlType.Q4_K, int8_activations=True, layout=RECORDS)
+            elif name in RECORDS_WAYS:
+                kind = TYPES[name.removesuffix(RECORDS_SUFFIX)]
+                blocks = random_blocks(rng, kind, n, k)
+                model = gguf_model(blocks, kind, int8_activations=True, layout=RECORDS)
                 nbytes = model.graph.initializer[0].ByteSize()
                 sessions.append(session(model.SerializeToString(), threads, library))
             else:

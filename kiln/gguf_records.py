@@ -1,6 +1,10 @@
-"""kiln.MatMulGGUF's Q4_K weights as records (attribute ``layout = "records"``): the layout and its executable spec.
+"""kiln.MatMulGGUF's Q4_K and Q6_K weights as records (attribute ``layout = "records"``): the layouts and their
+executable specs.
 
-The CPU kernel (runtime/ops/q4_k_records.h, on kiln.MatMulQ4_1's tile) is tested against `matmul_q4_k_records_ref`.
+The CPU kernels (runtime/ops/q4_k_records.h, q6_k_records.h, on kiln.MatMulQ4_1's tile) are tested against
+`matmul_records_ref`.
+
+Q4_K
 
 A Q4_K superblock of 256 inputs is 8 blocks of 32 with ``w = (d * sc_j) * q - (dmin * m_j)`` (q the 4-bit code,
 sc_j and m_j 6-bit integers, d and dmin float16): per block of 32, a Q4_1 block whose step is the float32 product
@@ -8,7 +12,7 @@ sc_j and m_j 6-bit integers, d and dmin float16): per block of 32, a Q4_1 block 
 record layout, 8 blocks at a time, so the kernel is MatMulQ4_1's: 16 output channels in the lanes of a vector, a
 64-byte chunk of nibbles the operand of vpdpbusd against 4 int8 of a row, and activations quantized per block of 32.
 
-Layout ``records`` (only for ggml_type Q4_K with int8_activations = 1, and N a multiple of 16)
+Layout ``records`` (ggml_type Q4_K or Q6_K with int8_activations = 1, and N a multiple of 16)
   w   uint8 [N / 16, K / 256, 2368]   record (g, b): channels 16g .. 16g + 15 ("lanes" l), superblock b
 Record bytes
   256 s + 64 j + 4 l + i   (s, j < 8, 4; i < 4): channel l's input 256b + 32s + 8j + i in the low nibble and
@@ -28,13 +32,27 @@ block of 32 to int8 (``xs = max|x_block| / 127``, ``xq = rint(x / xs)``), with `
 The weights are the file's exactly; only the activations are rounded, per 32 values where the ``blocks`` layout's
 int8 path (kiln/gguf_int8.py) rounds per 256 with its sub-block sums. The kernel sums in float32 (per lane, blocks
 in order), this spec in float64. A row's outputs are bitwise the same for every number of rows beside it.
+
+Q6_K
+----
+A Q6_K superblock is 16 groups of 16 with ``w = (d * sc_g) * (q - 32)``, q a 6-bit code, sc_g an int8 scale, d
+float16. Its records (``w uint8 [N / 16, K / 256, 3392]``) put 16 channels in the lanes the same way: per block s
+of 32 inputs the low nibbles as Q4_1's record (bytes 256 s + 64 j + 4 l + i, inputs 32s + 8j + i low and
+32s + 8j + 4 + i high), then the high 2 bits (bytes 2048 + 128 s + 64 h + 4 l + i: bits 0-1, 2-3, 4-5, 6-7 are those
+of inputs 32s + 16h + i, + 4 + i, + 8 + i, + 12 + i), then ``sc_g`` of lane l at 3072 + 16 g + l (int8), d at
+3328 + 2 l (float16) and 32 zero bytes (a record is 53 cache lines: 212 bytes per channel and superblock against the
+file's 210). Semantics: x quantized per block of 32 as for Q4_K, and per group of 16 with ``D = d * sc_g`` (float32)
+
+    y[t, n] = sum_groups  D * (xs * ((q - 32) . xq))   (+ bias[n])
+
+the offset of 32 exact in integers (the codes are centred already, as in the blocks layout's int8 path).
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from kiln.gguf_blocks import FORMATS, GgmlType, block_integers, row_weights
+from kiln.gguf_blocks import FORMATS, GgmlType, block_integers, q6_k_integers, row_weights
 from kiln.matmul_q4_1 import CENTRE, GROUP, quantize_activations
 
 LAYOUT = "layout"  # the attribute, as kiln.MatMulQ4_1's
@@ -51,15 +69,38 @@ D = MINS + SUBS * GROUP  # 2304: d[l], float16
 DMIN = D + 2 * GROUP  # 2336: dmin[l], float16
 RECORD_BYTES = DMIN + 2 * GROUP  # 2368
 Q4_K_BYTES = FORMATS[GgmlType.Q4_K].nbytes  # 144
+Q6_HIGH = SUBS * BLOCK_BYTES  # 2048: the high bits, 128 bytes a block
+Q6_SCALES = Q6_HIGH + SUBS * 128  # 3072: sc[16][l], int8
+Q6_D = Q6_SCALES + 2 * SUBS * GROUP  # 3328: d[l], float16
+Q6_RECORD_BYTES = Q6_D + 2 * GROUP + 32  # 3392, with 32 bytes of padding
+Q6_K_BYTES = FORMATS[GgmlType.Q6_K].nbytes  # 210
+RECORD_KINDS = {GgmlType.Q4_K: RECORD_BYTES, GgmlType.Q6_K: Q6_RECORD_BYTES}  # type -> its record's bytes
 
 
-def records_shape(n: int, k: int) -> tuple[int, int, int]:
-    return (n // GROUP, k // SUPER, RECORD_BYTES)
+def records_shape(kind: int, n: int, k: int) -> tuple[int, int, int]:
+    return (n // GROUP, k // SUPER, RECORD_KINDS[GgmlType(kind)])
 
 
 def can_pack(kind: int, int8_activations: bool, n: int) -> bool:
     """Whether a kiln.MatMulGGUF node of this type, activation path and N output channels may hold records."""
-    return kind == GgmlType.Q4_K and int8_activations and n > 0 and n % GROUP == 0
+    return kind in RECORD_KINDS and int8_activations and n > 0 and n % GROUP == 0
+
+
+def pack_records(blocks: np.ndarray, kind: int) -> np.ndarray:
+    """A matrix of Q4_K or Q6_K blocks as the file holds them -> its records."""
+    return pack_q4_k_records(blocks) if GgmlType(kind) == GgmlType.Q4_K else pack_q6_k_records(blocks)
+
+
+def unpack_records(records: np.ndarray, kind: int) -> np.ndarray:
+    """The records' matrix as the file holds it, bit for bit."""
+    return unpack_q4_k_records(records) if GgmlType(kind) == GgmlType.Q4_K else unpack_q6_k_records(records)
+
+
+def matmul_records_ref(x: np.ndarray, records: np.ndarray, kind: int, bias: np.ndarray | None = None) -> np.ndarray:
+    """y = x @ W^T of kiln.MatMulGGUF with records of `kind`, float64 sums; float32 [..., N]."""
+    if GgmlType(kind) == GgmlType.Q4_K:
+        return matmul_q4_k_records_ref(x, records, bias)
+    return matmul_q6_k_records_ref(x, records, bias)
 
 
 def pack_q4_k_records(blocks: np.ndarray) -> np.ndarray:
@@ -139,16 +180,76 @@ def matmul_q4_k_records_ref(x: np.ndarray, records: np.ndarray, bias: np.ndarray
     return out
 
 
-def _check_blocks(blocks: np.ndarray) -> np.ndarray:
-    if blocks.ndim != 2 or blocks.dtype != np.uint8 or blocks.shape[1] % Q4_K_BYTES or blocks.shape[0] % GROUP \
+def pack_q6_k_records(blocks: np.ndarray) -> np.ndarray:
+    """A Q6_K matrix as the file holds it (uint8 [N, K / 256 * 210], N a multiple of 16) -> its records."""
+    blocks = _check_blocks(blocks, "Q6_K", Q6_K_BYTES)
+    n, nb = blocks.shape[0], blocks.shape[1] // Q6_K_BYTES
+    groups = n // GROUP
+    b = blocks.reshape(n, nb, Q6_K_BYTES)
+    codes = q6_k_integers(b.reshape(-1, Q6_K_BYTES)).reshape(groups, GROUP, nb, SUBS, 32)  # 0..63, input order
+    low = (codes & 15).reshape(groups, GROUP, nb, SUBS, CHUNKS, 2, 4)
+    nibbles = (low[..., 0, :] | (low[..., 1, :] << 4)).transpose(0, 2, 3, 4, 1, 5).reshape(groups, nb, Q6_HIGH)
+    # the high 2 bits of block s, input 16h + 4u + i (u = 0..3) -> bits 2u of byte [h, lane, i]
+    top = (codes >> 4).reshape(groups, GROUP, nb, SUBS, 2, 4, 4)  # [.., s, h, u, i]
+    high = (top[..., 0, :] | (top[..., 1, :] << 2) | (top[..., 2, :] << 4) | (top[..., 3, :] << 6))
+    high = high.transpose(0, 2, 3, 4, 1, 5).reshape(groups, nb, SUBS * 128)  # [group, nb, s, h, lane, i]
+    scales = b[:, :, 192:208].reshape(groups, GROUP, nb, 16).transpose(0, 2, 3, 1).reshape(groups, nb, 16 * GROUP)
+    d = b[:, :, 208:210].reshape(groups, GROUP, nb, 2).transpose(0, 2, 1, 3).reshape(groups, nb, 2 * GROUP)
+    pad = np.zeros((groups, nb, 32), np.uint8)
+    return np.ascontiguousarray(np.concatenate([nibbles, high, scales, d, pad], axis=2).astype(np.uint8))
+
+
+def unpack_q6_k_records(records: np.ndarray) -> np.ndarray:
+    """The records' Q6_K matrix as the file holds it, bit for bit: uint8 [N, K / 256 * 210]."""
+    records = _check_records(records, "Q6_K", Q6_RECORD_BYTES)
+    groups, nb = records.shape[:2]
+    n = groups * GROUP
+    raw = records[..., :Q6_HIGH].reshape(groups, nb, SUBS, CHUNKS, GROUP, 4)
+    low = np.stack([raw & 15, raw >> 4], axis=-2).transpose(0, 4, 1, 2, 3, 5, 6).reshape(n, nb, SUBS, 32)
+    high = records[..., Q6_HIGH:Q6_SCALES].reshape(groups, nb, SUBS, 2, GROUP, 4)
+    top = np.stack([(high >> (2 * u)) & 3 for u in range(4)], axis=-2)  # [group, nb, s, h, lane, u, i]
+    top = top.transpose(0, 4, 1, 2, 3, 5, 6).reshape(n, nb, SUBS, 32)
+    codes = (low | (top << 4)).reshape(n, nb, 2, 4, 32)  # [.., half, t, l]: input 128 half + 32 t + l
+    # the file's ql / qh (the inverse of gguf_blocks.q6_k_integers)
+    ql = ((codes[:, :, :, 0:2] & 15) | ((codes[:, :, :, 2:4] & 15) << 4)).reshape(n, nb, 128)
+    qh = sum((codes[:, :, :, t] >> 4) << (2 * t) for t in range(4)).reshape(n, nb, 64)
+    scales = records[..., Q6_SCALES:Q6_D].reshape(groups, nb, 16, GROUP).transpose(0, 3, 1, 2).reshape(n, nb, 16)
+    d = records[..., Q6_D:Q6_D + 2 * GROUP].reshape(groups, nb, GROUP, 2).transpose(0, 2, 1, 3).reshape(n, nb, 2)
+    blocks = np.concatenate([ql, qh, scales, d], axis=2).astype(np.uint8)
+    return np.ascontiguousarray(blocks.reshape(n, nb * Q6_K_BYTES))
+
+
+def matmul_q6_k_records_ref(x: np.ndarray, records: np.ndarray, bias: np.ndarray | None = None) -> np.ndarray:
+    """y = x @ W^T of kiln.MatMulGGUF with Q6_K records (see the module docstring), float64 sums; float32 [..., N]."""
+    blocks = unpack_q6_k_records(records)
+    n, k = blocks.shape[0], row_weights(GgmlType.Q6_K, blocks.shape[1])
+    x = np.asarray(x, dtype=np.float32)
+    if x.shape[-1] != k:
+        raise ValueError(f"x's last dimension {x.shape[-1]} is not the weight's K = {k}")
+    ints = block_integers(blocks, GgmlType.Q6_K)  # q - 32 [N, nb, 16, 16], scales [N, nb, 16], d [N, nb]
+    steps = (ints.d[..., None] * ints.scales.astype(np.float32)).astype(np.float32).reshape(n, -1)  # D [N, K / 16]
+    acts = quantize_activations(x.reshape(-1, k))
+    t = acts.q.shape[0]
+    dots = np.einsum("tgi,ngi->tng", acts.q.reshape(t, -1, 16).astype(np.int64),
+                     ints.q.reshape(n, -1, 16).astype(np.int64))
+    xs = np.repeat(acts.scale.astype(np.float64), 2, axis=1)  # a block of 32's step for its two groups
+    y = (dots * steps.astype(np.float64)[None] * xs[:, None]).sum(-1)
+    if bias is not None:
+        y = y + bias.astype(np.float64)
+    out: np.ndarray = y.astype(np.float32).reshape(*x.shape[:-1], n)
+    return out
+
+
+def _check_blocks(blocks: np.ndarray, name: str = "Q4_K", nbytes: int = Q4_K_BYTES) -> np.ndarray:
+    if blocks.ndim != 2 or blocks.dtype != np.uint8 or blocks.shape[1] % nbytes or blocks.shape[0] % GROUP \
             or not blocks.size:
-        raise ValueError(f"Q4_K records need uint8 [N, K / 256 * {Q4_K_BYTES}] blocks with N a multiple of "
+        raise ValueError(f"{name} records need uint8 [N, K / 256 * {nbytes}] blocks with N a multiple of "
                          f"{GROUP}, got {blocks.dtype} {list(blocks.shape)}")
     return np.ascontiguousarray(blocks)
 
 
-def _check_records(records: np.ndarray) -> np.ndarray:
-    if records.ndim != 3 or records.dtype != np.uint8 or records.shape[2] != RECORD_BYTES or not records.size:
-        raise ValueError(f"Q4_K records must be uint8 [N / 16, K / 256, {RECORD_BYTES}], got {records.dtype} "
+def _check_records(records: np.ndarray, name: str = "Q4_K", nbytes: int = RECORD_BYTES) -> np.ndarray:
+    if records.ndim != 3 or records.dtype != np.uint8 or records.shape[2] != nbytes or not records.size:
+        raise ValueError(f"{name} records must be uint8 [N / 16, K / 256, {nbytes}], got {records.dtype} "
                          f"{list(records.shape)}")
     return np.ascontiguousarray(records)

@@ -9,13 +9,13 @@ Attributes
                     (kiln/gguf_int8.py, the spec of that path: llama.cpp's arithmetic, what `--quantization gguf`
                     builds; Q4_0, Q8_0, Q4_K, Q5_K, Q6_K); 0 keeps x float32 (this module's spec: every type,
                     `--quantization gguf-exact`)
-  layout            string, optional (absent: "blocks"): "records" holds Q4_K weights (int8_activations = 1, N a
-                    multiple of 16) in the kernel's own layout, kiln.MatMulQ4_1's records (kiln/gguf_records.py:
-                    the layout and its spec; op-library ABI 12); what a `gguf` engine stores for them
+  layout            string, optional (absent: "blocks"): "records" holds Q4_K or Q6_K weights (int8_activations =
+                    1, N a multiple of 16) in the kernel's own layout, kiln.MatMulQ4_1's records (kiln/gguf_records.py:
+                    the layouts and their spec; op-library ABI 12); what a `gguf` engine stores for them
 Inputs
   x          float32 [..., K]
   w          uint8   [N, K / QK * block bytes]   row n: output channel n's blocks, the bytes as the file holds them
-                     (layout "records": [N / 16, K / 256, 2368])
+                     (layout "records": [N / 16, K / 256, 2368 (Q4_K) or 3392 (Q6_K)])
   bias       float32 [N]                         optional
 Output
   y          float32 [..., N]
@@ -40,7 +40,7 @@ import numpy as np
 
 from kiln.contract import OP_DOMAIN
 from kiln.gguf_blocks import dequantize, ggml_type, row_weights
-from kiln.gguf_records import BLOCKS, LAYOUT, RECORDS, pack_q4_k_records
+from kiln.gguf_records import BLOCKS, LAYOUT, RECORDS, pack_records
 from kiln.op_models import single_node_model
 
 if TYPE_CHECKING:
@@ -75,7 +75,7 @@ def make_single_op_model(w: np.ndarray, kind: int, bias: np.ndarray | None = Non
     kind = ggml_type(kind)
     n, k = w.shape[0], row_weights(kind, w.shape[1])
     lead = ["B", "T"][3 - rank:]
-    stored = pack_q4_k_records(w) if layout == RECORDS else w
+    stored = pack_records(w, kind) if layout == RECORDS else w
     inits = [numpy_helper.from_array(np.ascontiguousarray(stored, dtype=np.uint8), "w")]
     if bias is not None:
         inits.append(numpy_helper.from_array(bias.astype(np.float32), "bias"))

@@ -1,9 +1,9 @@
-"""Pass (at the engine writer, beside pack_q4_1_records): kiln.MatMulGGUF's Q4_K weights from the file's blocks to
-the kernel's records.
+"""Pass (at the engine writer, beside pack_q4_1_records): kiln.MatMulGGUF's Q4_K and Q6_K weights from the file's
+blocks to the kernel's records.
 
-Every kiln.MatMulGGUF of Q4_K blocks with int8 activations, constant weights and N a multiple of 16 gets them as
-records (kiln/gguf_records.py: w [N / 16, K / 256, 2368], attribute layout "records"): the file's numbers in
-kiln.MatMulQ4_1's record layout, which ONNX Runtime maps from the engine file and the kernel reads in place.
+Every kiln.MatMulGGUF of Q4_K or Q6_K blocks with int8 activations, constant weights and N a multiple of 16 gets them
+as records (kiln/gguf_records.py: w [N / 16, K / 256, record bytes], attribute layout "records"): the file's numbers
+in kiln.MatMulQ4_1's record layout, which ONNX Runtime maps from the engine file and the kernel reads in place.
 The records are computed tensor by tensor as the engine writer asks for them (a lazy tensor over the file's
 blocks), so the build never holds a model's records at once. An engine with them needs op-library ABI 12
 (kiln.contract.engine_abi). `unpack_gguf_records` is the inverse on a saved graph, for measuring against blocks.
@@ -18,8 +18,8 @@ import onnx_ir as ir
 from onnx import numpy_helper
 
 from kiln.contract import OP_DOMAIN
-from kiln.gguf_records import BLOCKS, LAYOUT, RECORDS, can_pack, pack_q4_k_records, records_shape, \
-    unpack_q4_k_records
+from kiln.gguf_blocks import ggml_type, row_weights
+from kiln.gguf_records import BLOCKS, LAYOUT, RECORDS, can_pack, pack_records, records_shape, unpack_records
 from kiln.matmul_gguf import INT8_ATTRIBUTE, OP_TYPE, TYPE_ATTRIBUTE
 
 from .quant.graph import unique_name
@@ -42,7 +42,7 @@ def pack_gguf_records(model: ir.Model) -> int:
             continue
         key = w.name or ""
         if key not in packed:
-            packed[key] = _lazy_records(model, w, n, row)
+            packed[key] = _lazy_records(model, w, kind, n, row)
         node.replace_input_with(1, packed[key])
         node.attributes[LAYOUT] = ir.AttrString(LAYOUT, RECORDS)
         if w.is_initializer() and not w.uses():
@@ -51,13 +51,13 @@ def pack_gguf_records(model: ir.Model) -> int:
     return count
 
 
-def _lazy_records(model: ir.Model, blocks: ir.Value, n: int, row: int) -> ir.Value:
+def _lazy_records(model: ir.Model, blocks: ir.Value, kind: int, n: int, row: int) -> ir.Value:
     source = blocks.const_value
     assert source is not None
-    shape = records_shape(n, row // 144 * 256)
+    shape = records_shape(kind, n, row_weights(ggml_type(kind), row))
     value = ir.Value(name=f"{blocks.name}.records", shape=ir.Shape(shape), type=ir.TensorType(ir.DataType.UINT8))
     unique_name(model, value)
-    value.const_value = ir.LazyTensor(lambda: ir.tensor(pack_q4_k_records(source.numpy())), ir.DataType.UINT8,
+    value.const_value = ir.LazyTensor(lambda: ir.tensor(pack_records(source.numpy(), kind)), ir.DataType.UINT8,
                                       ir.Shape(shape), name=value.name)
     model.graph.register_initializer(value)
     return value
@@ -84,7 +84,9 @@ def unpack_gguf_records(graph: onnx.GraphProto, source_dir: Path) -> int:
     layout engines held before records; returns how many nodes it rewrote."""
     reader = WeightReader(graph, source_dir)
     nodes = [n for n in graph.node if n.op_type == OP_TYPE and n.domain == OP_DOMAIN and node_layout(n) == RECORDS]
-    blocks = {node.input[1]: unpack_q4_k_records(reader.array(node.input[1])) for node in nodes}
+    blocks = {node.input[1]: unpack_records(reader.array(node.input[1]), next(a.i for a in node.attribute
+                                                                               if a.name == TYPE_ATTRIBUTE))
+              for node in nodes}
     for node in nodes:
         node.attribute.remove(next(a for a in node.attribute if a.name == LAYOUT))
     for tensor in graph.initializer:

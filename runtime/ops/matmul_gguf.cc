@@ -31,6 +31,7 @@
 #include "matmul_gguf_int8.h"
 #include "parallel_for.h"
 #include "q4_k_records.h"
+#include "q6_k_records.h"
 #include "shape_text.h"
 #include "simd.h"
 #include "weight_layout.h"
@@ -403,29 +404,33 @@ struct MatMulGGUF {
     parallel_for(ctx, static_cast<size_t>(channel_chunks * row_chunks), item);
   }
 
-  // Q4_K records (kiln/gguf_records.py): w [N / 16, K / 256, 2368], kiln.MatMulQ4_1's arithmetic on them.
+  // Q4_K / Q6_K records (kiln/gguf_records.py): w [N / 16, K / 256, record bytes], kiln.MatMulQ4_1's tile on them.
   void run_records(OrtKernelContext* ctx, const Ort::Custom::Tensor<float>& x, const Ort::Custom::Tensor<uint8_t>& w,
                    const Ort::Custom::Tensor<float>* bias, Ort::Custom::Tensor<float>& y) const {
-    if (ggml_type_ != 12 || int8_activations_ != 1)
-      fail_gguf("layout \"records\" is Q4_K's (ggml_type 12) with int8_activations = 1, got ggml_type " +
-                std::to_string(ggml_type_) + " and int8_activations " + std::to_string(int8_activations_));
+    if ((ggml_type_ != 12 && ggml_type_ != 14) || int8_activations_ != 1)
+      fail_gguf("layout \"records\" is Q4_K's or Q6_K's (ggml_type 12, 14) with int8_activations = 1, got "
+                "ggml_type " + std::to_string(ggml_type_) + " and int8_activations " + std::to_string(int8_activations_));
+    const bool q4_k = ggml_type_ == 12;
+    const int64_t record_bytes = q4_k ? q4_k::kRecordBytes : q6_k::kRecordBytes;
+    const char* name = q4_k ? "Q4_K" : "Q6_K";
     const std::vector<int64_t>& ws = w.Shape();
     std::vector<int64_t> xs = x.Shape();
-    if (ws.size() != 3 || ws[0] <= 0 || ws[1] <= 0 || ws[2] != q4_k::kRecordBytes)
-      fail_gguf("w must be uint8 Q4_K records [N / 16, K / 256, " + std::to_string(q4_k::kRecordBytes) + "], got " +
-                shape_text(ws));
-    const int64_t N = ws[0] * q4_k::kGroup, K = ws[1] * q4_k::kSuperBlock;
+    if (ws.size() != 3 || ws[0] <= 0 || ws[1] <= 0 || ws[2] != record_bytes)
+      fail_gguf(std::string("w must be uint8 ") + name + " records [N / 16, K / 256, " + std::to_string(record_bytes) +
+                "], got " + shape_text(ws));
+    const int64_t N = ws[0] * q4_1::kGroup, K = ws[1] * 256;
     if (xs.empty() || xs.back() != K)
-      fail_gguf("x must be [..., K = " + std::to_string(K) + "] for Q4_K records " + shape_text(ws) + ", got " +
-                shape_text(xs));
+      fail_gguf("x must be [..., K = " + std::to_string(K) + "] for " + name + " records " + shape_text(ws) +
+                ", got " + shape_text(xs));
     if (bias != nullptr && bias->Shape() != std::vector<int64_t>{N})
       fail_gguf("bias must be [N = " + std::to_string(N) + "], got " + shape_text(bias->Shape()));
     const int64_t T = x.NumberOfElement() / K;
     xs.back() = N;
     float* out = y.Allocate(xs);
     if (T == 0) return;
-    q4_1::multiply<q4_k::Format>(ctx, w.Data(), ws[1] * q4_k::kRecordBytes, x.Data(), bias ? bias->Data() : nullptr,
-                                 out, T, N, K);
+    const float* b = bias ? bias->Data() : nullptr;
+    if (q4_k) q4_1::multiply<q4_k::Format>(ctx, w.Data(), ws[1] * record_bytes, x.Data(), b, out, T, N, K);
+    else q4_1::multiply<q6_k::Format>(ctx, w.Data(), ws[1] * record_bytes, x.Data(), b, out, T, N, K);
   }
 
   int64_t ggml_type_ = -1;

@@ -83,15 +83,28 @@ struct Int8Rows {
   int64_t K = 0, nb = 0;
   AlignedVector<int8_t> q;  // [T, K]
   AlignedVector<float> step, sum, centred_error;  // [T, nb]
+  std::vector<int32_t> sums16;  // [T, K / 16]: the int sums of each 16 q, for the formats that ask (Q6_K's offset)
 
-  void reset(int64_t T, int64_t K_, int64_t nb_) {
+  void reset(int64_t T, int64_t K_, int64_t nb_, bool with_sums16 = false) {
     K = K_, nb = nb_;
     q.resize(T * K);
     step.resize(T * nb);
     sum.resize(T * nb);
     centred_error.resize(T * nb);
+    sums16.resize(with_sums16 ? T * (K / 16) : 0);
   }
 };
+
+// sums[i] = the sum of q[16 i .. 16 i + 15], for K / 16 groups
+inline void sums_of_16(const int8_t* q, int64_t K, int32_t* sums) {
+  for (int64_t g = 0; g < K / 16; ++g) {
+    const __m256i v = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16 * g)));
+    __m128i s = _mm_madd_epi16(_mm_add_epi16(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1)),
+                               _mm_set1_epi16(1));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, _MM_SHUFFLE(1, 0, 3, 2)));
+    sums[g] = _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32(s, _MM_SHUFFLE(2, 3, 0, 1))));
+  }
+}
 
 inline void quantize_row(const float* x, int64_t nb, int8_t* q, float* steps, float* sums, float* centred_errors) {
   const __m256 sign = _mm256_set1_ps(-0.f);
@@ -141,12 +154,29 @@ inline VI dot4(VI acc, VI w, const int8_t* x) {
 }
 // A block's dots as int32 per lane (dot4 already sums into int32 here).
 inline VI block_sums(VI dots) { return dots; }
+// acc32 + per lane the dot of 8 codes below 64 (lo: the row's 4 int8 at x, hi: the 4 at x + 4), in int32
+inline VI dot8_32(VI acc32, VI lo, VI hi, const int8_t* x) { return dot4(dot4(acc32, lo, x), hi, x + 4); }
 inline VI zero_i() { return _mm512_setzero_si512(); }
 inline VF zero_f() { return _mm512_setzero_ps(); }
 inline VF to_float(VI v) { return _mm512_cvtepi32_ps(v); }
 inline VF fmadd(VF a, VF b, VF c) { return _mm512_fmadd_ps(a, b, c); }
 inline VF broadcast(const float* p) { return _mm512_set1_ps(*p); }
 inline VF load_f16(const uint8_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+// a lane's unsigned / signed byte at p + lane, as float
+inline VF load_u8(const uint8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+inline VF load_i8(const uint8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+inline VF mul(VF a, VF b) { return _mm512_mul_ps(a, b); }
+inline VF negate(VF a) { return _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(a), _mm512_set1_epi32(INT32_MIN))); }
+inline VI sub_i(VI a, int32_t b) { return _mm512_sub_epi32(a, _mm512_set1_epi32(b)); }
+inline VI or_i(VI a, VI b) { return _mm512_or_si512(a, b); }
+inline VI high_bits(VI h, int shift) {  // per byte: bits (shift - 4 .. shift - 3) of h moved to bits 4..5 (16-bit shifts)
+  const VI moved = shift >= 0 ? _mm512_slli_epi16(h, static_cast<unsigned>(shift)) : _mm512_srli_epi16(h, static_cast<unsigned>(-shift));
+  return _mm512_and_si512(moved, _mm512_set1_epi8(0x30));
+}
 inline void store_lanes(float* y, VF v, int64_t count) {
   if (count >= kLanes) _mm512_storeu_ps(y, v);
   else _mm512_mask_storeu_ps(y, static_cast<__mmask16>((1u << count) - 1), v);
@@ -165,18 +195,37 @@ inline VI high_nibbles(VI raw) { return _mm256_and_si256(_mm256_srli_epi16(raw, 
 // Without vpdpbusd a block's dot stays in int16 pairs (maddubs) until block_sums folds them: a pair is at most
 // 2 * 15 * 127 = 3810 and a block sums 8 of them per lane, 30480 < 2^15, so nothing saturates or wraps and the
 // int32 sums are vpdpbusd's.
+inline VI zero_i() { return _mm256_setzero_si256(); }
 inline VI dot4(VI acc, VI w, const int8_t* x) {
   int32_t x4;
   std::memcpy(&x4, x, 4);
   return _mm256_add_epi16(acc, _mm256_maddubs_epi16(w, _mm256_set1_epi32(x4)));
 }
 inline VI block_sums(VI dots) { return _mm256_madd_epi16(dots, _mm256_set1_epi16(1)); }
-inline VI zero_i() { return _mm256_setzero_si256(); }
+// 6-bit codes: a pair is up to 2 * 63 * 127 = 16002, so two pairs (one chunk's lo and hi) are all int16 holds
+// before they are folded into int32.
+inline VI dot8_32(VI acc32, VI lo, VI hi, const int8_t* x) {
+  return _mm256_add_epi32(acc32, block_sums(dot4(dot4(zero_i(), lo, x), hi, x + 4)));
+}
 inline VF zero_f() { return _mm256_setzero_ps(); }
 inline VF to_float(VI v) { return _mm256_cvtepi32_ps(v); }
 inline VF fmadd(VF a, VF b, VF c) { return _mm256_fmadd_ps(a, b, c); }
 inline VF broadcast(const float* p) { return _mm256_broadcast_ss(p); }
 inline VF load_f16(const uint8_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+inline VF load_u8(const uint8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+inline VF load_i8(const uint8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+inline VF mul(VF a, VF b) { return _mm256_mul_ps(a, b); }
+inline VF negate(VF a) { return _mm256_xor_ps(a, _mm256_set1_ps(-0.f)); }
+inline VI sub_i(VI a, int32_t b) { return _mm256_sub_epi32(a, _mm256_set1_epi32(b)); }
+inline VI or_i(VI a, VI b) { return _mm256_or_si256(a, b); }
+inline VI high_bits(VI h, int shift) {
+  const VI moved = shift >= 0 ? _mm256_slli_epi16(h, shift) : _mm256_srli_epi16(h, -shift);
+  return _mm256_and_si256(moved, _mm256_set1_epi8(0x30));
+}
 inline void store_lanes(float* y, VF v, int64_t count) {
   if (count >= kLanes) return _mm256_storeu_ps(y, v);
   alignas(32) float tmp[kLanes];
@@ -211,28 +260,55 @@ __attribute__((always_inline)) inline void prefetch_record(const uint8_t* p, boo
   }
 }
 
-// Where a tile finds a block's nibbles and steps. Q4_1's records are one block each, their d and m float16 lanes.
-// A format has blocks of 32 inputs, kBlocksPerRecord of them a record of kRecordBytes; block s of a record has its
-// 4 chunks at nibbles(record, s) (q4_k_records.h: Q4_K's superblocks, 8 blocks a record).
+// A block of 32 inputs x one vector of channels against NT rows: each chunk unpacked once for the rows, their int32
+// dots in registers, then per row acc += d (xs dot + 7.5 E) + m S (the spec's terms, in this order).
+template <int NT>
+__attribute__((always_inline)) inline void q4_1_block(const uint8_t* nibbles, VF d, VF m, const Int8Rows& x,
+                                                      const int8_t* const* xq, int64_t t0, int64_t b,
+                                                      int64_t lane_bytes, VF* acc) {
+  VI dots[NT];
+  for (int r = 0; r < NT; ++r) dots[r] = zero_i();
+#pragma GCC unroll 4
+  for (int64_t j = 0; j < kChunks; ++j) {
+    const VI raw = load_chunk(nibbles + j * kChunkBytes + lane_bytes * 4);
+    const VI lo = low_nibbles(raw), hi = high_nibbles(raw);
+#pragma GCC unroll 16
+    for (int r = 0; r < NT; ++r) {
+      const int8_t* xb = xq[r] + b * kBlock + 8 * j;
+      dots[r] = dot4(dot4(dots[r], lo, xb), hi, xb + 4);
+    }
+  }
+#pragma GCC unroll 16
+  for (int r = 0; r < NT; ++r) {
+    const int64_t i = (t0 + r) * x.nb + b;
+    const VF scaled = fmadd(to_float(block_sums(dots[r])), broadcast(&x.step[i]), broadcast(&x.centred_error[i]));
+    acc[r] = fmadd(m, broadcast(&x.sum[i]), fmadd(d, scaled, acc[r]));
+  }
+}
+
+// A record format: kBlocksPerRecord blocks of 32 inputs a record of kRecordBytes, for a group of 16 channels;
+// `block<NT>` adds block s of a record into the NT rows' accumulators. Q4_1's records are one block each, their d
+// and m float16 lanes (q4_k_records.h and q6_k_records.h: GGUF's k-quants, a superblock a record).
 struct Q4_1Format {
   static constexpr int64_t kBlocksPerRecord = 1;
   static constexpr int64_t kRecordBytes = q4_1::kRecordBytes;
+  static constexpr bool kSums16 = false;
   struct RecordSteps {};
   static RecordSteps record_steps(const uint8_t*, int64_t) { return {}; }
-  static const uint8_t* nibbles(const uint8_t* record, int64_t) { return record; }
   // the bytes a tile prefetches, kPrefetchBlocks blocks ahead of block s
   static const uint8_t* ahead(const uint8_t* record, int64_t) { return record + kPrefetchBlocks * kRecordBytes; }
-  // block s's per-lane step d and minimum m (w = m + q d)
-  static void block_steps(const RecordSteps&, const uint8_t* record, int64_t, int64_t lane_bytes, VF& d, VF& m) {
+  template <int NT>
+  static void block(const uint8_t* record, int64_t, const RecordSteps&, int64_t lane_bytes, const Int8Rows& x,
+                    const int8_t* const* xq, int64_t t0, int64_t b, VF* acc) {
     const uint8_t* steps = record + kStepsOffset + lane_bytes * 2;
-    d = load_f16(steps), m = load_f16(steps + kGroup * 2);
+    q4_1_block<NT>(record, load_f16(steps), load_f16(steps + kGroup * 2), x, xq, t0, b, lane_bytes, acc);
   }
 };
 
 // y for one vector of output channels (vector v: kLanes channels from v * kLanes) x NT rows from t0, over every
-// block. Each chunk of the weights is unpacked once for the NT rows; their int32 dots and float sums stay in
-// registers (NT = 12 in zmm: 24 accumulators; rows of a call beyond one pass re-read the group from L1). A row's
-// operations are the same for every NT, so its outputs are bitwise the same whatever the rows beside it.
+// block: block by block into the rows' float32 accumulators (NT = 12 in zmm: 24 accumulators; rows of a call
+// beyond one pass re-read the group from L1). A row's operations are the same for every NT, so its outputs are
+// bitwise the same whatever the rows beside it.
 template <class Format, int NT>
 __attribute__((noinline)) inline void tile(const Problem& p, int64_t v, int64_t t0, bool once) {
   const Int8Rows& x = *p.x;
@@ -247,29 +323,9 @@ __attribute__((noinline)) inline void tile(const Problem& p, int64_t v, int64_t 
     const uint8_t* record = records + rb * Format::kRecordBytes;
     const typename Format::RecordSteps record_steps = Format::record_steps(record, lane_bytes);
     for (int64_t s = 0; s < Format::kBlocksPerRecord; ++s) {
-      const int64_t b = rb * Format::kBlocksPerRecord + s;
-      const uint8_t* nibbles = Format::nibbles(record, s);
       prefetch_record(Format::ahead(record, s), once);
-      VI dots[NT];
-      for (int r = 0; r < NT; ++r) dots[r] = zero_i();
-#pragma GCC unroll 4
-      for (int64_t j = 0; j < kChunks; ++j) {
-        const VI raw = load_chunk(nibbles + j * kChunkBytes + lane_bytes * 4);
-        const VI lo = low_nibbles(raw), hi = high_nibbles(raw);
-#pragma GCC unroll 16
-        for (int r = 0; r < NT; ++r) {
-          const int8_t* xb = xq[r] + b * kBlock + 8 * j;
-          dots[r] = dot4(dot4(dots[r], lo, xb), hi, xb + 4);
-        }
-      }
-      VF d, m;
-      Format::block_steps(record_steps, record, s, lane_bytes, d, m);
-#pragma GCC unroll 16
-      for (int r = 0; r < NT; ++r) {
-        const int64_t i = (t0 + r) * x.nb + b;
-        const VF scaled = fmadd(to_float(block_sums(dots[r])), broadcast(&x.step[i]), broadcast(&x.centred_error[i]));
-        acc[r] = fmadd(m, broadcast(&x.sum[i]), fmadd(d, scaled, acc[r]));
-      }
+      Format::template block<NT>(record, s, record_steps, lane_bytes, x, xq, t0, rb * Format::kBlocksPerRecord + s,
+                                 acc);
     }
   }
 
@@ -318,10 +374,11 @@ void multiply(OrtKernelContext* ctx, const uint8_t* w, int64_t group_bytes, cons
   thread_local Int8Rows scratch;  // decode-sized rows reuse the calling thread's; larger batches allocate their own
   Int8Rows local;
   Int8Rows& rows = T <= kRowsPerItem ? scratch : local;
-  rows.reset(T, K, nb);
+  rows.reset(T, K, nb, Format::kSums16);
   auto quantize = [&](size_t t) {
     quantize_row(x + t * K, nb, rows.q.data() + t * K, rows.step.data() + t * nb, rows.sum.data() + t * nb,
                  rows.centred_error.data() + t * nb);
+    if (Format::kSums16) sums_of_16(rows.q.data() + t * K, K, rows.sums16.data() + t * (K / 16));
   };
   if (T * K >= kParallelQuantize) parallel_for(ctx, T, quantize);
   else for (int64_t t = 0; t < T; ++t) quantize(t);

@@ -21,6 +21,9 @@ using q4_1::kChunks;
 using q4_1::kGroup;
 using q4_1::kLanes;
 using q4_1::VF;
+using q4_1::load_u8;
+using q4_1::mul;
+using q4_1::negate;
 
 constexpr int64_t kSuperBlock = 256;
 constexpr int64_t kBlocks = 8;                                  // blocks of 32 a superblock
@@ -32,40 +35,29 @@ constexpr int64_t kDminOffset = kDOffset + kGroup * 2;          // dmin[16], flo
 constexpr int64_t kRecordBytes = kDminOffset + kGroup * 2;      // 2368
 static_assert(kRecordBytes % 64 == 0, "a record is whole cache lines");
 
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__) && defined(__AVX512BW__)
-inline VF load_u8(const uint8_t* p) {
-  return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
-}
-inline VF mul(VF a, VF b) { return _mm512_mul_ps(a, b); }
-inline VF negate(VF a) { return _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(a), _mm512_set1_epi32(INT32_MIN))); }
-#else
-inline VF load_u8(const uint8_t* p) {
-  return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
-}
-inline VF mul(VF a, VF b) { return _mm256_mul_ps(a, b); }
-inline VF negate(VF a) { return _mm256_xor_ps(a, _mm256_set1_ps(-0.f)); }
-#endif
 
 // q4_1::tile's view of a record: block s's step d sc_s and minimum -(dmin m_s), the spec's float32 products (the
 // negation is exact, so m S + ... is the spec's ... - (dmin m_s) S).
 struct Format {
   static constexpr int64_t kBlocksPerRecord = kBlocks;
   static constexpr int64_t kRecordBytes = q4_k::kRecordBytes;
+  static constexpr bool kSums16 = false;
   struct RecordSteps {
     VF d, dmin;
   };
   static RecordSteps record_steps(const uint8_t* record, int64_t lane_bytes) {
     return {q4_1::load_f16(record + kDOffset + lane_bytes * 2), q4_1::load_f16(record + kDminOffset + lane_bytes * 2)};
   }
-  static const uint8_t* nibbles(const uint8_t* record, int64_t s) { return record + s * kBlockBytes; }
   // a record's bytes spread evenly over its blocks, so block s prefetches as far ahead as Q4_1's do
   static const uint8_t* ahead(const uint8_t* record, int64_t s) {
     return record + (s + q4_1::kPrefetchBlocks) * (kRecordBytes / kBlocks);
   }
-  static void block_steps(const RecordSteps& steps, const uint8_t* record, int64_t s, int64_t lane_bytes, VF& d,
-                          VF& m) {
-    d = mul(steps.d, load_u8(record + kScalesOffset + s * kGroup + lane_bytes));
-    m = negate(mul(steps.dmin, load_u8(record + kMinsOffset + s * kGroup + lane_bytes)));
+  template <int NT>
+  static void block(const uint8_t* record, int64_t s, const RecordSteps& steps, int64_t lane_bytes,
+                    const q4_1::Int8Rows& x, const int8_t* const* xq, int64_t t0, int64_t b, VF* acc) {
+    const VF d = mul(steps.d, load_u8(record + kScalesOffset + s * kGroup + lane_bytes));
+    const VF m = negate(mul(steps.dmin, load_u8(record + kMinsOffset + s * kGroup + lane_bytes)));
+    q4_1::q4_1_block<NT>(record + s * kBlockBytes, d, m, x, xq, t0, b, lane_bytes, acc);
   }
 };
 

@@ -105,8 +105,10 @@ def test_every_linear_is_the_files_blocks(gguf_engines):
     reader = GGUFReader(str(path))
     q = next(t for t in reader.tensors if t.name == "blk.0.attn_q.weight")
     file_rows = np.asarray(q.data).reshape(256, -1)
-    # the Q4_K nodes hold records (the file's bytes in the kernel's layout), every other type the file's blocks
-    assert all((node_layout(n) == "records") == (GgmlType(n.attribute[0].i) == GgmlType.Q4_K) for n in nodes)
+    # the Q4_K and Q6_K nodes hold records (the file's bytes in the kernel's layout), every other type the file's
+    # blocks
+    records = (GgmlType.Q4_K, GgmlType.Q6_K)
+    assert all((node_layout(n) == "records") == (GgmlType(n.attribute[0].i) in records) for n in nodes)
     assert all(node_layout(n) == "blocks" for n in exact)
     assert read_manifest(engines["gguf"]).op_library_abi == GGUF_RECORDS_ABI
     assert read_manifest(engines["gguf-exact"]).op_library_abi == GGUF_RECORDS_ABI - 2  # nothing of 11 or 12

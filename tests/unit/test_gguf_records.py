@@ -1,8 +1,8 @@
-"""kiln.MatMulGGUF's Q4_K records (layout "records", kiln/gguf_records.py): the layout holds the file's bytes (packed
-and unpacked bit for bit, each number at the byte the layout names), the spec stays near the exact product of the
-file's weights, and the ONNX Runtime kernel matches the spec within float32 summation bounds (a misplaced scale,
-minimum, step or block is orders of magnitude past them), with a row's bits the same at every T and thread count;
-the build's pass packs only what the kernel takes, and the op names what it refuses."""
+"""kiln.MatMulGGUF's Q4_K and Q6_K records (layout "records", kiln/gguf_records.py): the layouts hold the file's bytes
+(packed and unpacked bit for bit, each number at the byte the layout names), the specs stay near the exact product of
+the file's weights, and the ONNX Runtime kernel matches them within float32 summation bounds (a misplaced scale,
+minimum, step, high bit or block is orders of magnitude past them), with a row's bits the same at every T and thread
+count; the build's pass packs only what the kernel takes, and the op names what it refuses."""
 
 from __future__ import annotations
 
@@ -16,12 +16,21 @@ from kiln.gguf_int8 import matmul_gguf_int8_ref
 from kiln.gguf_records import (
     DMIN,
     MINS,
+    Q6_D,
+    Q6_HIGH,
+    Q6_RECORD_BYTES,
+    Q6_SCALES,
     RECORD_BYTES,
     SCALES,
     D,
     matmul_q4_k_records_ref,
+    matmul_q6_k_records_ref,
+    matmul_records_ref,
     pack_q4_k_records,
+    pack_q6_k_records,
+    pack_records,
     unpack_q4_k_records,
+    unpack_records,
 )
 from kiln.matmul_gguf import make_single_op_model, matmul_gguf_ref
 from kiln.matmul_q4_1 import quantize_activations
@@ -30,11 +39,16 @@ ort = pytest.importorskip("onnxruntime")
 from op_library import op_library_or_skip  # noqa: E402
 
 LIBRARY = op_library_or_skip()
-Q4_K = GgmlType.Q4_K
+Q4_K, Q6_K = GgmlType.Q4_K, GgmlType.Q6_K
+KINDS = [Q4_K, Q6_K]
+
+
+def blocks_of(kind, rows: int, superblocks: int, seed: int = 0) -> np.ndarray:
+    return random_blocks(np.random.default_rng(seed), kind, rows, 256 * superblocks)
 
 
 def q4_k(rows: int, superblocks: int, seed: int = 0) -> np.ndarray:
-    return random_blocks(np.random.default_rng(seed), Q4_K, rows, 256 * superblocks)
+    return blocks_of(Q4_K, rows, superblocks, seed)
 
 
 def session(model, threads: int = 2):
@@ -44,17 +58,18 @@ def session(model, threads: int = 2):
     return ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
 
 
-def run_kernel(w, x, bias=None, threads=2):
-    model = make_single_op_model(w, Q4_K, bias, rank=x.ndim, int8_activations=True, layout="records")
+def run_kernel(w, x, bias=None, threads=2, kind=Q4_K):
+    model = make_single_op_model(w, kind, bias, rank=x.ndim, int8_activations=True, layout="records")
     return session(model, threads).run(None, {"x": x})[0]
 
 
+@pytest.mark.parametrize("kind, nbytes", [(Q4_K, 2368), (Q6_K, 3392)], ids=["Q4_K", "Q6_K"])
 @pytest.mark.parametrize("rows, superblocks", [(16, 1), (48, 3), (32, 8)])
-def test_records_hold_the_files_bytes(rows, superblocks):
-    w = q4_k(rows, superblocks, seed=rows)
-    records = pack_q4_k_records(w)
-    assert records.shape == (rows // 16, superblocks, RECORD_BYTES) and RECORD_BYTES == 2368
-    np.testing.assert_array_equal(unpack_q4_k_records(records), w)
+def test_records_hold_the_files_bytes(kind, nbytes, rows, superblocks):
+    w = blocks_of(kind, rows, superblocks, seed=rows)
+    records = pack_records(w, kind)
+    assert records.shape == (rows // 16, superblocks, nbytes) and nbytes in (RECORD_BYTES, Q6_RECORD_BYTES)
+    np.testing.assert_array_equal(unpack_records(records, kind), w)
 
 
 def test_each_number_sits_where_the_layout_says():
@@ -72,6 +87,23 @@ def test_each_number_sits_where_the_layout_says():
     code = codes.reshape(4, 2, 32)[3, 0]  # block 6 = chunk 3's low nibbles
     byte = rec[256 * 6 + 64 * 2 + 4 * lane + 1]
     assert byte & 15 == code[8 * 2 + 1] and byte >> 4 == code[8 * 2 + 4 + 1]
+
+
+def test_each_q6_k_number_sits_where_the_layout_says():
+    """Channel 21 (group 1, lane 5), superblock 1: its d, the int8 scale of group 13 (block 6, second half) and the
+    code of input 256 + 32 * 6 + 16 + 8 + 2: low nibble in chunk 3's byte 2 (low half), high 2 bits at bits 4-5 of
+    the block's second high chunk."""
+    from kiln.gguf_blocks import q6_k_integers
+
+    w = blocks_of(Q6_K, 32, 2, seed=5)
+    b = w.reshape(32, 2, 210)[21, 1]
+    rec, lane = pack_q6_k_records(w)[1, 1], 5
+    assert rec[Q6_D + 2 * lane:Q6_D + 2 * lane + 2].tobytes() == b[208:210].tobytes()
+    assert rec[Q6_SCALES + 16 * 13 + lane].view(np.int8) == b[192 + 13].view(np.int8)
+    code = int(q6_k_integers(b[None])[0, 32 * 6 + 16 + 8 + 2])
+    assert rec[256 * 6 + 64 * 3 + 4 * lane + 2] & 15 == code & 15
+    assert (rec[Q6_HIGH + 128 * 6 + 64 + 4 * lane + 2] >> 4) & 3 == code >> 4
+    assert not rec[Q6_D + 32:].any()  # the padding
 
 
 def test_packing_refuses_what_the_layout_cannot_hold():
@@ -106,11 +138,30 @@ def test_the_spec_is_the_q4_1_formula_on_the_files_numbers():
     assert abs(by_hand - spec[2, 9]) <= 1e-6 * np.abs(x[2].astype(np.float64) @ np.abs(wf[9]))
 
 
-def _check(w, x, bias=None, threads=2):
-    y = run_kernel(w, x, bias, threads)
-    ref = matmul_q4_k_records_ref(x, pack_q4_k_records(w), bias)
+def test_the_q6_k_spec_is_the_offset_codes_on_the_files_numbers():
+    """Per group of 16: D xs ((q - 32) . xq) with D = d sc_g and xs the block of 32's step; near the exact product."""
+    rng = np.random.default_rng(8)
+    w = blocks_of(Q6_K, 32, 4, seed=8)
+    x = rng.standard_normal((5, 1024)).astype(np.float32)
+    x[:, 40] *= 25
+    exact = matmul_gguf_ref(x, w, Q6_K)
+    spec = matmul_q6_k_records_ref(x, pack_q6_k_records(w))
+    assert np.abs(spec - exact).max() / np.abs(exact).max() < 0.02
+    assert np.abs(spec - exact).mean() < np.abs(matmul_gguf_int8_ref(x, w, Q6_K) - exact).mean() * 1.5
+    from kiln.gguf_blocks import block_integers
+    ints = block_integers(w, Q6_K)
+    acts = quantize_activations(x[1:2])
+    steps = (ints.d[..., None] * ints.scales.astype(np.float32)).astype(np.float32).reshape(32, -1)[7]
+    dots = (acts.q.reshape(-1, 16).astype(np.int64) * ints.q.reshape(32, -1, 16)[7].astype(np.int64)).sum(-1)
+    by_hand = (steps * np.repeat(acts.scale[0], 2) * dots).sum()
+    assert abs(by_hand - spec[1, 7]) <= 1e-6 * np.abs(x[1].astype(np.float64) @ np.abs(dequantize(w, Q6_K)[7]))
+
+
+def _check(w, x, bias=None, threads=2, kind=Q4_K):
+    y = run_kernel(w, x, bias, threads, kind)
+    ref = matmul_records_ref(x, pack_records(w, kind), kind, bias)
     # float32 sums per lane over the blocks: ulps of |x| @ |W|^T
-    magnitude = np.abs(x.reshape(-1, x.shape[-1])).astype(np.float64) @ np.abs(dequantize(w, Q4_K)).T
+    magnitude = np.abs(x.reshape(-1, x.shape[-1])).astype(np.float64) @ np.abs(dequantize(w, kind)).T
     bound = 2e-6 * (magnitude.reshape(ref.shape) + (np.abs(bias) if bias is not None else 0)) + 1e-30
     err = np.abs(y - ref)
     assert (err <= bound).all(), f"{float((err / bound).max()):.3g} of the bound"
@@ -120,37 +171,41 @@ def _check(w, x, bias=None, threads=2):
 # decode's one row, passes of 12 (VNNI) or 6 rows and their remainders, items of 32 rows and 2 groups, ragged both
 @pytest.mark.parametrize("t, n, superblocks", [(1, 16, 1), (1, 48, 8), (3, 32, 2), (13, 16, 3), (37, 80, 2),
                                                (70, 16, 1)])
-def test_kernel_matches_spec(t, n, superblocks):
+@pytest.mark.parametrize("kind", KINDS, ids=lambda k: k.name)
+def test_kernel_matches_spec(kind, t, n, superblocks):
     rng = np.random.default_rng(t * 100 + n)
-    w = q4_k(n, superblocks, seed=t + n)
+    w = blocks_of(kind, n, superblocks, seed=t + n)
     x = rng.standard_normal((t, 256 * superblocks)).astype(np.float32)
     x[:, 5] *= 30  # an outlier channel: its block's step is coarse
     if t > 2:
         x[1] = 0  # an all-zero row: step 0
     bias = rng.standard_normal(n).astype(np.float32) if t % 2 else None
-    assert _check(w, x, bias).shape == (t, n)
+    assert _check(w, x, bias, kind=kind).shape == (t, n)
 
 
-def test_kernel_at_a_1b_shape_k():
+@pytest.mark.parametrize("kind", KINDS, ids=lambda k: k.name)
+def test_kernel_at_a_1b_shape_k(kind):
     rng = np.random.default_rng(11)
-    _check(q4_k(32, 8, seed=11), rng.standard_normal((6, 2048)).astype(np.float32))
+    _check(blocks_of(kind, 32, 8, seed=11), rng.standard_normal((6, 2048)).astype(np.float32), kind=kind)
 
 
-def test_every_row_has_the_bits_of_the_row_alone_at_every_thread_count_and_rank_3():
+@pytest.mark.parametrize("kind", KINDS, ids=lambda k: k.name)
+def test_every_row_has_the_bits_of_the_row_alone_at_every_thread_count_and_rank_3(kind):
     """Decode (one row) against speculative verification and batches: the same bits for every row, in any pass and
     at any place in it, on one thread or two."""
     rng = np.random.default_rng(6)
-    w = q4_k(48, 2, seed=6)
+    w = blocks_of(kind, 48, 2, seed=6)
     x = rng.standard_normal((37, 512)).astype(np.float32)
     x[:, 3] *= 20
-    s = session(make_single_op_model(w, Q4_K, rng.standard_normal(48).astype(np.float32), int8_activations=True,
+    s = session(make_single_op_model(w, kind, rng.standard_normal(48).astype(np.float32), int8_activations=True,
                                      layout="records"))
     batch = s.run(None, {"x": x})[0]
     alone = np.concatenate([s.run(None, {"x": x[t:t + 1]})[0] for t in range(len(x))])
     np.testing.assert_array_equal(batch, alone)
     np.testing.assert_array_equal(s.run(None, {"x": x[5:16]})[0], batch[5:16])
     x3 = x[:36].reshape(4, 9, 512)
-    np.testing.assert_array_equal(run_kernel(w, x3, threads=1).reshape(36, 48), run_kernel(w, x[:36], threads=2))
+    np.testing.assert_array_equal(run_kernel(w, x3, threads=1, kind=kind).reshape(36, 48),
+                                  run_kernel(w, x[:36], threads=2, kind=kind))
 
 
 def _model_with(attribute: str, value, w=None):
@@ -167,8 +222,10 @@ def test_kernel_names_what_it_refuses():
     x = np.zeros((1, 256), np.float32)
     with pytest.raises(Exception, match='layout must be "blocks" or "records", got "tiles"'):
         session(_model_with("layout", "tiles")).run(None, {"x": x})
-    with pytest.raises(Exception, match="records\" is Q4_K's .* got ggml_type 14"):
-        session(_model_with("ggml_type", 14)).run(None, {"x": x})
+    with pytest.raises(Exception, match="records\" is Q4_K's or Q6_K's .* got ggml_type 13"):
+        session(_model_with("ggml_type", 13)).run(None, {"x": x})
+    with pytest.raises(Exception, match=r"w must be uint8 Q6_K records \[N / 16, K / 256, 3392\], got \[1, 1, 2368\]"):
+        session(_model_with("ggml_type", 14)).run(None, {"x": x})  # Q4_K's records read as Q6_K's
     with pytest.raises(Exception, match="int8_activations 0"):
         session(_model_with("int8_activations", 0)).run(None, {"x": x})
 
@@ -200,14 +257,17 @@ def _graph_of(blocks: dict[str, tuple[np.ndarray, int, int]]) -> ir.Model:
 def test_the_build_pass_packs_only_what_the_kernel_takes():
     from kiln.optimize.pack_gguf_records import pack_gguf_records
 
-    q6 = random_blocks(np.random.default_rng(1), GgmlType.Q6_K, 16, 256)
+    q6 = blocks_of(Q6_K, 16, 1, seed=1)
+    q5 = random_blocks(np.random.default_rng(2), GgmlType.Q5_K, 16, 256)
     model = _graph_of({"a": (q4_k(32, 1), Q4_K, 1), "odd": (q4_k(24, 1), Q4_K, 1), "float": (q4_k(16, 1), Q4_K, 0),
-                       "q6": (q6, GgmlType.Q6_K, 1)})
-    assert pack_gguf_records(model) == 1
+                       "q6": (q6, Q6_K, 1), "q5": (q5, GgmlType.Q5_K, 1)})
+    assert pack_gguf_records(model) == 2
     layouts = {n.name: n.attributes.get("layout") for n in model.graph}
-    assert layouts["a.MatMulGGUF"] is not None and layouts["a.MatMulGGUF"].as_string() == "records"
-    assert all(layouts[f"{name}.MatMulGGUF"] is None for name in ("odd", "float", "q6"))
+    for name in ("a", "q6"):
+        assert layouts[f"{name}.MatMulGGUF"] is not None and layouts[f"{name}.MatMulGGUF"].as_string() == "records"
+    assert all(layouts[f"{name}.MatMulGGUF"] is None for name in ("odd", "float", "q5"))
     inits = model.graph.initializers
     assert "a" not in inits and "a.records" in inits  # the blocks go as their records come
     np.testing.assert_array_equal(inits["a.records"].const_value.numpy(), pack_q4_k_records(q4_k(32, 1)))
+    np.testing.assert_array_equal(inits["q6.records"].const_value.numpy(), pack_q6_k_records(q6))
     assert pack_gguf_records(model) == 0  # records stay records
