@@ -11,6 +11,11 @@ Attributes (beside top_k and norm_topk_prob)
                                   Q5_K, Q6_K); a Q4_K_M file's experts are Q4_K gate/up and Q4_K or Q6_K down by layer
   int8_activations                int, optional (absent: 1): as kiln.MatMulGGUF's. 1: int8 activations, types with
                                   an int8 kernel only (Q4_0, Q8_0, Q4_K, Q5_K, Q6_K); 0: float32 activations
+  layout                          string, optional (absent: "blocks"): "records" (int8 activations; gate and up of
+                                  one type and down, each Q4_K or Q6_K; F and D multiples of 256 and 16) holds each
+                                  expert's kiln.MatMulGGUF records (kiln/gguf_records.py), expert after expert:
+                                  gate_up uint8 [E, 2F / 16, D / 256, record bytes] (gate's groups, then up's),
+                                  down uint8 [E, D / 16, F / 256, record bytes]; op-library ABI 12
 No gate_up_dm / down_dm inputs.
 
 Per row the routing is moe_ref's; each chosen expert's projections are kiln.MatMulGGUF's arithmetic. With int8
@@ -19,7 +24,8 @@ silu(gate) * up in float32 for down; the kernel sums each projection in float32 
 the down projection's int8 inputs are rounded from float32 values the kernel computed with float32 sums, so the two
 agree within float32 rounding (an element within rounding of a half int8 step can land one step away, as for the
 Q4_1 experts: kiln/moe.py says what that costs). With float32 activations (`matmul_gguf_ref`, `gguf-exact`) each
-projection is x @ dequantize(W)^T: the file's weights, to float32 rounding.
+projection is x @ dequantize(W)^T: the file's weights, to float32 rounding. With records each projection is
+`matmul_records_ref` (activations per block of 32, as the dense `gguf` engines' records).
 """
 
 from __future__ import annotations
@@ -32,6 +38,8 @@ import numpy as np
 from kiln.contract import OP_DOMAIN
 from kiln.gguf_blocks import GgmlType, dequantize, row_bytes
 from kiln.gguf_int8 import INT8_KINDS, matmul_gguf_int8_ref
+from kiln.gguf_records import BLOCKS, GROUP, LAYOUT, RECORD_KINDS, RECORDS, SUPER, matmul_records_ref, pack_records, \
+    unpack_records
 from kiln.matmul_gguf import INT8_ATTRIBUTE, matmul_gguf_ref
 from kiln.moe import OP_TYPE, OP_VERSION, check_moe_shapes, route_ref
 from kiln.op_models import single_node_model
@@ -123,11 +131,38 @@ def gguf_experts(gate: np.ndarray, up: np.ndarray, down: np.ndarray, types: tupl
     return GgufExperts(gate_up, np.ascontiguousarray(down), gate_kind, up_kind, down_kind)
 
 
+def records_packable(types: tuple[int, int, int], int8_activations: bool, d: int, f: int) -> bool:
+    """Whether GGUF experts of these types and dims may be held as records (layout "records")."""
+    gate, up, down = (GgmlType(int(t)) for t in types)
+    return (int8_activations and gate == up and gate in RECORD_KINDS and down in RECORD_KINDS
+            and d % SUPER == 0 and f % SUPER == 0 and d % GROUP == 0 and f % GROUP == 0)
+
+
+def experts_to_records(gate_up: np.ndarray, down: np.ndarray, types: tuple[int, int, int]) -> tuple[np.ndarray,
+                                                                                                     np.ndarray]:
+    """The op's blocks (gate_up [E, 2F, row bytes], down [E, D, row bytes]) as its records, expert by expert."""
+    gate_kind, _, down_kind = types
+    return (np.stack([pack_records(expert, gate_kind) for expert in gate_up]),
+            np.stack([pack_records(expert, down_kind) for expert in down]))
+
+
+def experts_from_records(gate_up: np.ndarray, down: np.ndarray, types: tuple[int, int, int]) -> tuple[np.ndarray,
+                                                                                                       np.ndarray]:
+    """The op's records back as its blocks, the file's bytes bit for bit."""
+    gate_kind, _, down_kind = types
+    return (np.stack([unpack_records(expert, gate_kind) for expert in gate_up]),
+            np.stack([unpack_records(expert, down_kind) for expert in down]))
+
+
+def _records_matmul(x: np.ndarray, w: np.ndarray, kind: int) -> np.ndarray:
+    return matmul_records_ref(x, pack_records(w, kind), kind)
+
+
 def moe_gguf_ref(x: np.ndarray, router: np.ndarray, experts: GgufExperts, *, top_k: int, norm_topk_prob: bool,
-                 int8_activations: bool = True) -> np.ndarray:
-    """The op's output for GGUF experts: each projection kiln.MatMulGGUF's arithmetic on that activation path;
-    float32 [..., D]."""
-    matmul = matmul_gguf_int8_ref if int8_activations else matmul_gguf_ref
+                 int8_activations: bool = True, layout: str = BLOCKS) -> np.ndarray:
+    """The op's output for GGUF experts: each projection kiln.MatMulGGUF's arithmetic on that activation path and
+    layout (records: `matmul_records_ref`); float32 [..., D]."""
+    matmul = _records_matmul if layout == RECORDS else matmul_gguf_int8_ref if int8_activations else matmul_gguf_ref
     x = np.asarray(x, np.float32)
     e, d, f = experts.dims
     shapes = (np.broadcast_to(np.float32(0), (e, 2 * f, d)), np.broadcast_to(np.float32(0), (e, d, f)))  # no memory
@@ -147,10 +182,10 @@ def moe_gguf_ref(x: np.ndarray, router: np.ndarray, experts: GgufExperts, *, top
 
 
 def make_single_op_model(top_k: int, norm_topk_prob: bool, types: tuple[int, int, int], rank: int = 2,
-                         int8_activations: bool | None = None) -> ModelProto:
+                         int8_activations: bool | None = None, layout: str = BLOCKS) -> ModelProto:
     """A one-node ONNX model y = kiln.MoE(x, router, gate_up, down) with GGUF experts of these (gate, up, down) types
-    (int8_activations None: the attribute absent), every input a graph input with symbolic dims; for tests and
-    benchmarks."""
+    (int8_activations None: the attribute absent) in `layout`, every input a graph input with symbolic dims; for
+    tests and benchmarks."""
     from onnx import TensorProto, helper  # compile-time dependency only
 
     lead = [f"t{i}" for i in range(rank - 1)]
@@ -159,9 +194,14 @@ def make_single_op_model(top_k: int, norm_topk_prob: bool, types: tuple[int, int
     node.attribute.extend(helper.make_attribute(name, int(t)) for name, t in zip(TYPE_ATTRIBUTES, types, strict=True))
     if int8_activations is not None:
         node.attribute.append(helper.make_attribute(INT8_ATTRIBUTE, int(int8_activations)))
+    records = layout == RECORDS
+    if records:
+        node.attribute.append(helper.make_attribute(LAYOUT, RECORDS))
     inputs = [helper.make_tensor_value_info("x", TensorProto.FLOAT, [*lead, "D"]),
               helper.make_tensor_value_info("router", TensorProto.FLOAT, ["E", "D"]),
-              helper.make_tensor_value_info("gate_up", TensorProto.UINT8, ["E", "F2", "Bg"]),
-              helper.make_tensor_value_info("down", TensorProto.UINT8, ["E", "D", "Bd"])]
+              helper.make_tensor_value_info("gate_up", TensorProto.UINT8,
+                                            ["E", "G2", "Sd", "Rg"] if records else ["E", "F2", "Bg"]),
+              helper.make_tensor_value_info("down", TensorProto.UINT8,
+                                            ["E", "Gd", "Sf", "Rd"] if records else ["E", "D", "Bd"])]
     outputs = [helper.make_tensor_value_info("y", TensorProto.FLOAT, [*lead, "D"])]
     return single_node_model(node, "moe_gguf", inputs, outputs, OP_VERSION)

@@ -100,7 +100,7 @@ def unpack_q4_1_records(graph: onnx.GraphProto, source_dir: Path, dense: bool = 
         weights = Q4_1Weights.unpack_records(reader.array(node.input[1]), reader.array(node.input[2]))
         blocks[node.input[1]], blocks[node.input[2]] = weights.pack()
     moe_nodes = [n for n in graph.node if n.op_type == moe.OP_TYPE and n.domain == OP_DOMAIN
-                 and node_layout(n) == RECORDS]
+                 and node_layout(n) == RECORDS and len(n.input) == 6]  # Q4_1 experts (GGUF ones have no dm inputs)
     for node in moe_nodes:
         for w in (2, 3):
             blocks[node.input[w]], blocks[node.input[w + 2]] = moe.q4_1_experts_from_records(

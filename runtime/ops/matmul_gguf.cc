@@ -30,8 +30,7 @@
 #include "matmul_gguf.h"
 #include "matmul_gguf_int8.h"
 #include "parallel_for.h"
-#include "q4_k_records.h"
-#include "q6_k_records.h"
+#include "gguf_records.h"
 #include "shape_text.h"
 #include "simd.h"
 #include "weight_layout.h"
@@ -407,18 +406,17 @@ struct MatMulGGUF {
   // Q4_K / Q6_K records (kiln/gguf_records.py): w [N / 16, K / 256, record bytes], kiln.MatMulQ4_1's tile on them.
   void run_records(OrtKernelContext* ctx, const Ort::Custom::Tensor<float>& x, const Ort::Custom::Tensor<uint8_t>& w,
                    const Ort::Custom::Tensor<float>* bias, Ort::Custom::Tensor<float>& y) const {
-    if ((ggml_type_ != 12 && ggml_type_ != 14) || int8_activations_ != 1)
+    const int64_t record_bytes = gguf_records::record_bytes(ggml_type_);
+    if (record_bytes == 0 || int8_activations_ != 1)
       fail_gguf("layout \"records\" is Q4_K's or Q6_K's (ggml_type 12, 14) with int8_activations = 1, got "
                 "ggml_type " + std::to_string(ggml_type_) + " and int8_activations " + std::to_string(int8_activations_));
-    const bool q4_k = ggml_type_ == 12;
-    const int64_t record_bytes = q4_k ? q4_k::kRecordBytes : q6_k::kRecordBytes;
-    const char* name = q4_k ? "Q4_K" : "Q6_K";
+    const char* name = ggml_type_ == gguf_records::kQ4_K ? "Q4_K" : "Q6_K";
     const std::vector<int64_t>& ws = w.Shape();
     std::vector<int64_t> xs = x.Shape();
     if (ws.size() != 3 || ws[0] <= 0 || ws[1] <= 0 || ws[2] != record_bytes)
       fail_gguf(std::string("w must be uint8 ") + name + " records [N / 16, K / 256, " + std::to_string(record_bytes) +
                 "], got " + shape_text(ws));
-    const int64_t N = ws[0] * q4_1::kGroup, K = ws[1] * 256;
+    const int64_t N = ws[0] * q4_1::kGroup, K = ws[1] * gguf_records::kSuperBlock;
     if (xs.empty() || xs.back() != K)
       fail_gguf("x must be [..., K = " + std::to_string(K) + "] for " + name + " records " + shape_text(ws) +
                 ", got " + shape_text(xs));
@@ -428,9 +426,7 @@ struct MatMulGGUF {
     xs.back() = N;
     float* out = y.Allocate(xs);
     if (T == 0) return;
-    const float* b = bias ? bias->Data() : nullptr;
-    if (q4_k) q4_1::multiply<q4_k::Format>(ctx, w.Data(), ws[1] * record_bytes, x.Data(), b, out, T, N, K);
-    else q4_1::multiply<q6_k::Format>(ctx, w.Data(), ws[1] * record_bytes, x.Data(), b, out, T, N, K);
+    gguf_records::multiply(ctx, ggml_type_, w.Data(), x.Data(), bias ? bias->Data() : nullptr, out, T, N, K);
   }
 
   int64_t ggml_type_ = -1;

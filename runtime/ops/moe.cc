@@ -383,8 +383,9 @@ struct MoE {
     layout_ = read_layout(ki);
     if constexpr (kQ4) {
       gguf_ = gguf_types(ki, gguf_types_);
-      if (gguf_ && layout_ == Layout::kRecords) fail_moe("layout \"records\" is for Q4_1 experts, not GGUF ones");
       if (gguf_) gguf_int8_ = gguf_int8_activations(ki);
+      if (gguf_ && layout_ == Layout::kRecords && !gguf_int8_)
+        fail_moe("layout \"records\" holds GGUF experts for int8 activations; this node has int8_activations = 0");
       else if (layout_ == Layout::kBlocks) pack_constant_experts(ki, gate_up_, down_);
     } else if (layout_ == Layout::kRecords) {
       fail_moe("layout \"records\" is for Q4_1 experts (uint8), not float32 ones");
@@ -404,9 +405,15 @@ struct MoE {
           d = check_routing(x.Shape(), router.Shape(), top_k_);
           if (gate_up.Shape().empty() || gate_up.Shape()[0] != d.E)
             fail_moe("gate_up must be [E=" + std::to_string(d.E) + ", 2F, row bytes], got " + shape_text(gate_up.Shape()));
-          experts.gguf = moe::checked_gguf_experts(gguf_types_, gguf_int8_, gate_up.Data(), gate_up.Shape(),
-                                                   down.Data(), down.Shape(), d.D);
-          d.F = gate_up.Shape()[1] / 2;
+          if (layout_ == Layout::kRecords) {
+            experts.gguf = moe::checked_gguf_expert_records(gguf_types_, gate_up.Data(), gate_up.Shape(), down.Data(),
+                                                            down.Shape(), d.D);
+            d.F = experts.gguf->gate.rows;
+          } else {
+            experts.gguf = moe::checked_gguf_experts(gguf_types_, gguf_int8_, gate_up.Data(), gate_up.Shape(),
+                                                     down.Data(), down.Shape(), d.D);
+            d.F = gate_up.Shape()[1] / 2;
+          }
         } else if (layout_ == Layout::kRecords) {
           d = check_records_shapes(x.Shape(), router.Shape(), gate_up.Shape(), down.Shape(), gate_up_dm, down_dm,
                                    top_k_);

@@ -81,10 +81,12 @@ struct GgufStack {
 };
 
 // GGUF experts: gate and up [E, F, D] (the op's gate_up rows [0, F) and [F, 2F)), down [E, D, F], and the
-// activations' path (int8: kiln.MatMulGGUF's int8_activations = 1; else its float32 one).
+// activations' path (int8: kiln.MatMulGGUF's int8_activations = 1; else its float32 one). As records (layout
+// "records": kiln.MatMulGGUF's, each expert's after the other's) a stack's `stride` is a group of 16 channels' bytes
+// and gate and up are the first and last F / 16 groups of each expert's gate_up records.
 struct GgufExperts {
   GgufStack gate, up, down;
-  bool int8 = true;
+  bool int8 = true, records = false;
 };
 
 // The op's gate_up [E, 2F, gate_up_bytes] and down [E, D, down_bytes] with the node's ggml types, checked (each type
@@ -93,6 +95,12 @@ struct GgufExperts {
 GgufExperts checked_gguf_experts(const int64_t types[3], bool int8_activations, const uint8_t* gate_up,
                                  const std::vector<int64_t>& gate_up_shape, const uint8_t* down,
                                  const std::vector<int64_t>& down_shape, int64_t D);
+
+// The op's records gate_up [E, 2F / 16, D / 256, gate record bytes] and down [E, D / 16, F / 256, down record bytes]
+// (gate and up one type; each type one with records), checked likewise.
+GgufExperts checked_gguf_expert_records(const int64_t types[3], const uint8_t* gate_up,
+                                        const std::vector<int64_t>& gate_up_shape, const uint8_t* down,
+                                        const std::vector<int64_t>& down_shape, int64_t D);
 
 // expert_out [T * top_k, D] = each grouped row's expert (g) applied to its token of x [T, D], each projection with
 // kiln.MatMulGGUF's arithmetic on the experts' activation path (kiln/gguf_int8.py or kiln/matmul_gguf.py).

@@ -1,5 +1,5 @@
 // kiln.MoE's GGUF experts: kiln.MatMulGGUF's int8 arithmetic (matmul_gguf_int8.h) over each expert's grouped rows,
-// on the file's blocks as they are (no repacking).
+// on the file's blocks as they are (no repacking), or its records' (gguf_records.h) on records an engine stores.
 //
 // The tokens are quantized once each for gate and up (once in all when the two types share an activation layout),
 // then copied, as int8, into the grouped order; silu(gate) * up is quantized once per grouped row for down. Work items
@@ -16,6 +16,7 @@
 #include <string>
 #include <vector>
 
+#include "gguf_records.h"
 #include "matmul_gguf.h"
 #include "matmul_gguf_int8.h"
 #include "moe_experts.h"
@@ -114,7 +115,64 @@ GgufExperts checked_gguf_experts(const int64_t types[3], bool int8_activations, 
   return x;
 }
 
+GgufExperts checked_gguf_expert_records(const int64_t types[3], const uint8_t* gate_up,
+                                        const std::vector<int64_t>& gate_up_shape, const uint8_t* down,
+                                        const std::vector<int64_t>& down_shape, int64_t D) {
+  const int64_t gate_bytes = gguf_records::record_bytes(types[0]), down_bytes = gguf_records::record_bytes(types[2]);
+  if (gate_bytes == 0 || types[1] != types[0] || down_bytes == 0)
+    fail("layout \"records\" holds GGUF experts of Q4_K or Q6_K (12, 14), gate and up of one type; got gate_type " +
+         std::to_string(types[0]) + ", up_type " + std::to_string(types[1]) + ", down_type " +
+         std::to_string(types[2]));
+  constexpr int64_t kGroup = q4_1::kGroup, kSuper = gguf_records::kSuperBlock;
+  if (gate_up_shape.size() != 4 || gate_up_shape[1] % 2 != 0 || gate_up_shape[3] != gate_bytes ||
+      D % kSuper != 0 || gate_up_shape[2] != D / kSuper)
+    fail("GGUF gate_up records must be [E, 2F / 16, D / 256 = " + std::to_string(D / kSuper) + ", " +
+         std::to_string(gate_bytes) + "], got " + shape_text(gate_up_shape));
+  const int64_t E = gate_up_shape[0], F = gate_up_shape[1] / 2 * kGroup;
+  const std::vector<int64_t> want_down{E, D / kGroup, F / kSuper, down_bytes};
+  if (F % kSuper != 0 || D % kGroup != 0 || down_shape != want_down)
+    fail("GGUF down records must be " + shape_text(want_down) + " for F = " + std::to_string(F) + " (a multiple of " +
+         "256) and D = " + std::to_string(D) + ", got " + shape_text(down_shape));
+  const int64_t gate_group = D / kSuper * gate_bytes, down_group = F / kSuper * down_bytes;
+  GgufExperts x;
+  x.gate = {gate_up, types[0], F, gate_group, 2 * F / kGroup * gate_group};
+  x.up = {gate_up + F / kGroup * gate_group, types[1], F, gate_group, 2 * F / kGroup * gate_group};
+  x.down = {down, types[2], D, down_group, D / kGroup * down_group};
+  x.int8 = x.records = true;
+  return x;
+}
+
 namespace {
+
+// The records' activations (kiln/gguf_records.py): the tokens quantized per block of 32 once for gate and up, then
+// copied into the grouped order; silu(gate) * up once per grouped row for down.
+struct RecordsPath {
+  q4_1::Int8Rows grouped, down_q;
+
+  RecordsPath(OrtKernelContext* ctx, const Groups& g, const float* x, int64_t T, const GgufExperts& experts) {
+    const int64_t D = experts.down.rows;
+    q4_1::Int8Rows once;
+    q4_1::quantize_rows(ctx, T, D, gguf_records::needs_sums16(experts.gate.type), [&](size_t t) { return x + t * D; },
+                        once);
+    q4_1::gather_rows(once, g.token, grouped);
+  }
+  // channels a work item: whole groups of 16, about kItemBytes of the stacks' records
+  static int64_t item_channels(const GgufStack& s, int64_t stacks) {
+    const int64_t per = kItemBytes / std::max<int64_t>(1, stacks * s.stride) * q4_1::kGroup;
+    return std::max<int64_t>(q4_1::kGroup, per);
+  }
+  void prepare_down(OrtKernelContext* ctx, const GgufStack& down, const std::vector<float>& act, int64_t n_rows,
+                    int64_t F) {
+    q4_1::quantize_rows(ctx, n_rows, F, gguf_records::needs_sums16(down.type),
+                        [&](size_t t) { return act.data() + t * F; }, down_q);
+  }
+  void project(Projection which, const GgufStack& s, const GgufMatmul& m, const Item& it, int64_t first,
+               int64_t last) const {
+    const q4_1::Int8Rows& a = which == Projection::kDown ? down_q : grouped;
+    const q4_1::Problem p{s.w + it.expert * s.expert_bytes, nullptr, &a, m.y, s.rows, a.nb, s.stride};
+    gguf_records::run_item(s.type, p, it.u0 / q4_1::kLanes, it.u1 / q4_1::kLanes, first, last);
+  }
+};
 
 // The int8 path's activations (kiln/gguf_int8.py): the tokens quantized once for gate and up (once in all when
 // their layouts share a block), silu(gate) * up once per grouped row for down.
@@ -137,6 +195,7 @@ struct Int8Path {
     for (int64_t i = 0; i < n_rows; ++i) rows[i] = act.data() + i * F;
     gguf_int8::quantize_rows(ctx, gguf_int8::layout_of(down.type), rows.data(), n_rows, F, down_q);
   }
+  static int64_t item_channels(const GgufStack& s, int64_t stacks) { return channels_per_item(stacks * s.stride); }
   void project(Projection which, const GgufStack& s, const GgufMatmul& m, const Item& it, int64_t first,
                int64_t last) const {
     const Int8Rows& a = which == Projection::kDown ? down_q : which == Projection::kUp && !shared ? up_own : gate_q;
@@ -162,6 +221,7 @@ struct FloatPath {
     act = activations.data();
     down_sums = gguf_float::row_sums_for(down.type, act, n_rows, F);
   }
+  static int64_t item_channels(const GgufStack& s, int64_t stacks) { return channels_per_item(stacks * s.stride); }
   void project(Projection which, const GgufStack& s, GgufMatmul m, const Item& it, int64_t first,
                int64_t last) const {
     m.x = which == Projection::kDown ? act : rows.data();
@@ -178,7 +238,7 @@ void run_phases(OrtKernelContext* ctx, const Groups& g, const GgufExperts& exper
   const GgufStack &gate = experts.gate, &up = experts.up, &down = experts.down;
   const int64_t n_rows = static_cast<int64_t>(g.token.size()), F = gate.rows, D = down.rows;
   std::vector<float> gate_out(n_rows * F), up_out(n_rows * F), act(n_rows * F);
-  std::vector<Item> items = items_over(g, F, channels_per_item(2 * gate.stride));  // a gate and an up row a channel
+  std::vector<Item> items = items_over(g, F, Path::item_channels(gate, 2));  // a gate and an up row a channel
   auto gate_up_item = [&](size_t i) {
     const Item& it = items[i];
     const int64_t first = g.start[it.expert], last = g.start[it.expert + 1];
@@ -190,7 +250,7 @@ void run_phases(OrtKernelContext* ctx, const Groups& g, const GgufExperts& exper
   parallel_for(ctx, items.size(), gate_up_item);
 
   path.prepare_down(ctx, down, act, n_rows, F);
-  items = items_over(g, D, channels_per_item(down.stride));
+  items = items_over(g, D, Path::item_channels(down, 1));
   auto down_item = [&](size_t i) {
     const Item& it = items[i];
     path.project(Projection::kDown, down, expert_matmul(down, it.expert, F, n_rows, expert_out), it,
@@ -203,7 +263,10 @@ void run_phases(OrtKernelContext* ctx, const Groups& g, const GgufExperts& exper
 
 void run_gguf_experts(OrtKernelContext* ctx, const Groups& g, const float* x, int64_t T, const GgufExperts& experts,
                       float* expert_out) {
-  if (experts.int8) {
+  if (experts.records) {
+    RecordsPath path(ctx, g, x, T, experts);
+    run_phases(ctx, g, experts, path, expert_out);
+  } else if (experts.int8) {
     Int8Path path(ctx, g, x, T, experts);
     run_phases(ctx, g, experts, path, expert_out);
   } else {

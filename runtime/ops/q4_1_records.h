@@ -367,23 +367,46 @@ constexpr int64_t kParallelQuantize = 1 << 15;  // activation elements from whic
 
 // y [T, N] = the op's x [T, K] times records w (groups of `group_bytes` each) in `Format`: the rows quantized per
 // block of 32, then work items of channel groups x rows on ONNX Runtime's intra-op threads.
+// out = rows row(0) .. row(T - 1) (each K floats) quantized per block of 32, with their 16-sums when asked;
+// rows in parallel where there are many values.
+template <class RowFn>
+void quantize_rows(OrtKernelContext* ctx, int64_t T, int64_t K, bool with_sums16, RowFn&& row, Int8Rows& out) {
+  const int64_t nb = K / kBlock;
+  out.reset(T, K, nb, with_sums16);
+  auto quantize = [&](size_t t) {
+    quantize_row(row(t), nb, out.q.data() + t * K, out.step.data() + t * nb, out.sum.data() + t * nb,
+                 out.centred_error.data() + t * nb);
+    if (with_sums16) sums_of_16(out.q.data() + t * K, K, out.sums16.data() + t * (K / 16));
+  };
+  if (T * K >= kParallelQuantize) parallel_for(ctx, T, quantize);
+  else for (int64_t t = 0; t < static_cast<int64_t>(T); ++t) quantize(t);
+}
+
+// dst's row i = src's row index[i] (quantized rows copied, not quantized again).
+inline void gather_rows(const Int8Rows& src, const std::vector<int64_t>& index, Int8Rows& dst) {
+  const int64_t n = static_cast<int64_t>(index.size()), K = src.K, nb = src.nb, s16 = src.sums16.empty() ? 0 : K / 16;
+  dst.reset(n, K, nb, s16 != 0);
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t t = index[i];
+    std::memcpy(dst.q.data() + i * K, src.q.data() + t * K, K);
+    std::copy_n(src.step.data() + t * nb, nb, dst.step.data() + i * nb);
+    std::copy_n(src.sum.data() + t * nb, nb, dst.sum.data() + i * nb);
+    std::copy_n(src.centred_error.data() + t * nb, nb, dst.centred_error.data() + i * nb);
+    std::copy_n(src.sums16.data() + t * s16, s16, dst.sums16.data() + i * s16);
+  }
+}
+
+// y [T, N] = the op's x [T, K] times records w (groups of `group_bytes` each) in `Format`: the rows quantized per
+// block of 32, then work items of channel groups x rows on ONNX Runtime's intra-op threads.
 template <class Format>
 void multiply(OrtKernelContext* ctx, const uint8_t* w, int64_t group_bytes, const float* x, const float* bias,
               float* y, int64_t T, int64_t N, int64_t K) {
-  const int64_t nb = K / kBlock;
   thread_local Int8Rows scratch;  // decode-sized rows reuse the calling thread's; larger batches allocate their own
   Int8Rows local;
   Int8Rows& rows = T <= kRowsPerItem ? scratch : local;
-  rows.reset(T, K, nb, Format::kSums16);
-  auto quantize = [&](size_t t) {
-    quantize_row(x + t * K, nb, rows.q.data() + t * K, rows.step.data() + t * nb, rows.sum.data() + t * nb,
-                 rows.centred_error.data() + t * nb);
-    if (Format::kSums16) sums_of_16(rows.q.data() + t * K, K, rows.sums16.data() + t * (K / 16));
-  };
-  if (T * K >= kParallelQuantize) parallel_for(ctx, T, quantize);
-  else for (int64_t t = 0; t < T; ++t) quantize(t);
+  quantize_rows(ctx, T, K, Format::kSums16, [&](size_t t) { return x + t * K; }, rows);
 
-  const Problem p{w, bias, &rows, y, N, nb, group_bytes};
+  const Problem p{w, bias, &rows, y, N, K / kBlock, group_bytes};
   const int64_t vectors = (N + kGroup - 1) / kGroup * kVectorsPerGroup;
   const int64_t vectors_per_item = kGroupsPerItem * kVectorsPerGroup;
   const int64_t channel_chunks = (vectors + vectors_per_item - 1) / vectors_per_item;
@@ -395,7 +418,6 @@ void multiply(OrtKernelContext* ctx, const uint8_t* w, int64_t group_bytes, cons
   };
   parallel_for(ctx, static_cast<size_t>(channel_chunks * row_chunks), item);
 }
-
 
 }  // namespace q4_1
 }  // namespace kiln
