@@ -57,7 +57,7 @@ from kiln.matmul_q4_1 import CENTRE, GROUP, quantize_activations
 
 LAYOUT = "layout"  # the attribute, as kiln.MatMulQ4_1's
 BLOCKS = "blocks"  # w [N, row bytes]: the file's bytes; the default
-RECORDS = "records"  # w [N / 16, K / 256, 2368]
+RECORDS = "records"  # w [N / 16, K / 256, 2368 (Q4_K) or 3392 (Q6_K)]
 LAYOUTS = (BLOCKS, RECORDS)
 SUPER = 256  # inputs per Q4_K superblock
 SUBS = 8  # blocks of 32 a superblock
@@ -88,19 +88,26 @@ def can_pack(kind: int, int8_activations: bool, n: int) -> bool:
 
 def pack_records(blocks: np.ndarray, kind: int) -> np.ndarray:
     """A matrix of Q4_K or Q6_K blocks as the file holds them -> its records."""
-    return pack_q4_k_records(blocks) if GgmlType(kind) == GgmlType.Q4_K else pack_q6_k_records(blocks)
+    return pack_q4_k_records(blocks) if _record_kind(kind) == GgmlType.Q4_K else pack_q6_k_records(blocks)
 
 
 def unpack_records(records: np.ndarray, kind: int) -> np.ndarray:
     """The records' matrix as the file holds it, bit for bit."""
-    return unpack_q4_k_records(records) if GgmlType(kind) == GgmlType.Q4_K else unpack_q6_k_records(records)
+    return unpack_q4_k_records(records) if _record_kind(kind) == GgmlType.Q4_K else unpack_q6_k_records(records)
 
 
 def matmul_records_ref(x: np.ndarray, records: np.ndarray, kind: int, bias: np.ndarray | None = None) -> np.ndarray:
     """y = x @ W^T of kiln.MatMulGGUF with records of `kind`, float64 sums; float32 [..., N]."""
-    if GgmlType(kind) == GgmlType.Q4_K:
+    if _record_kind(kind) == GgmlType.Q4_K:
         return matmul_q4_k_records_ref(x, records, bias)
     return matmul_q6_k_records_ref(x, records, bias)
+
+
+def _record_kind(kind: int) -> GgmlType:
+    if kind not in RECORD_KINDS:
+        names = ", ".join(k.name for k in RECORD_KINDS)
+        raise ValueError(f"ggml type {kind} has no records layout; records hold {names}")
+    return GgmlType(kind)
 
 
 def pack_q4_k_records(blocks: np.ndarray) -> np.ndarray:

@@ -409,7 +409,8 @@ struct MatMulGGUF {
     const int64_t record_bytes = gguf_records::record_bytes(ggml_type_);
     if (record_bytes == 0 || int8_activations_ != 1)
       fail_gguf("layout \"records\" is Q4_K's or Q6_K's (ggml_type 12, 14) with int8_activations = 1, got "
-                "ggml_type " + std::to_string(ggml_type_) + " and int8_activations " + std::to_string(int8_activations_));
+                "ggml_type " + std::to_string(ggml_type_) + " and int8_activations " +
+                std::to_string(int8_activations_));
     const char* name = ggml_type_ == gguf_records::kQ4_K ? "Q4_K" : "Q6_K";
     const std::vector<int64_t>& ws = w.Shape();
     std::vector<int64_t> xs = x.Shape();

@@ -170,11 +170,16 @@ inline VF load_i8(const uint8_t* p) {
   return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
 }
 inline VF mul(VF a, VF b) { return _mm512_mul_ps(a, b); }
-inline VF negate(VF a) { return _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(a), _mm512_set1_epi32(INT32_MIN))); }
+inline VF negate(VF a) {
+  return _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(a), _mm512_set1_epi32(INT32_MIN)));
+}
 inline VI sub_i(VI a, int32_t b) { return _mm512_sub_epi32(a, _mm512_set1_epi32(b)); }
 inline VI or_i(VI a, VI b) { return _mm512_or_si512(a, b); }
-inline VI high_bits(VI h, int shift) {  // per byte: bits (shift - 4 .. shift - 3) of h moved to bits 4..5 (16-bit shifts)
-  const VI moved = shift >= 0 ? _mm512_slli_epi16(h, static_cast<unsigned>(shift)) : _mm512_srli_epi16(h, static_cast<unsigned>(-shift));
+// per byte of h: its 2 bits at 4 - shift moved to bits 4..5, the rest 0 (16-bit shifts: the mask drops what
+// crossed from the neighbouring byte)
+inline VI high_bits(VI h, int shift) {
+  const VI moved = shift >= 0 ? _mm512_slli_epi16(h, static_cast<unsigned>(shift))
+                              : _mm512_srli_epi16(h, static_cast<unsigned>(-shift));
   return _mm512_and_si512(moved, _mm512_set1_epi8(0x30));
 }
 inline void store_lanes(float* y, VF v, int64_t count) {
@@ -222,7 +227,7 @@ inline VF mul(VF a, VF b) { return _mm256_mul_ps(a, b); }
 inline VF negate(VF a) { return _mm256_xor_ps(a, _mm256_set1_ps(-0.f)); }
 inline VI sub_i(VI a, int32_t b) { return _mm256_sub_epi32(a, _mm256_set1_epi32(b)); }
 inline VI or_i(VI a, VI b) { return _mm256_or_si256(a, b); }
-inline VI high_bits(VI h, int shift) {
+inline VI high_bits(VI h, int shift) {  // as the AVX-512 one
   const VI moved = shift >= 0 ? _mm256_slli_epi16(h, shift) : _mm256_srli_epi16(h, -shift);
   return _mm256_and_si256(moved, _mm256_set1_epi8(0x30));
 }
@@ -365,8 +370,6 @@ constexpr int64_t kGroupsPerItem = 2;   // channel groups per work item (SmolLM2
 constexpr int64_t kRowsPerItem = 32;    // activation rows per work item
 constexpr int64_t kParallelQuantize = 1 << 15;  // activation elements from which quantizing is parallel
 
-// y [T, N] = the op's x [T, K] times records w (groups of `group_bytes` each) in `Format`: the rows quantized per
-// block of 32, then work items of channel groups x rows on ONNX Runtime's intra-op threads.
 // out = rows row(0) .. row(T - 1) (each K floats) quantized per block of 32, with their 16-sums when asked;
 // rows in parallel where there are many values.
 template <class RowFn>
@@ -379,7 +382,7 @@ void quantize_rows(OrtKernelContext* ctx, int64_t T, int64_t K, bool with_sums16
     if (with_sums16) sums_of_16(out.q.data() + t * K, K, out.sums16.data() + t * (K / 16));
   };
   if (T * K >= kParallelQuantize) parallel_for(ctx, T, quantize);
-  else for (int64_t t = 0; t < static_cast<int64_t>(T); ++t) quantize(t);
+  else for (int64_t t = 0; t < T; ++t) quantize(t);
 }
 
 // dst's row i = src's row index[i] (quantized rows copied, not quantized again).
