@@ -38,9 +38,18 @@ import numpy as np
 from kiln.contract import OP_DOMAIN
 from kiln.gguf_blocks import GgmlType, dequantize, row_bytes
 from kiln.gguf_int8 import INT8_KINDS, matmul_gguf_int8_ref
-from kiln.gguf_records import BLOCKS, GROUP, LAYOUT, RECORD_KINDS, RECORDS, SUPER, matmul_records_ref, pack_records, \
-    unpack_records
+from kiln.gguf_records import (
+    BLOCKS,
+    LAYOUT,
+    RECORD_KINDS,
+    RECORDS,
+    SUPER,
+    matmul_records_ref,
+    pack_records,
+    unpack_records,
+)
 from kiln.matmul_gguf import INT8_ATTRIBUTE, matmul_gguf_ref
+from kiln.matmul_q4_1 import GROUP
 from kiln.moe import OP_TYPE, OP_VERSION, check_moe_shapes, route_ref
 from kiln.op_models import single_node_model
 
@@ -158,8 +167,8 @@ def _records_matmul(x: np.ndarray, w: np.ndarray, kind: int) -> np.ndarray:
     return matmul_records_ref(x, pack_records(w, kind), kind)
 
 
-def moe_gguf_ref(x: np.ndarray, router: np.ndarray, experts: GgufExperts, *, top_k: int, norm_topk_prob: bool,
-                 int8_activations: bool = True, layout: str = BLOCKS) -> np.ndarray:
+def moe_gguf_ref(x: np.ndarray, router: np.ndarray, experts: GgufExperts, *, top_k: int,  # noqa: PLR0913 (the op's)
+                 norm_topk_prob: bool, int8_activations: bool = True, layout: str = BLOCKS) -> np.ndarray:
     """The op's output for GGUF experts: each projection kiln.MatMulGGUF's arithmetic on that activation path and
     layout (records: `matmul_records_ref`); float32 [..., D]."""
     matmul = _records_matmul if layout == RECORDS else matmul_gguf_int8_ref if int8_activations else matmul_gguf_ref

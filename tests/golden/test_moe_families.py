@@ -224,9 +224,10 @@ def _float_activations(model: onnx.ModelProto) -> None:
 
 def test_k_quant_moe_gguf_engine_serves_the_files_expert_blocks(tmp_path):
     """`kiln build FILE.gguf` (the default `gguf` scheme) keeps a k-quant MoE file's expert blocks as they are:
-    kiln.MoE's GGUF experts with the file's bytes and types, each layer's own (in kiln.MatMulGGUF's records). Against transformers on the file's
-    dequantized weights the engine differs by its int8 activations alone (every linear's and expert's, as llama.cpp's
-    arithmetic: ~1% of the logits' size, what the dense `gguf` engines differ by too), less than the file's experts
+    kiln.MoE's GGUF experts with the file's bytes and types, each layer's own (in kiln.MatMulGGUF's records).
+    Against transformers on the file's dequantized weights the engine differs by its int8 activations alone (every
+    linear's and expert's: ~1% of the logits' size on average, what the dense `gguf` engines differ by too), less than
+    the file's experts
     re-rounded to Q4_1 differ even with float32 activations, and greedy tokens agree wherever transformers' top two
     logits are further apart than that error; a misplaced block, type or expert would be off by the logits' size.
     The same engine on float32 activations (what `gguf-exact` builds) gives transformers' logits within 1e-3 and its
