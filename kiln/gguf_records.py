@@ -52,7 +52,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from kiln.gguf_blocks import FORMATS, GgmlType, block_integers, q6_k_integers, row_weights
+from kiln.gguf_blocks import FORMATS, BlockIntegers, GgmlType, block_integers, q6_k_integers, row_weights
 from kiln.matmul_q4_1 import CENTRE, GROUP, quantize_activations
 
 LAYOUT = "layout"  # the attribute, as kiln.MatMulQ4_1's
@@ -165,12 +165,7 @@ def unpack_q4_k_records(records: np.ndarray) -> np.ndarray:
 
 def matmul_q4_k_records_ref(x: np.ndarray, records: np.ndarray, bias: np.ndarray | None = None) -> np.ndarray:
     """y = x @ W^T of kiln.MatMulGGUF with Q4_K records (see the module docstring), float64 sums; float32 [..., N]."""
-    blocks = unpack_q4_k_records(records)
-    n, k = blocks.shape[0], row_weights(GgmlType.Q4_K, blocks.shape[1])
-    x = np.asarray(x, dtype=np.float32)
-    if x.shape[-1] != k:
-        raise ValueError(f"x's last dimension {x.shape[-1]} is not the weight's K = {k}")
-    ints = block_integers(blocks, GgmlType.Q4_K)
+    x, ints, n, k = _spec_inputs(x, records, GgmlType.Q4_K)
     assert ints.mins is not None and ints.dmin is not None
     steps = (ints.d[..., None] * ints.scales.astype(np.float32)).astype(np.float32).reshape(n, -1)  # D [N, K / 32]
     mins = (ints.dmin[..., None] * ints.mins.astype(np.float32)).astype(np.float32).reshape(n, -1)  # M
@@ -228,12 +223,7 @@ def unpack_q6_k_records(records: np.ndarray) -> np.ndarray:
 
 def matmul_q6_k_records_ref(x: np.ndarray, records: np.ndarray, bias: np.ndarray | None = None) -> np.ndarray:
     """y = x @ W^T of kiln.MatMulGGUF with Q6_K records (see the module docstring), float64 sums; float32 [..., N]."""
-    blocks = unpack_q6_k_records(records)
-    n, k = blocks.shape[0], row_weights(GgmlType.Q6_K, blocks.shape[1])
-    x = np.asarray(x, dtype=np.float32)
-    if x.shape[-1] != k:
-        raise ValueError(f"x's last dimension {x.shape[-1]} is not the weight's K = {k}")
-    ints = block_integers(blocks, GgmlType.Q6_K)  # q - 32 [N, nb, 16, 16], scales [N, nb, 16], d [N, nb]
+    x, ints, n, k = _spec_inputs(x, records, GgmlType.Q6_K)  # q - 32 [N, nb, 16, 16], scales [N, nb, 16], d [N, nb]
     steps = (ints.d[..., None] * ints.scales.astype(np.float32)).astype(np.float32).reshape(n, -1)  # D [N, K / 16]
     acts = quantize_activations(x.reshape(-1, k))
     t = acts.q.shape[0]
@@ -245,6 +235,16 @@ def matmul_q6_k_records_ref(x: np.ndarray, records: np.ndarray, bias: np.ndarray
         y = y + bias.astype(np.float64)
     out: np.ndarray = y.astype(np.float32).reshape(*x.shape[:-1], n)
     return out
+
+
+def _spec_inputs(x: np.ndarray, records: np.ndarray, kind: GgmlType) -> tuple[np.ndarray, BlockIntegers, int, int]:
+    """(x as float32, the records' block integers, N, K), x's last dimension checked against K."""
+    blocks = unpack_records(records, kind)
+    n, k = blocks.shape[0], row_weights(kind, blocks.shape[1])
+    x = np.asarray(x, dtype=np.float32)
+    if x.shape[-1] != k:
+        raise ValueError(f"x's last dimension {x.shape[-1]} is not the weight's K = {k}")
+    return x, block_integers(blocks, kind), n, k
 
 
 def _check_blocks(blocks: np.ndarray, name: str = "Q4_K", nbytes: int = Q4_K_BYTES) -> np.ndarray:

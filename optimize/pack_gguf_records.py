@@ -19,7 +19,6 @@ from pathlib import Path
 import numpy as np
 import onnx
 import onnx_ir as ir
-from onnx import numpy_helper
 
 from kiln import moe, moe_gguf
 from kiln.contract import OP_DOMAIN
@@ -28,6 +27,7 @@ from kiln.gguf_records import BLOCKS, LAYOUT, RECORDS, can_pack, pack_records, r
 from kiln.matmul_gguf import INT8_ATTRIBUTE, OP_TYPE, TYPE_ATTRIBUTE
 from kiln.moe_gguf import TYPE_ATTRIBUTES
 
+from .pack_q4_1_records import set_blocks
 from .quant.graph import unique_name
 from .shard_weights import WeightReader
 
@@ -137,10 +137,4 @@ def unpack_gguf_records(graph: onnx.GraphProto, source_dir: Path) -> int:
         types = tuple(next(a.i for a in node.attribute if a.name == name) for name in TYPE_ATTRIBUTES)
         gate_up, down = moe_gguf.experts_from_records(reader.array(node.input[2]), reader.array(node.input[3]), types)
         blocks[node.input[2]], blocks[node.input[3]] = gate_up, down
-    nodes += moe_nodes
-    for node in nodes:
-        node.attribute.remove(next(a for a in node.attribute if a.name == LAYOUT))
-    for tensor in graph.initializer:
-        if tensor.name in blocks:
-            tensor.CopyFrom(numpy_helper.from_array(blocks.pop(tensor.name), tensor.name))
-    return len(nodes)
+    return set_blocks(graph, nodes + moe_nodes, blocks)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import onnx
 import onnx_ir as ir
 from onnx import numpy_helper
@@ -105,7 +106,12 @@ def unpack_q4_1_records(graph: onnx.GraphProto, source_dir: Path, dense: bool = 
         for w in (2, 3):
             blocks[node.input[w]], blocks[node.input[w + 2]] = moe.q4_1_experts_from_records(
                 reader.array(node.input[w]), reader.array(node.input[w + 2]))
-    nodes += moe_nodes
+    return set_blocks(graph, nodes + moe_nodes, blocks)
+
+
+def set_blocks(graph: onnx.GraphProto, nodes: list[onnx.NodeProto], blocks: dict[str, np.ndarray]) -> int:
+    """The nodes' layout attribute dropped (blocks, the default) and each initializer named in `blocks` replaced by
+    its array, in the saved graph; returns how many nodes."""
     for node in nodes:
         node.attribute.remove(next(a for a in node.attribute if a.name == LAYOUT))
     for tensor in graph.initializer:

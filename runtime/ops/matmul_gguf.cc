@@ -328,6 +328,19 @@ void row_sums(const float* x, int64_t K, float* out) {
   }
 }
 
+// y allocated as x's shape with N for K, after x [..., K] and bias [N] are checked (`w` names the weights in the
+// errors).
+float* checked_output(const Ort::Custom::Tensor<float>& x, const Ort::Custom::Tensor<float>* bias,
+                      Ort::Custom::Tensor<float>& y, int64_t N, int64_t K, const std::string& w) {
+  std::vector<int64_t> xs = x.Shape();
+  if (xs.empty() || xs.back() != K)
+    fail_gguf("x must be [..., K = " + std::to_string(K) + "] for " + w + ", got " + shape_text(xs));
+  if (bias != nullptr && bias->Shape() != std::vector<int64_t>{N})
+    fail_gguf("bias must be [N = " + std::to_string(N) + "], got " + shape_text(bias->Shape()));
+  xs.back() = N;
+  return y.Allocate(xs);
+}
+
 struct MatMulGGUF {
   MatMulGGUF(const OrtApi*, const OrtKernelInfo* info) {
     Ort::ConstKernelInfo kernel_info{info};
@@ -370,19 +383,12 @@ struct MatMulGGUF {
                 " (Q4_0, Q8_0, Q4_K, Q5_K, Q6_K only); such a node keeps int8_activations = 0");
     if (layout_ == WeightLayout::kRecords) return run_records(ctx, x, w, bias, y);
     const std::vector<int64_t>& ws = w.Shape();
-    std::vector<int64_t> xs = x.Shape();
     if (ws.size() != 2 || ws[0] <= 0 || ws[1] <= 0 || ws[1] % type->bytes)
       fail_gguf(std::string("w must be uint8 [N, whole ") + type->name + " blocks of " + std::to_string(type->bytes) +
                 " bytes], got " + shape_text(ws));
     const int64_t N = ws[0], row_bytes = ws[1], K = row_bytes / type->bytes * type->weights;
-    if (xs.empty() || xs.back() != K)
-      fail_gguf("x must be [..., K = " + std::to_string(K) + "] for " + type->name + " w " + shape_text(ws) +
-                ", got " + shape_text(xs));
-    if (bias != nullptr && bias->Shape() != std::vector<int64_t>{N})
-      fail_gguf("bias must be [N = " + std::to_string(N) + "], got " + shape_text(bias->Shape()));
+    float* out = checked_output(x, bias, y, N, K, std::string(type->name) + " w " + shape_text(ws));
     const int64_t T = x.NumberOfElement() / K;
-    xs.back() = N;
-    float* out = y.Allocate(xs);
     if (T == 0) return;
 
     const float* xd = x.Data();
@@ -413,19 +419,12 @@ struct MatMulGGUF {
                 std::to_string(int8_activations_));
     const char* name = ggml_type_ == gguf_records::kQ4_K ? "Q4_K" : "Q6_K";
     const std::vector<int64_t>& ws = w.Shape();
-    std::vector<int64_t> xs = x.Shape();
     if (ws.size() != 3 || ws[0] <= 0 || ws[1] <= 0 || ws[2] != record_bytes)
       fail_gguf(std::string("w must be uint8 ") + name + " records [N / 16, K / 256, " + std::to_string(record_bytes) +
                 "], got " + shape_text(ws));
     const int64_t N = ws[0] * q4_1::kGroup, K = ws[1] * gguf_records::kSuperBlock;
-    if (xs.empty() || xs.back() != K)
-      fail_gguf("x must be [..., K = " + std::to_string(K) + "] for " + name + " records " + shape_text(ws) +
-                ", got " + shape_text(xs));
-    if (bias != nullptr && bias->Shape() != std::vector<int64_t>{N})
-      fail_gguf("bias must be [N = " + std::to_string(N) + "], got " + shape_text(bias->Shape()));
+    float* out = checked_output(x, bias, y, N, K, std::string(name) + " records " + shape_text(ws));
     const int64_t T = x.NumberOfElement() / K;
-    xs.back() = N;
-    float* out = y.Allocate(xs);
     if (T == 0) return;
     gguf_records::multiply(ctx, ggml_type_, w.Data(), x.Data(), bias ? bias->Data() : nullptr, out, T, N, K);
   }
