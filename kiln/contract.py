@@ -56,9 +56,9 @@ OP_VERSION = 1
 # 11: kiln.MoE's layout attribute: "records" Q4_1 experts are kiln.MatMulQ4_1's records, expert after expert, stored
 #     in the engine and read where ONNX Runtime maps them (kiln/moe.py); int4-q4_1 engines of mixture-of-experts
 #     models hold them.
-# 12: kiln.MatMulGGUF's layout attribute: "records" Q4_K weights are kiln.MatMulQ4_1's records, 8 blocks of 32 a
-#     superblock, stored in the engine and read where ONNX Runtime maps them (kiln/gguf_records.py); `gguf` engines
-#     of files with Q4_K matrices hold them.
+# 12: kiln.MatMulGGUF's layout attribute and kiln.MoE's for GGUF experts: "records" Q4_K / Q6_K weights are
+#     kiln.MatMulQ4_1's records, 8 blocks of 32 a superblock, stored in the engine and read where ONNX Runtime maps
+#     them (kiln/gguf_records.py, kiln/moe_gguf.py); `gguf` engines of files with Q4_K or Q6_K matrices hold them.
 OP_LIBRARY_ABI = 12
 # The oldest engine ABI this library still runs: ABIs 2 to 12 only added optional inputs, attributes,
 # a pool dtype and new ops, so ABI-1 to ABI-11 graphs (RoPE as graph ops, no SwiGLU, Q4_1 blocks) are unchanged and

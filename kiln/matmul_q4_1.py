@@ -161,8 +161,9 @@ class Q4_1Weights:
 
 
 def node_layout(node: NodeProto) -> str:
-    """A saved graph's kiln.MatMulQ4_1 node's weight layout, or a kiln.MoE node's Q4_1 experts' (the same attribute):
-    blocks when the attribute is absent (engines before records; float and GGUF experts)."""
+    """A saved graph's kiln.MatMulQ4_1 node's weight layout, a kiln.MoE node's experts' or a kiln.MatMulGGUF node's
+    (the same attribute, the same names: kiln/gguf_records.py): blocks when the attribute is absent (engines before
+    records; float experts)."""
     found = next((a for a in node.attribute if a.name == LAYOUT), None)
     return BLOCKS if found is None else found.s.decode()
 

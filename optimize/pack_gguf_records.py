@@ -25,6 +25,7 @@ from kiln.contract import OP_DOMAIN
 from kiln.gguf_blocks import ggml_type, row_weights
 from kiln.gguf_records import BLOCKS, LAYOUT, RECORDS, can_pack, pack_records, records_shape, unpack_records
 from kiln.matmul_gguf import INT8_ATTRIBUTE, OP_TYPE, TYPE_ATTRIBUTE
+from kiln.matmul_q4_1 import node_layout
 from kiln.moe_gguf import TYPE_ATTRIBUTES
 
 from .pack_q4_1_records import set_blocks
@@ -115,12 +116,6 @@ def _int_attribute(node: ir.Node, name: str) -> int:
 def _layout(node: ir.Node) -> str:
     attribute = node.attributes.get(LAYOUT)
     return BLOCKS if attribute is None else attribute.as_string()
-
-
-def node_layout(node: onnx.NodeProto) -> str:
-    """A saved graph's kiln.MatMulGGUF node's weight layout (blocks where the attribute is absent)."""
-    found = next((a for a in node.attribute if a.name == LAYOUT), None)
-    return BLOCKS if found is None else found.s.decode()
 
 
 def unpack_gguf_records(graph: onnx.GraphProto, source_dir: Path) -> int:

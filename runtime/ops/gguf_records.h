@@ -20,7 +20,7 @@ inline int64_t record_bytes(int64_t type) {
 constexpr int64_t kSuperBlock = 256;
 
 // Whether the type's tile reads the rows' int sums of 16 (q4_1::Int8Rows::sums16).
-inline bool needs_sums16(int64_t type) { return type == kQ6_K; }
+inline bool needs_sums16(int64_t type) { return type == kQ4_K ? q4_k::Format::kSums16 : q6_k::Format::kSums16; }
 
 // y [T, N] = x [T, K] times records of `type` (each group of 16 channels K / 256 records), on the session's threads.
 inline void multiply(OrtKernelContext* ctx, int64_t type, const uint8_t* w, const float* x, const float* bias,

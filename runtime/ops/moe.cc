@@ -383,10 +383,13 @@ struct MoE {
     layout_ = read_layout(ki);
     if constexpr (kQ4) {
       gguf_ = gguf_types(ki, gguf_types_);
-      if (gguf_) gguf_int8_ = gguf_int8_activations(ki);
-      if (gguf_ && layout_ == Layout::kRecords && !gguf_int8_)
-        fail_moe("layout \"records\" holds GGUF experts for int8 activations; this node has int8_activations = 0");
-      else if (layout_ == Layout::kBlocks) pack_constant_experts(ki, gate_up_, down_);
+      if (gguf_) {
+        gguf_int8_ = gguf_int8_activations(ki);
+        if (layout_ == Layout::kRecords && !gguf_int8_)
+          fail_moe("layout \"records\" holds GGUF experts for int8 activations; this node has int8_activations = 0");
+      } else if (layout_ == Layout::kBlocks) {
+        pack_constant_experts(ki, gate_up_, down_);
+      }
     } else if (layout_ == Layout::kRecords) {
       fail_moe("layout \"records\" is for Q4_1 experts (uint8), not float32 ones");
     }

@@ -24,34 +24,23 @@ using q4_1::load_u8;
 using q4_1::mul;
 using q4_1::negate;
 
-constexpr int64_t kBlocks = 8;                                  // blocks of 32 a superblock
+constexpr int64_t kBlocks = q4_1::kSuperblockBlocks;             // blocks of 32 a superblock
 constexpr int64_t kBlockBytes = kChunks * kChunkBytes;          // 256: a block's nibbles
 constexpr int64_t kScalesOffset = kBlocks * kBlockBytes;        // sc[8][16]
 constexpr int64_t kMinsOffset = kScalesOffset + kBlocks * kGroup;  // m[8][16]
 constexpr int64_t kDOffset = kMinsOffset + kBlocks * kGroup;    // d[16], float16
 constexpr int64_t kDminOffset = kDOffset + kGroup * 2;          // dmin[16], float16
 constexpr int64_t kRecordBytes = kDminOffset + kGroup * 2;      // 2368
-// How far ahead a tile prefetches: 16 blocks of 296 bytes, about a page (decode streams each record once, and
-// the hardware prefetcher restarts at every 4 KiB page; Q4_1's 4 records ahead measured 0.75-0.8x the decode rate
-// on the 3B shape)
-constexpr int64_t kPrefetchBlocks = 16;
-static_assert(kRecordBytes % 64 == 0, "a record is whole cache lines");
 
 // q4_1::tile's view of a record: block s's step d sc_s and minimum -(dmin m_s), the spec's float32 products (the
 // negation is exact, so m S + ... is the spec's ... - (dmin m_s) S).
-struct Format {
-  static constexpr int64_t kBlocksPerRecord = kBlocks;
-  static constexpr int64_t kRecordBytes = q4_k::kRecordBytes;
+struct Format : q4_1::SuperblockRecord<kRecordBytes> {
   static constexpr bool kSums16 = false;
   struct RecordSteps {
     VF d, dmin;
   };
   static RecordSteps record_steps(const uint8_t* record, int64_t lane_bytes) {
     return {q4_1::load_f16(record + kDOffset + lane_bytes * 2), q4_1::load_f16(record + kDminOffset + lane_bytes * 2)};
-  }
-  // a record's bytes spread evenly over its blocks, so block s prefetches as far ahead as Q4_1's do
-  static const uint8_t* ahead(const uint8_t* record, int64_t s) {
-    return record + (s + kPrefetchBlocks) * (kRecordBytes / kBlocks);
   }
   template <int NT>
   static void block(const uint8_t* record, int64_t s, const RecordSteps& steps, int64_t lane_bytes,

@@ -26,31 +26,21 @@ using q4_1::kGroup;
 using q4_1::VF;
 using q4_1::VI;
 
-constexpr int64_t kBlocks = 8;                                    // blocks of 32 a superblock
+constexpr int64_t kBlocks = q4_1::kSuperblockBlocks;             // blocks of 32 a superblock
 constexpr int64_t kBlockBytes = kChunks * kChunkBytes;            // 256: a block's low nibbles
 constexpr int64_t kHighBytes = 2 * kChunkBytes;                   // 128: a block's high bits
 constexpr int64_t kHighOffset = kBlocks * kBlockBytes;            // 2048
 constexpr int64_t kScalesOffset = kHighOffset + kBlocks * kHighBytes;  // 3072: sc[16][16]
 constexpr int64_t kDOffset = kScalesOffset + 2 * kBlocks * kGroup;     // 3328: d[16], float16
 constexpr int64_t kRecordBytes = kDOffset + kGroup * 2 + 32;           // 3392, with 32 bytes of padding
-// How far ahead a tile prefetches: 16 blocks of 424 bytes, about a page (decode streams each record once, and
-// the hardware prefetcher restarts at every 4 KiB page; Q4_1's 4 records ahead measured 0.75-0.8x the decode rate
-// on the 3B shape)
-constexpr int64_t kPrefetchBlocks = 16;
-static_assert(kRecordBytes % 64 == 0, "a record is whole cache lines");
 
-struct Format {
-  static constexpr int64_t kBlocksPerRecord = kBlocks;
-  static constexpr int64_t kRecordBytes = q6_k::kRecordBytes;
+struct Format : q4_1::SuperblockRecord<kRecordBytes> {
   static constexpr bool kSums16 = true;
   struct RecordSteps {
     VF d;
   };
   static RecordSteps record_steps(const uint8_t* record, int64_t lane_bytes) {
     return {q4_1::load_f16(record + kDOffset + lane_bytes * 2)};
-  }
-  static const uint8_t* ahead(const uint8_t* record, int64_t s) {
-    return record + (s + kPrefetchBlocks) * (kRecordBytes / kBlocks);
   }
   template <int NT>
   static void block(const uint8_t* record, int64_t s, const RecordSteps& steps, int64_t lane_bytes,

@@ -21,7 +21,7 @@ from kiln.contract import GGUF_RECORDS_ABI
 from kiln.gguf_blocks import GgmlType, random_blocks
 from kiln.gguf_records import unpack_q4_k_records
 from kiln.manifest import BuildOptions, read_manifest
-from kiln.optimize.pack_gguf_records import node_layout
+from kiln.matmul_q4_1 import node_layout
 from kiln.quant_scheme import QuantScheme
 
 pytest.importorskip("gguf")
