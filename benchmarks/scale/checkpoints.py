@@ -170,25 +170,44 @@ def write_smollm2_tokenizer(out: Path) -> None:
     (out / "tokenizer_config.json").write_text(json.dumps(tokenizer.tokenizer_config, indent=2))
 
 
-# A Q4_K_M-like mix for random GGUFs (llama.cpp keeps attn_v, ffn_down and the head at Q6_K), as random valid
-# blocks: no quantizer runs, so an 8B file is written in seconds. The byte offsets are each block's float16
-# scales, set to small finite values (random bytes there could be NaN or inf).
-GGUF_MIX = {"attn_v": "Q6_K", "ffn_down": "Q6_K", "ffn_down_exps": "Q6_K", "output": "Q6_K"}
+# Q4_K_M's per-tensor mix for random GGUFs, as llama.cpp's quantizer chooses it: Q4_K everywhere except the head
+# (Q6_K) and, in the layers use_more_bits picks (the first and last eighth and every third between), attn_v and
+# ffn_down (ffn_down_exps for MoE) at Q6_K. The blocks are random and valid: no quantizer runs, so an 8B file is
+# written in seconds. The byte offsets are each block's float16 scales, set to small finite values (random bytes
+# there could be NaN or inf).
+GGUF_MORE_BITS = ("attn_v", "ffn_down", "ffn_down_exps")
 GGUF_DEFAULT_TYPE = "Q4_K"
-GGUF_FAMILIES = ("llama", "qwen3moe")  # the architectures write_random_gguf writes
+GGUF_FAMILIES = ("llama", "olmoe", "qwen3moe")  # the architectures write_random_gguf writes
 _F16_FIELDS = {"Q8_0": (0,), "Q4_K": (0, 2), "Q6_K": (208,)}
 
 
+def use_more_bits(layer: int, layers: int) -> bool:
+    """llama.cpp's choice of the layers whose attn_v and ffn_down Q4_K_M keeps at Q6_K."""
+    return layer < layers // 8 or layer >= 7 * layers // 8 or (layer - layers // 8) % 3 == 2
+
+
+def _gguf_type(name: str, dims: tuple[int, ...], layers: int) -> str:
+    if len(dims) == 1 or name.endswith("ffn_gate_inp"):  # norms, and the router llama.cpp leaves float32
+        return "F32"
+    if name == "output":
+        return "Q6_K"
+    parts = name.split(".")
+    if parts[0] == "blk" and parts[2] in GGUF_MORE_BITS and use_more_bits(int(parts[1]), layers):
+        return "Q6_K"
+    return GGUF_DEFAULT_TYPE
+
+
 def gguf_tensors(shape: Shape) -> dict[str, tuple[tuple[int, ...], str]]:
-    """GGUF name -> (PyTorch-order shape, type) of a llama- or qwen3moe-architecture file of this shape."""
+    """GGUF name -> (PyTorch-order shape, type) of a llama-, olmoe- or qwen3moe-architecture file of this shape."""
     if shape.family not in GGUF_FAMILIES:
         raise ValueError(f"random GGUF files are written for {GGUF_FAMILIES} only, not {shape.family}")
     h, q, kv = shape.hidden, shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
     parts = {"attn_norm": (h,), "attn_q": (q, h), "attn_k": (kv, h), "attn_v": (kv, h), "attn_output": (h, q),
              "ffn_norm": (h,)}
-    if shape.experts:  # the router stays float32, as llama.cpp's quantizer leaves it
+    if shape.experts:  # q/k RMSNorm (OLMoE: over whole projections; Qwen3: per head), router, experts
         e, f = shape.experts, shape.ffn
-        parts.update({"attn_q_norm": (shape.head_dim,), "attn_k_norm": (shape.head_dim,), "ffn_gate_inp": (e, h),
+        norm_q, norm_k = ((q,), (kv,)) if shape.family == "olmoe" else ((shape.head_dim,), (shape.head_dim,))
+        parts.update({"attn_q_norm": norm_q, "attn_k_norm": norm_k, "ffn_gate_inp": (e, h),
                       "ffn_gate_exps": (e, f, h), "ffn_up_exps": (e, f, h), "ffn_down_exps": (e, h, f)})
     else:
         parts.update({"ffn_gate": (shape.ffn, h), "ffn_up": (shape.ffn, h), "ffn_down": (h, shape.ffn)})
@@ -198,9 +217,7 @@ def gguf_tensors(shape: Shape) -> dict[str, tuple[tuple[int, ...], str]]:
     names["output_norm"] = (h,)
     if not shape.tied:
         names["output"] = (shape.vocab, h)
-    return {f"{name}.weight": (dims, "F32" if len(dims) == 1 or name.endswith("ffn_gate_inp") else
-                               GGUF_MIX.get(name.rsplit(".", 1)[-1], GGUF_DEFAULT_TYPE))
-            for name, dims in names.items()}
+    return {f"{name}.weight": (dims, _gguf_type(name, dims, shape.layers)) for name, dims in names.items()}
 
 
 def _random_blocks(dims: tuple[int, ...], type_name: str, rng) -> np.ndarray:
@@ -219,9 +236,9 @@ def _random_blocks(dims: tuple[int, ...], type_name: str, rng) -> np.ndarray:
 
 
 def write_random_gguf(shape: Shape, path: Path, add_tokenizer: Callable, seed: int = 0) -> int:
-    """A GGUF of random valid blocks (GGUF_MIX; the llama or qwen3moe architecture), written a tensor at a time
-    (tensor infos first, then each tensor's data, so only one tensor is in memory); add_tokenizer(writer) adds the
-    tokenizer metadata. Returns the number of parameters."""
+    """A GGUF of random valid blocks (Q4_K_M's mix; the llama, olmoe or qwen3moe architecture), written a tensor at
+    a time (tensor infos first, then each tensor's data, so only one tensor is in memory); add_tokenizer(writer) adds
+    the tokenizer metadata. Returns the number of parameters."""
     import gguf
 
     rng = np.random.default_rng(seed)

@@ -19,7 +19,8 @@ Four figures a system and round, every one at --threads threads:
   prefill_512 a 512-token prompt's tokens over the time to its first token (llama-bench pp512);
   agg_16      16 x (128 in, 128 out) at once: generated tokens over the whole run, prefill included;
   decode_4k   single-stream decode after a 4096-token prompt (kiln bench's median inter-token time;
-              llama-bench -d 4096 tg64; the Python peers: 128 tokens).
+              llama-bench -d 4096 tg64; the Python peers: 128 tokens); --long-context sets another length
+              (a model trained on 4096 tokens, whose prompt and 64 generated ones must fit: 4000).
 Each round runs the systems one after another (the order rotates a round); one JSON line a system and round goes
 to OUT/results.jsonl and a markdown table of median [min-max] with kiln / best peer to OUT/table.md.
 """
@@ -48,7 +49,7 @@ FIGURES = ("decode_1", "prefill_512", "agg_16", "decode_4k")
 LABELS = {"decode_1": "single-stream decode (tok/s)", "prefill_512": "prefill 512 (tok/s)",
           "agg_16": "16 x (128 in, 128 out), generated tok/s", "decode_4k": "decode at 4k context (tok/s)"}
 SYSTEMS = ("kiln", "llamacpp", "ort-genai", "openvino")
-CONTEXT_4K = 4096
+DEFAULT_LONG_CONTEXT = 4096
 
 
 def say(msg: str) -> None:
@@ -77,7 +78,7 @@ def build_peer_models(hf: Path, lay: PeerLayout, systems: list[str]) -> dict[str
     return models
 
 
-def kiln_round(engine: Path, threads: int, tmp: Path) -> dict:
+def kiln_round(engine: Path, threads: int, tmp: Path, long_context: int) -> dict:
     def bench(extra: list[str], name: str) -> dict:
         out = tmp / name
         subprocess.run([str(KILN), "bench", str(engine), "--num-threads", str(threads), "--json", str(out), *extra],
@@ -85,7 +86,7 @@ def kiln_round(engine: Path, threads: int, tmp: Path) -> dict:
         return json.loads(out.read_text())
 
     main = bench(["--num-requests", "16", "--input-len", "128", "--output-len", "128"], "kiln.json")
-    long = bench(["--num-requests", "1", "--input-len", str(CONTEXT_4K), "--output-len", "64"], "kiln-4k.json")
+    long = bench(["--num-requests", "1", "--input-len", str(long_context), "--output-len", "64"], "kiln-4k.json")
     single = main["single_stream"]
     return {"decode_1": single["decode_tok_per_s"], "prefill_512": single["prefill_512_tok_per_s"],
             "agg_16": main["runs"][0]["output_tok_per_s"], "decode_4k": 1000 / long["runs"][0]["itl_ms"]["p50"],
@@ -95,15 +96,15 @@ def kiln_round(engine: Path, threads: int, tmp: Path) -> dict:
             "weight_bytes_per_token": main["weight_bytes_per_token"]}
 
 
-def llama_round(lay: PeerLayout, gguf: Path, threads: int) -> dict:
+def llama_round(lay: PeerLayout, gguf: Path, threads: int, long_context: int) -> dict:
     bench = [str(lay.llama_tool("llama-bench")), "-m", str(gguf), "-t", str(threads), "-r", "1", "-o", "json"]
     short = json.loads(run_tool([*bench, "-p", "512", "-n", "64"]))
-    long = json.loads(run_tool([*bench, "-p", "0", "-n", "64", "-d", str(CONTEXT_4K)]))
+    long = json.loads(run_tool([*bench, "-p", "0", "-n", "64", "-d", str(long_context)]))
     rate = {(int(t["n_prompt"]), int(t["n_gen"]), int(t.get("n_depth", 0))): float(t["avg_ts"]) for t in short + long}
     batched = parse_batched_bench(run_tool(batched_bench_cmd(lay.llama_tool("llama-batched-bench"), gguf, threads,
                                                              128, 128, 16)))
     return {"decode_1": rate[(0, 64, 0)], "prefill_512": rate[(512, 0, 0)],
-            "agg_16": batched[16]["aggregate_tok_per_s"], "decode_4k": rate[(0, 64, CONTEXT_4K)]}
+            "agg_16": batched[16]["aggregate_tok_per_s"], "decode_4k": rate[(0, 64, long_context)]}
 
 
 def python_peer_round(python: Path, driver: Path, model: Path, threads: int, prompts: dict, tmp: Path,
@@ -125,13 +126,13 @@ def python_peer_round(python: Path, driver: Path, model: Path, threads: int, pro
     return figures
 
 
-def workload_prompts(vocab: int, seed: int = 0) -> dict:
+def workload_prompts(vocab: int, long_context: int, seed: int = 0) -> dict:
     rng = np.random.default_rng(seed)
 
     def ids(n: int) -> list[int]:
         return rng.integers(100, vocab, n).tolist()
 
-    return {"single": ids(16), "prefill": ids(512), "batch16": [ids(128) for _ in range(16)], "long": ids(CONTEXT_4K)}
+    return {"single": ids(16), "prefill": ids(512), "batch16": [ids(128) for _ in range(16)], "long": ids(long_context)}
 
 
 def fmt(values: list[float]) -> str:
@@ -175,13 +176,15 @@ def main() -> int:
     parser.add_argument("--openvino-precision", default=None,
                         help="OpenVINO's INFERENCE_PRECISION_HINT (e.g. f32; default: the plugin's, bf16 on AVX-512 "
                              "BF16 and AMX CPUs)")
+    parser.add_argument("--long-context", type=int, default=DEFAULT_LONG_CONTEXT,
+                        help="the prompt length of the decode_4k figure")
     args = parser.parse_args()
     ov_options = {"precision": args.openvino_precision} if args.openvino_precision else {}
     systems = args.systems.split(",")
     lay = PeerLayout(default_scratch())
     models = build_peer_models(args.hf, lay, systems)
     vocab = json.loads((args.hf / "config.json").read_text())["vocab_size"]
-    prompts = workload_prompts(vocab)
+    prompts = workload_prompts(vocab, args.long_context)
     weights = {"kiln": f"{dir_bytes(args.engine, ('',)) / 2**20:.0f} MiB (engine dir)",
                "llamacpp": f"{args.gguf.stat().st_size / 2**20:.0f} MiB (GGUF)"}
     if "ort-genai" in systems:
@@ -198,9 +201,9 @@ def main() -> int:
             for system in order:
                 say(f"round {rnd + 1}: {system} (load {os.getloadavg()[0]:.1f})")
                 if system == "kiln":
-                    figures = kiln_round(args.engine, args.threads, tmp)
+                    figures = kiln_round(args.engine, args.threads, tmp, args.long_context)
                 elif system == "llamacpp":
-                    figures = llama_round(lay, args.gguf, args.threads)
+                    figures = llama_round(lay, args.gguf, args.threads, args.long_context)
                 elif system == "ort-genai":
                     figures = python_peer_round(lay.venv_python, HERE.parent / "peers" / "ort_genai_driver.py",
                                                 models["ort-genai"], args.threads, prompts, tmp)

@@ -8,8 +8,9 @@
 //   1. router: logits [T, E] = x @ router^T, then per token the top_k experts and their weights;
 //   2. the tokens are grouped by expert (a counting sort: expert e's tokens at rows [start_e, start_e + n_e) of
 //      the grouped buffers);
-//   3. gate/up + SwiGLU: an item is (expert, chunk of F), which reads its gate and up rows once and applies them to
-//      all of the expert's tokens, writing act [T * top_k, F];
+//   3. gate/up + SwiGLU: an item is (expert, chunk of F's gate or of its up rows), which reads those rows once and
+//      applies them to all of the expert's tokens (an expert's gate items, then its up items: the stack's order),
+//      then act [T * top_k, F] = silu(gate) * up;
 //   4. down: an item is (expert, chunk of D rows of down), out [T * top_k, D];
 //   5. combine: y[t] = sum over t's slots of weight * out[row of (t, slot)], slots in routing order.
 // So each selected expert's weights are read once per step whatever the number of its tokens, experts no token
@@ -46,12 +47,14 @@ namespace {
 
 using moe::Groups;
 using moe::Item;
+using moe::gate_then_up_items;
 using moe::items_over;
-using moe::silu_times;
+using moe::ProjectionItem;
+using moe::swiglu_rows;
 
-// Weight rows per work item: 16 gate + 16 up rows (or 32 down rows) of D = 2048 floats are 256 KiB, ~10 us of
+// Weight rows per work item: 32 gate or up rows (or 32 down rows) of D = 2048 floats are 256 KiB, ~10 us of
 // DRAM bandwidth on two cores, well above an item's dispatch cost.
-constexpr int64_t kGateRowsPerItem = 16;
+constexpr int64_t kGateRowsPerItem = 32;
 constexpr int64_t kDownRowsPerItem = 32;
 constexpr int64_t kRouterTokensPerItem = 16;
 
@@ -178,23 +181,22 @@ Dims check_shapes(const std::vector<int64_t>& xs, const std::vector<int64_t>& rs
 // Phases 3 and 4 for float32 experts gate_up [E, 2F, D] and down [E, D, F]: expert_out [rows, D].
 void run_float_experts(OrtKernelContext* ctx, const Dims& d, const Groups& g, const std::vector<const float*>& rows,
                        const float* gate_up, const float* down, float* expert_out) {
-  std::vector<float> act(rows.size() * d.F);
-  std::vector<Item> items = items_over(g, d.F, kGateRowsPerItem);
+  const int64_t n_rows = static_cast<int64_t>(rows.size()), F2 = 2 * d.F;
+  std::vector<float> hidden(n_rows * F2), act(n_rows * d.F);  // hidden: each row's gate, then its up
+  const std::vector<ProjectionItem> gate_up_items = gate_then_up_items(g, d.F, kGateRowsPerItem);
   auto gate_up_item = [&](size_t i) {
-    const Item& it = items[i];
-    const int64_t first = g.start[it.expert], n = g.start[it.expert + 1] - first, w = it.u1 - it.u0;
-    const float* weights = gate_up + it.expert * 2 * d.F * d.D;
-    std::vector<float> gate(n * w), up(n * w);
-    rows_dot_tokens(weights, it.u0, it.u1, d.D, rows.data() + first, n, gate.data(), w);
-    rows_dot_tokens(weights, d.F + it.u0, d.F + it.u1, d.D, rows.data() + first, n, up.data(), w);
-    for (int64_t t = 0; t < n; ++t)
-      for (int64_t j = 0; j < w; ++j) act[(first + t) * d.F + it.u0 + j] = silu_times(gate[t * w + j], up[t * w + j]);
+    const Item& it = gate_up_items[i].item;
+    const int64_t first = g.start[it.expert], n = g.start[it.expert + 1] - first;
+    const int64_t r0 = (gate_up_items[i].up ? d.F : 0) + it.u0, r1 = r0 + it.u1 - it.u0;
+    rows_dot_tokens(gate_up + it.expert * F2 * d.D, r0, r1, d.D, rows.data() + first, n,
+                    hidden.data() + first * F2 + r0, F2);
   };
-  parallel_for(ctx, items.size(), gate_up_item);
+  parallel_for(ctx, gate_up_items.size(), gate_up_item);
+  swiglu_rows(ctx, hidden.data(), hidden.data() + d.F, F2, n_rows, d.F, act.data());
 
   std::vector<const float*> act_rows(rows.size());
   for (size_t i = 0; i < rows.size(); ++i) act_rows[i] = act.data() + i * d.F;
-  items = items_over(g, d.D, kDownRowsPerItem);
+  const std::vector<Item> items = items_over(g, d.D, kDownRowsPerItem);
   auto down_item = [&](size_t i) {
     const Item& it = items[i];
     const int64_t first = g.start[it.expert], n = g.start[it.expert + 1] - first;

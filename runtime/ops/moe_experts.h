@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "onnxruntime_lite_custom_op.h"
+#include "parallel_for.h"
 #include "q4_1_records.h"
 
 namespace kiln {
@@ -35,11 +36,42 @@ inline std::vector<Item> items_over(const Groups& g, int64_t units, int64_t per_
   return items;
 }
 
+// The gate/up phase's items: each expert's gate items, then its up items (`up`). An expert's up rows follow its gate
+// rows in its stack, so a thread taking a run of these items reads one run of memory; an item of both a gate and an
+// up range would alternate between two runs 1-2 MB apart, which measured 0.7x the read rate of one run at one row.
+struct ProjectionItem {
+  Item item;
+  bool up;
+};
+
+inline std::vector<ProjectionItem> gate_then_up_items(const Groups& g, int64_t units, int64_t per_item) {
+  std::vector<ProjectionItem> items;
+  for (int64_t e = 0; e < g.experts(); ++e)
+    if (g.start[e + 1] > g.start[e])
+      for (const bool up : {false, true})
+        for (int64_t u = 0; u < units; u += per_item) items.push_back({{e, u, std::min(units, u + per_item)}, up});
+  return items;
+}
+
 inline float silu_times(float gate, float up) {
   // sigmoid from exp(-|gate|) <= 1: no overflow for any finite gate
   const float e = std::exp(-std::fabs(gate));
   const float sigmoid = gate >= 0.f ? 1.f / (1.f + e) : e / (1.f + e);
   return gate * sigmoid * up;
+}
+
+// act [n_rows, F] = silu(gate) * up, row i's gate and up at gate + i * ld and up + i * ld; rows in parallel where
+// there are many values.
+inline void swiglu_rows(OrtKernelContext* ctx, const float* gate, const float* up, int64_t ld, int64_t n_rows,
+                        int64_t F, float* act) {
+  constexpr int64_t kValuesPerItem = 1 << 15;
+  const int64_t rows_per_item = std::max<int64_t>(1, kValuesPerItem / std::max<int64_t>(1, F));
+  auto rows = [&](size_t i) {
+    const int64_t r1 = std::min(n_rows, (static_cast<int64_t>(i) + 1) * rows_per_item);
+    for (int64_t r = static_cast<int64_t>(i) * rows_per_item; r < r1; ++r)
+      for (int64_t c = 0; c < F; ++c) act[r * F + c] = silu_times(gate[r * ld + c], up[r * ld + c]);
+  };
+  parallel_for(ctx, static_cast<size_t>((n_rows + rows_per_item - 1) / rows_per_item), rows);
 }
 
 // One projection's Q4_1 expert stack [E, rows, K] as MatMulQ4_1's records, expert after expert: expert e's

@@ -156,9 +156,9 @@ struct RecordsPath {
                         once);
     q4_1::gather_rows(once, g.token, grouped);
   }
-  // channels a work item: whole groups of 16, about kItemBytes of the stacks' records
-  static int64_t item_channels(const GgufStack& s, int64_t stacks) {
-    const int64_t per = kItemBytes / std::max<int64_t>(1, stacks * s.stride) * q4_1::kGroup;
+  // channels a work item: whole groups of 16, about kItemBytes of the stack's records
+  static int64_t item_channels(const GgufStack& s) {
+    const int64_t per = kItemBytes / std::max<int64_t>(1, s.stride) * q4_1::kGroup;
     return std::max<int64_t>(q4_1::kGroup, per);
   }
   void prepare_down(OrtKernelContext* ctx, const GgufStack& down, const std::vector<float>& act, int64_t n_rows,
@@ -195,7 +195,7 @@ struct Int8Path {
     for (int64_t i = 0; i < n_rows; ++i) rows[i] = act.data() + i * F;
     gguf_int8::quantize_rows(ctx, gguf_int8::layout_of(down.type), rows.data(), n_rows, F, down_q);
   }
-  static int64_t item_channels(const GgufStack& s, int64_t stacks) { return channels_per_item(stacks * s.stride); }
+  static int64_t item_channels(const GgufStack& s) { return channels_per_item(s.stride); }
   void project(Projection which, const GgufStack& s, const GgufMatmul& m, const Item& it, int64_t first,
                int64_t last) const {
     const Int8Rows& a = which == Projection::kDown ? down_q : which == Projection::kUp && !shared ? up_own : gate_q;
@@ -221,7 +221,7 @@ struct FloatPath {
     act = activations.data();
     down_sums = gguf_float::row_sums_for(down.type, act, n_rows, F);
   }
-  static int64_t item_channels(const GgufStack& s, int64_t stacks) { return channels_per_item(stacks * s.stride); }
+  static int64_t item_channels(const GgufStack& s) { return channels_per_item(s.stride); }
   void project(Projection which, const GgufStack& s, GgufMatmul m, const Item& it, int64_t first,
                int64_t last) const {
     m.x = which == Projection::kDown ? act : rows.data();
@@ -231,26 +231,28 @@ struct FloatPath {
   }
 };
 
-// The two phases on either path: (expert, range of F's channels) items computing gate and up over all of the
-// expert's rows and their silu(gate) * up, then (expert, range of D's channels) items of down.
+// The two phases on either path: (expert, range of F's channels, gate or up) items over all of the expert's rows,
+// silu(gate) * up, then (expert, range of D's channels) items of down.
 template <class Path>
 void run_phases(OrtKernelContext* ctx, const Groups& g, const GgufExperts& experts, Path& path, float* expert_out) {
   const GgufStack &gate = experts.gate, &up = experts.up, &down = experts.down;
   const int64_t n_rows = static_cast<int64_t>(g.token.size()), F = gate.rows, D = down.rows;
   std::vector<float> gate_out(n_rows * F), up_out(n_rows * F), act(n_rows * F);
-  std::vector<Item> items = items_over(g, F, Path::item_channels(gate, 2));  // a gate and an up row a channel
+  const std::vector<ProjectionItem> gate_up_items = gate_then_up_items(g, F, Path::item_channels(gate));
   auto gate_up_item = [&](size_t i) {
-    const Item& it = items[i];
+    const Item& it = gate_up_items[i].item;
     const int64_t first = g.start[it.expert], last = g.start[it.expert + 1];
-    path.project(Projection::kGate, gate, expert_matmul(gate, it.expert, D, n_rows, gate_out.data()), it, first, last);
-    path.project(Projection::kUp, up, expert_matmul(up, it.expert, D, n_rows, up_out.data()), it, first, last);
-    for (int64_t t = first; t < last; ++t)
-      for (int64_t c = it.u0; c < it.u1; ++c) act[t * F + c] = silu_times(gate_out[t * F + c], up_out[t * F + c]);
+    if (gate_up_items[i].up)
+      path.project(Projection::kUp, up, expert_matmul(up, it.expert, D, n_rows, up_out.data()), it, first, last);
+    else
+      path.project(Projection::kGate, gate, expert_matmul(gate, it.expert, D, n_rows, gate_out.data()), it, first,
+                   last);
   };
-  parallel_for(ctx, items.size(), gate_up_item);
+  parallel_for(ctx, gate_up_items.size(), gate_up_item);
+  swiglu_rows(ctx, gate_out.data(), up_out.data(), F, n_rows, F, act.data());
 
   path.prepare_down(ctx, down, act, n_rows, F);
-  items = items_over(g, D, Path::item_channels(down, 1));
+  const std::vector<Item> items = items_over(g, D, Path::item_channels(down));
   auto down_item = [&](size_t i) {
     const Item& it = items[i];
     path.project(Projection::kDown, down, expert_matmul(down, it.expert, F, n_rows, expert_out), it,

@@ -63,9 +63,9 @@ void quantize_rows(OrtKernelContext* ctx, const std::vector<const float*>& src, 
   else for (int64_t i = 0; i < n; ++i) one(static_cast<size_t>(i));
 }
 
-// Groups a work item takes so that it reads about kItemBytes of one projection (`parts` stacks side by side).
-int64_t groups_per_item(const Q4_1Experts& w, int64_t parts) {
-  return std::max<int64_t>(1, kItemBytes / (parts * w.group_bytes()));
+// Groups a work item takes so that it reads about kItemBytes of one projection.
+int64_t groups_per_item(const Q4_1Experts& w) {
+  return std::max<int64_t>(1, kItemBytes / w.group_bytes());
 }
 
 }  // namespace
@@ -76,29 +76,25 @@ void run_q4_1_experts(OrtKernelContext* ctx, const Groups& g, const std::vector<
   Int8Rows xq;
   quantize_rows(ctx, rows, D, xq);
 
-  // gate/up + SwiGLU: an item is (expert, chunk of F's groups); it computes those gate and up channels for all of
-  // the expert's rows into `hidden` [rows, 2F] and writes their silu(gate) * up into `act` [rows, F].
+  // gate/up: an item is (expert, chunk of F's groups, gate or up); it computes those channels for all of the
+  // expert's rows into `hidden` [rows, 2F]; then act [rows, F] = silu(gate) * up.
   std::vector<float> hidden(n_rows * 2 * F), act(n_rows * F);
-  std::vector<Item> items = items_over(g, F / kGroup, groups_per_item(gate_up, 2));
+  const std::vector<ProjectionItem> gate_up_items = gate_then_up_items(g, F / kGroup, groups_per_item(gate_up));
   auto gate_up_item = [&](size_t i) {
-    const Item& it = items[i];
-    const int64_t first = g.start[it.expert], last = g.start[it.expert + 1];
+    const Item& it = gate_up_items[i].item;
     const Problem p{gate_up.expert(it.expert), nullptr, &xq, hidden.data(), 2 * F, gate_up.nb, gate_up.group_bytes()};
-    const int64_t v0 = it.u0 * kVectorsPerGroup, v1 = it.u1 * kVectorsPerGroup, up = F / kLanes;
-    run_item(p, v0, v1, first, last);
-    run_item(p, up + v0, up + v1, first, last);
-    for (int64_t t = first; t < last; ++t) {
-      const float* h = hidden.data() + t * 2 * F;
-      for (int64_t c = it.u0 * kGroup; c < it.u1 * kGroup; ++c) act[t * F + c] = silu_times(h[c], h[F + c]);
-    }
+    const int64_t v0 = it.u0 * kVectorsPerGroup, v1 = it.u1 * kVectorsPerGroup;
+    const int64_t offset = gate_up_items[i].up ? F / kLanes : 0;  // up's channels follow gate's
+    run_item(p, offset + v0, offset + v1, g.start[it.expert], g.start[it.expert + 1]);
   };
-  parallel_for(ctx, items.size(), gate_up_item);
+  parallel_for(ctx, gate_up_items.size(), gate_up_item);
+  swiglu_rows(ctx, hidden.data(), hidden.data() + F, 2 * F, n_rows, F, act.data());
 
   std::vector<const float*> act_rows(n_rows);
   for (int64_t i = 0; i < n_rows; ++i) act_rows[i] = act.data() + i * F;
   Int8Rows aq;
   quantize_rows(ctx, act_rows, F, aq);
-  items = items_over(g, D / kGroup, groups_per_item(down, 1));
+  const std::vector<Item> items = items_over(g, D / kGroup, groups_per_item(down));
   auto down_item = [&](size_t i) {
     const Item& it = items[i];
     const Problem p{down.expert(it.expert), nullptr, &aq, expert_out, D, down.nb, down.group_bytes()};

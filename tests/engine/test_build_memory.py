@@ -1,6 +1,6 @@
-"""A build never holds the model's fp32 weights: `kiln build` of a 277M-parameter GGUF (Q4_K with Q6_K attn_v,
-ffn_down and head, as Q4_K_M mixes them) to int4-q4_1, in a child process, peaks at a fraction of the model's fp32
-size above what the child held before the build (its imports). Reading the whole model, as a build did before the
+"""A build never holds the model's fp32 weights: `kiln build` of a 277M-parameter GGUF (Q4_K_M's mix: Q4_K, the
+head and some layers' attn_v and ffn_down Q6_K) to int4-q4_1, in a child process, peaks at a fraction of the model's
+fp32 size above what the child held before the build (its imports). Reading the whole model, as a build did before the
 weights became lazy, costs 3-4x the fp32 size; a streamed build holds one fused matrix at a time and the quantized
 engine (about a sixth of fp32)."""
 
