@@ -76,9 +76,10 @@ def main() -> None:
         same = got == want
         failed |= not same or error > 1e-4
         seconds = round(time.perf_counter() - started, 1)
+        scale = float(max(abs(want_prefill).max(), abs(want_decode).max()))  # the largest logit, for scale
         print(json.dumps({"layout": name, "micro_batches": micro, "tokens_identical": same, "max_logit_error": error,
-                          "preemptions": stats.num_preemptions, "prefix_cache_hits": stats.prefix_cache_hits,
-                          "seconds": seconds}), flush=True)
+                          "max_abs_logit": scale, "preemptions": stats.num_preemptions,
+                          "prefix_cache_hits": stats.prefix_cache_hits, "seconds": seconds}), flush=True)
     if not args.keep:
         shutil.rmtree(work)
     sys.exit(1 if failed else 0)
