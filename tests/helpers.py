@@ -18,8 +18,10 @@ Weights are drawn at a scale that gives O(1) logits, so numeric comparisons are 
 from __future__ import annotations
 
 import copy
+import importlib.util
 import json
 import math
+import sys
 from pathlib import Path
 
 import torch
@@ -214,3 +216,13 @@ def write_tiny_tokenizer(out: Path) -> None:
         "model_max_length": 512,
     }
     (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
+
+
+def load_script(path: Path, name: str):
+    """A script outside the package (benchmarks/...) imported as module `name`, registered in sys.modules first
+    (dataclasses look their module up there)."""
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module

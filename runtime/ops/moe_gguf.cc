@@ -241,12 +241,11 @@ void run_phases(OrtKernelContext* ctx, const Groups& g, const GgufExperts& exper
   const std::vector<ProjectionItem> gate_up_items = gate_then_up_items(g, F, Path::item_channels(gate));
   auto gate_up_item = [&](size_t i) {
     const Item& it = gate_up_items[i].item;
-    const int64_t first = g.start[it.expert], last = g.start[it.expert + 1];
-    if (gate_up_items[i].up)
-      path.project(Projection::kUp, up, expert_matmul(up, it.expert, D, n_rows, up_out.data()), it, first, last);
-    else
-      path.project(Projection::kGate, gate, expert_matmul(gate, it.expert, D, n_rows, gate_out.data()), it, first,
-                   last);
+    const bool is_up = gate_up_items[i].up;
+    const GgufStack& s = is_up ? up : gate;
+    path.project(is_up ? Projection::kUp : Projection::kGate, s,
+                 expert_matmul(s, it.expert, D, n_rows, is_up ? up_out.data() : gate_out.data()), it,
+                 g.start[it.expert], g.start[it.expert + 1]);
   };
   parallel_for(ctx, gate_up_items.size(), gate_up_item);
   swiglu_rows(ctx, gate_out.data(), up_out.data(), F, n_rows, F, act.data());

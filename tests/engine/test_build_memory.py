@@ -6,14 +6,13 @@ engine (about a sixth of fp32)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
 
-from helpers import write_tiny_tokenizer
+from helpers import load_script, write_tiny_tokenizer
 from tiny_gguf import _add_tiny_gguf_tokenizer
 
 # Of the fp32 weights' bytes, above the child's baseline: the build holds the traced graph (~150 MB), the quantized
@@ -36,16 +35,8 @@ print(json.dumps({"baseline_kib": before}))
 """
 
 
-def _checkpoints():
-    spec = importlib.util.spec_from_file_location("scale_checkpoints", SCALE / "checkpoints.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_a_build_peaks_at_a_fraction_of_the_fp32_model(tmp_path):
-    checkpoints = _checkpoints()
+    checkpoints = load_script(SCALE / "checkpoints.py", "scale_checkpoints")
     # Llama-3.2-1B's layer, 4 of them, and an untied head: 277M parameters, 1.1 GB of fp32
     shape = checkpoints.Shape("llama", 2048, 4, 16, 4, 8192, tied=False, rope_theta=10000.0, vocab=8192)
     (tmp_path / "tok").mkdir()

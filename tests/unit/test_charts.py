@@ -3,13 +3,12 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import load_script
 
 pytest.importorskip("matplotlib")
 from click.testing import CliRunner  # noqa: E402
@@ -85,12 +84,7 @@ def test_bench_refuses_a_plot_without_a_sweep_before_running(tmp_path, flags, me
 # ---- benchmarks/peers/plot.py -------------------------------------------------------------------------
 
 def _load_peers_plot():
-    path = Path(__file__).resolve().parents[2] / "benchmarks" / "peers" / "plot.py"
-    spec = importlib.util.spec_from_file_location("peers_plot", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_script(Path(__file__).resolve().parents[2] / "benchmarks" / "peers" / "plot.py", "peers_plot")
 
 
 peers_plot = _load_peers_plot()

@@ -2,22 +2,17 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
+from helpers import load_script
 
 PEERS = Path(__file__).resolve().parents[2] / "benchmarks" / "peers"
 
 
 def _load(name: str):
-    spec = importlib.util.spec_from_file_location(f"peers_{name}", PEERS / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
+    return load_script(PEERS / f"{name}.py", f"peers_{name}")
 
 
 report = _load("report")

@@ -2,16 +2,14 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
+from helpers import load_script
 
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "quant_table.py"
-spec = importlib.util.spec_from_file_location("quant_table", SCRIPT)
-quant_table = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(quant_table)
+quant_table = load_script(SCRIPT, "quant_table")
 
 
 def _report(quantization, kv_dtype, ppl, digest="d", loops=0):

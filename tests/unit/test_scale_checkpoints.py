@@ -3,19 +3,14 @@ the olmoe architecture as gguf-py reads it back."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 
 import numpy as np
-from helpers import write_tiny_tokenizer
+from helpers import load_script, write_tiny_tokenizer
 from tiny_gguf import _add_tiny_gguf_tokenizer
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "scale" / "checkpoints.py"
-spec = importlib.util.spec_from_file_location("scale_checkpoints", SCRIPT)
-checkpoints = importlib.util.module_from_spec(spec)
-sys.modules[spec.name] = checkpoints  # dataclasses look their module up there
-spec.loader.exec_module(checkpoints)
+checkpoints = load_script(Path(__file__).resolve().parents[2] / "benchmarks" / "scale" / "checkpoints.py",
+                          "scale_checkpoints")
 
 
 def test_q4_k_m_keeps_attn_v_and_ffn_down_at_q6_k_in_llama_cpps_layers():

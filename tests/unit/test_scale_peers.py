@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 
+from helpers import load_script
+
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "scale" / "peers.py"
-spec = importlib.util.spec_from_file_location("scale_peers", SCRIPT)
-peers = importlib.util.module_from_spec(spec)
-sys.modules[spec.name] = peers
-spec.loader.exec_module(peers)
+peers = load_script(SCRIPT, "scale_peers")
 
 
 def _row(rnd: int, system: str, value: float, **extra) -> dict:
