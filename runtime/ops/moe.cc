@@ -57,6 +57,8 @@ using moe::swiglu_rows;
 constexpr int64_t kGateRowsPerItem = 32;
 constexpr int64_t kDownRowsPerItem = 32;
 constexpr int64_t kRouterTokensPerItem = 16;
+// router rows per item: a multiple of rows_dot_tokens' 4, so each logit is summed as in one call over all E
+constexpr int64_t kRouterExpertsPerItem = 16;
 
 inline float dot(const float* a, const float* b, int64_t n) {
   __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
@@ -248,21 +250,30 @@ void moe_step(OrtKernelContext* ctx, const Dims& d, const float* in, const Routi
 }
 
 Routing route(OrtKernelContext* ctx, const Dims& d, const float* x, const float* router, bool normalize) {
-  Routing r{std::vector<int32_t>(d.T * d.top_k), std::vector<float>(d.T * d.top_k)};
-  const size_t chunks = static_cast<size_t>((d.T + kRouterTokensPerItem - 1) / kRouterTokensPerItem);
-  auto chunk = [&](size_t c) {
-    const int64_t t0 = static_cast<int64_t>(c) * kRouterTokensPerItem;
+  // logits [T, E] in items of (16 tokens, 16 experts): a decode step's router, E x D float32 read from memory, is
+  // split across the threads like the experts after it (alone on one thread it was ~3% of an OLMoE layer's MoE)
+  std::vector<float> logits(d.T * d.E);
+  const int64_t token_chunks = (d.T + kRouterTokensPerItem - 1) / kRouterTokensPerItem;
+  const int64_t expert_chunks = (d.E + kRouterExpertsPerItem - 1) / kRouterExpertsPerItem;
+  auto logits_item = [&](size_t i) {
+    const int64_t t0 = static_cast<int64_t>(i) / expert_chunks * kRouterTokensPerItem;
+    const int64_t e0 = static_cast<int64_t>(i) % expert_chunks * kRouterExpertsPerItem;
     const int64_t n = std::min(d.T, t0 + kRouterTokensPerItem) - t0;
     std::vector<const float*> xs(n);
     for (int64_t t = 0; t < n; ++t) xs[t] = x + (t0 + t) * d.D;
-    std::vector<float> logits(n * d.E);
-    rows_dot_tokens(router, 0, d.E, d.D, xs.data(), n, logits.data(), d.E);
-    for (int64_t t = 0; t < n; ++t) {
-      const int64_t slot = (t0 + t) * d.top_k;
-      route_token(logits.data() + t * d.E, d.E, d.top_k, normalize, r.expert.data() + slot, r.weight.data() + slot);
-    }
+    rows_dot_tokens(router, e0, std::min(d.E, e0 + kRouterExpertsPerItem), d.D, xs.data(), n,
+                    logits.data() + t0 * d.E + e0, d.E);
   };
-  parallel_for(ctx, chunks, chunk);
+  parallel_for(ctx, static_cast<size_t>(token_chunks * expert_chunks), logits_item);
+
+  Routing r{std::vector<int32_t>(d.T * d.top_k), std::vector<float>(d.T * d.top_k)};
+  auto route_chunk = [&](size_t c) {
+    const int64_t t1 = std::min(d.T, (static_cast<int64_t>(c) + 1) * kRouterTokensPerItem);
+    for (int64_t t = static_cast<int64_t>(c) * kRouterTokensPerItem; t < t1; ++t)
+      route_token(logits.data() + t * d.E, d.E, d.top_k, normalize, r.expert.data() + t * d.top_k,
+                  r.weight.data() + t * d.top_k);
+  };
+  parallel_for(ctx, static_cast<size_t>(token_chunks), route_chunk);
   return r;
 }
 

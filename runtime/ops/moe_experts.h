@@ -4,13 +4,13 @@
 #pragma once
 
 #include <algorithm>
-#include <cmath>
 #include <cstdint>
 #include <vector>
 
 #include "onnxruntime_lite_custom_op.h"
 #include "parallel_for.h"
 #include "q4_1_records.h"
+#include "swiglu.h"
 
 namespace kiln {
 namespace moe {
@@ -53,15 +53,8 @@ inline std::vector<ProjectionItem> gate_then_up_items(const Groups& g, int64_t u
   return items;
 }
 
-inline float silu_times(float gate, float up) {
-  // sigmoid from exp(-|gate|) <= 1: no overflow for any finite gate
-  const float e = std::exp(-std::fabs(gate));
-  const float sigmoid = gate >= 0.f ? 1.f / (1.f + e) : e / (1.f + e);
-  return gate * sigmoid * up;
-}
-
-// act [n_rows, F] = silu(gate) * up, row i's gate and up at gate + i * ld and up + i * ld; rows in parallel where
-// there are many values.
+// act [n_rows, F] = silu(gate) * up (kiln.SwiGLU's arithmetic), row i's gate and up at gate + i * ld and up + i * ld;
+// rows in parallel where there are many values.
 inline void swiglu_rows(OrtKernelContext* ctx, const float* gate, const float* up, int64_t ld, int64_t n_rows,
                         int64_t F, float* act) {
   constexpr int64_t kValuesPerItem = 1 << 15;
@@ -69,7 +62,7 @@ inline void swiglu_rows(OrtKernelContext* ctx, const float* gate, const float* u
   auto rows = [&](size_t i) {
     const int64_t r1 = std::min(n_rows, (static_cast<int64_t>(i) + 1) * rows_per_item);
     for (int64_t r = static_cast<int64_t>(i) * rows_per_item; r < r1; ++r)
-      for (int64_t c = 0; c < F; ++c) act[r * F + c] = silu_times(gate[r * ld + c], up[r * ld + c]);
+      swiglu_values(gate + r * ld, up + r * ld, act + r * F, F);
   };
   parallel_for(ctx, static_cast<size_t>((n_rows + rows_per_item - 1) / rows_per_item), rows);
 }

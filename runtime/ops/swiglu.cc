@@ -48,17 +48,22 @@ inline __m256 swiglu8(__m256 gate, __m256 up) {
   return _mm256_mul_ps(_mm256_mul_ps(gate, sigmoid), up);
 }
 
-void swiglu_row(const float* x, float* y, int64_t F) {
-  const float* up = x + F;
+void swiglu_row(const float* x, float* y, int64_t F) { swiglu_values(x, x + F, y, F); }
+
+}  // namespace
+
+void swiglu_values(const float* gate, const float* up, float* y, int64_t n) {
   int64_t i = 0;
-  for (; i + 8 <= F; i += 8) _mm256_storeu_ps(y + i, swiglu8(_mm256_loadu_ps(x + i), _mm256_loadu_ps(up + i)));
-  if (i < F) {
-    // lanes j < F - i on: the masked loads read nothing past the row, the masked store writes nothing past it
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(y + i, swiglu8(_mm256_loadu_ps(gate + i), _mm256_loadu_ps(up + i)));
+  if (i < n) {
+    // lanes j < n - i on: the masked loads read nothing past the row, the masked store writes nothing past it
     const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-    const __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(F - i)), lane);
-    _mm256_maskstore_ps(y + i, mask, swiglu8(_mm256_maskload_ps(x + i, mask), _mm256_maskload_ps(up + i, mask)));
+    const __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n - i)), lane);
+    _mm256_maskstore_ps(y + i, mask, swiglu8(_mm256_maskload_ps(gate + i, mask), _mm256_maskload_ps(up + i, mask)));
   }
 }
+
+namespace {
 
 struct SwiGLU {
   SwiGLU(const OrtApi*, const OrtKernelInfo*) {}
