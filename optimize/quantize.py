@@ -14,8 +14,8 @@ The int4 schemes give the tied LM head int8 per channel unless asked for int4, i
 Every scheme but none also stores the embedding table as 8-bit blocks (quantize_embedding.py); gguf keeps a Q8_0 or
 Q6_K table's own numbers there.
 Under every int4 scheme a mixture-of-experts model's kiln.MoE experts become Q4_1 (quantize_moe.py; AWQ's scales
-reach the attention projections only); under gguf and gguf-exact a GGUF file's expert blocks stay as they are
-(quantize_moe_gguf.py); the other schemes keep them float32.
+reach the attention projections only), under int8-weight-only Q8_0 (quantize_moe.py); under gguf and gguf-exact a
+GGUF file's expert blocks stay as they are (quantize_moe_gguf.py); w8a8-smoothquant keeps them float32.
 The build calls ``prepare_checkpoint`` before export (the gpt-fast-style conversion step:
 check the artifact's fingerprint, fold its scales into the weights) and ``quantize_model``
 on the optimized graph.
@@ -36,7 +36,7 @@ from .quantize_embedding import quantize_embedding
 from .quantize_gguf import quantize_gguf
 from .quantize_int4 import quantize_int4
 from .quantize_int8 import quantize_int8_weight_only
-from .quantize_moe import quantize_moe_experts
+from .quantize_moe import quantize_moe_experts, quantize_moe_experts_q8_0
 from .quantize_moe_gguf import keep_moe_gguf_experts
 from .quantize_q4_1 import quantize_q4_1_pass
 from .quantize_w8a8 import quantize_w8a8
@@ -161,6 +161,10 @@ def quantize_model(model: ir.Model, scheme: QuantScheme, lm_head: LmHead = LmHea
         layers = quantize_moe_experts(model)  # kiln.MoE's experts: Q4_1 under every int4 scheme
         if progress and layers:
             progress(f"  quantize_moe_experts: {layers} layers' experts to Q4_1")
+    if scheme.method is QuantMethod.INT8_WEIGHT_ONLY:
+        layers = quantize_moe_experts_q8_0(model)  # kiln.MoE's experts: Q8_0 GGUF experts, int8 activations
+        if progress and layers:
+            progress(f"  quantize_moe_experts_q8_0: {layers} layers' experts to Q8_0")
     if count == 0:
         raise QuantizationError(f"quantization {scheme} found no linear layer to convert in the graph")
     embeddings = quantize_embedding(model, file_blocks=scheme.method.keeps_file_blocks)

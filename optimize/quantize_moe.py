@@ -1,4 +1,5 @@
-"""Pass: kiln.MoE's float32 expert stacks -> Q4_1 experts (kiln/moe.py), llama.cpp's numbers per block of 32.
+"""Passes: kiln.MoE's float32 expert stacks -> Q4_1 experts (kiln/moe.py) or Q8_0 GGUF experts (kiln/moe_gguf.py),
+llama.cpp's numbers per block of 32.
 
 The experts are most of a mixture-of-experts model's bytes (OLMoE-1B-7B: 6.4 of its 6.9 B parameters), and a decode
 step reads every chosen expert's rows once, so their width sets its speed. Each layer's gate_up [E, 2F, D] and down
@@ -6,6 +7,10 @@ step reads every chosen expert's rows once, so their width sets its speed. Each 
 Q4_1 GGUF this reproduces the file's numbers exactly) and packed as the op's uint8 nibbles + float16 (d, m) inputs.
 One layer's stacks are read at a time (the build's initializers are lazy). A stack whose width is not a multiple of
 32 stays float32, and the pass says how many it converted.
+
+Under int8-weight-only the stacks become Q8_0 (`quantize_moe_experts_q8_0`: ggml's reference rounding, a float16
+step per 32 weights) and the node kiln.MoE's GGUF experts of that type with int8 activations, the arithmetic of
+kiln.MatMulGGUF's Q8_0 kernel, as the dense linears' int8 weights quantize their activations on the fly.
 """
 
 from __future__ import annotations
@@ -15,10 +20,13 @@ import onnx_ir as ir
 
 from kiln.contract import OP_DOMAIN
 from kiln.export.progress import track
+from kiln.gguf_blocks import GgmlType
+from kiln.matmul_gguf import INT8_ATTRIBUTE
 from kiln.moe import OP_TYPE, Q4_BLOCK, pack_q4_1_experts
+from kiln.moe_gguf import TYPE_ATTRIBUTES, GgufExperts, gguf_experts
 
 from .quant.graph import initializer, prune
-from .quant.rtn import quantize_q4_1
+from .quant.rtn import quantize_q4_1, quantize_q8_0
 
 
 def moe_nodes(model: ir.Model) -> list[ir.Node]:
@@ -46,6 +54,33 @@ def quantize_moe_experts(model: ir.Model) -> int:
     return len(nodes)
 
 
+def quantize_moe_experts_q8_0(model: ir.Model) -> int:
+    """Rewrite every float kiln.MoE's experts to Q8_0 GGUF experts with int8 activations in place; returns how many
+    nodes were converted."""
+    nodes = [node for node in moe_nodes(model) if _convertible(node)]
+    for node in track(nodes, "quantize experts int8", "layer"):
+        gate_up, down = (value.const_value.numpy() for value in node.inputs[2:4])  # type: ignore[union-attr]
+        f = gate_up.shape[1] // 2
+        stacks = (_q8_0(gate_up[:, :f]), _q8_0(gate_up[:, f:]), _q8_0(down))
+        use_gguf_experts(model, node, gguf_experts(*stacks, (GgmlType.Q8_0,) * 3, int8_activations=True), int8=True)
+    if nodes:
+        prune(model)
+    return len(nodes)
+
+
+def use_gguf_experts(model: ir.Model, node: ir.Node, experts: GgufExperts, int8: bool) -> None:
+    """node's expert inputs replaced by GGUF experts (kiln/moe_gguf.py), their types and activation path its
+    attributes."""
+    gate_up_value, down_value = node.inputs[2], node.inputs[3]
+    assert gate_up_value is not None and down_value is not None
+    suffix = ".".join(GgmlType(kind).name.lower() for kind in experts.types)
+    node.replace_input_with(2, initializer(model, f"{gate_up_value.name or 'experts'}.{suffix}", experts.gate_up))
+    node.replace_input_with(3, initializer(model, f"{down_value.name or 'experts'}.{suffix}", experts.down))
+    for attribute, kind in zip(TYPE_ATTRIBUTES, experts.types, strict=True):
+        node.attributes[attribute] = ir.AttrInt64(attribute, int(kind))
+    node.attributes[INT8_ATTRIBUTE] = ir.AttrInt64(INT8_ATTRIBUTE, int(int8))
+
+
 def _convertible(node: ir.Node) -> bool:
     """Both expert stacks constant float32 and whole Q4_1 blocks wide (the dtype and shape only: nothing read)."""
     if len(node.inputs) != 4:
@@ -61,3 +96,13 @@ def _q4_1(stack: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     e, rows, k = stack.shape
     q = quantize_q4_1(np.ascontiguousarray(stack.reshape(e * rows, k), dtype=np.float32))
     return pack_q4_1_experts(q.q.reshape(e, rows, k), q.d.reshape(e, rows, -1), q.m.reshape(e, rows, -1))
+
+
+def _q8_0(stack: np.ndarray) -> np.ndarray:
+    """uint8 [E, rows, k / 32 * 34]: each expert's rows as Q8_0, one expert at a time (a layer's float stack is up to
+    GBs; its temporaries stay one expert's)."""
+    e, rows, k = stack.shape
+    out = np.empty((e, rows, k // Q4_BLOCK * (2 + Q4_BLOCK)), np.uint8)
+    for expert in range(e):
+        out[expert] = quantize_q8_0(stack[expert])
+    return out

@@ -21,11 +21,10 @@ from kiln.export.progress import track
 from kiln.export.tensor_files import FileBlocks
 from kiln.gguf_blocks import FORMATS, GgmlType
 from kiln.gguf_int8 import INT8_KINDS
-from kiln.matmul_gguf import INT8_ATTRIBUTE
-from kiln.moe_gguf import TYPE_ATTRIBUTES, gguf_experts
+from kiln.moe_gguf import gguf_experts
 
-from .quant.graph import initializer, prune
-from .quantize_moe import moe_nodes
+from .quant.graph import prune
+from .quantize_moe import moe_nodes, use_gguf_experts
 
 _EXECUTABLE = frozenset(int(kind) for kind in GgmlType)
 
@@ -42,21 +41,13 @@ def keep_moe_gguf_experts(model: ir.Model, int8_activations: bool = True) -> Moe
     nodes = [node for node in moe_nodes(model) if len(node.inputs) == 4]
     kept = [(node, parts) for node in nodes if (parts := _stack_blocks(node)) is not None]
     for node, (gate, up, down) in track(kept, "keep expert blocks", "layer"):
-        gate_up_value, down_value = node.inputs[2], node.inputs[3]
-        assert gate_up_value is not None and down_value is not None  # _stack_blocks
-        assert gate_up_value.const_value is not None
+        gate_up_value = node.inputs[2]
+        assert gate_up_value is not None and gate_up_value.const_value is not None  # _stack_blocks
         e, f2, d = gate_up_value.const_value.shape.numpy()
         stacks = [part.read().reshape(e, rows, -1) for part, rows in ((gate, f2 // 2), (up, f2 // 2), (down, d))]
         types = (gate.ggml_type, up.ggml_type, down.ggml_type)
         int8 = int8_activations and all(kind in INT8_KINDS for kind in types)
-        experts = gguf_experts(*stacks, types, int8)
-        name = gate_up_value.name or "experts"
-        suffix = ".".join(GgmlType(kind).name.lower() for kind in experts.types)
-        node.replace_input_with(2, initializer(model, f"{name}.{suffix}", experts.gate_up))
-        node.replace_input_with(3, initializer(model, f"{down_value.name or 'experts'}.{suffix}", experts.down))
-        for attribute, kind in zip(TYPE_ATTRIBUTES, experts.types, strict=True):
-            node.attributes[attribute] = ir.AttrInt64(attribute, int(kind))
-        node.attributes[INT8_ATTRIBUTE] = ir.AttrInt64(INT8_ATTRIBUTE, int(int8))
+        use_gguf_experts(model, node, gguf_experts(*stacks, types, int8), int8)
     if kept:
         prune(model)
     return MoeGgufCounts(len(kept), len(nodes) - len(kept))

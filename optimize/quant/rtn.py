@@ -127,3 +127,28 @@ def _quantize_q4_1(w: np.ndarray) -> Q4_1Weights:
     with np.errstate(divide="ignore", invalid="ignore"):
         q = np.where(step > 0, np.rint((blocks - m.astype(np.float32)[..., None]) / step), 0)
     return Q4_1Weights(np.clip(q, 0, 15).astype(np.uint8).reshape(n, k), d, m)
+
+
+Q8_0_BLOCK_BYTES = 2 + BLOCK  # float16 d, then 32 int8
+
+
+def quantize_q8_0(w: np.ndarray) -> np.ndarray:
+    """llama.cpp's Q8_0 of w [N, K] as GGUF rows, uint8 [N, K / 32 * 34]: per block of 32, d = max|w| / 127 (stored
+    float16) and q = round(w / d) half away from zero, ggml's reference quantizer bit for bit (so gguf-py's too)."""
+    w = np.asarray(w, dtype=np.float32)
+    n, k = w.shape
+    if k % BLOCK:
+        raise ValueError(f"Q8_0 blocks of {BLOCK} need K divisible by {BLOCK}, not {k}")
+    out = np.empty((n, k // BLOCK, Q8_0_BLOCK_BYTES), np.uint8)
+    step = max(1, SLAB_ELEMENTS // max(k, 1))
+    for start in range(0, n, step):
+        blocks = w[start:start + step].reshape(-1, k // BLOCK, BLOCK)
+        d = np.abs(blocks).max(axis=-1, keepdims=True) / np.float32(127)
+        with np.errstate(divide="ignore"):
+            inverse = np.where(d == 0, np.float32(0), np.float32(1) / d)
+        scaled = np.abs(blocks * inverse)
+        whole = np.floor(scaled)
+        q = np.sign(blocks) * (whole + np.floor(2 * (scaled - whole)))  # roundf: halves away from zero
+        out[start:start + step, :, :2] = d.astype(np.float16).view(np.uint8)
+        out[start:start + step, :, 2:] = q.astype(np.int8).view(np.uint8)
+    return out.reshape(n, -1)

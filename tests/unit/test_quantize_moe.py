@@ -82,3 +82,38 @@ def test_q4_1_experts_become_records_with_the_blocks_bits():
 def test_experts_not_whole_blocks_wide_stay_float():
     model, _ = graph_with_constant_experts(np.random.default_rng(1), experts=4, d=48, f=32)
     assert quantize_moe_experts(model) == 0
+
+
+def test_int8_weight_only_experts_become_q8_0_gguf_experts_computing_their_spec():
+    """int8-weight-only: each expert's rows are ggml's Q8_0 of its float rows (gguf-py's quantizer, bit for bit), the
+    node kiln.MoE's Q8_0 GGUF experts with int8 activations, and the graph computes that spec; close to the float
+    experts."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import quantize
+
+    from kiln.gguf_blocks import GgmlType
+    from kiln.matmul_gguf import INT8_ATTRIBUTE
+    from kiln.moe import moe_ref
+    from kiln.moe_gguf import TYPE_ATTRIBUTES, GgufExperts, moe_gguf_ref
+    from kiln.optimize.quantize_moe import quantize_moe_experts_q8_0
+
+    rng = np.random.default_rng(3)
+    model, arrays = graph_with_constant_experts(rng, experts=6, d=64, f=32)
+    x = rng.standard_normal((9, 64)).astype(np.float32)
+    assert quantize_moe_experts_q8_0(model) == 1
+    (node,) = moe_nodes(model)
+    assert [node.attributes[a].as_int() for a in TYPE_ATTRIBUTES] == [GgmlType.Q8_0] * 3
+    assert node.attributes[INT8_ATTRIBUTE].as_int() == 1
+    assert "gate_up" not in model.graph.initializers  # the float stacks are gone
+    gate_up, down = (node.inputs[i].const_value.numpy() for i in (2, 3))
+    for got, floats in ((gate_up, arrays["gate_up"]), (down, arrays["down"])):
+        for e in range(6):  # each expert's own rows, in order
+            np.testing.assert_array_equal(got[e], quantize(floats[e], GGMLQuantizationType.Q8_0))
+    experts = GgufExperts(gate_up, down, GgmlType.Q8_0, GgmlType.Q8_0, GgmlType.Q8_0)
+    want = moe_gguf_ref(x, arrays["router"], experts, top_k=2, norm_topk_prob=True)
+    out = run(model, x)
+    np.testing.assert_allclose(out, want, rtol=0, atol=4e-6 * np.abs(want).max())
+    floats = moe_ref(x, arrays["router"], arrays["gate_up"], arrays["down"], top_k=2, norm_topk_prob=True)
+    assert np.abs(out - floats).max() < 0.02 * np.abs(floats).max()  # 8-bit weights and activations
+    assert quantize_moe_experts_q8_0(model) == 0  # already converted
+
