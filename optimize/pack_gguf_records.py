@@ -29,7 +29,7 @@ from kiln.matmul_q4_1 import node_layout
 from kiln.moe_gguf import TYPE_ATTRIBUTES
 
 from .pack_q4_1_records import set_blocks
-from .quant.graph import unique_name
+from .quant.graph import lazy_initializer
 from .shard_weights import WeightReader
 
 
@@ -101,11 +101,7 @@ def _lazy_records(model: ir.Model, blocks: ir.Value, kind: int, n: int, row: int
 
 def _lazy(model: ir.Model, blocks: ir.Value, shape: tuple[int, ...], pack: Callable[[], np.ndarray]) -> ir.Value:
     """A new initializer `blocks`.records of this shape whose numbers `pack` computes when they are read."""
-    value = ir.Value(name=f"{blocks.name}.records", shape=ir.Shape(shape), type=ir.TensorType(ir.DataType.UINT8))
-    unique_name(model, value)
-    value.const_value = ir.LazyTensor(lambda: ir.tensor(pack()), ir.DataType.UINT8, ir.Shape(shape), name=value.name)
-    model.graph.register_initializer(value)
-    return value
+    return lazy_initializer(model, f"{blocks.name}.records", shape, pack)
 
 
 def _int_attribute(node: ir.Node, name: str) -> int:

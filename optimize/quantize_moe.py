@@ -15,6 +15,8 @@ kiln.MatMulGGUF's Q8_0 kernel, as the dense linears' int8 weights quantize their
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import onnx_ir as ir
 
@@ -23,10 +25,10 @@ from kiln.export.progress import track
 from kiln.gguf_blocks import GgmlType
 from kiln.matmul_gguf import INT8_ATTRIBUTE
 from kiln.moe import OP_TYPE, Q4_BLOCK, pack_q4_1_experts
-from kiln.moe_gguf import TYPE_ATTRIBUTES, GgufExperts, gguf_experts
+from kiln.moe_gguf import TYPE_ATTRIBUTES
 
-from .quant.graph import initializer, prune
-from .quant.rtn import quantize_q4_1, quantize_q8_0
+from .quant.graph import initializer, lazy_initializer, prune
+from .quant.rtn import Q8_0_BLOCK_BYTES, quantize_q4_1, quantize_q8_0
 
 
 def moe_nodes(model: ir.Model) -> list[ir.Node]:
@@ -56,27 +58,29 @@ def quantize_moe_experts(model: ir.Model) -> int:
 
 def quantize_moe_experts_q8_0(model: ir.Model) -> int:
     """Rewrite every float kiln.MoE's experts to Q8_0 GGUF experts with int8 activations in place; returns how many
-    nodes were converted."""
+    nodes were converted. Each stack's blocks are computed when the engine writer reads them (one stack at a time)."""
     nodes = [node for node in moe_nodes(model) if _convertible(node)]
-    for node in track(nodes, "quantize experts int8", "layer"):
-        gate_up, down = (value.const_value.numpy() for value in node.inputs[2:4])  # type: ignore[union-attr]
-        f = gate_up.shape[1] // 2
-        stacks = (_q8_0(gate_up[:, :f]), _q8_0(gate_up[:, f:]), _q8_0(down))
-        use_gguf_experts(model, node, gguf_experts(*stacks, (GgmlType.Q8_0,) * 3, int8_activations=True), int8=True)
+    for node in nodes:
+        stacks = []
+        for value in node.inputs[2:4]:
+            assert value is not None and value.const_value is not None  # _convertible
+            e, rows, k = (int(dim) for dim in value.const_value.shape)
+            shape = (e, rows, k // Q4_BLOCK * Q8_0_BLOCK_BYTES)
+            stacks.append(lazy_initializer(model, f"{value.name or 'experts'}.q8_0", shape, _q8_0_of(value)))
+        # Q8_0 rows of the joined gate/up stack are gate's rows, then up's: GGUF experts' gate_up as the file has them
+        use_gguf_experts(node, *stacks, (GgmlType.Q8_0,) * 3, int8=True)
     if nodes:
         prune(model)
     return len(nodes)
 
 
-def use_gguf_experts(model: ir.Model, node: ir.Node, experts: GgufExperts, int8: bool) -> None:
+def use_gguf_experts(node: ir.Node, gate_up: ir.Value, down: ir.Value, types: tuple[int, int, int],
+                     int8: bool) -> None:
     """node's expert inputs replaced by GGUF experts (kiln/moe_gguf.py), their types and activation path its
     attributes."""
-    gate_up_value, down_value = node.inputs[2], node.inputs[3]
-    assert gate_up_value is not None and down_value is not None
-    suffix = ".".join(GgmlType(kind).name.lower() for kind in experts.types)
-    node.replace_input_with(2, initializer(model, f"{gate_up_value.name or 'experts'}.{suffix}", experts.gate_up))
-    node.replace_input_with(3, initializer(model, f"{down_value.name or 'experts'}.{suffix}", experts.down))
-    for attribute, kind in zip(TYPE_ATTRIBUTES, experts.types, strict=True):
+    node.replace_input_with(2, gate_up)
+    node.replace_input_with(3, down)
+    for attribute, kind in zip(TYPE_ATTRIBUTES, types, strict=True):
         node.attributes[attribute] = ir.AttrInt64(attribute, int(kind))
     node.attributes[INT8_ATTRIBUTE] = ir.AttrInt64(INT8_ATTRIBUTE, int(int8))
 
@@ -98,11 +102,14 @@ def _q4_1(stack: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return pack_q4_1_experts(q.q.reshape(e, rows, k), q.d.reshape(e, rows, -1), q.m.reshape(e, rows, -1))
 
 
-def _q8_0(stack: np.ndarray) -> np.ndarray:
-    """uint8 [E, rows, k / 32 * 34]: each expert's rows as Q8_0, one expert at a time (a layer's float stack is up to
-    GBs; its temporaries stay one expert's)."""
-    e, rows, k = stack.shape
-    out = np.empty((e, rows, k // Q4_BLOCK * (2 + Q4_BLOCK)), np.uint8)
-    for expert in range(e):
-        out[expert] = quantize_q8_0(stack[expert])
-    return out
+def _q8_0_of(value: ir.Value) -> Callable[[], np.ndarray]:
+    """The float stack's Q8_0 blocks uint8 [E, rows, k / 32 * 34], one expert quantized at a time (a layer's float
+    stack is up to GBs; the temporaries stay one expert's)."""
+    source = value.const_value
+    assert source is not None
+
+    def blocks() -> np.ndarray:
+        stack = source.numpy()
+        return np.stack([quantize_q8_0(expert) for expert in stack])
+
+    return blocks

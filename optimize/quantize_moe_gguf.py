@@ -23,7 +23,7 @@ from kiln.gguf_blocks import FORMATS, GgmlType
 from kiln.gguf_int8 import INT8_KINDS
 from kiln.moe_gguf import gguf_experts
 
-from .quant.graph import prune
+from .quant.graph import initializer, prune
 from .quantize_moe import moe_nodes, use_gguf_experts
 
 _EXECUTABLE = frozenset(int(kind) for kind in GgmlType)
@@ -47,7 +47,12 @@ def keep_moe_gguf_experts(model: ir.Model, int8_activations: bool = True) -> Moe
         stacks = [part.read().reshape(e, rows, -1) for part, rows in ((gate, f2 // 2), (up, f2 // 2), (down, d))]
         types = (gate.ggml_type, up.ggml_type, down.ggml_type)
         int8 = int8_activations and all(kind in INT8_KINDS for kind in types)
-        use_gguf_experts(model, node, gguf_experts(*stacks, types, int8), int8)
+        experts = gguf_experts(*stacks, types, int8)
+        suffix = ".".join(GgmlType(kind).name.lower() for kind in experts.types)
+        gate_up = initializer(model, f"{gate_up_value.name or 'experts'}.{suffix}", experts.gate_up)
+        down_name = node.inputs[3].name if node.inputs[3] is not None else None
+        down = initializer(model, f"{down_name or 'experts'}.{suffix}", experts.down)
+        use_gguf_experts(node, gate_up, down, experts.types, int8)
     if kept:
         prune(model)
     return MoeGgufCounts(len(kept), len(nodes) - len(kept))

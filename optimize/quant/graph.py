@@ -9,6 +9,7 @@ An ``Add`` of a constant ``[N]`` bias that is the MatMul's only consumer is fold
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -166,6 +167,17 @@ def initializer(model: ir.Model, name: str, array: np.ndarray) -> ir.Value:
     value = ir.Value(name=name, shape=ir.Shape(array.shape), type=ir.TensorType(ir.DataType.from_numpy(array.dtype)))
     unique_name(model, value)
     value.const_value = ir.tensor(array, name=value.name)
+    model.graph.register_initializer(value)
+    return value
+
+
+def lazy_initializer(model: ir.Model, name: str, shape: tuple[int, ...], compute: Callable[[], np.ndarray]) -> ir.Value:
+    """Register a new uint8 initializer (name made unique) whose numbers `compute` gives when the engine writer reads
+    them, so a pass never holds a model's converted weights at once."""
+    value = ir.Value(name=name, shape=ir.Shape(shape), type=ir.TensorType(ir.DataType.UINT8))
+    unique_name(model, value)
+    value.const_value = ir.LazyTensor(lambda: ir.tensor(compute()), ir.DataType.UINT8, ir.Shape(shape),
+                                      name=value.name)
     model.graph.register_initializer(value)
     return value
 

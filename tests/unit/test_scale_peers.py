@@ -31,3 +31,11 @@ def test_a_system_missing_from_a_round_is_left_out_of_that_rounds_ratio():
     rows = [_row(1, "kiln", 60.0, floor_pct=70.0), _row(1, "llamacpp", 30.0), _row(2, "llamacpp", 30.0)]
     text = peers.table(rows, {})
     assert "| 2.00× [2.00–2.00] |" in text
+
+
+def test_decode_pairs_ratio_is_taken_pair_by_pair():
+    """benchmarks/scale/decode_pairs.py: each pair's kiln / llama.cpp, not the ratio of the systems' medians."""
+    pairs_script = load_script(SCRIPT.with_name("decode_pairs.py"), "scale_decode_pairs")
+    pairs = [{"kiln": 40.0, "llamacpp": 20.0}, {"kiln": 30.0, "llamacpp": 30.0}, {"kiln": 10.0, "llamacpp": 40.0}]
+    assert pairs_script.summary(pairs) == ("3 pairs: kiln 30.00 [10.00–40.00] tok/s, llama.cpp 30.00 [20.00–40.00] "
+                                           "tok/s, kiln / llama.cpp 1.00× [0.25–2.00]")
