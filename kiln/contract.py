@@ -59,22 +59,25 @@ OP_VERSION = 1
 # 12: kiln.MatMulGGUF's layout attribute and kiln.MoE's for GGUF experts: "records" Q4_K / Q6_K weights are
 #     kiln.MatMulQ4_1's records, 8 blocks of 32 a superblock, stored in the engine and read where ONNX Runtime maps
 #     them (kiln/gguf_records.py, kiln/moe_gguf.py); `gguf` engines of files with Q4_K or Q6_K matrices hold them.
-OP_LIBRARY_ABI = 12
-# The oldest engine ABI this library still runs: ABIs 2 to 12 only added optional inputs, attributes,
-# a pool dtype and new ops, so ABI-1 to ABI-11 graphs (RoPE as graph ops, no SwiGLU, Q4_1 blocks) are unchanged and
+OP_LIBRARY_ABI = 13
+# The oldest engine ABI this library still runs: ABIs 2 to 13 only added optional inputs, attributes,
+# a pool dtype and new ops, so ABI-1 to ABI-12 graphs (RoPE as graph ops, no SwiGLU, Q4_1 blocks) are unchanged and
 # need no rebuild.
 OP_LIBRARY_MIN_ABI = 1
-# The ABIs that added kiln.MoE's records and kiln.MatMulGGUF's: a built engine records the newest its graphs need,
-# and MOE_RECORDS_ABI - 1 when they hold neither, so older kilns still load the engines that need nothing newer
-# (`engine_abi`).
+# The ABIs that added kiln.MoE's records, kiln.MatMulGGUF's and kiln.PagedAttention's q/k norms: a built engine
+# records the newest its graphs need, and MOE_RECORDS_ABI - 1 when they need none of them, so older kilns still load
+# the engines that need nothing newer (`engine_abi`).
 MOE_RECORDS_ABI = 11
 GGUF_RECORDS_ABI = 12
+QK_NORM_ABI = 13
 
 
-def engine_abi(moe_records: bool, gguf_records: bool = False) -> int:
+def engine_abi(moe_records: bool, gguf_records: bool = False, qk_norms: bool = False) -> int:
     """The op-library ABI a built engine records: the lowest whose library runs its graphs, as far as the build tells
     them apart (every ABI up to MOE_RECORDS_ABI - 1 is assumed; kiln.MoE records need MOE_RECORDS_ABI, kiln.MatMulGGUF
-    records GGUF_RECORDS_ABI)."""
+    records GGUF_RECORDS_ABI, kiln.PagedAttention's q_norm / k_norm inputs QK_NORM_ABI)."""
+    if qk_norms:
+        return QK_NORM_ABI
     if gguf_records:
         return GGUF_RECORDS_ABI
     return MOE_RECORDS_ABI if moe_records else MOE_RECORDS_ABI - 1

@@ -28,10 +28,17 @@ Inputs
                                             image's run): the runtime fills the run's last position for its
                                             tokens, so the whole run must be in one step. An op without kv_scale
                                             or cos/sin gets empty float32 [0] tensors in their places.
-  Per-head q/k normalisation (Qwen3's q_norm / k_norm, RMSNorm over each head's D values) is not part of
-  the op: the graph applies it to the projections as standard ops (SimplifiedLayerNormalization over D)
-  and feeds the normalised, pre-RoPE query and key in. Partial rotary (Phi-4-mini) is R < D in the caches,
-  or RoPE left as graph ops ahead of the op.
+  q_norm           float32 [D] | [H*D]      optional 12th and 13th inputs, both or neither: RMSNorm weights of
+  k_norm           float32 [D] | [Hkv*D]    the query and the key, applied first (before RoPE), per head ([D]:
+                                            Qwen3, Gemma 3) or over the token's whole projection ([H*D], [Hkv*D]:
+                                            OLMoE): x * w / sqrt(mean(x^2) + qk_norm_epsilon), the mean over the
+                                            head's or the row's values (ONNX Runtime's SimplifiedLayerNormalization).
+                                            The graph may instead apply the norms as standard ops and feed the
+                                            normalised query and key; the ONNX Runtime lowering folds them into the
+                                            op when it packs q, k and v (the TensorRT plugin's graphs keep them as
+                                            graph ops, and the plugin does not take these inputs). An op with q_norm but without kv_scale,
+                                            cos/sin or attend_until gets empty tensors in their places.
+  Partial rotary (Phi-4-mini) is R < D in the caches, or RoPE left as graph ops ahead of the op.
   Packed QKV: key and value both empty float32 [0] -> query is [T, (H + 2*Hkv)*D], each token's row its H
   query heads, then its Hkv key heads, then its Hkv value heads (the fused QKV projection's output, read in
   place: no Split). Batch of one: query (and key/value unless packed) may be [1, T, width]; out is then
@@ -43,7 +50,8 @@ Outputs
 Attributes
   num_heads (int), num_kv_heads (int, divides num_heads), scale (float; absent or 0 means
   1/sqrt(D)), sliding_window (int, 0 = off), softcap (float, absent or 0 = off: Gemma 2's attention logit
-  soft-cap), rotary_interleaved (int, 0 = Hugging Face rotate_half:
+  soft-cap), qk_norm_epsilon (float, absent = 1e-6: read only with q_norm / k_norm), rotary_interleaved (int, 0 =
+  Hugging Face rotate_half:
   dims j and j + R/2 form a pair, what Llama/Mistral/Qwen2 exports compute; 1 = GPT-J style adjacent pairs
   2j, 2j + 1; only read with cos/sin)
   Every attribute is per node, so each layer's op carries its own window, scale and soft-cap (Gemma 2 / 3
@@ -51,8 +59,8 @@ Attributes
   attribute existed run unchanged.
 
 Semantics. Sequence s has q_len = qsl[s+1] - qsl[s] new tokens; its token i sits at the
-absolute position pos = seq_lens[s] - q_len + i. With cos/sin, the query and key of that token are
-first rotated by RoPE at pos (pair (a, b) of dims -> (a c - b s, b c + a s), c = cos_cache[pos, j],
+absolute position pos = seq_lens[s] - q_len + i. With q_norm / k_norm its query and key are first normalised;
+with cos/sin they are then rotated by RoPE at pos (pair (a, b) of dims -> (a c - b s, b c + a s), c = cos_cache[pos, j],
 s = sin_cache[pos, j]; dims >= R pass through); pos >= P is an error. Then the K/V of every new token of every
 sequence is written to block block_tables[s][pos // block_size], slot pos % block_size
 (rounded to the pool's dtype; int8 pools store q = clamp(round_half_even(x / kv_scale[0|1][g]),
@@ -90,6 +98,9 @@ ROTARY_INPUTS = ("cos_cache", "sin_cache")  # the optional 9th and 10th inputs (
 NO_KV_SCALE = "kv_scale.none"  # float32 [0]: the 8th input of a float pool that has cos/sin after it
 NO_ROTARY = "rotary.none"  # float32 [0]: the 9th and 10th inputs of an op with attend_until but no RoPE inside
 PACKED_QKV = "qkv.packed"  # float32 [0]: key and value of an op whose query holds packed Q|K|V
+NO_ATTEND_UNTIL = "attend_until.none"  # int32 [0]: the 11th input of an op with q_norm / k_norm but no attend_until
+QK_NORM_INPUTS = ("q_norm", "k_norm")  # the optional 12th and 13th inputs
+QK_NORM_EPSILON = 1e-6  # the qk_norm_epsilon attribute's default
 OUTPUT_NAMES = ("out", "kv_cache_out")
 INT8_MAX = 127
 
@@ -104,6 +115,7 @@ class PagedAttentionAttrs:
     sliding_window: int = 0  # 0 = off
     rotary_interleaved: int = 0  # 0: rotate_half pairs (j, j + R/2); 1: adjacent pairs (2j, 2j + 1)
     softcap: float = 0.0  # scores -> softcap * tanh(scores / softcap); 0 = off
+    qk_norm_epsilon: float = QK_NORM_EPSILON  # read only with q_norm / k_norm
 
     def __post_init__(self) -> None:
         if self.num_kv_heads <= 0 or self.num_heads <= 0 or self.num_heads % self.num_kv_heads:
@@ -116,6 +128,8 @@ class PagedAttentionAttrs:
             raise ValueError(f"sliding_window must be >= 0 (0 = off), got {self.sliding_window}")
         if not (math.isfinite(self.softcap) and self.softcap >= 0):
             raise ValueError(f"softcap must be finite and >= 0 (0 = off), got {self.softcap}")
+        if not (math.isfinite(self.qk_norm_epsilon) and self.qk_norm_epsilon > 0):
+            raise ValueError(f"qk_norm_epsilon must be finite and > 0, got {self.qk_norm_epsilon}")
         if self.rotary_interleaved not in (0, 1):
             raise ValueError(f"rotary_interleaved must be 0 (rotate_half) or 1 (adjacent pairs), "
                              f"got {self.rotary_interleaved}")
@@ -124,11 +138,12 @@ class PagedAttentionAttrs:
 @dataclass(frozen=True)
 class QkvLayout:
     """How the op's inputs arrive: query, key and value packed into one query (key and value empty), with a
-    leading 1; and (for make_single_op_model) whether the op takes attend_until."""
+    leading 1; and (for make_single_op_model) whether the op takes attend_until, and q_norm / k_norm."""
 
     packed: bool = False
     batch_of_one: bool = False
     attend_until: bool = False
+    qk_norm: bool = False
 
 
 @dataclass(frozen=True)
@@ -147,6 +162,8 @@ class PagedAttentionInputs:
     cos_cache: np.ndarray | None = None
     sin_cache: np.ndarray | None = None
     attend_until: np.ndarray | None = None
+    q_norm: np.ndarray | None = None
+    k_norm: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         if (self.kv_cache.dtype == np.int8) != (self.kv_scale is not None):
@@ -164,6 +181,8 @@ class PagedAttentionInputs:
                                  f"got {self.cos_cache.shape} and {self.sin_cache.shape}")
         if self.attend_until is not None and self.attend_until.shape != (0,):  # empty: the causal default
             check_attend_until(self.attend_until, self.seq_lens, self.query_start_loc)
+        if (self.q_norm is None) != (self.k_norm is None):
+            raise ValueError("q_norm and k_norm come together: both or neither")
 
 
 def check_attend_until(attend_until: np.ndarray, seq_lens: np.ndarray, query_start_loc: np.ndarray) -> None:
@@ -201,6 +220,27 @@ def apply_rotary(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, interleaved: i
     a, b = x[..., first].astype(np.float32), x[..., second].astype(np.float32)
     out[..., first], out[..., second] = a * c - b * s, b * c + a * s
     return out
+
+
+def rms_norm_heads(x: np.ndarray, weight: np.ndarray, heads: int, epsilon: float) -> np.ndarray:
+    """x [T, heads*D] RMS-normalised per head (weight [D]) or per row (weight [heads*D]), in float64; float32."""
+    T, width = x.shape
+    if weight.ndim != 1 or weight.shape[0] not in (width // heads, width):
+        raise ValueError(f"a q/k norm weight must be [D={width // heads}] (per head) or [{width}] (the whole "
+                         f"projection), got {list(weight.shape)}")
+    groups = x.reshape(T, -1, weight.shape[0]).astype(np.float64)
+    mean_square = (groups * groups).mean(axis=-1, keepdims=True)
+    normed: np.ndarray = groups / np.sqrt(mean_square + epsilon) * weight.astype(np.float64)
+    return normed.astype(np.float32).reshape(T, width)
+
+
+def norm_query_key(inputs: PagedAttentionInputs, attrs: PagedAttentionAttrs) -> PagedAttentionInputs:
+    """inputs with the query and key RMS-normalised by q_norm / k_norm (unchanged without them)."""
+    if inputs.q_norm is None or inputs.k_norm is None:
+        return inputs
+    epsilon = attrs.qk_norm_epsilon
+    return dataclasses.replace(inputs, query=rms_norm_heads(inputs.query, inputs.q_norm, attrs.num_heads, epsilon),
+                               key=rms_norm_heads(inputs.key, inputs.k_norm, attrs.num_kv_heads, epsilon))
 
 
 def rotate_query_key(inputs: PagedAttentionInputs, attrs: PagedAttentionAttrs) -> tuple[np.ndarray, np.ndarray]:
@@ -248,6 +288,7 @@ def paged_attention_ref(inputs: PagedAttentionInputs, attrs: PagedAttentionAttrs
 
 def _attention_ref(inputs: PagedAttentionInputs, attrs: PagedAttentionAttrs) -> tuple[np.ndarray, np.ndarray]:
     """paged_attention_ref of separate rank-2 query, key and value."""
+    inputs = norm_query_key(inputs, attrs)
     query, key = rotate_query_key(inputs, attrs)
     kv_cache, block_tables = inputs.kv_cache, inputs.block_tables
     seq_lens, query_start_loc = inputs.seq_lens, inputs.query_start_loc
@@ -308,7 +349,9 @@ def make_single_op_model(
     is then the empty initializer NO_KV_SCALE); layout.packed makes the graph input query [T, (H + 2*Hkv)*D] and
     feeds key and value the empty initializer PACKED_QKV (no key/value graph inputs); layout.batch_of_one gives
     query (and key/value) and out a leading dim of 1; layout.attend_until adds the graph input attend_until [T]
-    (the 11th, with empty initializers NO_KV_SCALE / NO_ROTARY before it where the op has no kv_scale or cos/sin).
+    (the 11th, with empty initializers NO_KV_SCALE / NO_ROTARY before it where the op has no kv_scale or cos/sin);
+    layout.qk_norm adds the graph inputs q_norm and k_norm (the 12th and 13th, their widths symbolic: [D] or the
+    projection's; empty initializers in the optional places before them) and the attribute qk_norm_epsilon.
     Graph inputs and outputs carry the op's own input/output names; token, block and
     sequence counts are symbolic dims.
     """
@@ -320,7 +363,7 @@ def make_single_op_model(
     q_width, kv_width = attrs.num_heads * head_dim, attrs.num_kv_heads * head_dim
     pool: list[str | int] = ["num_blocks", 2, attrs.num_kv_heads, block_size, head_dim]
     layout = layout or QkvLayout()
-    attend_until = layout.attend_until
+    attend_until, qk_norm = layout.attend_until, layout.qk_norm
     lead: list[str | int] = [1, "T"] if layout.batch_of_one else ["T"]
     width = q_width + 2 * kv_width * layout.packed
     inputs = [helper.make_tensor_value_info("query", TensorProto.FLOAT, [*lead, width])]
@@ -337,21 +380,27 @@ def make_single_op_model(
     if layout.packed:
         op_inputs[1:3] = [PACKED_QKV, PACKED_QKV]
         initializers.append(numpy_helper.from_array(np.zeros(0, np.float32), PACKED_QKV))
-    if int8 or rotary or attend_until:
+    if int8 or rotary or attend_until or qk_norm:
         op_inputs.append(KV_SCALE if int8 else NO_KV_SCALE)
-    if (rotary or attend_until) and not int8:
+    if (rotary or attend_until or qk_norm) and not int8:
         initializers.append(numpy_helper.from_array(np.zeros(0, np.float32), NO_KV_SCALE))
     if int8:
         inputs.append(helper.make_tensor_value_info(KV_SCALE, TensorProto.FLOAT, [2, attrs.num_kv_heads]))
     if rotary:
         inputs += [helper.make_tensor_value_info(n, TensorProto.FLOAT, ["P", "half_rotary"]) for n in ROTARY_INPUTS]
         op_inputs += ROTARY_INPUTS
-    elif attend_until:
+    elif attend_until or qk_norm:
         op_inputs += [NO_ROTARY, NO_ROTARY]
         initializers.append(numpy_helper.from_array(np.zeros(0, np.float32), NO_ROTARY))
     if attend_until:
         inputs.append(helper.make_tensor_value_info(ATTEND_UNTIL, TensorProto.INT32, ["T_until"]))
         op_inputs.append(ATTEND_UNTIL)
+    elif qk_norm:
+        op_inputs.append(NO_ATTEND_UNTIL)
+        initializers.append(numpy_helper.from_array(np.zeros(0, np.int32), NO_ATTEND_UNTIL))
+    if qk_norm:
+        inputs += [helper.make_tensor_value_info(n, TensorProto.FLOAT, [f"{n}_width"]) for n in QK_NORM_INPUTS]
+        op_inputs += QK_NORM_INPUTS
     outputs = [
         helper.make_tensor_value_info("out", TensorProto.FLOAT, [*lead, q_width]),
         helper.make_tensor_value_info("kv_cache_out", kv_type, pool),
@@ -370,6 +419,8 @@ def make_single_op_model(
         node.attribute.append(helper.make_attribute("rotary_interleaved", attrs.rotary_interleaved))
     if attrs.softcap:
         node.attribute.append(helper.make_attribute("softcap", float(attrs.softcap)))
+    if qk_norm:
+        node.attribute.append(helper.make_attribute("qk_norm_epsilon", float(attrs.qk_norm_epsilon)))
     graph = helper.make_graph([node], "kiln_paged_attention", inputs, outputs, initializers)
     opsets = [helper.make_opsetid("", 17), helper.make_opsetid(OP_DOMAIN, OP_VERSION)]
     return helper.make_model(graph, opset_imports=opsets, ir_version=8)

@@ -16,7 +16,8 @@ h // (H / Hkv)):
     replicated on the N / Hkv ranks sharing the group;
   - otherwise, with Hkv >= N: whole groups, as evenly as they go (SmolLM2 at N = 2: 3 KV heads as 1 and 2, rank 0
     taking the fewer since it also runs the LM head);
-  - anything else is refused.
+  - anything else is refused, as is attention that normalises q and k inside kiln.PagedAttention (Qwen3, Gemma 3,
+    OLMoE: OLMoE's norm spans every head).
 MLP columns are split so that each rank reads the same number of weights per decode step: a rank with more
 attention weights, or rank 0 with the LM head (its weights counted per layer), gets fewer (multiples of 32).
 """

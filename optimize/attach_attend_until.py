@@ -3,8 +3,9 @@
 One graph input joins: ``attend_until`` int32 [num_tokens] (kiln/paged_attention.py: the last position each
 token of the packed batch may see), fed to every kiln.PagedAttention node as its 11th input. An op without
 kv_scale or RoPE inside gets the empty float32 initializers NO_KV_SCALE / NO_ROTARY in those places, so the
-input lands in its slot. The runtime binds the causal bounds (each token's own position) or an empty tensor
-in a step without image tokens, and an image run's last position for its tokens.
+input lands in its slot (an op's q_norm / k_norm after it stay). The runtime binds the causal bounds (each
+token's own position) or an empty tensor in a step without image tokens, and an image run's last position for
+its tokens.
 """
 
 from __future__ import annotations
@@ -39,13 +40,14 @@ def attach_attend_until(model: ir.Model) -> int:
         return empties[name]
 
     for node in nodes:
-        inputs = list(node.inputs)
+        inputs = list(node.inputs)[:_OPTIONAL_BEFORE]
+        later = list(node.inputs)[_OPTIONAL_BEFORE + 1:]  # q_norm / k_norm, after an empty attend_until
         if len(inputs) < 8:
             inputs.append(empty(NO_KV_SCALE))
         while len(inputs) < _OPTIONAL_BEFORE:
             inputs.append(empty(NO_ROTARY))
-        node.resize_inputs(_OPTIONAL_BEFORE + 1)
-        for slot, value in enumerate([*inputs, until]):
+        node.resize_inputs(_OPTIONAL_BEFORE + 1 + len(later))
+        for slot, value in enumerate([*inputs, until, *later]):
             if node.inputs[slot] is not value:
                 node.replace_input_with(slot, value)
     return len(nodes)

@@ -103,11 +103,18 @@ def _find_layers(graph: onnx.GraphProto, shape: ShardShape) -> list[_Layer]:
         if len(node.input) < 3 or node.input[1] not in initializers or _numel(graph, node.input[1]) != 0:
             raise TensorParallelError(f"layer {index}'s attention reads separate query, key and value tensors; tensor "
                                       "parallelism splits the packed QKV projection only")
+        if len(node.input) > _NORM_SLOT:
+            raise TensorParallelError(f"layer {index}'s attention normalises q and k inside kiln.PagedAttention "
+                                      "(q_norm / k_norm: Qwen3, Gemma 3, OLMoE); tensor parallelism does not split "
+                                      "those yet")
         layers.append(_Layer(matmul(node.input[0], "QKV projection", index), node,
                              only_reader(node.output[0], "attention output", index),
                              matmul(swiglu.input[0], "gate/up projection", index),
                              only_reader(swiglu.output[0], "SwiGLU output", index)))
     return layers
+
+
+_NORM_SLOT = 11  # kiln.PagedAttention's q_norm input (kiln/paged_attention.py)
 
 
 def _numel(graph: onnx.GraphProto, name: str) -> int:

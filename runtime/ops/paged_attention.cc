@@ -4,7 +4,8 @@
 // reference implementation, in kiln/paged_attention.py; this file implements it.
 //
 //   1. validate every input against the others (no out-of-bounds read on bad input);
-//   2. if kv_cache_out is not the same buffer as kv_cache, copy the pool (slow fallback);
+//   2. if kv_cache_out is not the same buffer as kv_cache, copy the pool (slow fallback); with q_norm / k_norm,
+//      the normalised query and key rows into a buffer of the op's own (the value rows too when packed);
 //   3. write the new tokens' K/V into their slots of kv_cache_out (K rotated first when cos/sin
 //      are given; int8 pools: quantized with the per-KV-head steps of kv_scale [2, Hkv]);
 //      attend_until [T], when given, lets each token see up to that position (Gemma 3's image runs);
@@ -36,7 +37,7 @@
 
 namespace kiln {
 
-constexpr int kAbiVersion = 12;  // kiln.contract.OP_LIBRARY_ABI
+constexpr int kAbiVersion = 13;  // kiln.contract.OP_LIBRARY_ABI
 
 // ---------------------------------------------------------------- the op
 
@@ -44,6 +45,31 @@ struct Rotary {  // the optional 9th and 10th inputs; both nullptr when Q/K arri
   const Ort::Custom::Tensor<float>* cos;
   const Ort::Custom::Tensor<float>* sin;
 };
+
+struct QkNorm {  // the optional 12th and 13th inputs; both nullptr when Q/K arrive normalised
+  const Ort::Custom::Tensor<float>* q;
+  const Ort::Custom::Tensor<float>* k;
+};
+
+// y = x * w / sqrt(mean(x^2) + epsilon) over each group of `group` values of a row of `width` (a head: w [D]; the
+// row: w [width]), the squares summed in double as the spec does; SimplifiedLayerNormalization's arithmetic.
+static void rms_norm_groups(const float* x, const float* w, int64_t width, int64_t group, float epsilon, float* y) {
+  for (int64_t g0 = 0; g0 < width; g0 += group) {
+    double squares = 0.0;
+    for (int64_t i = 0; i < group; ++i) squares += static_cast<double>(x[g0 + i]) * x[g0 + i];
+    const float root = static_cast<float>(std::sqrt(squares / static_cast<double>(group) + epsilon));
+    for (int64_t i = 0; i < group; ++i) y[g0 + i] = x[g0 + i] / root * w[i];
+  }
+}
+
+// The norm weight's group: D (per head) or the projection's width (the whole row); else a clear error.
+static int64_t norm_group(const Ort::Custom::Tensor<float>& w, const char* name, int64_t heads, int64_t D) {
+  const auto& shape = w.Shape();
+  if (shape.size() != 1 || (shape[0] != D && shape[0] != heads * D))
+    fail(std::string(name) + " must be float32 [head_dim=" + std::to_string(D) + "] (per head) or [" +
+         std::to_string(heads * D) + "] (the whole projection), got " + shape_text(shape));
+  return shape[0];
+}
 
 template <typename KvT>
 struct PagedAttention {
@@ -54,6 +80,11 @@ struct PagedAttention {
     try { scale_ = ki.GetAttribute<float>("scale"); } catch (const Ort::Exception&) { scale_ = 0.f; }
     try { window_ = ki.GetAttribute<int64_t>("sliding_window"); } catch (const Ort::Exception&) { window_ = 0; }
     try { softcap_ = ki.GetAttribute<float>("softcap"); } catch (const Ort::Exception&) { softcap_ = 0.f; }
+    try {
+      qk_norm_epsilon_ = ki.GetAttribute<float>("qk_norm_epsilon");
+    } catch (const Ort::Exception&) {
+      qk_norm_epsilon_ = 1e-6f;  // kiln.paged_attention.QK_NORM_EPSILON
+    }
     try {
       interleaved_ = ki.GetAttribute<int64_t>("rotary_interleaved");
     } catch (const Ort::Exception&) {
@@ -74,12 +105,15 @@ struct PagedAttention {
                       std::optional<const Ort::Custom::Tensor<float>*> kv_scale,
                       std::optional<const Ort::Custom::Tensor<float>*> cos_cache,
                       std::optional<const Ort::Custom::Tensor<float>*> sin_cache,
-                      std::optional<const Ort::Custom::Tensor<int32_t>*> attend_until, Ort::Custom::Tensor<float>& out,
+                      std::optional<const Ort::Custom::Tensor<int32_t>*> attend_until,
+                      std::optional<const Ort::Custom::Tensor<float>*> q_norm,
+                      std::optional<const Ort::Custom::Tensor<float>*> k_norm, Ort::Custom::Tensor<float>& out,
                       Ort::Custom::Tensor<KvT>& kv_cache_out) {
     try {
       const Rotary rotary{present(cos_cache.value_or(nullptr)), present(sin_cache.value_or(nullptr))};
+      const QkNorm norms{present(q_norm.value_or(nullptr)), present(k_norm.value_or(nullptr))};
       run(ctx, query, key, value, kv_cache, block_tables, seq_lens, query_start_loc, kv_scale.value_or(nullptr), rotary,
-          present(attend_until.value_or(nullptr)), out, kv_cache_out);
+          present(attend_until.value_or(nullptr)), norms, out, kv_cache_out);
     } catch (const Ort::Exception& e) {
       return Ort::Status(e.what(), e.GetOrtErrorCode());
     } catch (const std::exception& e) {
@@ -92,8 +126,8 @@ struct PagedAttention {
            const Ort::Custom::Tensor<float>& value, const Ort::Custom::Tensor<KvT>& kv_cache,
            const Ort::Custom::Tensor<int32_t>& block_tables, const Ort::Custom::Tensor<int32_t>& seq_lens,
            const Ort::Custom::Tensor<int32_t>& query_start_loc, const Ort::Custom::Tensor<float>* kv_scale,
-           const Rotary& rotary, const Ort::Custom::Tensor<int32_t>* attend_until, Ort::Custom::Tensor<float>& out,
-           Ort::Custom::Tensor<KvT>& kv_cache_out) const {
+           const Rotary& rotary, const Ort::Custom::Tensor<int32_t>* attend_until, const QkNorm& norms,
+           Ort::Custom::Tensor<float>& out, Ort::Custom::Tensor<KvT>& kv_cache_out) const {
     if (window_ < 0) fail("sliding_window must be >= 0");
     if (!(softcap_ >= 0.f) || std::isinf(softcap_)) fail("softcap must be finite and >= 0 (0 = off)");
     if (interleaved_ != 0 && interleaved_ != 1) fail("rotary_interleaved must be 0 (rotate_half) or 1 (adjacent pairs)");
@@ -159,6 +193,8 @@ struct PagedAttention {
     if (static_cast<const void*>(p.pool) != static_cast<const void*>(kv_cache.Data()))
       std::memcpy(p.pool, kv_cache.Data(), kv_cache.SizeInBytes());  // not aliased: correct but O(pool)
     if (T == 0) return;
+    std::vector<float> normed;  // the normalised rows, which p.q and p.k then point into
+    if (norms.q != nullptr || norms.k != nullptr) normalize_query_key(ctx, norms, qkv.packed, p, normed);
 
     std::vector<int32_t> token_seq(T);
     for (int64_t s = 0; s < S; ++s)
@@ -181,8 +217,34 @@ struct PagedAttention {
     else for (size_t i = 0; i < groups.size(); ++i) merge(i);  // cheaper than waking the pool
   }
 
+  // p's query and key rows RMS-normalised into `normed` (packed: whole rows, the value heads copied, so the strides
+  // stay the packed row's; else the query rows, then the key rows), and p pointed at them.
+  void normalize_query_key(OrtKernelContext* ctx, const QkNorm& norms, bool packed, Problem<KvT>& p,
+                           std::vector<float>& normed) const {
+    if (norms.q == nullptr || norms.k == nullptr) fail("q_norm and k_norm come together (both or neither)");
+    if (!(qk_norm_epsilon_ > 0.f) || std::isinf(qk_norm_epsilon_)) fail("qk_norm_epsilon must be finite and > 0");
+    const int64_t T = p.num_tokens, D = p.D, q_width = p.H * D, k_width = p.Hkv * D;
+    const int64_t q_group = norm_group(*norms.q, "q_norm", p.H, D), k_group = norm_group(*norms.k, "k_norm", p.Hkv, D);
+    const int64_t row = packed ? p.q_stride : q_width + k_width;
+    normed.resize(static_cast<size_t>(T * row));
+    float* q = normed.data();
+    float* k = packed ? q + q_width : q + T * q_width;
+    const int64_t q_stride = packed ? row : q_width, k_stride = packed ? row : k_width;
+    auto token = [&](size_t i) {
+      const int64_t t = static_cast<int64_t>(i);
+      rms_norm_groups(p.q + t * p.q_stride, norms.q->Data(), q_width, q_group, qk_norm_epsilon_, q + t * q_stride);
+      rms_norm_groups(p.k + t * p.kv_stride, norms.k->Data(), k_width, k_group, qk_norm_epsilon_, k + t * k_stride);
+      if (packed) std::memcpy(k + t * k_stride + k_width, p.v + t * p.kv_stride, k_width * sizeof(float));
+    };
+    if (T * row >= 65536) parallel_for(ctx, static_cast<size_t>(T), token);
+    else for (int64_t t = 0; t < T; ++t) token(static_cast<size_t>(t));
+    p.q = q;
+    p.k = k;
+    if (packed) p.v = k + k_width;  // the strides are the packed row's as before
+  }
+
   int64_t num_heads_ = 0, num_kv_heads_ = 0, window_ = 0, interleaved_ = 0;
-  float scale_ = 0.f, softcap_ = 0.f;
+  float scale_ = 0.f, softcap_ = 0.f, qk_norm_epsilon_ = 1e-6f;
 };
 
 }  // namespace kiln

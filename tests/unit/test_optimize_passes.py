@@ -426,6 +426,38 @@ def test_pack_attention_inputs(raw_graph, tmp_path):
     assert_same_logits(raw_graph, drivers, seed=3)
 
 
+@pytest.mark.parametrize("family, per_head", [("qwen3", True), ("olmoe", False)])
+def test_pack_attention_inputs_folds_qk_norms(tmp_path, family, per_head):
+    """Qwen3's per-head and OLMoE's whole-projection q/k RMSNorms become kiln.PagedAttention's q_norm / k_norm (with
+    the config's epsilon): the op reads the fused projection with nothing between, and the engine records
+    QK_NORM_ABI. (Its logits against transformers: tests/golden.)"""
+    import json
+
+    import onnx
+    from helpers import make_tiny_hf_model
+
+    from kiln.manifest import BuildOptions, read_manifest
+    from kiln.optimize.build import build_engine
+
+    model_dir = make_tiny_hf_model(tmp_path, family=family)
+    config = json.loads((model_dir / "config.json").read_text())
+    build_engine(model_dir, tmp_path / "engine", BuildOptions(kv_dtype="float32"), progress=lambda _msg: None)
+    graph = onnx.load(str(tmp_path / "engine" / "model.onnx"), load_external_data=False).graph
+    initializers = {t.name: t for t in graph.initializer}
+    producers = {out: node for node in graph.node for out in node.output}
+    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+    head_dim = config.get("head_dim") or config["hidden_size"] // heads
+    attention = [node for node in graph.node if node.op_type == "PagedAttention"]
+    assert len(attention) == config["num_hidden_layers"]
+    for node in attention:
+        assert producers[node.input[0]].op_type == "MatMul" and list(node.input[1:3]) == [PACKED_QKV] * 2
+        widths = [initializers[name].dims[0] for name in node.input[11:13]]
+        assert widths == ([head_dim] * 2 if per_head else [heads * head_dim, kv_heads * head_dim])
+        epsilon = next(a.f for a in node.attribute if a.name == "qk_norm_epsilon")
+        assert epsilon == pytest.approx(config["rms_norm_eps"])
+    assert read_manifest(tmp_path / "engine").op_library_abi == contract.QK_NORM_ABI
+
+
 def test_fuse_attention_fires_zero_times_without_attention(kiln_raw):
     model = ir.load(kiln_raw)
     fuse_attention(model)  # fuse once: nothing is left to match a second time

@@ -5,6 +5,7 @@ clear errors on bad inputs."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from functools import cache
 
@@ -14,6 +15,7 @@ import pytest
 from kiln.paged_attention import (
     INPUT_NAMES,
     KV_SCALE,
+    QK_NORM_INPUTS,
     ROTARY_INPUTS,
     PagedAttentionAttrs,
     PagedAttentionInputs,
@@ -714,3 +716,66 @@ def test_bad_qkv_layouts_raise(what):
     bad, message = LAYOUT_ERRORS[what]
     with pytest.raises(Exception, match=r"kiln\.PagedAttention: .*" + message):
         model_session(model).run(None, {**feeds, **bad})
+
+
+# ------------------------------------------------------------------ q/k RMSNorm inside the op
+
+
+def norm_weights(rng, op, per_head):
+    """q_norm / k_norm of the op's heads: [D] (per head, Qwen3) or the projections' widths (OLMoE)."""
+    heads = (1, 1) if per_head else (op.attrs.num_heads, op.attrs.num_kv_heads)
+    return {name: rng.uniform(0.5, 1.5, h * op.head_dim).astype(np.float32)
+            for name, h in zip(QK_NORM_INPUTS, heads, strict=True)}
+
+
+def test_reference_norms_equal_prenormalised_inputs():
+    """Independent check of the spec: q/k norms inside == the op without them fed q/k normalised beforehand (per
+    head and over the row, written out here), the norm before RoPE."""
+    rng = np.random.default_rng(41)
+    op = rotary_case(6, 2, 16, positions=64)
+    feeds = make_case(rng, [(0, 9), (40, 1)], op)
+    eps = op.attrs.qk_norm_epsilon
+    for per_head in (True, False):
+        weights = norm_weights(rng, op, per_head)
+        normed = {}
+        for name, w in zip(("query", "key"), weights.values(), strict=True):
+            x = feeds[name].astype(np.float64).reshape(len(feeds[name]), -1, len(w))
+            normed[name] = (x / np.sqrt((x ** 2).mean(-1, keepdims=True) + eps) * w).reshape(len(x), -1)
+        out, pool = paged_attention_ref(PagedAttentionInputs(**feeds, **weights), op.attrs)
+        ref_out, ref_pool = paged_attention_ref(PagedAttentionInputs(**{**feeds, **normed}), op.attrs)
+        np.testing.assert_allclose(out, ref_out, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(pool, ref_pool, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("per_head", [True, False], ids=["per-head", "whole-row"])
+@pytest.mark.parametrize("packed", [False, True], ids=["separate", "packed"])
+@pytest.mark.parametrize("kv_dtype", ["float32", "float16"])
+def test_kernel_qk_norms(per_head, packed, kv_dtype):
+    """The kernel's norms against the spec, with RoPE after them, mixed prefill and decode rows; a packed row's value
+    heads pass through unnormalised. A norm dropped, or applied per head where the row is meant, fails this."""
+    rng = np.random.default_rng(42)
+    op = rotary_case(8, 2, 32, kv_dtype)
+    op = OpCase(dataclasses.replace(op.attrs, qk_norm_epsilon=1e-5), op.head_dim, op.block_size, op.kv_dtype,
+                op.rotary_positions)
+    feeds = make_case(rng, MIXED, op)
+    weights = norm_weights(rng, op, per_head)
+    model = make_single_op_model(op.attrs, op.head_dim, op.block_size, np.dtype(kv_dtype), True,
+                                 QkvLayout(packed=packed, qk_norm=True))
+    out, pool = model_session(model).run(None, {**laid_out(feeds, packed, False), **weights})
+    ref_out, ref_pool = paged_attention_ref(PagedAttentionInputs(**feeds, **weights), op.attrs)
+    check_rotary(out, pool, ref_out, ref_pool, kv_dtype)
+    if per_head:  # the same weights over each whole row: another normalisation, which the check tells apart
+        tiled = {name: np.tile(w, heads) for (name, w), heads in zip(weights.items(), (8, 2), strict=True)}
+        wrong, _ = paged_attention_ref(PagedAttentionInputs(**feeds, **tiled), op.attrs)
+        assert np.abs(wrong - ref_out).max() > 100 * np.abs(out - ref_out).max()
+    unnormed, _ = reference(feeds, op)
+    assert np.abs(unnormed - ref_out).max() > 100 * np.abs(out - ref_out).max()
+
+
+def test_kernel_bad_qk_norm_width_raises():
+    op = rotary_case(4, 2, 16)
+    feeds = make_case(np.random.default_rng(43), [(3, 4)], op)
+    model = make_single_op_model(op.attrs, op.head_dim, op.block_size, np.float32, True, QkvLayout(qk_norm=True))
+    weights = {"q_norm": np.ones(16 * 3, np.float32), "k_norm": np.ones(16, np.float32)}
+    with pytest.raises(Exception, match=r"kiln\.PagedAttention: q_norm must be float32 \[head_dim=16\]"):
+        model_session(model).run(None, {**feeds, **weights})
