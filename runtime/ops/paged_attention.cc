@@ -19,6 +19,8 @@
 #define ORT_API_MANUAL_INIT
 #include "onnxruntime_lite_custom_op.h"
 
+#include <immintrin.h>
+
 #include <cmath>
 #include <cstring>
 #include <mutex>
@@ -52,13 +54,29 @@ struct QkNorm {  // the optional 12th and 13th inputs; both nullptr when Q/K arr
 };
 
 // y = x * w / sqrt(mean(x^2) + epsilon) over each group of `group` values of a row of `width` (a head: w [D]; the
-// row: w [width]), the squares summed in double as the spec does; SimplifiedLayerNormalization's arithmetic.
+// row: w [width]): SimplifiedLayerNormalization's arithmetic, the squares summed in double as the spec does, 8 lanes
+// at a time (a decode step normalises a few thousand values a layer, no more than ONNX Runtime's own norm costs).
 static void rms_norm_groups(const float* x, const float* w, int64_t width, int64_t group, float epsilon, float* y) {
   for (int64_t g0 = 0; g0 < width; g0 += group) {
-    double squares = 0.0;
-    for (int64_t i = 0; i < group; ++i) squares += static_cast<double>(x[g0 + i]) * x[g0 + i];
+    const float* xg = x + g0;
+    float* yg = y + g0;
+    __m256d acc0 = _mm256_setzero_pd(), acc1 = _mm256_setzero_pd();
+    int64_t i = 0;
+    for (; i + 8 <= group; i += 8) {
+      const __m256 v = _mm256_loadu_ps(xg + i);
+      const __m256d lo = _mm256_cvtps_pd(_mm256_castps256_ps128(v)), hi = _mm256_cvtps_pd(_mm256_extractf128_ps(v, 1));
+      acc0 = _mm256_fmadd_pd(lo, lo, acc0);  // a float's square is exact in double: fused or not, the same
+      acc1 = _mm256_fmadd_pd(hi, hi, acc1);
+    }
+    double lanes[4];
+    _mm256_storeu_pd(lanes, _mm256_add_pd(acc0, acc1));
+    double squares = (lanes[0] + lanes[1]) + (lanes[2] + lanes[3]);
+    for (int64_t j = i; j < group; ++j) squares += static_cast<double>(xg[j]) * xg[j];
     const float root = static_cast<float>(std::sqrt(squares / static_cast<double>(group) + epsilon));
-    for (int64_t i = 0; i < group; ++i) y[g0 + i] = x[g0 + i] / root * w[i];
+    const __m256 r = _mm256_set1_ps(root);
+    for (i = 0; i + 8 <= group; i += 8)
+      _mm256_storeu_ps(yg + i, _mm256_mul_ps(_mm256_div_ps(_mm256_loadu_ps(xg + i), r), _mm256_loadu_ps(w + i)));
+    for (; i < group; ++i) yg[i] = xg[i] / root * w[i];
   }
 }
 
