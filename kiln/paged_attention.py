@@ -36,8 +36,9 @@ Inputs
                                             The graph may instead apply the norms as standard ops and feed the
                                             normalised query and key; the ONNX Runtime lowering folds them into the
                                             op when it packs q, k and v (the TensorRT plugin's graphs keep them as
-                                            graph ops, and the plugin does not take these inputs). An op with q_norm but without kv_scale,
-                                            cos/sin or attend_until gets empty tensors in their places.
+                                            graph ops, and the plugin does not take these inputs). An op with
+                                            q_norm but without kv_scale, cos/sin or attend_until gets empty
+                                            tensors in their places.
   Partial rotary (Phi-4-mini) is R < D in the caches, or RoPE left as graph ops ahead of the op.
   Packed QKV: key and value both empty float32 [0] -> query is [T, (H + 2*Hkv)*D], each token's row its H
   query heads, then its Hkv key heads, then its Hkv value heads (the fused QKV projection's output, read in
