@@ -50,7 +50,6 @@ using moe::Item;
 using moe::gate_then_up_items;
 using moe::items_over;
 using moe::ProjectionItem;
-using moe::swiglu_rows;
 
 // Weight rows per work item: 32 gate or up rows (or 32 down rows) of D = 2048 floats are 256 KiB, ~10 us of
 // DRAM bandwidth on two cores, well above an item's dispatch cost.

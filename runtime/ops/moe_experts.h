@@ -8,7 +8,6 @@
 #include <vector>
 
 #include "onnxruntime_lite_custom_op.h"
-#include "parallel_for.h"
 #include "q4_1_records.h"
 #include "swiglu.h"
 
@@ -51,20 +50,6 @@ inline std::vector<ProjectionItem> gate_then_up_items(const Groups& g, int64_t u
       for (const bool up : {false, true})
         for (int64_t u = 0; u < units; u += per_item) items.push_back({{e, u, std::min(units, u + per_item)}, up});
   return items;
-}
-
-// act [n_rows, F] = silu(gate) * up (kiln.SwiGLU's arithmetic), row i's gate and up at gate + i * ld and up + i * ld;
-// rows in parallel where there are many values.
-inline void swiglu_rows(OrtKernelContext* ctx, const float* gate, const float* up, int64_t ld, int64_t n_rows,
-                        int64_t F, float* act) {
-  constexpr int64_t kValuesPerItem = 1 << 15;
-  const int64_t rows_per_item = std::max<int64_t>(1, kValuesPerItem / std::max<int64_t>(1, F));
-  auto rows = [&](size_t i) {
-    const int64_t r1 = std::min(n_rows, (static_cast<int64_t>(i) + 1) * rows_per_item);
-    for (int64_t r = static_cast<int64_t>(i) * rows_per_item; r < r1; ++r)
-      swiglu_values(gate + r * ld, up + r * ld, act + r * F, F);
-  };
-  parallel_for(ctx, static_cast<size_t>((n_rows + rows_per_item - 1) / rows_per_item), rows);
 }
 
 // One projection's Q4_1 expert stack [E, rows, K] as MatMulQ4_1's records, expert after expert: expert e's

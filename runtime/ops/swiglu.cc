@@ -48,10 +48,7 @@ inline __m256 swiglu8(__m256 gate, __m256 up) {
   return _mm256_mul_ps(_mm256_mul_ps(gate, sigmoid), up);
 }
 
-void swiglu_row(const float* x, float* y, int64_t F) { swiglu_values(x, x + F, y, F); }
-
-}  // namespace
-
+// y[i] = silu(gate[i]) * up[i] for i < n, one row's pass (the header above says how).
 void swiglu_values(const float* gate, const float* up, float* y, int64_t n) {
   int64_t i = 0;
   for (; i + 8 <= n; i += 8) _mm256_storeu_ps(y + i, swiglu8(_mm256_loadu_ps(gate + i), _mm256_loadu_ps(up + i)));
@@ -61,6 +58,23 @@ void swiglu_values(const float* gate, const float* up, float* y, int64_t n) {
     const __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n - i)), lane);
     _mm256_maskstore_ps(y + i, mask, swiglu8(_mm256_maskload_ps(gate + i, mask), _mm256_maskload_ps(up + i, mask)));
   }
+}
+
+}  // namespace
+
+void swiglu_rows(OrtKernelContext* ctx, const float* gate, const float* up, int64_t ld, int64_t n_rows, int64_t F,
+                 float* y) {
+  if (n_rows < 2 || n_rows * F < kParallelElements) {
+    for (int64_t r = 0; r < n_rows; ++r) swiglu_values(gate + r * ld, up + r * ld, y + r * F, F);
+    return;
+  }
+  const int64_t per_item = std::max<int64_t>(1, kItemElements / F);
+  auto item = [&](size_t i) {
+    const int64_t end = std::min(n_rows, (static_cast<int64_t>(i) + 1) * per_item);
+    for (int64_t r = static_cast<int64_t>(i) * per_item; r < end; ++r)
+      swiglu_values(gate + r * ld, up + r * ld, y + r * F, F);
+  };
+  parallel_for(ctx, static_cast<size_t>((n_rows + per_item - 1) / per_item), item);
 }
 
 namespace {
@@ -90,17 +104,7 @@ struct SwiGLU {
     if (F == 0) return;
     const int64_t rows = x.NumberOfElement() / (2 * F);
     if (rows == 0) return;
-    const float* in = x.Data();
-    if (rows < 2 || rows * F < kParallelElements) {
-      for (int64_t r = 0; r < rows; ++r) swiglu_row(in + r * 2 * F, out + r * F, F);
-      return;
-    }
-    const int64_t per_item = std::max<int64_t>(1, kItemElements / F);
-    auto item = [&](size_t i) {
-      const int64_t end = std::min(rows, (static_cast<int64_t>(i) + 1) * per_item);
-      for (int64_t r = static_cast<int64_t>(i) * per_item; r < end; ++r) swiglu_row(in + r * 2 * F, out + r * F, F);
-    };
-    parallel_for(ctx, static_cast<size_t>((rows + per_item - 1) / per_item), item);
+    swiglu_rows(ctx, x.Data(), x.Data() + F, 2 * F, rows, F, out);
   }
 };
 

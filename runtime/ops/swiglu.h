@@ -7,8 +7,11 @@
 
 namespace kiln {
 
-// y[i] = silu(gate[i]) * up[i] for i < n, the op's arithmetic (kiln.MoE's experts apply it to their rows too).
-void swiglu_values(const float* gate, const float* up, float* y, int64_t n);
+// y [n_rows, F] = silu(gate) * up with the op's arithmetic, row r's gate and up at gate + r * ld and up + r * ld
+// (the op: one [rows, 2F] input, ld 2F); rows spread over ONNX Runtime's intra-op pool when there are enough values.
+// kiln.MoE's experts apply it to their grouped rows too.
+void swiglu_rows(OrtKernelContext* ctx, const float* gate, const float* up, int64_t ld, int64_t n_rows, int64_t F,
+                 float* y);
 
 // Adds the op's CPU kernel to the "kiln" domain (called once from RegisterCustomOps).
 void add_swiglu(Ort::CustomOpDomain& domain);
