@@ -36,6 +36,18 @@ def float_initializer(name: str, array: np.ndarray) -> ir.Value:
                     const_value=ir.tensor(np.ascontiguousarray(array, np.float32), name=name))
 
 
+def empty_initializer(model: ir.Model, name: str, dtype: type = np.float32) -> ir.Value:
+    """The graph's empty [0] initializer `name` (float32, or dtype), registered on first use: what kiln.PagedAttention
+    takes in the place of an absent optional input before a present one."""
+    found = model.graph.initializers.get(name)
+    if found is not None:
+        return found
+    value = ir.Value(name=name, type=ir.TensorType(ir.DataType.from_numpy(np.dtype(dtype))), shape=ir.Shape([0]),
+                     const_value=ir.tensor(np.zeros(0, dtype), name=name))
+    model.graph.register_initializer(value)
+    return value
+
+
 def is_last_axis(axis: int, value: ir.Value | None) -> bool:
     """axis (-1 or non-negative) names value's last axis; a non-negative one needs value's rank."""
     rank = None if value is None or value.shape is None else len(value.shape)

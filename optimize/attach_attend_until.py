@@ -10,12 +10,11 @@ its tokens.
 
 from __future__ import annotations
 
-import numpy as np
 import onnx_ir as ir
 
 from kiln import contract
 from kiln.contract import ATTEND_UNTIL
-from kiln.optimize._common import float_initializer
+from kiln.optimize._common import empty_initializer
 from kiln.paged_attention import NO_KV_SCALE, NO_ROTARY
 
 _OPTIONAL_BEFORE = 10  # query .. query_start_loc, kv_scale, cos_cache, sin_cache
@@ -29,23 +28,13 @@ def attach_attend_until(model: ir.Model) -> int:
         return 0
     until = ir.Value(name=ATTEND_UNTIL, type=ir.TensorType(ir.DataType.INT32), shape=ir.Shape(["num_until"]))
     graph.inputs.append(until)
-    empties: dict[str, ir.Value] = {}
-
-    def empty(name: str) -> ir.Value:
-        if name not in empties:
-            found = graph.initializers.get(name)
-            empties[name] = found if found is not None else float_initializer(name, np.zeros(0, np.float32))
-            if found is None:
-                graph.register_initializer(empties[name])
-        return empties[name]
-
     for node in nodes:
         inputs = list(node.inputs)[:_OPTIONAL_BEFORE]
         later = list(node.inputs)[_OPTIONAL_BEFORE + 1:]  # q_norm / k_norm, after an empty attend_until
         if len(inputs) < 8:
-            inputs.append(empty(NO_KV_SCALE))
+            inputs.append(empty_initializer(model, NO_KV_SCALE))
         while len(inputs) < _OPTIONAL_BEFORE:
-            inputs.append(empty(NO_ROTARY))
+            inputs.append(empty_initializer(model, NO_ROTARY))
         node.resize_inputs(_OPTIONAL_BEFORE + 1 + len(later))
         for slot, value in enumerate([*inputs, until, *later]):
             if node.inputs[slot] is not value:

@@ -25,7 +25,7 @@ import numpy as np
 import onnx_ir as ir
 
 from kiln.contract import OP_DOMAIN, OP_TYPE
-from kiln.optimize._common import const_ints, float_initializer, is_last_axis, producer_op, static_dim
+from kiln.optimize._common import const_ints, empty_initializer, is_last_axis, producer_op, static_dim
 from kiln.optimize.quant.graph import prune
 from kiln.paged_attention import NO_ATTEND_UNTIL, NO_KV_SCALE, NO_ROTARY, PACKED_QKV
 
@@ -86,7 +86,7 @@ def _pack(model: ir.Model, node: ir.Node) -> bool:
     unflatten = _unflatten(node.outputs[0], heads * head_dim) if rank == 3 else None
     if rank == 3 and unflatten is None:
         return False  # a rank-3 output would reach readers that expect [T, H*D]
-    empty = _empty(model, PACKED_QKV, np.float32)
+    empty = empty_initializer(model, PACKED_QKV)
     node.replace_input_with(0, fused)
     node.replace_input_with(1, empty)
     node.replace_input_with(2, empty)
@@ -169,7 +169,7 @@ def _add_norms(model: ir.Model, node: ir.Node, q_norm: ir.Value, k_norm: ir.Valu
                10: (NO_ATTEND_UNTIL, np.int32)}
     inputs = list(node.inputs)
     while len(inputs) < _NORM_SLOT:
-        inputs.append(_empty(model, *fillers[len(inputs)]))
+        inputs.append(empty_initializer(model, *fillers[len(inputs)]))
     node.resize_inputs(_NORM_SLOT + 2)
     for slot, value in enumerate([*inputs, q_norm, k_norm]):
         if node.inputs[slot] is not value:
@@ -187,15 +187,3 @@ def _unflatten(out: ir.Value, width: int) -> ir.Node | None:
         return None
     return reshape if const_ints(reshape.inputs[1]) == [1, -1, width] else None
 
-
-def _empty(model: ir.Model, name: str, dtype: type) -> ir.Value:
-    """The shared empty [0] initializer `name` (float32, or int32 for attend_until's place)."""
-    initializers = model.graph.initializers
-    if name not in initializers:
-        if dtype is np.float32:
-            model.graph.register_initializer(float_initializer(name, np.zeros(0, np.float32)))
-        else:
-            value = ir.Value(name=name, type=ir.TensorType(ir.DataType.INT32), shape=ir.Shape([0]),
-                             const_value=ir.tensor(np.zeros(0, np.int32), name=name))
-            model.graph.register_initializer(value)
-    return initializers[name]
