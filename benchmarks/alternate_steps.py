@@ -37,11 +37,9 @@ def main() -> int:
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
 
-    import onnxruntime as ort
-
     from kiln.runtime.loader import load_engine
     from kiln.runtime.model_runner import build_batch
-    from kiln.runtime.ort_runner import OrtModelRunner, graph_kv_pools
+    from kiln.runtime.ort_runner import OrtModelRunner, graph_kv_pools, open_session
     from kiln.runtime.params import RuntimeConfig, SamplingParams
 
     engines = []
@@ -49,14 +47,8 @@ def main() -> int:
         directory, _, library = spec.partition(":")
         engine = load_engine(Path(directory), RuntimeConfig(max_num_seqs=1, num_threads=args.threads,
                                                              enable_prefix_caching=False))
-        if library:  # the runtime's own session options, another op library
-            options = ort.SessionOptions()
-            options.register_custom_ops_library(library)
-            options.intra_op_num_threads = args.threads
-            options.inter_op_num_threads = 1
-            options.add_session_config_entry("session.force_spinning_stop", "1")
-            session = ort.InferenceSession(str(Path(directory) / "model.onnx"), options,
-                                           providers=["CPUExecutionProvider"])
+        if library:  # the runtime's own session, another op library
+            session = open_session(Path(directory) / "model.onnx", args.threads, library)
             engine.runner = OrtModelRunner(session, graph_kv_pools(session), engine.runner.num_blocks)
         engine.add_request("alternate", list(range(100, 116)),
                            SamplingParams(max_tokens=args.steps + 8, ignore_eos=True, temperature=0.0))

@@ -27,12 +27,13 @@ _NO_ROWS = np.zeros(0, dtype=np.int64)
 _CAUSAL = np.zeros(0, dtype=np.int32)  # attend_until of a step without a bidirectional image run
 
 
-def open_session(graph: Path, num_threads: int | None = None) -> ort.InferenceSession:
-    """An ONNX Runtime CPU session of an engine graph, with the kiln op library registered."""
+def open_session(graph: Path, num_threads: int | None = None, library: str | None = None) -> ort.InferenceSession:
+    """An ONNX Runtime CPU session of an engine graph, with the kiln op library registered (this install's, or
+    `library`: another build of it, for a before/after)."""
     from kiln.runtime.ops import library_path
 
     options = ort.SessionOptions()
-    options.register_custom_ops_library(library_path())
+    options.register_custom_ops_library(library or library_path())
     if num_threads:
         options.intra_op_num_threads = num_threads
     options.inter_op_num_threads = 1
