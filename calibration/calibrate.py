@@ -6,7 +6,7 @@ import hashlib
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from itertools import zip_longest
 from pathlib import Path
 from typing import Any
@@ -16,7 +16,7 @@ import torch
 from kiln import corpus as text_corpus
 from kiln.corpus.windows import domain_windows
 
-from . import awq, gptq, norm_tuning, sensitivity, smoothquant
+from . import awq, gptq, moe_awq, norm_tuning, sensitivity, smoothquant
 from .artifact import METHODS, CalibrationArtifact, CalibrationError, apply_artifact
 from .collect import collect, token_windows
 from .smoothing import smooth_groups
@@ -142,6 +142,22 @@ def corpus_windows(checkpoint, config: CalibrationConfig,
     return interleaved, manifest
 
 
+def moe_config(config: CalibrationConfig, family: str, say: Progress) -> CalibrationConfig:
+    """The calibration a mixture-of-experts model gets: AWQ with the experts' groups (moe_awq.py). SmoothQuant's
+    int8 activations are the dense linears' (w8a8 leaves kiln.MoE's experts as they are), and the int8 fallback's
+    units and the norm tuning's int4 student are a dense MLP's (the experts are one torch custom op without a
+    backward), so AWQ runs here without them, and says so."""
+    if config.method != "awq":
+        raise CalibrationError(f"{config.method} calibration does not support mixture-of-experts models ({family}); "
+                               "calibrate them with --method awq, or build with int4-q4_1 or int4-rtn, which need none")
+    if config.int8_fallback:
+        raise CalibrationError(f"the int8 fallback chooses among a dense MLP's linears; a mixture-of-experts model "
+                               f"({family}) is calibrated without it (drop --int8-fallback)")
+    if config.tune_norms:
+        say("mixture of experts: AWQ scales, clips and rounding without norm tuning (written for dense MLPs)")
+    return replace(config, tune_norms=False, int8_fallback=0)
+
+
 def calibrate(checkpoint, token_ids: list[int], config: CalibrationConfig,
               progress: Progress | None = None, corpus: str | dict[str, Any] = "") -> CalibrationArtifact:
     """Calibrate on the first config.num_windows windows of one token stream."""
@@ -155,9 +171,8 @@ def calibrate_windows(checkpoint, token_windows: list[list[int]], config: Calibr
     from kiln.export.reference import ReferenceModel
 
     say = progress or (lambda _m: None)
-    if checkpoint.spec.is_moe:  # smoothing, AWQ and GPTQ are written for a dense MLP's gate/up/down linears
-        raise CalibrationError(f"calibration does not support mixture-of-experts models ({checkpoint.spec.family}); "
-                               "build them with int4-q4_1 or int4-rtn, which need none")
+    if checkpoint.spec.is_moe:
+        config = moe_config(config, checkpoint.spec.family, say)
     use_gptq = config.method == "awq" and config.rounding == "gptq"
     if use_gptq:
         check_gptq_memory(checkpoint.spec, physical_memory())
@@ -177,7 +192,13 @@ def calibrate_windows(checkpoint, token_windows: list[list[int]], config: Calibr
             if config.method == "smoothquant":
                 scales, report = smoothquant.search(groups, stats, weights, config.alpha)
             else:
-                scales, report = awq.search(groups, stats, weights, config.group_size)
+                scales, report = awq.search([g for g in groups if not moe_awq.is_moe_group(g)], stats, weights,
+                                            config.group_size)
+                if checkpoint.spec.is_moe:
+                    expert_scales, expert_report = moe_awq.search(groups, stats, weights, config.group_size,
+                                                                  checkpoint.spec.experts_per_token)
+                    scales.update(expert_scales)
+                    report.update(expert_report)
                 if config.clip:
                     clips, clip_report = awq.clip_all(groups, stats, weights, scales, config.group_size)
                     say(f"awq clip ratios for {len(clips)} linears in {time.perf_counter() - start:.1f}s")

@@ -4,6 +4,9 @@ For every nn.Linear inside the decoder layers: per-input-channel abs-max (Smooth
 mean |x| (AWQ), plus a fixed subsample of input rows (the scale searches of both methods), and on
 request the input Hessian sum x x^T over every token (GPTQ rounding; linears reading the same input,
 q/k/v or gate/up, share one).
+For every mixture-of-experts layer: the router's input, recorded as a linear's (it is the experts' input), and
+each routed expert's down-projection input mean |x| over the tokens routed to it (kiln.MoE's experts are inside
+one op, not nn.Linear modules; AWQ, calibration/moe_awq.py).
 For every layer's KV: a per-KV-head bound on |K| after RoPE (the max over each rotary pair's
 norm, which RoPE preserves, so the bound holds at every position) and on |V| (KV int8).
 """
@@ -39,12 +42,38 @@ class LinearStats:
         return torch.cat(self.samples) if self.samples else torch.empty(0, self.absmax.numel())
 
 
+@dataclass
+class ExpertStats:
+    """What a MoE layer's routed experts' down projections read: per expert, the sum of |x| and the token count."""
+
+    abs_sum: torch.Tensor  # [E, F] float64
+    count: torch.Tensor  # [E] int64
+
+    @property
+    def mean_abs(self) -> torch.Tensor:
+        return (self.abs_sum / self.count.clamp_min(1)[:, None]).float()
+
+
 @dataclass(frozen=True)
 class ActivationStats:
     linears: dict[str, LinearStats]  # module name, e.g. "model.layers.0.self_attn.q_proj"
     k_absmax: torch.Tensor  # [num_layers, Hkv]
     v_absmax: torch.Tensor  # [num_layers, Hkv]
     num_tokens: int
+    experts: dict[str, ExpertStats] = field(default_factory=dict)  # "model.layers.0.mlp.experts"
+
+
+def routed_rows(rows: torch.Tensor, router: torch.Tensor, top_k: int) -> list[torch.Tensor]:
+    """Per expert, the indices of the rows [T, D] kiln.MoE routes to it (its top_k router logits)."""
+    chosen = torch.topk(rows @ router.T, top_k, dim=-1).indices
+    return [torch.nonzero((chosen == e).any(-1)).flatten() for e in range(router.shape[0])]
+
+
+def expert_down_inputs(rows: torch.Tensor, gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up of one expert (gate_up [2F, D]: gate rows, then up rows) on its rows [n, D]: its down input."""
+    hidden = rows @ gate_up.T
+    f = gate_up.shape[0] // 2
+    return torch.nn.functional.silu(hidden[:, :f]) * hidden[:, f:]
 
 
 def token_windows(token_ids: list[int], window: int, count: int) -> list[torch.Tensor]:
@@ -120,7 +149,28 @@ def collect(model: nn.Module, windows: list[torch.Tensor], rows_per_window: int 
     for name, module in model.named_modules():
         if isinstance(module, nn.Linear) and ".layers." in name:
             hooks.append(module.register_forward_hook(linear_hook(name)))
+    def experts_hook(name, top_k, router_hook):
+        def hook(module, args, out):
+            router_hook(module, args, out)  # the router is a weight kiln::moe reads, not a module call: its input
+            rows = args[0].reshape(-1, args[0].shape[-1]).float()
+            gate_up = module.experts.gate_up_proj
+            s = experts.get(name)
+            if s is None:
+                s = experts[name] = ExpertStats(torch.zeros(gate_up.shape[0], gate_up.shape[1] // 2,
+                                                            dtype=torch.float64),
+                                                torch.zeros(gate_up.shape[0], dtype=torch.int64))
+            for e, idx in enumerate(routed_rows(rows, module.gate.weight, top_k)):
+                if idx.numel():
+                    s.abs_sum[e] += expert_down_inputs(rows[idx], gate_up[e]).abs().sum(0, dtype=torch.float64)
+                    s.count[e] += idx.numel()
+        return hook
+
+    experts: dict[str, ExpertStats] = {}
     for i, layer in enumerate(model.model.layers):
+        if spec.is_moe:
+            prefix = f"model.layers.{i}.mlp"
+            hooks.append(layer.mlp.register_forward_hook(experts_hook(f"{prefix}.experts", spec.experts_per_token,
+                                                                      linear_hook(f"{prefix}.gate"))))
         # the cached K is the k_norm output where the model normalises k per head (Qwen3)
         key_module = layer.self_attn.k_norm if spec.qk_norm else layer.self_attn.k_proj
         hooks.append(key_module.register_forward_hook(kv_hook(i, True)))
@@ -135,7 +185,7 @@ def collect(model: nn.Module, windows: list[torch.Tensor], rows_per_window: int 
         for h in hooks:
             h.remove()
         last_input[0] = None
-    return ActivationStats(stats, k_max, v_max, tokens)
+    return ActivationStats(stats, k_max, v_max, tokens, experts)
 
 
 def run_layers(model: nn.Module, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:

@@ -41,3 +41,14 @@ def int4_groupwise(w: torch.Tensor, group_size: int) -> torch.Tensor:
     scale, zp = int4_grid(g)
     q = int4_codes(g, scale, zp)
     return ((q - zp[..., None]) * scale[..., None]).reshape(n, -1)[:, :k]
+
+
+def q4_1(w: torch.Tensor) -> torch.Tensor:
+    """llama.cpp's Q4_1 over the last axis of w [..., K] (blocks of 32, float16 step and minimum: kiln.MoE's int4
+    experts), dequantized."""
+    blocks = w.reshape(*w.shape[:-1], -1, 32)
+    lo, hi = blocks.amin(-1), blocks.amax(-1)
+    d = ((hi - lo) / 15.0).half().float()[..., None]
+    m = lo.half().float()[..., None]
+    q = torch.where(d > 0, torch.round((blocks - m) / d), 0.0).clamp(0, 15)
+    return (q * d + m).reshape(w.shape)
