@@ -1,8 +1,8 @@
-"""kiln.MatMulGGUF's Q4_K and Q6_K weights as records (attribute ``layout = "records"``): the layouts and their
+"""kiln.MatMulGGUF's Q4_K, Q6_K and Q8_0 weights as records (attribute ``layout = "records"``): the layouts and their
 executable specs.
 
-The CPU kernels (runtime/ops/q4_k_records.h, q6_k_records.h, on kiln.MatMulQ4_1's tile) are tested against
-`matmul_records_ref`.
+The CPU kernels (runtime/ops/q4_k_records.h, q6_k_records.h, q8_0_records.h, on kiln.MatMulQ4_1's tile) are tested
+against `matmul_records_ref`.
 
 Q4_K
 
@@ -12,7 +12,7 @@ sc_j and m_j 6-bit integers, d and dmin float16): per block of 32, a Q4_1 block 
 record layout, 8 blocks at a time, so the kernel is MatMulQ4_1's: 16 output channels in the lanes of a vector, a
 64-byte chunk of nibbles the operand of vpdpbusd against 4 int8 of a row, and activations quantized per block of 32.
 
-Layout ``records`` (ggml_type Q4_K or Q6_K with int8_activations = 1, and N a multiple of 16)
+Layout ``records`` (ggml_type Q4_K, Q6_K or Q8_0 with int8_activations = 1, N a multiple of 16, K of 256)
   w   uint8 [N / 16, K / 256, 2368]   record (g, b): channels 16g .. 16g + 15 ("lanes" l), superblock b
 Record bytes
   256 s + 64 j + 4 l + i   (s, j < 8, 4; i < 4): channel l's input 256b + 32s + 8j + i in the low nibble and
@@ -46,6 +46,18 @@ file's 210). Semantics: x quantized per block of 32 as for Q4_K, and per group o
     y[t, n] = sum_groups  D * (xs * ((q - 32) . xq))   (+ bias[n])
 
 the offset of 32 exact in integers (the codes are centred already, as in the blocks layout's int8 path).
+
+Q8_0
+----
+Q8_0 is blocks of 32 int8 codes with ``w = d * q``, d float16. Its records (``w uint8 [N / 16, K / 256, 4352]``, K a
+multiple of 256) hold 8 blocks of 16 channels: per block s the codes plus 128 as bytes (the unsigned operand of
+vpdpbusd), byte 512 s + 64 j + 4 l + i holding channel l's input 32s + 4j + i, then d of block s, lane l at
+4096 + 32 s + 2 l (float16): 68 cache lines, 272 bytes per channel and superblock, the file's own. Semantics: x
+quantized per block of 32 as for Q4_K (the blocks layout's int8 path quantizes Q8_0's activations the same way), and
+
+    y[t, n] = sum_blocks  d * (xs * (q . xq))   (+ bias[n])
+
+the kernel's offset of 128 removed exactly with the row's int sums of 16.
 """
 
 from __future__ import annotations
@@ -57,7 +69,7 @@ from kiln.matmul_q4_1 import CENTRE, GROUP, quantize_activations
 
 LAYOUT = "layout"  # the attribute, as kiln.MatMulQ4_1's
 BLOCKS = "blocks"  # w [N, row bytes]: the file's bytes; the default
-RECORDS = "records"  # w [N / 16, K / 256, 2368 (Q4_K) or 3392 (Q6_K)]
+RECORDS = "records"  # w [N / 16, K / 256, 2368 (Q4_K), 3392 (Q6_K) or 4352 (Q8_0)]
 LAYOUTS = (BLOCKS, RECORDS)
 SUPER = 256  # inputs per Q4_K superblock
 SUBS = 8  # blocks of 32 a superblock
@@ -74,33 +86,38 @@ Q6_SCALES = Q6_HIGH + SUBS * 128  # 3072: sc[16][l], int8
 Q6_D = Q6_SCALES + 2 * SUBS * GROUP  # 3328: d[l], float16
 Q6_RECORD_BYTES = Q6_D + 2 * GROUP + 32  # 3392, with 32 bytes of padding
 Q6_K_BYTES = FORMATS[GgmlType.Q6_K].nbytes  # 210
-RECORD_KINDS = {GgmlType.Q4_K: RECORD_BYTES, GgmlType.Q6_K: Q6_RECORD_BYTES}  # type -> its record's bytes
+Q8_BLOCK_BYTES = 8 * GROUP * 4  # 512: a block's codes, a byte each
+Q8_D = SUBS * Q8_BLOCK_BYTES  # 4096: d[s][l], float16
+Q8_RECORD_BYTES = Q8_D + SUBS * GROUP * 2  # 4352
+Q8_0_BYTES = FORMATS[GgmlType.Q8_0].nbytes  # 34
+Q8_OFFSET = 128  # added to the int8 codes: vpdpbusd's unsigned operand
+# type -> its record's bytes
+RECORD_KINDS = {GgmlType.Q4_K: RECORD_BYTES, GgmlType.Q6_K: Q6_RECORD_BYTES, GgmlType.Q8_0: Q8_RECORD_BYTES}
 
 
 def records_shape(kind: int, n: int, k: int) -> tuple[int, int, int]:
     return (n // GROUP, k // SUPER, RECORD_KINDS[GgmlType(kind)])
 
 
-def can_pack(kind: int, int8_activations: bool, n: int) -> bool:
-    """Whether a kiln.MatMulGGUF node of this type, activation path and N output channels may hold records."""
-    return kind in RECORD_KINDS and int8_activations and n > 0 and n % GROUP == 0
+def can_pack(kind: int, int8_activations: bool, n: int, k: int) -> bool:
+    """Whether a kiln.MatMulGGUF node of this type, activation path, N output channels and K inputs may hold
+    records (whole superblocks of 256 inputs: always for the k-quants, K a multiple of 256 for Q8_0)."""
+    return kind in RECORD_KINDS and int8_activations and n > 0 and n % GROUP == 0 and k % SUPER == 0
 
 
 def pack_records(blocks: np.ndarray, kind: int) -> np.ndarray:
-    """A matrix of Q4_K or Q6_K blocks as the file holds them -> its records."""
-    return pack_q4_k_records(blocks) if _record_kind(kind) == GgmlType.Q4_K else pack_q6_k_records(blocks)
+    """A matrix of Q4_K, Q6_K or Q8_0 blocks as the file holds them -> its records."""
+    return _CODECS[_record_kind(kind)][0](blocks)
 
 
 def unpack_records(records: np.ndarray, kind: int) -> np.ndarray:
     """The records' matrix as the file holds it, bit for bit."""
-    return unpack_q4_k_records(records) if _record_kind(kind) == GgmlType.Q4_K else unpack_q6_k_records(records)
+    return _CODECS[_record_kind(kind)][1](records)
 
 
 def matmul_records_ref(x: np.ndarray, records: np.ndarray, kind: int, bias: np.ndarray | None = None) -> np.ndarray:
     """y = x @ W^T of kiln.MatMulGGUF with records of `kind`, float64 sums; float32 [..., N]."""
-    if _record_kind(kind) == GgmlType.Q4_K:
-        return matmul_q4_k_records_ref(x, records, bias)
-    return matmul_q6_k_records_ref(x, records, bias)
+    return _CODECS[_record_kind(kind)][2](x, records, bias)
 
 
 def _record_kind(kind: int) -> GgmlType:
@@ -235,6 +252,53 @@ def matmul_q6_k_records_ref(x: np.ndarray, records: np.ndarray, bias: np.ndarray
         y = y + bias.astype(np.float64)
     out: np.ndarray = y.astype(np.float32).reshape(*x.shape[:-1], n)
     return out
+
+
+def pack_q8_0_records(blocks: np.ndarray) -> np.ndarray:
+    """A Q8_0 matrix as the file holds it (uint8 [N, K / 32 * 34], N a multiple of 16, K of 256) -> its records."""
+    blocks = _check_blocks(blocks, "Q8_0", Q8_0_BYTES)
+    n, blocks_per_row = blocks.shape[0], blocks.shape[1] // Q8_0_BYTES
+    if blocks_per_row % SUBS:
+        raise ValueError(f"Q8_0 records need K a multiple of {SUPER}, got {blocks_per_row * 32}")
+    groups, nb = n // GROUP, blocks_per_row // SUBS
+    b = blocks.reshape(groups, GROUP, nb, SUBS, Q8_0_BYTES)
+    # codes [group, lane, super, s, chunk, i] -> bytes [group, super, s, chunk, lane, i]
+    codes = (b[..., 2:] ^ np.uint8(Q8_OFFSET)).reshape(groups, GROUP, nb, SUBS, 8, 4)
+    codes = codes.transpose(0, 2, 3, 4, 1, 5).reshape(groups, nb, Q8_D)
+    d = b[..., :2].transpose(0, 2, 3, 1, 4).reshape(groups, nb, SUBS * GROUP * 2)  # [group, super, s, lane, 2]
+    return np.ascontiguousarray(np.concatenate([codes, d], axis=2))
+
+
+def unpack_q8_0_records(records: np.ndarray) -> np.ndarray:
+    """The records' Q8_0 matrix as the file holds it, bit for bit: uint8 [N, K / 32 * 34]."""
+    records = _check_records(records, "Q8_0", Q8_RECORD_BYTES)
+    groups, nb = records.shape[:2]
+    codes = records[..., :Q8_D].reshape(groups, nb, SUBS, 8, GROUP, 4).transpose(0, 4, 1, 2, 3, 5)
+    codes = codes.reshape(groups, GROUP, nb, SUBS, 32) ^ np.uint8(Q8_OFFSET)
+    d = records[..., Q8_D:].reshape(groups, nb, SUBS, GROUP, 2).transpose(0, 3, 1, 2, 4)
+    blocks = np.concatenate([d, codes], axis=-1)
+    return np.ascontiguousarray(blocks.reshape(groups * GROUP, nb * SUBS * Q8_0_BYTES))
+
+
+def matmul_q8_0_records_ref(x: np.ndarray, records: np.ndarray, bias: np.ndarray | None = None) -> np.ndarray:
+    """y = x @ W^T of kiln.MatMulGGUF with Q8_0 records (see the module docstring), float64 sums; float32 [..., N]."""
+    x, ints, n, k = _spec_inputs(x, records, GgmlType.Q8_0)  # q [N, K / 32, 1, 32], d [N, K / 32]
+    acts = quantize_activations(x.reshape(-1, k))
+    t = acts.q.shape[0]
+    dots = np.einsum("tbi,nbi->tnb", acts.q.reshape(t, -1, 32).astype(np.int64),
+                     ints.q.reshape(n, -1, 32).astype(np.int64))
+    y = (dots * ints.d.astype(np.float64)[None] * acts.scale.astype(np.float64)[:, None]).sum(-1)
+    if bias is not None:
+        y = y + bias.astype(np.float64)
+    out: np.ndarray = y.astype(np.float32).reshape(*x.shape[:-1], n)
+    return out
+
+
+_CODECS = {  # pack, unpack, spec
+    GgmlType.Q4_K: (pack_q4_k_records, unpack_q4_k_records, matmul_q4_k_records_ref),
+    GgmlType.Q6_K: (pack_q6_k_records, unpack_q6_k_records, matmul_q6_k_records_ref),
+    GgmlType.Q8_0: (pack_q8_0_records, unpack_q8_0_records, matmul_q8_0_records_ref),
+}
 
 
 def _spec_inputs(x: np.ndarray, records: np.ndarray, kind: GgmlType) -> tuple[np.ndarray, BlockIntegers, int, int]:

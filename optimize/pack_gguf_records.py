@@ -1,14 +1,16 @@
-"""Pass (at the engine writer, beside pack_q4_1_records): kiln.MatMulGGUF's Q4_K and Q6_K weights from the file's
-blocks to the kernel's records.
+"""Pass (at the engine writer, beside pack_q4_1_records): kiln.MatMulGGUF's Q4_K, Q6_K and Q8_0 weights from the
+file's blocks to the kernel's records.
 
-Every kiln.MatMulGGUF of Q4_K or Q6_K blocks with int8 activations, constant weights and N a multiple of 16 gets them
-as records (kiln/gguf_records.py: w [N / 16, K / 256, record bytes], attribute layout "records"): the file's numbers
-in kiln.MatMulQ4_1's record layout, which ONNX Runtime maps from the engine file and the kernel reads in place. So
+Every kiln.MatMulGGUF of Q4_K, Q6_K or Q8_0 blocks with int8 activations, constant weights, N a multiple of 16 and K
+of 256 gets them as records (kiln/gguf_records.py: w [N / 16, K / 256, record bytes], attribute layout "records"):
+the file's numbers in kiln.MatMulQ4_1's record layout, which ONNX Runtime maps from the engine file and the kernel
+reads in place. So
 does every kiln.MoE whose GGUF experts are such types (gate and up of one type; kiln/moe_gguf.py's layout
 "records": each expert's records, expert after expert).
 The records are computed tensor by tensor as the engine writer asks for them (a lazy tensor over the file's
-blocks), so the build never holds a model's records at once. An engine with them needs op-library ABI 12
-(kiln.contract.engine_abi). `unpack_gguf_records` is the inverse on a saved graph, for measuring against blocks.
+blocks), so the build never holds a model's records at once. An engine with them needs op-library ABI 12, 14 with
+Q8_0 records (kiln.contract.engine_abi, `holds_q8_0_records`). `unpack_gguf_records` is the inverse on a saved
+graph, for measuring against blocks.
 """
 
 from __future__ import annotations
@@ -22,8 +24,17 @@ import onnx_ir as ir
 
 from kiln import moe, moe_gguf
 from kiln.contract import OP_DOMAIN
-from kiln.gguf_blocks import ggml_type, row_weights
-from kiln.gguf_records import BLOCKS, LAYOUT, RECORDS, can_pack, pack_records, records_shape, unpack_records
+from kiln.gguf_blocks import GgmlType, ggml_type, row_weights
+from kiln.gguf_records import (
+    BLOCKS,
+    LAYOUT,
+    RECORD_KINDS,
+    RECORDS,
+    can_pack,
+    pack_records,
+    records_shape,
+    unpack_records,
+)
 from kiln.matmul_gguf import INT8_ATTRIBUTE, OP_TYPE, TYPE_ATTRIBUTE
 from kiln.matmul_q4_1 import node_layout
 from kiln.moe_gguf import TYPE_ATTRIBUTES
@@ -50,7 +61,7 @@ def pack_gguf_records(model: ir.Model) -> int:
             continue
         kind, int8 = _int_attribute(node, TYPE_ATTRIBUTE), bool(_int_attribute(node, INT8_ATTRIBUTE))
         n, row = (int(d) for d in w.const_value.shape)
-        if not can_pack(kind, int8, n):
+        if kind not in RECORD_KINDS or not can_pack(kind, int8, n, row_weights(ggml_type(kind), row)):
             continue
         key = w.name or ""
         if key not in packed:
@@ -61,6 +72,17 @@ def pack_gguf_records(model: ir.Model) -> int:
             del model.graph.initializers[key]
         count += 1
     return count
+
+
+def holds_q8_0_records(model: ir.Model) -> bool:
+    """Whether any kiln.MatMulGGUF or kiln.MoE of the graph holds Q8_0 records (op-library ABI 14)."""
+    for node in model.graph:
+        if node.domain != OP_DOMAIN or _layout(node) != RECORDS:
+            continue
+        names = (TYPE_ATTRIBUTE,) if node.op_type == OP_TYPE else TYPE_ATTRIBUTES if node.op_type == moe.OP_TYPE else ()
+        if any(_int_attribute(node, name) == GgmlType.Q8_0 for name in names if name in node.attributes):
+            return True
+    return False
 
 
 def _pack_moe(model: ir.Model, node: ir.Node) -> int:

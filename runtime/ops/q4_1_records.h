@@ -174,6 +174,7 @@ inline VF negate(VF a) {
   return _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(a), _mm512_set1_epi32(INT32_MIN)));
 }
 inline VI sub_i(VI a, int32_t b) { return _mm512_sub_epi32(a, _mm512_set1_epi32(b)); }
+inline VI add_i(VI a, VI b) { return _mm512_add_epi32(a, b); }
 inline VI or_i(VI a, VI b) { return _mm512_or_si512(a, b); }
 // per byte of h: its 2 bits at 4 - shift moved to bits 4..5, the rest 0 (16-bit shifts: the mask drops what
 // crossed from the neighbouring byte)
@@ -226,6 +227,7 @@ inline VF load_i8(const uint8_t* p) {
 inline VF mul(VF a, VF b) { return _mm256_mul_ps(a, b); }
 inline VF negate(VF a) { return _mm256_xor_ps(a, _mm256_set1_ps(-0.f)); }
 inline VI sub_i(VI a, int32_t b) { return _mm256_sub_epi32(a, _mm256_set1_epi32(b)); }
+inline VI add_i(VI a, VI b) { return _mm256_add_epi32(a, b); }
 inline VI or_i(VI a, VI b) { return _mm256_or_si256(a, b); }
 inline VI high_bits(VI h, int shift) {  // as the AVX-512 one
   const VI moved = shift >= 0 ? _mm256_slli_epi16(h, shift) : _mm256_srli_epi16(h, -shift);
@@ -254,13 +256,15 @@ struct Problem {
   int64_t N, nb, group_bytes;
 };
 
-// A weight prefetch that a call reads once (its rows fit one pass) is non-temporal: the weights, ~60 MB a decode
-// step, would otherwise evict from L2 and L3 what the rest of the step reads next (docs/design.md, "kiln.MatMulQ4_1").
+// A weight prefetch that a call reads once (its rows fit one pass) is non-temporal where the format says so (Q4_1,
+// the k-quants; Q8_0 measured the other way): the weights, ~60 MB a decode step, would otherwise evict from L2 and L3
+// what the rest of the step reads next (docs/design.md, "kiln.MatMulQ4_1").
 // With more passes the later ones re-read the group from the caches, so those prefetches keep it. Always inlined:
 // GCC takes a function that only prefetches for one without effects and drops its calls.
-__attribute__((always_inline)) inline void prefetch_record(const uint8_t* p, bool once) {
-  for (int64_t line = 0; line < kRecordBytes; line += 64) {
-    if (once) _mm_prefetch(reinterpret_cast<const char*>(p + line), _MM_HINT_NTA);
+template <int64_t Bytes = kRecordBytes>
+__attribute__((always_inline)) inline void prefetch_record(const uint8_t* p, bool non_temporal) {
+  for (int64_t line = 0; line < Bytes; line += 64) {
+    if (non_temporal) _mm_prefetch(reinterpret_cast<const char*>(p + line), _MM_HINT_NTA);
     else _mm_prefetch(reinterpret_cast<const char*>(p + line), _MM_HINT_T0);
   }
 }
@@ -297,6 +301,8 @@ __attribute__((always_inline)) inline void q4_1_block(const uint8_t* nibbles, VF
 struct Q4_1Format {
   static constexpr int64_t kBlocksPerRecord = 1;
   static constexpr int64_t kRecordBytes = q4_1::kRecordBytes;
+  static constexpr int64_t kPrefetchBytes = kRecordBytes;  // a tile's prefetch a block: its record
+  static constexpr bool kNonTemporalOnce = true;  // a call reading its records once prefetches them non-temporally
   static constexpr bool kSums16 = false;
   struct RecordSteps {};
   static RecordSteps record_steps(const uint8_t*, int64_t) { return {}; }
@@ -321,6 +327,10 @@ struct SuperblockRecord {
   static constexpr int64_t kBlocksPerRecord = kSuperblockBlocks;
   static constexpr int64_t kRecordBytes = RecordBytes;
   static constexpr int64_t kPrefetchBlocks = 16;
+  // a tile's prefetch a block: 5 lines, the Q4_1 record's (Q4_K's block share, 296 bytes; Q6_K's 424 are left to
+  // the hardware prefetcher's share as measured); formats with more a block say so
+  static constexpr int64_t kPrefetchBytes = q4_1::kRecordBytes;
+  static constexpr bool kNonTemporalOnce = true;
   static_assert(kRecordBytes % 64 == 0, "a record is whole cache lines");
   static const uint8_t* ahead(const uint8_t* record, int64_t s) {
     return record + (s + kPrefetchBlocks) * (kRecordBytes / kBlocksPerRecord);
@@ -345,7 +355,7 @@ __attribute__((noinline)) inline void tile(const Problem& p, int64_t v, int64_t 
     const uint8_t* record = records + rb * Format::kRecordBytes;
     const typename Format::RecordSteps record_steps = Format::record_steps(record, lane_bytes);
     for (int64_t s = 0; s < Format::kBlocksPerRecord; ++s) {
-      prefetch_record(Format::ahead(record, s), once);
+      prefetch_record<Format::kPrefetchBytes>(Format::ahead(record, s), once && Format::kNonTemporalOnce);
       Format::template block<NT>(record, s, record_steps, lane_bytes, x, xq, t0, rb * Format::kBlocksPerRecord + s,
                                  acc);
     }

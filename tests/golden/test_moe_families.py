@@ -110,11 +110,12 @@ def test_q4_1_moe_engine_holds_records_and_computes_the_blocks_logits(tmp_path):
     assert_records_compute_the_blocks_logits(engine, tmp_path)
 
 
-def test_int8_weight_only_moe_engine_serves_q8_0_experts(tmp_path):
+@pytest.mark.parametrize("shape", [{}, {"hidden_size": 256, "intermediate_size": 256}], ids=["blocks", "records"])
+def test_int8_weight_only_moe_engine_serves_q8_0_experts(tmp_path, shape):
     """`--quantization int8-weight-only` gives every kiln.MoE the Q8_0 of the fp32 build's experts (gguf-py's
     quantizer, bit for bit, expert by expert) as GGUF experts with int8 activations, as the dense linears' int8
-    weights take theirs; the engine stays within int8's error of transformers (0.07 measured, the dense int8
-    linears' share) with equal greedy tokens."""
+    weights take theirs, held as Q8_0 records where D and F are whole superblocks of 256; the engine stays within
+    int8's error of transformers (0.07 measured, the dense int8 linears' share) with equal greedy tokens."""
     from gguf import GGMLQuantizationType
     from gguf.quants import quantize
     from helpers import make_tiny_hf_model
@@ -125,7 +126,7 @@ def test_int8_weight_only_moe_engine_serves_q8_0_experts(tmp_path):
     from kiln.optimize.build import build_engine
     from kiln.quant_scheme import QuantScheme
 
-    model = make_tiny_hf_model(tmp_path, family="olmoe")
+    model = make_tiny_hf_model(tmp_path, family="olmoe", **shape)
     graphs = {}
     for scheme in ("none", "int8-weight-only"):
         engine = tmp_path / scheme
@@ -136,10 +137,14 @@ def test_int8_weight_only_moe_engine_serves_q8_0_experts(tmp_path):
         attributes = {a.name: a.i for a in node.attribute}
         assert [attributes[name] for name in TYPE_ATTRIBUTES] == [GgmlType.Q8_0] * 3
         assert attributes[INT8_ATTRIBUTE] == 1
+        records = next((a.s.decode() for a in node.attribute if a.name == "layout"), "blocks") == "records"
+        assert records == bool(shape)
         floats, q8 = ({init.name: init for init in g.graph.initializer} for g in graphs.values())
-        for i in (2, 3):  # gate_up, then down
+        held = [onnx.numpy_helper.to_array(q8[node.input[i]]) for i in (2, 3)]
+        if records:
+            held = list(experts_from_records(*held, (GgmlType.Q8_0,) * 3))
+        for i, blocks in zip((2, 3), held, strict=True):  # gate_up, then down
             stack = onnx.numpy_helper.to_array(floats[float_node.input[i]])
-            blocks = onnx.numpy_helper.to_array(q8[node.input[i]])
             assert blocks.shape[:2] == stack.shape[:2]
             for e in range(stack.shape[0]):
                 np.testing.assert_array_equal(blocks[e], quantize(stack[e], GGMLQuantizationType.Q8_0))

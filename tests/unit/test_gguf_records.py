@@ -1,8 +1,8 @@
-"""kiln.MatMulGGUF's Q4_K and Q6_K records (layout "records", kiln/gguf_records.py): the layouts hold the file's bytes
-(packed and unpacked bit for bit, each number at the byte the layout names), the specs stay near the exact product of
-the file's weights, and the ONNX Runtime kernel matches them within float32 summation bounds (a misplaced scale,
-minimum, step, high bit or block is orders of magnitude past them), with a row's bits the same at every T and thread
-count; the build's pass packs only what the kernel takes, and the op names what it refuses."""
+"""kiln.MatMulGGUF's Q4_K, Q6_K and Q8_0 records (layout "records", kiln/gguf_records.py): the layouts hold the file's
+bytes (packed and unpacked bit for bit, each number at the byte the layout names), the specs stay near the exact
+product of the file's weights, and the ONNX Runtime kernel matches them within float32 summation bounds (a misplaced
+scale, minimum, step, high bit or block is orders of magnitude past them), with a row's bits the same at every T and
+thread count; the build's pass packs only what the kernel takes, and the op names what it refuses."""
 
 from __future__ import annotations
 
@@ -20,14 +20,18 @@ from kiln.gguf_records import (
     Q6_HIGH,
     Q6_RECORD_BYTES,
     Q6_SCALES,
+    Q8_D,
+    Q8_RECORD_BYTES,
     RECORD_BYTES,
     SCALES,
     D,
+    can_pack,
     matmul_q4_k_records_ref,
     matmul_q6_k_records_ref,
     matmul_records_ref,
     pack_q4_k_records,
     pack_q6_k_records,
+    pack_q8_0_records,
     pack_records,
     unpack_q4_k_records,
     unpack_records,
@@ -39,8 +43,8 @@ ort = pytest.importorskip("onnxruntime")
 from op_library import op_library_or_skip  # noqa: E402
 
 LIBRARY = op_library_or_skip()
-Q4_K, Q6_K = GgmlType.Q4_K, GgmlType.Q6_K
-KINDS = [Q4_K, Q6_K]
+Q4_K, Q6_K, Q8_0 = GgmlType.Q4_K, GgmlType.Q6_K, GgmlType.Q8_0
+KINDS = [Q4_K, Q6_K, Q8_0]
 
 
 def blocks_of(kind, rows: int, superblocks: int, seed: int = 0) -> np.ndarray:
@@ -63,12 +67,14 @@ def run_kernel(w, x, bias=None, threads=2, kind=Q4_K):
     return session(model, threads).run(None, {"x": x})[0]
 
 
-@pytest.mark.parametrize("kind, nbytes", [(Q4_K, 2368), (Q6_K, 3392)], ids=["Q4_K", "Q6_K"])
+@pytest.mark.parametrize("kind, nbytes", [(Q4_K, 2368), (Q6_K, 3392), (Q8_0, 4352)],
+                         ids=["Q4_K", "Q6_K", "Q8_0"])
 @pytest.mark.parametrize("rows, superblocks", [(16, 1), (48, 3), (32, 8)])
 def test_records_hold_the_files_bytes(kind, nbytes, rows, superblocks):
     w = blocks_of(kind, rows, superblocks, seed=rows)
     records = pack_records(w, kind)
-    assert records.shape == (rows // 16, superblocks, nbytes) and nbytes in (RECORD_BYTES, Q6_RECORD_BYTES)
+    assert records.shape == (rows // 16, superblocks, nbytes)
+    assert nbytes in (RECORD_BYTES, Q6_RECORD_BYTES, Q8_RECORD_BYTES)
     np.testing.assert_array_equal(unpack_records(records, kind), w)
 
 
@@ -104,6 +110,35 @@ def test_each_q6_k_number_sits_where_the_layout_says():
     assert rec[256 * 6 + 64 * 3 + 4 * lane + 2] & 15 == code & 15
     assert (rec[Q6_HIGH + 128 * 6 + 64 + 4 * lane + 2] >> 4) & 3 == code >> 4
     assert not rec[Q6_D + 32:].any()  # the padding
+
+
+def test_each_q8_0_number_sits_where_the_layout_says():
+    """Byte 512 s + 64 j + 4 l + i: channel l's code for input 32 s + 4 j + i plus 128; d of block s at 4096 + 32 s +
+    2 l."""
+    w = blocks_of(Q8_0, 32, 2, seed=9)
+    records = pack_q8_0_records(w)
+    assert records.shape == (2, 2, Q8_RECORD_BYTES) == (2, 2, 4352)
+    blocks = w.reshape(32, 16, 34)  # 16 blocks of 32 a row
+    codes = blocks[..., 2:].view(np.int8).astype(np.int64)
+    for g, sb, s, j, lane, i in [(0, 0, 0, 0, 0, 0), (1, 1, 7, 7, 15, 3), (0, 1, 3, 5, 9, 2), (1, 0, 6, 1, 4, 1)]:
+        channel, block = 16 * g + lane, 8 * sb + s
+        assert records[g, sb, 512 * s + 64 * j + 4 * lane + i] == codes[channel, block, 4 * j + i] + 128
+        at = Q8_D + 32 * s + 2 * lane
+        assert records[g, sb, at:at + 2].tobytes() == blocks[channel, block, :2].tobytes()
+
+
+def test_the_q8_0_spec_is_the_blocks_int8_path():
+    """Q8_0's records compute what its blocks' int8 path computes (activations per 32 in both), to float rounding."""
+    rng = np.random.default_rng(10)
+    w = blocks_of(Q8_0, 32, 3, seed=10)
+    x = rng.standard_normal((5, 768)).astype(np.float32)
+    x[:, 9] *= 25
+    spec = matmul_records_ref(x, pack_q8_0_records(w), Q8_0)
+    magnitude = np.abs(x).astype(np.float64) @ np.abs(dequantize(w, Q8_0)).T
+    assert (np.abs(spec - matmul_gguf_int8_ref(x, w, Q8_0)) <= 1e-6 * magnitude).all()
+    assert not can_pack(Q8_0, True, 16, 96) and can_pack(Q8_0, True, 16, 512)  # whole superblocks only
+    with pytest.raises(ValueError, match="K a multiple of 256"):
+        pack_q8_0_records(random_blocks(np.random.default_rng(0), Q8_0, 16, 96))
 
 
 def test_packing_refuses_what_the_layout_cannot_hold():
@@ -222,7 +257,7 @@ def test_kernel_names_what_it_refuses():
     x = np.zeros((1, 256), np.float32)
     with pytest.raises(Exception, match='layout must be "blocks" or "records", got "tiles"'):
         session(_model_with("layout", "tiles")).run(None, {"x": x})
-    with pytest.raises(Exception, match="records\" is Q4_K's or Q6_K's .* got ggml_type 13"):
+    with pytest.raises(Exception, match="records\" is Q4_K's, Q6_K's or Q8_0's .* got ggml_type 13"):
         session(_model_with("ggml_type", 13)).run(None, {"x": x})
     with pytest.raises(Exception, match=r"w must be uint8 Q6_K records \[N / 16, K / 256, 3392\], got \[1, 1, 2368\]"):
         session(_model_with("ggml_type", 14)).run(None, {"x": x})  # Q4_K's records read as Q6_K's
@@ -259,15 +294,17 @@ def test_the_build_pass_packs_only_what_the_kernel_takes():
 
     q6 = blocks_of(Q6_K, 16, 1, seed=1)
     q5 = random_blocks(np.random.default_rng(2), GgmlType.Q5_K, 16, 256)
+    q8 = blocks_of(Q8_0, 16, 1, seed=3)
     model = _graph_of({"a": (q4_k(32, 1), Q4_K, 1), "odd": (q4_k(24, 1), Q4_K, 1), "float": (q4_k(16, 1), Q4_K, 0),
-                       "q6": (q6, Q6_K, 1), "q5": (q5, GgmlType.Q5_K, 1)})
-    assert pack_gguf_records(model) == 2
+                       "q6": (q6, Q6_K, 1), "q5": (q5, GgmlType.Q5_K, 1), "q8": (q8, Q8_0, 1)})
+    assert pack_gguf_records(model) == 3
     layouts = {n.name: n.attributes.get("layout") for n in model.graph}
-    for name in ("a", "q6"):
+    for name in ("a", "q6", "q8"):
         assert layouts[f"{name}.MatMulGGUF"] is not None and layouts[f"{name}.MatMulGGUF"].as_string() == "records"
     assert all(layouts[f"{name}.MatMulGGUF"] is None for name in ("odd", "float", "q5"))
     inits = model.graph.initializers
     assert "a" not in inits and "a.records" in inits  # the blocks go as their records come
     np.testing.assert_array_equal(inits["a.records"].const_value.numpy(), pack_q4_k_records(q4_k(32, 1)))
     np.testing.assert_array_equal(inits["q6.records"].const_value.numpy(), pack_q6_k_records(q6))
+    np.testing.assert_array_equal(inits["q8.records"].const_value.numpy(), pack_q8_0_records(q8))
     assert pack_gguf_records(model) == 0  # records stay records
