@@ -82,15 +82,3 @@ def test_per_expert_weights_stack_in_expert_order_gate_rows_first():
     del weights["model.layers.0.block_sparse_moe.experts.3.w2.weight"]
     with pytest.raises(ValueError, match="expert 3 lacks down_proj"):
         stack_experts(spec, weights, "test")
-
-
-def test_calibration_refuses_moe_models_by_name(tmp_path):
-    from helpers import make_tiny_hf_model
-
-    from kiln.calibration.artifact import CalibrationError
-    from kiln.calibration.calibrate import CalibrationConfig, calibrate_windows
-    from kiln.export.checkpoint import load_checkpoint
-
-    checkpoint = load_checkpoint(make_tiny_hf_model(tmp_path, family="olmoe"))
-    with pytest.raises(CalibrationError, match="mixture-of-experts models \\(olmoe\\)"):
-        calibrate_windows(checkpoint, [[1, 2, 3]], CalibrationConfig(method="awq"))
