@@ -60,30 +60,31 @@ OP_VERSION = 1
 #     kiln.MatMulQ4_1's records, 8 blocks of 32 a superblock, stored in the engine and read where ONNX Runtime maps
 #     them (kiln/gguf_records.py, kiln/moe_gguf.py); `gguf` engines of files with Q4_K or Q6_K matrices hold them.
 # 13: kiln.PagedAttention's optional q_norm / k_norm inputs (12th, 13th) and qk_norm_epsilon attribute.
-# 14: Q8_0 records (kiln.MatMulGGUF's and kiln.MoE's GGUF experts' layout "records" of ggml type Q8_0, kiln/
-#     gguf_records.py); `gguf` engines of files with Q8_0 matrices and int8-weight-only MoE engines hold them.
+# 14: Q5_K and Q8_0 records (kiln.MatMulGGUF's and kiln.MoE's GGUF experts' layout "records" of those ggml types,
+#     kiln/gguf_records.py); `gguf` engines of files with Q5_K or Q8_0 matrices and int8-weight-only MoE engines hold
+#     them.
 OP_LIBRARY_ABI = 14
 # The oldest engine ABI this library still runs: ABIs 2 to 14 only added optional inputs, attributes, a pool dtype,
 # new ops and record types, so ABI-1 to ABI-13 graphs (RoPE as graph ops, no SwiGLU, Q4_1 blocks) are unchanged and
 # need no rebuild.
 OP_LIBRARY_MIN_ABI = 1
-# The ABIs that added kiln.MoE's records, kiln.MatMulGGUF's, kiln.PagedAttention's q/k norms and Q8_0 records: a
+# The ABIs that added kiln.MoE's records, kiln.MatMulGGUF's, kiln.PagedAttention's q/k norms and more record types: a
 # built engine records the newest its graphs need, and MOE_RECORDS_ABI - 1 when they need none of them, so older
 # kilns still load the engines that need nothing newer (`engine_abi`).
 MOE_RECORDS_ABI = 11
 GGUF_RECORDS_ABI = 12
 QK_NORM_ABI = 13
-Q8_0_RECORDS_ABI = 14
+MORE_RECORDS_ABI = 14
 
 
 def engine_abi(moe_records: bool, gguf_records: bool = False, qk_norms: bool = False,
-               q8_0_records: bool = False) -> int:
+               newer_records: bool = False) -> int:
     """The op-library ABI a built engine records: the lowest whose library runs its graphs, as far as the build tells
     them apart (every ABI up to MOE_RECORDS_ABI - 1 is assumed; kiln.MoE records need MOE_RECORDS_ABI, kiln.MatMulGGUF
-    records GGUF_RECORDS_ABI, kiln.PagedAttention's q_norm / k_norm inputs QK_NORM_ABI, Q8_0 records
-    Q8_0_RECORDS_ABI)."""
-    if q8_0_records:
-        return Q8_0_RECORDS_ABI
+    records GGUF_RECORDS_ABI, kiln.PagedAttention's q_norm / k_norm inputs QK_NORM_ABI, Q5_K or Q8_0 records
+    MORE_RECORDS_ABI)."""
+    if newer_records:
+        return MORE_RECORDS_ABI
     if qk_norms:
         return QK_NORM_ABI
     if gguf_records:

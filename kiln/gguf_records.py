@@ -1,8 +1,8 @@
-"""kiln.MatMulGGUF's Q4_K, Q6_K and Q8_0 weights as records (attribute ``layout = "records"``): the layouts and their
-executable specs.
+"""kiln.MatMulGGUF's Q4_K, Q5_K, Q6_K and Q8_0 weights as records (attribute ``layout = "records"``): the layouts and
+their executable specs.
 
-The CPU kernels (runtime/ops/q4_k_records.h, q6_k_records.h, q8_0_records.h, on kiln.MatMulQ4_1's tile) are tested
-against `matmul_records_ref`.
+The CPU kernels (runtime/ops/q4_k_records.h, q5_k_records.h, q6_k_records.h, q8_0_records.h, on kiln.MatMulQ4_1's
+tile) are tested against `matmul_records_ref`.
 
 Q4_K
 
@@ -12,7 +12,7 @@ sc_j and m_j 6-bit integers, d and dmin float16): per block of 32, a Q4_1 block 
 record layout, 8 blocks at a time, so the kernel is MatMulQ4_1's: 16 output channels in the lanes of a vector, a
 64-byte chunk of nibbles the operand of vpdpbusd against 4 int8 of a row, and activations quantized per block of 32.
 
-Layout ``records`` (ggml_type Q4_K, Q6_K or Q8_0 with int8_activations = 1, N a multiple of 16, K of 256)
+Layout ``records`` (ggml_type Q4_K, Q5_K, Q6_K or Q8_0 with int8_activations = 1, N a multiple of 16, K of 256)
   w   uint8 [N / 16, K / 256, 2368]   record (g, b): channels 16g .. 16g + 15 ("lanes" l), superblock b
 Record bytes
   256 s + 64 j + 4 l + i   (s, j < 8, 4; i < 4): channel l's input 256b + 32s + 8j + i in the low nibble and
@@ -32,6 +32,14 @@ block of 32 to int8 (``xs = max|x_block| / 127``, ``xq = rint(x / xs)``), with `
 The weights are the file's exactly; only the activations are rounded, per 32 values where the ``blocks`` layout's
 int8 path (kiln/gguf_int8.py) rounds per 256 with its sub-block sums. The kernel sums in float32 (per lane, blocks
 in order), this spec in float64. A row's outputs are bitwise the same for every number of rows beside it.
+
+Q5_K
+----
+Q5_K is Q4_K with a fifth bit on each code (q 0..31). Its records (``w uint8 [N / 16, K / 256, 2880]``) are Q4_K's
+with the fifth bits inserted after the nibbles: byte 2048 + 64 s + 4 l + i holds, at bit 2j, the fifth bit of
+channel l's input 32s + 8j + i (the low nibble of byte 256 s + 64 j + 4 l + i) and at bit 2j + 1 that of input
+32s + 8j + 4 + i (its high nibble); then sc, m, d, dmin as Q4_K's at 2560, 2688, 2816, 2848 (180 bytes per channel
+and superblock against the file's 176). Semantics: Q4_K's with the codes' mean 15.5 in place of 7.5.
 
 Q6_K
 ----
@@ -69,7 +77,7 @@ from kiln.matmul_q4_1 import CENTRE, GROUP, quantize_activations
 
 LAYOUT = "layout"  # the attribute, as kiln.MatMulQ4_1's
 BLOCKS = "blocks"  # w [N, row bytes]: the file's bytes; the default
-RECORDS = "records"  # w [N / 16, K / 256, 2368 (Q4_K), 3392 (Q6_K) or 4352 (Q8_0)]
+RECORDS = "records"  # w [N / 16, K / 256, 2368 (Q4_K), 2880 (Q5_K), 3392 (Q6_K) or 4352 (Q8_0)]
 LAYOUTS = (BLOCKS, RECORDS)
 SUPER = 256  # inputs per Q4_K superblock
 SUBS = 8  # blocks of 32 a superblock
@@ -86,13 +94,21 @@ Q6_SCALES = Q6_HIGH + SUBS * 128  # 3072: sc[16][l], int8
 Q6_D = Q6_SCALES + 2 * SUBS * GROUP  # 3328: d[l], float16
 Q6_RECORD_BYTES = Q6_D + 2 * GROUP + 32  # 3392, with 32 bytes of padding
 Q6_K_BYTES = FORMATS[GgmlType.Q6_K].nbytes  # 210
+Q5_HIGH = SCALES  # 2048: the fifth bits, 64 bytes a block
+Q5_SCALES = Q5_HIGH + SUBS * CHUNKS * GROUP  # 2560: then Q4_K's sc, m, d, dmin
+Q5_RECORD_BYTES = Q5_SCALES + (RECORD_BYTES - SCALES)  # 2880
+Q5_K_BYTES = FORMATS[GgmlType.Q5_K].nbytes  # 176
+Q5_CENTRE = 15.5  # the mean of 5-bit codes
 Q8_BLOCK_BYTES = 8 * GROUP * 4  # 512: a block's codes, a byte each
 Q8_D = SUBS * Q8_BLOCK_BYTES  # 4096: d[s][l], float16
 Q8_RECORD_BYTES = Q8_D + SUBS * GROUP * 2  # 4352
 Q8_0_BYTES = FORMATS[GgmlType.Q8_0].nbytes  # 34
 Q8_OFFSET = 128  # added to the int8 codes: vpdpbusd's unsigned operand
 # type -> its record's bytes
-RECORD_KINDS = {GgmlType.Q4_K: RECORD_BYTES, GgmlType.Q6_K: Q6_RECORD_BYTES, GgmlType.Q8_0: Q8_RECORD_BYTES}
+RECORD_KINDS = {GgmlType.Q4_K: RECORD_BYTES, GgmlType.Q5_K: Q5_RECORD_BYTES, GgmlType.Q6_K: Q6_RECORD_BYTES,
+                GgmlType.Q8_0: Q8_RECORD_BYTES}
+# the record types an older op library (ABI 12) lacks: an engine holding them needs ABI 14
+ABI_14_KINDS = frozenset({GgmlType.Q5_K, GgmlType.Q8_0})
 
 
 def records_shape(kind: int, n: int, k: int) -> tuple[int, int, int]:
@@ -106,7 +122,7 @@ def can_pack(kind: int, int8_activations: bool, n: int, k: int) -> bool:
 
 
 def pack_records(blocks: np.ndarray, kind: int) -> np.ndarray:
-    """A matrix of Q4_K, Q6_K or Q8_0 blocks as the file holds them -> its records."""
+    """A matrix of Q4_K, Q5_K, Q6_K or Q8_0 blocks as the file holds them -> its records."""
     return _CODECS[_record_kind(kind)][0](blocks)
 
 
@@ -182,7 +198,13 @@ def unpack_q4_k_records(records: np.ndarray) -> np.ndarray:
 
 def matmul_q4_k_records_ref(x: np.ndarray, records: np.ndarray, bias: np.ndarray | None = None) -> np.ndarray:
     """y = x @ W^T of kiln.MatMulGGUF with Q4_K records (see the module docstring), float64 sums; float32 [..., N]."""
-    x, ints, n, k = _spec_inputs(x, records, GgmlType.Q4_K)
+    return _k_affine_records_ref(x, records, GgmlType.Q4_K, CENTRE, bias)
+
+
+def _k_affine_records_ref(x: np.ndarray, records: np.ndarray, kind: GgmlType, centre: float,
+                          bias: np.ndarray | None) -> np.ndarray:
+    """Q4_K's and Q5_K's records spec: per block of 32, a Q4_1-like block with the codes' mean `centre`."""
+    x, ints, n, k = _spec_inputs(x, records, kind)
     assert ints.mins is not None and ints.dmin is not None
     steps = (ints.d[..., None] * ints.scales.astype(np.float32)).astype(np.float32).reshape(n, -1)  # D [N, K / 32]
     mins = (ints.dmin[..., None] * ints.mins.astype(np.float32)).astype(np.float32).reshape(n, -1)  # M
@@ -191,12 +213,50 @@ def matmul_q4_k_records_ref(x: np.ndarray, records: np.ndarray, bias: np.ndarray
     dots = np.einsum("tbi,nbi->tnb", acts.q.reshape(t, -1, 32).astype(np.int64),
                      ints.q.reshape(n, -1, 32).astype(np.int64))
     d64, m64 = steps.astype(np.float64), mins.astype(np.float64)
-    y = ((dots * d64[None] * acts.scale.astype(np.float64)[:, None]).sum(-1) + CENTRE * acts.sum_errors @ d64.T
+    y = ((dots * d64[None] * acts.scale.astype(np.float64)[:, None]).sum(-1) + centre * acts.sum_errors @ d64.T
          - acts.sums @ m64.T)
     if bias is not None:
         y = y + bias.astype(np.float64)
     out: np.ndarray = y.astype(np.float32).reshape(*x.shape[:-1], n)
     return out
+
+
+def pack_q5_k_records(blocks: np.ndarray) -> np.ndarray:
+    """A Q5_K matrix as the file holds it (uint8 [N, K / 256 * 176], N a multiple of 16) -> its records: Q4_K's records
+    of its d, dmin, scales and low nibbles, with the fifth bits inserted."""
+    blocks = _check_blocks(blocks, "Q5_K", Q5_K_BYTES)
+    n, nb = blocks.shape[0], blocks.shape[1] // Q5_K_BYTES
+    groups = n // GROUP
+    b = blocks.reshape(n, nb, Q5_K_BYTES)
+    q4_k = np.concatenate([b[..., :16], b[..., 48:]], axis=2).reshape(n, -1)  # the file's Q4_K fields
+    records = pack_q4_k_records(q4_k)
+    top = (block_integers(blocks, GgmlType.Q5_K).q >> 4).astype(np.uint8)  # [N, nb, 8, 32]
+    top = top.reshape(groups, GROUP, nb, SUBS, CHUNKS, 2, 4)  # [group, lane, super, s, j, low/high nibble, i]
+    bits = sum(top[..., j, half, :] << (2 * j + half) for j in range(CHUNKS) for half in range(2))
+    high = np.asarray(bits, np.uint8).transpose(0, 2, 3, 1, 4).reshape(groups, nb, Q5_SCALES - Q5_HIGH)
+    return np.ascontiguousarray(np.concatenate([records[..., :SCALES], high, records[..., SCALES:]], axis=2))
+
+
+def unpack_q5_k_records(records: np.ndarray) -> np.ndarray:
+    """The records' Q5_K matrix as the file holds it, bit for bit: uint8 [N, K / 256 * 176]."""
+    records = _check_records(records, "Q5_K", Q5_RECORD_BYTES)
+    groups, nb = records.shape[:2]
+    n = groups * GROUP
+    q4_k = unpack_q4_k_records(np.concatenate([records[..., :Q5_HIGH], records[..., Q5_SCALES:]], axis=2))
+    high = records[..., Q5_HIGH:Q5_SCALES].reshape(groups, nb, SUBS, GROUP, 4)  # [group, super, s, lane, i]
+    top = np.stack([(high >> (2 * j + half)) & 1 for j in range(CHUNKS) for half in range(2)], axis=-2)
+    top = top.transpose(0, 3, 1, 2, 4, 5).reshape(n, nb, SUBS, 32)  # [.., s, 8j + 4 half + i]: input order
+    # the file's qh: bit j of byte l is the fifth bit of weight 32 j + l
+    qh = np.zeros((n, nb, 32), np.uint8)
+    for j in range(SUBS):
+        qh |= top[:, :, j, :].astype(np.uint8) << j
+    b = q4_k.reshape(n, nb, Q4_K_BYTES)
+    return np.ascontiguousarray(np.concatenate([b[..., :16], qh, b[..., 16:]], axis=2).reshape(n, nb * Q5_K_BYTES))
+
+
+def matmul_q5_k_records_ref(x: np.ndarray, records: np.ndarray, bias: np.ndarray | None = None) -> np.ndarray:
+    """y = x @ W^T of kiln.MatMulGGUF with Q5_K records (see the module docstring), float64 sums; float32 [..., N]."""
+    return _k_affine_records_ref(x, records, GgmlType.Q5_K, Q5_CENTRE, bias)
 
 
 def pack_q6_k_records(blocks: np.ndarray) -> np.ndarray:
@@ -296,6 +356,7 @@ def matmul_q8_0_records_ref(x: np.ndarray, records: np.ndarray, bias: np.ndarray
 
 _CODECS = {  # pack, unpack, spec
     GgmlType.Q4_K: (pack_q4_k_records, unpack_q4_k_records, matmul_q4_k_records_ref),
+    GgmlType.Q5_K: (pack_q5_k_records, unpack_q5_k_records, matmul_q5_k_records_ref),
     GgmlType.Q6_K: (pack_q6_k_records, unpack_q6_k_records, matmul_q6_k_records_ref),
     GgmlType.Q8_0: (pack_q8_0_records, unpack_q8_0_records, matmul_q8_0_records_ref),
 }

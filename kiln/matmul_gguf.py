@@ -9,14 +9,14 @@ Attributes
                     (kiln/gguf_int8.py, the spec of that path: llama.cpp's arithmetic, what `--quantization gguf`
                     builds; Q4_0, Q8_0, Q4_K, Q5_K, Q6_K); 0 keeps x float32 (this module's spec: every type,
                     `--quantization gguf-exact`)
-  layout            string, optional (absent: "blocks"): "records" holds Q4_K, Q6_K or Q8_0 weights
+  layout            string, optional (absent: "blocks"): "records" holds Q4_K, Q5_K, Q6_K or Q8_0 weights
                     (int8_activations = 1, N a multiple of 16, K of 256) in the kernel's own layout, kiln.MatMulQ4_1's
-                    records (kiln/gguf_records.py: the layouts and their spec; op-library ABI 12, 14 for Q8_0); what
-                    a `gguf` engine stores for them
+                    records (kiln/gguf_records.py: the layouts and their spec; op-library ABI 12, 14 for Q5_K,
+                    Q8_0); what a `gguf` engine stores for them
 Inputs
   x          float32 [..., K]
   w          uint8   [N, K / QK * block bytes]   row n: output channel n's blocks, the bytes as the file holds them
-                     (layout "records": [N / 16, K / 256, 2368 (Q4_K), 3392 (Q6_K) or 4352 (Q8_0)])
+                     (layout "records": [N / 16, K / 256, 2368 (Q4_K), 2880 (Q5_K), 3392 (Q6_K) or 4352 (Q8_0)])
   bias       float32 [N]                         optional
 Output
   y          float32 [..., N]

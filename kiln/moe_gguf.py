@@ -12,10 +12,11 @@ Attributes (beside top_k and norm_topk_prob)
   int8_activations                int, optional (absent: 1): as kiln.MatMulGGUF's. 1: int8 activations, types with
                                   an int8 kernel only (Q4_0, Q8_0, Q4_K, Q5_K, Q6_K); 0: float32 activations
   layout                          string, optional (absent: "blocks"): "records" (int8 activations; gate and up of
-                                  one type and down, each Q4_K, Q6_K or Q8_0; F and D multiples of 256 and 16) holds
-                                  each expert's kiln.MatMulGGUF records (kiln/gguf_records.py), expert after expert:
-                                  gate_up uint8 [E, 2F / 16, D / 256, record bytes] (gate's groups, then up's),
-                                  down uint8 [E, D / 16, F / 256, record bytes]; op-library ABI 12 (14 for Q8_0)
+                                  one type and down, each Q4_K, Q5_K, Q6_K or Q8_0; F and D multiples of 256 and
+                                  16) holds each expert's kiln.MatMulGGUF records (kiln/gguf_records.py), expert
+                                  after expert: gate_up uint8 [E, 2F / 16, D / 256, record bytes] (gate's groups,
+                                  then up's), down uint8 [E, D / 16, F / 256, record bytes]; op-library ABI 12 (14
+                                  for Q5_K, Q8_0)
 No gate_up_dm / down_dm inputs.
 
 Per row the routing is moe_ref's; each chosen expert's projections are kiln.MatMulGGUF's arithmetic. With int8

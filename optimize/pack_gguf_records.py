@@ -1,15 +1,15 @@
-"""Pass (at the engine writer, beside pack_q4_1_records): kiln.MatMulGGUF's Q4_K, Q6_K and Q8_0 weights from the
+"""Pass (at the engine writer, beside pack_q4_1_records): kiln.MatMulGGUF's Q4_K, Q5_K, Q6_K and Q8_0 weights from the
 file's blocks to the kernel's records.
 
-Every kiln.MatMulGGUF of Q4_K, Q6_K or Q8_0 blocks with int8 activations, constant weights, N a multiple of 16 and K
-of 256 gets them as records (kiln/gguf_records.py: w [N / 16, K / 256, record bytes], attribute layout "records"):
+Every kiln.MatMulGGUF of Q4_K, Q5_K, Q6_K or Q8_0 blocks with int8 activations, constant weights, N a multiple of 16
+and K of 256 gets them as records (kiln/gguf_records.py: w [N / 16, K / 256, record bytes], attribute layout "records"):
 the file's numbers in kiln.MatMulQ4_1's record layout, which ONNX Runtime maps from the engine file and the kernel
 reads in place. So
 does every kiln.MoE whose GGUF experts are such types (gate and up of one type; kiln/moe_gguf.py's layout
 "records": each expert's records, expert after expert).
 The records are computed tensor by tensor as the engine writer asks for them (a lazy tensor over the file's
 blocks), so the build never holds a model's records at once. An engine with them needs op-library ABI 12, 14 with
-Q8_0 records (kiln.contract.engine_abi, `holds_q8_0_records`). `unpack_gguf_records` is the inverse on a saved
+Q5_K or Q8_0 records (kiln.contract.engine_abi, `holds_newer_records`). `unpack_gguf_records` is the inverse on a saved
 graph, for measuring against blocks.
 """
 
@@ -24,8 +24,9 @@ import onnx_ir as ir
 
 from kiln import moe, moe_gguf
 from kiln.contract import OP_DOMAIN
-from kiln.gguf_blocks import GgmlType, ggml_type, row_weights
+from kiln.gguf_blocks import ggml_type, row_weights
 from kiln.gguf_records import (
+    ABI_14_KINDS,
     BLOCKS,
     LAYOUT,
     RECORD_KINDS,
@@ -74,13 +75,14 @@ def pack_gguf_records(model: ir.Model) -> int:
     return count
 
 
-def holds_q8_0_records(model: ir.Model) -> bool:
-    """Whether any kiln.MatMulGGUF or kiln.MoE of the graph holds Q8_0 records (op-library ABI 14)."""
+def holds_newer_records(model: ir.Model) -> bool:
+    """Whether any kiln.MatMulGGUF or kiln.MoE of the graph holds records of a type ABI 12 lacks (Q5_K, Q8_0: op-library
+    ABI 14)."""
     for node in model.graph:
         if node.domain != OP_DOMAIN or _layout(node) != RECORDS:
             continue
         names = (TYPE_ATTRIBUTE,) if node.op_type == OP_TYPE else TYPE_ATTRIBUTES if node.op_type == moe.OP_TYPE else ()
-        if any(_int_attribute(node, name) == GgmlType.Q8_0 for name in names if name in node.attributes):
+        if any(_int_attribute(node, name) in ABI_14_KINDS for name in names if name in node.attributes):
             return True
     return False
 

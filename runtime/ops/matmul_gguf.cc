@@ -409,12 +409,13 @@ struct MatMulGGUF {
     parallel_for(ctx, static_cast<size_t>(channel_chunks * row_chunks), item);
   }
 
-  // Q4_K / Q6_K / Q8_0 records (kiln/gguf_records.py): w [N / 16, K / 256, record bytes], kiln.MatMulQ4_1's tile on them.
+  // Q4_K / Q5_K / Q6_K / Q8_0 records (kiln/gguf_records.py): w [N / 16, K / 256, record bytes], kiln.MatMulQ4_1's tile on them.
   void run_records(OrtKernelContext* ctx, const Ort::Custom::Tensor<float>& x, const Ort::Custom::Tensor<uint8_t>& w,
                    const Ort::Custom::Tensor<float>* bias, Ort::Custom::Tensor<float>& y) const {
     const int64_t record_bytes = gguf_records::record_bytes(ggml_type_);
     if (record_bytes == 0 || int8_activations_ != 1)
-      fail_gguf("layout \"records\" is Q4_K's, Q6_K's or Q8_0's (ggml_type 12, 14, 8) with int8_activations = 1, got "
+      fail_gguf("layout \"records\" is Q4_K's, Q5_K's, Q6_K's or Q8_0's (ggml_type 12, 13, 14, 8) with "
+                "int8_activations = 1, got "
                 "ggml_type " + std::to_string(ggml_type_) + " and int8_activations " +
                 std::to_string(int8_activations_));
     const char* name = gguf_records::type_name(ggml_type_);

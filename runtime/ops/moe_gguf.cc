@@ -120,10 +120,9 @@ GgufExperts checked_gguf_expert_records(const int64_t types[3], const uint8_t* g
                                         const std::vector<int64_t>& down_shape, int64_t D) {
   const int64_t gate_bytes = gguf_records::record_bytes(types[0]), down_bytes = gguf_records::record_bytes(types[2]);
   if (gate_bytes == 0 || types[1] != types[0] || down_bytes == 0)
-    fail("layout \"records\" holds GGUF experts of Q4_K, Q6_K or Q8_0 (12, 14, 8), gate and up of one type; got "
-         "gate_type " +
-         std::to_string(types[0]) + ", up_type " + std::to_string(types[1]) + ", down_type " +
-         std::to_string(types[2]));
+    fail("layout \"records\" holds GGUF experts of Q4_K, Q5_K, Q6_K or Q8_0 (12, 13, 14, 8), gate and up of one "
+         "type; got gate_type " + std::to_string(types[0]) + ", up_type " + std::to_string(types[1]) +
+         ", down_type " + std::to_string(types[2]));
   constexpr int64_t kGroup = q4_1::kGroup, kSuper = gguf_records::kSuperBlock;
   if (gate_up_shape.size() != 4 || gate_up_shape[1] % 2 != 0 || gate_up_shape[3] != gate_bytes ||
       D % kSuper != 0 || gate_up_shape[2] != D / kSuper)

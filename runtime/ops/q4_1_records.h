@@ -183,6 +183,12 @@ inline VI high_bits(VI h, int shift) {
                               : _mm512_srli_epi16(h, static_cast<unsigned>(-shift));
   return _mm512_and_si512(moved, _mm512_set1_epi8(0x30));
 }
+// per byte of h: its bit at 4 - shift moved to bit 4, the rest 0 (Q5_K's fifth bits; as high_bits)
+inline VI fifth_bits(VI h, int shift) {
+  const VI moved = shift >= 0 ? _mm512_slli_epi16(h, static_cast<unsigned>(shift))
+                              : _mm512_srli_epi16(h, static_cast<unsigned>(-shift));
+  return _mm512_and_si512(moved, _mm512_set1_epi8(0x10));
+}
 inline void store_lanes(float* y, VF v, int64_t count) {
   if (count >= kLanes) _mm512_storeu_ps(y, v);
   else _mm512_mask_storeu_ps(y, static_cast<__mmask16>((1u << count) - 1), v);
@@ -232,6 +238,10 @@ inline VI or_i(VI a, VI b) { return _mm256_or_si256(a, b); }
 inline VI high_bits(VI h, int shift) {  // as the AVX-512 one
   const VI moved = shift >= 0 ? _mm256_slli_epi16(h, shift) : _mm256_srli_epi16(h, -shift);
   return _mm256_and_si256(moved, _mm256_set1_epi8(0x30));
+}
+inline VI fifth_bits(VI h, int shift) {  // as the AVX-512 one
+  const VI moved = shift >= 0 ? _mm256_slli_epi16(h, shift) : _mm256_srli_epi16(h, -shift);
+  return _mm256_and_si256(moved, _mm256_set1_epi8(0x10));
 }
 inline void store_lanes(float* y, VF v, int64_t count) {
   if (count >= kLanes) return _mm256_storeu_ps(y, v);

@@ -17,7 +17,7 @@ from engine_driver import PagedDriver
 from onnx import numpy_helper
 from tiny_gguf import make_tiny_gguf
 
-from kiln.contract import GGUF_RECORDS_ABI, Q8_0_RECORDS_ABI
+from kiln.contract import GGUF_RECORDS_ABI, MORE_RECORDS_ABI
 from kiln.gguf_blocks import GgmlType, random_blocks
 from kiln.gguf_records import unpack_q4_k_records
 from kiln.manifest import BuildOptions, read_manifest
@@ -105,12 +105,12 @@ def test_every_linear_is_the_files_blocks(gguf_engines):
     reader = GGUFReader(str(path))
     q = next(t for t in reader.tensors if t.name == "blk.0.attn_q.weight")
     file_rows = np.asarray(q.data).reshape(256, -1)
-    # the Q4_K, Q6_K and Q8_0 nodes hold records (the file's bytes in the kernel's layout; Q8_0's down has K = 512,
-    # whole superblocks), every other type the file's blocks
-    records = (GgmlType.Q4_K, GgmlType.Q6_K, GgmlType.Q8_0)
+    # the Q4_K, Q5_K, Q6_K and Q8_0 nodes hold records (the file's bytes in the kernel's layout; Q8_0's down has
+    # K = 512, whole superblocks), every other type the file's blocks
+    records = (GgmlType.Q4_K, GgmlType.Q5_K, GgmlType.Q6_K, GgmlType.Q8_0)
     assert all((node_layout(n) == "records") == (GgmlType(n.attribute[0].i) in records) for n in nodes)
     assert all(node_layout(n) == "blocks" for n in exact)
-    assert read_manifest(engines["gguf"]).op_library_abi == Q8_0_RECORDS_ABI
+    assert read_manifest(engines["gguf"]).op_library_abi == MORE_RECORDS_ABI
     assert read_manifest(engines["gguf-exact"]).op_library_abi == GGUF_RECORDS_ABI - 2  # nothing of 11 to 14
     fused = next(n for n in nodes if n.input[1].endswith("fused.q4_k.rows0.records"))  # layer 0's q/k, first in order
     records = numpy_helper.to_array(inits[fused.input[1]], base_dir=str(engines["gguf"]))

@@ -1,4 +1,4 @@
-"""kiln.MatMulGGUF's Q4_K, Q6_K and Q8_0 records (layout "records", kiln/gguf_records.py): the layouts hold the file's
+"""kiln.MatMulGGUF's Q4_K, Q5_K, Q6_K and Q8_0 records (layout "records", kiln/gguf_records.py): the layouts hold the file's
 bytes (packed and unpacked bit for bit, each number at the byte the layout names), the specs stay near the exact
 product of the file's weights, and the ONNX Runtime kernel matches them within float32 summation bounds (a misplaced
 scale, minimum, step, high bit or block is orders of magnitude past them), with a row's bits the same at every T and
@@ -16,6 +16,9 @@ from kiln.gguf_int8 import matmul_gguf_int8_ref
 from kiln.gguf_records import (
     DMIN,
     MINS,
+    Q5_HIGH,
+    Q5_RECORD_BYTES,
+    Q5_SCALES,
     Q6_D,
     Q6_HIGH,
     Q6_RECORD_BYTES,
@@ -30,6 +33,7 @@ from kiln.gguf_records import (
     matmul_q6_k_records_ref,
     matmul_records_ref,
     pack_q4_k_records,
+    pack_q5_k_records,
     pack_q6_k_records,
     pack_q8_0_records,
     pack_records,
@@ -43,8 +47,8 @@ ort = pytest.importorskip("onnxruntime")
 from op_library import op_library_or_skip  # noqa: E402
 
 LIBRARY = op_library_or_skip()
-Q4_K, Q6_K, Q8_0 = GgmlType.Q4_K, GgmlType.Q6_K, GgmlType.Q8_0
-KINDS = [Q4_K, Q6_K, Q8_0]
+Q4_K, Q5_K, Q6_K, Q8_0 = GgmlType.Q4_K, GgmlType.Q5_K, GgmlType.Q6_K, GgmlType.Q8_0
+KINDS = [Q4_K, Q5_K, Q6_K, Q8_0]
 
 
 def blocks_of(kind, rows: int, superblocks: int, seed: int = 0) -> np.ndarray:
@@ -67,14 +71,14 @@ def run_kernel(w, x, bias=None, threads=2, kind=Q4_K):
     return session(model, threads).run(None, {"x": x})[0]
 
 
-@pytest.mark.parametrize("kind, nbytes", [(Q4_K, 2368), (Q6_K, 3392), (Q8_0, 4352)],
-                         ids=["Q4_K", "Q6_K", "Q8_0"])
+@pytest.mark.parametrize("kind, nbytes", [(Q4_K, 2368), (Q5_K, 2880), (Q6_K, 3392), (Q8_0, 4352)],
+                         ids=["Q4_K", "Q5_K", "Q6_K", "Q8_0"])
 @pytest.mark.parametrize("rows, superblocks", [(16, 1), (48, 3), (32, 8)])
 def test_records_hold_the_files_bytes(kind, nbytes, rows, superblocks):
     w = blocks_of(kind, rows, superblocks, seed=rows)
     records = pack_records(w, kind)
     assert records.shape == (rows // 16, superblocks, nbytes)
-    assert nbytes in (RECORD_BYTES, Q6_RECORD_BYTES, Q8_RECORD_BYTES)
+    assert nbytes in (RECORD_BYTES, Q5_RECORD_BYTES, Q6_RECORD_BYTES, Q8_RECORD_BYTES)
     np.testing.assert_array_equal(unpack_records(records, kind), w)
 
 
@@ -110,6 +114,44 @@ def test_each_q6_k_number_sits_where_the_layout_says():
     assert rec[256 * 6 + 64 * 3 + 4 * lane + 2] & 15 == code & 15
     assert (rec[Q6_HIGH + 128 * 6 + 64 + 4 * lane + 2] >> 4) & 3 == code >> 4
     assert not rec[Q6_D + 32:].any()  # the padding
+
+
+def test_each_q5_k_number_sits_where_the_layout_says():
+    """Q4_K's record around a chunk of fifth bits a block: byte 2048 + 64 s + 4 l + i holds at bit 2j the fifth bit of
+    input 32 s + 8 j + i and at bit 2j + 1 that of input 32 s + 8 j + 4 + i; the nibbles, scales, minimums and steps
+    are Q4_K's record of the same numbers, shifted past them."""
+    from kiln.gguf_blocks import block_integers
+
+    w = blocks_of(Q5_K, 32, 2, seed=12)
+    records = pack_q5_k_records(w)
+    assert records.shape == (2, 2, Q5_RECORD_BYTES) == (2, 2, 2880)
+    codes = block_integers(w, Q5_K).q.astype(np.int64)  # [N, superblock, s, 32], 0..31
+    for g, sb, s, j, lane, i in [(0, 0, 0, 0, 0, 0), (1, 1, 7, 3, 15, 3), (0, 1, 2, 1, 9, 2), (1, 0, 5, 2, 4, 1)]:
+        byte = int(records[g, sb, Q5_HIGH + 64 * s + 4 * lane + i])
+        channel = 16 * g + lane
+        assert (byte >> (2 * j)) & 1 == codes[channel, sb, s, 8 * j + i] >> 4
+        assert (byte >> (2 * j + 1)) & 1 == codes[channel, sb, s, 8 * j + 4 + i] >> 4
+        nibbles = int(records[g, sb, 256 * s + 64 * j + 4 * lane + i])
+        assert nibbles & 15 == codes[channel, sb, s, 8 * j + i] & 15
+        assert nibbles >> 4 == codes[channel, sb, s, 8 * j + 4 + i] & 15
+    q4_k = np.concatenate([w.reshape(32, 2, 176)[..., :16], w.reshape(32, 2, 176)[..., 48:]], axis=2).reshape(32, -1)
+    np.testing.assert_array_equal(records[..., Q5_SCALES:], pack_q4_k_records(q4_k)[..., SCALES:])
+
+
+def test_the_q5_k_spec_is_q4_k_s_formula_with_5_bit_codes():
+    """Q5_K's records spec stays nearer the file's exact product than the blocks path's int8 (activations per 32
+    against Q8_K's 256), and a code's fifth bit is worth 16 of its step."""
+    rng = np.random.default_rng(13)
+    w = blocks_of(Q5_K, 32, 3, seed=13)
+    x = rng.standard_normal((6, 768)).astype(np.float32)
+    exact = matmul_gguf_ref(x, w, Q5_K)
+    spec = matmul_records_ref(x, pack_q5_k_records(w), Q5_K)
+    assert np.abs(spec - exact).mean() < np.abs(matmul_gguf_int8_ref(x, w, Q5_K) - exact).mean()
+    assert np.abs(spec - exact).max() < 0.02 * np.abs(exact).max()
+    cleared = w.reshape(32, 3, 176).copy()
+    cleared[..., 16:48] = 0  # no fifth bits
+    without = matmul_records_ref(x, pack_q5_k_records(cleared.reshape(32, -1)), Q5_K)
+    assert np.abs(without - spec).max() > 0.1 * np.abs(exact).max()
 
 
 def test_each_q8_0_number_sits_where_the_layout_says():
@@ -257,8 +299,8 @@ def test_kernel_names_what_it_refuses():
     x = np.zeros((1, 256), np.float32)
     with pytest.raises(Exception, match='layout must be "blocks" or "records", got "tiles"'):
         session(_model_with("layout", "tiles")).run(None, {"x": x})
-    with pytest.raises(Exception, match="records\" is Q4_K's, Q6_K's or Q8_0's .* got ggml_type 13"):
-        session(_model_with("ggml_type", 13)).run(None, {"x": x})
+    with pytest.raises(Exception, match="records\" is Q4_K's, Q5_K's, Q6_K's or Q8_0's .* got ggml_type 2"):
+        session(_model_with("ggml_type", 2)).run(None, {"x": x})
     with pytest.raises(Exception, match=r"w must be uint8 Q6_K records \[N / 16, K / 256, 3392\], got \[1, 1, 2368\]"):
         session(_model_with("ggml_type", 14)).run(None, {"x": x})  # Q4_K's records read as Q6_K's
     with pytest.raises(Exception, match="int8_activations 0"):
@@ -297,11 +339,11 @@ def test_the_build_pass_packs_only_what_the_kernel_takes():
     q8 = blocks_of(Q8_0, 16, 1, seed=3)
     model = _graph_of({"a": (q4_k(32, 1), Q4_K, 1), "odd": (q4_k(24, 1), Q4_K, 1), "float": (q4_k(16, 1), Q4_K, 0),
                        "q6": (q6, Q6_K, 1), "q5": (q5, GgmlType.Q5_K, 1), "q8": (q8, Q8_0, 1)})
-    assert pack_gguf_records(model) == 3
+    assert pack_gguf_records(model) == 4
     layouts = {n.name: n.attributes.get("layout") for n in model.graph}
-    for name in ("a", "q6", "q8"):
+    for name in ("a", "q6", "q8", "q5"):
         assert layouts[f"{name}.MatMulGGUF"] is not None and layouts[f"{name}.MatMulGGUF"].as_string() == "records"
-    assert all(layouts[f"{name}.MatMulGGUF"] is None for name in ("odd", "float", "q5"))
+    assert all(layouts[f"{name}.MatMulGGUF"] is None for name in ("odd", "float"))
     inits = model.graph.initializers
     assert "a" not in inits and "a.records" in inits  # the blocks go as their records come
     np.testing.assert_array_equal(inits["a.records"].const_value.numpy(), pack_q4_k_records(q4_k(32, 1)))

@@ -147,14 +147,14 @@ def test_engine_abi_asks_for_the_newest_library_only_of_engines_that_need_it():
     from kiln.contract import (
         GGUF_RECORDS_ABI,
         MOE_RECORDS_ABI,
+        MORE_RECORDS_ABI,
         OP_LIBRARY_ABI,
-        Q8_0_RECORDS_ABI,
         QK_NORM_ABI,
         engine_abi,
     )
 
-    assert engine_abi(False, q8_0_records=True) == engine_abi(True, True, True, True) == Q8_0_RECORDS_ABI
-    assert Q8_0_RECORDS_ABI == OP_LIBRARY_ABI
+    assert engine_abi(False, newer_records=True) == engine_abi(True, True, True, True) == MORE_RECORDS_ABI
+    assert MORE_RECORDS_ABI == OP_LIBRARY_ABI
     assert engine_abi(False, False, qk_norms=True) == engine_abi(True, True, True) == QK_NORM_ABI == OP_LIBRARY_ABI - 1
     assert engine_abi(moe_records=False, gguf_records=True) == engine_abi(True, True) == GGUF_RECORDS_ABI
     assert GGUF_RECORDS_ABI == OP_LIBRARY_ABI - 2

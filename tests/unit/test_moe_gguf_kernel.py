@@ -196,7 +196,8 @@ def test_stacks_of_the_wrong_width_and_types_without_a_kernel_are_named():
 
 # ---- records (layout "records"): each expert's kiln.MatMulGGUF records, expert after expert
 
-RECORD_TYPES = {"q4_k_m": Q4_K_M, "q4_k": (Q4_K, Q4_K, Q4_K), "q6_k": (Q6_K, Q6_K, Q6_K), "q8_0": (Q8_0,) * 3}
+RECORD_TYPES = {"q4_k_m": Q4_K_M, "q4_k": (Q4_K, Q4_K, Q4_K), "q6_k": (Q6_K, Q6_K, Q6_K), "q8_0": (Q8_0,) * 3,
+                "q5_k_m": (Q5_K, Q5_K, Q6_K)}
 
 
 def run_records(x, router, experts: GgufExperts, top_k: int, norm: bool, threads: int = 2) -> np.ndarray:
