@@ -27,26 +27,37 @@ using q4_1::negate;
 constexpr int64_t kBlocks = q4_1::kSuperblockBlocks;             // blocks of 32 a superblock
 constexpr int64_t kBlockBytes = kChunks * kChunkBytes;          // 256: a block's nibbles
 constexpr int64_t kScalesOffset = kBlocks * kBlockBytes;        // sc[8][16]
-constexpr int64_t kMinsOffset = kScalesOffset + kBlocks * kGroup;  // m[8][16]
-constexpr int64_t kDOffset = kMinsOffset + kBlocks * kGroup;    // d[16], float16
-constexpr int64_t kDminOffset = kDOffset + kGroup * 2;          // dmin[16], float16
-constexpr int64_t kRecordBytes = kDminOffset + kGroup * 2;      // 2368
 
-// q4_1::tile's view of a record: block s's step d sc_s and minimum -(dmin m_s), the spec's float32 products (the
-// negation is exact, so m S + ... is the spec's ... - (dmin m_s) S).
-struct Format : q4_1::SuperblockRecord<kRecordBytes> {
-  static constexpr bool kSums16 = false;
+// What Q4_K's and Q5_K's records (q5_k_records.h) end with, from byte Offset: sc[8][16] and m[8][16] (bytes), the
+// 16 d and the 16 dmin (float16); and q4_1::tile's view of it, block s's step d sc_s and minimum -(dmin m_s), the
+// spec's float32 products (the negation is exact, so m S + ... is the spec's ... - (dmin m_s) S).
+template <int64_t Offset>
+struct AffineTail {
+  static constexpr int64_t kScales = Offset, kMins = kScales + kBlocks * kGroup, kD = kMins + kBlocks * kGroup;
+  static constexpr int64_t kDmin = kD + kGroup * 2, kEnd = kDmin + kGroup * 2;
   struct RecordSteps {
     VF d, dmin;
   };
   static RecordSteps record_steps(const uint8_t* record, int64_t lane_bytes) {
-    return {q4_1::load_f16(record + kDOffset + lane_bytes * 2), q4_1::load_f16(record + kDminOffset + lane_bytes * 2)};
+    return {q4_1::load_f16(record + kD + lane_bytes * 2), q4_1::load_f16(record + kDmin + lane_bytes * 2)};
   }
+  static void block_steps(const uint8_t* record, int64_t s, const RecordSteps& steps, int64_t lane_bytes, VF& d,
+                          VF& m) {
+    d = mul(steps.d, load_u8(record + kScales + s * kGroup + lane_bytes));
+    m = negate(mul(steps.dmin, load_u8(record + kMins + s * kGroup + lane_bytes)));
+  }
+};
+
+using Tail = AffineTail<kScalesOffset>;
+constexpr int64_t kRecordBytes = Tail::kEnd;  // 2368
+
+struct Format : q4_1::SuperblockRecord<kRecordBytes>, Tail {
+  static constexpr bool kSums16 = false;
   template <int NT>
   static void block(const uint8_t* record, int64_t s, const RecordSteps& steps, int64_t lane_bytes,
                     const q4_1::Int8Rows& x, const int8_t* const* xq, int64_t t0, int64_t b, VF* acc) {
-    const VF d = mul(steps.d, load_u8(record + kScalesOffset + s * kGroup + lane_bytes));
-    const VF m = negate(mul(steps.dmin, load_u8(record + kMinsOffset + s * kGroup + lane_bytes)));
+    VF d, m;
+    block_steps(record, s, steps, lane_bytes, d, m);
     q4_1::q4_1_block<NT>(record + s * kBlockBytes, d, m, x, xq, t0, b, lane_bytes, acc);
   }
 };

@@ -16,41 +16,25 @@
 #include <cstdint>
 
 #include "q4_1_records.h"
+#include "q4_k_records.h"
 
 namespace kiln {
 namespace q5_k {
 
-using q4_1::kChunkBytes;
-using q4_1::kChunks;
-using q4_1::kGroup;
-using q4_1::VF;
-using q4_1::VI;
-
-constexpr int64_t kBlocks = q4_1::kSuperblockBlocks;             // blocks of 32 a superblock
-constexpr int64_t kBlockBytes = kChunks * kChunkBytes;          // 256: a block's nibbles
-constexpr int64_t kHighOffset = kBlocks * kBlockBytes;          // 2048: the fifth bits, a chunk a block
-constexpr int64_t kScalesOffset = kHighOffset + kBlocks * kChunkBytes;  // 2560: sc[8][16]
-constexpr int64_t kMinsOffset = kScalesOffset + kBlocks * kGroup;       // m[8][16]
-constexpr int64_t kDOffset = kMinsOffset + kBlocks * kGroup;            // d[16], float16
-constexpr int64_t kDminOffset = kDOffset + kGroup * 2;                  // dmin[16], float16
-constexpr int64_t kRecordBytes = kDminOffset + kGroup * 2;              // 2880
+constexpr int64_t kHighOffset = q4_k::kScalesOffset;  // 2048: the fifth bits after Q4_K's nibbles, a chunk a block
+using Tail = q4_k::AffineTail<kHighOffset + q4_k::kBlocks * q4_1::kChunkBytes>;  // from 2560
+constexpr int64_t kRecordBytes = Tail::kEnd;  // 2880
 constexpr float kCentreRatio = 15.5f / q4_1::kCentre;  // Int8Rows holds 7.5 E; 5-bit codes are centred at 15.5
 
-struct Format : q4_1::SuperblockRecord<kRecordBytes> {
+struct Format : q4_1::SuperblockRecord<kRecordBytes>, Tail {
   static constexpr bool kSums16 = false;
-  struct RecordSteps {
-    VF d, dmin;
-  };
-  static RecordSteps record_steps(const uint8_t* record, int64_t lane_bytes) {
-    return {q4_1::load_f16(record + kDOffset + lane_bytes * 2), q4_1::load_f16(record + kDminOffset + lane_bytes * 2)};
-  }
   template <int NT>
   static void block(const uint8_t* record, int64_t s, const RecordSteps& steps, int64_t lane_bytes,
-                    const q4_1::Int8Rows& x, const int8_t* const* xq, int64_t t0, int64_t b, VF* acc) {
+                    const q4_1::Int8Rows& x, const int8_t* const* xq, int64_t t0, int64_t b, q4_1::VF* acc) {
     using namespace q4_1;  // NOLINT: the vector primitives
-    const VF d = mul(steps.d, load_u8(record + kScalesOffset + s * kGroup + lane_bytes));
-    const VF m = negate(mul(steps.dmin, load_u8(record + kMinsOffset + s * kGroup + lane_bytes)));
-    const uint8_t* nibbles = record + s * kBlockBytes + lane_bytes * 4;
+    VF d, m;
+    block_steps(record, s, steps, lane_bytes, d, m);
+    const uint8_t* nibbles = record + s * q4_k::kBlockBytes + lane_bytes * 4;
     const VI high = load_chunk(record + kHighOffset + s * kChunkBytes + lane_bytes * 4);
     VI dots[NT];
     for (int r = 0; r < NT; ++r) dots[r] = zero_i();
