@@ -1,8 +1,8 @@
-"""kiln.MatMulGGUF's Q4_K, Q5_K, Q6_K and Q8_0 records (layout "records", kiln/gguf_records.py): the layouts hold the file's
-bytes (packed and unpacked bit for bit, each number at the byte the layout names), the specs stay near the exact
-product of the file's weights, and the ONNX Runtime kernel matches them within float32 summation bounds (a misplaced
-scale, minimum, step, high bit or block is orders of magnitude past them), with a row's bits the same at every T and
-thread count; the build's pass packs only what the kernel takes, and the op names what it refuses."""
+"""kiln.MatMulGGUF's Q4_K, Q5_K, Q6_K and Q8_0 records (layout "records", kiln/gguf_records.py): the layouts hold the
+file's bytes (packed and unpacked bit for bit, each number at the byte the layout names), the specs stay near the
+exact product of the file's weights, and the ONNX Runtime kernel matches them within float32 summation bounds (a
+misplaced scale, minimum, step, high bit or block is orders of magnitude past them), with a row's bits the same at
+every T and thread count; the build's pass packs only what the kernel takes, and the op names what it refuses."""
 
 from __future__ import annotations
 
