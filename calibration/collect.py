@@ -149,6 +149,7 @@ def collect(model: nn.Module, windows: list[torch.Tensor], rows_per_window: int 
     for name, module in model.named_modules():
         if isinstance(module, nn.Linear) and ".layers." in name:
             hooks.append(module.register_forward_hook(linear_hook(name)))
+
     def experts_hook(name, top_k, router_hook):
         def hook(module, args, out):
             router_hook(module, args, out)  # the router is a weight kiln::moe reads, not a module call: its input

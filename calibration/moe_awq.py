@@ -50,8 +50,10 @@ def search(groups: list[Group], stats: ActivationStats, weights: dict[str, torch
 def _experts_error(xs: torch.Tensor, quantized: torch.Tensor, rows: list[torch.Tensor],
                    exact: list[torch.Tensor]) -> float:
     """Squared error of each expert's output on its rows: xs [T, K] (scaled inputs), quantized [E, N, K]."""
-    return sum(float(((xs[idx] @ quantized[e].T - y) ** 2).sum()) for e, (idx, y) in enumerate(zip(rows, exact,
-                                                                                                     strict=True)))
+    total = 0.0
+    for e, (idx, y) in enumerate(zip(rows, exact, strict=True)):
+        total += float(((xs[idx] @ quantized[e].T - y) ** 2).sum())
+    return total
 
 
 def _search_input(group: SmoothGroup, stats: ActivationStats, weights: dict[str, torch.Tensor], group_size: int,

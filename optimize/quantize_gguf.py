@@ -9,8 +9,10 @@ undoes on whole rows of blocks (exact). A fused projection (q/k/v, gate/up) whos
 over the stacked rows; parts of different types (a Q4_K_M file's Q6_K v beside Q4_K q and k) are one node per run
 of a type, their outputs concatenated. The LM head is a linear like the others (a tied head reads the embedding
 table's blocks). Q4_1 blocks (SmolLM2's file) go to kiln.MatMulQ4_1, decoded from the bytes: the file's weights
-exactly, with that kernel's int8 activations. A linear without usable blocks (float matrices, Q2_K / Q3_K, the
-i-quants) falls back to int8 per output channel (MatMulNBits), and the pass reports how many did.
+exactly, with that kernel's int8 activations; so do Q4_0 blocks under int8 activations (w = d (q - 8) is a Q4_1
+block whose minimum is -8 d, exact in float16), whose records tile is the fastest kiln has for 4-bit codes. A
+linear without usable blocks (float matrices, Q2_K / Q3_K, the i-quants) falls back to int8 per output channel
+(MatMulNBits), and the pass reports how many did.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from .quant.rtn import per_channel_as_groups
 _EXECUTABLE = {int(kind) for kind in GgmlType}
 GGML_Q4_1 = 3  # gguf.GGMLQuantizationType.Q4_1: 32 weights, 20 bytes (d f16, m f16, 16 bytes of nibbles)
 _Q4_1_BYTES = 20
+_Q4_0_BYTES = FORMATS[GgmlType.Q4_0].nbytes  # 18: d f16, 16 bytes of nibbles
 
 
 @dataclass(frozen=True)
@@ -85,14 +88,14 @@ def quantize_gguf(model: ir.Model, int8_activations: bool = True) -> GgufCounts:
     linears = find_linears(model)
     kept = q4_1 = 0
     for lin in track(linears, "quantize gguf", "linear"):
-        blocks = executable_blocks(lin)
-        q4_1_blocks = _q4_1_blocks(lin)
+        q4_1_codes = _q4_1_codes(lin, with_q4_0=int8_activations)
+        blocks = executable_blocks(lin) if q4_1_codes is None else ()
         if blocks:
             nodes, output = _block_nodes(model, lin, blocks, int8_activations)
             ensure_opset(model, OP_DOMAIN)
             kept += 1
-        elif q4_1_blocks is not None:
-            node = _q4_1_node(model, lin, q4_1_blocks)
+        elif q4_1_codes is not None:
+            node = _q4_1_node(model, lin, q4_1_codes)
             ensure_opset(model, OP_DOMAIN)
             nodes, output, q4_1 = [node], node.outputs[0], q4_1 + 1
         else:
@@ -143,17 +146,20 @@ def _read(blocks: FileBlocks, k: int) -> np.ndarray:
     return data
 
 
-def _q4_1_blocks(lin: Linear) -> np.ndarray | None:
-    """The linear's Q4_1 rows when every part is Q4_1 (read here), else None."""
+def _q4_1_codes(lin: Linear, with_q4_0: bool) -> Q4_1Weights | None:
+    """The linear's weights as Q4_1 codes when every part is Q4_1 (or, with_q4_0, every part Q4_0 and each minimum
+    -8 d a float16), read here; else None."""
     blocks = lin.file_blocks
     n, k = lin.shape
-    if not blocks or any(b.ggml_type != GGML_Q4_1 for b in blocks) or k % Q4_1_BLOCK:
+    types = {b.ggml_type for b in blocks}
+    if not blocks or k % Q4_1_BLOCK or types not in ({GGML_Q4_1}, {GgmlType.Q4_0} if with_q4_0 else {GGML_Q4_1}):
         return None
+    nbytes = _Q4_1_BYTES if types == {GGML_Q4_1} else _Q4_0_BYTES
     data = np.concatenate([b.read() for b in blocks])
-    if data.shape != (n, k // Q4_1_BLOCK * _Q4_1_BYTES):
-        raise ValueError(f"Q4_1 file blocks are {list(data.shape)} bytes, the weight implies "
-                         f"[{n}, {k // Q4_1_BLOCK * _Q4_1_BYTES}]")
-    return data
+    if data.shape != (n, k // Q4_1_BLOCK * nbytes):
+        raise ValueError(f"{GgmlType(next(iter(types))).name} file blocks are {list(data.shape)} bytes, the weight "
+                         f"implies [{n}, {k // Q4_1_BLOCK * nbytes}]")
+    return q4_1_weights(data) if nbytes == _Q4_1_BYTES else q4_0_as_q4_1(data)
 
 
 def q4_1_weights(data: np.ndarray) -> Q4_1Weights:
@@ -167,9 +173,24 @@ def q4_1_weights(data: np.ndarray) -> Q4_1Weights:
     return Q4_1Weights(np.ascontiguousarray(q), np.ascontiguousarray(d), np.ascontiguousarray(m))
 
 
-def _q4_1_node(model: ir.Model, lin: Linear, data: np.ndarray) -> ir.Node:
-    """kiln.MatMulQ4_1 on the codes of Q4_1 rows."""
-    packed, dm = q4_1_weights(data).pack()
+def q4_0_as_q4_1(data: np.ndarray) -> Q4_1Weights | None:
+    """Q4_0 rows uint8 [N, K / 32 * 18] (w = d (q - 8)) as Q4_1 codes with minimum -8 d, the same weights exactly; None
+    where -8 d is no float16 (|d| past 8188)."""
+    n = data.shape[0]
+    b = data.reshape(n, -1, _Q4_0_BYTES)
+    d = np.ascontiguousarray(b[..., 0:2]).view(np.float16)[..., 0]
+    with np.errstate(over="ignore"):
+        m = (d.astype(np.float32) * np.float32(-8)).astype(np.float16)
+    if not np.array_equal(m.astype(np.float32), d.astype(np.float32) * np.float32(-8)):
+        return None
+    qs = b[..., 2:]
+    q = np.concatenate([qs & 15, qs >> 4], axis=-1).reshape(n, -1)
+    return Q4_1Weights(np.ascontiguousarray(q), np.ascontiguousarray(d), np.ascontiguousarray(m))
+
+
+def _q4_1_node(model: ir.Model, lin: Linear, codes: Q4_1Weights) -> ir.Node:
+    """kiln.MatMulQ4_1 on Q4_1 codes."""
+    packed, dm = codes.pack()
     inputs = [lin.activation, initializer(model, f"{lin.weight_name}.q4_1.qs", packed),
               initializer(model, f"{lin.weight_name}.q4_1.dm", dm)]
     return ir.node(Q4_1_OP_TYPE, inputs + ([lin.bias] if lin.bias is not None else []), domain=OP_DOMAIN,

@@ -57,3 +57,23 @@ def test_q4_1_file_rows_decode_to_the_codes_gguf_py_dequantizes():
     data = gguf_quantize(w, GGMLQuantizationType.Q4_1)
     expected = gguf_dequantize(data, GGMLQuantizationType.Q4_1).reshape(6, 96)
     np.testing.assert_array_equal(q4_1_weights(data).dequantize(), expected)
+
+
+def test_q4_0_file_rows_are_q4_1_codes_of_the_same_weights():
+    """Q4_0's w = d (q - 8) as Q4_1 codes with minimum -8 d: gguf-py's dequantized weights exactly; a step whose -8 d
+    is no float16 is refused (None: the linear keeps its Q4_0 blocks)."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize as gguf_dequantize
+    from gguf.quants import quantize as gguf_quantize
+
+    from kiln.optimize.quantize_gguf import q4_0_as_q4_1
+
+    w = np.random.default_rng(5).standard_normal((6, 96)).astype(np.float32)
+    data = gguf_quantize(w, GGMLQuantizationType.Q4_0)
+    expected = gguf_dequantize(data, GGMLQuantizationType.Q4_0).reshape(6, 96)
+    codes = q4_0_as_q4_1(data)
+    assert codes is not None
+    np.testing.assert_array_equal(codes.dequantize(), expected)
+    huge = data.copy()
+    huge[0, 0:2] = np.array([9000], np.float16).view(np.uint8)  # -8 d = -72000: past float16
+    assert q4_0_as_q4_1(huge) is None
