@@ -152,9 +152,10 @@ def quantize_model(model: ir.Model, scheme: QuantScheme, lm_head: LmHead = LmHea
             count = counts.total
             # kiln.MoE's experts: the file's blocks, activations as the linears'
             experts = keep_moe_gguf_experts(model, int8_activations=scheme.method is QuantMethod.GGUF)
-            if progress and experts.kept + experts.float32:
+            if progress and experts.kept + experts.float32 + experts.q4_1:
                 progress(f"  keep_moe_gguf_experts: {experts.kept} layers' experts on the file's blocks, "
-                         f"{experts.float32} float32 (blocks of a type kiln.MatMulGGUF lacks, or none)")
+                         f"{experts.q4_1} Q4_0 as Q4_1, {experts.float32} float32 (blocks of a type kiln.MatMulGGUF "
+                         "lacks, or none)")
     if progress:
         progress(f"  {name}: converted {count} MatMuls")
     if scheme.method in (QuantMethod.INT4_RTN, QuantMethod.INT4_AWQ, QuantMethod.INT4_Q4_1):

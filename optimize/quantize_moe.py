@@ -45,15 +45,20 @@ def quantize_moe_experts(model: ir.Model) -> int:
             nibbles, dm = _q4_1(value.const_value.numpy())
             name = value.name or "experts"
             packed.append((initializer(model, f"{name}.q4_1", nibbles), initializer(model, f"{name}.q4_1.dm", dm)))
-        (gu, gu_dm), (dn, dn_dm) = packed
-        node.replace_input_with(2, gu)
-        node.replace_input_with(3, dn)
-        node.resize_inputs(6)
-        node.replace_input_with(4, gu_dm)
-        node.replace_input_with(5, dn_dm)
+        use_q4_1_experts(node, *packed)
     if nodes:
         prune(model)
     return len(nodes)
+
+
+def use_q4_1_experts(node: ir.Node, gate_up: tuple[ir.Value, ir.Value], down: tuple[ir.Value, ir.Value]) -> None:
+    """node's expert inputs replaced by Q4_1 experts (kiln/moe.py): each stack's (nibbles, dm) initializers."""
+    (gu, gu_dm), (dn, dn_dm) = gate_up, down
+    node.replace_input_with(2, gu)
+    node.replace_input_with(3, dn)
+    node.resize_inputs(6)
+    node.replace_input_with(4, gu_dm)
+    node.replace_input_with(5, dn_dm)
 
 
 def quantize_moe_experts_q8_0(model: ir.Model) -> int:

@@ -7,13 +7,16 @@ arithmetic: the engine serves the file's own weights. Activations as the dense n
 (float32 for a layer with Q5_0 / Q5_1 experts, which have no int8 kernel), float32 under `gguf-exact`. The stacks'
 bytes are read one layer at a time from the file (export/lazy_initializers.py's BlockRows carries where they are);
 nothing is dequantized. A layer whose experts have no blocks or a type kiln.MatMulGGUF lacks (Q2_K, Q3_K, the
-i-quants ...) keeps its float32 experts (the file's weights dequantized, exact), and the pass says how many.
+i-quants ...) keeps its float32 experts (the file's weights dequantized, exact), and the pass says how many. Q4_0
+experts under int8 activations become kiln.MoE's Q4_1 experts (the same weights: `q4_0_as_q4_1`), as the dense Q4_0
+linears become kiln.MatMulQ4_1's, for its records.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import onnx_ir as ir
 
 from kiln.export.lazy_initializers import BlockRows
@@ -21,10 +24,13 @@ from kiln.export.progress import track
 from kiln.export.tensor_files import FileBlocks
 from kiln.gguf_blocks import FORMATS, GgmlType
 from kiln.gguf_int8 import INT8_KINDS
+from kiln.matmul_q4_1 import Q4_1Weights
+from kiln.moe import pack_q4_1_experts
 from kiln.moe_gguf import gguf_experts
 
 from .quant.graph import initializer, prune
-from .quantize_moe import moe_nodes, use_gguf_experts
+from .quantize_gguf import q4_0_as_q4_1
+from .quantize_moe import moe_nodes, use_gguf_experts, use_q4_1_experts
 
 _EXECUTABLE = frozenset(int(kind) for kind in GgmlType)
 
@@ -33,6 +39,7 @@ _EXECUTABLE = frozenset(int(kind) for kind in GgmlType)
 class MoeGgufCounts:
     kept: int  # layers whose experts are the file's blocks
     float32: int  # layers left with float32 experts (no blocks, or a type without a kernel)
+    q4_1: int = 0  # layers of Q4_0 experts run as Q4_1 experts (the file's weights)
 
 
 def keep_moe_gguf_experts(model: ir.Model, int8_activations: bool = True) -> MoeGgufCounts:
@@ -40,12 +47,16 @@ def keep_moe_gguf_experts(model: ir.Model, int8_activations: bool = True) -> Moe
     asked for and every type has an int8 kernel); returns the counts."""
     nodes = [node for node in moe_nodes(model) if len(node.inputs) == 4]
     kept = [(node, parts) for node in nodes if (parts := _stack_blocks(node)) is not None]
+    as_q4_1 = 0
     for node, (gate, up, down) in track(kept, "keep expert blocks", "layer"):
         gate_up_value = node.inputs[2]
         assert gate_up_value is not None and gate_up_value.const_value is not None  # _stack_blocks
         e, f2, d = gate_up_value.const_value.shape.numpy()
         stacks = [part.read().reshape(e, rows, -1) for part, rows in ((gate, f2 // 2), (up, f2 // 2), (down, d))]
         types = (gate.ggml_type, up.ggml_type, down.ggml_type)
+        if int8_activations and set(types) == {GgmlType.Q4_0} and _use_q4_1(model, node, stacks):
+            as_q4_1 += 1
+            continue
         int8 = int8_activations and all(kind in INT8_KINDS for kind in types)
         experts = gguf_experts(*stacks, types, int8)
         suffix = ".".join(GgmlType(kind).name.lower() for kind in experts.types)
@@ -55,7 +66,32 @@ def keep_moe_gguf_experts(model: ir.Model, int8_activations: bool = True) -> Moe
         use_gguf_experts(node, gate_up, down, experts.types, int8)
     if kept:
         prune(model)
-    return MoeGgufCounts(len(kept), len(nodes) - len(kept))
+    return MoeGgufCounts(len(kept) - as_q4_1, len(nodes) - len(kept), as_q4_1)
+
+
+def _use_q4_1(model: ir.Model, node: ir.Node, stacks: list) -> bool:
+    """node's Q4_0 stacks (gate, up, down: uint8 [E, rows, row bytes]) as Q4_1 experts; False (nothing changed) where a
+    step's -8 d is no float16."""
+    codes = [q4_0_as_q4_1(stack.reshape(-1, stack.shape[-1])) for stack in stacks]
+    if any(c is None for c in codes):
+        return False
+    gate, up, down = (c for c in codes if c is not None)
+    e = stacks[0].shape[0]
+
+    def per_expert(w: Q4_1Weights) -> tuple:
+        return tuple(a.reshape(e, -1, a.shape[-1]) for a in (w.q, w.d, w.m))
+
+    (gq, gd, gm), (uq, ud, um), (dq, dd, dm) = per_expert(gate), per_expert(up), per_expert(down)
+    packed = []
+    for name, q, d, m in (("gate_up", np.concatenate([gq, uq], 1), np.concatenate([gd, ud], 1),
+                           np.concatenate([gm, um], 1)), ("down", dq, dd, dm)):
+        nibbles, steps = pack_q4_1_experts(q, d, m)
+        value = node.inputs[2 if name == "gate_up" else 3]
+        base = (value.name if value is not None else None) or "experts"
+        packed.append((initializer(model, f"{base}.q4_0.q4_1", nibbles), initializer(model, f"{base}.q4_0.q4_1.dm",
+                                                                                    steps)))
+    use_q4_1_experts(node, *packed)
+    return True
 
 
 def _stack_blocks(node: ir.Node) -> tuple[FileBlocks, FileBlocks, FileBlocks] | None:

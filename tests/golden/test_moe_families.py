@@ -327,6 +327,51 @@ def test_k_quant_moe_gguf_engine_serves_the_files_expert_blocks(tmp_path):
         assert [tokens[pos + 1] for pos in decoded] == ref[decoded].argmax(-1).tolist()
 
 
+def _q4_0_experts(name: str, array: np.ndarray):
+    """_k_quant_blocks with every expert stack Q4_0 (llama-quantize's Q4_0 files)."""
+    if "_exps" not in name:
+        return _k_quant_blocks(name, array)
+    rng = np.random.default_rng(zlib.crc32(name.encode()))
+    rows = int(np.prod(array.shape[:-1]))
+    blocks = random_blocks(rng, GgmlType.Q4_0, rows, array.shape[-1], 1 / np.sqrt(array.shape[-1]))
+    return GgmlType.Q4_0, blocks.reshape(*array.shape[:-1], -1)
+
+
+def test_q4_0_moe_gguf_engine_serves_them_as_q4_1_experts(tmp_path):
+    """A MoE file's Q4_0 experts under `gguf` become kiln.MoE's Q4_1 experts (w = d (q - 8): minimum -8 d, the same
+    weights), in records; against transformers on the file's dequantized weights the engine differs by its int8
+    activations alone (a misplaced block or expert would be off by the logits' size), and greedy tokens agree where
+    the top two logits are further apart than twice that."""
+    from helpers import load_hf_reference
+    from tiny_gguf import make_tiny_gguf
+
+    from kiln.manifest import BuildOptions
+    from kiln.optimize.build import build_engine
+    from kiln.quant_scheme import QuantScheme
+
+    gguf_path, hf_dir = make_tiny_gguf(tmp_path, "qwen3_moe", quantize=_q4_0_experts, file_weights_in_hf=True,
+                                       **K_QUANT_MOE)
+    engine = tmp_path / "engine"
+    build_engine(gguf_path, engine, BuildOptions(quantization=QuantScheme.parse("gguf"), kv_dtype="float32"),
+                 progress=lambda _msg: None)
+    graph = onnx.load(str(engine / "model.onnx"), load_external_data=False)
+    for node in moe_nodes(graph):
+        attributes = {a.name for a in node.attribute}
+        assert len(node.input) == 6 and "gate_type" not in attributes  # Q4_1 experts, not GGUF ones
+        assert {a.name: a.s for a in node.attribute}.get("layout") == b"records"
+    file_model = load_hf_reference(hf_dir)
+    errors, decodes = [], []
+    for tokens, positions, got, decoded in _steps(engine, 4):
+        ref = _logits(file_model, tokens[:-1])
+        errors.append(np.abs(got - ref[positions]))
+        decodes += [(tokens[pos + 1], ref[pos]) for pos in decoded]
+    err = np.concatenate(errors)
+    assert err.max() < 0.1 * np.abs(np.concatenate([ref for _, ref in decodes])).max()
+    clear = [(token, ref) for token, ref in decodes if np.diff(np.sort(ref)[-2:])[0] > 2 * err.max()]
+    assert len(clear) >= len(decodes) // 3  # enough decodes past twice the worst error for the check to mean much
+    assert [token for token, _ in clear] == [int(ref.argmax()) for _, ref in clear]
+
+
 def test_awq_moe_engine_folds_the_experts_scales(tmp_path):
     """`kiln calibrate --method awq` on a MoE model whose MLP input has two 40x channels, then `--quantization
     int4-awq-g32`: the engine's logits are closer to the fp32 engine's (mean KL on held-out tokens) than with the
