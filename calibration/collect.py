@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from kiln.errors import InvalidParamError
+from kiln.export.moe import expert_activations
 from kiln.export.progress import track
 
 Progress = Callable[[str], None]
@@ -68,12 +69,6 @@ def routed_rows(rows: torch.Tensor, router: torch.Tensor, top_k: int) -> list[to
     chosen = torch.topk(rows @ router.T, top_k, dim=-1).indices
     return [torch.nonzero((chosen == e).any(-1)).flatten() for e in range(router.shape[0])]
 
-
-def expert_down_inputs(rows: torch.Tensor, gate_up: torch.Tensor) -> torch.Tensor:
-    """silu(gate) * up of one expert (gate_up [2F, D]: gate rows, then up rows) on its rows [n, D]: its down input."""
-    hidden = rows @ gate_up.T
-    f = gate_up.shape[0] // 2
-    return torch.nn.functional.silu(hidden[:, :f]) * hidden[:, f:]
 
 
 def token_windows(token_ids: list[int], window: int, count: int) -> list[torch.Tensor]:
@@ -162,7 +157,7 @@ def collect(model: nn.Module, windows: list[torch.Tensor], rows_per_window: int 
                                                 torch.zeros(gate_up.shape[0], dtype=torch.int64))
             for e, idx in enumerate(routed_rows(rows, module.gate.weight, top_k)):
                 if idx.numel():
-                    s.abs_sum[e] += expert_down_inputs(rows[idx], gate_up[e]).abs().sum(0, dtype=torch.float64)
+                    s.abs_sum[e] += expert_activations(rows[idx], gate_up[e]).abs().sum(0, dtype=torch.float64)
                     s.count[e] += idx.numel()
         return hook
 

@@ -19,10 +19,11 @@ from __future__ import annotations
 
 import torch
 
+from kiln.export.moe import expert_activations
 from kiln.export.progress import track
 
 from .awq import RATIO_GRID, awq_scales, int4_error
-from .collect import ActivationStats, expert_down_inputs, routed_rows
+from .collect import ActivationStats, routed_rows
 from .fake_quant import q4_1
 from .smoothing import ExpertDownGroup, Group, SmoothGroup
 
@@ -87,7 +88,7 @@ def _search_down(group: ExpertDownGroup, stats: ActivationStats, weights: dict[s
     x = stats.linears[group.router].sample_rows()
     gate_up, down = weights[group.gate_up], weights[group.down]
     rows = routed_rows(x, weights[f"{group.router}.weight"], top_k)
-    inputs = [expert_down_inputs(x[idx], gate_up[e]) for e, idx in enumerate(rows)]
+    inputs = [expert_activations(x[idx], gate_up[e]) for e, idx in enumerate(rows)]
     exact = [a @ down[e].T for e, a in enumerate(inputs)]
     mean_abs = stats.experts[group.down.rsplit(".", 1)[0]].mean_abs  # [E, F]
     experts = down.shape[0]

@@ -52,13 +52,19 @@ def moe(x: torch.Tensor, router: torch.Tensor, gate_up: torch.Tensor, down: torc
     if norm_topk_prob:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     out = torch.zeros_like(rows)
-    f = gate_up.shape[1] // 2
     for expert in torch.unique(experts).tolist():
         tokens, slots = torch.nonzero(experts == expert, as_tuple=True)
-        hidden = rows[tokens] @ gate_up[expert].T
-        act = F.silu(hidden[:, :f]) * hidden[:, f:]
+        act = expert_activations(rows[tokens], gate_up[expert])
         out.index_add_(0, tokens, weights[tokens, slots, None] * (act @ down[expert].T))
     return out.reshape(x.shape)
+
+
+def expert_activations(rows: torch.Tensor, gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up of one expert (gate_up [2F, D]: gate rows, then up rows) on its rows [n, D]: what its down
+    projection reads (kiln::moe's arithmetic; calibration measures the down inputs with it)."""
+    hidden = rows @ gate_up.T
+    f = gate_up.shape[0] // 2
+    return F.silu(hidden[:, :f]) * hidden[:, f:]
 
 
 @moe.register_fake
