@@ -29,7 +29,6 @@ from kiln.gguf_records import (
     ABI_14_KINDS,
     BLOCKS,
     LAYOUT,
-    RECORD_KINDS,
     RECORDS,
     can_pack,
     pack_records,
@@ -62,7 +61,7 @@ def pack_gguf_records(model: ir.Model) -> int:
             continue
         kind, int8 = _int_attribute(node, TYPE_ATTRIBUTE), bool(_int_attribute(node, INT8_ATTRIBUTE))
         n, row = (int(d) for d in w.const_value.shape)
-        if kind not in RECORD_KINDS or not can_pack(kind, int8, n, row_weights(ggml_type(kind), row)):
+        if not can_pack(kind, int8, n, row_weights(ggml_type(kind), row)):
             continue
         key = w.name or ""
         if key not in packed:

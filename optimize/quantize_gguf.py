@@ -152,14 +152,19 @@ def _q4_1_codes(lin: Linear, with_q4_0: bool) -> Q4_1Weights | None:
     blocks = lin.file_blocks
     n, k = lin.shape
     types = {b.ggml_type for b in blocks}
-    if not blocks or k % Q4_1_BLOCK or types not in ({GGML_Q4_1}, {GgmlType.Q4_0} if with_q4_0 else {GGML_Q4_1}):
+    if types == {GGML_Q4_1}:
+        name, nbytes, decode = "Q4_1", _Q4_1_BYTES, q4_1_weights
+    elif with_q4_0 and types == {GgmlType.Q4_0}:
+        name, nbytes, decode = "Q4_0", _Q4_0_BYTES, q4_0_as_q4_1
+    else:
         return None
-    nbytes = _Q4_1_BYTES if types == {GGML_Q4_1} else _Q4_0_BYTES
+    if k % Q4_1_BLOCK:
+        return None
     data = np.concatenate([b.read() for b in blocks])
     if data.shape != (n, k // Q4_1_BLOCK * nbytes):
-        raise ValueError(f"{GgmlType(next(iter(types))).name} file blocks are {list(data.shape)} bytes, the weight "
-                         f"implies [{n}, {k // Q4_1_BLOCK * nbytes}]")
-    return q4_1_weights(data) if nbytes == _Q4_1_BYTES else q4_0_as_q4_1(data)
+        raise ValueError(f"{name} file blocks are {list(data.shape)} bytes, the weight implies "
+                         f"[{n}, {k // Q4_1_BLOCK * nbytes}]")
+    return decode(data)
 
 
 def q4_1_weights(data: np.ndarray) -> Q4_1Weights:

@@ -24,7 +24,6 @@ from kiln.export.progress import track
 from kiln.export.tensor_files import FileBlocks
 from kiln.gguf_blocks import FORMATS, GgmlType
 from kiln.gguf_int8 import INT8_KINDS
-from kiln.matmul_q4_1 import Q4_1Weights
 from kiln.moe import pack_q4_1_experts
 from kiln.moe_gguf import gguf_experts
 
@@ -69,27 +68,23 @@ def keep_moe_gguf_experts(model: ir.Model, int8_activations: bool = True) -> Moe
     return MoeGgufCounts(len(kept) - as_q4_1, len(nodes) - len(kept), as_q4_1)
 
 
-def _use_q4_1(model: ir.Model, node: ir.Node, stacks: list) -> bool:
+def _use_q4_1(model: ir.Model, node: ir.Node, stacks: list[np.ndarray]) -> bool:
     """node's Q4_0 stacks (gate, up, down: uint8 [E, rows, row bytes]) as Q4_1 experts; False (nothing changed) where a
     step's -8 d is no float16."""
-    codes = [q4_0_as_q4_1(stack.reshape(-1, stack.shape[-1])) for stack in stacks]
+    gate, up, down = stacks
+    # each expert's gate rows, then its up rows: gate_up's order (both rows of D weights, the same bytes)
+    pairs = [(2, np.concatenate([gate, up], axis=1)), (3, down)]
+    codes = [q4_0_as_q4_1(stack.reshape(-1, stack.shape[-1])) for _, stack in pairs]
     if any(c is None for c in codes):
         return False
-    gate, up, down = (c for c in codes if c is not None)
-    e = stacks[0].shape[0]
-
-    def per_expert(w: Q4_1Weights) -> tuple:
-        return tuple(a.reshape(e, -1, a.shape[-1]) for a in (w.q, w.d, w.m))
-
-    (gq, gd, gm), (uq, ud, um), (dq, dd, dm) = per_expert(gate), per_expert(up), per_expert(down)
     packed = []
-    for name, q, d, m in (("gate_up", np.concatenate([gq, uq], 1), np.concatenate([gd, ud], 1),
-                           np.concatenate([gm, um], 1)), ("down", dq, dd, dm)):
-        nibbles, steps = pack_q4_1_experts(q, d, m)
-        value = node.inputs[2 if name == "gate_up" else 3]
-        base = (value.name if value is not None else None) or "experts"
-        packed.append((initializer(model, f"{base}.q4_0.q4_1", nibbles), initializer(model, f"{base}.q4_0.q4_1.dm",
-                                                                                    steps)))
+    for (position, stack), c in zip(pairs, codes, strict=True):
+        assert c is not None
+        e, rows = stack.shape[:2]
+        nibbles, steps = pack_q4_1_experts(*(a.reshape(e, rows, -1) for a in (c.q, c.d, c.m)))
+        base = getattr(node.inputs[position], "name", None) or "experts"
+        packed.append((initializer(model, f"{base}.q4_0.q4_1", nibbles),
+                       initializer(model, f"{base}.q4_0.q4_1.dm", steps)))
     use_q4_1_experts(node, *packed)
     return True
 
