@@ -307,12 +307,27 @@ __attribute__((always_inline)) inline void q4_1_block(const uint8_t* nibbles, VF
   }
 }
 
+// Rows a pass (a format's kPassRows): as many as the registers hold (32 zmm in the VNNI build, 16 ymm in AVX2's)
+// with the weights' chunk, its two nibble halves and d, m. Decode is a pass of one row: tiles of several vectors
+// for one row (more independent vpdpbusd chains) measured slower on cold weights, 1.2-1.5x a call. The k-quants'
+// blocks make their steps and minimums from the record's bytes (more registers live): at 12 rows GCC spilled
+// accumulators in every block, and 11 measured 0.97x a Q4_K_M (Q4_K and Q6_K) prefill chunk's time, 0.96x Q5_K_M's;
+// Q8_0's and Q4_1's keep 12.
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__) && defined(__AVX512BW__)
+constexpr int kPassRows = 12;
+constexpr int kKQuantPassRows = 11;
+#else
+constexpr int kPassRows = 6;
+constexpr int kKQuantPassRows = 6;
+#endif
+
 // A record format: kBlocksPerRecord blocks of 32 inputs a record of kRecordBytes, for a group of 16 channels;
 // `block<NT>` adds block s of a record into the NT rows' accumulators. Q4_1's records are one block each, their d
 // and m float16 lanes (q4_k_records.h and q6_k_records.h: GGUF's k-quants, a superblock a record).
 struct Q4_1Format {
   static constexpr int64_t kBlocksPerRecord = 1;
   static constexpr int64_t kRecordBytes = q4_1::kRecordBytes;
+  static constexpr int kPassRows = q4_1::kPassRows;
   static constexpr int64_t kPrefetchBytes = kRecordBytes;  // a tile's prefetch a block: its record
   static constexpr bool kNonTemporalOnce = true;  // a call reading its records once prefetches them non-temporally
   static constexpr bool kSums16 = false;
@@ -338,6 +353,7 @@ template <int64_t RecordBytes>
 struct SuperblockRecord {
   static constexpr int64_t kBlocksPerRecord = kSuperblockBlocks;
   static constexpr int64_t kRecordBytes = RecordBytes;
+  static constexpr int kPassRows = kKQuantPassRows;
   static constexpr int64_t kPrefetchBlocks = 16;
   // a tile's prefetch a block: 5 lines, the Q4_1 record's (Q4_K's block share, 296 bytes; Q6_K's 424 are left to
   // the hardware prefetcher's share as measured); formats with more a block say so
@@ -379,15 +395,6 @@ __attribute__((noinline)) inline void tile(const Problem& p, int64_t v, int64_t 
   for (int r = 0; r < NT; ++r) store_lanes(p.y + (t0 + r) * p.N + n, p.bias ? acc[r] + bias : acc[r], count);
 }
 
-// Rows a pass: as many as the registers hold (32 zmm in the VNNI build, 16 ymm in AVX2's) with the weights' chunk,
-// its two nibble halves and d, m. Decode is a pass of one row: tiles of several vectors for one row (more
-// independent vpdpbusd chains) measured slower on cold weights, 1.2-1.5x a call.
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__) && defined(__AVX512BW__)
-constexpr int kPassRows = 12;
-#else
-constexpr int kPassRows = 6;
-#endif
-
 template <class Format, int NT>
 inline void pass_rows(const Problem& p, int64_t v, int64_t t0, int64_t rows, bool once) {
   if constexpr (NT > 1)
@@ -399,10 +406,11 @@ inline void pass_rows(const Problem& p, int64_t v, int64_t t0, int64_t rows, boo
 // then come from L1).
 template <class Format = Q4_1Format>
 inline void run_item(const Problem& p, int64_t v_begin, int64_t v_end, int64_t t_begin, int64_t t_end) {
-  const bool once = t_end - t_begin <= kPassRows;
+  constexpr int kRows = Format::kPassRows;
+  const bool once = t_end - t_begin <= kRows;
   for (int64_t v = v_begin; v < v_end; ++v)
-    for (int64_t t = t_begin; t < t_end; t += kPassRows)
-      pass_rows<Format, kPassRows>(p, v, t, std::min<int64_t>(kPassRows, t_end - t), once);
+    for (int64_t t = t_begin; t < t_end; t += kRows)
+      pass_rows<Format, kRows>(p, v, t, std::min<int64_t>(kRows, t_end - t), once);
 }
 
 constexpr int64_t kGroupsPerItem = 2;   // channel groups per work item (SmolLM2's N = 576 is 36 groups)
