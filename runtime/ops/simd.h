@@ -94,6 +94,8 @@ inline void prefetch_l2(const char* p, int64_t bytes) {
   for (int64_t o = 0; o < bytes; o += 64) asm volatile("prefetcht1 %0" ::"m"(p[o]));
 }
 
+// A tile to fetch while the current one is computed, spread over `steps` loop iterations so that
+// the misses in flight stay within the core's miss buffers (a whole tile at once stalls it).
 struct Prefetch {
   const char* p = nullptr;
   int64_t bytes = 0;
