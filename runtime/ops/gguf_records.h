@@ -39,11 +39,15 @@ inline const char* type_name(int64_t type) {
   return type == kQ4_K ? "Q4_K" : type == kQ5_K ? "Q5_K" : type == kQ6_K ? "Q6_K" : "Q8_0";
 }
 
-// Whether the type's tile reads the rows' int sums of 16 (q4_1::Int8Rows::sums16).
-inline bool needs_sums16(int64_t type) {
-  bool sums = false;
-  with_format(type, [&](auto format) { sums = decltype(format)::kSums16; });
-  return sums;
+// out = rows row(0) .. row(T - 1) quantized as the type's tile reads them: with the rows' int sums of 16 where the
+// format asks for them (Q6_K's and Q8_0's offsets) and E times its codes' mean (Q5_K: 15.5; the nibbles: 7.5).
+template <class RowFn>
+inline void quantize_rows(OrtKernelContext* ctx, int64_t type, int64_t T, int64_t K, RowFn&& row,
+                          q4_1::Int8Rows& out) {
+  with_format(type, [&](auto format) {
+    using Format = decltype(format);
+    q4_1::quantize_rows(ctx, T, K, Format::kSums16, Format::kCentre, row, out);
+  });
 }
 
 // y [T, N] = x [T, K] times records of `type` (each group of 16 channels K / 256 records), on the session's threads.

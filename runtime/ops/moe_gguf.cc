@@ -152,8 +152,7 @@ struct RecordsPath {
   RecordsPath(OrtKernelContext* ctx, const Groups& g, const float* x, int64_t T, const GgufExperts& experts) {
     const int64_t D = experts.down.rows;
     q4_1::Int8Rows once;
-    q4_1::quantize_rows(ctx, T, D, gguf_records::needs_sums16(experts.gate.type), [&](size_t t) { return x + t * D; },
-                        once);
+    gguf_records::quantize_rows(ctx, experts.gate.type, T, D, [&](size_t t) { return x + t * D; }, once);
     q4_1::gather_rows(once, g.token, grouped);
   }
   // channels a work item: whole groups of 16, about kItemBytes of the stack's records
@@ -163,8 +162,7 @@ struct RecordsPath {
   }
   void prepare_down(OrtKernelContext* ctx, const GgufStack& down, const std::vector<float>& act, int64_t n_rows,
                     int64_t F) {
-    q4_1::quantize_rows(ctx, n_rows, F, gguf_records::needs_sums16(down.type),
-                        [&](size_t t) { return act.data() + t * F; }, down_q);
+    gguf_records::quantize_rows(ctx, down.type, n_rows, F, [&](size_t t) { return act.data() + t * F; }, down_q);
   }
   void project(Projection which, const GgufStack& s, const GgufMatmul& m, const Item& it, int64_t first,
                int64_t last) const {

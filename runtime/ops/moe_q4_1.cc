@@ -56,7 +56,7 @@ void quantize_rows(OrtKernelContext* ctx, const std::vector<const float*>& src, 
   const int64_t n = static_cast<int64_t>(src.size()), nb = K / kBlock;
   out.reset(n, K, nb);
   auto one = [&](size_t i) {
-    quantize_row(src[i], nb, out.q.data() + i * K, out.step.data() + i * nb, out.sum.data() + i * nb,
+    quantize_row(src[i], nb, kCentre, out.q.data() + i * K, out.step.data() + i * nb, out.sum.data() + i * nb,
                  out.centred_error.data() + i * nb);
   };
   if (n * K >= kParallelQuantize) parallel_for(ctx, static_cast<size_t>(n), one);

@@ -78,7 +78,8 @@ inline void release_pages(const void* p, size_t bytes) {
 // ---- activations
 
 // Rows quantized per block of 32: int8 q in input order, and per block the step xs, the exact float sum S and
-// 7.5 * E (E = S - xs * sum(q): what int8 loses of the sum; the centring term of the spec).
+// c * E (E = S - xs * sum(q): what int8 loses of the sum; c the format's codes' mean, 7.5 for nibbles: the centring
+// term of the spec).
 struct Int8Rows {
   int64_t K = 0, nb = 0;
   AlignedVector<int8_t> q;  // [T, K]
@@ -106,7 +107,8 @@ inline void sums_of_16(const int8_t* q, int64_t K, int32_t* sums) {
   }
 }
 
-inline void quantize_row(const float* x, int64_t nb, int8_t* q, float* steps, float* sums, float* centred_errors) {
+inline void quantize_row(const float* x, int64_t nb, float centre, int8_t* q, float* steps, float* sums,
+                         float* centred_errors) {
   const __m256 sign = _mm256_set1_ps(-0.f);
   const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);  // undoes packs' lane interleave
   for (int64_t b = 0; b < nb; ++b, x += kBlock, q += kBlock) {
@@ -125,7 +127,7 @@ inline void quantize_row(const float* x, int64_t nb, int8_t* q, float* steps, fl
     const __m256i isum = _mm256_add_epi32(_mm256_add_epi32(i0, i1), _mm256_add_epi32(i2, i3));
     steps[b] = step;
     sums[b] = sum;
-    centred_errors[b] = kCentre * (sum - step * hsum(_mm256_cvtepi32_ps(isum)));
+    centred_errors[b] = centre * (sum - step * hsum(_mm256_cvtepi32_ps(isum)));
     const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(i0, i1), _mm256_packs_epi32(i2, i3));
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), _mm256_permutevar8x32_epi32(bytes, order));
   }
@@ -331,6 +333,7 @@ struct Q4_1Format {
   static constexpr int64_t kPrefetchBytes = kRecordBytes;  // a tile's prefetch a block: its record
   static constexpr bool kNonTemporalOnce = true;  // a call reading its records once prefetches them non-temporally
   static constexpr bool kSums16 = false;
+  static constexpr float kCentre = q4_1::kCentre;
   struct RecordSteps {};
   static RecordSteps record_steps(const uint8_t*, int64_t) { return {}; }
   // the bytes a tile prefetches, kPrefetchBlocks blocks ahead of block s
@@ -354,6 +357,7 @@ struct SuperblockRecord {
   static constexpr int64_t kBlocksPerRecord = kSuperblockBlocks;
   static constexpr int64_t kRecordBytes = RecordBytes;
   static constexpr int kPassRows = kKQuantPassRows;
+  static constexpr float kCentre = q4_1::kCentre;  // the codes' mean, whose multiple of E Int8Rows holds
   static constexpr int64_t kPrefetchBlocks = 16;
   // a tile's prefetch a block: 5 lines, the Q4_1 record's (Q4_K's block share, 296 bytes; Q6_K's 424 are left to
   // the hardware prefetcher's share as measured); formats with more a block say so
@@ -417,14 +421,15 @@ constexpr int64_t kGroupsPerItem = 2;   // channel groups per work item (SmolLM2
 constexpr int64_t kRowsPerItem = 32;    // activation rows per work item
 constexpr int64_t kParallelQuantize = 1 << 15;  // activation elements from which quantizing is parallel
 
-// out = rows row(0) .. row(T - 1) (each K floats) quantized per block of 32, with their 16-sums when asked;
-// rows in parallel where there are many values.
+// out = rows row(0) .. row(T - 1) (each K floats) quantized per block of 32, with their 16-sums when asked and
+// centre * E; rows in parallel where there are many values.
 template <class RowFn>
-void quantize_rows(OrtKernelContext* ctx, int64_t T, int64_t K, bool with_sums16, RowFn&& row, Int8Rows& out) {
+void quantize_rows(OrtKernelContext* ctx, int64_t T, int64_t K, bool with_sums16, float centre, RowFn&& row,
+                   Int8Rows& out) {
   const int64_t nb = K / kBlock;
   out.reset(T, K, nb, with_sums16);
   auto quantize = [&](size_t t) {
-    quantize_row(row(t), nb, out.q.data() + t * K, out.step.data() + t * nb, out.sum.data() + t * nb,
+    quantize_row(row(t), nb, centre, out.q.data() + t * K, out.step.data() + t * nb, out.sum.data() + t * nb,
                  out.centred_error.data() + t * nb);
     if (with_sums16) sums_of_16(out.q.data() + t * K, K, out.sums16.data() + t * (K / 16));
   };
@@ -454,7 +459,7 @@ void multiply(OrtKernelContext* ctx, const uint8_t* w, int64_t group_bytes, cons
   thread_local Int8Rows scratch;  // decode-sized rows reuse the calling thread's; larger batches allocate their own
   Int8Rows local;
   Int8Rows& rows = T <= kRowsPerItem ? scratch : local;
-  quantize_rows(ctx, T, K, Format::kSums16, [&](size_t t) { return x + t * K; }, rows);
+  quantize_rows(ctx, T, K, Format::kSums16, Format::kCentre, [&](size_t t) { return x + t * K; }, rows);
 
   const Problem p{w, bias, &rows, y, N, K / kBlock, group_bytes};
   const int64_t vectors = (N + kGroup - 1) / kGroup * kVectorsPerGroup;

@@ -10,7 +10,7 @@
 //
 // Per block and row: each chunk's low and high codes (nibble | fifth bit at bit 4) dotted with the int8 row into
 // int32 (AVX2's maddubs pairs reach 2 x 31 x 127, so a chunk's two are folded into int32 at once), then Q4_1's
-// epilogue with the 5-bit codes' mean, 15.5, in place of 7.5.
+// epilogue with the 5-bit codes' mean, 15.5, in place of 7.5 (the rows are quantized with 15.5 E: kCentre).
 #pragma once
 
 #include <cstdint>
@@ -24,10 +24,10 @@ namespace q5_k {
 constexpr int64_t kHighOffset = q4_k::kScalesOffset;  // 2048: the fifth bits after Q4_K's nibbles, a chunk a block
 using Tail = q4_k::AffineTail<kHighOffset + q4_k::kBlocks * q4_1::kChunkBytes>;  // from 2560
 constexpr int64_t kRecordBytes = Tail::kEnd;  // 2880
-constexpr float kCentreRatio = 15.5f / q4_1::kCentre;  // Int8Rows holds 7.5 E; 5-bit codes are centred at 15.5
 
 struct Format : q4_1::SuperblockRecord<kRecordBytes>, Tail {
   static constexpr bool kSums16 = false;
+  static constexpr float kCentre = 15.5f;  // the 5-bit codes' mean
   template <int NT>
   static void block(const uint8_t* record, int64_t s, const RecordSteps& steps, int64_t lane_bytes,
                     const q4_1::Int8Rows& x, const int8_t* const* xq, int64_t t0, int64_t b, q4_1::VF* acc) {
@@ -46,11 +46,10 @@ struct Format : q4_1::SuperblockRecord<kRecordBytes>, Tail {
 #pragma GCC unroll 16
       for (int r = 0; r < NT; ++r) dots[r] = dot8_32(dots[r], lo, hi, xq[r] + b * kBlock + 8 * j);
     }
-    const VF ratio = broadcast(&kCentreRatio);
 #pragma GCC unroll 16
     for (int r = 0; r < NT; ++r) {
       const int64_t i = (t0 + r) * x.nb + b;
-      const VF scaled = fmadd(to_float(dots[r]), broadcast(&x.step[i]), mul(broadcast(&x.centred_error[i]), ratio));
+      const VF scaled = fmadd(to_float(dots[r]), broadcast(&x.step[i]), broadcast(&x.centred_error[i]));
       acc[r] = fmadd(m, broadcast(&x.sum[i]), fmadd(d, scaled, acc[r]));
     }
   }
