@@ -11,6 +11,8 @@ import fcntl
 import hashlib
 import json
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -33,6 +35,28 @@ ENGINE_CACHE = REPO / ".cache" / "engines"
 # The sources that decide what `kiln build` writes; a change to any of them rebuilds cached engines.
 _BUILD_SOURCES = ("kiln", "export", "optimize")
 _ENGINE_TIERS = tuple(REPO / "tests" / tier for tier in ("engine", "golden"))
+UNIT_TIER = REPO / "tests" / "unit"
+
+
+# Free disk the suite needs at its start: its engine builds (fp32 exports, SmolLM2 engines in .cache/, tiny engines
+# in pytest's temp dirs) peak at about 5 GiB. With less, hundreds of tests fail at once on a full disk, and the
+# errors hide the cause. KILN_TEST_MIN_FREE_GIB overrides the bound.
+MIN_FREE_GIB = float(os.environ.get("KILN_TEST_MIN_FREE_GIB", "6"))
+
+
+def pytest_sessionstart(session) -> None:
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        return  # the controller checked
+    here = session.config.invocation_params.dir
+    paths = [(here / arg.split("::")[0]).resolve() for arg in session.config.args]
+    if paths and all(p == UNIT_TIER or UNIT_TIER in p.parents for p in paths):
+        return  # unit tests build no engine
+    for where in (tempfile.gettempdir(), REPO):
+        free_gib = shutil.disk_usage(where).free / 2**30
+        if free_gib < MIN_FREE_GIB:
+            pytest.exit(f"only {free_gib:.1f} GiB free on the disk of {where}: the suite's engine builds need about "
+                        f"{MIN_FREE_GIB:g} GiB (earlier runs' temp dirs, e.g. {tempfile.gettempdir()}/pytest-of-*, "
+                        "can go; KILN_TEST_MIN_FREE_GIB sets the bound)", returncode=3)
 
 
 def pytest_collection_modifyitems(items) -> None:
