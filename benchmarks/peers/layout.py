@@ -49,3 +49,16 @@ class PeerLayout:
 
     def llama_tool(self, name: str) -> Path:
         return self.llama_build / "bin" / name
+
+
+def dangling_package_paths(venv: Path) -> list[str]:
+    """The venv's borrowed package folders that are gone: each line of a .pth file in its site-packages naming an
+    absolute folder that does not exist ("FILE.pth: FOLDER"). The peers' venvs take torch and numpy from kiln's venv
+    through such a file, so a venv made beside another checkout breaks when that checkout's venv goes."""
+    dangling = []
+    for pth in sorted(venv.glob("lib/python3*/site-packages/*.pth")):
+        for line in pth.read_text().splitlines():
+            entry = line.strip()
+            if entry.startswith("/") and not Path(entry).is_dir():
+                dangling.append(f"{pth}: {entry}")
+    return dangling

@@ -33,6 +33,7 @@ import os
 import statistics
 import subprocess
 import sys
+import sysconfig
 import tempfile
 import time
 from pathlib import Path
@@ -40,7 +41,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "peers"))
-from layout import PeerLayout, default_scratch  # noqa: E402
+from layout import PeerLayout, dangling_package_paths, default_scratch  # noqa: E402
 from llama import batched_bench_cmd, parse_batched_bench, run_tool  # noqa: E402
 
 KILN = Path(sys.executable).with_name("kiln")
@@ -105,6 +106,16 @@ def llama_round(lay: PeerLayout, gguf: Path, threads: int, long_context: int) ->
                                                              128, 128, 16)))
     return {"decode_1": rate[(0, 64, 0)], "prefill_512": rate[(512, 0, 0)],
             "agg_16": batched[16]["aggregate_tok_per_s"], "decode_4k": rate[(0, 64, long_context)]}
+
+
+def check_peer_venvs(lay: PeerLayout, systems: list[str]) -> None:
+    """Refuses, before any round, a Python peer whose venv borrows packages from a folder that is gone."""
+    venvs = {"ort-genai": lay.venv, "openvino": lay.root / "openvino-venv"}
+    for system in systems:
+        if system in venvs and (dangling := dangling_package_paths(venvs[system])):
+            here = sysconfig.get_paths()["purelib"]
+            raise SystemExit(f"{system}'s venv {venvs[system]} reads packages from folders that are gone "
+                             f"({'; '.join(dangling)}): write kiln's venv's site-packages ({here}) in their place")
 
 
 def python_peer_round(python: Path, driver: Path, model: Path, threads: int, prompts: dict, tmp: Path,
@@ -182,6 +193,7 @@ def main() -> int:
     ov_options = {"precision": args.openvino_precision} if args.openvino_precision else {}
     systems = args.systems.split(",")
     lay = PeerLayout(default_scratch())
+    check_peer_venvs(lay, systems)
     models = build_peer_models(args.hf, lay, systems)
     vocab = json.loads((args.hf / "config.json").read_text())["vocab_size"]
     prompts = workload_prompts(vocab, args.long_context)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 from helpers import load_script
 
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "scale" / "peers.py"
@@ -39,3 +40,21 @@ def test_decode_pairs_ratio_is_taken_pair_by_pair():
     pairs = [{"kiln": 40.0, "llamacpp": 20.0}, {"kiln": 30.0, "llamacpp": 30.0}, {"kiln": 10.0, "llamacpp": 40.0}]
     assert pairs_script.summary(pairs) == ("3 pairs: kiln 30.00 [10.00–40.00] tok/s, llama.cpp 30.00 [20.00–40.00] "
                                            "tok/s, kiln / llama.cpp 1.00× [0.25–2.00]")
+
+
+def test_a_peer_venv_borrowing_from_a_folder_that_is_gone_is_refused_by_name(tmp_path):
+    """The Python peers' venvs take torch and numpy from kiln's venv through a .pth file; when that folder is gone the
+    harness names it before any round instead of failing in the peer's driver."""
+    site = tmp_path / "openvino-venv" / "lib" / "python3.11" / "site-packages"
+    site.mkdir(parents=True)
+    kept = tmp_path / "kiln-venv-site"
+    kept.mkdir()
+    (site / "borrowed.pth").write_text(f"{kept}\n")
+    (site / "distutils-precedence.pth").write_text("import os; x = 1\n")  # not a folder: not checked
+    lay = peers.PeerLayout(tmp_path)
+    peers.check_peer_venvs(lay, ["kiln", "openvino"])  # every borrowed folder exists
+    gone = tmp_path / "deleted-checkout" / "site-packages"
+    (site / "borrowed.pth").write_text(f"{kept}\n{gone}\n")
+    with pytest.raises(SystemExit, match=f"openvino's venv .* reads packages from folders that are gone .*{gone}"):
+        peers.check_peer_venvs(lay, ["kiln", "openvino"])
+    peers.check_peer_venvs(lay, ["kiln", "llamacpp"])  # a peer not run is not checked
