@@ -52,17 +52,6 @@ Q4_1Experts Q4_1Experts::pack(const uint8_t* nibbles, const uint16_t* dm, int64_
 
 namespace {
 
-void quantize_rows(OrtKernelContext* ctx, const std::vector<const float*>& src, int64_t K, Int8Rows& out) {
-  const int64_t n = static_cast<int64_t>(src.size()), nb = K / kBlock;
-  out.reset(n, K, nb);
-  auto one = [&](size_t i) {
-    quantize_row(src[i], nb, kCentre, out.q.data() + i * K, out.step.data() + i * nb, out.sum.data() + i * nb,
-                 out.centred_error.data() + i * nb);
-  };
-  if (n * K >= kParallelQuantize) parallel_for(ctx, static_cast<size_t>(n), one);
-  else for (int64_t i = 0; i < n; ++i) one(static_cast<size_t>(i));
-}
-
 // Groups a work item takes so that it reads about kItemBytes of one projection.
 int64_t groups_per_item(const Q4_1Experts& w) {
   return std::max<int64_t>(1, kItemBytes / w.group_bytes());
@@ -74,7 +63,7 @@ void run_q4_1_experts(OrtKernelContext* ctx, const Groups& g, const std::vector<
                       const Q4_1Experts& gate_up, const Q4_1Experts& down, float* expert_out) {
   const int64_t n_rows = static_cast<int64_t>(rows.size()), F = gate_up.rows / 2, D = down.rows;
   Int8Rows xq;
-  quantize_rows(ctx, rows, D, xq);
+  quantize_rows(ctx, n_rows, D, Q4_1Format::kSums16, Q4_1Format::kCentre, [&](size_t i) { return rows[i]; }, xq);
 
   // gate/up: an item is (expert, chunk of F's groups, gate or up); it computes those channels for all of the
   // expert's rows into `hidden` [rows, 2F]; then act [rows, F] = silu(gate) * up.
@@ -90,10 +79,9 @@ void run_q4_1_experts(OrtKernelContext* ctx, const Groups& g, const std::vector<
   parallel_for(ctx, gate_up_items.size(), gate_up_item);
   swiglu_rows(ctx, hidden.data(), hidden.data() + F, 2 * F, n_rows, F, act.data());
 
-  std::vector<const float*> act_rows(n_rows);
-  for (int64_t i = 0; i < n_rows; ++i) act_rows[i] = act.data() + i * F;
   Int8Rows aq;
-  quantize_rows(ctx, act_rows, F, aq);
+  quantize_rows(ctx, n_rows, F, Q4_1Format::kSums16, Q4_1Format::kCentre,
+                [&](size_t i) { return act.data() + i * F; }, aq);
   const std::vector<Item> items = items_over(g, D / kGroup, groups_per_item(down));
   auto down_item = [&](size_t i) {
     const Item& it = items[i];
