@@ -34,9 +34,11 @@ inline int64_t record_bytes(int64_t type) {
   with_format(type, [&](auto format) { bytes = decltype(format)::kRecordBytes; });
   return bytes;
 }
-// The type's name in messages.
+// The type's name in messages ("" for a type without records).
 inline const char* type_name(int64_t type) {
-  return type == kQ4_K ? "Q4_K" : type == kQ5_K ? "Q5_K" : type == kQ6_K ? "Q6_K" : "Q8_0";
+  const char* name = "";
+  with_format(type, [&](auto format) { name = decltype(format)::kName; });
+  return name;
 }
 
 // out = rows row(0) .. row(T - 1) quantized as the type's tile reads them: with the rows' int sums of 16 where the

@@ -52,6 +52,7 @@ using Tail = AffineTail<kScalesOffset>;
 constexpr int64_t kRecordBytes = Tail::kEnd;  // 2368
 
 struct Format : q4_1::SuperblockRecord<kRecordBytes>, Tail {
+  static constexpr const char* kName = "Q4_K";  // in messages
   static constexpr bool kSums16 = false;
   template <int NT>
   static void block(const uint8_t* record, int64_t s, const RecordSteps& steps, int64_t lane_bytes,

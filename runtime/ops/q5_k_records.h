@@ -26,6 +26,7 @@ using Tail = q4_k::AffineTail<kHighOffset + q4_k::kBlocks * q4_1::kChunkBytes>; 
 constexpr int64_t kRecordBytes = Tail::kEnd;  // 2880
 
 struct Format : q4_1::SuperblockRecord<kRecordBytes>, Tail {
+  static constexpr const char* kName = "Q5_K";  // in messages
   static constexpr bool kSums16 = false;
   static constexpr float kCentre = 15.5f;  // the 5-bit codes' mean
   template <int NT>

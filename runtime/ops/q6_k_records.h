@@ -35,6 +35,7 @@ constexpr int64_t kDOffset = kScalesOffset + 2 * kBlocks * kGroup;     // 3328: 
 constexpr int64_t kRecordBytes = kDOffset + kGroup * 2 + 32;           // 3392, with 32 bytes of padding
 
 struct Format : q4_1::SuperblockRecord<kRecordBytes> {
+  static constexpr const char* kName = "Q6_K";  // in messages
   static constexpr bool kSums16 = true;
   struct RecordSteps {
     VF d;

@@ -60,6 +60,7 @@ inline VI dot4(VI acc, const Chunk& c, const int8_t* x) {
 // measured on the Llama-3.2-1B shape's Q8_0 steps (Zen 4), a non-temporal prefetch was 1.04-1.08x the step and
 // Q4_1's 320 bytes a block 1.08x (Q4_K's records are the other way round: non-temporal 0.93x).
 struct Format : q4_1::SuperblockRecord<kRecordBytes> {
+  static constexpr const char* kName = "Q8_0";  // in messages
   static constexpr int kPassRows = q4_1::kPassRows;  // its blocks' steps are one float16 load each
   static constexpr int64_t kPrefetchBytes = kRecordBytes / kBlocks;  // 9 lines from any start
   static constexpr bool kNonTemporalOnce = false;
