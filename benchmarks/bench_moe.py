@@ -88,8 +88,8 @@ def session(m: ModelProto, threads: int, library: str | None = None) -> ort.Infe
     options = ort.SessionOptions()
     options.register_custom_ops_library(library or library_path())
     options.intra_op_num_threads = threads
-    # Calls cycle through many sessions, and a session's pool threads spin on after its run by default: on 2 cores
-    # they starved the next session's threads (a 2048 x 3072 Q4_K records call at 1 row timed 2.9 ms, not 0.12).
+    # The sessions take turns, and a session's pool threads spin on after its run by default: on 2 cores they starved
+    # the next session's threads (bench_matmul_gguf.py: a 1-row Q4_K records call timed 2.9 ms, not 0.12).
     options.add_session_config_entry("session.force_spinning_stop", "1")
     options.inter_op_num_threads = 1
     return ort.InferenceSession(m.SerializeToString(), options, providers=["CPUExecutionProvider"])
