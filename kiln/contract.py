@@ -63,26 +63,32 @@ OP_VERSION = 1
 # 14: Q5_K and Q8_0 records (kiln.MatMulGGUF's and kiln.MoE's GGUF experts' layout "records" of those ggml types,
 #     kiln/gguf_records.py); `gguf` engines of files with Q5_K or Q8_0 matrices and int8-weight-only MoE engines hold
 #     them.
-OP_LIBRARY_ABI = 14
-# The oldest engine ABI this library still runs: ABIs 2 to 14 only added optional inputs, attributes, a pool dtype,
+# 15: kiln.MatMulQ4_1's centre attribute, and kiln.MoE's for Q4_1 experts (kiln/matmul_q4_1.py); `gguf` engines of
+#     files with Q4_0 matrices (run as Q4_1 records, centred at 8) hold it.
+OP_LIBRARY_ABI = 15
+# The oldest engine ABI this library still runs: ABIs 2 to 15 only added optional inputs, attributes, a pool dtype,
 # new ops and record types, so ABI-1 to ABI-13 graphs (RoPE as graph ops, no SwiGLU, Q4_1 blocks) are unchanged and
 # need no rebuild.
 OP_LIBRARY_MIN_ABI = 1
-# The ABIs that added kiln.MoE's records, kiln.MatMulGGUF's, kiln.PagedAttention's q/k norms and more record types: a
+# The ABIs that added kiln.MoE's records, kiln.MatMulGGUF's, kiln.PagedAttention's q/k norms, more record types and
+# the Q4_1 centre: a
 # built engine records the newest its graphs need, and MOE_RECORDS_ABI - 1 when they need none of them, so older
 # kilns still load the engines that need nothing newer (`engine_abi`).
 MOE_RECORDS_ABI = 11
 GGUF_RECORDS_ABI = 12
 QK_NORM_ABI = 13
 MORE_RECORDS_ABI = 14
+CENTRE_ABI = 15
 
 
-def engine_abi(moe_records: bool, gguf_records: bool = False, qk_norms: bool = False,
-               newer_records: bool = False) -> int:
+def engine_abi(moe_records: bool, gguf_records: bool = False, qk_norms: bool = False,  # noqa: PLR0911
+               newer_records: bool = False, q4_1_centres: bool = False) -> int:
     """The op-library ABI a built engine records: the lowest whose library runs its graphs, as far as the build tells
     them apart (every ABI up to MOE_RECORDS_ABI - 1 is assumed; kiln.MoE records need MOE_RECORDS_ABI, kiln.MatMulGGUF
     records GGUF_RECORDS_ABI, kiln.PagedAttention's q_norm / k_norm inputs QK_NORM_ABI, Q5_K or Q8_0 records
-    MORE_RECORDS_ABI)."""
+    MORE_RECORDS_ABI, a centre attribute on Q4_1 weights CENTRE_ABI)."""
+    if q4_1_centres:
+        return CENTRE_ABI
     if newer_records:
         return MORE_RECORDS_ABI
     if qk_norms:

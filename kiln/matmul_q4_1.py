@@ -11,6 +11,9 @@ Inputs (the weights in one of two layouts, named by the string attribute ``layou
   qs       uint8   [ceil(N / 16), nb, 320] records of 16 output channels per block of 32 inputs
   dm       float16 [N, 0]                 no numbers (d and m are in the records): its shape names N
   bias     float32 [N]                    optional
+Attribute
+  centre   float in [0, 15]               optional (absent: 7.5, the nibbles' mean; engines of op-library ABI < 15
+                                          have none): c below; 8 for the blocks of a Q4_0 file
 Output
   y        float32 [..., N]
 
@@ -35,18 +38,21 @@ Semantics (llama.cpp's vec_dot_q4_1_q8_1, with exact block sums and centred nibb
 is quantized per block of 32 to int8, ``xs = max|x_block| / 127`` (0 for an all-zero block),
 ``xq = round_half_even(x * (1 / xs))``, and with ``S = sum(x_block)``, ``E = S - xs * sum(xq)``:
 
-    y[t, n] = sum_b  d * xs * (q . xq)  +  m * S  +  7.5 * d * E   (+ bias[n])
+    y[t, n] = sum_b  d * xs * (q . xq)  +  m * S  +  c * d * E   (+ bias[n])
 
-which is ``sum_b m * S + d * (xs * ((q - 7.5) . xq) + 7.5 * S)``: the minimum's term and the
-nibbles' mean use the float block sum exactly, so int8 rounding only reaches the centred nibbles
-q - 7.5 (llama.cpp's q8_1 multiplies the raw q in [0, 15] and stores xs * sum(xq) in float16: four
-times the rounding noise, +1% perplexity on SmolLM2 here).
+which is ``sum_b m * S + d * (xs * ((q - c) . xq) + c * S)``: the minimum's term and the
+codes' centre use the float block sum exactly, so int8 rounding only reaches the centred nibbles
+q - c (llama.cpp's q8_1 multiplies the raw q in [0, 15] and stores xs * sum(xq) in float16: four
+times the rounding noise, +1% perplexity on SmolLM2 here). c is the nibbles' mean, 7.5, unless the
+node says otherwise: a Q4_0 block (w = d (q - 8)) runs as the Q4_1 block whose m is -8 d, and with
+c = 8 the sum is ``d * xs * ((q - 8) . xq)``, llama.cpp's vec_dot_q4_0_q8_0 (the Q4_0 file's own
+arithmetic, where 7.5 would leave 0.5 * d * E of rounding in every block).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -69,6 +75,8 @@ NIBBLE_BYTES = CHUNKS * GROUP * 4
 RECORD_BYTES = NIBBLE_BYTES + 2 * GROUP * 2  # the nibbles, then 16 d and 16 m in float16
 INT8_MAX = 127
 CENTRE = 7.5  # the nibbles' mean, whose product with x is taken from the exact block sum
+CENTRE_ATTRIBUTE = "centre"  # the node's c, where it is not CENTRE
+Q4_0_CENTRE = 8.0  # Q4_0 blocks' own: w = d (q - 8)
 
 
 @dataclass(frozen=True)
@@ -168,6 +176,18 @@ def node_layout(node: NodeProto) -> str:
     return BLOCKS if found is None else found.s.decode()
 
 
+def node_centre(node: NodeProto) -> float:
+    """A saved graph's kiln.MatMulQ4_1 node's centre, or a kiln.MoE node's Q4_1 experts' (CENTRE when absent)."""
+    found = next((a for a in node.attribute if a.name == CENTRE_ATTRIBUTE), None)
+    return CENTRE if found is None else float(found.f)
+
+
+def check_centre(centre: float) -> float:
+    if not 0.0 <= centre <= 15.0:
+        raise ValueError(f"kiln.MatMulQ4_1's centre must be a code in [0, 15], got {centre!r}")
+    return float(centre)
+
+
 def check_layout(layout: str) -> str:
     if layout not in LAYOUTS:
         raise ValueError(f"kiln.MatMulQ4_1's layout must be one of {list(LAYOUTS)}, got {layout!r}")
@@ -198,8 +218,10 @@ def quantize_activations(x: np.ndarray) -> Int8Blocks:
 
 
 def matmul_q4_1_ref(x: np.ndarray, qs: np.ndarray, dm: np.ndarray, bias: np.ndarray | None = None,
-                    layout: str = BLOCKS) -> np.ndarray:
-    """y = x @ W^T of the op (int8 activations, Q4_1 weights in `layout`), float64 accumulation; float32 [..., N]."""
+                    layout: str = BLOCKS, centre: float = CENTRE) -> np.ndarray:
+    """y = x @ W^T of the op (int8 activations, Q4_1 weights in `layout`, the node's `centre`), float64
+    accumulation; float32 [..., N]."""
+    centre = check_centre(centre)
     w = Q4_1Weights.unpack_as(layout, qs, dm)
     n, k = w.q.shape
     x = np.asarray(x, dtype=np.float32)
@@ -213,16 +235,17 @@ def matmul_q4_1_ref(x: np.ndarray, qs: np.ndarray, dm: np.ndarray, bias: np.ndar
                      w.q.reshape(n, -1, BLOCK).astype(np.int64))
     d, m = w.d.astype(np.float64), w.m.astype(np.float64)
     y: np.ndarray = ((dots * d[None] * acts.scale.astype(np.float64)[:, None]).sum(-1) + acts.sums @ m.T
-                     + CENTRE * acts.sum_errors @ d.T)
+                     + centre * acts.sum_errors @ d.T)
     if bias is not None:
         y = y + bias.astype(np.float64)
     return y.astype(np.float32).reshape(*lead, n)
 
 
 def make_single_op_model(weights: Q4_1Weights, bias: np.ndarray | None = None, rank: int = 2,
-                         layout: str = BLOCKS) -> ModelProto:
-    """A one-node ONNX model y = kiln.MatMulQ4_1(x, qs, dm[, bias]) with constant weights in `layout`, for tests
-    and benchmarks. x is [T, K] (rank 2) or [B, T, K] (rank 3), the leading dims symbolic."""
+                         layout: str = BLOCKS, centre: float | None = None) -> ModelProto:
+    """A one-node ONNX model y = kiln.MatMulQ4_1(x, qs, dm[, bias]) with constant weights in `layout` (and a centre
+    attribute when given), for tests and benchmarks. x is [T, K] (rank 2) or [B, T, K] (rank 3), the leading dims
+    symbolic."""
     from onnx import TensorProto, helper, numpy_helper  # compile-time dependency only
 
     n, k = weights.q.shape
@@ -232,7 +255,9 @@ def make_single_op_model(weights: Q4_1Weights, bias: np.ndarray | None = None, r
     if bias is not None:
         inits.append(numpy_helper.from_array(bias.astype(np.float32), "bias"))
     names = ["x", "qs", "dm"] + (["bias"] if bias is not None else [])
-    attributes = {LAYOUT: RECORDS} if layout == RECORDS else {}  # blocks: the default, as older engines have it
+    attributes: dict[str, Any] = {LAYOUT: RECORDS} if layout == RECORDS else {}  # blocks: the default
+    if centre is not None:
+        attributes[CENTRE_ATTRIBUTE] = centre
     node = helper.make_node(OP_TYPE, names, ["y"], domain=OP_DOMAIN, **attributes)
     return single_node_model(node, "matmul_q4_1", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [*lead, k])],
                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [*lead, n])], initializers=inits)

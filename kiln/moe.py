@@ -32,6 +32,8 @@ e * rows / 16 * K / 32 * 320 of its stack. The kernel repacks constant blocks in
 load, into memory of its own; records it reads where the tensor lies (unaligned loads: anywhere works, and the
 engine writer puts them on page boundaries). `q4_1_experts_to_records` / `q4_1_experts_from_records` convert
 between the layouts bit for bit as the kernel's packing does.
+The optional float attribute ``centre`` is kiln.MatMulQ4_1's (absent: 7.5; 8 for a Q4_0 file's experts; ABI 15),
+for both projections of every expert; other experts take none.
 Each expert's two projections are kiln.MatMulQ4_1's arithmetic (kiln/matmul_q4_1.py): the
 projection's input rows (the token for gate/up, silu(gate) * up in float32 for down) quantized per block of 32 to
 int8 with exact float block sums, integer dots against the nibbles: `moe_q4_1_ref`. The kernel sums in float32 where
@@ -59,12 +61,23 @@ A shared expert (Qwen2-MoE) is a dense MLP beside the op, left to the graph's or
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from kiln.contract import OP_DOMAIN
-from kiln.matmul_q4_1 import BLOCKS, LAYOUT, RECORD_BYTES, RECORDS, Q4_1Weights, check_layout, matmul_q4_1_ref
+from kiln.matmul_q4_1 import (
+    BLOCKS,
+    CENTRE,
+    CENTRE_ATTRIBUTE,
+    LAYOUT,
+    RECORD_BYTES,
+    RECORDS,
+    Q4_1Weights,
+    check_centre,
+    check_layout,
+    matmul_q4_1_ref,
+)
 from kiln.op_models import single_node_model
 
 if TYPE_CHECKING:
@@ -193,12 +206,13 @@ def _q4_1_expert_as(layout: str, stack: tuple[np.ndarray, np.ndarray], expert: i
 
 def moe_q4_1_ref(x: np.ndarray, router: np.ndarray, gate_up: tuple[np.ndarray, np.ndarray],  # noqa: PLR0913
                  down: tuple[np.ndarray, np.ndarray], *, top_k: int, norm_topk_prob: bool,
-                 layout: str = BLOCKS) -> np.ndarray:
+                 layout: str = BLOCKS, centre: float = CENTRE) -> np.ndarray:
     """The op's output for Q4_1 experts gate_up = (nibbles or records, dm), down = (nibbles or records, dm) in
-    `layout`: each projection kiln.MatMulQ4_1's (`matmul_q4_1_ref`: int8 activations, float64 accumulation);
-    float32 [..., D]."""
+    `layout`: each projection kiln.MatMulQ4_1's with the node's `centre` (`matmul_q4_1_ref`: int8 activations,
+    float64 accumulation); float32 [..., D]."""
     x = np.asarray(x, np.float32)
     check_layout(layout)
+    check_centre(centre)
     # the float stacks' shapes, without their memory
     shapes = [(w.shape[0], w.shape[1] * GROUP, w.shape[2] * Q4_BLOCK) if layout == RECORDS
               else (*w.shape[:2], 2 * w.shape[2]) for w, _ in (gate_up, down)]
@@ -210,26 +224,29 @@ def moe_q4_1_ref(x: np.ndarray, router: np.ndarray, gate_up: tuple[np.ndarray, n
     y = np.zeros(rows.shape, np.float64)
     for expert in np.unique(experts):
         tokens, slots = np.nonzero(experts == expert)
-        hidden = matmul_q4_1_ref(rows[tokens], *_q4_1_expert_as(layout, gate_up, int(expert)).pack())
+        hidden = matmul_q4_1_ref(rows[tokens], *_q4_1_expert_as(layout, gate_up, int(expert)).pack(), centre=centre)
         hidden = hidden.astype(np.float64)
         act = (hidden[:, :f] / (1.0 + np.exp(-np.clip(hidden[:, :f], -700, 700))) * hidden[:, f:]).astype(np.float32)
-        out = matmul_q4_1_ref(act, *_q4_1_expert_as(layout, down, int(expert)).pack()).astype(np.float64)
+        out = matmul_q4_1_ref(act, *_q4_1_expert_as(layout, down, int(expert)).pack(), centre=centre)
+        out = out.astype(np.float64)
         y[tokens] += weights[tokens, slots, None] * out
     result: np.ndarray = y.astype(np.float32).reshape(x.shape)
     return result
 
 
-def make_single_op_model(top_k: int, norm_topk_prob: bool, rank: int = 2, q4_1: bool = False,
-                         layout: str = BLOCKS) -> ModelProto:
+def make_single_op_model(top_k: int, norm_topk_prob: bool, rank: int = 2, q4_1: bool = False,  # noqa: PLR0913
+                         layout: str = BLOCKS, centre: float | None = None) -> ModelProto:
     """A one-node ONNX model y = kiln.MoE(x, router, gate_up, down[, gate_up_dm, down_dm]), every input a graph
-    input with symbolic dims (Q4_1 experts in `layout` with q4_1); for tests and benchmarks."""
+    input with symbolic dims (Q4_1 experts in `layout` with q4_1, and a centre attribute when given); for tests and
+    benchmarks."""
     from onnx import TensorProto, helper  # compile-time dependency only
 
     lead = [f"t{i}" for i in range(rank - 1)]
     names = ["x", "router", "gate_up", "down"] + (["gate_up_dm", "down_dm"] if q4_1 else [])
-    extra = {LAYOUT: check_layout(layout)} if q4_1 and layout != BLOCKS else {}
+    extra: dict[str, Any] = {LAYOUT: check_layout(layout)} if q4_1 and layout != BLOCKS else {}
+    attributes = {**extra, CENTRE_ATTRIBUTE: centre} if centre is not None else extra
     node = helper.make_node(OP_TYPE, names, ["y"], domain=OP_DOMAIN, top_k=top_k, norm_topk_prob=int(norm_topk_prob),
-                            **extra)
+                            **attributes)
     expert_type = TensorProto.UINT8 if q4_1 else TensorProto.FLOAT
     inputs = [helper.make_tensor_value_info("x", TensorProto.FLOAT, [*lead, "D"]),
               helper.make_tensor_value_info("router", TensorProto.FLOAT, ["E", "D"]),

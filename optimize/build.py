@@ -48,7 +48,7 @@ from kiln.optimize.lower_onnxruntime import lower_for_onnxruntime
 from kiln.optimize.medusa_draft import build_draft_graph, save_draft_graph
 from kiln.optimize.pack_attention_inputs import has_qk_norms
 from kiln.optimize.pack_gguf_records import holds_newer_records, pack_gguf_records
-from kiln.optimize.pack_q4_1_records import pack_moe_q4_1_records, pack_q4_1_records
+from kiln.optimize.pack_q4_1_records import holds_q4_1_centres, pack_moe_q4_1_records, pack_q4_1_records
 from kiln.optimize.pipeline import optimize_model
 from kiln.optimize.quantize import QuantizationError, check_lm_head, int8_fallback, prepare_checkpoint, quantize_model
 from kiln.optimize.quantize import check_options as check_quantization
@@ -162,6 +162,7 @@ def build_engine(
             say(f"  pack_gguf_records: fired {gguf_records}x")
             qk_norms = has_qk_norms(model)  # kiln.PagedAttention's q_norm / k_norm inputs
             newer_records = holds_newer_records(model)
+            q4_1_centres = holds_q4_1_centres(model)
             _save_graph(model, staging)
             try:
                 stages = split_into_stages(staging, spec, options.pipeline_stages, say)
@@ -185,7 +186,8 @@ def build_engine(
             spec=spec, build=options, backend=backend, graph_inputs=graph_inputs,
             graph_outputs=graph_outputs, medusa=None if heads is None else heads.spec(), stages=stages, ranks=ranks,
             vision=None if vision is None else vision.spec,
-            op_library_abi=contract.engine_abi(moe_records > 0, gguf_records > 0, qk_norms, newer_records),
+            op_library_abi=contract.engine_abi(moe_records > 0, gguf_records > 0, qk_norms, newer_records,
+                                               q4_1_centres),
         )
         with _stage(say, "manifest"):
             manifest = write_manifest(staging, manifest)

@@ -25,10 +25,17 @@ from onnx import numpy_helper
 
 from kiln import moe
 from kiln.contract import OP_DOMAIN
-from kiln.matmul_q4_1 import LAYOUT, OP_TYPE, RECORDS, Q4_1Weights, node_layout
+from kiln.matmul_q4_1 import CENTRE_ATTRIBUTE, LAYOUT, OP_TYPE, RECORDS, Q4_1Weights, node_layout
 
 from .quant.graph import initializer
 from .shard_weights import WeightReader
+
+
+def holds_q4_1_centres(model: ir.Model) -> bool:
+    """Whether any kiln.MatMulQ4_1 or kiln.MoE of the graph carries a centre attribute (Q4_0 blocks: op-library ABI
+    15, kiln.contract.engine_abi)."""
+    return any(node.domain == OP_DOMAIN and node.op_type in (OP_TYPE, moe.OP_TYPE)
+               and CENTRE_ATTRIBUTE in node.attributes for node in model.graph)
 
 
 def pack_q4_1_records(model: ir.Model) -> int:

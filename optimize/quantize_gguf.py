@@ -10,7 +10,8 @@ over the stacked rows; parts of different types (a Q4_K_M file's Q6_K v beside Q
 of a type, their outputs concatenated. The LM head is a linear like the others (a tied head reads the embedding
 table's blocks). Q4_1 blocks (SmolLM2's file) go to kiln.MatMulQ4_1, decoded from the bytes: the file's weights
 exactly, with that kernel's int8 activations; so do Q4_0 blocks under int8 activations (w = d (q - 8) is a Q4_1
-block whose minimum is -8 d, exact in float16), whose records tile is the fastest kiln has for 4-bit codes. A
+block whose minimum is -8 d, exact in float16), whose records tile is the fastest kiln has for 4-bit codes, centred
+at 8 (the node's centre attribute), so the sums are llama.cpp's Q4_0 ones, d * xs * ((q - 8) . xq). A
 linear without usable blocks (float matrices, Q2_K / Q3_K, the i-quants) falls back to int8 per output channel
 (MatMulNBits), and the pass reports how many did.
 """
@@ -31,8 +32,8 @@ from kiln.gguf_blocks import FORMATS, GgmlType, row_bytes
 from kiln.gguf_int8 import INT8_KINDS
 from kiln.matmul_gguf import INT8_ATTRIBUTE, OP_TYPE, TYPE_ATTRIBUTE
 from kiln.matmul_q4_1 import BLOCK as Q4_1_BLOCK
+from kiln.matmul_q4_1 import CENTRE, CENTRE_ATTRIBUTE, Q4_0_CENTRE, Q4_1Weights
 from kiln.matmul_q4_1 import OP_TYPE as Q4_1_OP_TYPE
-from kiln.matmul_q4_1 import Q4_1Weights
 
 from .quant.graph import Linear, ensure_opset, find_linears, initializer, prune, replace_linear
 from .quant.nbits import MS_DOMAIN, make_matmul_nbits
@@ -88,14 +89,14 @@ def quantize_gguf(model: ir.Model, int8_activations: bool = True) -> GgufCounts:
     linears = find_linears(model)
     kept = q4_1 = 0
     for lin in track(linears, "quantize gguf", "linear"):
-        q4_1_codes = _q4_1_codes(lin, with_q4_0=int8_activations)
+        q4_1_codes, centre = _q4_1_codes(lin, with_q4_0=int8_activations)
         blocks = executable_blocks(lin) if q4_1_codes is None else ()
         if blocks:
             nodes, output = _block_nodes(model, lin, blocks, int8_activations)
             ensure_opset(model, OP_DOMAIN)
             kept += 1
         elif q4_1_codes is not None:
-            node = _q4_1_node(model, lin, q4_1_codes)
+            node = _q4_1_node(model, lin, q4_1_codes, centre)
             ensure_opset(model, OP_DOMAIN)
             nodes, output, q4_1 = [node], node.outputs[0], q4_1 + 1
         else:
@@ -146,25 +147,25 @@ def _read(blocks: FileBlocks, k: int) -> np.ndarray:
     return data
 
 
-def _q4_1_codes(lin: Linear, with_q4_0: bool) -> Q4_1Weights | None:
+def _q4_1_codes(lin: Linear, with_q4_0: bool) -> tuple[Q4_1Weights | None, float]:
     """The linear's weights as Q4_1 codes when every part is Q4_1 (or, with_q4_0, every part Q4_0 and each minimum
-    -8 d a float16), read here; else None."""
+    -8 d a float16), read here, and the kiln.MatMulQ4_1 centre of their type; else (None, CENTRE)."""
     blocks = lin.file_blocks
     n, k = lin.shape
     types = {b.ggml_type for b in blocks}
     if types == {GGML_Q4_1}:
-        name, nbytes, decode = "Q4_1", _Q4_1_BYTES, q4_1_weights
+        name, nbytes, decode, centre = "Q4_1", _Q4_1_BYTES, q4_1_weights, CENTRE
     elif with_q4_0 and types == {GgmlType.Q4_0}:
-        name, nbytes, decode = "Q4_0", _Q4_0_BYTES, q4_0_as_q4_1
+        name, nbytes, decode, centre = "Q4_0", _Q4_0_BYTES, q4_0_as_q4_1, Q4_0_CENTRE
     else:
-        return None
+        return None, CENTRE
     if k % Q4_1_BLOCK:
-        return None
+        return None, CENTRE
     data = np.concatenate([b.read() for b in blocks])
     if data.shape != (n, k // Q4_1_BLOCK * nbytes):
         raise ValueError(f"{name} file blocks are {list(data.shape)} bytes, the weight implies "
                          f"[{n}, {k // Q4_1_BLOCK * nbytes}]")
-    return decode(data)
+    return decode(data), centre
 
 
 def q4_1_weights(data: np.ndarray) -> Q4_1Weights:
@@ -193,10 +194,11 @@ def q4_0_as_q4_1(data: np.ndarray) -> Q4_1Weights | None:
     return Q4_1Weights(np.ascontiguousarray(q), np.ascontiguousarray(d), np.ascontiguousarray(m))
 
 
-def _q4_1_node(model: ir.Model, lin: Linear, codes: Q4_1Weights) -> ir.Node:
-    """kiln.MatMulQ4_1 on Q4_1 codes."""
+def _q4_1_node(model: ir.Model, lin: Linear, codes: Q4_1Weights, centre: float) -> ir.Node:
+    """kiln.MatMulQ4_1 on Q4_1 codes, with a centre attribute where it is not the default."""
     packed, dm = codes.pack()
     inputs = [lin.activation, initializer(model, f"{lin.weight_name}.q4_1.qs", packed),
               initializer(model, f"{lin.weight_name}.q4_1.dm", dm)]
-    return ir.node(Q4_1_OP_TYPE, inputs + ([lin.bias] if lin.bias is not None else []), domain=OP_DOMAIN,
-                   name=f"{lin.weight_name}.MatMulQ4_1")
+    attributes = {CENTRE_ATTRIBUTE: centre} if centre != CENTRE else None
+    return ir.node(Q4_1_OP_TYPE, inputs + ([lin.bias] if lin.bias is not None else []), attributes=attributes,
+                   domain=OP_DOMAIN, name=f"{lin.weight_name}.MatMulQ4_1")

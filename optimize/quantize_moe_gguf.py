@@ -9,7 +9,7 @@ bytes are read one layer at a time from the file (export/lazy_initializers.py's 
 nothing is dequantized. A layer whose experts have no blocks or a type kiln.MatMulGGUF lacks (Q2_K, Q3_K, the
 i-quants ...) keeps its float32 experts (the file's weights dequantized, exact), and the pass says how many. Q4_0
 experts under int8 activations become kiln.MoE's Q4_1 experts (the same weights: `q4_0_as_q4_1`), as the dense Q4_0
-linears become kiln.MatMulQ4_1's, for its records.
+linears become kiln.MatMulQ4_1's, for its records, centred at 8 as those are (the node's centre attribute).
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from kiln.export.progress import track
 from kiln.export.tensor_files import FileBlocks
 from kiln.gguf_blocks import FORMATS, GgmlType
 from kiln.gguf_int8 import INT8_KINDS
+from kiln.matmul_q4_1 import CENTRE_ATTRIBUTE, Q4_0_CENTRE
 from kiln.moe import pack_q4_1_experts
 from kiln.moe_gguf import gguf_experts
 
@@ -86,6 +87,7 @@ def _use_q4_1(model: ir.Model, node: ir.Node, stacks: list[np.ndarray]) -> bool:
         packed.append((initializer(model, f"{base}.q4_0.q4_1", nibbles),
                        initializer(model, f"{base}.q4_0.q4_1.dm", steps)))
     use_q4_1_experts(node, *packed)
+    node.attributes[CENTRE_ATTRIBUTE] = ir.AttrFloat32(CENTRE_ATTRIBUTE, Q4_0_CENTRE)  # Q4_0's own sums
     return True
 
 

@@ -214,6 +214,7 @@ struct Experts {
   const float* down = nullptr;
   const moe::Q4_1Experts* q4_gate_up = nullptr;
   const moe::Q4_1Experts* q4_down = nullptr;
+  float q4_1_centre = q4_1::kCentre;  // the Q4_1 experts' centre attribute
   std::optional<moe::GgufExperts> gguf;
 };
 
@@ -228,7 +229,8 @@ void moe_step(OrtKernelContext* ctx, const Dims& d, const float* in, const Routi
   if (experts.gguf.has_value())
     moe::run_gguf_experts(ctx, g, in, d.T, *experts.gguf, expert_out.data());
   else if (experts.q4_gate_up != nullptr)
-    moe::run_q4_1_experts(ctx, g, token_rows, *experts.q4_gate_up, *experts.q4_down, expert_out.data());
+    moe::run_q4_1_experts(ctx, g, token_rows, *experts.q4_gate_up, *experts.q4_down, experts.q4_1_centre,
+                          expert_out.data());
   else
     run_float_experts(ctx, d, g, token_rows, experts.gate_up, experts.down, expert_out.data());
 
@@ -393,8 +395,14 @@ struct MoE {
     top_k_ = ki.GetAttribute<int64_t>("top_k");
     norm_topk_prob_ = ki.GetAttribute<int64_t>("norm_topk_prob") != 0;
     layout_ = read_layout(ki);
+    float centre = 0.f;
+    const std::optional<float> read = read_centre(ki, q4_1::kCentre, centre);
+    if (!read) fail_moe("centre must be a code in [0, 15] (7.5 the nibbles' mean, 8 for Q4_0 blocks), got " +
+                        std::to_string(centre));
+    centre_ = *read;
     if constexpr (kQ4) {
       gguf_ = gguf_types(ki, gguf_types_);
+      if (gguf_ && centre_ != q4_1::kCentre) fail_moe("centre is for Q4_1 experts, not GGUF ones (their types say it)");
       if (gguf_) {
         gguf_int8_ = gguf_int8_activations(ki);
         if (layout_ == Layout::kRecords && !gguf_int8_)
@@ -404,6 +412,8 @@ struct MoE {
       }
     } else if (layout_ == Layout::kRecords) {
       fail_moe("layout \"records\" is for Q4_1 experts (uint8), not float32 ones");
+    } else if (centre_ != q4_1::kCentre) {
+      fail_moe("centre is for Q4_1 experts (uint8), not float32 ones");
     }
   }
 
@@ -453,6 +463,7 @@ struct MoE {
         experts.gate_up = gate_up.Data();
         experts.down = down.Data();
       }
+      experts.q4_1_centre = centre_;
       float* out = y.Allocate(x.Shape());
       if (d.T == 0 || d.D == 0) return Ort::Status{nullptr};
       const Routing routing = route(ctx, d, x.Data(), router.Data(), norm_topk_prob_);
@@ -469,6 +480,7 @@ struct MoE {
   int64_t top_k_ = 1;
   bool norm_topk_prob_ = false;
   Layout layout_ = Layout::kBlocks;
+  float centre_ = q4_1::kCentre;  // Q4_1 experts' (kiln/moe.py)
   bool gguf_ = false, gguf_int8_ = true;
   int64_t gguf_types_[3] = {0, 0, 0};
   moe::Q4_1Experts gate_up_, down_;  // constant Q4_1 blocks packed into records; empty: records read in place, or

@@ -80,9 +80,9 @@ struct Q4_1Experts {
 };
 
 // expert_out [rows.size(), D] = each grouped row's expert (g) applied to it: rows[i] is grouped row i's input
-// (length D), gate_up [E, 2F, D] and down [E, D, F] Q4_1, activations int8 as kiln.MatMulQ4_1's.
+// (length D), gate_up [E, 2F, D] and down [E, D, F] Q4_1, activations int8 as kiln.MatMulQ4_1's with its `centre`.
 void run_q4_1_experts(OrtKernelContext* ctx, const Groups& g, const std::vector<const float*>& rows,
-                      const Q4_1Experts& gate_up, const Q4_1Experts& down, float* expert_out);
+                      const Q4_1Experts& gate_up, const Q4_1Experts& down, float centre, float* expert_out);
 
 // One projection's GGUF expert stack: expert e's weight row n is the `type` blocks at w + e * expert_bytes + n * stride.
 struct GgufStack {

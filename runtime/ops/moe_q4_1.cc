@@ -60,10 +60,10 @@ int64_t groups_per_item(const Q4_1Experts& w) {
 }  // namespace
 
 void run_q4_1_experts(OrtKernelContext* ctx, const Groups& g, const std::vector<const float*>& rows,
-                      const Q4_1Experts& gate_up, const Q4_1Experts& down, float* expert_out) {
+                      const Q4_1Experts& gate_up, const Q4_1Experts& down, float centre, float* expert_out) {
   const int64_t n_rows = static_cast<int64_t>(rows.size()), F = gate_up.rows / 2, D = down.rows;
   Int8Rows xq;
-  quantize_rows(ctx, n_rows, D, Q4_1Format::kSums16, Q4_1Format::kCentre, [&](size_t i) { return rows[i]; }, xq);
+  quantize_rows(ctx, n_rows, D, Q4_1Format::kSums16, centre, [&](size_t i) { return rows[i]; }, xq);
 
   // gate/up: an item is (expert, chunk of F's groups, gate or up); it computes those channels for all of the
   // expert's rows into `hidden` [rows, 2F]; then act [rows, F] = silu(gate) * up.
@@ -80,7 +80,7 @@ void run_q4_1_experts(OrtKernelContext* ctx, const Groups& g, const std::vector<
   swiglu_rows(ctx, hidden.data(), hidden.data() + F, 2 * F, n_rows, F, act.data());
 
   Int8Rows aq;
-  quantize_rows(ctx, n_rows, F, Q4_1Format::kSums16, Q4_1Format::kCentre,
+  quantize_rows(ctx, n_rows, F, Q4_1Format::kSums16, centre,
                 [&](size_t i) { return act.data() + i * F; }, aq);
   const std::vector<Item> items = items_over(g, D / kGroup, groups_per_item(down));
   auto down_item = [&](size_t i) {

@@ -39,7 +39,7 @@
 
 namespace kiln {
 
-constexpr int kAbiVersion = 14;  // kiln.contract.OP_LIBRARY_ABI
+constexpr int kAbiVersion = 15;  // kiln.contract.OP_LIBRARY_ABI
 
 // ---------------------------------------------------------------- the op
 

@@ -452,14 +452,15 @@ inline void gather_rows(const Int8Rows& src, const std::vector<int64_t>& index, 
 }
 
 // y [T, N] = the op's x [T, K] times records w (groups of `group_bytes` each) in `Format`: the rows quantized per
-// block of 32, then work items of channel groups x rows on ONNX Runtime's intra-op threads.
+// block of 32 (with `centre` times E: the format's codes' mean, or the op's centre attribute), then work items of
+// channel groups x rows on ONNX Runtime's intra-op threads.
 template <class Format>
 void multiply(OrtKernelContext* ctx, const uint8_t* w, int64_t group_bytes, const float* x, const float* bias,
-              float* y, int64_t T, int64_t N, int64_t K) {
+              float* y, int64_t T, int64_t N, int64_t K, float centre = Format::kCentre) {
   thread_local Int8Rows scratch;  // decode-sized rows reuse the calling thread's; larger batches allocate their own
   Int8Rows local;
   Int8Rows& rows = T <= kRowsPerItem ? scratch : local;
-  quantize_rows(ctx, T, K, Format::kSums16, Format::kCentre, [&](size_t t) { return x + t * K; }, rows);
+  quantize_rows(ctx, T, K, Format::kSums16, centre, [&](size_t t) { return x + t * K; }, rows);
 
   const Problem p{w, bias, &rows, y, N, K / kBlock, group_bytes};
   const int64_t vectors = (N + kGroup - 1) / kGroup * kVectorsPerGroup;

@@ -3,6 +3,7 @@
 // kiln/gguf_records.py).
 #pragma once
 
+#include <cmath>
 #include <optional>
 #include <string>
 
@@ -23,6 +24,19 @@ inline std::optional<WeightLayout> read_weight_layout(const Ort::ConstKernelInfo
   if (name == "blocks") return WeightLayout::kBlocks;
   if (name == "records") return WeightLayout::kRecords;
   return std::nullopt;
+}
+
+// The "centre" attribute of Q4_1 weights (kiln.MatMulQ4_1, kiln.MoE's Q4_1 experts): the code c whose product with a
+// block's int8 rounding error the kernels take from the exact block sum (the spec's c * d * E); absent: `fallback`,
+// the nibbles' mean. nullopt for a value outside [0, 15] (or not finite), which is then left in `value`.
+inline std::optional<float> read_centre(const Ort::ConstKernelInfo& info, float fallback, float& value) {
+  try {
+    value = info.GetAttribute<float>("centre");
+  } catch (const Ort::Exception&) {
+    return fallback;
+  }
+  if (!std::isfinite(value) || value < 0.f || value > 15.f) return std::nullopt;
+  return value;
 }
 
 }  // namespace kiln

@@ -345,7 +345,9 @@ def test_q4_0_moe_gguf_engine_serves_them_as_q4_1_experts(tmp_path):
     from helpers import load_hf_reference
     from tiny_gguf import make_tiny_gguf
 
-    from kiln.manifest import BuildOptions
+    from kiln.contract import CENTRE_ABI
+    from kiln.manifest import BuildOptions, read_manifest
+    from kiln.matmul_q4_1 import Q4_0_CENTRE, node_centre
     from kiln.optimize.build import build_engine
     from kiln.quant_scheme import QuantScheme
 
@@ -359,6 +361,8 @@ def test_q4_0_moe_gguf_engine_serves_them_as_q4_1_experts(tmp_path):
         attributes = {a.name for a in node.attribute}
         assert len(node.input) == 6 and "gate_type" not in attributes  # Q4_1 experts, not GGUF ones
         assert {a.name: a.s for a in node.attribute}.get("layout") == b"records"
+        assert node_centre(node) == Q4_0_CENTRE  # Q4_0's own sums: d * xs * ((q - 8) . xq)
+    assert read_manifest(engine).op_library_abi == CENTRE_ABI
     file_model = load_hf_reference(hf_dir)
     errors, decodes = [], []
     for tokens, positions, got, decoded in _steps(engine, 4):

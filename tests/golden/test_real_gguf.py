@@ -168,9 +168,11 @@ def test_quantization_gguf_executes_the_files_own_blocks(engines, tmp_path, name
     type with an int8 kernel (Q5_0 keeps float32), logits within int8 rounding."""
     import onnx
 
+    from kiln.contract import CENTRE_ABI
     from kiln.gguf_blocks import GgmlType
     from kiln.gguf_int8 import INT8_KINDS
-    from kiln.manifest import BuildOptions
+    from kiln.manifest import BuildOptions, read_manifest
+    from kiln.matmul_q4_1 import Q4_0_CENTRE, node_centre
     from kiln.optimize.build import build_engine
     from kiln.quant_scheme import QuantScheme
 
@@ -180,7 +182,10 @@ def test_quantization_gguf_executes_the_files_own_blocks(engines, tmp_path, name
     graph = onnx.load(str(engine / "model.onnx"), load_external_data=False)
     assert not [n for n in graph.graph.node if n.op_type in ("MatMul", "MatMulNBits")]
     q4_0_as_q4_1 = scheme == "gguf" and "Q4_0" in file_types(name).values()
-    assert any(n.op_type == "MatMulQ4_1" for n in graph.graph.node) == q4_0_as_q4_1
+    q4_1_nodes = [n for n in graph.graph.node if n.op_type == "MatMulQ4_1"]
+    assert bool(q4_1_nodes) == q4_0_as_q4_1
+    assert all(node_centre(n) == Q4_0_CENTRE for n in q4_1_nodes)  # Q4_0's own sums: d * xs * ((q - 8) . xq)
+    assert (read_manifest(engine).op_library_abi == CENTRE_ABI) == q4_0_as_q4_1
     nodes = [{a.name: a.i for a in n.attribute} for n in graph.graph.node if n.op_type == "MatMulGGUF"]
     kept = {GgmlType(n["ggml_type"]).name for n in nodes}
     for n in nodes:

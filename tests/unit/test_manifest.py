@@ -141,10 +141,11 @@ def test_optional_build_fields_are_written_only_when_they_mean_something():
 
 
 def test_engine_abi_asks_for_the_newest_library_only_of_engines_that_need_it():
-    """An engine records ABI 14 only with Q8_0 records, 13 with kiln.PagedAttention's q/k norms, 12 with
-    kiln.MatMulGGUF records, 11 with kiln.MoE records and neither; every other engine the build writes records 10,
-    which kilns of ABI 10 load. A new ABI must say here which engines need it."""
+    """An engine records ABI 15 only with a centre on Q4_1 weights (Q4_0 files), 14 with Q8_0 records, 13 with
+    kiln.PagedAttention's q/k norms, 12 with kiln.MatMulGGUF records, 11 with kiln.MoE records and neither; every other
+    engine the build writes records 10, which kilns of ABI 10 load. A new ABI must say here which engines need it."""
     from kiln.contract import (
+        CENTRE_ABI,
         GGUF_RECORDS_ABI,
         MOE_RECORDS_ABI,
         MORE_RECORDS_ABI,
@@ -153,10 +154,12 @@ def test_engine_abi_asks_for_the_newest_library_only_of_engines_that_need_it():
         engine_abi,
     )
 
+    assert engine_abi(False, q4_1_centres=True) == engine_abi(True, True, True, True, True) == CENTRE_ABI
+    assert CENTRE_ABI == OP_LIBRARY_ABI
     assert engine_abi(False, newer_records=True) == engine_abi(True, True, True, True) == MORE_RECORDS_ABI
-    assert MORE_RECORDS_ABI == OP_LIBRARY_ABI
-    assert engine_abi(False, False, qk_norms=True) == engine_abi(True, True, True) == QK_NORM_ABI == OP_LIBRARY_ABI - 1
+    assert MORE_RECORDS_ABI == OP_LIBRARY_ABI - 1
+    assert engine_abi(False, False, qk_norms=True) == engine_abi(True, True, True) == QK_NORM_ABI == OP_LIBRARY_ABI - 2
     assert engine_abi(moe_records=False, gguf_records=True) == engine_abi(True, True) == GGUF_RECORDS_ABI
-    assert GGUF_RECORDS_ABI == OP_LIBRARY_ABI - 2
-    assert engine_abi(moe_records=True) == MOE_RECORDS_ABI == OP_LIBRARY_ABI - 3
+    assert GGUF_RECORDS_ABI == OP_LIBRARY_ABI - 3
+    assert engine_abi(moe_records=True) == MOE_RECORDS_ABI == OP_LIBRARY_ABI - 4
     assert engine_abi(moe_records=False) == MOE_RECORDS_ABI - 1

@@ -262,3 +262,55 @@ def test_kernel_names_a_wrong_layout_or_records_shape():
     model.graph.node[0].attribute.append(helper.make_attribute("layout", RECORDS))
     with pytest.raises(Exception, match=r"kiln.MatMulQ4_1: dm must be float16 \[N, 0\] with layout \"records\""):
         session(model).run(None, {"x": x})
+
+
+def q4_0_case(rng, t: int, k: int, n: int) -> tuple[np.ndarray, np.ndarray, Q4_1Weights]:
+    """Activations, random Q4_0 rows (llama.cpp's bytes: d float16, 16 bytes of nibbles per block of 32) and the same
+    weights as Q4_1 codes (minimum -8 d)."""
+    from kiln.optimize.quantize_gguf import q4_0_as_q4_1
+
+    x, _ = random_case(rng, t, k, 1)
+    blocks = np.zeros((n, k // BLOCK, 18), np.uint8)
+    blocks[..., :2] = (rng.uniform(0.002, 0.02, (n, k // BLOCK)).astype(np.float16)[..., None]).view(np.uint8)
+    blocks[..., 2:] = rng.integers(0, 256, (n, k // BLOCK, 16), dtype=np.uint8)
+    codes = q4_0_as_q4_1(blocks.reshape(n, -1))
+    assert codes is not None
+    return x, blocks.reshape(n, -1), codes
+
+
+def test_reference_centred_at_8_is_llama_cpps_q4_0_arithmetic_on_q4_0_blocks():
+    from kiln.gguf_blocks import GgmlType
+    from kiln.gguf_int8 import matmul_gguf_int8_ref
+    from kiln.matmul_q4_1 import Q4_0_CENTRE
+
+    rng = np.random.default_rng(20)
+    x, blocks, codes = q4_0_case(rng, 6, 160, 9)
+    q4_0 = matmul_gguf_int8_ref(x, blocks, GgmlType.Q4_0)  # d * xs * ((q - 8) . xq) a block
+    tight = 1e-6 * scale_of(x, codes)
+    np.testing.assert_allclose(matmul_q4_1_ref(x, *codes.pack(), centre=Q4_0_CENTRE), q4_0, rtol=0, atol=tight)
+    # the nibbles' mean leaves 0.5 * d * E of each block's rounding in the sum
+    assert np.abs(matmul_q4_1_ref(x, *codes.pack()) - q4_0).max() > 100 * tight
+
+
+@pytest.mark.parametrize("t, k, n", [(1, 576, 35), (5, 96, 7), (37, 160, 33)])
+@pytest.mark.parametrize("layout", ["blocks", RECORDS])
+def test_kernel_takes_the_nodes_centre(t, k, n, layout):
+    from kiln.matmul_q4_1 import Q4_0_CENTRE
+
+    rng = np.random.default_rng(t + n)
+    x, _, codes = q4_0_case(rng, t, k, n)
+    y = session(make_single_op_model(codes, layout=layout, centre=Q4_0_CENTRE)).run(None, {"x": x})[0]
+    tolerance = 2e-6 * scale_of(x, codes)
+    np.testing.assert_allclose(y, matmul_q4_1_ref(x, *codes.pack(), centre=Q4_0_CENTRE), rtol=0, atol=tolerance)
+    assert np.abs(y - matmul_q4_1_ref(x, *codes.pack())).max() > 10 * tolerance  # not the default's numbers
+    default = session(make_single_op_model(codes, layout=layout)).run(None, {"x": x})[0]
+    np.testing.assert_allclose(default, matmul_q4_1_ref(x, *codes.pack()), rtol=0, atol=tolerance)
+
+
+def test_kernel_refuses_a_centre_outside_the_codes():
+    rng = np.random.default_rng(21)
+    _, w = random_case(rng, 2, 64, 5)
+    with pytest.raises(Exception, match=r"kiln.MatMulQ4_1: centre must be a code in \[0, 15\].*got 16"):
+        session(make_single_op_model(w, centre=16.0))
+    with pytest.raises(ValueError, match=r"centre must be a code in \[0, 15\]"):
+        matmul_q4_1_ref(np.zeros((1, 64), np.float32), *w.pack(), centre=-1.0)

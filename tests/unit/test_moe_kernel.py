@@ -169,12 +169,12 @@ def q4_1_experts(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 def run_q4_1(x, router, gate_up, down, top_k: int, norm: bool,  # noqa: PLR0913 (the op's inputs)
-             layout: str = BLOCKS) -> np.ndarray:
+             layout: str = BLOCKS, centre: float | None = None) -> np.ndarray:
     so = ort.SessionOptions()
     so.register_custom_ops_library(LIBRARY)
     so.intra_op_num_threads = 2
-    session = ort.InferenceSession(make_single_op_model(top_k, norm, q4_1=True, layout=layout).SerializeToString(),
-                                   so, providers=["CPUExecutionProvider"])
+    model = make_single_op_model(top_k, norm, q4_1=True, layout=layout, centre=centre)
+    session = ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
     (gu, gu_dm), (dn, dn_dm) = gate_up, down
     return session.run(None, {"x": x, "router": router, "gate_up": gu, "down": dn, "gate_up_dm": gu_dm,
                               "down_dm": dn_dm})[0]
@@ -376,3 +376,27 @@ def test_malformed_q4_1_records_are_named():
         ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"]).run(
             None, {"x": x, "router": router, "gate_up": gu_records[0], "down": dn_records[0],
                    "gate_up_dm": gu_records[1], "down_dm": dn_records[1]})
+
+
+@pytest.mark.parametrize("layout", [BLOCKS, RECORDS])
+def test_q4_1_experts_take_the_nodes_centre(layout):
+    """Q4_0 experts run as Q4_1 ones centred at 8: both projections of every expert use the node's centre."""
+    from kiln.matmul_q4_1 import Q4_0_CENTRE
+    from kiln.moe import q4_1_experts_to_records
+
+    rng = np.random.default_rng(31)
+    x, router, gu, dn = q4_1_case(rng, 9, 8, 64, 96)
+    want = moe_q4_1_ref(x, router, gu, dn, top_k=2, norm_topk_prob=False, centre=Q4_0_CENTRE)
+    stacks = [q4_1_experts_to_records(*s) if layout == RECORDS else s for s in (gu, dn)]
+    y = run_q4_1(x, router, *stacks, 2, False, layout=layout, centre=Q4_0_CENTRE)
+    tolerance = q4_1_tolerance(want)
+    np.testing.assert_allclose(y, want, rtol=0, atol=tolerance)
+    assert np.abs(y - moe_q4_1_ref(x, router, gu, dn, top_k=2, norm_topk_prob=False)).max() > 10 * tolerance
+
+
+def test_a_centre_on_float_experts_is_refused():
+    so = ort.SessionOptions()
+    so.register_custom_ops_library(LIBRARY)
+    with pytest.raises(Exception, match=r"kiln.MoE: centre is for Q4_1 experts"):
+        ort.InferenceSession(make_single_op_model(2, True, centre=8.0).SerializeToString(), so,
+                             providers=["CPUExecutionProvider"])
