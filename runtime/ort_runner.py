@@ -20,6 +20,7 @@ from kiln import contract
 from kiln import vision as vision_contract
 from kiln.contract import ATTEND_UNTIL, KvPoolSpec
 from kiln.manifest import EngineLoadError
+from kiln.runtime.kv_memory import zeroed_pool
 from kiln.runtime.kv_transfer import KvLayout
 from kiln.runtime.model_runner import BatchInput, ModelRunner, RunnerOutput
 
@@ -107,7 +108,7 @@ class OrtModelRunner(ModelRunner):
         # a vision-language graph's image inputs: zero rows in a step without images
         self._no_images = None if image_input is None else (
             np.zeros((0, int(image_input.shape[1])), dtype=np.float32), np.zeros(0, dtype=np.int64))
-        self.pools = [np.zeros(pools.pool_shape(num_blocks), dtype=pools.dtype) for _ in range(pools.num_layers)]
+        self.pools = [zeroed_pool(pools.pool_shape(num_blocks), pools.dtype) for _ in range(pools.num_layers)]
         self._pool_values = [ort.OrtValue.ortvalue_from_numpy(p) for p in self.pools]
         self.binding = session.io_binding()
         # outputs allocated per run, bound first so get_outputs() returns them first: logits (and the heads')

@@ -18,6 +18,7 @@ from kiln import contract
 from kiln.contract import KvPoolSpec
 from kiln.manifest import EngineLoadError
 from kiln.pipeline_stages import HIDDEN_STATES, HIDDEN_STATES_OUT, PipelineStage
+from kiln.runtime.kv_memory import zeroed_pool
 from kiln.runtime.model_runner import BatchInput, RunnerOutput
 from kiln.runtime.ort_runner import read_pool_blocks, write_pool_blocks
 from kiln.runtime.pipeline.shape import PipelineShape
@@ -58,7 +59,7 @@ class StageRunner:
         self.medusa_output = next((n for n in (contract.MEDUSA_LOGITS, contract.MEDUSA_HIDDEN) if n in outputs), None)
         self.session, self.stage, self.num_blocks = session, stage, num_blocks
         self.load_resident_bytes = 0  # open_stage measures it
-        self.pools = [np.zeros(pools.pool_shape(num_blocks), dtype=pools.dtype) for _ in stage.layers]
+        self.pools = [zeroed_pool(pools.pool_shape(num_blocks), pools.dtype) for _ in stage.layers]
         self._pool_values = [ort.OrtValue.ortvalue_from_numpy(p) for p in self.pools]
         self.binding = session.io_binding()
         self._first_output = contract.LOGITS if self.is_last else HIDDEN_STATES_OUT

@@ -22,6 +22,7 @@ import numpy as np
 from kiln import all_reduce, contract
 from kiln.contract import KvPoolSpec
 from kiln.manifest import EngineLoadError
+from kiln.runtime.kv_memory import zeroed_pool
 from kiln.runtime.model_runner import BatchInput
 from kiln.tensor_parallel import TP_HIDDEN, TensorRank
 
@@ -65,7 +66,7 @@ class RankRunner:
                                   f"the output {first} and the input {all_reduce.WORKSPACE_INPUT}); rebuild the engine")
         self.feeds = [name for name in BatchInput.FEEDS if name in inputs]
         self.workspace = np.memmap(sizing.workspace, dtype=np.uint8, mode="r+")
-        self.pools = [np.zeros(sizing.pools.pool_shape(sizing.num_blocks), dtype=sizing.pools.dtype)
+        self.pools = [zeroed_pool(sizing.pools.pool_shape(sizing.num_blocks), sizing.pools.dtype)
                       for _ in range(sizing.pools.num_layers)]
         import onnxruntime as ort
 
