@@ -71,9 +71,8 @@ OP_LIBRARY_ABI = 15
 # need no rebuild.
 OP_LIBRARY_MIN_ABI = 1
 # The ABIs that added kiln.MoE's records, kiln.MatMulGGUF's, kiln.PagedAttention's q/k norms, more record types and
-# the Q4_1 centre: a
-# built engine records the newest its graphs need, and MOE_RECORDS_ABI - 1 when they need none of them, so older
-# kilns still load the engines that need nothing newer (`engine_abi`).
+# the Q4_1 centre: a built engine records the newest its graphs need, and MOE_RECORDS_ABI - 1 when they need none of
+# them, so older kilns still load the engines that need nothing newer (`engine_abi`).
 MOE_RECORDS_ABI = 11
 GGUF_RECORDS_ABI = 12
 QK_NORM_ABI = 13

@@ -1,6 +1,6 @@
-// The "layout" attribute of the ops whose weights come either as blocks or as records, the kernels' own layout
-// (kiln.MatMulQ4_1 and kiln.MoE's Q4_1 experts: kiln/matmul_q4_1.py, kiln/moe.py; kiln.MatMulGGUF's Q4_K:
-// kiln/gguf_records.py).
+// The weight attributes of the quantized ops: "layout", whose weights come either as blocks or as records, the
+// kernels' own layout (kiln.MatMulQ4_1 and kiln.MoE's Q4_1 experts: kiln/matmul_q4_1.py, kiln/moe.py;
+// kiln.MatMulGGUF's Q4_K: kiln/gguf_records.py), and the Q4_1 weights' "centre".
 #pragma once
 
 #include <cmath>
