@@ -29,10 +29,10 @@ import time
 import numpy as np
 import onnxruntime as ort
 from onnx import TensorProto, helper, numpy_helper
+from op_sessions import op_session
 
 from kiln.matmul_q4_1 import BLOCK, make_single_op_model
 from kiln.optimize.quant.rtn import quantize_q4_1
-from kiln.runtime.ops import library_path
 
 SHAPES = {"qkv": (576, 960), "o": (576, 576), "gate/up": (576, 3072), "down": (1536, 576)}
 TOKENS = (1, 16, 32, 512)
@@ -84,16 +84,6 @@ def models(w: np.ndarray) -> dict[str, bytes]:
     return out
 
 
-def session(model: bytes, threads: int, library: str | None = None) -> ort.InferenceSession:
-    so = ort.SessionOptions()
-    so.register_custom_ops_library(library or library_path())
-    so.intra_op_num_threads = threads
-    # Calls cycle through many sessions, and a session's pool threads spin on after its run by default: on 2 cores
-    # they starved the next session's threads (a 2048 x 3072 Q4_K records call at 1 row timed 2.9 ms, not 0.12).
-    so.add_session_config_entry("session.force_spinning_stop", "1")
-    return ort.InferenceSession(model, so, providers=["CPUExecutionProvider"])
-
-
 def time_us(sessions: dict[str, list[ort.InferenceSession]], x: np.ndarray, clock, repeats: int) -> list[float]:
     """Median microseconds per run of each way over `repeats` rounds, each round one ~20 ms batch of
     every way in turn; a way's calls cycle through its sessions (copies of the weights)."""
@@ -143,13 +133,13 @@ def main() -> None:
         single: list[float] | None = None  # this linear's times at T = 1
         for t in args.tokens:
             x = rng.standard_normal((t, k)).astype(np.float32)
-            ref = session(graphs["offsets"], 1).run(None, {"x": x})[0]
-            y = session(graphs["q4_1"], 1).run(None, {"x": x})[0]
+            ref = op_session(graphs["offsets"], 1).run(None, {"x": x})[0]
+            y = op_session(graphs["q4_1"], 1).run(None, {"x": x})[0]
             assert np.abs(y - ref).max() < 0.02 * np.abs(ref).max()  # the same linear (nbits: the same bits)
-            cpu = time_us({g: [session(graphs[g], 1, lib) for _ in range(args.copies)] for g, lib in libraries.items()},
-                          x, time.process_time, args.repeats)
+            copies = {g: [op_session(graphs[g], 1, lib) for _ in range(args.copies)] for g, lib in libraries.items()}
+            cpu = time_us(copies, x, time.process_time, args.repeats)
             # copies x 2-thread sessions would each spin a pool thread: wall time only with one copy
-            wall = (time_us({g: [session(graphs[g], 2, lib)] for g, lib in libraries.items()}, x, time.perf_counter,
+            wall = (time_us({g: [op_session(graphs[g], 2, lib)] for g, lib in libraries.items()}, x, time.perf_counter,
                             args.repeats) if args.copies == 1 else [float("nan")] * len(cpu))
             cpu_text, wall_text = (" / ".join(f"{v:7.1f}" for v in times) for times in (cpu, wall))
             if t == 1:

@@ -26,13 +26,13 @@ import time
 import numpy as np
 import onnxruntime as ort
 from onnx import ModelProto, TensorProto, helper, numpy_helper
+from op_sessions import op_session
 
 from kiln.contract import OP_DOMAIN
 from kiln.gguf_blocks import GgmlType, random_blocks
 from kiln.matmul_q4_1 import Q4_1Weights
 from kiln.moe import OP_TYPE, OP_VERSION, pack_q4_1_experts
 from kiln.moe_gguf import TYPE_ATTRIBUTES, gguf_experts
-from kiln.runtime.ops import library_path
 
 
 def random_q4_1(rng: np.random.Generator, shape: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -84,17 +84,6 @@ def dense_model(rng: np.random.Generator, args: argparse.Namespace) -> ModelProt
     return model(nodes, inits, d)
 
 
-def session(m: ModelProto, threads: int, library: str | None = None) -> ort.InferenceSession:
-    options = ort.SessionOptions()
-    options.register_custom_ops_library(library or library_path())
-    options.intra_op_num_threads = threads
-    # The sessions take turns, and a session's pool threads spin on after its run by default: on 2 cores they starved
-    # the next session's threads (bench_matmul_gguf.py: a 1-row Q4_K records call timed 2.9 ms, not 0.12).
-    options.add_session_config_entry("session.force_spinning_stop", "1")
-    options.inter_op_num_threads = 1
-    return ort.InferenceSession(m.SerializeToString(), options, providers=["CPUExecutionProvider"])
-
-
 def ms_per_run(sess: ort.InferenceSession, x: np.ndarray, repeats: int, clock=time.perf_counter) -> float:
     sess.run(None, {"x": x})
     start = clock()
@@ -131,10 +120,10 @@ def main() -> None:
         print(f"D={args.hidden} experts={args.experts}x{args.expert_width} top-{args.top_k}; dense width "
               f"{args.top_k * args.expert_width}; {args.threads} threads; ms per layer "
               f"(median of {args.rounds} rounds)")
-    sessions = [session(first, args.threads), session(second, args.threads)]
+    sessions = [op_session(first, args.threads), op_session(second, args.threads)]
     if args.baseline_library:
         names += (names[0] + "@old",)
-        sessions.append(session(first, args.threads, args.baseline_library))
+        sessions.append(op_session(first, args.threads, args.baseline_library))
     clock = time.process_time if args.cpu_time else time.perf_counter
     ratio_title = f"{names[0]}/{names[1]} [min-max over rounds]"
     old_title = f"  {names[0]}/{names[0]}@old [min-max]" if args.baseline_library else ""

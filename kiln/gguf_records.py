@@ -70,6 +70,9 @@ the kernel's offset of 128 removed exactly with the row's int sums of 16.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+
 import numpy as np
 
 from kiln.gguf_blocks import FORMATS, BlockIntegers, GgmlType, block_integers, q6_k_integers, row_weights
@@ -104,15 +107,12 @@ Q8_D = SUBS * Q8_BLOCK_BYTES  # 4096: d[s][l], float16
 Q8_RECORD_BYTES = Q8_D + SUBS * GROUP * 2  # 4352
 Q8_0_BYTES = FORMATS[GgmlType.Q8_0].nbytes  # 34
 Q8_OFFSET = 128  # added to the int8 codes: vpdpbusd's unsigned operand
-# type -> its record's bytes
-RECORD_KINDS = {GgmlType.Q4_K: RECORD_BYTES, GgmlType.Q5_K: Q5_RECORD_BYTES, GgmlType.Q6_K: Q6_RECORD_BYTES,
-                GgmlType.Q8_0: Q8_RECORD_BYTES}
 # the record types an older op library (ABI 12) lacks: an engine holding them needs ABI 14
 ABI_14_KINDS = frozenset({GgmlType.Q5_K, GgmlType.Q8_0})
 
 
 def records_shape(kind: int, n: int, k: int) -> tuple[int, int, int]:
-    return (n // GROUP, k // SUPER, RECORD_KINDS[GgmlType(kind)])
+    return (n // GROUP, k // SUPER, RECORD_FORMATS[GgmlType(kind)].record_bytes)
 
 
 def can_pack(kind: int, int8_activations: bool, n: int, k: int) -> bool:
@@ -123,22 +123,22 @@ def can_pack(kind: int, int8_activations: bool, n: int, k: int) -> bool:
 
 def pack_records(blocks: np.ndarray, kind: int) -> np.ndarray:
     """A matrix of Q4_K, Q5_K, Q6_K or Q8_0 blocks as the file holds them -> its records."""
-    return _CODECS[_record_kind(kind)][0](blocks)
+    return RECORD_FORMATS[_record_kind(kind)].pack(blocks)
 
 
 def unpack_records(records: np.ndarray, kind: int) -> np.ndarray:
     """The records' matrix as the file holds it, bit for bit."""
-    return _CODECS[_record_kind(kind)][1](records)
+    return RECORD_FORMATS[_record_kind(kind)].unpack(records)
 
 
 def matmul_records_ref(x: np.ndarray, records: np.ndarray, kind: int, bias: np.ndarray | None = None) -> np.ndarray:
     """y = x @ W^T of kiln.MatMulGGUF with records of `kind`, float64 sums; float32 [..., N]."""
-    return _CODECS[_record_kind(kind)][2](x, records, bias)
+    return RECORD_FORMATS[_record_kind(kind)].spec(x, records, bias)
 
 
 def _record_kind(kind: int) -> GgmlType:
     if kind not in RECORD_KINDS:
-        names = ", ".join(k.name for k in RECORD_KINDS)
+        names = ", ".join(k.name for k in RECORD_FORMATS)
         raise ValueError(f"ggml type {kind} has no records layout; records hold {names}")
     return GgmlType(kind)
 
@@ -354,12 +354,23 @@ def matmul_q8_0_records_ref(x: np.ndarray, records: np.ndarray, bias: np.ndarray
     return out
 
 
-_CODECS = {  # pack, unpack, spec
-    GgmlType.Q4_K: (pack_q4_k_records, unpack_q4_k_records, matmul_q4_k_records_ref),
-    GgmlType.Q5_K: (pack_q5_k_records, unpack_q5_k_records, matmul_q5_k_records_ref),
-    GgmlType.Q6_K: (pack_q6_k_records, unpack_q6_k_records, matmul_q6_k_records_ref),
-    GgmlType.Q8_0: (pack_q8_0_records, unpack_q8_0_records, matmul_q8_0_records_ref),
+@dataclass(frozen=True)
+class RecordFormat:
+    """A ggml type's records: their bytes a superblock of a 16-channel group, and the layout's codec and spec."""
+
+    record_bytes: int
+    pack: Callable[[np.ndarray], np.ndarray]
+    unpack: Callable[[np.ndarray], np.ndarray]
+    spec: Callable[[np.ndarray, np.ndarray, np.ndarray | None], np.ndarray]
+
+
+RECORD_FORMATS = {
+    GgmlType.Q4_K: RecordFormat(RECORD_BYTES, pack_q4_k_records, unpack_q4_k_records, matmul_q4_k_records_ref),
+    GgmlType.Q5_K: RecordFormat(Q5_RECORD_BYTES, pack_q5_k_records, unpack_q5_k_records, matmul_q5_k_records_ref),
+    GgmlType.Q6_K: RecordFormat(Q6_RECORD_BYTES, pack_q6_k_records, unpack_q6_k_records, matmul_q6_k_records_ref),
+    GgmlType.Q8_0: RecordFormat(Q8_RECORD_BYTES, pack_q8_0_records, unpack_q8_0_records, matmul_q8_0_records_ref),
 }
+RECORD_KINDS = frozenset(RECORD_FORMATS)  # the types that have records
 
 
 def _spec_inputs(x: np.ndarray, records: np.ndarray, kind: GgmlType) -> tuple[np.ndarray, BlockIntegers, int, int]:

@@ -6,6 +6,10 @@ large arrays into huge pages too, and most of their pages were huge, yet a mappi
 1B shape's 32k-context decode step grew 0.72-0.87x as much over 1k (benchmarks/RESULTS.md, "KV pools in huge
 pages"). The mapping is private because shared anonymous memory follows the shmem huge-page setting, usually off.
 Where the kernel has no transparent huge pages the advice is refused and the pools are ordinary zeroed memory.
+
+A pool below HUGE_POOL_MIN stays on ordinary pages (numpy's zeroed array): a huge page is also the unit in which an
+untouched pool becomes resident (a step writing one block of every layer makes 2 MiB a layer resident, not 4 KiB),
+and pools that small gained nothing (the 8k-context step, 16 MiB a layer, measured the same either way).
 """
 
 from __future__ import annotations
@@ -16,13 +20,14 @@ import mmap
 import numpy as np
 
 HUGE_PAGE = 2 << 20
+HUGE_POOL_MIN = 32 << 20  # a layer's pool from which its pages are huge
 
 
 def zeroed_pool(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
-    """A zeroed array of `shape` and `dtype` starting on a 2 MiB boundary of a private anonymous mapping advised
-    MADV_HUGEPAGE (the array keeps the mapping alive)."""
+    """A zeroed array of `shape` and `dtype`: from HUGE_POOL_MIN bytes on, starting on a 2 MiB boundary of a private
+    anonymous mapping advised MADV_HUGEPAGE (the array keeps the mapping alive)."""
     nbytes = math.prod(shape) * np.dtype(dtype).itemsize
-    if nbytes < HUGE_PAGE:
+    if nbytes < HUGE_POOL_MIN:
         return np.zeros(shape, dtype)
     mapping = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     raw = np.frombuffer(mapping, np.uint8)
