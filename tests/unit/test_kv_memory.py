@@ -25,7 +25,7 @@ def anon_huge_kib(address: int) -> int:
 
 
 THP_SETTING = Path("/sys/kernel/mm/transparent_hugepage/enabled")
-SHAPE = (1025, 2, 8, 16, 64)  # float16: a little over 32 MiB, the last huge page partly used
+SHAPE = (257, 2, 8, 16, 64)  # float16: a little over 8 MiB, the last huge page partly used
 
 
 def test_a_pool_is_zeroed_writable_contiguous_and_2_mib_aligned():
@@ -40,7 +40,7 @@ def test_a_pool_is_zeroed_writable_contiguous_and_2_mib_aligned():
 def test_a_pool_below_the_huge_pool_size_is_ordinary_zeroed_memory():
     pool = zeroed_pool((4, 2, 2, 16, 8), np.dtype(np.float32))
     assert pool.shape == (4, 2, 2, 16, 8) and not pool.any() and pool.flags.writeable
-    small = zeroed_pool((1023, 2, 8, 16, 64), np.dtype(np.float16))  # just under 32 MiB
+    small = zeroed_pool((255, 2, 8, 16, 64), np.dtype(np.float16))  # just under 8 MiB
     small[0, 0, 0, 0, 0] = 1  # one block written
     if THP_SETTING.is_file() and "[madvise]" in THP_SETTING.read_text():  # huge pages only where asked for
         assert anon_huge_kib(small.ctypes.data) == 0
