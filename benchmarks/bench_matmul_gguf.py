@@ -26,13 +26,13 @@ import statistics
 import time
 
 import numpy as np
-from op_sessions import op_session
 
 from kiln.gguf_blocks import GgmlType, dequantize, random_blocks
 from kiln.gguf_records import RECORDS
 from kiln.matmul_gguf import make_single_op_model as gguf_model
 from kiln.matmul_q4_1 import make_single_op_model as q4_1_model
 from kiln.optimize.quant.rtn import quantize_q4_1
+from kiln.runtime.ort_runner import open_session
 
 SHAPES = {"qkv": (2048, 3072), "o": (2048, 2048), "up": (2048, 8192), "gate/up": (2048, 16384), "down": (8192, 2048)}
 TYPES = {"q4_k": GgmlType.Q4_K, "q5_k": GgmlType.Q5_K, "q6_k": GgmlType.Q6_K, "q8_0": GgmlType.Q8_0,
@@ -58,19 +58,19 @@ def ways(k: int, n: int, names: list[str], cold_bytes: int, threads: int,
                 w = quantize_q4_1(dequantize(random_blocks(rng, GgmlType.Q4_K, n, k), GgmlType.Q4_K))
                 qs, dm = w.pack()
                 nbytes = qs.nbytes + dm.nbytes
-                sessions.append(op_session(q4_1_model(w).SerializeToString(), threads))
+                sessions.append(open_session(q4_1_model(w).SerializeToString(), threads))
             elif name in RECORDS_WAYS:
                 kind = TYPES[name.removesuffix(RECORDS_SUFFIX)]
                 blocks = random_blocks(rng, kind, n, k)
                 model = gguf_model(blocks, kind, int8_activations=True, layout=RECORDS)
                 nbytes = model.graph.initializer[0].ByteSize()
-                sessions.append(op_session(model.SerializeToString(), threads, library))
+                sessions.append(open_session(model.SerializeToString(), threads, library))
             else:
                 kind = TYPES[name.removesuffix(INT8_SUFFIX)]
                 blocks = random_blocks(rng, kind, n, k)
                 nbytes = blocks.nbytes
                 model = gguf_model(blocks, kind, int8_activations=name.endswith(INT8_SUFFIX))
-                sessions.append(op_session(model.SerializeToString(), threads, library))
+                sessions.append(open_session(model.SerializeToString(), threads, library))
         out[full] = (sessions, nbytes)
     return out
 

@@ -29,10 +29,10 @@ import time
 import numpy as np
 import onnxruntime as ort
 from onnx import TensorProto, helper, numpy_helper
-from op_sessions import op_session
 
 from kiln.matmul_q4_1 import BLOCK, make_single_op_model
 from kiln.optimize.quant.rtn import quantize_q4_1
+from kiln.runtime.ort_runner import open_session
 
 SHAPES = {"qkv": (576, 960), "o": (576, 576), "gate/up": (576, 3072), "down": (1536, 576)}
 TOKENS = (1, 16, 32, 512)
@@ -133,14 +133,16 @@ def main() -> None:
         single: list[float] | None = None  # this linear's times at T = 1
         for t in args.tokens:
             x = rng.standard_normal((t, k)).astype(np.float32)
-            ref = op_session(graphs["offsets"], 1).run(None, {"x": x})[0]
-            y = op_session(graphs["q4_1"], 1).run(None, {"x": x})[0]
+            ref = open_session(graphs["offsets"], 1).run(None, {"x": x})[0]
+            y = open_session(graphs["q4_1"], 1).run(None, {"x": x})[0]
             assert np.abs(y - ref).max() < 0.02 * np.abs(ref).max()  # the same linear (nbits: the same bits)
-            copies = {g: [op_session(graphs[g], 1, lib) for _ in range(args.copies)] for g, lib in libraries.items()}
+            copies = {g: [open_session(graphs[g], 1, lib) for _ in range(args.copies)] for g, lib in libraries.items()}
             cpu = time_us(copies, x, time.process_time, args.repeats)
             # copies x 2-thread sessions would each spin a pool thread: wall time only with one copy
-            wall = (time_us({g: [op_session(graphs[g], 2, lib)] for g, lib in libraries.items()}, x, time.perf_counter,
-                            args.repeats) if args.copies == 1 else [float("nan")] * len(cpu))
+            wall = [float("nan")] * len(cpu)
+            if args.copies == 1:
+                two_threads = {g: [open_session(graphs[g], 2, lib)] for g, lib in libraries.items()}
+                wall = time_us(two_threads, x, time.perf_counter, args.repeats)
             cpu_text, wall_text = (" / ".join(f"{v:7.1f}" for v in times) for times in (cpu, wall))
             if t == 1:
                 single = cpu

@@ -26,13 +26,13 @@ import time
 import numpy as np
 import onnxruntime as ort
 from onnx import ModelProto, TensorProto, helper, numpy_helper
-from op_sessions import op_session
 
 from kiln.contract import OP_DOMAIN
 from kiln.gguf_blocks import GgmlType, random_blocks
 from kiln.matmul_q4_1 import Q4_1Weights
 from kiln.moe import OP_TYPE, OP_VERSION, pack_q4_1_experts
 from kiln.moe_gguf import TYPE_ATTRIBUTES, gguf_experts
+from kiln.runtime.ort_runner import open_session
 
 
 def random_q4_1(rng: np.random.Generator, shape: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -120,10 +120,10 @@ def main() -> None:
         print(f"D={args.hidden} experts={args.experts}x{args.expert_width} top-{args.top_k}; dense width "
               f"{args.top_k * args.expert_width}; {args.threads} threads; ms per layer "
               f"(median of {args.rounds} rounds)")
-    sessions = [op_session(first, args.threads), op_session(second, args.threads)]
+    sessions = [open_session(graph.SerializeToString(), args.threads) for graph in (first, second)]
     if args.baseline_library:
         names += (names[0] + "@old",)
-        sessions.append(op_session(first, args.threads, args.baseline_library))
+        sessions.append(open_session(first.SerializeToString(), args.threads, args.baseline_library))
     clock = time.process_time if args.cpu_time else time.perf_counter
     ratio_title = f"{names[0]}/{names[1]} [min-max over rounds]"
     old_title = f"  {names[0]}/{names[0]}@old [min-max]" if args.baseline_library else ""

@@ -28,9 +28,11 @@ _NO_ROWS = np.zeros(0, dtype=np.int64)
 _CAUSAL = np.zeros(0, dtype=np.int32)  # attend_until of a step without a bidirectional image run
 
 
-def open_session(graph: Path, num_threads: int | None = None, library: str | None = None) -> ort.InferenceSession:
-    """An ONNX Runtime CPU session of an engine graph, with the kiln op library registered (this install's, or
-    `library`: another build of it, for a before/after)."""
+def open_session(graph: Path | bytes, num_threads: int | None = None,
+                 library: str | None = None) -> ort.InferenceSession:
+    """An ONNX Runtime CPU session of an engine graph (a file, or a serialized model: the kernel benchmarks' one-op
+    graphs), with the kiln op library registered (this install's, or `library`: another build of it, for a
+    before/after)."""
     from kiln.runtime.ops import library_path
 
     options = ort.SessionOptions()
@@ -43,10 +45,12 @@ def open_session(graph: Path, num_threads: int | None = None, library: str | Non
     # (docs/design.md, "Sampler").
     options.add_session_config_entry("session.force_spinning_stop", "1")
     options.log_severity_level = 3  # errors only: shape-hint warnings are noise here
+    model = graph if isinstance(graph, bytes) else str(graph)
     try:
-        return ort.InferenceSession(str(graph), sess_options=options, providers=["CPUExecutionProvider"])
+        return ort.InferenceSession(model, sess_options=options, providers=["CPUExecutionProvider"])
     except Exception as exc:  # noqa: BLE001 - ORT raises several unrelated types
-        raise EngineLoadError(f"onnxruntime cannot load {graph} ({exc})") from exc
+        where = "a model in memory" if isinstance(graph, bytes) else graph
+        raise EngineLoadError(f"onnxruntime cannot load {where} ({exc})") from exc
 
 
 def graph_kv_pools(session: ort.InferenceSession) -> KvPoolSpec:
