@@ -190,20 +190,13 @@ Layout read_layout(const Ort::ConstKernelInfo& info) {
   fail_q4("layout must be \"blocks\" or \"records\", got \"" + name + "\"");
 }
 
-// The centre attribute (kiln/matmul_q4_1.py); absent in engines of op-library ABI < 15: the nibbles' mean.
-float read_node_centre(const Ort::ConstKernelInfo& info) {
-  float value = 0.f;
-  if (const std::optional<float> centre = read_centre(info, kCentre, value)) return *centre;
-  fail_q4("centre must be a code in [0, 15] (7.5 the nibbles' mean, 8 for Q4_0 blocks), got " + std::to_string(value));
-}
-
 struct MatMulQ4_1 {
   // Records are read in place on every call. Constant blocks (older engines) are packed once, here; others on every
   // call.
   MatMulQ4_1(const OrtApi*, const OrtKernelInfo* info) {
     Ort::ConstKernelInfo kernel_info{info};
     layout_ = read_layout(kernel_info);
-    centre_ = read_node_centre(kernel_info);
+    centre_ = read_centre(kernel_info, kCentre, fail_q4);  // absent in engines of op-library ABI < 15
     if (layout_ == Layout::kRecords) return;
     int qs_constant = 0, dm_constant = 0;
     const Ort::ConstValue qs = kernel_info.GetTensorConstantInput(1, &qs_constant);

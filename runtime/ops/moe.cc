@@ -395,11 +395,7 @@ struct MoE {
     top_k_ = ki.GetAttribute<int64_t>("top_k");
     norm_topk_prob_ = ki.GetAttribute<int64_t>("norm_topk_prob") != 0;
     layout_ = read_layout(ki);
-    float centre = 0.f;
-    const std::optional<float> read = read_centre(ki, q4_1::kCentre, centre);
-    if (!read) fail_moe("centre must be a code in [0, 15] (7.5 the nibbles' mean, 8 for Q4_0 blocks), got " +
-                        std::to_string(centre));
-    centre_ = *read;
+    centre_ = read_centre(ki, q4_1::kCentre, fail_moe);
     if constexpr (kQ4) {
       gguf_ = gguf_types(ki, gguf_types_);
       if (gguf_ && centre_ != q4_1::kCentre) fail_moe("centre is for Q4_1 experts, not GGUF ones (their types say it)");

@@ -28,14 +28,18 @@ inline std::optional<WeightLayout> read_weight_layout(const Ort::ConstKernelInfo
 
 // The "centre" attribute of Q4_1 weights (kiln.MatMulQ4_1, kiln.MoE's Q4_1 experts): the code c whose product with a
 // block's int8 rounding error the kernels take from the exact block sum (the spec's c * d * E); absent: `fallback`,
-// the nibbles' mean. nullopt for a value outside [0, 15] (or not finite), which is then left in `value`.
-inline std::optional<float> read_centre(const Ort::ConstKernelInfo& info, float fallback, float& value) {
+// the nibbles' mean. A value outside [0, 15] (or not finite) goes to `fail` (the op's, which names it) with the
+// problem.
+template <class Fail>
+float read_centre(const Ort::ConstKernelInfo& info, float fallback, Fail&& fail) {
+  float value = fallback;
   try {
     value = info.GetAttribute<float>("centre");
   } catch (const Ort::Exception&) {
     return fallback;
   }
-  if (!std::isfinite(value) || value < 0.f || value > 15.f) return std::nullopt;
+  if (!std::isfinite(value) || value < 0.f || value > 15.f)
+    fail("centre must be a code in [0, 15] (7.5 the nibbles' mean, 8 for Q4_0 blocks), got " + std::to_string(value));
   return value;
 }
 
