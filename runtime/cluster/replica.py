@@ -19,6 +19,7 @@ from kiln.runtime.block_manager import BlockManager
 from kiln.runtime.cluster.protocol import ReplicaInfo, ReplicaRequest
 from kiln.runtime.cluster.router import PREFIX_BLOCKS
 from kiln.runtime.kv_transfer import KvHandoff
+from kiln.runtime.long_lived import freeze_start_up_objects
 from kiln.runtime.outputs import EngineStats, RequestOutput
 from kiln.runtime.params import RuntimeConfig
 
@@ -34,6 +35,7 @@ class ReplicaStats:
 class EngineReplica:
     def __init__(self, engine_dir: str | Path, config: RuntimeConfig) -> None:
         self.llm = AsyncLLM(engine_dir, config)
+        freeze_start_up_objects()
 
     def info(self) -> ReplicaInfo:
         engine = self.llm.engine

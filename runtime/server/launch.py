@@ -26,6 +26,7 @@ from starlette.middleware.cors import CORSMiddleware
 from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
 from kiln.errors import require
+from kiln.runtime.long_lived import freeze_start_up_objects
 from kiln.runtime.params import RuntimeConfig
 from kiln.runtime.server.app import build_app
 from kiln.runtime.server.connections import ConnectionGuard, ConnectionLimits
@@ -130,6 +131,7 @@ def serve_llm(llm: Any, what: str, options: ServeOptions) -> None:
     guard = ConnectionGuard(options.connection_limits(),
                             on_refuse=lambda status: app.state.metrics.rejected.labels(status=str(status)).inc())
     uvicorn_config = guarded_config(app, options, guard)
+    freeze_start_up_objects()
     _DrainingServer(uvicorn_config, lambda: app.state.drain.start(options.shutdown_timeout)).run()
 
 
