@@ -30,6 +30,7 @@ reference implementation, in kiln/paged_attention.py.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import numpy as np
@@ -80,21 +81,27 @@ MORE_RECORDS_ABI = 14
 CENTRE_ABI = 15
 
 
-def engine_abi(moe_records: bool, gguf_records: bool = False, qk_norms: bool = False,  # noqa: PLR0911
-               newer_records: bool = False, q4_1_centres: bool = False) -> int:
+# What a built graph may need of the op library beyond MOE_RECORDS_ABI - 1, by the ABI that first ran it: kiln.MoE
+# records, kiln.MatMulGGUF records, kiln.PagedAttention's q_norm / k_norm inputs, Q5_K or Q8_0 records, a centre
+# attribute on Q4_1 weights.
+ENGINE_NEEDS: dict[str, int] = {
+    "moe_records": MOE_RECORDS_ABI,
+    "gguf_records": GGUF_RECORDS_ABI,
+    "qk_norms": QK_NORM_ABI,
+    "newer_records": MORE_RECORDS_ABI,
+    "q4_1_centres": CENTRE_ABI,
+}
+
+
+def engine_abi(needs: Iterable[str]) -> int:
     """The op-library ABI a built engine records: the lowest whose library runs its graphs, as far as the build tells
-    them apart (every ABI up to MOE_RECORDS_ABI - 1 is assumed; kiln.MoE records need MOE_RECORDS_ABI, kiln.MatMulGGUF
-    records GGUF_RECORDS_ABI, kiln.PagedAttention's q_norm / k_norm inputs QK_NORM_ABI, Q5_K or Q8_0 records
-    MORE_RECORDS_ABI, a centre attribute on Q4_1 weights CENTRE_ABI)."""
-    if q4_1_centres:
-        return CENTRE_ABI
-    if newer_records:
-        return MORE_RECORDS_ABI
-    if qk_norms:
-        return QK_NORM_ABI
-    if gguf_records:
-        return GGUF_RECORDS_ABI
-    return MOE_RECORDS_ABI if moe_records else MOE_RECORDS_ABI - 1
+    them apart (``needs``: keys of ENGINE_NEEDS; every ABI up to MOE_RECORDS_ABI - 1 is assumed)."""
+    needs = set(needs)
+    unknown = needs - ENGINE_NEEDS.keys()
+    if unknown:
+        raise KeyError(f"no op-library ABI is known for {sorted(unknown)}; add it to ENGINE_NEEDS")
+    return max((ENGINE_NEEDS[need] for need in needs), default=MOE_RECORDS_ABI - 1)
+
 
 INPUT_IDS = "input_ids"
 POSITION_IDS = "position_ids"

@@ -160,9 +160,10 @@ def build_engine(
             say(f"  pack_moe_q4_1_records: fired {moe_records}x")
             gguf_records = pack_gguf_records(model)
             say(f"  pack_gguf_records: fired {gguf_records}x")
-            qk_norms = has_qk_norms(model)  # kiln.PagedAttention's q_norm / k_norm inputs
-            newer_records = holds_newer_records(model)
-            q4_1_centres = holds_q4_1_centres(model)
+            held = {"moe_records": moe_records > 0, "gguf_records": gguf_records > 0,
+                    "qk_norms": has_qk_norms(model),  # kiln.PagedAttention's q_norm / k_norm inputs
+                    "newer_records": holds_newer_records(model), "q4_1_centres": holds_q4_1_centres(model)}
+            needs = {need for need, yes in held.items() if yes}  # the op-library features the graph uses
             _save_graph(model, staging)
             try:
                 stages = split_into_stages(staging, spec, options.pipeline_stages, say)
@@ -186,8 +187,7 @@ def build_engine(
             spec=spec, build=options, backend=backend, graph_inputs=graph_inputs,
             graph_outputs=graph_outputs, medusa=None if heads is None else heads.spec(), stages=stages, ranks=ranks,
             vision=None if vision is None else vision.spec,
-            op_library_abi=contract.engine_abi(moe_records > 0, gguf_records > 0, qk_norms, newer_records,
-                                               q4_1_centres),
+            op_library_abi=contract.engine_abi(needs),
         )
         with _stage(say, "manifest"):
             manifest = write_manifest(staging, manifest)

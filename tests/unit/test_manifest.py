@@ -146,6 +146,7 @@ def test_engine_abi_asks_for_the_newest_library_only_of_engines_that_need_it():
     engine the build writes records 10, which kilns of ABI 10 load. A new ABI must say here which engines need it."""
     from kiln.contract import (
         CENTRE_ABI,
+        ENGINE_NEEDS,
         GGUF_RECORDS_ABI,
         MOE_RECORDS_ABI,
         MORE_RECORDS_ABI,
@@ -154,12 +155,14 @@ def test_engine_abi_asks_for_the_newest_library_only_of_engines_that_need_it():
         engine_abi,
     )
 
-    assert engine_abi(False, q4_1_centres=True) == engine_abi(True, True, True, True, True) == CENTRE_ABI
-    assert CENTRE_ABI == OP_LIBRARY_ABI
-    assert engine_abi(False, newer_records=True) == engine_abi(True, True, True, True) == MORE_RECORDS_ABI
-    assert MORE_RECORDS_ABI == OP_LIBRARY_ABI - 1
-    assert engine_abi(False, False, qk_norms=True) == engine_abi(True, True, True) == QK_NORM_ABI == OP_LIBRARY_ABI - 2
-    assert engine_abi(moe_records=False, gguf_records=True) == engine_abi(True, True) == GGUF_RECORDS_ABI
+    assert engine_abi({"q4_1_centres"}) == engine_abi(ENGINE_NEEDS) == CENTRE_ABI == OP_LIBRARY_ABI
+    assert engine_abi({"newer_records"}) == engine_abi({"moe_records", "gguf_records", "qk_norms", "newer_records"})
+    assert engine_abi({"newer_records"}) == MORE_RECORDS_ABI == OP_LIBRARY_ABI - 1
+    assert engine_abi({"qk_norms"}) == engine_abi({"moe_records", "gguf_records", "qk_norms"}) == QK_NORM_ABI
+    assert QK_NORM_ABI == OP_LIBRARY_ABI - 2
+    assert engine_abi({"gguf_records"}) == engine_abi({"moe_records", "gguf_records"}) == GGUF_RECORDS_ABI
     assert GGUF_RECORDS_ABI == OP_LIBRARY_ABI - 3
-    assert engine_abi(moe_records=True) == MOE_RECORDS_ABI == OP_LIBRARY_ABI - 4
-    assert engine_abi(moe_records=False) == MOE_RECORDS_ABI - 1
+    assert engine_abi({"moe_records"}) == MOE_RECORDS_ABI == OP_LIBRARY_ABI - 4
+    assert engine_abi(set()) == MOE_RECORDS_ABI - 1
+    with pytest.raises(KeyError, match="rope_scaling"):  # a need with no ABI is a build's mistake, not ABI 10
+        engine_abi({"rope_scaling"})
