@@ -27,25 +27,38 @@ class Server:
     def __init__(self, engine: Path, log: Path, *extra: str, env: dict[str, str] | None = None,
                  api_key: str = "none", tls_ca: Path | None = None):
         """tls_ca: the server runs with --ssl-* flags (in ``extra``); clients trust this CA file."""
-        self.port = _free_port()
-        self.url = f"{'https' if tls_ca else 'http'}://127.0.0.1:{self.port}"
         self.verify: bool | ssl.SSLContext = ssl.create_default_context(cafile=str(tls_ca)) if tls_ca else True
         self.api_key = api_key
         self.log_path = log
-        self.log = open(log, "w")
+        # The port is free when chosen but bound only once the engine has loaded, and what starts meanwhile (Ray's
+        # services, for --pipeline-parallel) may take it: then the server exits saying so, and starts on another.
+        for _ in range(3):
+            if self._start(engine, extra, env, "https" if tls_ca else "http"):
+                return
+        raise AssertionError(Path(log).read_text())
+
+    def _start(self, engine: Path, extra: tuple[str, ...], env: dict[str, str] | None, scheme: str) -> bool:
+        """True once /health answers; False when the server exited because its port was taken."""
+        self.port = _free_port()
+        self.url = f"{scheme}://127.0.0.1:{self.port}"
+        self.log = open(self.log_path, "w")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "kiln.cli", "serve", str(engine), "--port", str(self.port), *extra],
             stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
-            assert self.proc.poll() is None, Path(log).read_text()
+            if self.proc.poll() is not None:
+                self.log.close()
+                text = self.log_path.read_text()
+                assert "address already in use" in text, text
+                return False
             try:
                 if httpx.get(self.url + "/health", timeout=1, verify=self.verify).status_code == 200:
-                    return
+                    return True
             except httpx.HTTPError:
                 pass
             time.sleep(0.2)
-        raise TimeoutError(Path(log).read_text())
+        raise TimeoutError(self.log_path.read_text())
 
     @property
     def headers(self) -> dict[str, str]:
