@@ -260,6 +260,9 @@ def _speculative(method: str | None, num_tokens: int, draft: str | None,
               "auto) instead of a local Ray on this machine")
 @click.option("--log-level", type=click.Choice(["critical", "error", "warning", "info", "debug"]), default="info",
               show_default=True, help="info logs the start-up summary and one line per request")
+@click.option("--no-access-log", "no_access_log", is_flag=True,
+              help="leave out uvicorn's line per HTTP request (client, path, status); kiln's own line per request "
+                   "(tokens, finish reason, latency) stays")
 def serve(engine_dir: Path, host: str, port: int, api_key: str | None, served_model_name: str | None,
           chat_template: Path | None, max_model_len: int | None, max_queue: int | None, max_num_seqs: int,
           max_num_tokens: int | None, kv_cache_bytes: int | None, num_threads: int | None, disable_prefix_caching: bool,
@@ -270,7 +273,7 @@ def serve(engine_dir: Path, host: str, port: int, api_key: str | None, served_mo
           draft: str | None, min_guess_probability: float | None, replicas: int | None,
           prefill_replicas: int | None, decode_replicas: int | None,
           routing: str, pipeline_parallel: int, pipeline_micro_batches: int | None, stage_memory_bytes: int | None,
-          tensor_parallel: int | None, ray_address: str | None, log_level: str) -> None:
+          tensor_parallel: int | None, ray_address: str | None, log_level: str, no_access_log: bool) -> None:
     """Serve ENGINE_DIR over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions), with a
     chat page at /; on several replicas with --replicas N (or --prefill-replicas P --decode-replicas D)."""
     from kiln.runtime.params import RuntimeConfig
@@ -287,9 +290,10 @@ def serve(engine_dir: Path, host: str, port: int, api_key: str | None, served_mo
                            allowed_media_path=None if allowed_media_path is None else str(allowed_media_path),
                            tensor_parallel=tensor_parallel)
     options = ServeOptions(host=host, port=port, served_model_name=served_model_name, max_queue=max_queue,
-                           shutdown_timeout=shutdown_timeout, log_level=log_level, api_key=api_key or None,
-                           web_ui=not no_web_ui, max_request_bytes=max_request_bytes, read_timeout=read_timeout,
-                           max_connections=max_connections, ssl_keyfile=ssl_keyfile, ssl_certfile=ssl_certfile,
+                           shutdown_timeout=shutdown_timeout, log_level=log_level, access_log=not no_access_log,
+                           api_key=api_key or None, web_ui=not no_web_ui, max_request_bytes=max_request_bytes,
+                           read_timeout=read_timeout, max_connections=max_connections, ssl_keyfile=ssl_keyfile,
+                           ssl_certfile=ssl_certfile,
                            allowed_origins=tuple(o.strip() for value in allowed_origins for o in value.split(",")
                                                  if o.strip()), reasoning_parser=reasoning_parser)
     cluster = _cluster_options(replicas, prefill_replicas, decode_replicas, routing, ray_address)

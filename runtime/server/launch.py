@@ -48,6 +48,7 @@ class ServeOptions:
     max_queue: int | None = None  # 503 + Retry-After once this many engine requests wait
     shutdown_timeout: float = 30.0  # seconds running requests get after SIGTERM before they are ended
     log_level: str = "info"
+    access_log: bool = True  # uvicorn's line per request (client, method, path, status) at info
     api_key: str | None = None  # Bearer auth on every route but /health and the chat page's files
     web_ui: bool = True  # the chat page at / (kiln.runtime.server.web)
     max_request_bytes: int | None = None  # 413 above it; None: limits.default_max_request_bytes(max_model_len)
@@ -139,7 +140,8 @@ def guarded_config(app: FastAPI, options: ServeOptions, guard: ConnectionGuard) 
     """uvicorn's settings for ``app``: its HTTP protocol under ``guard`` (connections.py), TLS when asked."""
     return uvicorn.Config(
         guard.asgi(app), http=guard.protocol(AutoHTTPProtocol), host=options.host, port=options.port,
-        log_level=options.log_level, ssl_keyfile=options.ssl_keyfile, ssl_certfile=options.ssl_certfile,
+        log_level=options.log_level, access_log=options.access_log, ssl_keyfile=options.ssl_keyfile,
+        ssl_certfile=options.ssl_certfile,
         # uvicorn annotates int but hands it to asyncio.wait_for, which takes any seconds
         timeout_graceful_shutdown=options.shutdown_timeout + _BACKSTOP_S)  # type: ignore[arg-type]
 

@@ -32,7 +32,7 @@ def server(tiny_engine, tmp_path_factory):
     (folder / "chat.jinja").write_text(TEMPLATE)
     srv = Server(tiny_engine, folder / "server.log", "--served-model-name", "tiny", "--max-model-len", "256",
                  "--chat-template", str(folder / "chat.jinja"), "--num-threads", "1", "--disable-prefix-caching",
-                 "--max-queue", "8", "--max-num-batched-tokens", "96",
+                 "--max-queue", "8", "--max-num-batched-tokens", "96", "--no-access-log",
                  env={"KILN_API_KEY": KEY}, api_key=KEY)
     yield srv
     assert srv.stop() == 0
@@ -58,8 +58,10 @@ def test_flags_through_the_official_client(server):
     done = client.completions.create(model="tiny", prompt="Hello", max_tokens=4.0, temperature=0,  # type: ignore
                                      extra_body={"ignore_eos": True})
     assert done.usage.completion_tokens == 4
+    log = server.log_path.read_text()
     assert re.search(rf"{done.id}: prompt_tokens={done.usage.prompt_tokens} output_tokens=4 finish_reason=length "
-                     r"latency=\d+\.\d+s", server.log_path.read_text())
+                     r"latency=\d+\.\d+s", log)
+    assert "POST /v1/completions" not in log  # --no-access-log: kiln's request line without uvicorn's
 
 
 def test_bench_against_a_server_with_a_key(server, tiny_engine, capsys):

@@ -53,6 +53,7 @@ def test_completions_match_llm(server, reference):
     chunks = list(stream)
     assert "".join(c.choices[0].text for c in chunks if c.choices) == want[0].text
     assert chunks[-1].usage.completion_tokens == len(want[0].token_ids)
+    assert '"POST /v1/completions HTTP/1.1" 200' in server.log_path.read_text()  # uvicorn's access line, by default
 
 
 def test_chat_matches_llm(server, reference):
