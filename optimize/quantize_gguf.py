@@ -89,14 +89,14 @@ def quantize_gguf(model: ir.Model, int8_activations: bool = True) -> GgufCounts:
     linears = find_linears(model)
     kept = q4_1 = 0
     for lin in track(linears, "quantize gguf", "linear"):
-        q4_1_codes, centre = _q4_1_codes(lin, with_q4_0=int8_activations)
-        blocks = executable_blocks(lin) if q4_1_codes is None else ()
+        q4_1_found = _q4_1_codes(lin, with_q4_0=int8_activations)
+        blocks = executable_blocks(lin) if q4_1_found is None else ()
         if blocks:
             nodes, output = _block_nodes(model, lin, blocks, int8_activations)
             ensure_opset(model, OP_DOMAIN)
             kept += 1
-        elif q4_1_codes is not None:
-            node = _q4_1_node(model, lin, q4_1_codes, centre)
+        elif q4_1_found is not None:
+            node = _q4_1_node(model, lin, *q4_1_found)
             ensure_opset(model, OP_DOMAIN)
             nodes, output, q4_1 = [node], node.outputs[0], q4_1 + 1
         else:
@@ -147,9 +147,9 @@ def _read(blocks: FileBlocks, k: int) -> np.ndarray:
     return data
 
 
-def _q4_1_codes(lin: Linear, with_q4_0: bool) -> tuple[Q4_1Weights | None, float]:
+def _q4_1_codes(lin: Linear, with_q4_0: bool) -> tuple[Q4_1Weights, float] | None:
     """The linear's weights as Q4_1 codes when every part is Q4_1 (or, with_q4_0, every part Q4_0 and each minimum
-    -8 d a float16), read here, and the kiln.MatMulQ4_1 centre of their type; else (None, CENTRE)."""
+    -8 d a float16), read here, with the kiln.MatMulQ4_1 centre of their type; else None."""
     blocks = lin.file_blocks
     n, k = lin.shape
     types = {b.ggml_type for b in blocks}
@@ -158,14 +158,15 @@ def _q4_1_codes(lin: Linear, with_q4_0: bool) -> tuple[Q4_1Weights | None, float
     elif with_q4_0 and types == {GgmlType.Q4_0}:
         name, nbytes, decode, centre = "Q4_0", _Q4_0_BYTES, q4_0_as_q4_1, Q4_0_CENTRE
     else:
-        return None, CENTRE
+        return None
     if k % Q4_1_BLOCK:
-        return None, CENTRE
+        return None
     data = np.concatenate([b.read() for b in blocks])
     if data.shape != (n, k // Q4_1_BLOCK * nbytes):
         raise ValueError(f"{name} file blocks are {list(data.shape)} bytes, the weight implies "
                          f"[{n}, {k // Q4_1_BLOCK * nbytes}]")
-    return decode(data), centre
+    codes = decode(data)
+    return None if codes is None else (codes, centre)
 
 
 def q4_1_weights(data: np.ndarray) -> Q4_1Weights:
