@@ -3,9 +3,10 @@
 `library_path()` is what a session registers:
     so = onnxruntime.SessionOptions(); so.register_custom_ops_library(library_path())
 
-The install compiles one library per instruction set (build_ops.VARIANTS): AVX2, the baseline, and AVX-512 VNNI.
-`library_path()` takes the best one this CPU runs; KILN_OPS_ISA=avx2|avx512vnni chooses one (an A/B benchmark, a
-test of both), and naming one the CPU lacks is an error, not an illegal instruction later.
+The install compiles one library per instruction set (build_ops.VARIANTS): AVX2, the baseline, and AVX-512 VNNI,
+whose kiln.MatMulQ4_1 also runs many-row calls on AMX tiles where the CPU has them. `library_path()` takes the best
+path this CPU runs; KILN_OPS_ISA=avx2|avx512vnni|amx chooses one (an A/B benchmark, a test of each), and naming one
+the CPU lacks is an error, not an illegal instruction later.
 """
 
 from __future__ import annotations
@@ -20,13 +21,21 @@ from kiln.runtime.ops.build_ops import VARIANTS
 
 _HERE = Path(__file__).resolve().parent
 ISA_ENV = "KILN_OPS_ISA"
-# variant -> (file, the /proc/cpuinfo flags it needs), best first; build_ops.VARIANTS compiles them
-_NEEDS = {
-    "avx512vnni": frozenset({"avx512f", "avx512bw", "avx512vl", "avx512_vnni"}),
-    "avx2": frozenset({"avx2", "fma", "f16c"}),
+_VNNI = frozenset({"avx512f", "avx512bw", "avx512vl", "avx512_vnni"})
+# kernel path -> (the build_ops.VARIANTS library it loads, the /proc/cpuinfo flags it needs), best first. "amx" is
+# the AVX-512 VNNI library with its AMX tiles allowed (they also need Linux's grant, asked at first use: see
+# amx_q4_1.h); naming "avx512vnni" keeps that library on its vpdpbusd tiles.
+_PATHS = {
+    "amx": ("avx512vnni", _VNNI | {"amx_tile", "amx_int8"}),
+    "avx512vnni": ("avx512vnni", _VNNI),
+    "avx2": ("avx2", frozenset({"avx2", "fma", "f16c"})),
 }
-LIBRARY_VARIANTS = {name: (VARIANTS[name][0], needs) for name, needs in _NEEDS.items()}
+LIBRARY_VARIANTS = {name: (VARIANTS[library][0], needs) for name, (library, needs) in _PATHS.items()}
 
+
+def library_build(variant: str) -> str:
+    """The build_ops.VARIANTS library a kernel path loads (its kiln_ops_isa())."""
+    return _PATHS[variant][0]
 
 class OpLibraryError(KilnError, RuntimeError):
     """The op library is missing or incompatible; the message says how to fix it."""

@@ -28,9 +28,9 @@ HERE = Path(__file__).resolve().parent
 SOURCES = ("paged_attention.cc", "matmul_q4_1.cc", "matmul_gguf.cc", "matmul_gguf_int8.cc", "swiglu.cc", "moe.cc",
            "moe_q4_1.cc", "moe_gguf.cc", "sampling.cc", "rescore_logits.cc", "all_reduce.cc")
 HEADERS = ("simd.h", "attention_rows.h", "paged_attention_kernel.h", "validate.h", "shape_text.h", "parallel_for.h",
-           "matmul_q4_1.h", "q4_1_records.h", "q4_k_records.h", "q6_k_records.h", "gguf_records.h", "matmul_gguf.h",
-           "matmul_gguf_int8.h", "swiglu.h", "moe.h", "moe_experts.h", "sampling_simd.h", "rescore_logits.h",
-           "all_reduce.h")
+           "matmul_q4_1.h", "amx_q4_1.h", "q4_1_records.h", "q4_k_records.h", "q6_k_records.h", "gguf_records.h",
+           "matmul_gguf.h", "matmul_gguf_int8.h", "swiglu.h", "moe.h", "moe_experts.h", "sampling_simd.h",
+           "rescore_logits.h", "all_reduce.h")
 LIBRARY_NAME = "libkiln_ops.so"
 # variant name -> (library file name, compiler flags added to CXXFLAGS); the first is the baseline. 256-bit vectors
 # stay preferred: the kernels are written for ymm registers, VNNI only adds instructions (vpdpbusd) on them.

@@ -39,6 +39,7 @@
 #include <utility>
 #include <vector>
 
+#include "amx_q4_1.h"
 #include "matmul_q4_1.h"
 #include "parallel_for.h"
 #include "q4_1_records.h"
@@ -253,7 +254,9 @@ struct MatMulQ4_1 {
     // Decode-sized rows reuse a scratch of the calling thread (allocations a call measured ~4% of a decode step:
     // docs/design.md, "kiln.MatMulQ4_1"); larger batches allocate their own, so the scratch stays
     // small. `rows` is a reference: the lambdas below run on the pool's threads too.
-    multiply<Q4_1Format>(ctx, w, shape.group_bytes(), x.Data(), bias ? bias->Data() : nullptr, out, T, N, K, centre_);
+    const float* b = bias ? bias->Data() : nullptr;
+    if (!amx::try_multiply(ctx, w, shape.group_bytes(), x.Data(), b, out, T, N, K, centre_))
+      multiply<Q4_1Format>(ctx, w, shape.group_bytes(), x.Data(), b, out, T, N, K, centre_);
   }
 
   Layout layout_ = Layout::kBlocks;
@@ -268,3 +271,8 @@ void add_matmul_q4_1(Ort::CustomOpDomain& domain) {
 }
 
 }  // namespace kiln
+
+// kiln.MatMulQ4_1 calls this process ran on AMX (amx_q4_1.h): 0 where the CPU, Linux or $KILN_OPS_ISA rule it out.
+extern "C" __attribute__((visibility("default"))) int64_t kiln_amx_multiplies() {
+  return kiln::amx::multiplies().load(std::memory_order_relaxed);
+}

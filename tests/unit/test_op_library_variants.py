@@ -18,6 +18,7 @@ ort = pytest.importorskip("onnxruntime")
 
 VNNI_FLAGS = frozenset({"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni"})
 AVX2_FLAGS = frozenset({"avx2", "fma", "f16c", "avx512f"})
+AMX_FLAGS = VNNI_FLAGS | {"amx_tile", "amx_int8", "amx_bf16"}
 
 
 def runnable() -> list[str]:
@@ -30,6 +31,8 @@ def test_the_best_variant_the_flags_allow(monkeypatch):
     assert ops.library_variant(AVX2_FLAGS) == "avx2"
     assert ops.supported_variants(None) == ["avx2"]  # flags unknown: the baseline
     assert ops.supported_variants(VNNI_FLAGS) == ["avx512vnni", "avx2"]
+    assert ops.library_variant(AMX_FLAGS) == "amx"
+    assert ops.library_path("amx") == ops.library_path("avx512vnni")  # the same library, its tiles allowed
 
 
 def test_the_environment_chooses_and_names_what_is_missing(monkeypatch):
@@ -41,7 +44,7 @@ def test_the_environment_chooses_and_names_what_is_missing(monkeypatch):
     with pytest.raises(ops.OpLibraryError, match="this CPU lacks avx512_vnni, avx512bw, avx512vl"):
         ops.library_variant(AVX2_FLAGS)
     monkeypatch.setenv(ops.ISA_ENV, "sse2")
-    with pytest.raises(ops.OpLibraryError, match="'sse2' is not a library variant; choose one of auto, avx512vnni"):
+    with pytest.raises(ops.OpLibraryError, match="'sse2' is not a library variant; choose one of auto, amx, avx512"):
         ops.library_variant(VNNI_FLAGS)
 
 
@@ -60,7 +63,7 @@ def test_each_runnable_copy_says_what_it_was_built_for(variant):
         pytest.skip(f"this CPU does not run the {variant} library")
     lib = ctypes.CDLL(ops.library_path(variant))
     lib.kiln_ops_isa.restype = ctypes.c_char_p
-    assert lib.kiln_ops_isa().decode() == variant
+    assert lib.kiln_ops_isa().decode() == ops.library_build(variant)
     assert lib.kiln_ops_abi_version() == ops.check_abi()
 
 
