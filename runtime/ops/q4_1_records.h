@@ -8,6 +8,7 @@
 // them from any source layout).
 #pragma once
 
+#include <cpuid.h>
 #include <immintrin.h>
 #include <sys/mman.h>
 #include <unistd.h>
@@ -271,10 +272,23 @@ struct Problem {
 };
 
 // A weight prefetch that a call reads once (its rows fit one pass) is non-temporal where the format says so (Q4_1,
-// the k-quants; Q8_0 measured the other way): the weights, ~60 MB a decode step, would otherwise evict from L2 and L3
-// what the rest of the step reads next (docs/design.md, "kiln.MatMulQ4_1").
-// With more passes the later ones re-read the group from the caches, so those prefetches keep it. Always inlined:
-// GCC takes a function that only prefetches for one without effects and drops its calls.
+// the k-quants; Q8_0 measured the other way) and the CPU gains by it (non_temporal_weights): the weights, ~60 MB a
+// decode step, would otherwise evict from L2 and L3 what the rest of the step reads next (docs/design.md,
+// "kiln.MatMulQ4_1"). With more passes the later ones re-read the group from the caches, so those prefetches keep
+// it. Always inlined: GCC takes a function that only prefetches for one without effects and drops its calls.
+// Whether weights read once are prefetched non-temporally on this CPU: on AMD's (a single-stream SmolLM2 step
+// 0.92-0.94x of T0's on Zen 4), not elsewhere. Intel's server cores fill a prefetchnta line into L1 alone, past L2:
+// on a Xeon (Emerald Rapids) the step took 2.3x T0's on SmolLM2, whose weights T0 keeps in the 300 MB L3, and 1.46x
+// on the 1B shape, whose weights do not fit it.
+inline bool non_temporal_weights() {
+  static const bool amd = [] {
+    unsigned eax = 0, vendor[3] = {};
+    __cpuid(0, eax, vendor[0], vendor[2], vendor[1]);  // the vendor string is EBX, EDX, ECX
+    return std::memcmp(vendor, "AuthenticAMD", 12) == 0;
+  }();
+  return amd;
+}
+
 template <int64_t Bytes = kRecordBytes>
 __attribute__((always_inline)) inline void prefetch_record(const uint8_t* p, bool non_temporal) {
   for (int64_t line = 0; line < Bytes; line += 64) {
@@ -374,7 +388,7 @@ struct SuperblockRecord {
 // beyond one pass re-read the group from L1). A row's operations are the same for every NT, so its outputs are
 // bitwise the same whatever the rows beside it.
 template <class Format, int NT>
-__attribute__((noinline)) inline void tile(const Problem& p, int64_t v, int64_t t0, bool once) {
+__attribute__((noinline)) inline void tile(const Problem& p, int64_t v, int64_t t0, bool non_temporal) {
   const Int8Rows& x = *p.x;
   const int64_t lane_bytes = (v % kVectorsPerGroup) * kLanes;  // the vector's lanes within its group's records
   const uint8_t* records = p.w + (v / kVectorsPerGroup) * p.group_bytes;
@@ -387,7 +401,7 @@ __attribute__((noinline)) inline void tile(const Problem& p, int64_t v, int64_t 
     const uint8_t* record = records + rb * Format::kRecordBytes;
     const typename Format::RecordSteps record_steps = Format::record_steps(record, lane_bytes);
     for (int64_t s = 0; s < Format::kBlocksPerRecord; ++s) {
-      prefetch_record<Format::kPrefetchBytes>(Format::ahead(record, s), once && Format::kNonTemporalOnce);
+      prefetch_record<Format::kPrefetchBytes>(Format::ahead(record, s), non_temporal);
       Format::template block<NT>(record, s, record_steps, lane_bytes, x, xq, t0, rb * Format::kBlocksPerRecord + s,
                                  acc);
     }
@@ -400,10 +414,10 @@ __attribute__((noinline)) inline void tile(const Problem& p, int64_t v, int64_t 
 }
 
 template <class Format, int NT>
-inline void pass_rows(const Problem& p, int64_t v, int64_t t0, int64_t rows, bool once) {
+inline void pass_rows(const Problem& p, int64_t v, int64_t t0, int64_t rows, bool non_temporal) {
   if constexpr (NT > 1)
-    if (rows < NT) return pass_rows<Format, NT - 1>(p, v, t0, rows, once);
-  tile<Format, NT>(p, v, t0, once);
+    if (rows < NT) return pass_rows<Format, NT - 1>(p, v, t0, rows, non_temporal);
+  tile<Format, NT>(p, v, t0, non_temporal);
 }
 
 // Channel vectors [v_begin, v_end) x rows [t_begin, t_end), a vector's passes one after the other (its records
@@ -411,10 +425,11 @@ inline void pass_rows(const Problem& p, int64_t v, int64_t t0, int64_t rows, boo
 template <class Format = Q4_1Format>
 inline void run_item(const Problem& p, int64_t v_begin, int64_t v_end, int64_t t_begin, int64_t t_end) {
   constexpr int kRows = Format::kPassRows;
-  const bool once = t_end - t_begin <= kRows;
+  const bool once = t_end - t_begin <= kRows;  // the rows fit one pass: nothing reads the records again
+  const bool non_temporal = once && Format::kNonTemporalOnce && non_temporal_weights();
   for (int64_t v = v_begin; v < v_end; ++v)
     for (int64_t t = t_begin; t < t_end; t += kRows)
-      pass_rows<Format, kRows>(p, v, t, std::min<int64_t>(kRows, t_end - t), once);
+      pass_rows<Format, kRows>(p, v, t, std::min<int64_t>(kRows, t_end - t), non_temporal);
 }
 
 constexpr int64_t kGroupsPerItem = 2;   // channel groups per work item (SmolLM2's N = 576 is 36 groups)
