@@ -32,7 +32,10 @@ constexpr int64_t kChunks = 4;       // a block's nibbles: inputs 8j..8j+3 (low)
 constexpr int64_t kStepsOffset = kChunks * kChunkBytes;       // 16 float16 d, then 16 float16 m
 constexpr int64_t kRecordBytes = kStepsOffset + 2 * kGroup * 2;  // 320 bytes a (group, block)
 constexpr float kCentre = 7.5f;      // the nibbles' mean (see the spec)
-constexpr int64_t kPrefetchBlocks = 4;  // how far ahead a tile prefetches a group's records
+// How far ahead a tile prefetches a group's records: 16 blocks, 5 KiB, past the 4 KiB page at which the hardware
+// stream prefetcher starts over (as the k-quants' records below). 4 blocks measured 1.15x the 1B shape's
+// single-stream step on an Intel Xeon; 32 the same as 16.
+constexpr int64_t kPrefetchBlocks = 16;
 
 // std::vector's storage on 64-byte boundaries: a record's chunks are whole cache lines.
 template <typename T>
@@ -271,11 +274,6 @@ struct Problem {
   int64_t N, nb, group_bytes;
 };
 
-// A weight prefetch that a call reads once (its rows fit one pass) is non-temporal where the format says so (Q4_1,
-// the k-quants; Q8_0 measured the other way) and the CPU gains by it (non_temporal_weights): the weights, ~60 MB a
-// decode step, would otherwise evict from L2 and L3 what the rest of the step reads next (docs/design.md,
-// "kiln.MatMulQ4_1"). With more passes the later ones re-read the group from the caches, so those prefetches keep
-// it. Always inlined: GCC takes a function that only prefetches for one without effects and drops its calls.
 // Whether weights read once are prefetched non-temporally on this CPU: on AMD's (a single-stream SmolLM2 step
 // 0.92-0.94x of T0's on Zen 4), not elsewhere. Intel's server cores fill a prefetchnta line into L1 alone, past L2:
 // on a Xeon (Emerald Rapids) the step took 2.3x T0's on SmolLM2, whose weights T0 keeps in the 300 MB L3, and 1.46x
@@ -289,6 +287,11 @@ inline bool non_temporal_weights() {
   return amd;
 }
 
+// A weight prefetch that a call reads once (its rows fit one pass) is non-temporal where the format says so (Q4_1,
+// the k-quants; Q8_0 measured the other way) and the CPU gains by it (non_temporal_weights): the weights, ~60 MB a
+// decode step, would otherwise evict from L2 and L3 what the rest of the step reads next (docs/design.md,
+// "kiln.MatMulQ4_1"). With more passes the later ones re-read the group from the caches, so those prefetches keep
+// it. Always inlined: GCC takes a function that only prefetches for one without effects and drops its calls.
 template <int64_t Bytes = kRecordBytes>
 __attribute__((always_inline)) inline void prefetch_record(const uint8_t* p, bool non_temporal) {
   for (int64_t line = 0; line < Bytes; line += 64) {
@@ -362,8 +365,8 @@ struct Q4_1Format {
 
 // What GGUF's k-quant formats (q4_k_records.h, q6_k_records.h) share: a record is a 256-input superblock, 8
 // blocks of 32, whose bytes are spread evenly over its blocks for the prefetch, which looks 16 blocks (about a
-// page) ahead: decode streams each record once and the hardware prefetcher restarts at every 4 KiB page; Q4_1's 4
-// records ahead measured 0.75-0.8x the decode rate on the 3B shape.
+// page) ahead: decode streams each record once and the hardware prefetcher restarts at every 4 KiB page; 4 records
+// ahead measured 0.75-0.8x the decode rate on the 3B shape (Zen 3).
 constexpr int64_t kSuperblockBlocks = 8;
 
 template <int64_t RecordBytes>
