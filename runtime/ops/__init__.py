@@ -37,6 +37,7 @@ def library_build(variant: str) -> str:
     """The build_ops.VARIANTS library a kernel path loads (its kiln_ops_isa())."""
     return _PATHS[variant][0]
 
+
 class OpLibraryError(KilnError, RuntimeError):
     """The op library is missing or incompatible; the message says how to fix it."""
 
