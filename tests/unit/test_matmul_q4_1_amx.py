@@ -20,8 +20,21 @@ import pytest
 
 from kiln.runtime import ops
 
-pytestmark = pytest.mark.skipif("amx" not in ops.supported_variants(ops.cpu_flags()),
-                                reason="this CPU has no AMX-INT8 (Intel Sapphire Rapids or later)")
+# arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA), asked in a child process: 0 where Linux grants the tiles
+GRANT = "import ctypes; print(ctypes.CDLL(None).syscall(158, 0x1023, 18))"
+
+
+def linux_grants_tiles() -> bool:
+    done = subprocess.run([sys.executable, "-c", GRANT], capture_output=True, text=True, timeout=60)
+    return done.returncode == 0 and done.stdout.strip() == "0"
+
+
+pytestmark = [
+    pytest.mark.skipif("amx" not in ops.supported_variants(ops.cpu_flags()),
+                       reason="this CPU has no AMX-INT8 (Intel Sapphire Rapids or later)"),
+    pytest.mark.skipif(sys.platform != "linux" or not linux_grants_tiles(),
+                       reason="Linux does not grant this process AMX's tile data (arch_prctl)"),
+]
 
 # (rows, K, N, layout, bias, centre, threads)
 CASES = [
