@@ -41,7 +41,7 @@ CASES = [
     (32, 576, 100, "records", True, None, 2),
     (33, 576, 100, "blocks", False, None, 1),
     (47, 1536, 96, "records", True, 8.0, 2),
-    (64, 576, 160, "records", False, None, 2),
+    (64, 576, 80, "records", False, None, 2),  # 5 groups: a work item of 4 and one of 1
     (100, 576, 48, "records", True, None, 1),
     (200, 1536, 576, "records", True, None, 2),
     (31, 576, 100, "records", True, None, 2),  # below the threshold: both processes run the vpdpbusd tile
