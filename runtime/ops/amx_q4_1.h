@@ -208,14 +208,13 @@ __attribute__((target("amx-tile,amx-int8"), noinline)) inline void item(const q4
 inline bool try_multiply(OrtKernelContext* ctx, const uint8_t* w, int64_t group_bytes, const float* x,
                          const float* bias, float* y, int64_t T, int64_t N, int64_t K, float centre) {
   if (T < kMinRows || !available()) return false;
-  thread_local Int8Rows scratch;
-  Int8Rows local;
-  Int8Rows& rows = T <= q4_1::kRowsPerItem ? scratch : local;
+  // The call's own rows and terms, as q4_1::multiply's beyond decode-sized calls: a thread_local scratch would keep
+  // the largest prefill's buffers for the process's life.
+  Int8Rows rows;
   q4_1::quantize_rows(ctx, T, K, false, centre, [&](size_t t) { return x + t * K; }, rows);
   const int64_t padded = (T + kTileRows - 1) / kTileRows * kTileRows;  // whole tiles of rows, the padding zeros
   rows.q.resize(padded * K, 0);
-  thread_local BlockTerms terms_scratch;
-  BlockTerms& terms = terms_scratch;  // a reference: the work items run on the pool's threads too
+  BlockTerms terms;
   terms.fill(rows, T, padded);
   const q4_1::Problem p{w, bias, &rows, y, N, K / kBlock, group_bytes};
   const int64_t groups = (N + kGroup - 1) / kGroup;

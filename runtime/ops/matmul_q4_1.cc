@@ -251,9 +251,8 @@ struct MatMulQ4_1 {
     if (pack_now) repacked = pack_weights(qs.Data(), reinterpret_cast<const uint16_t*>(dm.Data()), shape);
     const uint8_t* w = layout_ == Layout::kRecords ? qs.Data() : pack_now ? repacked.data() : packed_.data();
 
-    // Decode-sized rows reuse a scratch of the calling thread (allocations a call measured ~4% of a decode step:
-    // docs/design.md, "kiln.MatMulQ4_1"); larger batches allocate their own, so the scratch stays
-    // small. `rows` is a reference: the lambdas below run on the pool's threads too.
+    // Calls of 32 rows and more run on AMX tiles where the CPU and Linux allow (amx_q4_1.h), the rest on the
+    // vpdpbusd tile; both give the same bits.
     const float* b = bias ? bias->Data() : nullptr;
     if (!amx::try_multiply(ctx, w, shape.group_bytes(), x.Data(), b, out, T, N, K, centre_))
       multiply<Q4_1Format>(ctx, w, shape.group_bytes(), x.Data(), b, out, T, N, K, centre_);
